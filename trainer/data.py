@@ -1,0 +1,131 @@
+"""Packed token blocks per (split, domain) and the Lightning data module that serves them.
+
+Documents of one domain are joined with EOS and cut into blocks of `seq_len` tokens, so every block has one
+domain label (traces and per-domain perplexity need that). The train order is a pure function of
+(seed, step): batch `s` is the same whether the run went straight through or resumed at step `s`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from .config import opt
+from .corpus import DOMAINS, load_corpus
+from .tokenizer import load_tokenizer
+
+
+@dataclass
+class DataSpec:
+    corpus: str = opt("data/corpus", "corpus directory written by `expertcache data build`")
+    tokenizer: str = opt("data/tokenizer", "tokenizer directory (AutoTokenizer) written by `expertcache data build`")
+    seq_len: int = opt(256, "tokens per packed training block")
+    batch_size: int = opt(16, "blocks per optimizer step")
+    val_batches: int = opt(8, "validation batches per domain at each validation")
+
+
+def _fingerprint(tokenizer_dir: Path) -> str:
+    return hashlib.sha256((tokenizer_dir / "tokenizer.json").read_bytes()).hexdigest()[:16]
+
+
+def packed_blocks(corpus_dir: str | Path, tokenizer_dir: str | Path, split: str, domain: str,
+                  seq_len: int) -> np.ndarray:
+    """[n_blocks, seq_len] int32 token blocks, cached as .npy under the corpus (keyed by tokenizer and length)."""
+    corpus_dir, tokenizer_dir = Path(corpus_dir), Path(tokenizer_dir)
+    tok = load_tokenizer(tokenizer_dir)
+    cache = corpus_dir / "packed" / _fingerprint(tokenizer_dir) / f"{split}-{domain}-L{seq_len}.npy"
+    if cache.is_file():
+        return np.load(cache, allow_pickle=False)
+    ds = load_corpus(corpus_dir)[split]
+    texts = [t for t, d in zip(ds["text"], ds["domain"]) if d == domain]
+    ids: list[int] = []
+    for enc in tok(texts, add_special_tokens=False)["input_ids"]:
+        ids.extend(enc)
+        ids.append(tok.eos_token_id)
+    n = len(ids) // seq_len
+    blocks = np.asarray(ids[: n * seq_len], dtype=np.int32).reshape(n, seq_len)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(".tmp.npy")
+    np.save(tmp, blocks, allow_pickle=False)
+    tmp.replace(cache)
+    return blocks
+
+
+class Blocks(Dataset):
+    def __init__(self, blocks: np.ndarray, domain_ids: np.ndarray):
+        self.blocks = torch.from_numpy(blocks.astype(np.int64))  # [n, seq_len]
+        self.domain_ids = torch.from_numpy(domain_ids.astype(np.int64))  # [n]
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.blocks[i], "domain": self.domain_ids[i]}
+
+
+class StepBatchSampler(Sampler):
+    """Infinite batches; batch `s` = slice `s` of a seeded permutation stream. Starts at `start_step()`."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, start_step=lambda: 0):
+        if n < batch_size:
+            raise ValueError(f"only {n} training blocks for batch_size={batch_size}; build a larger corpus")
+        self.n, self.batch_size, self.seed, self.start_step = n, batch_size, seed, start_step
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n)
+
+    def batch(self, step: int) -> list[int]:
+        per_epoch = self.n // self.batch_size
+        epoch, j = divmod(step, per_epoch)
+        return self._perm(epoch)[j * self.batch_size:(j + 1) * self.batch_size].tolist()
+
+    def __iter__(self):
+        step = self.start_step()
+        while True:
+            yield self.batch(step)
+            step += 1
+
+
+class CorpusDataModule(L.LightningDataModule):
+    def __init__(self, spec: DataSpec, seed: int = 0):
+        super().__init__()
+        self.spec, self.seed = spec, seed
+        self.train: Blocks | None = None
+        self.val: dict[str, Blocks] = {}
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train is not None:
+            return
+        s = self.spec
+        parts, labels = [], []
+        for i, dom in enumerate(DOMAINS):
+            b = packed_blocks(s.corpus, s.tokenizer, "train", dom, s.seq_len)
+            parts.append(b)
+            labels.append(np.full(len(b), i))
+        self.train = Blocks(np.concatenate(parts), np.concatenate(labels))
+        for i, dom in enumerate(DOMAINS):
+            b = packed_blocks(s.corpus, s.tokenizer, "validation", dom, s.seq_len)
+            # An evenly spread, fixed subset, so every validation sees the same tokens.
+            take = min(len(b), s.val_batches * s.batch_size)
+            idx = np.linspace(0, len(b) - 1, take).astype(int) if take else np.zeros(0, dtype=int)
+            self.val[dom] = Blocks(b[idx], np.full(take, i))
+
+    def _current_step(self) -> int:
+        return self.trainer.global_step if self.trainer is not None else 0
+
+    def train_dataloader(self):
+        sampler = StepBatchSampler(len(self.train), self.spec.batch_size, self.seed, self._current_step)
+        return DataLoader(self.train, batch_sampler=sampler, num_workers=0)
+
+    def val_dataloader(self):
+        return [DataLoader(self.val[d], batch_size=self.spec.batch_size, shuffle=False) for d in DOMAINS
+                if len(self.val[d])]
+
+    def val_domains(self) -> list[str]:
+        return [d for d in DOMAINS if len(self.val[d])]

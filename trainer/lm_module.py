@@ -1,0 +1,98 @@
+"""The LightningModule that trains a HF causal MoE LM: LM loss + the model's own load-balancing loss."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import lightning as L
+import torch
+
+from .config import opt
+
+
+@dataclass
+class TrainSpec:
+    max_steps: int = opt(2000, "optimizer steps in the whole run")
+    lr: float = opt(1e-3, "peak learning rate (AdamW)")
+    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak (cosine decay)")
+    warmup_steps: int = opt(100, "linear warm-up steps")
+    weight_decay: float = opt(0.1, "AdamW weight decay on matrices (not on norms or embeddings)")
+    beta2: float = opt(0.95, "AdamW beta2")
+    grad_clip: float = opt(1.0, "gradient norm clip (0: off)")
+    precision: str = opt("32-true", "Lightning precision: 32-true, or bf16-mixed where the CPU has fast bf16")
+    val_every: int = opt(200, "validate every N optimizer steps")
+    ckpt_every: int = opt(100, "write a resumable checkpoint every N optimizer steps")
+    log_every: int = opt(10, "log training metrics every N steps")
+    seed: int = opt(0, "seed for initialisation and data order")
+    threads: int = opt(0, "torch intra-op threads (0: leave torch's default)")
+    wandb: bool = opt(True, "log to wandb (offline unless WANDB_MODE says otherwise)")
+    wandb_project: str = opt("expertcache", "wandb project name")
+
+
+def lr_lambda(spec: TrainSpec):
+    def f(step: int) -> float:
+        if step < spec.warmup_steps:
+            return (step + 1) / max(1, spec.warmup_steps)
+        progress = min(1.0, (step - spec.warmup_steps) / max(1, spec.max_steps - spec.warmup_steps))
+        return spec.min_lr_ratio + (1 - spec.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float):
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or "embed" in name or "norm" in name else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class CausalLMModule(L.LightningModule):
+    """Wraps a HF `*ForCausalLM`; validation reports token perplexity per domain (one dataloader per domain)."""
+
+    def __init__(self, model: torch.nn.Module, spec: TrainSpec, val_domains: list[str]):
+        super().__init__()
+        self.model, self.spec, self.val_domains = model, spec, list(val_domains)
+        self._nll: dict[str, list[float]] = {}
+
+    def lm_forward(self, input_ids: torch.Tensor):
+        """(total loss, LM loss, aux loss or None) with the model's own load-balancing term."""
+        out = self.model(input_ids=input_ids, labels=input_ids, output_router_logits=True, use_cache=False)
+        aux = getattr(out, "aux_loss", None)
+        lm = out.loss - self.model.config.router_aux_loss_coef * aux if aux is not None else out.loss
+        return out.loss, lm, aux
+
+    def training_step(self, batch, batch_idx):
+        loss, lm, aux = self.lm_forward(batch["input_ids"])
+        self.log("train/loss", lm.detach(), prog_bar=True)
+        if aux is not None:
+            self.log("train/aux_loss", aux.detach())
+        return loss
+
+    def on_validation_epoch_start(self) -> None:
+        self._nll = {d: [0.0, 0] for d in self.val_domains}
+
+    def validation_step(self, batch, batch_idx, dataloader_idx: int = 0):
+        ids = batch["input_ids"]  # [B, T]
+        out = self.model(input_ids=ids, labels=ids, use_cache=False)
+        n = ids[:, 1:].numel()
+        acc = self._nll[self.val_domains[dataloader_idx]]
+        acc[0] += float(out.loss) * n
+        acc[1] += n
+
+    def on_validation_epoch_end(self) -> None:
+        tot_nll = sum(v[0] for v in self._nll.values())
+        tot_n = sum(v[1] for v in self._nll.values())
+        for d, (nll, n) in self._nll.items():
+            if n:
+                self.log(f"val/ppl_{d}", math.exp(nll / n), add_dataloader_idx=False)
+        if tot_n:
+            self.log("val/loss", tot_nll / tot_n, add_dataloader_idx=False, prog_bar=True)
+            self.log("val/ppl", math.exp(tot_nll / tot_n), add_dataloader_idx=False)
+
+    def configure_optimizers(self):
+        opt_ = torch.optim.AdamW(param_groups(self.model, self.spec.weight_decay), lr=self.spec.lr,
+                                 betas=(0.9, self.spec.beta2))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt_, lr_lambda(self.spec))
+        return {"optimizer": opt_, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -1,0 +1,136 @@
+"""Pretrain the base MoE with Lightning: resumable, logged (CSV + wandb offline), saved as a HF checkpoint.
+
+Run folder layout (`out_dir`):
+    recipe.yaml          resolved recipe (every key, defaults filled in)
+    checkpoints/         Lightning checkpoints; `last.ckpt` is what a re-run resumes from
+    logs/metrics.csv     CSV log of every logged metric
+    model/               HF checkpoint (safetensors) + tokenizer: loads with plain transformers
+    metrics.json         final per-domain validation perplexity and per-layer expert-usage entropy
+    training_curve.png   train loss and per-domain validation perplexity against step
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import opt, save_recipe, to_dict
+from .data import CorpusDataModule, DataSpec
+from .lm_module import CausalLMModule, TrainSpec
+from .models import BaseModelSpec, count_parameters
+
+
+@dataclass
+class PretrainRecipe:
+    name: str = opt("base", "run name (used in logs)")
+    out_dir: str = opt("runs/base", "run folder: checkpoints, logs, HF model, metrics")
+    data: DataSpec = opt(DataSpec(), "corpus, tokenizer and batching")
+    model: BaseModelSpec = opt(BaseModelSpec(), "the Qwen3-MoE base model's shape")
+    train: TrainSpec = opt(TrainSpec(), "optimisation, validation, checkpoints, logging")
+    eval_blocks: int = opt(64, "validation blocks per domain in the final metrics.json")
+
+
+def _loggers(recipe: PretrainRecipe, out: Path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    loggers = [CSVLogger(str(out), name="logs", version="")]
+    if recipe.train.wandb:
+        os.environ.setdefault("WANDB_MODE", "offline")
+        os.environ.setdefault("WANDB_SILENT", "true")
+        from lightning.pytorch.loggers import WandbLogger
+
+        loggers.append(WandbLogger(project=recipe.train.wandb_project, name=recipe.name, save_dir=str(out),
+                                   offline=os.environ["WANDB_MODE"] == "offline", config=to_dict(recipe)))
+    return loggers
+
+
+def plot_training_curve(metrics_csv: Path, out_png: Path) -> None:
+    import csv
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(csv.DictReader(metrics_csv.open()))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    tr = [(int(r["step"]), float(r["train/loss"])) for r in rows if r.get("train/loss")]
+    if tr:
+        a.plot(*zip(*tr), lw=1)
+    a.set(xlabel="step", ylabel="train LM loss (nats/token)", title="training loss")
+    for key in sorted(k for k in (rows[0].keys() if rows else []) if k.startswith("val/ppl_")):
+        pts = [(int(r["step"]), float(r[key])) for r in rows if r.get(key)]
+        if pts:
+            b.plot(*zip(*pts), marker="o", label=key.removeprefix("val/ppl_"))
+    b.set(xlabel="step", ylabel="validation perplexity", title="validation perplexity by domain", yscale="log")
+    if b.get_legend_handles_labels()[0]:
+        b.legend()
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+
+
+def run_pretrain(recipe: PretrainRecipe, resume: bool = True) -> dict:
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+    from transformers import AutoModelForCausalLM
+
+    from .corpus import load_corpus
+    from .evaluate import check_vocab, evaluate_lm
+    from .tokenizer import load_tokenizer
+
+    # Bad input is rejected here, before any model is built.
+    load_corpus(recipe.data.corpus)
+    tok = load_tokenizer(recipe.data.tokenizer)
+    if recipe.train.threads:
+        torch.set_num_threads(recipe.train.threads)
+
+    out = Path(recipe.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_recipe(recipe, out / "recipe.yaml")
+    ckpt_dir = out / "checkpoints"
+    last = ckpt_dir / "last.ckpt"
+    ckpt_path = str(last) if resume and last.is_file() else None
+
+    L.seed_everything(recipe.train.seed, workers=True, verbose=False)
+    hf_config = recipe.model.to_hf_config(len(tok), tok.eos_token_id, tok.pad_token_id)
+    check_vocab(tok, hf_config)
+    model = AutoModelForCausalLM.from_config(hf_config)
+    dm = CorpusDataModule(recipe.data, seed=recipe.train.seed)
+    dm.setup("fit")
+    module = CausalLMModule(model, recipe.train, dm.val_domains())
+
+    t = recipe.train
+    trainer = L.Trainer(
+        max_steps=t.max_steps, accelerator="cpu", devices=1, precision=t.precision,
+        val_check_interval=t.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+        gradient_clip_val=t.grad_clip or None, log_every_n_steps=t.log_every, logger=_loggers(recipe, out),
+        callbacks=[ModelCheckpoint(dirpath=str(ckpt_dir), filename="step{step}", every_n_train_steps=t.ckpt_every,
+                                   save_top_k=1, save_last=True, auto_insert_metric_name=False),
+                   LearningRateMonitor(logging_interval="step")],
+        enable_model_summary=False, default_root_dir=str(out))
+    started = time.time()
+    start_step = 0
+    if ckpt_path:
+        import torch as _t
+        start_step = int(_t.load(ckpt_path, map_location="cpu", weights_only=True)["global_step"])
+    trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
+    train_s = time.time() - started
+
+    model_dir = out / "model"
+    model.save_pretrained(str(model_dir), safe_serialization=True)
+    tok.save_pretrained(str(model_dir))
+    final = evaluate_lm(model, recipe.data.corpus, recipe.data.tokenizer, "validation", recipe.data.seq_len,
+                        recipe.eval_blocks)
+    metrics = {"name": recipe.name, "global_step": trainer.global_step, "resumed_from_step": start_step,
+               "train_seconds_this_run": round(train_s, 1),
+               "tokens_per_step": recipe.data.batch_size * recipe.data.seq_len,
+               "parameters": count_parameters(model), "validation": final}
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    csv_path = out / "logs" / "metrics.csv"
+    if csv_path.is_file():
+        plot_training_curve(csv_path, out / "training_curve.png")
+    return metrics
