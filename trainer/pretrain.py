@@ -2,8 +2,8 @@
 
 Run folder layout (`out_dir`):
     recipe.yaml          resolved recipe (every key, defaults filled in)
-    checkpoints/         Lightning checkpoints; `last.ckpt` is what a re-run resumes from
-    logs/metrics.csv     CSV log of every logged metric
+    checkpoints/         Lightning checkpoints; a re-run resumes from the newest complete one
+    logs/version_N/      CSV log of every logged metric, one folder per (re)start of the run
     model/               HF checkpoint (safetensors) + tokenizer: loads with plain transformers
     metrics.json         final per-domain validation perplexity and per-layer expert-usage entropy
     training_curve.png   train loss and per-domain validation perplexity against step
@@ -36,7 +36,9 @@ class PretrainRecipe:
 def _loggers(recipe: PretrainRecipe, out: Path):
     from lightning.pytorch.loggers import CSVLogger
 
-    loggers = [CSVLogger(str(out), name="logs", version="")]
+    # One version folder per (re)start: Lightning's CSVLogger would overwrite an existing metrics.csv on resume.
+    # Flushed at every logging step, so a killed run keeps its curve up to the kill.
+    loggers = [CSVLogger(str(out), name="logs", flush_logs_every_n_steps=recipe.train.log_every)]
     if recipe.train.wandb:
         os.environ.setdefault("WANDB_MODE", "offline")
         os.environ.setdefault("WANDB_SILENT", "true")
@@ -47,20 +49,42 @@ def _loggers(recipe: PretrainRecipe, out: Path):
     return loggers
 
 
-def plot_training_curve(metrics_csv: Path, out_png: Path) -> None:
+def latest_checkpoint(ckpt_dir: Path) -> tuple[Path | None, int]:
+    """The checkpoint with the highest global step, and that step. A kill can land between `stepN.ckpt` and its
+    copy `last.ckpt`, so the newest file is not always `last.ckpt`. Files are written atomically (fsspec
+    transaction), so every file present is complete."""
+    import torch
+
+    best, best_step = None, -1
+    for f in sorted(ckpt_dir.glob("*.ckpt")):
+        step = int(torch.load(f, map_location="cpu", weights_only=True, mmap=True)["global_step"])
+        if step > best_step:
+            best, best_step = f, step
+    return best, max(best_step, 0)
+
+
+def read_metrics(log_dir: Path) -> list[dict]:
+    """Rows of every logs/version_*/metrics.csv, in (re)start order."""
     import csv
 
+    rows = []
+    for f in sorted(log_dir.glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1])):
+        rows.extend(csv.DictReader(f.open()))
+    return rows
+
+
+def plot_training_curve(log_dir: Path, out_png: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = list(csv.DictReader(metrics_csv.open()))
+    rows = read_metrics(log_dir)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     tr = [(int(r["step"]), float(r["train/loss"])) for r in rows if r.get("train/loss")]
     if tr:
         a.plot(*zip(*tr), lw=1)
     a.set(xlabel="step", ylabel="train LM loss (nats/token)", title="training loss")
-    for key in sorted(k for k in (rows[0].keys() if rows else []) if k.startswith("val/ppl_")):
+    for key in sorted({k for r in rows for k in r if k.startswith("val/ppl_")}):
         pts = [(int(r["step"]), float(r[key])) for r in rows if r.get(key)]
         if pts:
             b.plot(*zip(*pts), marker="o", label=key.removeprefix("val/ppl_"))
@@ -92,8 +116,8 @@ def run_pretrain(recipe: PretrainRecipe, resume: bool = True) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     save_recipe(recipe, out / "recipe.yaml")
     ckpt_dir = out / "checkpoints"
-    last = ckpt_dir / "last.ckpt"
-    ckpt_path = str(last) if resume and last.is_file() else None
+    latest, start_step = latest_checkpoint(ckpt_dir) if resume else (None, 0)
+    ckpt_path = str(latest) if latest else None
 
     L.seed_everything(recipe.train.seed, workers=True, verbose=False)
     hf_config = recipe.model.to_hf_config(len(tok), tok.eos_token_id, tok.pad_token_id)
@@ -113,10 +137,6 @@ def run_pretrain(recipe: PretrainRecipe, resume: bool = True) -> dict:
                    LearningRateMonitor(logging_interval="step")],
         enable_model_summary=False, default_root_dir=str(out))
     started = time.time()
-    start_step = 0
-    if ckpt_path:
-        import torch as _t
-        start_step = int(_t.load(ckpt_path, map_location="cpu", weights_only=True)["global_step"])
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
     train_s = time.time() - started
 
@@ -130,7 +150,5 @@ def run_pretrain(recipe: PretrainRecipe, resume: bool = True) -> dict:
                "tokens_per_step": recipe.data.batch_size * recipe.data.seq_len,
                "parameters": count_parameters(model), "validation": final}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    csv_path = out / "logs" / "metrics.csv"
-    if csv_path.is_file():
-        plot_training_curve(csv_path, out / "training_curve.png")
+    plot_training_curve(out / "logs", out / "training_curve.png")
     return metrics

