@@ -1,0 +1,125 @@
+"""Find the MoE layers of a live HF model and reproduce each family's routing rule.
+
+The recorder only hooks what these adapters find; nothing in the model is copied or changed. Routing rules,
+from router logits `[tokens, E]` to `(ids [tokens, k], weights [tokens, k])`:
+
+| family      | rule                                                                                |
+| ----------- | ----------------------------------------------------------------------------------- |
+| qwen3_moe   | softmax -> top-k -> renormalise if `norm_topk_prob`                                  |
+| olmoe       | softmax -> top-k -> renormalise if `norm_topk_prob`                                  |
+| mixtral     | softmax -> top-k -> renormalise (same as top-k -> softmax over the k)                |
+| gpt_oss     | top-k on logits -> softmax over the k                                                |
+| deepseek_v3 | sigmoid; top-k of (score + bias) inside the `topk_group` best of `n_group` groups;   |
+|             | weights = sigmoid scores of the chosen, renormalised, x `routed_scaling_factor`     |
+
+DeepSeek-V3's shared experts are always on and never appear as accesses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InputError
+
+FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3")
+
+
+@dataclass
+class MoELayer:
+    index: int  # decoder layer index in the model
+    block: torch.nn.Module  # the sparse MoE block
+    router: torch.nn.Module  # its router (returns logits, weights, ids)
+    experts: torch.nn.Module  # its routed experts (fused tensors)
+
+
+@dataclass
+class Adapter:
+    family: str
+    num_experts: int
+    top_k: int
+    num_layers: int  # decoder layers
+    hidden_size: int
+    norm_topk_prob: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+
+    def moe_layers(self, model) -> list[MoELayer]:
+        out = []
+        for i, layer in enumerate(_decoder_layers(model)):
+            block = getattr(layer, "mlp", None)
+            router = getattr(block, "gate", None) or getattr(block, "router", None)
+            experts = getattr(block, "experts", None)
+            if router is None or experts is None:
+                continue  # a dense layer (e.g. DeepSeek's first_k_dense_replace)
+            out.append(MoELayer(i, block, router, experts))
+        if not out:
+            raise InputError(f"no MoE layers found in {type(model).__name__}")
+        return out
+
+    def route(self, logits: torch.Tensor, bias: torch.Tensor | None = None):
+        """`logits [tokens, E]` -> `(ids [tokens, k] int64, weights [tokens, k] float32)` by this family's rule."""
+        k = self.top_k
+        logits = logits.float()
+        if self.family in ("qwen3_moe", "olmoe", "mixtral"):
+            probs = logits.softmax(dim=-1)
+            w, ids = probs.topk(k, dim=-1)
+            if self.norm_topk_prob or self.family == "mixtral":
+                w = w / w.sum(dim=-1, keepdim=True)
+            return ids, w
+        if self.family == "gpt_oss":
+            top, ids = logits.topk(k, dim=-1)
+            return ids, top.softmax(dim=-1)
+        if self.family == "deepseek_v3":
+            scores = logits.sigmoid()
+            choice = scores + (bias.float() if bias is not None else 0.0)
+            t, e = choice.shape
+            groups = choice.view(t, self.n_group, e // self.n_group).topk(2, dim=-1).values.sum(-1)  # [t, G]
+            keep = torch.zeros_like(groups).scatter_(1, groups.topk(self.topk_group, dim=-1).indices, 1.0)
+            mask = keep.unsqueeze(-1).expand(t, self.n_group, e // self.n_group).reshape(t, e)
+            ids = choice.masked_fill(mask == 0, float("-inf")).topk(k, dim=-1).indices
+            w = scores.gather(1, ids)
+            if self.norm_topk_prob:
+                w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+            return ids, w * self.routed_scaling_factor
+        raise InputError(f"no routing rule for family {self.family!r}")
+
+    def router_bias(self, router: torch.nn.Module) -> torch.Tensor | None:
+        return getattr(router, "e_score_correction_bias", None)
+
+    def router_logits(self, router: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """The router's logits for `hidden [tokens, H]`, without firing hooks (used by the lookahead probe)."""
+        w = router.weight
+        b = getattr(router, "bias", None)
+        return torch.nn.functional.linear(hidden.to(w.dtype), w, b)
+
+    def describe(self) -> dict:
+        return {"family": self.family, "num_experts": self.num_experts, "top_k": self.top_k,
+                "num_layers": self.num_layers, "hidden_size": self.hidden_size,
+                "norm_topk_prob": self.norm_topk_prob}
+
+
+def _decoder_layers(model):
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise InputError(f"{type(model).__name__} has no `model.layers`; not a decoder-only HF model")
+    return layers
+
+
+def adapter_for(model_or_config) -> Adapter:
+    """The adapter for a HF model (or its config), from `config.model_type`."""
+    cfg = getattr(model_or_config, "config", model_or_config)
+    mt = getattr(cfg, "model_type", None)
+    if mt not in FAMILIES:
+        raise InputError(f"model type {mt!r} is not supported; supported MoE families: {', '.join(FAMILIES)}")
+    e = {"qwen3_moe": "num_experts", "olmoe": "num_experts", "mixtral": "num_local_experts",
+         "gpt_oss": "num_local_experts", "deepseek_v3": "n_routed_experts"}[mt]
+    return Adapter(
+        family=mt, num_experts=int(getattr(cfg, e)), top_k=int(cfg.num_experts_per_tok),
+        num_layers=int(cfg.num_hidden_layers), hidden_size=int(cfg.hidden_size),
+        norm_topk_prob=bool(getattr(cfg, "norm_topk_prob", True)), n_group=int(getattr(cfg, "n_group", 1) or 1),
+        topk_group=int(getattr(cfg, "topk_group", 1) or 1),
+        routed_scaling_factor=float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0))

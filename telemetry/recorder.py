@@ -1,0 +1,176 @@
+"""Record every MoE layer's routing on a live HF model with forward hooks on its routers (no model surgery).
+
+The hook keeps references to the router's own outputs (logits, weights, ids) and, on request, to its input
+(the hidden state entering the layer's MoE block); conversion to NumPy happens once per batch, outside the
+forward, so recording ids + weights costs little more than the forward itself (`scripts/bench_telemetry.py`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .adapters import Adapter, adapter_for
+from .errors import InputError
+from .parquet_trace import TraceMeta, TraceWriter
+
+
+class Recorder:
+    """Context manager: while open, every forward appends one entry per MoE layer to `calls`."""
+
+    def __init__(self, model, hidden: bool = False, logits: bool = False):
+        self.model = model
+        self.adapter: Adapter = adapter_for(model)
+        self.layers = self.adapter.moe_layers(model)
+        self.hidden, self.logits = hidden, logits
+        self._buf: dict[int, list] = {L.index: [] for L in self.layers}
+        self._handles = []
+
+    def _hook(self, index: int):
+        buf = self._buf[index]
+        want_h, want_l = self.hidden, self.logits
+
+        def hook(module, args, output):
+            lg, w, ids = output
+            buf.append((ids, w, lg if want_l else None, args[0] if want_h else None))
+        return hook
+
+    def __enter__(self) -> "Recorder":
+        for L in self.layers:
+            self._handles.append(L.router.register_forward_hook(self._hook(L.index)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def clear(self) -> None:
+        for v in self._buf.values():
+            v.clear()
+
+    def take(self) -> dict[int, list]:
+        """Per layer, one (ids, weights, logits|None, hidden|None) per forward call since the last take()."""
+        out = {i: list(v) for i, v in self._buf.items()}
+        self.clear()
+        return out
+
+    def meta(self, model_id: str, **kw) -> TraceMeta:
+        a = self.adapter
+        return TraceMeta(model=model_id, family=a.family, num_layers=a.num_layers,
+                         moe_layers=[L.index for L in self.layers], num_experts=a.num_experts, top_k=a.top_k,
+                         hidden_size=a.hidden_size, dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
+                         **kw)
+
+
+def _cat(parts, width_dtype):
+    return torch.cat([p.reshape(-1, p.shape[-1]) for p in parts]).to(width_dtype).cpu().numpy()
+
+
+def rows_from_calls(calls: dict[int, list], call_tokens: list[tuple[np.ndarray, np.ndarray]], want_logits: bool,
+                    want_hidden: bool) -> dict[str, np.ndarray]:
+    """Assemble trace rows ordered by (seq, pos, layer).
+
+    `call_tokens[j] = (seq_ids, positions)` for forward call j, flattened in the router's token order
+    (batch-major); every layer saw the same calls."""
+    layers = sorted(calls)
+    seq = np.concatenate([s for s, _ in call_tokens])
+    pos = np.concatenate([p for _, p in call_tokens])
+    n_tok = len(seq)
+    per = {}
+    for i in layers:
+        entries = calls[i]
+        if len(entries) != len(call_tokens):
+            raise RuntimeError(f"layer {i} saw {len(entries)} forwards, expected {len(call_tokens)}")
+        per[i] = {"ids": _cat([e[0] for e in entries], torch.int16),
+                  "weights": _cat([e[1] for e in entries], torch.float16)}
+        if want_logits:
+            per[i]["logits"] = _cat([e[2] for e in entries], torch.float16)
+        if want_hidden:
+            per[i]["hidden"] = _cat([e[3] for e in entries], torch.float16)
+        if len(per[i]["ids"]) != n_tok:
+            raise RuntimeError(f"layer {i} routed {len(per[i]['ids'])} tokens, expected {n_tok}")
+    order = np.lexsort((pos, seq))  # tokens by (seq, pos)
+    n_l = len(layers)
+    out = {"seq_id": np.repeat(seq[order], n_l), "pos": np.repeat(pos[order], n_l),
+           "layer": np.tile(np.asarray(layers, np.int16), n_tok)}
+    for key in per[layers[0]]:
+        stacked = np.stack([per[i][key][order] for i in layers], axis=1)  # [tokens, layers, width]
+        out[key] = stacked.reshape(n_tok * n_l, -1)
+    return out
+
+
+@torch.no_grad()
+def record_blocks(model, blocks: np.ndarray, writer: TraceWriter, domain: str, prompt_len: int,
+                  decode_tokens: int, batch_size: int, seq_offset: int = 0, progress=None) -> int:
+    """Prefill `blocks[:, :prompt_len]` and greedily decode `decode_tokens` tokens through `model.generate`,
+    recording both phases. One row group per batch. Returns the number of sequences recorded."""
+    if blocks.shape[1] < prompt_len:
+        raise InputError(f"blocks have {blocks.shape[1]} tokens, prompt_len is {prompt_len}")
+    model.eval()
+    with Recorder(model, hidden=writer.with_hidden, logits=writer.with_logits) as rec:
+        for start in range(0, len(blocks), batch_size):
+            prompt = torch.from_numpy(blocks[start:start + batch_size, :prompt_len].astype(np.int64))
+            b = prompt.shape[0]
+            seq_ids = np.arange(seq_offset + start, seq_offset + start + b, dtype=np.int32)
+            rec.clear()
+            if decode_tokens > 0:
+                # the last generated token is never fed back, so decode_tokens + 1 new tokens give decode_tokens
+                # decode forwards (positions prompt_len .. prompt_len + decode_tokens - 1)
+                n_new = decode_tokens + 1
+                out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n_new,
+                                     min_new_tokens=n_new, do_sample=False, pad_token_id=model.config.pad_token_id)
+                tokens = out[:, :prompt_len + decode_tokens].numpy()
+            else:
+                model(input_ids=prompt, use_cache=False)
+                tokens = prompt.numpy()
+            calls = rec.take()
+            n_calls = len(next(iter(calls.values())))
+            call_tokens = [(np.repeat(seq_ids, prompt_len), np.tile(np.arange(prompt_len, dtype=np.int32), b))]
+            for j in range(1, n_calls):
+                call_tokens.append((seq_ids, np.full(b, prompt_len + j - 1, dtype=np.int32)))
+            rows = rows_from_calls(calls, call_tokens, writer.with_logits, writer.with_hidden)
+            phase = np.where(rows["pos"] < prompt_len, "prefill", "decode")
+            tok = tokens[rows["seq_id"] - seq_ids[0], rows["pos"]]
+            writer.write(rows["seq_id"], rows["pos"], rows["layer"], phase, domain, tok, rows["ids"],
+                         rows["weights"], rows.get("logits"), rows.get("hidden"))
+            if progress is not None:
+                progress(b)
+    return len(blocks)
+
+
+def record_corpus(model_dir: str | Path, corpus: str, tokenizer: str | None, split: str, out: str | Path,
+                  prompt_len: int = 128, decode_tokens: int = 64, batch_size: int = 8, max_seqs: int = 16,
+                  domains: list[str] | None = None, hidden: bool = False, logits: bool = False) -> dict:
+    """Record a HF checkpoint on `max_seqs` held-out blocks per domain of our corpus into a Parquet trace."""
+    from rich.progress import Progress
+    from transformers import AutoModelForCausalLM
+
+    from expertcache.trainer.corpus import DOMAINS
+    from expertcache.trainer.data import packed_blocks
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise InputError(f"no HF checkpoint at {model_dir} (expected {model_dir / 'config.json'})")
+    tokenizer = tokenizer or str(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    domains = list(domains or DOMAINS)
+    picked = {}
+    for dom in domains:
+        blocks = packed_blocks(corpus, tokenizer, split, dom, prompt_len)
+        if not len(blocks):
+            raise InputError(f"split {split!r} has no {dom} text long enough for prompt_len={prompt_len}")
+        idx = np.linspace(0, len(blocks) - 1, min(max_seqs, len(blocks))).astype(int)
+        picked[dom] = blocks[idx]
+    meta = Recorder(model).meta(str(model_dir), tokenizer=str(tokenizer), corpus=str(corpus), split=split,
+                                extra={"prompt_len": prompt_len, "decode_tokens": decode_tokens, "greedy": True})
+    n = 0
+    with TraceWriter(out, meta, with_logits=logits, with_hidden=hidden) as w, Progress() as prog:
+        task = prog.add_task("recording", total=sum(len(v) for v in picked.values()))
+        for dom, blocks in picked.items():
+            n += record_blocks(model, blocks, w, dom, prompt_len, decode_tokens, batch_size, seq_offset=n,
+                               progress=lambda b: prog.advance(task, b))
+        rows = w.rows
+    return {"trace": str(out), "sequences": n, "rows": rows, "domains": domains, "meta": meta.__dict__}
