@@ -1,0 +1,256 @@
+"""Trace analysis (METRICS.md): reuse@lag1 vs chance, coverage, hit rate vs capacity against the Belady bound,
+lookahead recall of the zero-parameter probe. Decode tokens only unless the trace has none.
+
+`analyze()` writes `summary.json`, PNG plots and `summary.txt` (the one-screen text for people).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from .cachesim import POLICIES, global_steps, simulate
+from .errors import InputError
+from .parquet_trace import Trace, read_trace
+
+CAPACITY_FRACTIONS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)
+COVERAGE_LEVELS = (0.5, 0.9, 0.95)
+
+
+# --- routing statistics ------------------------------------------------------------------------------------
+
+def reuse_lag1(ids: np.ndarray, seq: np.ndarray, pos: np.ndarray, num_experts: int) -> dict:
+    """One layer's `ids [tokens, k]` in (seq, pos) order: reuse@lag1, chance, their ratio."""
+    t, k = ids.shape
+    follows = (seq[1:] == seq[:-1]) & (pos[1:] == pos[:-1] + 1)  # token i+1 directly follows token i
+    if not follows.any():
+        return {"reuse": float("nan"), "chance": float("nan"), "ratio": float("nan")}
+    cur, prev = ids[1:][follows], ids[:-1][follows]
+    reused = (cur[:, :, None] == prev[:, None, :]).any(-1)  # [pairs, k]
+    reuse = float(reused.mean())
+    p = np.bincount(ids.reshape(-1).astype(np.int64), minlength=num_experts) / t  # share of tokens selecting e
+    chance = float((p ** 2).sum() / p.sum())
+    return {"reuse": reuse, "chance": chance, "ratio": reuse / chance if chance else float("nan")}
+
+
+def coverage(ids: np.ndarray, num_experts: int, levels=COVERAGE_LEVELS) -> dict:
+    """Smallest fraction of the layer's experts that serve x of its accesses, for each x in `levels`."""
+    counts = np.sort(np.bincount(ids.reshape(-1).astype(np.int64), minlength=num_experts))[::-1]
+    cum = np.cumsum(counts) / counts.sum()
+    return {f"{x:g}": float((np.searchsorted(cum, x - 1e-12) + 1) / num_experts) for x in levels}
+
+
+def capacities(num_experts: int, fractions=CAPACITY_FRACTIONS) -> list[int]:
+    return sorted({max(1, round(f * num_experts)) for f in fractions})
+
+
+def hit_curves(ids: np.ndarray, num_experts: int, caps: list[int], policies=POLICIES, semantics: str = "token",
+               fit_frac: float = 0.2, fit_ids: np.ndarray | None = None, progress=None) -> list[dict]:
+    """Hit rate against per-layer capacity for each policy, per-layer and global budgets.
+
+    Static pins are fitted on `fit_ids` (another split's trace) if given; otherwise on the first `fit_frac` of
+    tokens, and then *every* policy is scored on the remaining tokens only, so static never sees what it is
+    scored on. A global budget of C per layer is one cache of C x layers slots shared by all layers."""
+    n_layers, n_tok, _ = ids.shape
+    if fit_ids is None:
+        cut = int(round(fit_frac * n_tok))
+        if cut < 1 or cut >= n_tok:
+            raise InputError(f"{n_tok} tokens cannot be split {fit_frac:g}/{1 - fit_frac:g} for the static fit")
+        fit_ids, ids = ids[:, :cut], ids[:, cut:]
+    out = []
+    g_steps = global_steps(ids, num_experts)
+    g_fit = global_steps(fit_ids, num_experts)
+    for cap in caps:
+        for pol in policies:
+            hits = acc = 0
+            for layer in range(n_layers):
+                r = simulate(ids[layer], cap, pol, semantics, fit=fit_ids[layer] if pol == "static" else None)
+                hits, acc = hits + r.hits, acc + r.accesses
+            g = simulate(g_steps, cap * n_layers, pol, semantics, fit=g_fit if pol == "static" else None)
+            out.append({"policy": pol, "capacity": cap, "capacity_frac": cap / num_experts, "semantics": semantics,
+                        "hit_rate_per_layer": hits / acc, "hit_rate_global": g.hit_rate, "accesses": acc})
+            if progress:
+                progress()
+    for row in out:  # every result also as a fraction of the Belady bound at the same capacity
+        bel = next(r for r in out if r["policy"] == "belady" and r["capacity"] == row["capacity"]) \
+            if "belady" in policies else None
+        if bel:
+            row["of_belady_per_layer"] = row["hit_rate_per_layer"] / bel["hit_rate_per_layer"]
+            row["of_belady_global"] = row["hit_rate_global"] / bel["hit_rate_global"]
+    return out
+
+
+def lookahead_recall(trace: Trace, model, distances=(1, 2, 3)) -> dict:
+    """Zero-parameter probe: layer L's router applied to the hidden state entering layer L-d; recall@d =
+    |predicted top-k ∩ true top-k| / k averaged over tokens and layers L >= d (MoE layer order)."""
+    import torch
+
+    from .adapters import adapter_for
+
+    if "hidden" not in trace.table.column_names:
+        raise InputError(f"trace {trace.path} has no hidden states; record it with --hidden for lookahead recall")
+    adapter = adapter_for(model)
+    layers = adapter.moe_layers(model)
+    if [L.index for L in layers] != trace.meta.moe_layers:
+        raise InputError(f"trace MoE layers {trace.meta.moe_layers} differ from the model's "
+                         f"{[L.index for L in layers]}")
+    ids, _, _ = trace.routing()
+    hidden = trace.layer_matrix("hidden")  # [layers, tokens, H]
+    out = {}
+    with torch.no_grad():
+        for d in distances:
+            rec = []
+            for i in range(d, len(layers)):
+                h = torch.from_numpy(hidden[i - d].astype(np.float32))
+                lg = adapter.router_logits(layers[i].router, h)
+                pred, _ = adapter.route(lg, adapter.router_bias(layers[i].router))
+                true = torch.from_numpy(ids[i].astype(np.int64))
+                rec.append(float((pred[:, :, None] == true[:, None, :]).any(-1).float().mean()))
+            out[str(d)] = {"mean": float(np.mean(rec)) if rec else float("nan"),
+                           "per_layer": {str(layers[i].index): r for i, r in zip(range(d, len(layers)), rec)}}
+    return out
+
+
+# --- the whole analysis ------------------------------------------------------------------------------------
+
+def _routing_stats(trace: Trace) -> dict:
+    ids, seq, pos = trace.routing()
+    e = trace.meta.num_experts
+    per_layer = []
+    for i, layer in enumerate(trace.meta.moe_layers):
+        r = reuse_lag1(ids[i], seq, pos, e)
+        per_layer.append({"layer": layer, **r, "coverage": coverage(ids[i], e)})
+    mean = {key: float(np.nanmean([p[key] for p in per_layer])) for key in ("reuse", "chance")}
+    mean["ratio"] = mean["reuse"] / mean["chance"]
+    cov = {x: float(np.mean([p["coverage"][x] for p in per_layer])) for x in per_layer[0]["coverage"]}
+    return {"tokens": int(ids.shape[1]), "reuse_lag1": mean, "coverage_mean": cov, "per_layer": per_layer}
+
+
+def analyze(trace_path: str | Path, out_dir: str | Path, model_dir: str | None = None, phase: str | None = "decode",
+            semantics: str = "token", fit_trace: str | None = None, by_domain: bool = True,
+            fractions=CAPACITY_FRACTIONS) -> dict:
+    from rich.progress import Progress
+
+    trace = read_trace(trace_path)
+    meta = trace.meta
+    if phase and phase not in set(trace.table["phase"].to_pylist()):
+        phase = None  # e.g. a prefill-only trace: analyse every token, and say so
+    sel = trace.filter(phase=phase) if phase else trace
+    if sel.num_rows == 0:
+        raise InputError(f"trace {trace_path} has no rows to analyse")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    caps = capacities(meta.num_experts, fractions)
+    fit_ids = None
+    if fit_trace:
+        ft = read_trace(fit_trace)
+        if (ft.meta.num_experts, ft.meta.top_k, ft.meta.moe_layers) != (meta.num_experts, meta.top_k, meta.moe_layers):
+            raise InputError(f"fit trace {fit_trace} routes {ft.meta.num_experts} experts top-{ft.meta.top_k}, "
+                             f"trace routes {meta.num_experts} top-{meta.top_k}")
+        fit_ids = (ft.filter(phase=phase) if phase else ft).routing()[0]
+    summary = {"trace": str(trace_path), "model": meta.model, "family": meta.family, "num_experts": meta.num_experts,
+               "top_k": meta.top_k, "moe_layers": len(meta.moe_layers), "phase": phase or "all",
+               "semantics": semantics, "static_fit": fit_trace or "first 20% of tokens (all policies scored on the rest)",
+               "capacities": caps}
+    summary["routing"] = _routing_stats(sel)
+    domains = [d for d in sel.domains() if d] if by_domain else []
+    with Progress(transient=True) as prog:
+        n = len(caps) * len(POLICIES) * (1 + len(domains))
+        task = prog.add_task("cache simulation", total=n)
+        ids = sel.routing()[0]
+        summary["hit_curves"] = hit_curves(ids, meta.num_experts, caps, semantics=semantics, fit_ids=fit_ids,
+                                           progress=lambda: prog.advance(task))
+        if len(domains) > 1:
+            summary["by_domain"] = {}
+            for d in domains:
+                dt = sel.filter(domain=d)
+                summary["by_domain"][d] = {
+                    "routing": {k: v for k, v in _routing_stats(dt).items() if k != "per_layer"},
+                    "hit_curves": hit_curves(dt.routing()[0], meta.num_experts, caps, semantics=semantics,
+                                             progress=lambda: prog.advance(task))}
+    if model_dir is not None and "hidden" in sel.table.column_names:
+        from transformers import AutoModelForCausalLM
+
+        from .parquet_trace import check_compatible
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        check_compatible(meta, model)
+        summary["lookahead_recall"] = lookahead_recall(sel, model)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot_summary(summary, out)
+    text = text_summary(summary)
+    (out / "summary.txt").write_text(text)
+    return summary
+
+
+# --- people: plots and a text summary ----------------------------------------------------------------------
+
+def plot_summary(s: dict, out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pl = s["routing"]["per_layer"]
+    layers = [p["layer"] for p in pl]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
+    a.plot(layers, [p["reuse"] for p in pl], marker="o", label="reuse@lag1")
+    a.plot(layers, [p["chance"] for p in pl], ls="--", label="chance")
+    a.set(xlabel="layer", ylabel="fraction of accesses", title="reuse of the previous token's experts")
+    a.legend()
+    for x in pl[0]["coverage"]:
+        b.plot(layers, [p["coverage"][x] for p in pl], marker=".", label=f"{float(x):.0%} of accesses")
+    b.set(xlabel="layer", ylabel="fraction of experts", title="experts needed for coverage", ylim=(0, 1))
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(out / "reuse_coverage.png", dpi=120)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
+    for ax, key, title in ((axes[0], "hit_rate_per_layer", "per-layer budget"),
+                           (axes[1], "hit_rate_global", "global budget")):
+        for pol in POLICIES:
+            rows = [r for r in s["hit_curves"] if r["policy"] == pol]
+            ax.plot([r["capacity_frac"] for r in rows], [r[key] for r in rows], marker="o", label=pol,
+                    ls="--" if pol == "belady" else "-")
+        ax.set(xscale="log", xlabel="capacity (fraction of experts per layer)", title=f"hit rate, {title}",
+               ylim=(0, 1))
+        ax.legend()
+    axes[0].set_ylabel(f"hit rate ({s['semantics']} semantics)")
+    fig.tight_layout()
+    fig.savefig(out / "hit_rate.png", dpi=120)
+    plt.close(fig)
+
+    if "lookahead_recall" in s:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ds = sorted(s["lookahead_recall"], key=int)
+        ax.bar([f"d={d}" for d in ds], [s["lookahead_recall"][d]["mean"] for d in ds])
+        ax.set(ylim=(0, 1), ylabel="top-k recall", title="lookahead probe recall")
+        fig.tight_layout()
+        fig.savefig(out / "lookahead_recall.png", dpi=120)
+        plt.close(fig)
+
+
+def text_summary(s: dict) -> str:
+    r = s["routing"]
+    lines = [f"trace {s['trace']}  model {s['model']}  ({s['family']}, {s['moe_layers']} MoE layers, "
+             f"E={s['num_experts']}, top-{s['top_k']}; {r['tokens']} {s['phase']} tokens)",
+             f"reuse@lag1 {r['reuse_lag1']['reuse']:.3f} vs chance {r['reuse_lag1']['chance']:.3f} "
+             f"(x{r['reuse_lag1']['ratio']:.2f})",
+             "coverage: " + ", ".join(f"{float(x):.0%} of accesses on {v:.1%} of experts"
+                                      for x, v in r["coverage_mean"].items()),
+             f"hit rate ({s['semantics']} semantics; static fit: {s['static_fit']}):",
+             f"  {'capacity':>14} " + " ".join(f"{p:>16}" for p in POLICIES)]
+    for cap in s["capacities"]:
+        rows = {x["policy"]: x for x in s["hit_curves"] if x["capacity"] == cap}
+        cells = [f"{rows[p]['hit_rate_per_layer']:.3f}/{rows[p]['hit_rate_global']:.3f}" for p in POLICIES]
+        lines.append(f"  {cap:>4} ({cap / s['num_experts']:6.1%}) " + " ".join(f"{c:>16}" for c in cells))
+    lines.append("  (each cell: per-layer budget / global budget)")
+    if "lookahead_recall" in s:
+        lines.append("lookahead probe recall: " + ", ".join(
+            f"d={d}: {v['mean']:.3f}" for d, v in sorted(s["lookahead_recall"].items(), key=lambda kv: int(kv[0]))))
+    if math.isnan(r["reuse_lag1"]["reuse"]):
+        lines.append("(no consecutive tokens in this selection: reuse is undefined)")
+    return "\n".join(lines)

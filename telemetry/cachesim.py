@@ -1,0 +1,243 @@
+"""The one cache simulator: analysis, trainer metrics and the runtime's bookkeeping all use it.
+
+Input: `steps [S, k]` integer keys in time order. A per-layer cache gets one layer's experts per token; a global
+budget gets keys `layer * E + expert` with steps ordered token-major, layer-minor. Capacity C = resident keys.
+
+Two semantics (METRICS.md; reference README):
+- ``token`` (ours, what a real engine needs): a step's k experts must be resident together. Hits are counted
+  for the whole step first; then each miss is loaded, evicting a resident key that the current step does not
+  use. If C < k the step cannot fit: misses that find no evictable key stream through without being kept.
+- ``reference`` (the published simulator, read literally): a step's k experts are accessed one after another;
+  a miss inserts the key, evicting first if full, and may evict a key the same step used a moment ago. LRU
+  recency is the step index (ties to the smallest key); Belady ranks every resident key by its next use
+  *after the current step*, so a key needed later in the same step can be evicted. This reproduces the
+  published Qwen3-30B-A3B table (scripts/reference_check.py); it is weaker than the true optimum.
+
+Policies: ``lru`` (recency by step; within a step, by position), ``lfu`` (cumulative access counts, ties to the least recent),
+``static`` (the C most frequent keys of a fit sequence, pinned; misses stream), ``belady`` (evict the resident
+key whose next use is furthest; the offline optimum for forced-insertion caching).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import InputError
+
+POLICIES = ("lru", "lfu", "static", "belady")
+SEMANTICS = ("token", "reference")
+_INF = 1 << 60
+
+
+@dataclass
+class CacheResult:
+    policy: str
+    capacity: int
+    semantics: str
+    steps: int
+    accesses: int
+    hits: int
+    loads: int  # demand loads (misses)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.accesses if self.accesses else 0.0
+
+    @property
+    def misses_per_step(self) -> float:
+        return (self.accesses - self.hits) / self.steps if self.steps else 0.0
+
+    def to_dict(self) -> dict:
+        return {"policy": self.policy, "capacity": self.capacity, "semantics": self.semantics, "steps": self.steps,
+                "accesses": self.accesses, "hits": self.hits, "loads": self.loads,
+                "hit_rate": round(self.hit_rate, 6), "misses_per_step": round(self.misses_per_step, 6)}
+
+
+def _check(steps: np.ndarray, capacity: int, policy: str, semantics: str) -> list[list[int]]:
+    if policy not in POLICIES:
+        raise InputError(f"unknown cache policy {policy!r}; expected one of {POLICIES}")
+    if semantics not in SEMANTICS:
+        raise InputError(f"unknown semantics {semantics!r}; expected one of {SEMANTICS}")
+    if capacity < 1:
+        raise InputError(f"cache capacity must be at least 1 expert, got {capacity}")
+    steps = np.asarray(steps)
+    if steps.ndim != 2:
+        raise InputError(f"steps must be [S, k], got shape {steps.shape}")
+    return steps.tolist()
+
+
+def simulate(steps: np.ndarray, capacity: int, policy: str = "lru", semantics: str = "token",
+             fit: np.ndarray | None = None) -> CacheResult:
+    """Hit/miss counts of one cache over `steps`. `fit` (static only): the steps whose frequencies pick the pins."""
+    rows = _check(steps, capacity, policy, semantics)
+    if policy == "static":
+        hits = _static(rows, capacity, fit if fit is not None else steps)
+    elif policy == "lru":
+        hits = (_lru_token if semantics == "token" else _lru_ref)(rows, capacity)
+    elif policy == "lfu":
+        hits = _lfu(rows, capacity, semantics == "token")
+    else:
+        hits = _belady(rows, capacity, semantics == "token")
+    acc = sum(len(r) for r in rows)
+    return CacheResult(policy, capacity, semantics, len(rows), acc, hits, acc - hits)
+
+
+def _static(rows, capacity, fit) -> int:
+    fit = np.asarray(fit).reshape(-1)
+    keys, counts = np.unique(fit, return_counts=True)
+    order = np.lexsort((keys, -counts))  # most frequent first, ties to the smaller key
+    pinned = set(keys[order[:capacity]].tolist())
+    return sum(e in pinned for r in rows for e in r)
+
+
+def _lru_token(rows, cap) -> int:
+    cache: OrderedDict = OrderedDict()
+    hits = 0
+    for r in rows:
+        miss = []
+        for e in r:
+            if e in cache:
+                hits += 1
+                cache.move_to_end(e)
+            else:
+                miss.append(e)
+        if not miss:
+            continue
+        cur = set(r)
+        for e in miss:
+            if len(cache) >= cap:
+                victim = next((v for v in cache if v not in cur), None)  # oldest first
+                if victim is None:
+                    continue  # C < k: streams through
+                del cache[victim]
+            cache[e] = None
+        for e in r:  # a step's keys are equally recent; ties by their position in the step
+            if e in cache:
+                cache.move_to_end(e)
+    return hits
+
+
+def _lru_ref(rows, cap) -> int:
+    cache: dict = {}  # key -> step of its last use
+    hits = 0
+    for s, r in enumerate(rows):
+        for e in r:
+            if e in cache:
+                hits += 1
+            elif len(cache) >= cap:
+                del cache[min(cache, key=lambda v: (cache[v], v))]
+            cache[e] = s
+    return hits
+
+
+def _lfu(rows, cap, token: bool) -> int:
+    count: dict = {}
+    last: dict = {}
+    cache: set = set()
+    hits = 0
+    for s, r in enumerate(rows):
+        cur = set(r) if token else ()
+        if token:  # hits first, for the whole step
+            for e in r:
+                count[e] = count.get(e, 0) + 1
+                last[e] = s
+                hits += e in cache
+            todo = [e for e in r if e not in cache]
+        else:
+            todo = r
+        for e in todo:
+            if not token:
+                count[e] = count.get(e, 0) + 1
+                last[e] = s
+                if e in cache:
+                    hits += 1
+                    continue
+            if len(cache) >= cap:
+                cands = [v for v in cache if v not in cur]
+                if not cands:
+                    continue
+                victim = min(cands, key=lambda v: (count[v], last[v]))
+                cache.remove(victim)
+            cache.add(e)
+    return hits
+
+
+def next_use(rows) -> list[list[int]]:
+    """nxt[s][j]: the next step after s that uses rows[s][j] (a large sentinel if none)."""
+    seen: dict = {}
+    nxt = [None] * len(rows)
+    for s in range(len(rows) - 1, -1, -1):
+        r = rows[s]
+        nxt[s] = [seen.get(e, _INF) for e in r]
+        for e in r:
+            seen[e] = s
+    return nxt
+
+
+def _belady(rows, cap, token: bool) -> int:
+    nxt = next_use(rows)
+    res: dict = {}  # resident key -> its next use
+    heap: list = []  # (-next_use, key), lazily invalidated
+    hits = 0
+
+    def evict(protect) -> bool:
+        stash = []
+        ok = False
+        while heap:
+            nu, v = heapq.heappop(heap)
+            if res.get(v) != -nu:
+                continue  # stale entry
+            if v in protect:
+                stash.append((nu, v))
+                continue
+            del res[v]
+            ok = True
+            break
+        for item in stash:
+            heapq.heappush(heap, item)
+        return ok
+
+    for s, r in enumerate(rows):
+        nu_row = nxt[s]
+        if token:
+            cur = set(r)
+            miss = []
+            for e, nu in zip(r, nu_row):
+                if e in res:
+                    hits += 1
+                    res[e] = nu
+                    heapq.heappush(heap, (-nu, e))
+                else:
+                    miss.append((e, nu))
+            for e, nu in miss:
+                if len(res) >= cap and not evict(cur):
+                    continue  # C < k: streams through
+                res[e] = nu
+                heapq.heappush(heap, (-nu, e))
+        else:
+            for e, nu in zip(r, nu_row):  # rank this step's resident keys by their use after this step
+                if e in res:
+                    res[e] = nu
+                    heapq.heappush(heap, (-nu, e))
+            for e, nu in zip(r, nu_row):
+                if e in res:
+                    hits += 1
+                    continue
+                if len(res) >= cap:
+                    evict(())
+                res[e] = nu
+                heapq.heappush(heap, (-nu, e))
+    return hits
+
+
+# --- helpers for traces ------------------------------------------------------------------------------------
+
+def global_steps(ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """[layers, tokens, k] -> [tokens * layers, k] keys `layer * E + expert`, token-major (the decode order)."""
+    n_layers = ids.shape[0]
+    keys = ids.astype(np.int64) + (np.arange(n_layers, dtype=np.int64) * num_experts)[:, None, None]
+    return keys.transpose(1, 0, 2).reshape(-1, ids.shape[2])
