@@ -15,8 +15,10 @@ Two semantics (METRICS.md; reference README):
 
 Policies: ``lru`` (recency by step; within a step, by position), ``lfu`` (cumulative access counts, ties to the least recent),
 ``static`` (the C most frequent keys of a fit sequence, pinned; misses stream; ties as
-numpy's default argsort orders them), ``belady`` (evict the resident
-key whose next use is furthest; the offline optimum for forced-insertion caching).
+numpy's default argsort orders them), ``belady`` (the offline optimum: under ``token`` semantics a missing
+key is kept only if it is used again sooner than the furthest-used resident key, which it then evicts, else it
+streams through, as static's misses do, so Belady bounds every policy here; under ``reference`` semantics
+every miss is inserted, as published).
 """
 
 from __future__ import annotations
@@ -185,22 +187,20 @@ def _belady(rows, cap, token: bool) -> int:
     heap: list = []  # (-next_use, key), lazily invalidated
     hits = 0
 
-    def evict(protect) -> bool:
-        stash = []
-        ok = False
+    def furthest(protect):
+        """(next use, key) of the resident key used furthest in the future, not in `protect`; None if none."""
+        stash, found = [], None
         while heap:
             nu, v = heapq.heappop(heap)
             if res.get(v) != -nu:
                 continue  # stale entry
-            if v in protect:
-                stash.append((nu, v))
-                continue
-            del res[v]
-            ok = True
-            break
+            stash.append((nu, v))
+            if v not in protect:
+                found = (-nu, v)
+                break
         for item in stash:
             heapq.heappush(heap, item)
-        return ok
+        return found
 
     for s, r in enumerate(rows):
         nu_row = nxt[s]
@@ -215,8 +215,11 @@ def _belady(rows, cap, token: bool) -> int:
                 else:
                     miss.append((e, nu))
             for e, nu in miss:
-                if len(res) >= cap and not evict(cur):
-                    continue  # C < k: streams through
+                if len(res) >= cap:
+                    f = furthest(cur)
+                    if f is None or f[0] <= nu:
+                        continue  # streams through: keeping it would not pay (or C < k)
+                    del res[f[1]]
                 res[e] = nu
                 heapq.heappush(heap, (-nu, e))
         else:
@@ -229,7 +232,7 @@ def _belady(rows, cap, token: bool) -> int:
                     hits += 1
                     continue
                 if len(res) >= cap:
-                    evict(())
+                    del res[furthest(())[1]]
                 res[e] = nu
                 heapq.heappush(heap, (-nu, e))
     return hits

@@ -25,7 +25,8 @@ def random_steps(rng, n, e, k, sticky=0.5):
 
 
 def optimal_hits(rows, cap, token=True):
-    """Exhaustive search over every eviction choice: the most hits any forced-insertion policy can get."""
+    """Exhaustive search over every choice (evict any evictable key, or, in token semantics, stream the miss
+    through without keeping it): the most hits any policy can get."""
     rows = [tuple(r) for r in rows]
 
     @functools.lru_cache(maxsize=None)
@@ -46,9 +47,8 @@ def optimal_hits(rows, cap, token=True):
                 place(cache | {e}, rest)
                 return
             cands = [v for v in cache if v not in r] if token else list(cache)
-            if not cands:
-                place(cache, rest)
-                return
+            if token or not cands:
+                place(cache, rest)  # token semantics may stream a miss through without keeping it
             for v in cands:
                 place((cache - {v}) | {e}, rest)
         place(frozenset(cache), miss)
