@@ -126,14 +126,22 @@ def _lru_token(rows, cap) -> int:
 
 def _lru_ref(rows, cap) -> int:
     cache: dict = {}  # key -> step of its last use
+    heap: list = []  # (step, key): the least recent first, ties to the smallest key; lazily invalidated
     hits = 0
     for s, r in enumerate(rows):
         for e in r:
             if e in cache:
                 hits += 1
+                if cache[e] == s:
+                    continue
             elif len(cache) >= cap:
-                del cache[min(cache, key=lambda v: (cache[v], v))]
+                while True:
+                    t, v = heapq.heappop(heap)
+                    if cache.get(v) == t:
+                        del cache[v]
+                        break
             cache[e] = s
+            heapq.heappush(heap, (s, e))
     return hits
 
 
