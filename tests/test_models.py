@@ -32,3 +32,21 @@ def test_base_spec_meets_the_realism_bar():
 def test_top_k_above_experts_is_rejected():
     with pytest.raises(ValueError, match="top_k=9 exceeds num_experts=8"):
         BaseModelSpec(num_experts=8, top_k=9).to_hf_config(512, 0, 1)
+
+
+def test_per_layer_balance_loss_sees_imbalance_that_pooling_hides():
+    """Two layers that each send every token to one expert, but different ones: pooled over layers the experts
+    look perfectly balanced; per layer the loss is at its maximum (E, for k = 1)."""
+    from expertcache.trainer.lm_module import per_layer_balance_loss
+
+    big = 20.0
+    l0 = torch.full((10, 2), -big)
+    l0[:, 0] = big  # layer 0: expert 0 only
+    l1 = torch.full((10, 2), -big)
+    l1[:, 1] = big  # layer 1: expert 1 only
+    per_layer = per_layer_balance_loss([l0, l1], top_k=1)
+    pooled = per_layer_balance_loss([torch.cat([l0, l1])], top_k=1)
+    assert per_layer.item() == pytest.approx(2.0, abs=1e-4)  # E = 2: worst case
+    assert pooled.item() == pytest.approx(1.0, abs=1e-4)  # looks perfectly balanced
+    uniform = per_layer_balance_loss([torch.zeros(10, 4)], top_k=2)
+    assert uniform.item() == pytest.approx(2.0, abs=1e-4)  # = k at perfect balance

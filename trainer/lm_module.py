@@ -28,6 +28,8 @@ class TrainSpec:
     threads: int = opt(0, "torch intra-op threads (0: leave torch's default)")
     wandb: bool = opt(True, "log to wandb (offline unless WANDB_MODE says otherwise)")
     wandb_project: str = opt("expertcache", "wandb project name")
+    balance: str = opt("per_layer", "load-balancing loss: per_layer (Switch loss in every MoE layer, averaged) or "
+                       "hf (transformers' loss, which pools all layers' experts and can hide per-layer imbalance)")
 
 
 def lr_lambda(spec: TrainSpec):
@@ -37,6 +39,19 @@ def lr_lambda(spec: TrainSpec):
         progress = min(1.0, (step - spec.warmup_steps) / max(1, spec.max_steps - spec.warmup_steps))
         return spec.min_lr_ratio + (1 - spec.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return f
+
+
+def per_layer_balance_loss(router_logits, top_k: int) -> torch.Tensor:
+    """Switch load-balancing loss computed in each MoE layer and averaged: E * sum_i f_i * P_i per layer, with
+    f_i the fraction of tokens that select expert i (sum_i f_i = k) and P_i its mean router probability; k at
+    perfect balance, the same scale as transformers' loss (which pools every layer's experts into one count)."""
+    losses = []
+    for logits in router_logits:  # [tokens, E] per layer
+        probs = logits.float().softmax(dim=-1)
+        e = probs.shape[-1]
+        sel = torch.nn.functional.one_hot(probs.topk(top_k, dim=-1).indices, e).sum(1).float()  # [tokens, E]
+        losses.append(e * (sel.mean(0) * probs.mean(0)).sum())
+    return torch.stack(losses).mean()
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float):
@@ -57,11 +72,18 @@ class CausalLMModule(L.LightningModule):
         self._nll: dict[str, list[float]] = {}
 
     def lm_forward(self, input_ids: torch.Tensor):
-        """(total loss, LM loss, aux loss or None) with the model's own load-balancing term."""
+        """(total loss, LM loss, balance loss or None); the balance term weighted by the model's
+        `router_aux_loss_coef`, computed as `spec.balance` says."""
+        cfg = self.model.config
         out = self.model(input_ids=input_ids, labels=input_ids, output_router_logits=True, use_cache=False)
         aux = getattr(out, "aux_loss", None)
-        lm = out.loss - self.model.config.router_aux_loss_coef * aux if aux is not None else out.loss
-        return out.loss, lm, aux
+        lm = out.loss - cfg.router_aux_loss_coef * aux if aux is not None else out.loss
+        if self.spec.balance == "per_layer":
+            aux = per_layer_balance_loss(out.router_logits, cfg.num_experts_per_tok)
+        elif self.spec.balance != "hf":
+            raise ValueError(f"train.balance={self.spec.balance!r}; expected per_layer or hf")
+        total = lm + cfg.router_aux_loss_coef * aux if aux is not None else lm
+        return total, lm, aux
 
     def training_step(self, batch, batch_idx):
         loss, lm, aux = self.lm_forward(batch["input_ids"])
