@@ -216,8 +216,11 @@ def plot_summary(s: dict, out: Path) -> None:
             rows = [r for r in s["hit_curves"] if r["policy"] == pol]
             ax.plot([r["capacity_frac"] for r in rows], [r[key] for r in rows], marker="o", label=pol,
                     ls="--" if pol == "belady" else "-")
-        ax.set(xscale="log", xlabel="capacity (fraction of experts per layer)", title=f"hit rate, {title}",
+        ax.set(xscale="log", xlabel="capacity: experts per layer (share of E)", title=f"hit rate, {title}",
                ylim=(0, 1))
+        ax.set_xticks([c / s["num_experts"] for c in s["capacities"]],
+                      [f"{c} ({c / s['num_experts']:.1%})" for c in s["capacities"]])
+        ax.minorticks_off()
         ax.legend()
     axes[0].set_ylabel(f"hit rate ({s['semantics']} semantics)")
     fig.tight_layout()
