@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from expertcache.telemetry.analysis import reuse_lag1
+from expertcache.telemetry.analysis import coverage, reuse_lag1
 from expertcache.telemetry.cachesim import simulate
 from expertcache.telemetry.llamacpp import import_trace
 from expertcache.telemetry.parquet_trace import read_trace
@@ -84,8 +84,7 @@ def main() -> int:
             if row["domain"] != dom:
                 continue
             layer, x = int(row["layer"]), float(row["coverage"])
-            counts = np.sort(np.bincount(ids[layer].reshape(-1).astype(np.int64), minlength=e))[::-1]
-            n = int(np.searchsorted(np.cumsum(counts) / counts.sum(), x - 1e-12) + 1)
+            n = round(coverage(ids[layer], e, (x,))[f"{x:g}"] * e)
             cov_err.append(abs(n - int(row["experts_needed"])))
             needed.setdefault(x, []).append(n / e)
         result["domains"][dom] = {

@@ -117,8 +117,8 @@ def lookahead_recall(trace: Trace, model, distances=(1, 2, 3)) -> dict:
 
 # --- the whole analysis ------------------------------------------------------------------------------------
 
-def _routing_stats(trace: Trace) -> dict:
-    ids, seq, pos = trace.routing()
+def _routing_stats(trace: Trace, routing: tuple[np.ndarray, np.ndarray, np.ndarray]) -> dict:
+    ids, seq, pos = routing  # trace.routing()
     e = trace.meta.num_experts
     per_layer = []
     for i, layer in enumerate(trace.meta.moe_layers):
@@ -156,21 +156,22 @@ def analyze(trace_path: str | Path, out_dir: str | Path, model_dir: str | None =
                "top_k": meta.top_k, "moe_layers": len(meta.moe_layers), "phase": phase or "all",
                "semantics": semantics, "static_fit": fit_trace or "first 20% of tokens (all policies scored on the rest)",
                "capacities": caps}
-    summary["routing"] = _routing_stats(sel)
+    routing = sel.routing()
+    summary["routing"] = _routing_stats(sel, routing)
     domains = [d for d in sel.domains() if d] if by_domain else []
     with Progress(transient=True) as prog:
         n = len(caps) * len(POLICIES) * (1 + len(domains))
         task = prog.add_task("cache simulation", total=n)
-        ids = sel.routing()[0]
-        summary["hit_curves"] = hit_curves(ids, meta.num_experts, caps, semantics=semantics, fit_ids=fit_ids,
+        summary["hit_curves"] = hit_curves(routing[0], meta.num_experts, caps, semantics=semantics, fit_ids=fit_ids,
                                            progress=lambda: prog.advance(task))
         if len(domains) > 1:
             summary["by_domain"] = {}
             for d in domains:
                 dt = sel.filter(domain=d)
+                dr = dt.routing()
                 summary["by_domain"][d] = {
-                    "routing": {k: v for k, v in _routing_stats(dt).items() if k != "per_layer"},
-                    "hit_curves": hit_curves(dt.routing()[0], meta.num_experts, caps, semantics=semantics,
+                    "routing": {k: v for k, v in _routing_stats(dt, dr).items() if k != "per_layer"},
+                    "hit_curves": hit_curves(dr[0], meta.num_experts, caps, semantics=semantics,
                                              progress=lambda: prog.advance(task))}
     if model_dir is not None and "hidden" in sel.table.column_names:
         from transformers import AutoModelForCausalLM

@@ -160,28 +160,25 @@ class Trace:
         width = col.type.list_size
         return col.values.to_numpy(zero_copy_only=False).reshape(-1, width)
 
-    def routing(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Experts per MoE layer in token order: (ids [layers, tokens, k], seq_id [tokens], pos [tokens]).
-
-        Tokens are ordered by (seq_id, pos); every MoE layer must hold the same tokens."""
+    def _token_order(self) -> tuple[np.ndarray, int]:
+        """Row order by (seq_id, pos, layer) and the number of MoE layers; every layer must hold the same tokens."""
         layer = self.column("layer")
-        seq, pos = self.column("seq_id"), self.column("pos")
-        ids = self.fixed("ids")
-        layers = sorted(set(layer.tolist()))
-        order = np.lexsort((layer, pos, seq))  # by seq, then pos, then layer
-        n_layers = len(layers)
+        n_layers = len(set(layer.tolist()))
+        order = np.lexsort((layer, self.column("pos"), self.column("seq_id")))
         if len(order) % n_layers:
             raise InputError(f"trace {self.path}: {len(order)} rows do not divide into {n_layers} layers")
-        ids = ids[order].reshape(-1, n_layers, ids.shape[1]).transpose(1, 0, 2)  # [layers, tokens, k]
-        seq_o = seq[order][::n_layers]
-        pos_o = pos[order][::n_layers]
-        return np.ascontiguousarray(ids), seq_o, pos_o
+        return order, n_layers
 
-    def layer_matrix(self, name: str) -> np.ndarray:
-        """A per-row fixed column (`hidden`, `logits`) as [layers, tokens, width] in `routing()` order."""
-        layer, seq, pos = self.column("layer"), self.column("seq_id"), self.column("pos")
-        order = np.lexsort((layer, pos, seq))
-        n_layers = len(set(layer.tolist()))
+    def routing(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Experts per MoE layer in token order: (ids [layers, tokens, k], seq_id [tokens], pos [tokens])."""
+        order, n_layers = self._token_order()
+        tokens_first = order[::n_layers]
+        return self.layer_matrix("ids", (order, n_layers)), self.column("seq_id")[tokens_first], \
+            self.column("pos")[tokens_first]
+
+    def layer_matrix(self, name: str, token_order: tuple[np.ndarray, int] | None = None) -> np.ndarray:
+        """A per-row fixed column (`ids`, `hidden`, `logits`) as [layers, tokens, width] in `routing()` order."""
+        order, n_layers = token_order or self._token_order()
         vals = self.fixed(name)[order]
         return np.ascontiguousarray(vals.reshape(-1, n_layers, vals.shape[1]).transpose(1, 0, 2))
 

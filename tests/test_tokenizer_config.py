@@ -24,6 +24,8 @@ def test_recipe_rejects_unknown_keys_with_the_key_and_the_choices(tmp_path):
 
 
 def test_recipe_type_errors_and_overrides(tmp_path):
+    with pytest.raises(RecipeError, match=r"train\.balance='pooled'; expected one of per_layer, hf"):
+        load_recipe(PretrainRecipe, None, ["train.balance=pooled"])
     with pytest.raises(RecipeError, match=r"train\.max_steps: expected an integer"):
         load_recipe(PretrainRecipe, None, ["train.max_steps=ten"])
     r = load_recipe(PretrainRecipe, None, ["train.lr=1e-4", "model.top_k=2", "train.wandb=false"])

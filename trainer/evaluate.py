@@ -26,9 +26,10 @@ def evaluate_lm(model, corpus: str, tokenizer: str, split: str = "validation", s
                 max_blocks: int = 64, batch_size: int = 8) -> dict:
     """Token perplexity per domain and overall, and expert-usage entropy per layer (nats, and / ln E)."""
     model.eval()
-    cfg = model.config
-    num_experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts")
-    top_k = cfg.num_experts_per_tok
+    from expertcache.telemetry.adapters import adapter_for
+
+    adapter = adapter_for(model)
+    num_experts = adapter.num_experts
     counts = None  # [layers, E] selections
     result = {"split": split, "seq_len": seq_len, "ppl": {}, "tokens": {}}
     tot_nll, tot_n = 0.0, 0
@@ -44,7 +45,7 @@ def evaluate_lm(model, corpus: str, tokenizer: str, split: str = "validation", s
             k = ids[:, 1:].numel()
             nll += float(out.loss) * k
             n += k
-            sel = torch.stack([lg.topk(top_k, dim=-1).indices for lg in out.router_logits])  # [layers, tokens, k]
+            sel = torch.stack([adapter.route(lg)[0] for lg in out.router_logits])  # [layers, tokens, k]
             c = torch.nn.functional.one_hot(sel, num_experts).sum(dim=(1, 2))  # [layers, E]
             counts = c if counts is None else counts + c
         result["ppl"][dom] = math.exp(nll / n)

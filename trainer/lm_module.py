@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import lightning as L
 import torch
 
-from .config import opt
+from .config import RecipeError, opt
+
+BALANCE_LOSSES = ("per_layer", "hf")
 
 
 @dataclass
@@ -30,6 +32,11 @@ class TrainSpec:
     wandb_project: str = opt("expertcache", "wandb project name")
     balance: str = opt("per_layer", "load-balancing loss: per_layer (Switch loss in every MoE layer, averaged) or "
                        "hf (transformers' loss, which pools all layers' experts and can hide per-layer imbalance)")
+
+
+    def __post_init__(self):
+        if self.balance not in BALANCE_LOSSES:
+            raise RecipeError(f"train.balance={self.balance!r}; expected one of {', '.join(BALANCE_LOSSES)}")
 
 
 def lr_lambda(spec: TrainSpec):
@@ -80,8 +87,6 @@ class CausalLMModule(L.LightningModule):
         lm = out.loss - cfg.router_aux_loss_coef * aux if aux is not None else out.loss
         if self.spec.balance == "per_layer":
             aux = per_layer_balance_loss(out.router_logits, cfg.num_experts_per_tok)
-        elif self.spec.balance != "hf":
-            raise ValueError(f"train.balance={self.spec.balance!r}; expected per_layer or hf")
         total = lm + cfg.router_aux_loss_coef * aux if aux is not None else lm
         return total, lm, aux
 
