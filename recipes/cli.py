@@ -15,15 +15,16 @@ from pathlib import Path
 RECIPE_DIR = Path(__file__).resolve().parent
 
 
-def resolve_recipe(name_or_path: str) -> Path:
-    """A recipe is a YAML path, or the name of one shipped in this package (`smoke`, `base-tiny`, ...)."""
+def resolve_recipe(name_or_path: str, folder: Path = RECIPE_DIR) -> Path:
+    """A recipe is a YAML path, or the name of one shipped in `folder` of this package: pretraining recipes
+    (`smoke`, `base-tiny`) in recipes/, cache-aware ones (`locality`, `smoke`, ...) in recipes/cache-aware/."""
     p = Path(name_or_path)
     if p.is_file():
         return p
-    shipped = RECIPE_DIR / f"{name_or_path.removesuffix('.yaml')}.yaml"
+    shipped = folder / f"{name_or_path.removesuffix('.yaml')}.yaml"
     if shipped.is_file():
         return shipped
-    names = sorted(f.stem for f in RECIPE_DIR.glob("*.yaml"))
+    names = sorted(f.stem for f in folder.glob("*.yaml"))
     raise FileNotFoundError(f"recipe {name_or_path!r} is neither a file nor a shipped recipe ({', '.join(names)})")
 
 
@@ -119,9 +120,54 @@ def cmd_analyze(a) -> int:
     return 0
 
 
+def cmd_train_cache_aware(a) -> int:
+    from expertcache.trainer.cache_aware import CacheAwareRecipe, results_table, run_cache_aware
+    from expertcache.trainer.config import load_recipe
+
+    if a.table:
+        results = []
+        for d in a.table:
+            f = Path(d) / "result.json"
+            if not f.is_file():
+                raise FileNotFoundError(f"{f} not found: not a finished train-cache-aware run")
+            results.append(json.loads(f.read_text()))
+        print(results_table(results))
+        return 0
+    recipe = load_recipe(CacheAwareRecipe, resolve_recipe(a.recipe, RECIPE_DIR / "cache-aware"), a.overrides)
+    result = run_cache_aware(recipe, resume=not a.no_resume)
+    if "table" in result:  # a sweep
+        _print_json(result["rows"])
+        print("\n" + Path(result["table"]).read_text())
+    else:
+        from expertcache.trainer.cache_aware import _row
+
+        _print_json(_row(result))
+        print("\n" + results_table([result]))
+    return 0
+
+
+def _train_cache_aware_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from expertcache.trainer.cache_aware import CacheAwareRecipe
+    from expertcache.trainer.config import describe
+
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = ("Cache-aware post-training of a pretrained MoE: routing-locality losses and auxiliary "
+                     "Temporal/Spatio routers, then decode cache figures, Δppl against the base and the gate. "
+                     "Shipped recipes (recipes/cache-aware/): locality, temporal, spatio-temporal, aux-only, sweep, "
+                     "smoke.")
+    p.epilog = "recipe keys (override any with key=value):\n" + "\n".join(describe(CacheAwareRecipe))
+    p.add_argument("--recipe", default="locality", help="YAML path or shipped recipe name")
+    p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in out_dir")
+    p.add_argument("--table", nargs="+", metavar="RUN_DIR", default=None,
+                   help="print one table of finished runs (their result.json) instead of training")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. locality.weight=0.5 out_dir=runs/x")
+    p.set_defaults(func=cmd_train_cache_aware)
+    return p
+
+
 def train_cache_aware_main(argv: list[str] | None = None) -> int:
-    print("train-cache-aware: cache-aware post-training is not built yet (tracked in issue #4).", file=sys.stderr)
-    return 2
+    """The `train-cache-aware` console script: `expertcache train-cache-aware` under its own name."""
+    return main(["train-cache-aware", *(sys.argv[1:] if argv is None else argv)])
 
 
 # --- parser ------------------------------------------------------------------------------------------------
@@ -203,9 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--no-domains", action="store_true", help="skip the per-domain breakdown")
     an.set_defaults(func=cmd_analyze)
 
-    c = sub.add_parser("train-cache-aware", help="cache-aware post-training from a recipe (issue #4; not built yet)")
-    c.add_argument("rest", nargs=argparse.REMAINDER)
-    c.set_defaults(func=lambda a: train_cache_aware_main(a.rest))
+    _train_cache_aware_parser(sub.add_parser(
+        "train-cache-aware", help="cache-aware post-training (locality losses, Temporal/Spatio routers) + gate"))
     return p
 
 

@@ -5,8 +5,9 @@ budget gets keys `layer * E + expert` with steps ordered token-major, layer-mino
 
 Two semantics (METRICS.md; reference README):
 - ``token`` (ours, what a real engine needs): a step's k experts must be resident together. Hits are counted
-  for the whole step first; then each miss is loaded, evicting a resident key that the current step does not
-  use. If C < k the step cannot fit: misses that find no evictable key stream through without being kept.
+  for the whole step first; then each miss is loaded (through a staging buffer), and what stays resident for
+  the next step is decided: LRU/LFU evict a key the current step did not use; if C < k the step cannot fit and
+  misses that find no evictable key stream through without being kept.
 - ``reference`` (the published simulator, read literally): a step's k experts are accessed one after another;
   a miss inserts the key, evicting first if full, and may evict a key the same step used a moment ago. LRU
   recency is the step index (ties to the smallest key); Belady ranks every resident key by its next use
@@ -15,10 +16,11 @@ Two semantics (METRICS.md; reference README):
 
 Policies: ``lru`` (recency by step; within a step, by position), ``lfu`` (cumulative access counts, ties to the least recent),
 ``static`` (the C most frequent keys of a fit sequence, pinned; misses stream; ties as
-numpy's default argsort orders them), ``belady`` (the offline optimum: under ``token`` semantics a missing
-key is kept only if it is used again sooner than the furthest-used resident key, which it then evicts, else it
-streams through, as static's misses do, so Belady bounds every policy here; under ``reference`` semantics
-every miss is inserted, as published).
+numpy's default argsort orders them), ``belady`` (the offline optimum: under ``token`` semantics, once a step
+has run, the cache keeps the C keys of (resident ∪ step) whose next use comes soonest, a missing key streaming
+through when it would not be among them; the resident keys a step needs are never evicted *during* the step,
+but any key may go after it, so Belady bounds every policy here, `simulate_scored`'s included; under
+``reference`` semantics every miss is inserted, as published).
 """
 
 from __future__ import annotations
@@ -45,10 +47,16 @@ class CacheResult:
     accesses: int
     hits: int
     loads: int  # demand loads (misses)
+    prefetches: int = 0  # loads issued ahead of the access by a predictor, used or not
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.accesses if self.accesses else 0.0
+
+    @property
+    def adjusted_hit_rate(self) -> float:
+        """`1 - (D + P) / A` (METRICS.md): every load counts, so a wasted prefetch costs as much as a miss."""
+        return 1.0 - (self.loads + self.prefetches) / self.accesses if self.accesses else 0.0
 
     @property
     def misses_per_step(self) -> float:
@@ -56,8 +64,9 @@ class CacheResult:
 
     def to_dict(self) -> dict:
         return {"policy": self.policy, "capacity": self.capacity, "semantics": self.semantics, "steps": self.steps,
-                "accesses": self.accesses, "hits": self.hits, "loads": self.loads,
-                "hit_rate": round(self.hit_rate, 6), "misses_per_step": round(self.misses_per_step, 6)}
+                "accesses": self.accesses, "hits": self.hits, "loads": self.loads, "prefetches": self.prefetches,
+                "hit_rate": round(self.hit_rate, 6), "adjusted_hit_rate": round(self.adjusted_hit_rate, 6),
+                "misses_per_step": round(self.misses_per_step, 6)}
 
 
 def _check(steps: np.ndarray, capacity: int, policy: str, semantics: str) -> list[list[int]]:
@@ -213,7 +222,6 @@ def _belady(rows, cap, token: bool) -> int:
     for s, r in enumerate(rows):
         nu_row = nxt[s]
         if token:
-            cur = set(r)
             miss = []
             for e, nu in zip(r, nu_row):
                 if e in res:
@@ -224,9 +232,11 @@ def _belady(rows, cap, token: bool) -> int:
                     miss.append((e, nu))
             for e, nu in miss:
                 if len(res) >= cap:
-                    f = furthest(cur)
+                    # after the step any resident key may go, a just-used one included: the cache ends
+                    # holding the C keys of (resident ∪ step) used soonest
+                    f = furthest(())
                     if f is None or f[0] <= nu:
-                        continue  # streams through: keeping it would not pay (or C < k)
+                        continue  # streams through: keeping it would not pay
                     del res[f[1]]
                 res[e] = nu
                 heapq.heappush(heap, (-nu, e))
@@ -244,6 +254,80 @@ def _belady(rows, cap, token: bool) -> int:
                 res[e] = nu
                 heapq.heappush(heap, (-nu, e))
     return hits
+
+
+def simulate_scored(steps: np.ndarray, capacity: int, keep: np.ndarray | None = None,
+                    prefetch: np.ndarray | None = None) -> CacheResult:
+    """One per-layer cache (token semantics) driven by a predictor's scores; LRU where it has none.
+
+    - `keep [S, E]`: scores computed after step s for step s+1 (a Temporal router). After the access the cache
+      keeps the top-C keys of (resident ∪ step s's keys) by `keep[s]`, ties to the more recent: an update-only
+      policy that never loads anything itself, and may let a just-used key stream through (bypass).
+      Without `keep`, every key of the step is kept and the least recently used one is evicted (= `lru`).
+    - `prefetch [S, R]`: keys to load before step s is accessed (a Spatio refinement, -1 = none), at most R per
+      step. Each one not resident is loaded (counted in `prefetches`, used or not), evicting the resident key
+      with the lowest priority (`keep[s-1]`, or recency without `keep`) that is not itself being prefetched.
+    """
+    rows = _check(steps, capacity, "lru", "token")
+    e_max = max((max(r) for r in rows if r), default=0) + 1
+    if keep is not None:
+        keep = np.asarray(keep, dtype=np.float64)
+        if keep.shape[0] != len(rows) or keep.shape[1] < e_max:
+            raise InputError(f"keep scores have shape {keep.shape}; expected [{len(rows)}, >= {e_max}]")
+    if prefetch is not None:
+        prefetch = np.asarray(prefetch)
+        if prefetch.ndim != 2 or prefetch.shape[0] != len(rows):
+            raise InputError(f"prefetch has shape {prefetch.shape}; expected [{len(rows)}, R]")
+        prefetch = prefetch.tolist()
+    res: OrderedDict = OrderedDict()  # resident key -> step of its last use; iteration order = recency order
+    hits = loads = pre = 0
+    prio = None  # keep scores from the previous step, as a list
+
+    def touch(e, s):
+        res[e] = s
+        res.move_to_end(e)
+
+    for s, r in enumerate(rows):
+        if prefetch is not None:
+            want = [e for e in prefetch[s] if e >= 0]
+            protect = set(want)
+            for e in want:
+                if e in res:
+                    continue
+                if len(res) >= capacity:
+                    cands = [v for v in res if v not in protect]  # least recent first
+                    if not cands:
+                        break
+                    victim = min(cands, key=lambda v: prio[v]) if prio is not None else cands[0]
+                    del res[victim]
+                touch(e, s - 0.5)  # loaded just before the step
+                pre += 1
+        miss = [e for e in r if e not in res]
+        hits += len(r) - len(miss)
+        loads += len(miss)
+        if keep is not None:
+            prio = keep[s].tolist()
+            for e in r:
+                touch(e, s)
+            if len(res) > capacity:
+                # stable sort: among equal scores the more recent (later in `res`) stays
+                ranked = sorted(res, key=lambda v: prio[v])
+                for v in ranked[:len(res) - capacity]:
+                    del res[v]
+            continue
+        cur = set(r)
+        for e in miss:
+            if len(res) >= capacity:
+                victim = next((v for v in res if v not in cur), None)  # the least recent
+                if victim is None:
+                    continue  # C < k: streams through
+                del res[victim]
+            res[e] = s
+        for e in r:  # a step's keys are equally recent; ties by their position in the step
+            if e in res:
+                touch(e, s)
+    acc = sum(len(r) for r in rows)
+    return CacheResult("scored" if keep is not None else "lru", capacity, "token", len(rows), acc, hits, loads, pre)
 
 
 # --- helpers for traces ------------------------------------------------------------------------------------

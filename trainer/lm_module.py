@@ -67,7 +67,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float):
         if not p.requires_grad:
             continue
         (no_decay if p.ndim < 2 or "embed" in name or "norm" in name else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 class CausalLMModule(L.LightningModule):
@@ -79,10 +80,14 @@ class CausalLMModule(L.LightningModule):
         self._nll: dict[str, list[float]] = {}
 
     def lm_forward(self, input_ids: torch.Tensor):
-        """(total loss, LM loss, balance loss or None); the balance term weighted by the model's
+        """(total loss, LM loss, balance loss or None) of one forward; see `lm_losses`."""
+        out = self.model(input_ids=input_ids, labels=input_ids, output_router_logits=True, use_cache=False)
+        return self.lm_losses(out)
+
+    def lm_losses(self, out):
+        """(total, LM, balance or None) from a forward's output; the balance term weighted by the model's
         `router_aux_loss_coef`, computed as `spec.balance` says."""
         cfg = self.model.config
-        out = self.model(input_ids=input_ids, labels=input_ids, output_router_logits=True, use_cache=False)
         aux = getattr(out, "aux_loss", None)
         lm = out.loss - cfg.router_aux_loss_coef * aux if aux is not None else out.loss
         if self.spec.balance == "per_layer":
@@ -119,7 +124,8 @@ class CausalLMModule(L.LightningModule):
             self.log("val/ppl", math.exp(tot_nll / tot_n), add_dataloader_idx=False)
 
     def configure_optimizers(self):
-        opt_ = torch.optim.AdamW(param_groups(self.model, self.spec.weight_decay), lr=self.spec.lr,
+        # every trainable parameter of the module: the model's, and any auxiliary heads a subclass adds
+        opt_ = torch.optim.AdamW(param_groups(self, self.spec.weight_decay), lr=self.spec.lr,
                                  betas=(0.9, self.spec.beta2))
         sched = torch.optim.lr_scheduler.LambdaLR(opt_, lr_lambda(self.spec))
         return {"optimizer": opt_, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -33,7 +33,9 @@ class PretrainRecipe:
     eval_blocks: int = opt(64, "validation blocks per domain in the final metrics.json")
 
 
-def _loggers(recipe: PretrainRecipe, out: Path):
+def _loggers(recipe, out: Path):
+    """CSV (always) and wandb (offline unless WANDB_MODE says otherwise) loggers for a recipe with `name` and
+    `train: TrainSpec`."""
     from lightning.pytorch.loggers import CSVLogger
 
     # One version folder per (re)start: Lightning's CSVLogger would overwrite an existing metrics.csv on resume.
@@ -47,6 +49,28 @@ def _loggers(recipe: PretrainRecipe, out: Path):
         loggers.append(WandbLogger(project=recipe.train.wandb_project, name=recipe.name, save_dir=str(out),
                                    offline=os.environ["WANDB_MODE"] == "offline", config=to_dict(recipe)))
     return loggers
+
+
+def fit_resumable(recipe, module, dm, out: Path, resume: bool = True) -> tuple[int, float, object]:
+    """Fit `module` with Lightning under `recipe.train`, checkpointing into `out/checkpoints` and resuming from
+    the newest complete checkpoint there. Returns (step resumed from, seconds trained this run, trainer)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+
+    ckpt_dir = out / "checkpoints"
+    latest, start_step = latest_checkpoint(ckpt_dir) if resume else (None, 0)
+    t = recipe.train
+    trainer = L.Trainer(
+        max_steps=t.max_steps, accelerator="cpu", devices=1, precision=t.precision,
+        val_check_interval=t.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+        gradient_clip_val=t.grad_clip or None, log_every_n_steps=t.log_every, logger=_loggers(recipe, out),
+        callbacks=[ModelCheckpoint(dirpath=str(ckpt_dir), filename="step{step}", every_n_train_steps=t.ckpt_every,
+                                   save_top_k=1, save_last=True, auto_insert_metric_name=False),
+                   LearningRateMonitor(logging_interval="step")],
+        enable_model_summary=False, default_root_dir=str(out))
+    started = time.time()
+    trainer.fit(module, datamodule=dm, ckpt_path=str(latest) if latest else None, weights_only=True)
+    return start_step, time.time() - started, trainer
 
 
 def latest_checkpoint(ckpt_dir: Path) -> tuple[Path | None, int]:
@@ -99,7 +123,6 @@ def plot_training_curve(log_dir: Path, out_png: Path) -> None:
 def run_pretrain(recipe: PretrainRecipe, resume: bool = True) -> dict:
     import lightning as L
     import torch
-    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
     from transformers import AutoModelForCausalLM
 
     from .corpus import load_corpus
@@ -115,9 +138,6 @@ def run_pretrain(recipe: PretrainRecipe, resume: bool = True) -> dict:
     out = Path(recipe.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_recipe(recipe, out / "recipe.yaml")
-    ckpt_dir = out / "checkpoints"
-    latest, start_step = latest_checkpoint(ckpt_dir) if resume else (None, 0)
-    ckpt_path = str(latest) if latest else None
 
     L.seed_everything(recipe.train.seed, workers=True, verbose=False)
     hf_config = recipe.model.to_hf_config(len(tok), tok.eos_token_id, tok.pad_token_id)
@@ -126,19 +146,7 @@ def run_pretrain(recipe: PretrainRecipe, resume: bool = True) -> dict:
     dm = CorpusDataModule(recipe.data, seed=recipe.train.seed)
     dm.setup("fit")
     module = CausalLMModule(model, recipe.train, dm.val_domains())
-
-    t = recipe.train
-    trainer = L.Trainer(
-        max_steps=t.max_steps, accelerator="cpu", devices=1, precision=t.precision,
-        val_check_interval=t.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
-        gradient_clip_val=t.grad_clip or None, log_every_n_steps=t.log_every, logger=_loggers(recipe, out),
-        callbacks=[ModelCheckpoint(dirpath=str(ckpt_dir), filename="step{step}", every_n_train_steps=t.ckpt_every,
-                                   save_top_k=1, save_last=True, auto_insert_metric_name=False),
-                   LearningRateMonitor(logging_interval="step")],
-        enable_model_summary=False, default_root_dir=str(out))
-    started = time.time()
-    trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
-    train_s = time.time() - started
+    start_step, train_s, trainer = fit_resumable(recipe, module, dm, out, resume)
 
     model_dir = out / "model"
     model.save_pretrained(str(model_dir), safe_serialization=True)

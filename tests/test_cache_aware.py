@@ -1,0 +1,254 @@
+"""Cache-aware post-training: losses with hand-made cases, router shapes and targets, the predictor-driven cache
+simulator, and real post-training runs (aux-only freeze, joint, resume) on a tiny pretrained base."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from expertcache.telemetry.cachesim import next_use, simulate, simulate_scored
+from expertcache.telemetry.errors import InputError
+from expertcache.trainer.aux_routers import (AuxRouterConfig, AuxRouters, history_features, load_aux_routers,
+                                             next_use_target)
+from expertcache.trainer.config import RecipeError, load_recipe
+from expertcache.trainer.locality import domain_loss, layer_weights, locality_loss
+from helpers import REPO, smoke_overrides
+
+CA_RECIPES = REPO / "recipes" / "cache-aware"
+
+
+# --- losses ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["dot", "l2"])
+def test_locality_gradient_pulls_the_next_token_towards_the_previous_routing(kind):
+    # one sequence of 2 tokens, 4 experts: token 0 prefers expert 0, token 1 prefers expert 3
+    logits = torch.tensor([[3.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 3.0]], requires_grad=True)
+    loss = locality_loss([logits], batch=1, kind=kind)
+    loss.backward()
+    g = logits.grad
+    assert g[1, 0] < 0, g  # raising token 1's logit for token 0's expert lowers the loss
+    assert g[1, 3] > 0, g  # and raising its own, different, favourite raises it
+    assert g[0, 3] < 0 and g[0, 0] > 0  # symmetric for token 0
+    same = torch.tensor([[3.0, 0, 0, 0], [3.0, 0, 0, 0]])
+    p = same[0].softmax(-1)
+    want = 0.0 if kind == "l2" else float(1 - (p * p).sum())
+    assert locality_loss([same], 1, kind).item() == pytest.approx(want, abs=1e-6)
+
+
+def test_locality_layer_weights_and_pairs_stay_inside_a_sequence():
+    # two sequences of one token each: no adjacent pair inside a sequence -> nothing to compare
+    a = torch.randn(4, 8)
+    l_two = locality_loss([a], batch=2)  # [2, 2, 8]: one pair per sequence
+    manual = np.mean([1 - float((a[2 * b].softmax(-1) * a[2 * b + 1].softmax(-1)).sum()) for b in range(2)])
+    assert l_two.item() == pytest.approx(manual, rel=1e-5)
+    w = layer_weights([0.0, 1.0], 2)
+    assert torch.allclose(w, torch.tensor([0.0, 2.0]))
+    l_w = locality_loss([a, torch.zeros(4, 8)], 2, "l2", w)  # layer 0 weighted out; layer 1 constant: 0
+    assert l_w.item() == pytest.approx(0.0, abs=1e-7)
+    with pytest.raises(InputError, match="2 MoE layers"):
+        layer_weights([1.0], 2)
+
+
+def test_domain_loss_gradient_moves_mass_into_the_allowed_set():
+    logits = torch.zeros(3, 4, requires_grad=True)  # one sequence, 3 tokens, 4 experts, uniform
+    allowed = torch.tensor([[[True, True, False, False]]])  # [D=1, layers=1, E=4]
+    loss = domain_loss([logits], batch=1, domain=torch.tensor([0]), allowed=allowed)
+    assert loss.item() == pytest.approx(0.5)
+    loss.backward()
+    assert (logits.grad[:, :2] < 0).all() and (logits.grad[:, 2:] > 0).all()
+
+
+# --- routers ---------------------------------------------------------------------------------------------------
+
+def _routers(temporal=True, spatio=True, e=8, h=16, layers=3, history=4):
+    cfg = AuxRouterConfig(hidden_size=h, num_experts=e, top_k=2, moe_layers=list(range(layers)),
+                          temporal=temporal, spatio=spatio, rank=4, history=history)
+    torch.manual_seed(0)
+    return AuxRouters(cfg), [torch.nn.Linear(h, e, bias=False) for _ in range(layers)]
+
+
+def test_router_shapes_and_zero_start_equal_the_native_router():
+    aux, routers = _routers()
+    h = torch.randn(10, 16)
+    hist = torch.zeros(10, 8, 4)
+    t = aux.temporal_scores(1, h, routers[1], hist)
+    s = aux.spatio_scores(2, h, routers[2])
+    assert t.shape == (10, 8) and s.shape == (10, 8)
+    # untrained: the Temporal head is the layer's own router (persistence), the Spatio head the lookahead probe
+    assert torch.allclose(t, routers[1](h)) and torch.allclose(s, routers[2](h))
+    assert len(aux.temporal) == 3 and len(aux.spatio) == 2  # layer 0 has no predecessor
+    with pytest.raises(InputError):
+        AuxRouters(AuxRouterConfig(16, 8, 2, [0, 1], temporal=False, spatio=False))
+
+
+def test_router_loss_gradient_raises_the_score_of_the_true_expert():
+    aux, routers = _routers(temporal=False)
+    b, t, k = 1, 5, 2
+    hidden = [torch.randn(b * t, 16) for _ in range(3)]
+    ids = [torch.tensor([[0, 1]] * t) for _ in range(3)]
+    loss = aux.loss(hidden, ids, routers, b)["spatio"]
+    loss.backward()
+    up = aux.spatio[0].up  # predicts layer 1; its bias is a per-expert score offset
+    assert up.bias.grad[0] < 0 and up.bias.grad[1] < 0  # true experts: push their scores up
+    assert (up.bias.grad[2:] > 0).all()
+
+
+def test_temporal_targets_and_history_by_hand():
+    ids = torch.tensor([[[0], [1], [2], [0], [1]]])  # [B=1, T=5, k=1], E=3
+    tgt = next_use_target(ids, 3, horizon=3, decay=0.5)  # [1, 4, 3]
+    # token 0: expert 1 next at d=1, expert 2 at d=2, expert 0 at d=3
+    assert tgt[0, 0].tolist() == [0.25, 1.0, 0.5]
+    # token 3: only token 4 lies ahead (expert 1 at d=1)
+    assert tgt[0, 3].tolist() == [0.0, 1.0, 0.0]
+    assert next_use_target(ids, 3, 3, 0.0)[0, 0].tolist() == [0.0, 1.0, 0.0]  # gamma 0: next token only
+    hist = history_features(ids, 3, history=2)  # [1, 5, 3, 2]
+    assert hist[0, 2].tolist() == [[0, 0], [0, 1], [1, 0]]  # used now: 2; one token ago: 1
+    assert hist[0, 0, :, 1].tolist() == [0, 0, 0]  # nothing before the first token
+
+
+# --- the predictor-driven cache --------------------------------------------------------------------------------
+
+def _steps(seed=0, s=300, e=8, k=2):
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.choice(e, k, replace=False) for _ in range(s)])
+
+
+@pytest.mark.parametrize("cap", [2, 3, 5])
+def test_scored_cache_is_lru_without_scores_and_belady_with_oracle_scores(cap):
+    steps = _steps()
+    assert simulate_scored(steps, cap).hits == simulate(steps, cap, "lru", "token").hits
+    # oracle Temporal scores: minus the step of each key's next use -> keeps exactly what Belady keeps
+    nxt = next_use(steps.tolist())
+    keep = np.full((len(steps), 8), -1e18)
+    seen = {}
+    for s in range(len(steps) - 1, -1, -1):
+        for e, n in seen.items():
+            keep[s, e] = -n
+        for e in steps[s]:
+            seen[int(e)] = s
+    bel = simulate(steps, cap, "belady", "token")
+    got = simulate_scored(steps, cap, keep=keep)
+    assert got.hits == bel.hits, (got, bel)
+    assert got.prefetches == 0 and got.adjusted_hit_rate == pytest.approx(got.hit_rate)
+    assert nxt  # next_use is the helper Belady itself uses
+
+
+def test_prefetch_of_the_true_experts_hits_and_is_charged():
+    steps = _steps(1)
+    exact = simulate_scored(steps, 2, prefetch=steps)  # a perfect Spatio refinement with R = k
+    assert exact.hit_rate == 1.0 and exact.loads == 0
+    assert exact.prefetches == simulate_scored(steps, 2).loads  # every load became a prefetch: no saving
+    assert exact.adjusted_hit_rate == pytest.approx(simulate_scored(steps, 2).adjusted_hit_rate)
+    wrong = simulate_scored(steps, 4, prefetch=(steps + 4) % 8)  # prefetch experts that are not needed
+    lru = simulate_scored(steps, 4)
+    assert wrong.adjusted_hit_rate < lru.adjusted_hit_rate
+
+
+# --- recipes and real runs -------------------------------------------------------------------------------------
+
+def test_every_shipped_recipe_loads_and_bad_ones_are_refused():
+    from expertcache.trainer.cache_aware import CacheAwareRecipe
+
+    for name in ("locality", "temporal", "spatio-temporal", "aux-only", "sweep", "smoke"):
+        load_recipe(CacheAwareRecipe, CA_RECIPES / f"{name}.yaml")
+    with pytest.raises(RecipeError, match="unknown recipe key routers.tempral"):
+        load_recipe(CacheAwareRecipe, CA_RECIPES / "temporal.yaml", ["routers.tempral=true"])
+    with pytest.raises(RecipeError, match="locality-only trains no auxiliary routers"):
+        load_recipe(CacheAwareRecipe, CA_RECIPES / "locality.yaml", ["routers.temporal=true"])
+    with pytest.raises(RecipeError, match="aux-only freezes the backbone"):
+        load_recipe(CacheAwareRecipe, CA_RECIPES / "aux-only.yaml", ["locality.weight=1.0"])
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tiny_data, tmp_path_factory):
+    from expertcache.trainer.pretrain import PretrainRecipe, run_pretrain
+
+    out = tmp_path_factory.mktemp("base")
+    run_pretrain(load_recipe(PretrainRecipe, REPO / "recipes" / "smoke.yaml",
+                             smoke_overrides(tiny_data, out, **{"train.max_steps": 10})))
+    return out / "model"
+
+
+def _ca_recipe(tiny_data, base, out, name="smoke", **extra):
+    from expertcache.trainer.cache_aware import CacheAwareRecipe
+
+    o = {"base": str(base), "out_dir": str(out), "data.corpus": tiny_data["corpus"], "data.tokenizer": str(base),
+         "data.seq_len": 64, "data.batch_size": 4, "data.val_batches": 1, "train.max_steps": 6,
+         "train.ckpt_every": 3, "train.val_every": 6, "train.wandb": False, "eval.prompt_len": 16,
+         "eval.decode_tokens": 12, "eval.max_seqs": 2, "eval.ppl_blocks": 2, "eval.seq_len": 64}
+    o.update(extra)
+    return load_recipe(CacheAwareRecipe, CA_RECIPES / f"{name}.yaml", [f"{k}={v}" for k, v in o.items()])
+
+
+def test_aux_only_keeps_the_backbone_bit_identical(tiny_data, tiny_base, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from expertcache.trainer.cache_aware import run_cache_aware
+
+    res = run_cache_aware(_ca_recipe(tiny_data, tiny_base, tmp_path / "aux", "aux-only", **{"routers.rank": 4}))
+    before = load_file(str(tiny_base / "model.safetensors"))
+    after = load_file(str(tmp_path / "aux" / "model" / "model.safetensors"))
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert res["summary"]["dppl_percent"]["overall"] == pytest.approx(0.0, abs=1e-9)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "aux" / "model")
+    aux = load_aux_routers(tmp_path / "aux" / "model", model)
+    assert aux.cfg.temporal and aux.cfg.spatio and aux.cfg.rank == 4
+    # the heads trained: no longer the zero-start (native router) predictors
+    assert any(float(h.up.weight.abs().sum()) > 0 for h in aux.temporal)
+    assert res["parameters"]["aux_fraction_of_backbone"] < 0.01
+    # routers trained for one checkpoint are refused by another
+    other = AutoModelForCausalLM.from_pretrained(tiny_base)
+    with torch.no_grad():
+        other.model.layers[0].mlp.gate.weight.add_(1.0)
+    with pytest.raises(InputError, match="another checkpoint"):
+        load_aux_routers(tmp_path / "aux" / "model", other)
+
+
+def test_joint_run_resumes_and_writes_the_table(tiny_data, tiny_base, tmp_path):
+    from expertcache.recipes.cli import main
+    from expertcache.trainer.cache_aware import run_cache_aware
+
+    out = tmp_path / "joint"
+    first = run_cache_aware(_ca_recipe(tiny_data, tiny_base, out, **{"train.max_steps": 3, "routers.rank": 4}))
+    assert first["global_step"] == 3 and first["resumed_from_step"] == 0
+    second = run_cache_aware(_ca_recipe(tiny_data, tiny_base, out, **{"train.max_steps": 6, "routers.rank": 4}))
+    assert second["resumed_from_step"] == 3 and second["global_step"] == 6
+    s = second["summary"]
+    for cap, c in s["capacities"].items():
+        assert {"lru", "temporal", "spatio", "spatio_temporal", "base_lru"} <= set(c)
+        for p in ("lru", "temporal", "spatio", "spatio_temporal"):
+            row = c[p]
+            assert 0 <= row["adjusted_hit_rate"] <= row["hit_rate"] <= 1
+            assert row["hit_rate"] <= row["belady_hit_rate"] + 1e-12 or p in ("spatio", "spatio_temporal")
+        assert c["temporal"]["prefetch_loads"] == 0 and c["lru"]["prefetch_loads"] == 0
+    assert set(s["dppl_percent"]) == {"code", "prose", "math", "overall"}
+    assert s["gate"]["pass"] == (not s["gate"]["failures"])
+    table = (out / "result.md").read_text()
+    assert "| smoke |" in table.replace("ca-smoke", "smoke") and ("PASS" in table or "FAIL" in table)
+    assert (out / "cache.png").stat().st_size > 5000
+    assert json.loads((out / "result.json").read_text())["global_step"] == 6
+    assert main(["train-cache-aware", "--table", str(out)]) == 0
+
+
+def test_missing_base_is_one_clear_error(tiny_data, tmp_path, capsys):
+    from expertcache.recipes.cli import main
+
+    rc = main(["train-cache-aware", "--recipe", "locality", f"base={tmp_path}/nope", f"out_dir={tmp_path}/o",
+               f"data.corpus={tiny_data['corpus']}"])
+    assert rc == 2
+    assert "no HF checkpoint" in capsys.readouterr().err
+
+
+def test_help_documents_every_key(capsys):
+    from expertcache.recipes.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train-cache-aware", "--help"])
+    text = capsys.readouterr().out
+    for key in ("locality.weight", "routers.refine_budget", "routers.horizon_decay", "eval.gate_ppl_overall",
+                "sweep.values", "mode"):
+        assert key in text

@@ -1,0 +1,405 @@
+"""Cache-aware post-training of a trained MoE: locality losses on the backbone's routers, auxiliary Temporal and
+Spatio routers, and the end-of-run cache and perplexity figures with the pre-registered gate.
+
+Modes:
+- `joint`: the backbone (LM loss + its load-balancing loss + locality losses) and the auxiliary routers are
+  trained together; the routers' cache loss is weighted by `routers.weight` and its gradient reaches the
+  backbone's hidden states.
+- `aux-only`: the backbone is frozen (bit-identical); only the auxiliary routers train.
+- `locality-only`: the backbone with locality losses, no auxiliary routers.
+Inference always uses the model's native top-k: nothing here changes which experts a token computes with.
+
+Run folder (`out_dir`): recipe.yaml, checkpoints/ (resumable), logs/, model/ (HF checkpoint + tokenizer +
+aux_routers.safetensors), trace-<split>.parquet (the run's decode routing), result.json, result.md,
+training_curve.png, cache.png.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import RecipeError, apply_overrides, from_dict, opt, save_recipe, to_dict
+from .data import DataSpec
+from .lm_module import CausalLMModule, TrainSpec
+
+MODES = ("joint", "aux-only", "locality-only")
+
+
+@dataclass
+class LocalitySpec:
+    weight: float = opt(0.0, "lambda: weight of the adjacent-token routing-locality loss (0: off)")
+    kind: str = opt("dot", "dot: 1 - <p_t, p_t-1>; l2: ||p_t - p_t-1||^2 (softmax router probabilities)")
+    layer_weights: list[float] = opt([], "one weight per MoE layer (normalised to mean 1); [] = all equal")
+    domain_weight: float = opt(0.0, "weight of the domain loss: routing mass outside the domain's expert set")
+    domain_frac: float = opt(0.5, "each domain's allowed experts, as a fraction of E, from the base's own usage")
+
+
+@dataclass
+class RouterSpec:
+    temporal: bool = opt(False, "train a Temporal router (update-only: what the cache keeps after an access)")
+    spatio: bool = opt(False, "train a Spatio router (prefetch up to R experts from the previous layer's state)")
+    rank: int = opt(32, "width of each head's low-rank correction")
+    refine_budget: int = opt(2, "R: Spatio prefetches per layer per token, at most")
+    prefetch_threshold: float = opt(0.5, "prefetch a Spatio prediction only if its probability (sigmoid) >= this")
+    horizon: int = opt(8, "Temporal target: tokens ahead it looks for an expert's next use")
+    horizon_decay: float = opt(0.5, "Temporal target gamma^(d-1) for a next use d tokens ahead (0: next token only)")
+    history: int = opt(8, "Temporal input: the experts each of the last N tokens used at the layer")
+    weight: float = opt(1.0, "weight of the routers' cache loss in joint mode")
+
+
+@dataclass
+class EvalSpec:
+    split: str = opt("test", "held-out split for the cache figures and perplexity")
+    prompt_len: int = opt(64, "prefill tokens per recorded sequence")
+    decode_tokens: int = opt(64, "greedy decode tokens per recorded sequence (the cache is scored on these)")
+    max_seqs: int = opt(16, "recorded sequences per domain")
+    capacities: list[float] = opt([0.125, 0.25], "cache capacities per layer, as fractions of E")
+    ppl_blocks: int = opt(64, "perplexity blocks per domain")
+    seq_len: int = opt(256, "tokens per perplexity block")
+    gate_ppl_overall: float = opt(1.0, "gate: largest allowed Δppl overall, in %")
+    gate_ppl_domain: float = opt(2.0, "gate: largest allowed Δppl in any domain, in %")
+
+
+@dataclass
+class SweepSpec:
+    key: str = opt("", "recipe key to sweep, e.g. locality.weight (empty: a single run)")
+    values: list[float] = opt([], "values of that key; each runs into out_dir/<key>=<value>/")
+
+
+@dataclass
+class CacheAwareRecipe:
+    name: str = opt("cache-aware", "run name (used in logs)")
+    out_dir: str = opt("runs/cache-aware", "run folder")
+    base: str = opt("runs/base-tiny/model", "HF checkpoint to post-train (a pretrained base)")
+    mode: str = opt("joint", "joint | aux-only | locality-only")
+    data: DataSpec = opt(DataSpec(), "corpus, tokenizer and batching")
+    train: TrainSpec = opt(TrainSpec(max_steps=200, lr=3e-4, warmup_steps=20, val_every=100, ckpt_every=25,
+                                     log_every=5), "optimisation, validation, checkpoints, logging")
+    locality: LocalitySpec = opt(LocalitySpec(), "routing-locality losses on the backbone's routers")
+    routers: RouterSpec = opt(RouterSpec(), "auxiliary Temporal / Spatio routers")
+    eval: EvalSpec = opt(EvalSpec(), "end-of-run cache figures, perplexity and the gate")
+    sweep: SweepSpec = opt(SweepSpec(), "run one key over a grid and write one table")
+
+    def __post_init__(self):
+        has_routers = self.routers.temporal or self.routers.spatio
+        if self.mode not in MODES:
+            raise RecipeError(f"mode={self.mode!r}; expected one of {', '.join(MODES)}")
+        if self.mode == "locality-only" and has_routers:
+            raise RecipeError("mode=locality-only trains no auxiliary routers; set routers.temporal and "
+                              "routers.spatio to false, or use mode=joint")
+        if self.mode != "locality-only" and not has_routers:
+            raise RecipeError(f"mode={self.mode} needs routers.temporal and/or routers.spatio")
+        if self.mode == "aux-only" and (self.locality.weight or self.locality.domain_weight):
+            raise RecipeError("mode=aux-only freezes the backbone, so locality.weight and locality.domain_weight "
+                              "would do nothing; set them to 0")
+        if self.sweep.key and not self.sweep.values:
+            raise RecipeError(f"sweep.key={self.sweep.key} has no sweep.values")
+
+
+class CacheAwareModule(CausalLMModule):
+    def __init__(self, model, recipe: CacheAwareRecipe, val_domains: list[str], aux=None,
+                 allowed: torch.Tensor | None = None):
+        super().__init__(model, recipe.train, val_domains)
+        from expertcache.telemetry.adapters import adapter_for
+
+        from .locality import layer_weights
+
+        self.recipe, self.aux, self.allowed = recipe, aux, allowed
+        self.adapter = adapter_for(model)
+        self.moe = self.adapter.moe_layers(model)
+        self.layer_w = layer_weights(recipe.locality.layer_weights, len(self.moe))
+        self._hidden: dict[int, torch.Tensor] = {}
+        self._capture = False
+        if aux is not None:
+            for i, layer in enumerate(self.moe):
+                layer.router.register_forward_hook(self._keep_input(i))
+        if recipe.mode == "aux-only":
+            for p in model.parameters():
+                p.requires_grad_(False)
+
+    def _keep_input(self, i: int):
+        def hook(module, args, output):
+            if self._capture:
+                self._hidden[i] = args[0].reshape(-1, args[0].shape[-1])  # [B*T, H] entering MoE layer i
+        return hook
+
+    def training_step(self, batch, batch_idx):
+        ids = batch["input_ids"]  # [B, T]
+        b = ids.shape[0]
+        loc, r = self.recipe.locality, self.recipe.routers
+        self._capture = self.aux is not None
+        try:
+            if self.recipe.mode == "aux-only":
+                with torch.no_grad():
+                    out = self.model(input_ids=ids, output_router_logits=True, use_cache=False)
+                total = torch.zeros((), device=ids.device)
+            else:
+                out = self.model(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False)
+                total, lm, bal = self.lm_losses(out)
+                self.log("train/loss", lm.detach(), prog_bar=True)
+                if bal is not None:
+                    self.log("train/aux_loss", bal.detach())
+            if loc.weight:
+                from .locality import locality_loss
+
+                lo = locality_loss(out.router_logits, b, loc.kind, self.layer_w)
+                total = total + loc.weight * lo
+                self.log("train/locality", lo.detach(), prog_bar=True)
+            if loc.domain_weight:
+                from .locality import domain_loss
+
+                do = domain_loss(out.router_logits, b, batch["domain"], self.allowed)
+                total = total + loc.domain_weight * do
+                self.log("train/domain", do.detach())
+            if self.aux is not None:
+                with torch.no_grad():
+                    native = [self.adapter.route(lg, self.adapter.router_bias(L.router))[0]
+                              for lg, L in zip(out.router_logits, self.moe)]
+                hidden = [self._hidden[i] for i in range(len(self.moe))]
+                losses = self.aux.loss(hidden, native, [L.router for L in self.moe], b)
+                w = 1.0 if self.recipe.mode == "aux-only" else r.weight
+                for name, v in losses.items():
+                    total = total + w * v
+                    self.log(f"train/{name}", v.detach(), prog_bar=True)
+        finally:
+            self._capture = False
+            self._hidden.clear()
+        return total
+
+
+# --- a run ---------------------------------------------------------------------------------------------------
+
+def _check_base(base: str | Path) -> Path:
+    from expertcache.telemetry.errors import InputError
+
+    base = Path(base)
+    if not (base / "config.json").is_file():
+        raise InputError(f"no HF checkpoint at {base} (expected {base / 'config.json'}); pretrain one first: "
+                         f"expertcache pretrain --recipe base-tiny")
+    return base
+
+
+def baseline_eval(recipe: CacheAwareRecipe) -> dict:
+    """The base checkpoint under the run's eval spec; cached beside the base (every run of a table shares it)."""
+    from .cache_eval import evaluate_checkpoint
+
+    base = _check_base(recipe.base)
+    ev = to_dict(recipe.eval)
+    key = hashlib.sha256(json.dumps([ev, recipe.data.corpus, (base / "config.json").read_text(),
+                                     (base / "model.safetensors").stat().st_mtime], sort_keys=True,
+                                    default=str).encode()).hexdigest()[:12]
+    folder = base.parent / "cache-aware-baseline"
+    path = folder / f"{key}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    folder.mkdir(parents=True, exist_ok=True)
+    e = recipe.eval
+    res = evaluate_checkpoint(base, recipe.data.corpus, e.split, folder / f"trace-{key}.parquet", e.prompt_len,
+                              e.decode_tokens, e.max_seqs, e.capacities, e.ppl_blocks, e.seq_len)
+    path.write_text(json.dumps(res, indent=2))
+    return res
+
+
+def summarize(recipe: CacheAwareRecipe, base: dict, cand: dict) -> dict:
+    """Miss reduction against the base's LRU, the routers against LRU on the same model, Δppl and the gate."""
+    caps = {}
+    for row in cand["cache"]:
+        c = caps.setdefault(str(row["capacity"]), {"capacity_frac": row["capacity_frac"]})
+        c[row["policy"]] = row
+    for cap, c in caps.items():
+        base_lru = next(r for r in base["cache"] if str(r["capacity"]) == cap and r["policy"] == "lru")
+        c["base_lru"] = base_lru
+        c["lru_miss_reduction"] = 1 - c["lru"]["misses_per_token"] / base_lru["misses_per_token"]
+        routed = [p for p in ("spatio_temporal", "temporal", "spatio") if p in c]
+        if routed:
+            best = max(routed, key=lambda p: c[p]["adjusted_hit_rate"])
+            c["best_router_policy"] = best
+            c["router_adjusted_gain_points"] = 100 * (c[best]["adjusted_hit_rate"] - c["lru"]["adjusted_hit_rate"])
+            c["router_traffic_ratio"] = c[best]["traffic_bytes_per_token"] / c["lru"]["traffic_bytes_per_token"]
+    dppl = {d: 100 * (cand["ppl"][d] / base["ppl"][d] - 1) for d in cand["ppl"]}
+    e = recipe.eval
+    fails = []
+    if dppl["overall"] > e.gate_ppl_overall:
+        fails.append(f"Δppl overall {dppl['overall']:+.2f}% > +{e.gate_ppl_overall}%")
+    fails += [f"Δppl {d} {v:+.2f}% > +{e.gate_ppl_domain}%" for d, v in dppl.items()
+              if d != "overall" and v > e.gate_ppl_domain]
+    return {"capacities": caps, "dppl_percent": dppl, "gate": {"pass": not fails, "failures": fails,
+                                                              "ppl_overall_max": e.gate_ppl_overall,
+                                                              "ppl_domain_max": e.gate_ppl_domain}}
+
+
+def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
+    """Post-train, save, evaluate; returns (and writes) result.json. A sweep runs every point, then the table."""
+    if recipe.sweep.key:
+        return run_sweep(recipe, resume)
+    import lightning as L
+    from transformers import AutoModelForCausalLM
+
+    from expertcache.telemetry.errors import InputError
+
+    from .aux_routers import AuxRouters, config_for
+    from .cache_eval import evaluate_checkpoint
+    from .corpus import load_corpus
+    from .data import CorpusDataModule, packed_blocks
+    from .evaluate import check_vocab
+    from .models import count_parameters
+    from .pretrain import fit_resumable, plot_training_curve
+    from .tokenizer import load_tokenizer
+
+    base = _check_base(recipe.base)
+    load_corpus(recipe.data.corpus)
+    tok = load_tokenizer(recipe.data.tokenizer)
+    if recipe.train.threads:
+        torch.set_num_threads(recipe.train.threads)
+    out = Path(recipe.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_recipe(recipe, out / "recipe.yaml")
+
+    L.seed_everything(recipe.train.seed, workers=True, verbose=False)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    check_vocab(tok, model.config)
+    r = recipe.routers
+    aux = AuxRouters(config_for(model, r.temporal, r.spatio, r.rank, r.refine_budget, r.prefetch_threshold,
+                                r.horizon, r.horizon_decay, r.history)) \
+        if recipe.mode != "locality-only" else None
+    n_backbone = count_parameters(model)["total"]
+    n_aux = aux.num_parameters() if aux is not None else 0
+    if n_aux > 0.01 * n_backbone:
+        raise RecipeError(f"auxiliary routers have {n_aux} parameters, over 1% of the backbone's {n_backbone}; "
+                          f"lower routers.rank ({r.rank})")
+    allowed = None
+    if recipe.locality.domain_weight:
+        from .corpus import DOMAINS
+        from .locality import allowed_experts
+
+        blocks = [torch.from_numpy(packed_blocks(recipe.data.corpus, recipe.data.tokenizer, "train", d,
+                                                 recipe.data.seq_len)[:16].astype("int64")) for d in DOMAINS]
+        if any(len(b) == 0 for b in blocks):
+            raise InputError("the domain loss needs training text in every domain")
+        allowed = allowed_experts(model, blocks, recipe.locality.domain_frac)
+    dm = CorpusDataModule(recipe.data, seed=recipe.train.seed)
+    dm.setup("fit")
+    module = CacheAwareModule(model, recipe, dm.val_domains(), aux, allowed)
+    start_step, train_s, trainer = fit_resumable(recipe, module, dm, out, resume)
+
+    model_dir = out / "model"
+    model.save_pretrained(str(model_dir), safe_serialization=True)
+    tok.save_pretrained(str(model_dir))
+    if aux is not None:
+        aux.save(model_dir, model)
+    plot_training_curve(out / "logs", out / "training_curve.png")
+
+    e = recipe.eval
+    base_res = baseline_eval(recipe)
+    cand = evaluate_checkpoint(model_dir, recipe.data.corpus, e.split, out / f"trace-{e.split}.parquet",
+                               e.prompt_len, e.decode_tokens, e.max_seqs, e.capacities, e.ppl_blocks, e.seq_len,
+                               aux=aux.eval() if aux is not None else None)
+    result = {"name": recipe.name, "mode": recipe.mode, "base": str(base), "out_dir": str(out),
+              "global_step": trainer.global_step, "resumed_from_step": start_step,
+              "train_seconds_this_run": round(train_s, 1),
+              "locality": to_dict(recipe.locality), "routers": to_dict(recipe.routers) if aux is not None else None,
+              "parameters": {"backbone": n_backbone, "aux_routers": n_aux,
+                             "aux_fraction_of_backbone": n_aux / n_backbone},
+              "baseline": base_res, "candidate": cand, "summary": summarize(recipe, base_res, cand)}
+    (out / "result.json").write_text(json.dumps(result, indent=2))
+    (out / "result.md").write_text(results_table([result]) + "\n")
+    plot_cache(result, out / "cache.png")
+    return result
+
+
+def run_sweep(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
+    """Every value of `sweep.key` as its own run under out_dir, then one table (sweep.md, sweep.json)."""
+    out = Path(recipe.out_dir)
+    base = to_dict(recipe)
+    base["sweep"] = {"key": "", "values": []}
+    results = []
+    for v in recipe.sweep.values:
+        point = apply_overrides(json.loads(json.dumps(base)), [f"{recipe.sweep.key}={v}"])
+        point["out_dir"] = str(out / f"{recipe.sweep.key}={v:g}")
+        point["name"] = f"{recipe.name}-{recipe.sweep.key}={v:g}"
+        results.append(run_cache_aware(from_dict(CacheAwareRecipe, point), resume))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps([_row(r) for r in results], indent=2))
+    (out / "sweep.md").write_text(results_table(results) + "\n")
+    return {"sweep": recipe.sweep.key, "values": recipe.sweep.values, "rows": [_row(r) for r in results],
+            "table": str(out / "sweep.md")}
+
+
+# --- tables and plots ----------------------------------------------------------------------------------------
+
+def _row(result: dict) -> dict:
+    """The figures of one run that the table shows."""
+    s = result["summary"]
+    row = {"name": result["name"], "mode": result["mode"], "lambda": result["locality"]["weight"],
+           "dppl_percent": s["dppl_percent"], "gate": "PASS" if s["gate"]["pass"] else "FAIL"}
+    for cap, c in s["capacities"].items():
+        row[f"C={cap}"] = {
+            "capacity_frac": c["capacity_frac"], "lru_miss_reduction": c["lru_miss_reduction"],
+            "lru_hit_rate": c["lru"]["hit_rate"], "base_lru_hit_rate": c["base_lru"]["hit_rate"],
+            "best_router_policy": c.get("best_router_policy"),
+            "router_adjusted_hit_rate": c[c["best_router_policy"]]["adjusted_hit_rate"] if "best_router_policy" in c else None,
+            "router_hit_rate": c[c["best_router_policy"]]["hit_rate"] if "best_router_policy" in c else None,
+            "router_adjusted_gain_points": c.get("router_adjusted_gain_points"),
+            "lru_traffic_MB_per_token": c["lru"]["traffic_bytes_per_token"] / 1e6,
+            "router_traffic_MB_per_token": c[c["best_router_policy"]]["traffic_bytes_per_token"] / 1e6
+            if "best_router_policy" in c else None}
+    return row
+
+
+def _f(v, fmt):
+    return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
+
+
+def results_table(results: list[dict]) -> str:
+    """Markdown: per run, per capacity, LRU miss reduction vs the base, the routers vs LRU, Δppl and the gate."""
+    rows = [_row(r) for r in results]
+    caps = [k for k in rows[0] if k.startswith("C=")]
+    head = ["run", "mode", "λ"]
+    for c in caps:
+        frac = rows[0][c]["capacity_frac"]
+        head += [f"LRU miss red. @{frac:g}E", f"LRU hit @{frac:g}E", f"routers adj. hit @{frac:g}E (Δ pts)",
+                 f"traffic MB/tok LRU→routers @{frac:g}E"]
+    head += ["Δppl overall", "Δppl code", "Δppl prose", "Δppl math", "gate"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["name"], r["mode"], _f(r["lambda"], "g")]
+        for c in caps:
+            x = r[c]
+            cells += [f"{100 * x['lru_miss_reduction']:+.1f}%",
+                      f"{x['lru_hit_rate']:.3f} (base {x['base_lru_hit_rate']:.3f})",
+                      f"{_f(x['router_adjusted_hit_rate'], '.3f')} ({_f(x['router_adjusted_gain_points'], '+.1f')})",
+                      f"{x['lru_traffic_MB_per_token']:.2f}→{_f(x['router_traffic_MB_per_token'], '.2f')}"]
+        d = r["dppl_percent"]
+        cells += [f"{d.get(k, float('nan')):+.2f}%" for k in ("overall", "code", "prose", "math")] + [r["gate"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_cache(result: dict, out_png: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    caps = result["summary"]["capacities"]
+    fig, axes = plt.subplots(1, len(caps), figsize=(5 * len(caps), 4), squeeze=False)
+    for ax, (cap, c) in zip(axes[0], caps.items()):
+        names = ["base_lru", "lru"] + [p for p in ("temporal", "spatio", "spatio_temporal") if p in c]
+        hit = [c[n]["hit_rate"] for n in names]
+        adj = [c[n]["adjusted_hit_rate"] for n in names]
+        x = range(len(names))
+        ax.bar([i - 0.2 for i in x], hit, 0.4, label="hit rate")
+        ax.bar([i + 0.2 for i in x], adj, 0.4, label="adjusted hit rate")
+        ax.axhline(c["lru"]["belady_hit_rate"], ls="--", c="k", lw=1, label="Belady (this model)")
+        ax.set_xticks(list(x), ["base LRU", "LRU"] + names[2:], rotation=20)
+        ax.set(title=f"C = {cap} experts ({c['capacity_frac']:.3g} of E)", ylim=(0, 1))
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{result['name']}: decode cache figures ({result['mode']})")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
