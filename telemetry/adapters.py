@@ -101,6 +101,17 @@ class Adapter:
                 "norm_topk_prob": self.norm_topk_prob}
 
 
+def router_fingerprint(model) -> str:
+    """sha256 of the model's router weights: what was derived from one checkpoint (auxiliary routers, an
+    expert store) is refused by another."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for layer in adapter_for(model).moe_layers(model):
+        h.update(layer.router.weight.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:20]
+
+
 def _decoder_layers(model):
     base = getattr(model, "model", model)
     layers = getattr(base, "layers", None)

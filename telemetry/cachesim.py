@@ -14,7 +14,7 @@ Two semantics (METRICS.md; reference README):
   *after the current step*, so a key needed later in the same step can be evicted. This reproduces the
   published Qwen3-30B-A3B table (scripts/reference_check.py); it is weaker than the true optimum.
 
-Policies: ``lru`` (recency by step; within a step, by position), ``lfu`` (cumulative access counts, ties to the least recent),
+Policies: ``lru`` (recency by step; within a step, by position), ``lfu`` (cumulative access counts, ties to the least recent, then the smallest key),
 ``static`` (the C most frequent keys of a fit sequence, pinned; misses stream; ties as
 numpy's default argsort orders them), ``belady`` (the offline optimum: under ``token`` semantics, once a step
 has run, the cache keeps the C keys of (resident ∪ step) whose next use comes soonest, a missing key streaming
@@ -180,7 +180,7 @@ def _lfu(rows, cap, token: bool) -> int:
                 cands = [v for v in cache if v not in cur]
                 if not cands:
                     continue
-                victim = min(cands, key=lambda v: (count[v], last[v]))
+                victim = min(cands, key=lambda v: (count[v], last[v], v))
                 cache.remove(victim)
             cache.add(e)
     return hits

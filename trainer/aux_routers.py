@@ -22,7 +22,6 @@ checkpoint's router weights in the metadata, so routers trained for another chec
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from expertcache.telemetry.adapters import router_fingerprint
 from expertcache.telemetry.errors import InputError
 
 ROUTERS_FILE = "aux_routers.safetensors"
@@ -172,16 +172,6 @@ def next_use_target(ids: torch.Tensor, num_experts: int, horizon: int, decay: fl
         fut = m[:, d:]  # token t + d for t < T - d
         tgt[:, :t - d] = torch.where(fut > 0, torch.full_like(fut, w), tgt[:, :t - d])
     return tgt
-
-
-def router_fingerprint(model) -> str:
-    """sha256 of the model's router weights: routers trained for one checkpoint are refused by another."""
-    from expertcache.telemetry.adapters import adapter_for
-
-    h = hashlib.sha256()
-    for layer in adapter_for(model).moe_layers(model):
-        h.update(layer.router.weight.detach().float().cpu().numpy().tobytes())
-    return h.hexdigest()[:20]
 
 
 def config_for(model, temporal: bool, spatio: bool, rank: int, refine_budget: int, prefetch_threshold: float,

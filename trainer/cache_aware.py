@@ -285,6 +285,7 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
         allowed = allowed_experts(model, blocks, recipe.locality.domain_frac)
     dm = CorpusDataModule(recipe.data, seed=recipe.train.seed)
     dm.setup("fit")
+    model.train()  # from_pretrained returns eval mode
     module = CacheAwareModule(model, recipe, dm.val_domains(), aux, allowed)
     start_step, train_s, trainer = fit_resumable(recipe, module, dm, out, resume)
 
