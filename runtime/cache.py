@@ -67,13 +67,14 @@ class CacheState:
             if e in self.res:
                 self.res.move_to_end(e)
 
-    def retain(self, step: list[int], staged: dict[int, int], scores: list[float] | None = None) -> None:
+    def retain(self, step: list[int], staged: dict[int, int | None], scores: list[float] | None = None):
         """After the step: update counters and choose the resident set; staged experts that stay take over the
-        slot of the expert they replace, which becomes a staging slot."""
+        slot of the expert they replace, which becomes a staging slot. Experts staged as None (computed from a
+        transient buffer) get a free slot instead: returns those `(expert, slot)` pairs, to be copied in."""
         self._touch(step)
         self.t += 1
         if self.policy == "static":
-            return
+            return []
         cand = list(self.res) + [e for e in step if e not in self.res]  # oldest first; the step's new keys last
         if self.policy == "lru":
             keep = cand[-self.capacity:]
@@ -90,18 +91,21 @@ class CacheState:
         keep_set = set(keep)
         for e in [e for e in self.res if e not in keep_set]:
             self.free.append(self.res.pop(e))
+        copies = []
         for e in cand:  # newly kept staged experts, in recency order
             if e in keep_set and e not in self.res:
-                s = staged[e]
-                if self.free:  # swap roles: the staged slot becomes resident, a freed slot becomes staging
-                    f = self.free.pop()
+                f = self.free.pop()
+                s = staged.get(e)
+                if s is None:  # computed outside the slots: its bytes must be copied into slot f
+                    self.res[e] = f
+                    copies.append((e, f))
+                else:  # swap roles: the staging slot becomes resident, the freed slot becomes staging
                     self.staging[self.staging.index(s)] = f
-                else:
-                    raise RuntimeError("no free resident slot to swap with")
-                self.res[e] = s
+                    self.res[e] = s
         for e in step:  # a step's keys are equally recent; ties by their position in the step
             if e in self.res:
                 self.res.move_to_end(e)
+        return copies
 
     def prefetch_slot(self, e: int, protect: set[int]) -> int | None:
         """A resident slot for `e` before it is accessed: a free one, or the lowest-priority resident not in

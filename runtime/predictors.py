@@ -1,0 +1,192 @@
+"""Predictors: which experts a later MoE layer will need, known before it runs.
+
+Interface: `predict(layer, hidden, history) -> scores [tokens, E]` for MoE layer `layer + distance`, from the
+hidden state `[tokens, H]` entering MoE layer `layer` now and `history`, the experts each layer used at the
+previous token (`{layer: [k ids]}`). Higher scores first; the engine prefetches the top ones.
+
+- ``none``: no prediction (on-demand loading only).
+- ``probe:d``: the zero-parameter lookahead probe: layer L+d's own router applied to layer L's hidden state.
+- ``persistence``: the experts layer L+1 used at the previous token.
+- ``estimator``: a ridge-regression map from layer L's hidden state to layer L+1's experts, fitted on a trace
+  with hidden states (`expertcache fit-predictor`), saved as safetensors.
+- ``spatio``: the trained Spatio router saved beside a cache-aware checkpoint (the probe plus its learned
+  correction).
+- ``oracle``: the true experts of the next layer (from the routing it is about to compute, or a trace): the
+  bound; with ``oracle:<recall>`` a stated fraction of them, the rest wrong, to chart TPOT against recall.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from expertcache.telemetry.errors import InputError
+
+
+class Predictor:
+    name = "none"
+    distance = 1
+
+    def predict(self, layer: int, hidden: torch.Tensor, history: dict) -> torch.Tensor | None:
+        return None
+
+    def describe(self) -> dict:
+        return {"predictor": self.name, "distance": self.distance}
+
+
+class ProbePredictor(Predictor):
+    def __init__(self, model, distance: int = 1):
+        from expertcache.telemetry.adapters import adapter_for
+
+        self.adapter = adapter_for(model)
+        self.routers = [L.router for L in self.adapter.moe_layers(model)]
+        self.distance, self.name = distance, f"probe:{distance}"
+
+    def predict(self, layer, hidden, history):
+        t = layer + self.distance
+        if t >= len(self.routers):
+            return None
+        return self.adapter.router_logits(self.routers[t], hidden).float().softmax(-1)
+
+
+class PersistencePredictor(Predictor):
+    name = "persistence"
+
+    def __init__(self, num_experts: int):
+        self.e = num_experts
+
+    def predict(self, layer, hidden, history):
+        prev = history.get(layer + 1)
+        if prev is None:
+            return None
+        s = torch.zeros(1, self.e)
+        s[0, torch.as_tensor(prev)] = 1.0
+        return s
+
+
+class EstimatorPredictor(Predictor):
+    """`scores = h @ W[L] + b[L]`, W fitted by ridge regression on multi-hot targets of layer L+1."""
+
+    name = "estimator"
+
+    def __init__(self, weights: torch.Tensor, bias: torch.Tensor):
+        self.w, self.b = weights, bias  # [layers-1, H, E], [layers-1, E]
+
+    def predict(self, layer, hidden, history):
+        if layer + 1 > self.w.shape[0]:
+            return None
+        return hidden.float() @ self.w[layer] + self.b[layer]
+
+    @classmethod
+    def fit(cls, trace_path: str | Path, ridge: float = 1.0) -> "EstimatorPredictor":
+        from expertcache.telemetry.parquet_trace import read_trace
+
+        tr = read_trace(trace_path)
+        if "hidden" not in tr.table.column_names:
+            raise InputError(f"trace {trace_path} has no hidden states; record it with --hidden")
+        ids = tr.routing()[0].astype(np.int64)  # [layers, tokens, k]
+        hid = tr.layer_matrix("hidden").astype(np.float64)  # [layers, tokens, H]
+        n_l, n_t, _ = ids.shape
+        e = tr.meta.num_experts
+        ws, bs = [], []
+        for i in range(n_l - 1):
+            x = np.concatenate([hid[i], np.ones((n_t, 1))], axis=1)  # [tokens, H+1]
+            y = np.zeros((n_t, e))
+            np.put_along_axis(y, ids[i + 1], 1.0, axis=1)
+            a = x.T @ x + ridge * np.eye(x.shape[1])
+            sol = np.linalg.solve(a, x.T @ y)  # [H+1, E]
+            ws.append(sol[:-1])
+            bs.append(sol[-1])
+        return cls(torch.tensor(np.stack(ws), dtype=torch.float32), torch.tensor(np.stack(bs), dtype=torch.float32))
+
+    def save(self, path: str | Path, trace_meta: dict) -> None:
+        from safetensors.torch import save_file
+
+        save_file({"weights": self.w.contiguous(), "bias": self.b.contiguous()}, str(path),
+                  metadata={"kind": "expertcache-estimator", "trace": json.dumps(trace_meta, default=str)})
+
+    @classmethod
+    def load(cls, path: str | Path, num_experts: int, hidden_size: int) -> "EstimatorPredictor":
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not path.is_file():
+            raise InputError(f"estimator {path} not found (fit one with `expertcache fit-predictor`)")
+        with safe_open(str(path), "pt") as f:
+            if (f.metadata() or {}).get("kind") != "expertcache-estimator":
+                raise InputError(f"{path} is not an expertcache estimator")
+        t = load_file(str(path))
+        if t["weights"].shape[1:] != (hidden_size, num_experts):
+            raise InputError(f"estimator {path} maps {tuple(t['weights'].shape[1:])} (hidden, experts); the model "
+                             f"has ({hidden_size}, {num_experts})")
+        return cls(t["weights"], t["bias"])
+
+
+class SpatioPredictor(Predictor):
+    name = "spatio"
+
+    def __init__(self, model, aux):
+        from expertcache.telemetry.adapters import adapter_for
+
+        if aux.spatio is None:
+            raise InputError("these auxiliary routers have no Spatio head (trained with routers.spatio=false)")
+        self.aux = aux
+        self.routers = [L.router for L in adapter_for(model).moe_layers(model)]
+
+    @torch.no_grad()
+    def predict(self, layer, hidden, history):
+        if layer + 1 >= len(self.routers):
+            return None
+        return self.aux.spatio_scores(layer + 1, hidden.float(), self.routers[layer + 1]).sigmoid()
+
+
+class OraclePredictor(Predictor):
+    """Scores from the routing the next layer will really use; set by the engine before each layer (`truth`).
+    `recall < 1` keeps that fraction of the true experts and fills the rest with wrong ones (seeded)."""
+
+    def __init__(self, num_experts: int, recall: float = 1.0, seed: int = 0):
+        if not 0 <= recall <= 1:
+            raise InputError(f"oracle recall must be in [0, 1], got {recall}")
+        self.e, self.recall = num_experts, recall
+        self.rng = np.random.default_rng(seed)
+        self.name = "oracle" if recall == 1 else f"oracle:{recall:g}"
+        self.truth: dict[int, list[int]] = {}
+
+    def predict(self, layer, hidden, history):
+        true = self.truth.get(layer + 1)
+        if true is None:
+            return None
+        k = len(true)
+        keep = [e for e in true if self.rng.random() < self.recall]
+        wrong = [e for e in self.rng.permutation(self.e).tolist() if e not in true][:k - len(keep)]
+        s = torch.zeros(1, self.e)
+        s[0, keep + wrong] = 1.0
+        return s
+
+
+def make_predictor(spec: str, model=None, aux=None, num_experts: int | None = None, hidden_size: int | None = None):
+    """`none`, `probe:1`, `probe:2`, `persistence`, `estimator:<file>`, `spatio`, `oracle`, `oracle:<recall>`."""
+    if spec in ("none", ""):
+        return Predictor()
+    if spec.startswith("probe"):
+        d = int(spec.split(":", 1)[1]) if ":" in spec else 1
+        if model is None:
+            raise InputError("the lookahead probe needs the model's routers")
+        return ProbePredictor(model, d)
+    if spec == "persistence":
+        return PersistencePredictor(num_experts)
+    if spec.startswith("estimator:"):
+        return EstimatorPredictor.load(spec.split(":", 1)[1], num_experts, hidden_size)
+    if spec == "spatio":
+        if aux is None:
+            raise InputError("predictor spatio needs a checkpoint with aux_routers.safetensors (a joint or aux-only "
+                             "train-cache-aware run)")
+        return SpatioPredictor(model, aux)
+    if spec.startswith("oracle"):
+        return OraclePredictor(num_experts, float(spec.split(":", 1)[1]) if ":" in spec else 1.0)
+    raise InputError(f"unknown predictor {spec!r}; expected none, probe:1, probe:2, persistence, estimator:<file>, "
+                     f"spatio, oracle or oracle:<recall>")
