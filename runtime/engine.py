@@ -31,7 +31,7 @@ from expertcache.telemetry.errors import InputError
 from .cache import CacheState
 from .predictors import OraclePredictor, Predictor
 from .store import check_store, expert_tensors, read_store_meta
-from .tiers import SlotPool, available_memory, make_tier
+from .tiers import SlotPool, TierSpec, available_memory, make_tier
 
 MISS_POLICIES = ("blocking", "reroute")
 
@@ -124,6 +124,7 @@ class OffloadEngine:
         self.layers = self.adapter.moe_layers(model)
         self.meta = read_store_meta(store_path)
         check_store(self.meta, model)
+        TierSpec.parse(cfg.tier)  # a bad tier name is refused before anything is allocated
         if cfg.miss not in MISS_POLICIES:
             raise InputError(f"unknown miss policy {cfg.miss!r}; expected one of {', '.join(MISS_POLICIES)}")
         e, k = self.adapter.num_experts, self.adapter.top_k
