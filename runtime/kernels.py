@@ -1,0 +1,109 @@
+"""The fused SwiGLU expert MLP over gathered cache slots: `y[t] = sum_j w[t, j] * down[s] @ (silu(gate[s] @ x[t])
+* (up[s] @ x[t]))`, s = slot[t, j], with `gate_up [S, 2I, H]` (gate rows first) and `down [S, H, I]`.
+
+Two paths with one signature: `swiglu_reference` (torch, any device; the CPU path) and `swiglu_triton` (one
+program per (token, choice, output block); used on CUDA). They are compared under `TRITON_INTERPRET=1` in the
+tests. `swiglu_experts` picks the triton path for CUDA tensors when triton is importable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def swiglu_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, slots: torch.Tensor,
+                     weights: torch.Tensor) -> torch.Tensor:
+    """x [T, H], gate_up [S, 2I, H], down [S, H, I], slots [T, k] long, weights [T, k] -> y [T, H] (x's dtype;
+    accumulated in fp32)."""
+    t_, k = slots.shape
+    inter = down.shape[-1]
+    y = torch.zeros(t_, x.shape[-1], dtype=torch.float32, device=x.device)
+    for s in slots.unique().tolist():  # each slot once, over the tokens that chose it
+        tok, j = (slots == s).nonzero(as_tuple=True)
+        xs = x[tok].to(gate_up.dtype)
+        h = torch.nn.functional.linear(xs, gate_up[s])  # [n, 2I]
+        a = torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float()  # [n, I]
+        o = torch.nn.functional.linear(a.to(down.dtype), down[s]).float()  # [n, H]
+        y.index_add_(0, tok, o * weights[tok, j, None].float())
+    return y.to(x.dtype)
+
+
+try:  # triton is optional (the `triton` extra); the reference path never needs it
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _up_kernel(x_ptr, gu_ptr, slot_ptr, a_ptr, H, I, K, GU_STRIDE, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+        # program (t*K + j, i-block): a[t, j, i] = silu(gate[s, i] . x[t]) * (up[s, i] . x[t])
+        pid = tl.program_id(0)
+        pib = tl.program_id(1)
+        t = pid // K
+        s = tl.load(slot_ptr + pid).to(tl.int64)
+        offs_i = pib * BLOCK_I + tl.arange(0, BLOCK_I)
+        mask_i = offs_i < I
+        acc_g = tl.zeros((BLOCK_I,), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_I,), dtype=tl.float32)
+        base = gu_ptr + s * GU_STRIDE  # slots may sit a block apart in the pool
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mask_h = offs_h < H
+            xv = tl.load(x_ptr + t * H + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+            m = mask_i[:, None] & mask_h[None, :]
+            g = tl.load(base + offs_i[:, None] * H + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
+            u = tl.load(base + (offs_i[:, None] + I) * H + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
+            acc_g += tl.sum(g * xv[None, :], axis=1)
+            acc_u += tl.sum(u * xv[None, :], axis=1)
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(a_ptr + pid * I + offs_i, act, mask=mask_i)
+
+    @triton.jit
+    def _down_kernel(a_ptr, d_ptr, slot_ptr, w_ptr, y_ptr, H, I, K, D_STRIDE, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
+        # program (t, o-block): y[t, o] = sum_j w[t, j] * down[s_j, o] . a[t, j]
+        t = tl.program_id(0)
+        pob = tl.program_id(1)
+        offs_o = pob * BLOCK_O + tl.arange(0, BLOCK_O)
+        mask_o = offs_o < H
+        acc = tl.zeros((BLOCK_O,), dtype=tl.float32)
+        for j in range(0, K):
+            s = tl.load(slot_ptr + t * K + j).to(tl.int64)
+            w = tl.load(w_ptr + t * K + j).to(tl.float32)
+            part = tl.zeros((BLOCK_O,), dtype=tl.float32)
+            for i0 in range(0, I, BLOCK_I):
+                offs_i = i0 + tl.arange(0, BLOCK_I)
+                mask_i = offs_i < I
+                av = tl.load(a_ptr + (t * K + j) * I + offs_i, mask=mask_i, other=0.0)
+                m = mask_o[:, None] & mask_i[None, :]
+                dv = tl.load(d_ptr + s * D_STRIDE + offs_o[:, None] * I + offs_i[None, :], mask=m,
+                             other=0.0).to(tl.float32)
+                part += tl.sum(dv * av[None, :], axis=1)
+            acc += w * part
+        tl.store(y_ptr + t * H + offs_o, acc, mask=mask_o)
+
+    def swiglu_triton(x, gate_up, down, slots, weights, block: int = 32):
+        """Same contract as `swiglu_reference`. Each slot's matrices must be contiguous; the slots themselves
+        may be any stride apart (the slot pool's views are)."""
+        t_, k = slots.shape
+        h = x.shape[-1]
+        inter = down.shape[-1]
+        gu = gate_up if gate_up[0].is_contiguous() else gate_up.contiguous()
+        dn = down if down[0].is_contiguous() else down.contiguous()
+        sl = slots.to(torch.int32).contiguous()
+        a = torch.empty(t_ * k, inter, dtype=torch.float32, device=x.device)
+        _up_kernel[(t_ * k, triton.cdiv(inter, block))](x.contiguous(), gu, sl, a, h, inter, k, gu.stride(0),
+                                                      BLOCK_I=block, BLOCK_H=block)
+        y = torch.empty(t_, h, dtype=torch.float32, device=x.device)
+        _down_kernel[(t_, triton.cdiv(h, block))](a, dn, sl, weights.float().contiguous(), y, h, inter, k,
+                                                 dn.stride(0),
+                                                 BLOCK_O=block, BLOCK_I=block)
+        return y.to(x.dtype)
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - triton is in the test extra
+    HAVE_TRITON = False
+
+
+def swiglu_experts(x, gate_up, down, slots, weights):
+    """The triton kernel on CUDA tensors (when triton is installed), else the torch reference."""
+    if HAVE_TRITON and x.is_cuda:
+        return swiglu_triton(x, gate_up, down, slots, weights)
+    return swiglu_reference(x, gate_up, down, slots, weights)

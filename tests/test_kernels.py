@@ -1,0 +1,55 @@
+"""The triton SwiGLU expert kernel against its torch reference, run by triton's interpreter on CPU tensors."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from expertcache.runtime.kernels import swiglu_reference
+
+CHECK = r"""
+import torch
+from expertcache.runtime.kernels import HAVE_TRITON, swiglu_reference, swiglu_triton
+from expertcache.runtime.store import layout
+from expertcache.runtime.tiers import SlotPool
+from expertcache.runtime.store import StoreMeta
+assert HAVE_TRITON
+g = torch.Generator().manual_seed(0)
+H, I, S, T, K = 48, 40, 5, 3, 2
+specs, block = layout([("gate_up_proj", [2 * I, H], "float32"), ("down_proj", [H, I], "float32")])
+pool = SlotPool(StoreMeta("t", 1, S, specs, block), S)  # strided slot views, as the engine has them
+pool.views["gate_up_proj"].copy_(torch.randn(S, 2 * I, H, generator=g) * 0.1)
+pool.views["down_proj"].copy_(torch.randn(S, H, I, generator=g) * 0.1)
+x = torch.randn(T, H, generator=g)
+slots = torch.tensor([[0, 3], [4, 3], [1, 2]])
+w = torch.rand(T, K, generator=g)
+ref = swiglu_reference(x, pool.views["gate_up_proj"], pool.views["down_proj"], slots, w)
+got = swiglu_triton(x, pool.views["gate_up_proj"], pool.views["down_proj"], slots, w, block=16)
+err = (ref - got).abs().max().item()
+assert err < 1e-4, err
+print("max abs err", err)
+"""
+
+
+def test_reference_matches_a_dense_swiglu():
+    g = torch.Generator().manual_seed(1)
+    gu, dn = torch.randn(4, 12, 8, generator=g), torch.randn(4, 8, 6, generator=g)
+    x, w = torch.randn(2, 8, generator=g), torch.rand(2, 2, generator=g)
+    slots = torch.tensor([[1, 3], [3, 0]])
+    want = torch.zeros(2, 8)
+    for t in range(2):
+        for j in range(2):
+            s = slots[t, j]
+            h = gu[s] @ x[t]
+            want[t] += w[t, j] * (dn[s] @ (torch.nn.functional.silu(h[:6]) * h[6:]))
+    assert torch.allclose(swiglu_reference(x, gu, dn, slots, w), want, atol=1e-5)
+
+
+def test_triton_kernel_matches_the_reference_in_the_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")  # must be set before triton is imported: a fresh process
+    r = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "max abs err" in r.stdout
