@@ -167,6 +167,7 @@ class OffloadEngine:
         self.inflight = 0
         self._lock = threading.Lock()
         self.stats = Stats()
+        self._preload_all()
         self.history: dict[int, list[int]] = {}
         self._router_logits: dict[int, torch.Tensor] = {}
         self._hooks = [L.router.register_forward_hook(self._keep_logits(i)) for i, L in enumerate(self.layers)]
@@ -349,6 +350,36 @@ class OffloadEngine:
 
     def reset_stats(self) -> None:
         self.stats = Stats()
+
+    def reset(self) -> None:
+        """An empty cache (static pins reloaded), no history, fresh counters: a new, cold pass."""
+        for pos, fs in enumerate(self.pending):
+            for f in fs.values():
+                f.cancel()
+                try:
+                    f.result()
+                except Exception:  # noqa: BLE001 - a cancelled future raises; nothing was half-written
+                    pass
+            fs.clear()
+        k = self.adapter.top_k
+        for pos, st in enumerate(self.states):
+            pins = list(st.pinned) if st.policy == "static" else None
+            self.states[pos] = CacheState(self.capacity, k, st.policy, pins)
+            self.prefetched[pos].clear()
+            for ex, slot in self.states[pos].res.items():
+                self.tier.read(pos, ex, self.pools[pos], slot)
+        self.history.clear()
+        self._preload_all()
+        self.reset_stats()
+
+    def _preload_all(self) -> None:
+        """A cache as large as the layer holds every expert from the start (the all-resident configuration)."""
+        if self.capacity < self.adapter.num_experts:
+            return
+        for pos, st in enumerate(self.states):
+            for e in range(self.adapter.num_experts):
+                slot = st.prefetch_slot(e, set())
+                self.tier.read(pos, e, self.pools[pos], slot)
 
     def describe(self) -> dict:
         return {"capacity": self.capacity, "capacity_frac": self.capacity / self.adapter.num_experts,

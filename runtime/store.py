@@ -125,6 +125,8 @@ def write_store(model, path: str | Path, progress=None) -> StoreMeta:
                 f.write(buf)
             if progress:
                 progress()
+        f.flush()
+        os.fsync(f.fileno())  # on disk before anyone times a read of it
     tmp.replace(path)
     return meta
 
@@ -150,6 +152,8 @@ def write_random_store(path: str | Path, num_layers: int, num_experts: int, spec
                 f.write(buf)
             if progress:
                 progress()
+        f.flush()
+        os.fsync(f.fileno())  # on disk before anyone times a read of it
     tmp.replace(path)
     return meta
 

@@ -1,0 +1,350 @@
+"""Replay at realistic sizes: random-weight experts of a real model's shape in a real store on disk, driven by the
+routing of a real trace (default: Qwen3-30B-A3B, 128 experts, top-8, from ../shared/reference), with the real
+reads (page cache bypassed) and the real expert compute (`kernels.swiglu_experts`) of one decode token at a time.
+
+Per token and MoE layer i: the predictor names layer i+1's experts (from the trace itself: persistence, a
+co-occurrence estimator fitted on the first part of the trace, or the oracle degraded to a stated recall); those
+not resident are prefetched asynchronously while layer i computes; then layer i's misses are loaded and its
+experts compute. With prefetching the resident experts compute while the missing ones load; on-demand loads the
+misses, waits, then computes. A pass starts from an empty cache; configurations are alternated pass by pass on
+the same tokens (METRICS.md: speedups are ratios within one run).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from expertcache.telemetry.errors import InputError
+
+from .cache import CacheState
+from .kernels import swiglu_experts
+from .store import read_store_meta, write_random_store
+from .tiers import SlotPool, make_tier
+
+REFERENCE_TRACE = "../shared/reference/qwen3-30b-a3b-routing/code.npz"
+
+
+def load_routing(path: str | Path) -> tuple[np.ndarray, int, dict]:
+    """`(ids [layers, tokens, k], num_experts, meta)` from a reference .npz or a Parquet trace (decode tokens)."""
+    path = Path(path)
+    if path.suffix == ".npz":
+        from expertcache.telemetry.llamacpp import read_npz
+
+        ids, meta = read_npz(path)
+        e = int(meta.get("num_experts") or ids.max() + 1)
+        return ids.astype(np.int64), e, meta
+    from expertcache.telemetry.parquet_trace import read_trace
+
+    tr = read_trace(path)
+    dec = tr.filter(phase="decode")
+    t = dec if dec.num_rows else tr
+    return t.routing()[0].astype(np.int64), tr.meta.num_experts, tr.meta.__dict__
+
+
+def parse_shape(s: str) -> tuple[int, int]:
+    try:
+        h, i = (int(x) for x in s.lower().split("x"))
+        return h, i
+    except ValueError:
+        raise InputError(f"--expert-shape {s!r}: expected HIDDENxINTERMEDIATE, e.g. 2048x768") from None
+
+
+def ensure_store(folder: str | Path, layers: int, num_experts: int, hidden: int, inter: int, dtype: str,
+                 progress=None) -> Path:
+    """A random store of this shape in `folder`, written once and reused (its name says its shape)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"replay-{layers}x{num_experts}-{hidden}x{inter}-{dtype}.store"
+    if path.is_file():
+        try:
+            read_store_meta(path)
+            return path
+        except InputError:
+            path.unlink()
+    write_random_store(path, layers, num_experts, [("gate_up_proj", [2 * inter, hidden], dtype),
+                                                   ("down_proj", [hidden, inter], dtype)], progress=progress)
+    return path
+
+
+class CooccurrenceEstimator:
+    """P(expert b at layer i+1 | the experts layer i uses now), from counts over fit tokens, plus a
+    persistence prior (the experts layer i+1 used at the previous token)."""
+
+    def __init__(self, ids_fit: np.ndarray, num_experts: int, persistence: float = 1.0):
+        n_l = ids_fit.shape[0]
+        self.m = np.zeros((n_l, num_experts, num_experts))
+        for i in range(n_l - 1):
+            a, b = ids_fit[i], ids_fit[i + 1]  # [tokens, k]
+            np.add.at(self.m[i], (np.repeat(a, b.shape[1], axis=1).ravel(), np.tile(b, (1, a.shape[1])).ravel()), 1)
+        self.m /= np.maximum(self.m.sum(-1, keepdims=True), 1)
+        self.persistence = persistence
+
+    def scores(self, i: int, cur: np.ndarray, prev_next: np.ndarray | None) -> np.ndarray:
+        s = self.m[i][cur].sum(0)
+        if prev_next is not None:
+            s[prev_next] += self.persistence * s.max()
+        return s
+
+
+@dataclass
+class ReplayConfig:
+    name: str
+    predictor: str = "none"  # none | persistence | estimator | oracle | oracle:<recall>
+    prefetch: bool = False
+
+
+def predicted(cfg: ReplayConfig, ids, est, rng, i: int, t: int, k: int, e: int) -> list[int]:
+    """Layer i+1's experts at token t as `cfg.predictor` sees them when layer i starts (wrapping to layer 0
+    of token t+1 after the last layer)."""
+    n_l = ids.shape[0]
+    ni, nt = (i + 1, t) if i + 1 < n_l else (0, t + 1)
+    if nt >= ids.shape[1]:
+        return []
+    p = cfg.predictor
+    if p == "persistence":
+        return ids[ni, nt - 1].tolist() if nt >= 1 else []
+    if p == "estimator":
+        prev = ids[ni, nt - 1] if nt >= 1 else None
+        if ni == 0:  # across tokens there is no layer-to-layer evidence: persistence
+            return prev.tolist() if prev is not None else []
+        return np.argsort(-est.scores(i, ids[i, t], prev))[:k].tolist()
+    if p.startswith("oracle"):
+        recall = float(p.split(":", 1)[1]) if ":" in p else 1.0
+        true = ids[ni, nt].tolist()
+        keep = [x for x in true if rng.random() < recall]
+        wrong = [x for x in rng.permutation(e).tolist() if x not in true][:k - len(keep)]
+        return keep + wrong
+    return []
+
+
+class Replayer:
+    def __init__(self, store: Path, ids: np.ndarray, capacity: int, tier: str, workers: int = 4,
+                 compute_dtype: str = "auto", seed: int = 0):
+        self.meta = read_store_meta(store)
+        self.ids = ids
+        n_l, _, self.k = ids.shape
+        self.e = self.meta.num_experts
+        if ids.max() >= self.e:
+            raise InputError(f"trace uses expert {ids.max()}, the store has {self.e} per layer")
+        self.capacity = capacity
+        self.tier = make_tier(tier, store, self.meta)
+        self.pools = [SlotPool(self.meta, capacity + self.k) for _ in range(n_l)]
+        self.exec = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="replay-load")
+        sd = self.meta.tensors[0].torch_dtype
+        if compute_dtype == "auto":  # bf16 matmuls are ~10x slower than fp32 on CPUs without bf16 units
+            compute_dtype = "float32" if sd == torch.bfloat16 else str(sd).removeprefix("torch.")
+        self.cdt = getattr(torch, compute_dtype)
+        self.upcast = self.cdt != sd
+        if self.upcast:  # a compute copy of each slot, filled in the transfer thread (as a GPU dequantizes)
+            self.cviews = [{t.name: torch.empty(capacity + self.k, *t.shape, dtype=self.cdt) for t in self.meta.tensors}
+                           for _ in range(n_l)]
+        g = torch.Generator().manual_seed(seed)
+        hidden = self.meta.tensors[1].shape[0]
+        self.x = torch.randn(1, hidden, generator=g).to(self.cdt)
+        self.w = torch.full((1, self.k), 1.0 / self.k)
+        self.rng = np.random.default_rng(seed)
+
+    def _load(self, i, e, slot):
+        self.tier.read(i, e, self.pools[i], slot)
+        if self.upcast:
+            for name, v in self.pools[i].views.items():
+                self.cviews[i][name][slot].copy_(v[slot])
+
+    def _compute(self, i, slots: list[int]):
+        views = self.cviews[i] if self.upcast else self.pools[i].views
+        s = torch.tensor([slots])
+        return swiglu_experts(self.x, views["gate_up_proj"], views["down_proj"], s, self.w[:, :len(slots)])
+
+    def compute_only(self, tokens: range) -> list[float]:
+        """TPOT with every expert resident: the same compute, no loads (the roofline's T_compute)."""
+        times = []
+        for _ in tokens:
+            t0 = time.perf_counter()
+            for i in range(self.ids.shape[0]):
+                self._compute(i, list(range(self.k)))
+            times.append(time.perf_counter() - t0)
+        return times
+
+    def run(self, cfg: ReplayConfig, tokens: range, est=None) -> dict:
+        n_l = self.ids.shape[0]
+        states = [CacheState(self.capacity, self.k, "lru") for _ in range(n_l)]
+        pending = [dict() for _ in range(n_l)]
+        st = {"hits": 0, "demand": 0, "prefetch": 0, "dropped": 0, "stall": 0.0, "acc": 0}
+        times = []
+        for t in tokens:
+            t0 = time.perf_counter()
+            for i in range(n_l):
+                need = self.ids[i, t].tolist()
+                if cfg.prefetch:  # predict layer i+1 now; its loads overlap this layer's work
+                    pred = predicted(cfg, self.ids, est, self.rng, i, t, self.k, self.e)
+                    ni = i + 1 if i + 1 < n_l else 0
+                    s_n = states[ni]
+                    for e in pred:
+                        if s_n.lookup(e) is None:
+                            slot = s_n.prefetch_slot(e, set(pred))
+                            if slot is None:
+                                break
+                            pending[ni][e] = self.exec.submit(self._load, ni, e, slot)
+                s = states[i]
+                ready, waiting = [], []
+                for e, f in list(pending[i].items()):  # settle this layer's prefetches
+                    if e in need:
+                        (ready if f.done() else waiting).append(e)
+                        st["prefetch"] += 1
+                    elif f.cancel():
+                        s.drop(e)
+                        st["dropped"] += 1
+                    else:
+                        st["prefetch"] += 1
+                hits = [e for e in need if s.lookup(e) is not None]
+                misses = [e for e in need if s.lookup(e) is None]
+                st["hits"] += len(hits)
+                st["demand"] += len(misses)
+                st["acc"] += len(need)
+                staged = s.stage(misses)
+                futs = [self.exec.submit(self._load, i, e, sl) for e, sl in staged.items()]
+                slot_of = {e: s.lookup(e) for e in hits} | staged
+                if cfg.prefetch:  # resident, ready experts compute while the rest load
+                    now = [e for e in hits if e not in waiting]
+                    if now:
+                        self._compute(i, [slot_of[e] for e in now])
+                    w0 = time.perf_counter()
+                    for e in waiting:
+                        pending[i][e].result()
+                    for f in futs:
+                        f.result()
+                    st["stall"] += time.perf_counter() - w0
+                    rest = [e for e in need if e not in now]
+                    if rest:
+                        self._compute(i, [slot_of[e] for e in rest])
+                else:
+                    w0 = time.perf_counter()
+                    for f in futs:
+                        f.result()
+                    st["stall"] += time.perf_counter() - w0
+                    self._compute(i, [slot_of[e] for e in need])
+                pending[i].clear()
+                s.retain(need, staged)
+            times.append(time.perf_counter() - t0)
+        return {"times": times, **st}
+
+    def disk_bandwidth(self, n: int = 64) -> float:
+        """Bytes/s the tier sustains for expert reads at this replay's concurrency (random experts)."""
+        pool = SlotPool(self.meta, 8)
+        picks = [(int(self.rng.integers(self.ids.shape[0])), int(self.rng.integers(self.e))) for _ in range(n)]
+        t0 = time.perf_counter()
+        futs = [self.exec.submit(self.tier.read, i, e, pool, j % 8) for j, (i, e) in enumerate(picks)]
+        for f in futs:
+            f.result()
+        return n * self.meta.expert_bytes / (time.perf_counter() - t0)
+
+    def close(self):
+        self.exec.shutdown(wait=True)
+        self.tier.close()
+
+
+def _summary(runs: list[dict], warmup: int, expert_bytes: int) -> dict:
+    t = np.concatenate([np.asarray(r["times"][warmup:]) for r in runs])
+    acc = sum(r["acc"] for r in runs)
+    tokens = sum(len(r["times"]) for r in runs)
+    loads = sum(r["demand"] + r["prefetch"] for r in runs)
+    return {"tpot_median_s": float(np.median(t)), "tpot_p90_s": float(np.percentile(t, 90)),
+            "tokens_per_s": float(1 / np.median(t)), "hit_rate": sum(r["hits"] for r in runs) / acc,
+            "adjusted_hit_rate": 1 - loads / acc, "demand_loads_per_token": sum(r["demand"] for r in runs) / tokens,
+            "prefetch_loads_per_token": sum(r["prefetch"] for r in runs) / tokens,
+            "prefetch_dropped": sum(r["dropped"] for r in runs),
+            "traffic_bytes_per_token": loads * expert_bytes / tokens,
+            "stall_per_token_s": sum(r["stall"] for r in runs) / tokens}
+
+
+def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2048x768", dtype: str = "bfloat16",
+                     tier: str = "disk", capacity: float = 0.25, predictors=("persistence", "estimator", "oracle"),
+                     tokens: int = 64, warmup: int = 8, rounds: int = 2, disk_budget_gb: float = 8.0,
+                     store_dir: str | Path = "runs/replay-store", first_layer: int | None = None,
+                     workers: int = 4, compute_dtype: str = "auto", fit_frac: float = 0.2, progress=None) -> dict:
+    """On-demand vs each prefetching predictor, alternated pass by pass on the same tokens; JSON-ready."""
+    ids_all, e, tmeta = load_routing(trace)
+    hidden, inter = parse_shape(expert_shape)
+    dt = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype)
+    per_expert = 3 * hidden * inter * torch.empty((), dtype=getattr(torch, dt)).element_size()
+    n_layers = int(min(ids_all.shape[0], disk_budget_gb * 1e9 // (per_expert * e)))
+    if n_layers < 2:
+        raise InputError(f"a disk budget of {disk_budget_gb} GB holds {n_layers} layer(s) of {e} experts of "
+                         f"{per_expert / 1e6:.1f} MB; need at least 2")
+    start = first_layer if first_layer is not None else max(0, min(ids_all.shape[0] // 2 - n_layers // 2,
+                                                                   ids_all.shape[0] - n_layers))
+    cut = int(fit_frac * ids_all.shape[1])
+    if cut + warmup + tokens > ids_all.shape[1]:
+        raise InputError(f"trace has {ids_all.shape[1]} tokens; need {cut + warmup + tokens}")
+    ids = ids_all[start:start + n_layers]
+    est = CooccurrenceEstimator(ids[:, :cut], e)
+    store = ensure_store(store_dir, n_layers, e, hidden, inter, dt, progress=progress)
+    cap = round(capacity * e) if capacity < 1 else int(capacity)
+    rp = Replayer(store, ids, cap, tier, workers, compute_dtype)
+    span = range(cut, cut + warmup + tokens)
+    configs = [ReplayConfig("on-demand")] + [ReplayConfig(p, p, True) for p in predictors]
+    runs = {c.name: [] for c in configs}
+    ratios = {c.name: [] for c in configs[1:]}
+    compute = []
+    try:
+        rp.run(configs[-1], range(cut, cut + warmup), est)  # untimed: threads, allocator, file handles warm
+        bw = rp.disk_bandwidth()
+        for r in range(rounds):
+            compute.append(rp.compute_only(span))
+            base = None
+            order = configs if r % 2 == 0 else [configs[0]] + configs[:0:-1]  # on-demand first, others reversed
+            for c in order:
+                res = rp.run(c, span, est)
+                runs[c.name].append(res)
+                med = float(np.median(res["times"][warmup:]))
+                if c.name == "on-demand":
+                    base = med
+                else:
+                    ratios[c.name].append(med / base)
+                if progress:
+                    progress()
+    finally:
+        rp.close()
+    t_compute = float(np.median(np.concatenate([np.asarray(c[warmup:]) for c in compute])))
+    out = {"inputs": {"trace": str(trace), "trace_model": tmeta.get("model", ""), "layers": [start, start + n_layers],
+                      "num_experts": e, "top_k": ids.shape[2], "expert_shape": [hidden, inter], "dtype": dt,
+                      "compute_dtype": str(rp.cdt).removeprefix("torch."), "expert_bytes": rp.meta.expert_bytes,
+                      "tier": tier, "page_cache": rp.tier.describe().get("page_cache"), "capacity": cap,
+                      "capacity_frac": cap / e, "tokens": tokens, "warmup": warmup, "rounds": rounds,
+                      "workers": workers, "torch_threads": torch.get_num_threads(), "estimator_fit_tokens": cut,
+                      "store": str(store)},
+           "tier_bandwidth_GBps": bw / 1e9, "t_compute_s": t_compute, "configs": {}}
+    for c in configs:
+        s = _summary(runs[c.name], warmup, rp.meta.expert_bytes)
+        t_transfer = s["traffic_bytes_per_token"] / bw
+        s["t_transfer_s"] = t_transfer
+        s["roofline_s"] = max(t_compute, t_transfer)
+        s["overlap_efficiency"] = max(t_compute, t_transfer) / s["tpot_median_s"]
+        if c.name != "on-demand":
+            s["tpot_vs_on_demand"] = ratios[c.name]
+            s["tpot_ratio_median"] = float(np.median(ratios[c.name]))
+        out["configs"][c.name] = s
+    return out
+
+
+def table(res: dict) -> str:
+    rows = ["| config | TPOT med (ms) | p90 (ms) | tok/s | hit | adj. hit | traffic MB/tok | stall ms/tok | "
+            "roofline ms | overlap eff. | TPOT / on-demand |", "|" + "---|" * 11]
+    for name, s in res["configs"].items():
+        rows.append(f"| {name} | {1e3 * s['tpot_median_s']:.1f} | {1e3 * s['tpot_p90_s']:.1f} | "
+                    f"{s['tokens_per_s']:.2f} | {s['hit_rate']:.3f} | {s['adjusted_hit_rate']:.3f} | "
+                    f"{s['traffic_bytes_per_token'] / 1e6:.1f} | {1e3 * s['stall_per_token_s']:.1f} | "
+                    f"{1e3 * s['roofline_s']:.1f} | {s['overlap_efficiency']:.2f} | "
+                    f"{s.get('tpot_ratio_median', 1.0):.3f} |")
+    return "\n".join(rows)
+
+
+def save(res: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(res, indent=2))
