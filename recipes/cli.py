@@ -170,6 +170,111 @@ def train_cache_aware_main(argv: list[str] | None = None) -> int:
     return main(["train-cache-aware", *(sys.argv[1:] if argv is None else argv)])
 
 
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
+def cmd_bench_decode(a) -> int:
+    from rich.progress import Progress
+
+    if a.replay:
+        from expertcache.runtime.replay import replay_benchmark, save, table
+
+        preds = [p for p in a.predictor.split(",") if p and p != "none"] or ["persistence", "estimator", "oracle"]
+        with Progress() as prog:
+            task = prog.add_task("replay passes", total=a.rounds * (1 + len(preds)))
+            res = replay_benchmark(a.replay, a.expert_shape, a.dtype, a.tier, _floats(a.capacity)[0], preds,
+                                   a.tokens, a.warmup, a.rounds, a.disk_budget_gb, a.store_dir,
+                                   workers=a.workers, progress=lambda: prog.advance(task))
+    else:
+        import numpy as np
+        import torch
+
+        from expertcache.runtime.bench import bench_decode, table
+        from expertcache.trainer.data import packed_blocks
+
+        if not a.model:
+            raise FileNotFoundError("bench decode needs --model CKPT (or --replay TRACE)")
+        blocks = packed_blocks(a.corpus, a.model, "test", a.domain, a.prompt_len)
+        if not len(blocks):
+            raise FileNotFoundError(f"no {a.domain} test text in {a.corpus} long enough for --prompt-len")
+        idx = np.linspace(0, len(blocks) - 1, a.prompts).astype(int)
+        prompts = torch.from_numpy(blocks[idx].astype(np.int64))
+        caps = _floats(a.capacity)
+        preds = [p for p in a.predictor.split(",") if p]
+        with Progress() as prog:
+            task = prog.add_task("decode passes", total=a.rounds * (2 + len(caps) * (1 + len(preds))))
+            res = bench_decode(a.model, prompts, a.tier, caps, preds, a.miss, a.policy, a.tokens, a.warmup, a.rounds,
+                               a.store_dir, a.tau, progress=lambda: prog.advance(task))
+    res["git_commit"] = _git_commit()
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=2))
+    _print_json(res)
+    print("\n" + table(res))
+    return 0
+
+
+def _git_commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=RECIPE_DIR, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def cmd_fit_predictor(a) -> int:
+    from expertcache.runtime.predictors import EstimatorPredictor
+    from expertcache.telemetry.parquet_trace import read_meta
+
+    est = EstimatorPredictor.fit(a.trace, a.ridge)
+    est.save(a.out, read_meta(a.trace).__dict__)
+    _print_json({"estimator": a.out, "layers": int(est.w.shape[0]) + 1, "hidden": int(est.w.shape[1]),
+                 "experts": int(est.w.shape[2]), "trace": a.trace})
+    return 0
+
+
+def cmd_simulate(a) -> int:
+    from expertcache.runtime.bandwidth import HARDWARE, MODEL_SHAPES, Hardware, project
+    from expertcache.runtime.replay import load_routing
+    from expertcache.telemetry.errors import InputError
+
+    ids, e, _ = load_routing(a.trace)
+    if a.layers:
+        lo, hi = (int(x) for x in a.layers.split(":"))
+        ids = ids[lo:hi]
+    if a.model_shape not in MODEL_SHAPES:
+        raise InputError(f"unknown model shape {a.model_shape!r}; known: {', '.join(MODEL_SHAPES)}")
+    shape = MODEL_SHAPES[a.model_shape]
+    if a.moe_layers:
+        import dataclasses
+
+        shape = dataclasses.replace(shape, moe_layers=a.moe_layers)
+    if a.hardware == "this-machine":
+        if not a.link_gbps:
+            raise InputError("--hardware this-machine needs --link-gbps (measured, e.g. by the replay benchmark)")
+        hw = Hardware("this-machine", a.link_gbps, 1.0, 1e9, 0.0, "bandwidths as measured on this machine")
+    elif a.hardware in HARDWARE:
+        hw = HARDWARE[a.hardware]
+    else:
+        raise InputError(f"unknown hardware {a.hardware!r}; known: {', '.join(HARDWARE)}, this-machine")
+    if e != shape.num_experts:
+        raise InputError(f"trace has {e} experts per layer, model shape {shape.name} has {shape.num_experts}")
+    out = [project(ids, hw, shape, c, a.policy, a.compute_ms / 1e3 if a.compute_ms else None)
+           for c in _floats(a.capacity)]
+    _print_json(out)
+    print("\n| capacity | hit | MB/token | T_compute ms | T_transfer ms | on-demand ms | perfect overlap ms |")
+    print("|---|---|---|---|---|---|---|")
+    for r in out:
+        print(f"| {r['capacity']} ({r['capacity_frac']:.3g} E) | {r['hit_rate']:.3f} | "
+              f"{r['traffic_bytes_per_token'] / 1e6:.1f} | {1e3 * r['t_compute_s']:.2f} | "
+              f"{1e3 * r['t_transfer_s']:.2f} | {1e3 * r['tpot_on_demand_s']:.2f} | "
+              f"{1e3 * r['tpot_perfect_overlap_s']:.2f} |")
+    return 0
+
+
 # --- parser ------------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -248,6 +353,55 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--static-fit", default=None, help="fit static pins on this trace (e.g. the validation split)")
     an.add_argument("--no-domains", action="store_true", help="skip the per-domain breakdown")
     an.set_defaults(func=cmd_analyze)
+
+    be = sub.add_parser("bench", help="decode benchmarks (JSON + table)")
+    bsub = be.add_subparsers(dest="bench_command", required=True, metavar="ACTION")
+    bd = bsub.add_parser("decode", help="TPOT, hit, traffic, stall, overlap: the offload engine vs plain generate and "
+                                        "on-demand loading, alternated in one run; or --replay a trace at real size")
+    bd.add_argument("--model", default=None, help="HF checkpoint (live mode)")
+    bd.add_argument("--replay", default=None, help="replay this trace (.npz or Parquet) with random experts of "
+                                                   "--expert-shape instead of a live model, e.g. " +
+                    "../shared/reference/qwen3-30b-a3b-routing/code.npz")
+    bd.add_argument("--expert-shape", default="2048x768", help="replay: HIDDENxINTERMEDIATE (Qwen3-30B-A3B: 2048x768)")
+    bd.add_argument("--dtype", default="bf16", help="replay: expert dtype in the store (bf16, fp16, fp32)")
+    bd.add_argument("--disk-budget-gb", type=float, default=8.0, help="replay: store size; sets how many layers")
+    bd.add_argument("--tier", default="disk", help="disk | host | throttled:<GB/s> | cuda")
+    bd.add_argument("--capacity", default="0.125,0.25", help="resident experts per layer, fractions of E")
+    bd.add_argument("--predictor", default="probe:1", help="comma list: none, probe:1, probe:2, persistence, "
+                    "estimator:<file>, spatio, oracle[:recall]; replay: persistence, estimator, oracle[:recall]")
+    bd.add_argument("--miss", default="blocking", help="blocking (lossless) | reroute (lossy, see --tau)")
+    bd.add_argument("--tau", type=float, default=0.1, help="reroute margin on router probabilities")
+    bd.add_argument("--policy", default="lru", help="cache policy: lru | lfu")
+    bd.add_argument("--tokens", type=int, default=64, help="timed decode tokens per pass (after the warm-up)")
+    bd.add_argument("--warmup", type=int, default=8)
+    bd.add_argument("--rounds", type=int, default=2, help="alternated passes per configuration")
+    bd.add_argument("--prompts", type=int, default=2, help="live: held-out prompts per pass")
+    bd.add_argument("--prompt-len", type=int, default=64)
+    bd.add_argument("--corpus", default="data/corpus")
+    bd.add_argument("--domain", default="prose")
+    bd.add_argument("--workers", type=int, default=4, help="transfer threads")
+    bd.add_argument("--store-dir", default="runs/stores", help="where expert stores are written (reused)")
+    bd.add_argument("--out", default=None, help="also write the JSON here")
+    bd.set_defaults(func=cmd_bench_decode)
+
+    fp = sub.add_parser("fit-predictor", help="fit the ridge estimator (layer L hidden -> layer L+1 experts) on a "
+                                              "trace recorded with --hidden")
+    fp.add_argument("--trace", required=True)
+    fp.add_argument("--out", required=True, help="safetensors file")
+    fp.add_argument("--ridge", type=float, default=1.0)
+    fp.set_defaults(func=cmd_fit_predictor)
+
+    si = sub.add_parser("simulate", help="project TPOT on named hardware from a trace's hit rates and a bandwidth model")
+    si.add_argument("--trace", required=True, help=".npz reference trace or Parquet trace")
+    si.add_argument("--hardware", required=True, help="h100-pcie5 | 4gpu-cxl3 | consumer-8gb-nvme | this-machine")
+    si.add_argument("--model-shape", default="qwen3-30b-a3b", help="qwen3-30b-a3b | base-tiny")
+    si.add_argument("--capacity", default="0.125,0.25")
+    si.add_argument("--policy", default="lru")
+    si.add_argument("--layers", default=None, help="LO:HI trace layers to use (default all)")
+    si.add_argument("--moe-layers", type=int, default=None, help="override the shape's MoE layer count")
+    si.add_argument("--link-gbps", type=float, default=None, help="this-machine: measured tier bandwidth")
+    si.add_argument("--compute-ms", type=float, default=None, help="measured T_compute per token (overrides)")
+    si.set_defaults(func=cmd_simulate)
 
     _train_cache_aware_parser(sub.add_parser(
         "train-cache-aware", help="cache-aware post-training (locality losses, Temporal/Spatio routers) + gate"))
