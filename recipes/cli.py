@@ -275,6 +275,43 @@ def cmd_simulate(a) -> int:
     return 0
 
 
+def cmd_eval(a) -> int:
+    from rich.progress import Progress
+
+    from expertcache.evals.run import evaluate
+
+    tasks = [t for t in a.tasks.split(",") if t] if a.tasks != "none" else []
+    with Progress() as prog:
+        task = prog.add_task("step-wise perplexity", total=a.ppl_blocks * 3)
+        res = evaluate(a.model, a.corpus, a.policy, tasks, a.out, a.task_dir, a.limit, a.ppl_blocks, a.seq_len,
+                       store_dir=a.store_dir, progress=lambda: prog.advance(task))
+    _print_json({k: v for k, v in res.items() if k != "lm_eval_versions"})
+    return 0
+
+
+def cmd_gate(a) -> int:
+    from expertcache.evals.gate import GateThresholds, format_gate, gate
+    from expertcache.evals.run import evaluate
+
+    def load(x, policy):
+        p = Path(x)
+        if p.suffix == ".json":
+            if not p.is_file():
+                raise FileNotFoundError(f"{p} not found")
+            return json.loads(p.read_text())
+        tasks = [t for t in a.tasks.split(",") if t] if a.tasks != "none" else []
+        return evaluate(x, a.corpus, policy, tasks, None, a.task_dir, a.limit, a.ppl_blocks, a.seq_len,
+                        store_dir=a.store_dir)
+
+    g = gate(load(a.baseline, ""), load(a.candidate, a.policy),
+             GateThresholds(a.max_dppl, a.max_dppl_domain, a.min_dacc))
+    if a.out:
+        Path(a.out).write_text(json.dumps(g, indent=2))
+    _print_json(g)
+    print("\n" + format_gate(g))
+    return 0 if g["pass"] else 1
+
+
 # --- parser ------------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -402,6 +439,38 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("--link-gbps", type=float, default=None, help="this-machine: measured tier bandwidth")
     si.add_argument("--compute-ms", type=float, default=None, help="measured T_compute per token (overrides)")
     si.set_defaults(func=cmd_simulate)
+
+    ev = sub.add_parser("eval", help="local lm-eval tasks + step-wise token perplexity of a checkpoint, served under "
+                                     "a runtime policy")
+    ev.add_argument("--model", required=True, help="HF checkpoint")
+    ev.add_argument("--policy", default="", help="e.g. capacity=0.25,miss=reroute,tau=0.1 (default: plain model)")
+    ev.add_argument("--tasks", default=",".join(__import__("expertcache.evals.taskdata", fromlist=["x"]).DEFAULT_TASKS),
+                    help="comma list of local tasks (evals/tasks/), or none")
+    ev.add_argument("--corpus", default="data/corpus")
+    ev.add_argument("--out", default=None, help="JSON to write (lm-eval's own JSON beside it)")
+    ev.add_argument("--task-dir", default=None, help="where the task files are built (default: beside --out)")
+    ev.add_argument("--limit", type=int, default=None, help="documents per task (lm-eval's limit)")
+    ev.add_argument("--ppl-blocks", type=int, default=8, help="step-wise perplexity blocks per domain")
+    ev.add_argument("--seq-len", type=int, default=128, help="tokens per step-wise block")
+    ev.add_argument("--store-dir", default="runs/stores")
+    ev.set_defaults(func=cmd_eval)
+    ga = sub.add_parser("gate", help="PASS/FAIL of a candidate against a baseline (METRICS.md thresholds); exit 1 "
+                                     "on FAIL")
+    ga.add_argument("--baseline", required=True, help="checkpoint dir or an `expertcache eval` JSON")
+    ga.add_argument("--candidate", required=True, help="checkpoint dir or an `expertcache eval` JSON")
+    ga.add_argument("--policy", default="", help="runtime policy for the candidate (checkpoint dirs only)")
+    ga.add_argument("--max-dppl", type=float, default=1.0, help="largest Δppl overall, %% (default 1.0)")
+    ga.add_argument("--max-dppl-domain", type=float, default=2.0, help="largest Δppl per domain, %% (default 2.0)")
+    ga.add_argument("--min-dacc", type=float, default=-1.0, help="smallest Δacc per task, points (default -1.0)")
+    ga.add_argument("--tasks", default="ec_cloze_code,ec_cloze_prose,ec_cloze_math,ec_math_em,ec_ppl_prose")
+    ga.add_argument("--corpus", default="data/corpus")
+    ga.add_argument("--task-dir", default="runs/task-data")
+    ga.add_argument("--limit", type=int, default=None)
+    ga.add_argument("--ppl-blocks", type=int, default=8)
+    ga.add_argument("--seq-len", type=int, default=128)
+    ga.add_argument("--store-dir", default="runs/stores")
+    ga.add_argument("--out", default=None)
+    ga.set_defaults(func=cmd_gate)
 
     _train_cache_aware_parser(sub.add_parser(
         "train-cache-aware", help="cache-aware post-training (locality losses, Temporal/Spatio routers) + gate"))

@@ -1,0 +1,55 @@
+"""The lm-eval model `expertcache`: a checkpoint served under a runtime policy, so lm-eval tasks measure the model
+as it will be served, not only its weights.
+
+    lm_eval.simple_evaluate(model="expertcache", model_args={"pretrained": "runs/x/model",
+                            "policy": "capacity=0.25,miss=reroute,tau=0.1"}, tasks=[...])
+
+Under a lossy policy every forward lm-eval asks for runs one token at a time through the KV cache (batch 1),
+so the expert cache sees tokens in order; lossless policies and the plain model use lm-eval's batched path.
+"""
+
+from __future__ import annotations
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+from .policy import apply_policy, parse_policy
+
+
+@register_model("expertcache")
+class ExpertCacheLM(HFLM):
+    def __init__(self, pretrained: str, policy: str = "", store_dir: str = "runs/stores", batch_size: int = 8,
+                 max_length: int = 512, **kwargs):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from expertcache.telemetry.errors import InputError
+
+        from pathlib import Path
+
+        if not (Path(pretrained) / "config.json").is_file():
+            raise InputError(f"no HF checkpoint at {pretrained}")
+        self.serve = parse_policy(policy)
+        model = AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32).eval()
+        tok = AutoTokenizer.from_pretrained(pretrained)
+        self.engine = apply_policy(model, pretrained, self.serve, store_dir)
+        bs = 1 if self.serve.lossy else int(batch_size)
+        super().__init__(pretrained=model, tokenizer=tok, device="cpu", batch_size=bs, max_length=int(max_length),
+                         **kwargs)
+
+    def _model_call(self, inps, attn_mask=None, labels=None):
+        if not self.serve.lossy:
+            return super()._model_call(inps, attn_mask, labels)
+        from transformers import DynamicCache
+
+        outs = []
+        with torch.no_grad():
+            for row in inps:  # [T] each; one token at a time, the cache in order
+                past = DynamicCache()
+                logits = []
+                for j in range(row.shape[0]):
+                    o = self.model(input_ids=row[None, j:j + 1], past_key_values=past, use_cache=True)
+                    past = o.past_key_values
+                    logits.append(o.logits[0, -1])
+                outs.append(torch.stack(logits))
+        return torch.stack(outs)

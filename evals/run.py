@@ -1,0 +1,74 @@
+"""`expertcache eval`: the local tasks through `lm_eval.simple_evaluate` and the step-wise token perplexity, for
+one checkpoint under one runtime policy; one JSON with both (and lm-eval's own results JSON beside it)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .policy import apply_policy, parse_policy
+from .taskdata import DEFAULT_TASKS, DOMAINS, build_task_data, task_configs
+
+
+def stepwise_blocks(corpus: str, tokenizer: str, split: str, seq_len: int, per_domain: int) -> dict[str, np.ndarray]:
+    from expertcache.trainer.data import packed_blocks
+
+    out = {}
+    for d in DOMAINS:
+        b = packed_blocks(corpus, tokenizer, split, d, seq_len)
+        if len(b):
+            out[d] = b[np.linspace(0, len(b) - 1, min(per_domain, len(b))).astype(int)]
+    return out
+
+
+def evaluate(model_dir: str | Path, corpus: str = "data/corpus", policy: str = "", tasks=DEFAULT_TASKS,
+             out: str | Path | None = None, task_dir: str | Path | None = None, limit: int | None = None,
+             ppl_blocks: int = 8, seq_len: int = 128, split: str = "test", store_dir: str = "runs/stores",
+             batch_size: int = 8, progress=None) -> dict:
+    import lm_eval
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from expertcache.telemetry.errors import InputError
+
+    from .stepwise import stepwise_perplexity
+
+    import expertcache.evals.lm  # noqa: F401 - registers the "expertcache" lm-eval model
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise InputError(f"no HF checkpoint at {model_dir}")
+    serve = parse_policy(policy)
+    t0 = time.time()
+    task_dir = Path(task_dir or Path(out or "runs/eval").parent / "task-data")
+    if not (task_dir / "math_em.jsonl").is_file():
+        build_task_data(corpus, task_dir, split)
+    # step-wise token perplexity (the gate's Δppl), the engine attached, tokens in order
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    engine = apply_policy(model, model_dir, serve, store_dir)
+    blocks = stepwise_blocks(corpus, str(model_dir), split, seq_len, ppl_blocks)
+    step = stepwise_perplexity(model, blocks, progress)
+    if engine is not None:
+        step["engine"] = engine.stats.to_dict(engine.meta.expert_bytes)
+        engine.close()
+    res = {"model": str(model_dir), "policy": serve.label(), "policy_args": serve.to_dict(), "split": split,
+           "stepwise": step, "stepwise_blocks": {d: list(b.shape) for d, b in blocks.items()}}
+    if tasks:
+        r = lm_eval.simple_evaluate(model="expertcache", model_args={"pretrained": str(model_dir), "policy": policy,
+                                                                     "store_dir": store_dir,
+                                                                     "batch_size": batch_size},
+                                    tasks=task_configs(list(tasks), task_dir), limit=limit, log_samples=False,
+                                    bootstrap_iters=0, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
+        res["lm_eval"] = {t: {k: v for k, v in m.items() if isinstance(v, (int, float, str))}
+                          for t, m in r["results"].items()}
+        res["lm_eval_versions"] = r.get("versions", {})
+        if out:
+            Path(out).with_suffix(".lm_eval.json").write_text(json.dumps(r, indent=2, default=str))
+    res["seconds"] = round(time.time() - t0, 1)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(res, indent=2))
+    return res

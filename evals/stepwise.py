@@ -1,0 +1,45 @@
+"""Token-level perplexity, step by step: each block is fed one token at a time through the KV cache, so a served
+model's expert cache sees the tokens in order, as it would while decoding (METRICS.md: lossy policies are
+measured this way, never in one wide batch). The same tokens for every model and policy."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+
+@torch.no_grad()
+def stepwise_nll(model, ids: torch.Tensor) -> tuple[float, int]:
+    """Summed next-token NLL (nats) over `ids [1, T]`, fed one token at a time; and the token count (T-1)."""
+    from transformers import DynamicCache
+
+    past = DynamicCache()
+    nll = 0.0
+    t = ids.shape[1]
+    for j in range(t - 1):
+        out = model(input_ids=ids[:, j:j + 1], past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        logp = out.logits[0, -1].float().log_softmax(-1)
+        nll -= float(logp[ids[0, j + 1]])
+    return nll, t - 1
+
+
+def stepwise_perplexity(model, blocks: dict[str, np.ndarray], progress=None) -> dict:
+    """Per-domain and overall token perplexity over `blocks[domain] [n, T]` (the engine, if any, attached)."""
+    model.eval()
+    res, tot_nll, tot_n = {"ppl": {}, "tokens": {}}, 0.0, 0
+    for dom, b in blocks.items():
+        nll = n = 0
+        for row in b:
+            x, c = stepwise_nll(model, torch.from_numpy(row[None].astype(np.int64)))
+            nll, n = nll + x, n + c
+            if progress:
+                progress()
+        res["ppl"][dom] = math.exp(nll / n)
+        res["tokens"][dom] = n
+        tot_nll, tot_n = tot_nll + nll, tot_n + n
+    res["ppl"]["overall"] = math.exp(tot_nll / tot_n)
+    res["tokens"]["overall"] = tot_n
+    return res

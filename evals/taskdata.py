@@ -1,0 +1,101 @@
+"""The local lm-eval tasks' data, built from the held-out split of our corpus (no hub), and the task configs.
+
+Files (JSON lines, in `out_dir`): `ppl_<domain>.jsonl` ({text}: chunks for rolling perplexity),
+`cloze_<domain>.jsonl` ({context, choices, gold}: the true continuation among 3 continuations taken from other
+places of the same domain), `math_em.jsonl` ({question, answer}: held-out generated problems). The task YAMLs in
+`evals/tasks/` name these files relative to `out_dir`; `task_configs` resolves them.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import yaml
+
+from expertcache.telemetry.errors import InputError
+
+TASK_DIR = Path(__file__).resolve().parent / "tasks"
+DOMAINS = ("code", "prose", "math")
+DEFAULT_TASKS = tuple(f"ec_ppl_{d}" for d in DOMAINS) + tuple(f"ec_cloze_{d}" for d in DOMAINS) + ("ec_math_em",)
+MATH_RE = re.compile(r"Question: (?P<q>.*?)\nSolution: .*?Answer: (?P<a>-?\d+)", re.S)
+
+
+def _chunks(text: str, size: int) -> list[str]:
+    """Pieces of about `size` characters cut at line ends."""
+    out, cur = [], []
+    n = 0
+    for line in text.splitlines(keepends=True):
+        cur.append(line)
+        n += len(line)
+        if n >= size:
+            out.append("".join(cur))
+            cur, n = [], 0
+    if n > size // 4:
+        out.append("".join(cur))
+    return out
+
+
+def build_task_data(corpus: str | Path, out_dir: str | Path, split: str = "test", per_domain: int = 24,
+                    ppl_chars: int = 1500, ctx_chars: int = 240, cont_chars: int = 60, seed: int = 0) -> dict:
+    """Write the task files; returns how many documents each got."""
+    from expertcache.trainer.corpus import load_corpus
+
+    ds = load_corpus(corpus)[split]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    counts = {}
+    by_dom = {d: [t for t, dd in zip(ds["text"], ds["domain"]) if dd == d] for d in DOMAINS}
+    for dom, texts in by_dom.items():
+        if not texts:
+            raise InputError(f"split {split!r} of {corpus} has no {dom} text")
+        pieces = _chunks("\n".join(texts), ppl_chars)  # short documents (math problems) join up
+        take = [pieces[i] for i in sorted(rng.sample(range(len(pieces)), min(per_domain, len(pieces))))]
+        _write(out / f"ppl_{dom}.jsonl", [{"text": p} for p in take])
+        # cloze: context + the true continuation; distractors are continuations from other spots of the domain
+        spans = [(c, c[ctx_chars:ctx_chars + cont_chars]) for c in pieces if len(c) >= ctx_chars + cont_chars]
+        if len(spans) < 4:
+            raise InputError(f"not enough held-out {dom} text for a 4-way cloze")
+        docs = []
+        for i in sorted(rng.sample(range(len(spans)), min(per_domain, len(spans)))):
+            text, cont = spans[i]
+            others = rng.sample([s[1] for j, s in enumerate(spans) if j != i and s[1] != cont], 3)
+            gold = rng.randrange(4)
+            choices = others[:gold] + [cont] + others[gold:]
+            docs.append({"context": text[:ctx_chars], "choices": choices, "gold": gold})
+        _write(out / f"cloze_{dom}.jsonl", docs)
+        counts[dom] = {"ppl_docs": len(take), "cloze_docs": len(docs)}
+    probs = [m for t in by_dom["math"] for m in MATH_RE.finditer(t)]
+    pick = sorted(rng.sample(range(len(probs)), min(per_domain, len(probs))))
+    _write(out / "math_em.jsonl", [{"question": probs[i]["q"], "answer": probs[i]["a"]} for i in pick])
+    counts["math_em"] = len(pick)
+    return counts
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def task_configs(names: list[str], data_dir: str | Path) -> list[dict]:
+    """The YAML configs of `names` with their data files resolved under `data_dir`."""
+    data_dir = Path(data_dir).resolve()
+    out = []
+    for name in names:
+        f = TASK_DIR / f"{name}.yaml"
+        if not f.is_file():
+            known = sorted(p.stem for p in TASK_DIR.glob("*.yaml"))
+            raise InputError(f"unknown task {name!r}; local tasks: {', '.join(known)}")
+        cfg = yaml.safe_load(f.read_text())
+        files = cfg["dataset_kwargs"]["data_files"]
+        for split, rel in files.items():
+            p = data_dir / rel
+            if not p.is_file():
+                raise InputError(f"task data {p} missing; build it with build_task_data (expertcache eval does)")
+            files[split] = str(p)
+        out.append(cfg)
+    return out
