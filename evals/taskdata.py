@@ -52,7 +52,10 @@ def build_task_data(corpus: str | Path, out_dir: str | Path, split: str = "test"
     for dom, texts in by_dom.items():
         if not texts:
             raise InputError(f"split {split!r} of {corpus} has no {dom} text")
-        pieces = _chunks("\n".join(texts), ppl_chars)  # short documents (math problems) join up
+        joined = "\n".join(texts)  # short documents (math problems) join up
+        # a small held-out split still gets several pieces (never shorter than a cloze item)
+        size = max(ctx_chars + cont_chars + 20, min(ppl_chars, len(joined) // 8))
+        pieces = _chunks(joined, size)
         take = [pieces[i] for i in sorted(rng.sample(range(len(pieces)), min(per_domain, len(pieces))))]
         _write(out / f"ppl_{dom}.jsonl", [{"text": p} for p in take])
         # cloze: context + the true continuation; distractors are continuations from other spots of the domain
