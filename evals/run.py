@@ -61,6 +61,8 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", policy: str = "
                                                                      "store_dir": store_dir,
                                                                      "batch_size": batch_size},
                                     tasks=task_configs(list(tasks), task_dir), limit=limit, log_samples=False,
+                                    # our tasks are configs in hand: skip indexing lm-eval's ~13k built-in YAMLs
+                                    task_manager=lm_eval.tasks.TaskManager(include_defaults=False),
                                     bootstrap_iters=0, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
         res["lm_eval"] = {t: {k: v for k, v in m.items() if isinstance(v, (int, float, str))}
                           for t, m in r["results"].items()}
