@@ -109,7 +109,7 @@ def _report(rep: Path, smoke: Path, ca: Path, bench: Path, ev: dict, gates: dict
           f"Total {total_s / 60:.1f} min on this machine. Every figure below is in `report.json`; each step's command "
           "is listed at the end.", "",
           "## Base model (smoke)", "",
-          f"Validation perplexity: " + ", ".join(f"{d} {v:.2f}" for d, v in base_metrics["validation"]["ppl"].items()),
+          "Validation perplexity: " + ", ".join(f"{d} {v:.2f}" for d, v in base_metrics["validation"]["ppl"].items()),
           "", "![base training curve](base_training_curve.png)", "",
           "## Routing of the base (decode tokens, test split)", "",
           f"reuse@lag1 {analysis['reuse_lag1']['reuse']:.3f} vs chance {analysis['reuse_lag1']['chance']:.3f}", "",

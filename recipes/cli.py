@@ -158,7 +158,7 @@ def cmd_bench_decode(a) -> int:
     from rich.progress import Progress
 
     if a.replay:
-        from expertcache.runtime.replay import replay_benchmark, save, table
+        from expertcache.runtime.replay import replay_benchmark, table
 
         preds = [p for p in a.predictor.split(",") if p and p != "none"] or ["persistence", "estimator", "oracle"]
         with Progress() as prog:

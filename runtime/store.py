@@ -100,8 +100,32 @@ def expert_tensors(experts: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in experts.named_parameters(recurse=False)}
 
 
+def _write(path: str | Path, meta: StoreMeta, expert, progress=None) -> StoreMeta:
+    """The store file: header, then `expert(layer, e) -> {name: tensor}` for every block, written to a temp name,
+    fsynced (on disk before anyone times a read of it) and moved into place."""
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    buf = bytearray(meta.block_bytes)
+    with open(tmp, "wb") as f:
+        f.write(meta.to_json())
+        for layer in range(meta.num_layers):
+            for e in range(meta.num_experts):
+                buf[:] = bytes(meta.block_bytes)
+                tensors = expert(layer, e)
+                for t in meta.tensors:
+                    raw = tensors[t.name].detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+                    buf[t.offset:t.offset + len(raw)] = raw
+                f.write(buf)
+            if progress:
+                progress()
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    return meta
+
+
 def write_store(model, path: str | Path, progress=None) -> StoreMeta:
-    """Write every routed expert of `model` into a store file (atomically: written to a temp name, then moved)."""
+    """Write every routed expert of `model` into a store file."""
     from expertcache.telemetry.adapters import adapter_for
 
     a = adapter_for(model)
@@ -110,52 +134,25 @@ def write_store(model, path: str | Path, progress=None) -> StoreMeta:
     specs, block = layout([(n, list(p.shape[1:]), str(p.dtype).removeprefix("torch.")) for n, p in first.items()])
     meta = StoreMeta(model_fingerprint(model), len(layers), a.num_experts, specs, block,
                      str(getattr(model, "name_or_path", "")))
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    buf = bytearray(block)
-    with open(tmp, "wb") as f:
-        f.write(meta.to_json())
-        for layer in layers:
-            params = expert_tensors(layer.experts)
-            for e in range(a.num_experts):
-                buf[:] = bytes(block)
-                for t in specs:
-                    raw = params[t.name][e].detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-                    buf[t.offset:t.offset + len(raw)] = raw
-                f.write(buf)
-            if progress:
-                progress()
-        f.flush()
-        os.fsync(f.fileno())  # on disk before anyone times a read of it
-    tmp.replace(path)
-    return meta
+    params = [expert_tensors(L.experts) for L in layers]
+    return _write(path, meta, lambda i, e: {n: p[e] for n, p in params[i].items()}, progress)
 
 
 def write_random_store(path: str | Path, num_layers: int, num_experts: int, specs: list[tuple[str, list[int], str]],
                        seed: int = 0, progress=None) -> StoreMeta:
     """A store of random experts of a given shape (replay at realistic sizes: the weights' values do not matter
-    for transfer and compute time, only their size)."""
+    for transfer and compute time, only their size). One random draw per layer, rolled per expert (fast)."""
     tensors, block = layout(specs)
     meta = StoreMeta(f"random-{seed}-{num_layers}x{num_experts}", num_layers, num_experts, tensors, block, "random")
     g = torch.Generator().manual_seed(seed)
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(meta.to_json())
-        for _ in range(num_layers):
-            for _ in range(num_experts):
-                buf = bytearray(block)
-                for t in tensors:
-                    x = (torch.randn(t.shape, generator=g) * 0.02).to(t.torch_dtype)
-                    raw = x.view(torch.uint8).numpy().tobytes()
-                    buf[t.offset:t.offset + len(raw)] = raw
-                f.write(buf)
-            if progress:
-                progress()
-        f.flush()
-        os.fsync(f.fileno())  # on disk before anyone times a read of it
-    tmp.replace(path)
-    return meta
+    draws: dict[int, dict] = {}
+
+    def expert(i, e):
+        if i not in draws:
+            draws.clear()
+            draws[i] = {t.name: (torch.randn(t.shape, generator=g) * 0.02).to(t.torch_dtype) for t in tensors}
+        return {n: x.roll(e * 7919) for n, x in draws[i].items()}
+    return _write(path, meta, expert, progress)
 
 
 def read_store_meta(path: str | Path) -> StoreMeta:

@@ -2,7 +2,6 @@
 simulator, and real post-training runs (aux-only freeze, joint, resume) on a tiny pretrained base."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -85,7 +84,7 @@ def test_router_shapes_and_zero_start_equal_the_native_router():
 
 def test_router_loss_gradient_raises_the_score_of_the_true_expert():
     aux, routers = _routers(temporal=False)
-    b, t, k = 1, 5, 2
+    b, t = 1, 5
     hidden = [torch.randn(b * t, 16) for _ in range(3)]
     ids = [torch.tensor([[0, 1]] * t) for _ in range(3)]
     loss = aux.loss(hidden, ids, routers, b)["spatio"]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .config import RecipeError, apply_overrides, from_dict, opt, save_recipe, to_dict
+from .config import RecipeError, apply_overrides, from_dict, opt, to_dict
 from .data import DataSpec
 from .lm_module import CausalLMModule, TrainSpec
 
@@ -238,30 +238,19 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     """Post-train, save, evaluate; returns (and writes) result.json. A sweep runs every point, then the table."""
     if recipe.sweep.key:
         return run_sweep(recipe, resume)
-    import lightning as L
     from transformers import AutoModelForCausalLM
 
     from expertcache.telemetry.errors import InputError
 
     from .aux_routers import AuxRouters, config_for
     from .cache_eval import evaluate_checkpoint
-    from .corpus import load_corpus
     from .data import CorpusDataModule, packed_blocks
     from .evaluate import check_vocab
     from .models import count_parameters
-    from .pretrain import fit_resumable, plot_training_curve
-    from .tokenizer import load_tokenizer
+    from .pretrain import fit_resumable, plot_training_curve, prepare_run
 
     base = _check_base(recipe.base)
-    load_corpus(recipe.data.corpus)
-    tok = load_tokenizer(recipe.data.tokenizer)
-    if recipe.train.threads:
-        torch.set_num_threads(recipe.train.threads)
-    out = Path(recipe.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_recipe(recipe, out / "recipe.yaml")
-
-    L.seed_everything(recipe.train.seed, workers=True, verbose=False)
+    tok, out = prepare_run(recipe)
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     check_vocab(tok, model.config)
     r = recipe.routers

@@ -120,26 +120,33 @@ def plot_training_curve(log_dir: Path, out_png: Path) -> None:
     plt.close(fig)
 
 
-def run_pretrain(recipe: PretrainRecipe, resume: bool = True) -> dict:
+def prepare_run(recipe) -> tuple[object, Path]:
+    """What every training run does first, for a recipe with `data`, `train` and `out_dir`: reject bad input
+    (corpus, tokenizer) before any model is built, set threads, write the resolved recipe, seed.
+    Returns (tokenizer, run folder)."""
     import lightning as L
     import torch
-    from transformers import AutoModelForCausalLM
 
     from .corpus import load_corpus
-    from .evaluate import check_vocab, evaluate_lm
     from .tokenizer import load_tokenizer
 
-    # Bad input is rejected here, before any model is built.
     load_corpus(recipe.data.corpus)
     tok = load_tokenizer(recipe.data.tokenizer)
     if recipe.train.threads:
         torch.set_num_threads(recipe.train.threads)
-
     out = Path(recipe.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_recipe(recipe, out / "recipe.yaml")
-
     L.seed_everything(recipe.train.seed, workers=True, verbose=False)
+    return tok, out
+
+
+def run_pretrain(recipe: PretrainRecipe, resume: bool = True) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from .evaluate import check_vocab, evaluate_lm
+
+    tok, out = prepare_run(recipe)
     hf_config = recipe.model.to_hf_config(len(tok), tok.eos_token_id, tok.pad_token_id)
     check_vocab(tok, hf_config)
     model = AutoModelForCausalLM.from_config(hf_config)
