@@ -160,7 +160,14 @@ def cmd_bench_decode(a) -> int:
     if a.replay:
         from expertcache.runtime.replay import replay_benchmark, table
 
-        preds = [p for p in a.predictor.split(",") if p and p != "none"] or ["persistence", "estimator", "oracle"]
+        from expertcache.telemetry.errors import InputError
+
+        preds = [p for p in (a.predictor or "").split(",") if p and p != "none"] or \
+            ["persistence", "estimator", "oracle:0.25", "oracle:0.5", "oracle:0.75", "oracle"]
+        bad = [p for p in preds if p not in ("persistence", "estimator") and not p.startswith("oracle")]
+        if bad:
+            raise InputError(f"replay predictors come from the trace: persistence, estimator, oracle[:recall]; "
+                             f"not {', '.join(bad)}")
         with Progress() as prog:
             task = prog.add_task("replay passes", total=a.rounds * (1 + len(preds)))
             res = replay_benchmark(a.replay, a.expert_shape, a.dtype, a.tier, _floats(a.capacity)[0], preds,
@@ -181,7 +188,7 @@ def cmd_bench_decode(a) -> int:
         idx = np.linspace(0, len(blocks) - 1, a.prompts).astype(int)
         prompts = torch.from_numpy(blocks[idx].astype(np.int64))
         caps = _floats(a.capacity)
-        preds = [p for p in a.predictor.split(",") if p]
+        preds = [p for p in (a.predictor or "probe:1").split(",") if p]
         with Progress() as prog:
             task = prog.add_task("decode passes", total=a.rounds * (2 + len(caps) * (1 + len(preds))))
             res = bench_decode(a.model, prompts, a.tier, caps, preds, a.miss, a.policy, a.tokens, a.warmup, a.rounds,
@@ -190,6 +197,10 @@ def cmd_bench_decode(a) -> int:
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(res, indent=2))
+        if a.replay:
+            from expertcache.runtime.replay import plot_recall
+
+            plot_recall(res, Path(a.out).with_suffix(".png"))
     _print_json(res)
     print("\n" + table(res))
     return 0
@@ -384,8 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--disk-budget-gb", type=float, default=8.0, help="replay: store size; sets how many layers")
     bd.add_argument("--tier", default="disk", help="disk | host | throttled:<GB/s> | cuda")
     bd.add_argument("--capacity", default="0.125,0.25", help="resident experts per layer, fractions of E")
-    bd.add_argument("--predictor", default="probe:1", help="comma list: none, probe:1, probe:2, persistence, "
-                    "estimator:<file>, spatio, oracle[:recall]; replay: persistence, estimator, oracle[:recall]")
+    bd.add_argument("--predictor", default=None, help="comma list: none, probe:1, probe:2, persistence, "
+                    "estimator:<file>, spatio, oracle[:recall]; replay: persistence, estimator, oracle[:recall] "
+                    "(replay default: persistence, estimator and the oracle at recall 0.25/0.5/0.75/1)")
     bd.add_argument("--miss", default="blocking", help="blocking (lossless) | reroute (lossy, see --tau)")
     bd.add_argument("--tau", type=float, default=0.1, help="reroute margin on router probabilities")
     bd.add_argument("--policy", default="lru", help="cache policy: lru | lfu")

@@ -265,7 +265,8 @@ def _summary(runs: list[dict], warmup: int, expert_bytes: int) -> dict:
 
 
 def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2048x768", dtype: str = "bfloat16",
-                     tier: str = "disk", capacity: float = 0.25, predictors=("persistence", "estimator", "oracle"),
+                     tier: str = "disk", capacity: float = 0.25,
+                     predictors=("persistence", "estimator", "oracle:0.25", "oracle:0.5", "oracle:0.75", "oracle"),
                      tokens: int = 64, warmup: int = 8, rounds: int = 2, disk_budget_gb: float = 8.0,
                      store_dir: str | Path = "runs/replay-store", first_layer: int | None = None,
                      workers: int = 4, compute_dtype: str = "auto", fit_frac: float = 0.2, progress=None) -> dict:
@@ -323,6 +324,10 @@ def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2
            "tier_bandwidth_GBps": bw / 1e9, "t_compute_s": t_compute, "configs": {}}
     for c in configs:
         s = _summary(runs[c.name], warmup, rp.meta.expert_bytes)
+        if c.predictor in ("persistence", "estimator"):  # recall of layer i+1's experts, as predicted at layer i
+            rec = [len(set(predicted(c, ids, est, rp.rng, i, t, ids.shape[2], e)) & set(ids[i + 1, t].tolist()))
+                   / ids.shape[2] for t in span for i in range(n_layers - 1)]
+            s["recall"] = float(np.mean(rec))
         t_transfer = s["traffic_bytes_per_token"] / bw
         s["t_transfer_s"] = t_transfer
         s["roofline_s"] = max(t_compute, t_transfer)
@@ -348,3 +353,31 @@ def table(res: dict) -> str:
 
 def save(res: dict, path: str | Path) -> None:
     Path(path).write_text(json.dumps(res, indent=2))
+
+
+def plot_recall(res: dict, png: str | Path) -> None:
+    """TPOT against predictor recall: the oracle degraded to each stated recall, with on-demand and the
+    realizable predictors (at their measured recall of the next layer's experts) marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = res["configs"]
+    pts = sorted((float(n.split(":")[1]) if ":" in n else 1.0, s["tpot_median_s"] * 1e3)
+                 for n, s in cfg.items() if n.startswith("oracle"))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if pts:
+        ax.plot(*zip(*pts), marker="o", label="oracle at a stated recall")
+    ax.axhline(cfg["on-demand"]["tpot_median_s"] * 1e3, ls="--", c="k", label="on-demand")
+    for n, s in cfg.items():
+        if n in ("persistence", "estimator") and "recall" in s:
+            ax.scatter([s["recall"]], [s["tpot_median_s"] * 1e3], marker="x", s=60, label=n, zorder=3)
+    ax.axhline(res["t_compute_s"] * 1e3, ls=":", c="gray", label="all resident (T_compute)")
+    i = res["inputs"]
+    ax.set(xlabel="recall of layer L+1's experts", ylabel="TPOT median (ms)", ylim=(0, None),
+           title=f"replay {i['trace_model']} layers {i['layers'][0]}-{i['layers'][1] - 1}, C={i['capacity']} "
+                 f"({i['capacity_frac']:.3g} E), {i['tier']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)

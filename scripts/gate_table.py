@@ -1,0 +1,92 @@
+#!/usr/bin/env python
+"""The gate on a base against post-trained checkpoints, with and without rerouting; one JSON and one table.
+
+For every checkpoint: `expertcache eval` plain (lm-eval tasks + step-wise token perplexity) and served at a
+capacity with the reroute miss policy (step-wise, one token at a time, the cache in order), then `gate` against
+the plain base. Miss reduction: demand loads per token during the step-wise evaluation, against the base served
+at the same capacity with blocking loads (LRU) on the same tokens.
+
+    python scripts/gate_table.py --base runs/base-tiny/model --candidates runs/ca-*/model --out runs/gates
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from expertcache.evals.gate import gate
+from expertcache.evals.run import evaluate
+
+PLAIN_TASKS = ["ec_ppl_code", "ec_ppl_prose", "ec_ppl_math", "ec_cloze_code", "ec_cloze_prose", "ec_cloze_math",
+               "ec_math_em"]
+LOSSY_TASKS = ["ec_ppl_prose", "ec_cloze_prose"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", required=True)
+    ap.add_argument("--candidates", nargs="+", required=True)
+    ap.add_argument("--out", required=True, help="folder for every eval JSON, gates.json and gates.md")
+    ap.add_argument("--corpus", default="data/corpus")
+    ap.add_argument("--capacity", type=float, default=0.125)
+    ap.add_argument("--tau", type=float, default=0.1)
+    ap.add_argument("--limit", type=int, default=24, help="documents per plain task")
+    ap.add_argument("--lossy-limit", type=int, default=8, help="documents per task under rerouting")
+    ap.add_argument("--ppl-blocks", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=128)
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    kw = dict(corpus=a.corpus, task_dir=out / "task-data", ppl_blocks=a.ppl_blocks, seq_len=a.seq_len,
+              store_dir=str(out / "stores"))
+    served = f"capacity={a.capacity},tier=host"
+    reroute = f"capacity={a.capacity},tier=host,miss=reroute,tau={a.tau}"
+
+    def ev(model, name, policy="", tasks=PLAIN_TASKS, limit=a.limit):
+        f = out / f"eval-{name}.json"
+        if f.is_file():
+            return json.loads(f.read_text())
+        print(f"eval {name} [{policy or 'plain'}]", flush=True)
+        return evaluate(model, policy=policy, tasks=tasks, out=f, limit=limit, **kw)
+
+    base = ev(a.base, "base")
+    base_lru = ev(a.base, "base-lru", served, [], a.lossy_limit)
+    base_misses = base_lru["stepwise"]["engine"]["demand_loads"]
+    rows = []
+    for cand in [a.base, *a.candidates]:
+        name = Path(cand).parent.name if Path(cand).name == "model" else Path(cand).name
+        for label, policy, tasks, limit in (("plain", "", PLAIN_TASKS, a.limit),
+                                            ("reroute", reroute, LOSSY_TASKS, a.lossy_limit)):
+            r = ev(cand, f"{name}-{label}", policy, tasks, limit)
+            if label == "plain":
+                lru = ev(cand, f"{name}-lru", served, [], a.lossy_limit)
+                misses = lru["stepwise"]["engine"]["demand_loads"]
+            else:
+                misses = r["stepwise"]["engine"]["demand_loads"]
+            g = gate(base, r)
+            rows.append({"checkpoint": name, "serving": label, "dppl_percent": g["dppl_percent"],
+                         "dacc_points": g["dacc_points"], "bpb_crosscheck": g["bpb_crosscheck"],
+                         "miss_reduction_vs_base_lru": 1 - misses / base_misses, "demand_loads": misses,
+                         "rerouted": r["stepwise"].get("engine", {}).get("rerouted", 0),
+                         "gate": "PASS" if g["pass"] else "FAIL", "failures": g["failures"]})
+    res = {"base": a.base, "capacity": a.capacity, "tau": a.tau, "base_lru_demand_loads": base_misses,
+           "stepwise_tokens": base["stepwise"]["tokens"], "rows": rows}
+    (out / "gates.json").write_text(json.dumps(res, indent=2))
+    md = [f"Capacity {a.capacity:g} E per layer (host tier), reroute τ = {a.tau:g}; miss reduction = demand loads "
+          f"per token during the step-wise evaluation vs the base with LRU (blocking) on the same tokens.", "",
+          "| checkpoint | serving | miss reduction | Δppl overall | code | prose | math | Δacc (points) | gate |",
+          "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        d = r["dppl_percent"]
+        acc = ", ".join(f"{t.removeprefix('ec_')} {v:+.1f}" for t, v in r["dacc_points"].items())
+        md.append(f"| {r['checkpoint']} | {r['serving']} | {100 * r['miss_reduction_vs_base_lru']:+.1f}% | "
+                  f"{d['overall']:+.2f}% | {d['code']:+.2f}% | {d['prose']:+.2f}% | {d['math']:+.2f}% | {acc} | "
+                  f"{r['gate']} |")
+    (out / "gates.md").write_text("\n".join(md) + "\n")
+    print(json.dumps(res, indent=2))
+    print("\n" + "\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
