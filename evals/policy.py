@@ -1,7 +1,8 @@
 """A runtime policy (what the model is served with): parsed from `key=value,...` and applied to a loaded model.
 
-Keys: capacity (fraction of E or count; default: none, every expert in memory), tier (host), predictor (none),
-miss (blocking | reroute), tau (0.1), policy (lru | lfu). An empty policy is the plain model.
+Keys: capacity (fraction of E or count; default: none, every expert in memory), tier (host), predictor (none,
+probe:1, spatio, ...), miss (blocking | reroute), tau (0.1), policy (lru | lfu | scored: the checkpoint's
+Temporal router decides what stays). An empty policy is the plain model.
 """
 
 from __future__ import annotations
@@ -66,12 +67,15 @@ def apply_policy(model, model_dir, policy: ServePolicy, store_dir="runs/stores")
 
     a = adapter_for(model)
     store = store_for(model, store_dir)
-    aux = None
-    if policy.predictor == "spatio":
+    from expertcache.runtime.predictors import TemporalKeep
+
+    aux = keep = None
+    if policy.predictor == "spatio" or policy.policy == "scored":  # the routers saved beside the checkpoint
         from expertcache.trainer.aux_routers import load_aux_routers
 
         aux = load_aux_routers(model_dir, model)
+        keep = TemporalKeep(model, aux) if policy.policy == "scored" else None
     pred = make_predictor(policy.predictor, model, aux, a.num_experts, a.hidden_size)
     cfg = EngineConfig(capacity=policy.capacity, tier=policy.tier, policy=policy.policy, miss=policy.miss,
                        tau=policy.tau)
-    return OffloadEngine(model, store, cfg, predictor=pred)
+    return OffloadEngine(model, store, cfg, predictor=pred, keep_scores=keep)

@@ -369,6 +369,8 @@ class OffloadEngine:
             for ex, slot in self.states[pos].res.items():
                 self.tier.read(pos, ex, self.pools[pos], slot)
         self.history.clear()
+        if hasattr(self.keep_scores, "reset"):
+            self.keep_scores.reset()
         self._preload_all()
         self.reset_stats()
 

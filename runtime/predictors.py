@@ -190,3 +190,34 @@ def make_predictor(spec: str, model=None, aux=None, num_experts: int | None = No
         return OraclePredictor(num_experts, float(spec.split(":", 1)[1]) if ":" in spec else 1.0)
     raise InputError(f"unknown predictor {spec!r}; expected none, probe:1, probe:2, persistence, estimator:<file>, "
                      f"spatio, oracle or oracle:<recall>")
+
+
+class TemporalKeep:
+    """Keep scores for the engine's `scored` cache policy from a trained Temporal router: after layer L runs
+    for a token, its scores for the tokens ahead, from the hidden state entering layer L and the experts the
+    layer used at the last `history` tokens (kept here)."""
+
+    def __init__(self, model, aux):
+        from collections import deque
+
+        from expertcache.telemetry.adapters import adapter_for
+
+        if aux.temporal is None:
+            raise InputError("these auxiliary routers have no Temporal head (trained with routers.temporal=false)")
+        self.aux = aux
+        self.routers = [L.router for L in adapter_for(model).moe_layers(model)]
+        self.e, self.h = aux.cfg.num_experts, aux.cfg.history
+        self.past = [deque(maxlen=self.h) for _ in self.routers]
+
+    @torch.no_grad()
+    def __call__(self, pos: int, hidden: torch.Tensor, needed: list[int]) -> list[float]:
+        self.past[pos].appendleft(needed)  # feature j: used j tokens ago (0 = now)
+        hist = torch.zeros(1, self.e, self.h)
+        for j, ids in enumerate(self.past[pos]):
+            hist[0, ids, j] = 1.0
+        s = self.aux.temporal_scores(pos, hidden[-1:].float(), self.routers[pos], hist)
+        return s[0].tolist()
+
+    def reset(self) -> None:
+        for d in self.past:
+            d.clear()
