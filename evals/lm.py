@@ -42,14 +42,12 @@ class ExpertCacheLM(HFLM):
             return super()._model_call(inps, attn_mask, labels)
         from transformers import DynamicCache
 
+        from .stepwise import step
+
         outs = []
         with torch.no_grad():
             for row in inps:  # [T] each; one token at a time, the cache in order
-                past = DynamicCache()
-                logits = []
-                for j in range(row.shape[0]):
-                    o = self.model(input_ids=row[None, j:j + 1], past_key_values=past, use_cache=True)
-                    past = o.past_key_values
-                    logits.append(o.logits[0, -1])
+                cache = DynamicCache()
+                logits = [step(self.model, row[None, j:j + 1], cache).logits[0, -1] for j in range(row.shape[0])]
                 outs.append(torch.stack(logits))
         return torch.stack(outs)

@@ -10,17 +10,25 @@ import numpy as np
 import torch
 
 
+def step(model, token: torch.Tensor, cache):
+    """One forward of `token [B, 1]` through `cache` (a DynamicCache, updated in place); transformers >= 5.x
+    names the argument `cache` (`past_key_values` is deprecated there), older 5.x releases only know the latter."""
+    try:
+        return model(input_ids=token, cache=cache, use_cache=True)
+    except TypeError:
+        return model(input_ids=token, past_key_values=cache, use_cache=True)
+
+
 @torch.no_grad()
 def stepwise_nll(model, ids: torch.Tensor) -> tuple[float, int]:
     """Summed next-token NLL (nats) over `ids [1, T]`, fed one token at a time; and the token count (T-1)."""
     from transformers import DynamicCache
 
-    past = DynamicCache()
+    cache = DynamicCache()
     nll = 0.0
     t = ids.shape[1]
     for j in range(t - 1):
-        out = model(input_ids=ids[:, j:j + 1], past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = step(model, ids[:, j:j + 1], cache)
         logp = out.logits[0, -1].float().log_softmax(-1)
         nll -= float(logp[ids[0, j + 1]])
     return nll, t - 1

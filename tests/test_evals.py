@@ -40,7 +40,9 @@ def evals(tiny_data, tmp_path_factory):
     out = {"base": evaluate(base, out=root / "base.json", **kw),
            "damaged": evaluate(damaged, **kw),
            "served": evaluate(base, policy="capacity=0.25,tier=disk", **kw),
-           "reroute": evaluate(base, policy="capacity=0.25,miss=reroute,tau=1.0", **dict(kw, tasks=[])),
+           # a lossy policy: lm-eval forwards go one token at a time through the engine
+           "reroute": evaluate(base, policy="capacity=0.25,miss=reroute,tau=1.0",
+                               **dict(kw, tasks=["ec_cloze_prose"], limit=2)),
            "root": root}
     return out
 
@@ -77,6 +79,7 @@ def test_reroute_reports_its_accuracy_cost(evals):
     assert r["stepwise"]["engine"]["rerouted"] > 0
     assert r["stepwise"]["ppl"]["overall"] != evals["base"]["stepwise"]["ppl"]["overall"]
     assert r["policy"] == "C=0.25,reroute,tau=1"
+    assert 0 <= r["lm_eval"]["ec_cloze_prose"]["acc,none"] <= 1
 
 
 def test_gate_cli_exit_status(evals, capsys):
