@@ -236,6 +236,9 @@ def cmd_simulate(a) -> int:
     if a.layers:
         lo, hi = (int(x) for x in a.layers.split(":"))
         ids = ids[lo:hi]
+    if a.tokens:
+        lo, hi = (int(x) for x in a.tokens.split(":"))
+        ids = ids[:, lo:hi]
     if a.model_shape not in MODEL_SHAPES:
         raise InputError(f"unknown model shape {a.model_shape!r}; known: {', '.join(MODEL_SHAPES)}")
     shape = MODEL_SHAPES[a.model_shape]
@@ -427,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("--capacity", default="0.125,0.25")
     si.add_argument("--policy", default="lru")
     si.add_argument("--layers", default=None, help="LO:HI trace layers to use (default all)")
+    si.add_argument("--tokens", default=None, help="LO:HI trace tokens to use (default all)")
     si.add_argument("--moe-layers", type=int, default=None, help="override the shape's MoE layer count")
     si.add_argument("--link-gbps", type=float, default=None, help="this-machine: measured tier bandwidth")
     si.add_argument("--compute-ms", type=float, default=None, help="measured T_compute per token (overrides)")
