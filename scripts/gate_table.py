@@ -58,9 +58,10 @@ def main() -> None:
         name = Path(cand).parent.name if Path(cand).name == "model" else Path(cand).name
         for label, policy, tasks, limit in (("plain", "", PLAIN_TASKS, a.limit),
                                             ("reroute", reroute, LOSSY_TASKS, a.lossy_limit)):
-            r = ev(cand, f"{name}-{label}", policy, tasks, limit)
+            is_base = cand == a.base and label == "plain"
+            r = base if is_base else ev(cand, f"{name}-{label}", policy, tasks, limit)
             if label == "plain":
-                lru = ev(cand, f"{name}-lru", served, [], a.lossy_limit)
+                lru = base_lru if cand == a.base else ev(cand, f"{name}-lru", served, [], a.lossy_limit)
                 misses = lru["stepwise"]["engine"]["demand_loads"]
             else:
                 misses = r["stepwise"]["engine"]["demand_loads"]
