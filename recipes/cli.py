@@ -191,8 +191,11 @@ def cmd_bench_decode(a) -> int:
         preds = [p for p in (a.predictor or "probe:1").split(",") if p]
         with Progress() as prog:
             task = prog.add_task("decode passes", total=a.rounds * (2 + len(caps) * (1 + len(preds))))
+            from expertcache.trainer.aux_routers import load_aux_routers
+
             res = bench_decode(a.model, prompts, a.tier, caps, preds, a.miss, a.policy, a.tokens, a.warmup, a.rounds,
-                               a.store_dir, a.tau, progress=lambda: prog.advance(task))
+                               a.store_dir, a.tau, load_aux=lambda m: load_aux_routers(a.model, m),
+                               progress=lambda: prog.advance(task))
     res["git_commit"] = _git_commit()
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
@@ -403,7 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(replay default: persistence, estimator and the oracle at recall 0.25/0.5/0.75/1)")
     bd.add_argument("--miss", default="blocking", help="blocking (lossless) | reroute (lossy, see --tau)")
     bd.add_argument("--tau", type=float, default=0.1, help="reroute margin on router probabilities")
-    bd.add_argument("--policy", default="lru", help="cache policy: lru | lfu")
+    bd.add_argument("--policy", default="lru", help="cache policy: lru | lfu | scored (the checkpoint's Temporal "
+                                                    "router decides what stays)")
     bd.add_argument("--tokens", type=int, default=64, help="timed decode tokens per pass (after the warm-up)")
     bd.add_argument("--warmup", type=int, default=8)
     bd.add_argument("--rounds", type=int, default=2, help="alternated passes per configuration")

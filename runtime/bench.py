@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .engine import EngineConfig, OffloadEngine, Stats
-from .predictors import make_predictor
+from .predictors import TemporalKeep, make_predictor
 from .store import model_fingerprint, read_store_meta, write_store
 
 
@@ -91,7 +91,9 @@ def tier_bandwidth(engine: OffloadEngine, n: int = 64) -> float:
 def bench_decode(model_dir: str | Path, prompts: torch.Tensor, tier: str = "disk", capacities=(0.125, 0.25),
                  predictors=("probe:1",), miss: str = "blocking", policy: str = "lru", tokens: int = 64,
                  warmup: int = 8, rounds: int = 2, store_dir: str | Path = "runs/stores", tau: float = 0.1,
-                 progress=None) -> dict:
+                 load_aux=None, progress=None) -> dict:
+    """`load_aux(model) -> AuxRouters`: the checkpoint's auxiliary routers, for the `spatio` predictor and the
+    `scored` policy (passed in by the caller: the runtime does not depend on the trainer)."""
     from transformers import AutoModelForCausalLM
 
     def load():
@@ -108,13 +110,17 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, tier: str = "disk
     runners["resident"] = (m, OffloadEngine(m, store, EngineConfig(capacity=e, tier="host")))
     for cap in capacities:
         m = load()
-        runners[f"on-demand@{cap:g}"] = (m, OffloadEngine(m, store, EngineConfig(capacity=cap, tier=tier,
-                                                                                policy=policy)))
+        # on-demand: no predictor, blocking, LRU (the scored policy needs a predictor's scores)
+        runners[f"on-demand@{cap:g}"] = (m, OffloadEngine(m, store, EngineConfig(
+            capacity=cap, tier=tier, policy="lru" if policy == "scored" else policy)))
         for p in predictors:
             m = load()
+            aux = load_aux(m) if (p == "spatio" or policy == "scored") and load_aux is not None else None
+            keep = TemporalKeep(m, aux) if policy == "scored" and aux is not None else None
             runners[f"{p}+{miss}@{cap:g}"] = (m, OffloadEngine(
                 m, store, EngineConfig(capacity=cap, tier=tier, policy=policy, miss=miss, tau=tau),
-                predictor=make_predictor(p, m, num_experts=e, hidden_size=m.config.hidden_size)))
+                predictor=make_predictor(p, m, aux, num_experts=e, hidden_size=m.config.hidden_size),
+                keep_scores=keep))
     results = {name: {"tpot": [], "stats": [], "tokens_equal_plain": True} for name in runners}
     plain_out = None
     try:
