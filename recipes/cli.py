@@ -402,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--tier", default="disk", help="disk | host | throttled:<GB/s> | cuda")
     bd.add_argument("--capacity", default="0.125,0.25", help="resident experts per layer, fractions of E")
     bd.add_argument("--predictor", default=None, help="comma list: none, probe:1, probe:2, persistence, "
-                    "estimator:<file>, spatio, oracle[:recall]; replay: persistence, estimator, oracle[:recall] "
+                    "estimator:<file>, spatio; replay: persistence, estimator, oracle[:recall] "
                     "(replay default: persistence, estimator and the oracle at recall 0.25/0.5/0.75/1)")
     bd.add_argument("--miss", default="blocking", help="blocking (lossless) | reroute (lossy, see --tau)")
     bd.add_argument("--tau", type=float, default=0.1, help="reroute margin on router probabilities")

@@ -29,7 +29,7 @@ from torch import nn
 from expertcache.telemetry.errors import InputError
 
 from .cache import CacheState
-from .predictors import OraclePredictor, Predictor
+from .predictors import Predictor
 from .store import check_store, expert_tensors, read_store_meta
 from .tiers import SlotPool, TierSpec, available_memory, make_tier
 
@@ -179,8 +179,9 @@ class OffloadEngine:
             self._router_logits[pos] = output[0] if isinstance(output, tuple) else output
         return hook
 
-    def _load(self, pos: int, expert: int, slot: int) -> None:
-        n = self.tier.read(pos, expert, self.pools[pos], slot)
+    def _load(self, pos: int, expert: int, slot: int, pool: SlotPool | None = None) -> None:
+        """Copy one expert from the slow tier into a slot of layer `pos`'s pool (or of a transient `pool`)."""
+        n = self.tier.read(pos, expert, pool if pool is not None else self.pools[pos], slot)
         with self._lock:
             self.stats.bytes_moved += n
 
@@ -266,8 +267,6 @@ class OffloadEngine:
         st = self.states[pos]
         k = top_k_index.shape[-1]
         # 1. predict and prefetch the next layer(s) while this one loads and computes
-        if isinstance(self.predictor, OraclePredictor):
-            pass  # the oracle's truth is set by the caller (replay), not available live
         scores = self.predictor.predict(pos, hidden, self.history)
         if scores is not None:
             target = pos + self.predictor.distance
@@ -321,8 +320,7 @@ class OffloadEngine:
         n = len(needed)
         stack = SlotPool(self.meta, n, pool.device)
         t0 = time.perf_counter()
-        futs = [self.pool_exec.submit(self._load_into, pos, e, stack, j) for j, e in enumerate(needed)
-                if e in misses]
+        futs = [self.pool_exec.submit(self._load, pos, e, j, stack) for j, e in enumerate(needed) if e in misses]
         b = self.meta.block_bytes
         for j, e in enumerate(needed):
             if e not in misses:
@@ -340,11 +338,6 @@ class OffloadEngine:
             pool.raw[slot * b:(slot + 1) * b].copy_(stack.raw[j * b:(j + 1) * b])
         return out, stall
 
-    def _load_into(self, pos, e, pool, slot):
-        self._load(pos, e, slot) if pool is self.pools[pos] else self.tier.read(pos, e, pool, slot)
-        if pool is not self.pools[pos]:
-            with self._lock:
-                self.stats.bytes_moved += self.meta.expert_bytes
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
 

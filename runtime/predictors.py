@@ -11,8 +11,8 @@ previous token (`{layer: [k ids]}`). Higher scores first; the engine prefetches 
   with hidden states (`expertcache fit-predictor`), saved as safetensors.
 - ``spatio``: the trained Spatio router saved beside a cache-aware checkpoint (the probe plus its learned
   correction).
-- ``oracle``: the true experts of the next layer (from the routing it is about to compute, or a trace): the
-  bound; with ``oracle:<recall>`` a stated fraction of them, the rest wrong, to chart TPOT against recall.
+- the oracle (the true experts of the next layer, or a stated fraction of them) exists only in a replay, where
+  the trace knows the future: `runtime.replay`.
 """
 
 from __future__ import annotations
@@ -144,32 +144,8 @@ class SpatioPredictor(Predictor):
         return self.aux.spatio_scores(layer + 1, hidden.float(), self.routers[layer + 1]).sigmoid()
 
 
-class OraclePredictor(Predictor):
-    """Scores from the routing the next layer will really use; set by the engine before each layer (`truth`).
-    `recall < 1` keeps that fraction of the true experts and fills the rest with wrong ones (seeded)."""
-
-    def __init__(self, num_experts: int, recall: float = 1.0, seed: int = 0):
-        if not 0 <= recall <= 1:
-            raise InputError(f"oracle recall must be in [0, 1], got {recall}")
-        self.e, self.recall = num_experts, recall
-        self.rng = np.random.default_rng(seed)
-        self.name = "oracle" if recall == 1 else f"oracle:{recall:g}"
-        self.truth: dict[int, list[int]] = {}
-
-    def predict(self, layer, hidden, history):
-        true = self.truth.get(layer + 1)
-        if true is None:
-            return None
-        k = len(true)
-        keep = [e for e in true if self.rng.random() < self.recall]
-        wrong = [e for e in self.rng.permutation(self.e).tolist() if e not in true][:k - len(keep)]
-        s = torch.zeros(1, self.e)
-        s[0, keep + wrong] = 1.0
-        return s
-
-
 def make_predictor(spec: str, model=None, aux=None, num_experts: int | None = None, hidden_size: int | None = None):
-    """`none`, `probe:1`, `probe:2`, `persistence`, `estimator:<file>`, `spatio`, `oracle`, `oracle:<recall>`."""
+    """`none`, `probe:1`, `probe:2`, `persistence`, `estimator:<file>`, `spatio`."""
     if spec in ("none", ""):
         return Predictor()
     if spec.startswith("probe"):
@@ -187,9 +163,10 @@ def make_predictor(spec: str, model=None, aux=None, num_experts: int | None = No
                              "train-cache-aware run)")
         return SpatioPredictor(model, aux)
     if spec.startswith("oracle"):
-        return OraclePredictor(num_experts, float(spec.split(":", 1)[1]) if ":" in spec else 1.0)
-    raise InputError(f"unknown predictor {spec!r}; expected none, probe:1, probe:2, persistence, estimator:<file>, "
-                     f"spatio, oracle or oracle:<recall>")
+        raise InputError("the oracle knows routing before it is computed: only a replay has it "
+                         "(expertcache bench decode --replay TRACE --predictor oracle[:recall])")
+    raise InputError(f"unknown predictor {spec!r}; expected none, probe:1, probe:2, persistence, estimator:<file> "
+                     f"or spatio")
 
 
 class TemporalKeep:
