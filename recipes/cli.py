@@ -169,7 +169,7 @@ def cmd_bench_decode(a) -> int:
             raise InputError(f"replay predictors come from the trace: persistence, estimator, oracle[:recall]; "
                              f"not {', '.join(bad)}")
         with Progress() as prog:
-            task = prog.add_task("replay passes", total=a.rounds * (1 + len(preds)))
+            task = prog.add_task("replay passes", total=a.rounds * (2 + len(preds)))
             res = replay_benchmark(a.replay, a.expert_shape, a.dtype, a.tier, _floats(a.capacity)[0], preds,
                                    a.tokens, a.warmup, a.rounds, a.disk_budget_gb, a.store_dir,
                                    workers=a.workers, progress=lambda: prog.advance(task))

@@ -98,6 +98,20 @@ class ReplayConfig:
     name: str
     predictor: str = "none"  # none | persistence | estimator | oracle | oracle:<recall>
     prefetch: bool = False
+    belady: bool = False  # evict by the trace's next use (the offline bound), instead of LRU
+
+
+def next_use_scores(ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """`[layers, tokens, E]`: minus the token index of each expert's next use after t (-inf: never again), the
+    keep scores under which the scored policy is Belady."""
+    n_l, n_t, _ = ids.shape
+    out = np.full((n_l, n_t, num_experts), -np.inf)
+    for i in range(n_l):
+        nxt = np.full(num_experts, np.inf)
+        for t in range(n_t - 1, -1, -1):
+            out[i, t] = -nxt
+            nxt[ids[i, t]] = t
+    return out
 
 
 def predicted(cfg: ReplayConfig, ids, est, rng, i: int, t: int, k: int, e: int) -> list[int]:
@@ -174,7 +188,9 @@ class Replayer:
 
     def run(self, cfg: ReplayConfig, tokens: range, est=None) -> dict:
         n_l = self.ids.shape[0]
-        states = [CacheState(self.capacity, self.k, "lru") for _ in range(n_l)]
+        states = [CacheState(self.capacity, self.k, "scored" if cfg.belady else "lru") for _ in range(n_l)]
+        if cfg.belady and not hasattr(self, "_nu"):
+            self._nu = next_use_scores(self.ids, self.e)
         pending = [dict() for _ in range(n_l)]
         st = {"hits": 0, "demand": 0, "prefetch": 0, "dropped": 0, "stall": 0.0, "acc": 0}
         times = []
@@ -231,7 +247,7 @@ class Replayer:
                     st["stall"] += time.perf_counter() - w0
                     self._compute(i, [slot_of[e] for e in need])
                 pending[i].clear()
-                s.retain(need, staged)
+                s.retain(need, staged, self._nu[i, t].tolist() if cfg.belady else None)
             times.append(time.perf_counter() - t0)
         return {"times": times, **st}
 
@@ -269,7 +285,8 @@ def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2
                      predictors=("persistence", "estimator", "oracle:0.25", "oracle:0.5", "oracle:0.75", "oracle"),
                      tokens: int = 64, warmup: int = 8, rounds: int = 2, disk_budget_gb: float = 8.0,
                      store_dir: str | Path = "runs/replay-store", first_layer: int | None = None,
-                     workers: int = 4, compute_dtype: str = "auto", fit_frac: float = 0.2, progress=None) -> dict:
+                     workers: int = 4, compute_dtype: str = "auto", fit_frac: float = 0.2, belady_bound: bool = True,
+                     progress=None) -> dict:
     """On-demand vs each prefetching predictor, alternated pass by pass on the same tokens; JSON-ready."""
     ids_all, e, tmeta = load_routing(trace)
     hidden, inter = parse_shape(expert_shape)
@@ -291,6 +308,8 @@ def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2
     rp = Replayer(store, ids, cap, tier, workers, compute_dtype)
     span = range(cut, cut + warmup + tokens)
     configs = [ReplayConfig("on-demand")] + [ReplayConfig(p, p, True) for p in predictors]
+    if belady_bound:  # the offline bound: oracle prefetch and Belady eviction (not realizable; lossless)
+        configs.append(ReplayConfig("oracle+belady", "oracle", True, belady=True))
     runs = {c.name: [] for c in configs}
     ratios = {c.name: [] for c in configs[1:]}
     compute = []

@@ -35,7 +35,8 @@ def test_replay_runs_every_configuration_on_the_disk_tier(trace_npz, tmp_path):
     assert i["layers"][1] - i["layers"][0] == 3  # the disk budget held three layers
     assert i["page_cache"] == "bypassed (O_DIRECT)" and i["compute_dtype"] == "float32"
     c = res["configs"]
-    assert set(c) == {"on-demand", "persistence", "estimator", "oracle:0.5", "oracle"}
+    assert set(c) == {"on-demand", "persistence", "estimator", "oracle:0.5", "oracle", "oracle+belady"}
+    assert c["oracle+belady"]["adjusted_hit_rate"] >= c["oracle"]["adjusted_hit_rate"]  # Belady loads less
     assert c["on-demand"]["prefetch_loads_per_token"] == 0
     assert c["oracle"]["hit_rate"] > c["on-demand"]["hit_rate"]  # the oracle's prefetches land
     assert c["oracle:0.5"]["adjusted_hit_rate"] < c["oracle"]["adjusted_hit_rate"]  # wrong prefetches cost
