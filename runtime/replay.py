@@ -386,7 +386,7 @@ def plot_recall(res: dict, png: str | Path) -> None:
 
     cfg = res["configs"]
     pts = sorted((float(n.split(":")[1]) if ":" in n else 1.0, s["tpot_median_s"] * 1e3)
-                 for n, s in cfg.items() if n.startswith("oracle"))
+                 for n, s in cfg.items() if n == "oracle" or n.startswith("oracle:"))
     fig, ax = plt.subplots(figsize=(6, 4))
     if pts:
         ax.plot(*zip(*pts), marker="o", label="oracle at a stated recall")
@@ -394,6 +394,9 @@ def plot_recall(res: dict, png: str | Path) -> None:
     for n, s in cfg.items():
         if n in ("persistence", "estimator") and "recall" in s:
             ax.scatter([s["recall"]], [s["tpot_median_s"] * 1e3], marker="x", s=60, label=n, zorder=3)
+    if "oracle+belady" in cfg:
+        ax.scatter([1.0], [cfg["oracle+belady"]["tpot_median_s"] * 1e3], marker="*", s=90, c="k",
+                   label="oracle + Belady eviction (bound)", zorder=3)
     ax.axhline(res["t_compute_s"] * 1e3, ls=":", c="gray", label="all resident (T_compute)")
     i = res["inputs"]
     ax.set(xlabel="recall of layer L+1's experts", ylabel="TPOT median (ms)", ylim=(0, None),
