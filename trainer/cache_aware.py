@@ -51,6 +51,8 @@ class RouterSpec:
     horizon_decay: float = opt(0.5, "Temporal target gamma^(d-1) for a next use d tokens ahead (0: next token only)")
     history: int = opt(8, "Temporal input: the experts each of the last N tokens used at the layer")
     weight: float = opt(1.0, "weight of the routers' cache loss in joint mode")
+    lr: float = opt(0.0, "peak learning rate of the routers (0: train.lr); fresh heads usually want more than "
+                         "the pretrained backbone")
 
 
 @dataclass
@@ -122,6 +124,15 @@ class CacheAwareModule(CausalLMModule):
         if recipe.mode == "aux-only":
             for p in model.parameters():
                 p.requires_grad_(False)
+
+    def optimizer_groups(self) -> list[dict]:
+        from .lm_module import param_groups
+
+        groups = param_groups(self.model, self.spec.weight_decay)
+        if self.aux is not None:
+            lr = self.recipe.routers.lr or self.spec.lr
+            groups += [dict(g, lr=lr) for g in param_groups(self.aux, self.spec.weight_decay)]
+        return groups
 
     def _keep_input(self, i: int):
         def hook(module, args, output):

@@ -123,9 +123,11 @@ class CausalLMModule(L.LightningModule):
             self.log("val/loss", tot_nll / tot_n, add_dataloader_idx=False, prog_bar=True)
             self.log("val/ppl", math.exp(tot_nll / tot_n), add_dataloader_idx=False)
 
+    def optimizer_groups(self) -> list[dict]:
+        """AdamW parameter groups; a subclass with auxiliary heads adds its own (they may have their own lr)."""
+        return param_groups(self.model, self.spec.weight_decay)
+
     def configure_optimizers(self):
-        # every trainable parameter of the module: the model's, and any auxiliary heads a subclass adds
-        opt_ = torch.optim.AdamW(param_groups(self, self.spec.weight_decay), lr=self.spec.lr,
-                                 betas=(0.9, self.spec.beta2))
+        opt_ = torch.optim.AdamW(self.optimizer_groups(), lr=self.spec.lr, betas=(0.9, self.spec.beta2))
         sched = torch.optim.lr_scheduler.LambdaLR(opt_, lr_lambda(self.spec))
         return {"optimizer": opt_, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
