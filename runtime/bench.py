@@ -124,7 +124,8 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, tier: str = "disk
     results = {name: {"tpot": [], "stats": [], "tokens_equal_plain": True} for name in runners}
     plain_out = None
     try:
-        bw = tier_bandwidth(next(r[1] for n, r in runners.items() if n.startswith("on-demand")))
+        bw = tier_bandwidth(next((r[1] for n, r in runners.items() if n.startswith("on-demand")),
+                                 runners["resident"][1]))
         for r in range(rounds):
             names = list(runners) if r % 2 == 0 else list(runners)[:1] + list(runners)[:0:-1]
             for name in names:

@@ -73,8 +73,8 @@ class CacheState:
         transient buffer) get a free slot instead: returns those `(expert, slot)` pairs, to be copied in."""
         self._touch(step)
         self.t += 1
-        if self.policy == "static":
-            return []
+        if self.policy == "static" or (self.policy != "scored" and not staged):
+            return []  # nothing new arrived: LRU/LFU order was updated by the touch, nothing is evicted
         cand = list(self.res) + [e for e in step if e not in self.res]  # oldest first; the step's new keys last
         if self.policy == "lru":
             keep = cand[-self.capacity:]

@@ -162,7 +162,6 @@ class OffloadEngine:
             mod = OffloadedExperts(self, i, layer.experts, pool)
             layer.block.experts = mod  # the original expert tensors are released with the old module
             self.modules.append(mod)
-        self.lut = torch.full((len(self.layers), e), -1, dtype=torch.long)
         self.pool_exec = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="expert-load")
         self.inflight = 0
         self._lock = threading.Lock()
@@ -276,7 +275,8 @@ class OffloadEngine:
         # 2. what this layer needs
         if self.cfg.miss == "reroute":
             top_k_index, top_k_weights = self._reroute(pos, top_k_index, top_k_weights)
-        needed = sorted(set(top_k_index.reshape(-1).tolist()))
+        flat = top_k_index.reshape(-1).tolist()  # the one host sync of the layer: what it needs
+        needed = sorted(set(flat))
         stall = self._settle(pos, set(needed))
         hits = [e for e in needed if st.lookup(e) is not None]
         misses = [e for e in needed if st.lookup(e) is None]
@@ -297,10 +297,9 @@ class OffloadEngine:
             for f in futs:
                 f.result()
             stall += time.perf_counter() - t0
-            lut = self.lut[pos]
-            for e in needed:
-                lut[e] = st.lookup(e) if e in hits else staged[e]
-            out = mod.compute(hidden, lut[top_k_index], top_k_weights)
+            slot_of = {e: st.lookup(e) for e in hits} | staged
+            slots = torch.tensor([slot_of[e] for e in flat], dtype=torch.long).view_as(top_k_index)
+            out = mod.compute(hidden, slots, top_k_weights)
             st.retain(needed, staged, self._scores(pos, hidden, needed))
         else:  # many tokens (prefill) or an eager implementation: a transient compact stack, expert order
             out, stall_c = self._compute_compact(mod, pos, hidden, top_k_index, top_k_weights, needed, misses)
