@@ -89,7 +89,7 @@ def simulate(steps: np.ndarray, capacity: int, policy: str = "lru", semantics: s
     if policy == "static":
         hits = _static(rows, capacity, fit if fit is not None else steps)
     elif policy == "lru":
-        hits = (_lru_token if semantics == "token" else _lru_ref)(rows, capacity)
+        hits = _scored(rows, capacity, None, None)[0] if semantics == "token" else _lru_ref(rows, capacity)
     elif policy == "lfu":
         hits = _lfu(rows, capacity, semantics == "token")
     else:
@@ -104,33 +104,6 @@ def _static(rows, capacity, fit) -> int:
     # Most frequent first; ties in the order of numpy's default argsort, which reproduces the published table.
     pinned = set(np.argsort(-counts)[:capacity].tolist())
     return sum(e in pinned for r in rows for e in r)
-
-
-def _lru_token(rows, cap) -> int:
-    cache: OrderedDict = OrderedDict()
-    hits = 0
-    for r in rows:
-        miss = []
-        for e in r:
-            if e in cache:
-                hits += 1
-                cache.move_to_end(e)
-            else:
-                miss.append(e)
-        if not miss:
-            continue
-        cur = set(r)
-        for e in miss:
-            if len(cache) >= cap:
-                victim = next((v for v in cache if v not in cur), None)  # oldest first
-                if victim is None:
-                    continue  # C < k: streams through
-                del cache[victim]
-            cache[e] = None
-        for e in r:  # a step's keys are equally recent; ties by their position in the step
-            if e in cache:
-                cache.move_to_end(e)
-    return hits
 
 
 def _lru_ref(rows, cap) -> int:
@@ -279,6 +252,14 @@ def simulate_scored(steps: np.ndarray, capacity: int, keep: np.ndarray | None = 
         if prefetch.ndim != 2 or prefetch.shape[0] != len(rows):
             raise InputError(f"prefetch has shape {prefetch.shape}; expected [{len(rows)}, R]")
         prefetch = prefetch.tolist()
+    hits, loads, pre = _scored(rows, capacity, keep, prefetch)
+    acc = sum(len(r) for r in rows)
+    return CacheResult("scored" if keep is not None else "lru", capacity, "token", len(rows), acc, hits, loads, pre)
+
+
+def _scored(rows, capacity, keep, prefetch) -> tuple[int, int, int]:
+    """(hits, demand loads, prefetch loads) of `simulate_scored`; with neither scores nor prefetch it is LRU
+    under token semantics (what `simulate(policy="lru")` runs)."""
     res: OrderedDict = OrderedDict()  # resident key -> step of its last use; iteration order = recency order
     hits = loads = pre = 0
     prio = None  # keep scores from the previous step, as a list
@@ -326,8 +307,7 @@ def simulate_scored(steps: np.ndarray, capacity: int, keep: np.ndarray | None = 
         for e in r:  # a step's keys are equally recent; ties by their position in the step
             if e in res:
                 touch(e, s)
-    acc = sum(len(r) for r in rows)
-    return CacheResult("scored" if keep is not None else "lru", capacity, "token", len(rows), acc, hits, loads, pre)
+    return hits, loads, pre
 
 
 # --- helpers for traces ------------------------------------------------------------------------------------
