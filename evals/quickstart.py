@@ -63,10 +63,14 @@ def run_quickstart(data: str, runs: str, prose_sdist: str, max_mb: float = 24.0)
         step(f"eval {name}", ["eval", "--model", str(model), "--corpus", corpus, "--out", str(out),
                               "--task-dir", str(rep / "task-data"), "--store-dir", str(Path(runs) / "stores"), *extra])
         ev[name] = out
+    # the lossy candidate ran fewer documents: its Δacc is against the base on exactly those
+    base_small = rep / "eval-base-small.json"
+    step("eval base (reroute's documents)", ["eval", "--model", str(smoke / "model"), "--corpus", corpus, "--out",
+                                             str(base_small), "--task-dir", str(rep / "task-data"), *lossy[2:]])
     gates = {}
-    for name in ("post-trained", "post-trained+reroute"):
+    for name, baseline in (("post-trained", ev["base"]), ("post-trained+reroute", base_small)):
         out = rep / f"gate-{name}.json"
-        step(f"gate {name}", ["gate", "--baseline", str(ev["base"]), "--candidate", str(ev[name]), "--out", str(out)],
+        step(f"gate {name}", ["gate", "--baseline", str(baseline), "--candidate", str(ev[name]), "--out", str(out)],
              ok=(0, 1))
         gates[name] = json.loads(out.read_text())
     report = _report(rep, smoke, ca, bench, ev, gates, steps, time.time() - t_all)
@@ -99,7 +103,9 @@ def _report(rep: Path, smoke: Path, ca: Path, bench: Path, ev: dict, gates: dict
                              "rerouted": e["stepwise"].get("engine", {}).get("rerouted")})
     cap8 = next(iter(ca_res["summary"]["capacities"].values()))
     report = {"total_seconds": round(total_s, 1), "steps": steps, "base": base_metrics["validation"],
-              "routing": {"reuse_lag1": analysis.get("reuse_lag1"), "lookahead_recall": analysis.get("lookahead_recall")},
+              "routing": {"reuse_lag1": analysis["routing"]["reuse_lag1"],
+                          "coverage_mean": analysis["routing"]["coverage_mean"],
+                          "lookahead_recall": {d: v["mean"] for d, v in (analysis.get("lookahead_recall") or {}).items()}},
               "cache_aware": {"summary": ca_res["summary"], "parameters": ca_res["parameters"]},
               "bench_decode": b, "evals": {k: {"policy": v["policy"], "stepwise": v["stepwise"],
                                                  "lm_eval": v.get("lm_eval")} for k, v in evals.items()},
@@ -112,7 +118,9 @@ def _report(rep: Path, smoke: Path, ca: Path, bench: Path, ev: dict, gates: dict
           "Validation perplexity: " + ", ".join(f"{d} {v:.2f}" for d, v in base_metrics["validation"]["ppl"].items()),
           "", "![base training curve](base_training_curve.png)", "",
           "## Routing of the base (decode tokens, test split)", "",
-          f"reuse@lag1 {analysis['reuse_lag1']['reuse']:.3f} vs chance {analysis['reuse_lag1']['chance']:.3f}", "",
+          f"reuse@lag1 {analysis['routing']['reuse_lag1']['reuse']:.3f} vs chance "
+          f"{analysis['routing']['reuse_lag1']['chance']:.3f}; lookahead probe recall " +
+          ", ".join(f"d={d}: {v['mean']:.3f}" for d, v in (analysis.get("lookahead_recall") or {}).items()), "",
           *[f"![{p.name}]({p.name})" for p in sorted(rep.glob("analysis_*.png"))], "",
           "## Cache-aware post-training (smoke recipe)", "", results_table([ca_res]), "",
           f"Capacity {cap8['capacity_frac']:g} E: LRU hit {cap8['lru']['hit_rate']:.3f} (base "
