@@ -21,7 +21,7 @@ import copy
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -67,7 +67,6 @@ class Stats:
     rerouted: int = 0
     stall_s: float = 0.0
     bytes_moved: int = 0
-    per_call: list = field(default_factory=list)
 
     def to_dict(self, expert_bytes: int) -> dict:
         a = max(self.accesses, 1)
