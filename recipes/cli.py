@@ -393,9 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     bd = bsub.add_parser("decode", help="TPOT, hit, traffic, stall, overlap: the offload engine vs plain generate and "
                                         "on-demand loading, alternated in one run; or --replay a trace at real size")
     bd.add_argument("--model", default=None, help="HF checkpoint (live mode)")
-    bd.add_argument("--replay", default=None, help="replay this trace (.npz or Parquet) with random experts of "
-                                                   "--expert-shape instead of a live model, e.g. " +
-                    "../shared/reference/qwen3-30b-a3b-routing/code.npz")
+    bd.add_argument("--replay", nargs="?", default=None, const="../shared/reference/qwen3-30b-a3b-routing/code.npz",
+                    metavar="TRACE", help="replay a trace (.npz or Parquet; alone: the reference Qwen3-30B-A3B code "
+                    "trace in ../shared/reference) with random experts of --expert-shape instead of a live model")
     bd.add_argument("--expert-shape", default="2048x768", help="replay: HIDDENxINTERMEDIATE (Qwen3-30B-A3B: 2048x768)")
     bd.add_argument("--dtype", default="bf16", help="replay: expert dtype in the store (bf16, fp16, fp32)")
     bd.add_argument("--disk-budget-gb", type=float, default=8.0, help="replay: store size; sets how many layers")
