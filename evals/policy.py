@@ -1,7 +1,7 @@
 """A runtime policy (what the model is served with): parsed from `key=value,...` and applied to a loaded model.
 
 Keys: capacity (fraction of E or count; default: none, every expert in memory), tier (host), predictor (none,
-probe:1, spatio, ...), miss (blocking | reroute), tau (0.1), policy (lru | lfu | scored: the checkpoint's
+probe:1, spatio, ...), miss (blocking | reroute | speculative | host), tau (0.1), policy (lru | lfu | scored: the checkpoint's
 Temporal router decides what stays). An empty policy is the plain model.
 """
 
@@ -23,7 +23,8 @@ class ServePolicy:
 
     @property
     def lossy(self) -> bool:
-        return self.capacity is not None and self.miss != "blocking"
+        """Outputs depend on the cache state (evaluated one token at a time). `host` only reorders a sum."""
+        return self.capacity is not None and self.miss in ("reroute", "speculative")
 
     @property
     def offloaded(self) -> bool:

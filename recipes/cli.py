@@ -404,7 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--predictor", default=None, help="comma list: none, probe:1, probe:2, persistence, "
                     "estimator:<file>, spatio; replay: persistence, estimator, oracle[:recall] "
                     "(replay default: persistence, estimator and the oracle at recall 0.25/0.5/0.75/1)")
-    bd.add_argument("--miss", default="blocking", help="blocking (lossless) | reroute (lossy, see --tau)")
+    bd.add_argument("--miss", default="blocking", help="blocking (lossless) | reroute (lossy, see --tau) | speculative "
+                    "(lossy: the prediction runs instead of a miss) | host (compute misses where they live; host "
+                    "and throttled tiers)")
     bd.add_argument("--tau", type=float, default=0.1, help="reroute margin on router probabilities")
     bd.add_argument("--policy", default="lru", help="cache policy: lru | lfu | scored (the checkpoint's Temporal "
                                                     "router decides what stays)")

@@ -9,7 +9,10 @@ are untouched). When layer i runs:
 2. layer i's needed experts: resident ones are hits (waiting, if their prefetch is still in flight, counts as
    stall); misses go through the miss policy: ``blocking`` loads them into staging slots (lossless),
    ``reroute`` first swaps a missing expert for a resident one whose router probability is within τ of it
-   (lossy: outputs change, reported with the accuracy cost);
+   (lossy: outputs change, reported with the accuracy cost); ``speculative`` runs the predicted (prefetched)
+   experts in place of missing ones, the most likely first (lossy); ``host`` computes a missing expert where
+   its weights live (host and throttled tiers) instead of moving it (lossless in exact arithmetic; the two
+   partial sums are added in a different order, so outputs can differ in the last bits);
 3. the experts compute with the model's own experts implementation over the slot pool (same kernels, same
    summation order over k: greedy tokens are bit-identical to plain `model.generate`);
 4. the cache policy decides what stays (`cache.CacheState`).
@@ -33,7 +36,7 @@ from .predictors import Predictor
 from .store import check_store, expert_tensors, read_store_meta
 from .tiers import SlotPool, TierSpec, available_memory, make_tier
 
-MISS_POLICIES = ("blocking", "reroute")
+MISS_POLICIES = ("blocking", "reroute", "speculative", "host")
 
 
 @dataclass
@@ -65,6 +68,7 @@ class Stats:
     prefetch_dropped: int = 0
     prefetch_hits: int = 0  # hits on an expert that a prefetch brought in
     rerouted: int = 0
+    host_computed: int = 0  # misses computed where their weights live (miss policy host): no bytes moved
     stall_s: float = 0.0
     bytes_moved: int = 0
 
@@ -74,7 +78,7 @@ class Stats:
                 "adjusted_hit_rate": 1 - (self.demand_loads + self.prefetch_loads) / a,
                 "demand_loads": self.demand_loads, "prefetch_loads": self.prefetch_loads,
                 "prefetch_dropped": self.prefetch_dropped, "prefetch_hits": self.prefetch_hits,
-                "rerouted": self.rerouted, "stall_s": self.stall_s, "bytes_moved": self.bytes_moved,
+                "rerouted": self.rerouted, "host_computed": self.host_computed, "stall_s": self.stall_s, "bytes_moved": self.bytes_moved,
                 "traffic_bytes_per_token": (self.demand_loads + self.prefetch_loads) * expert_bytes
                 / max(self.tokens, 1)}
 
@@ -126,6 +130,9 @@ class OffloadEngine:
         TierSpec.parse(cfg.tier)  # a bad tier name is refused before anything is allocated
         if cfg.miss not in MISS_POLICIES:
             raise InputError(f"unknown miss policy {cfg.miss!r}; expected one of {', '.join(MISS_POLICIES)}")
+        if cfg.miss == "host" and TierSpec.parse(cfg.tier).kind not in ("host", "throttled"):
+            raise InputError(f"miss policy host computes experts where they live: it needs the host or a "
+                             f"throttled tier, not {cfg.tier}")
         e, k = self.adapter.num_experts, self.adapter.top_k
         if self.meta.num_experts != e or self.meta.num_layers != len(self.layers):
             raise InputError(f"store has {self.meta.num_layers} layers x {self.meta.num_experts} experts; the model "
@@ -228,15 +235,18 @@ class OffloadEngine:
             del self.pending[pos][e]
         return waited
 
-    def _reroute(self, pos: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        """Swap each missing expert for the most likely resident one not already chosen, if its router
-        probability is within τ; weights re-derived from the router probabilities by the family's rule."""
+    def _reroute(self, pos: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                 only: set[int] | None = None, tau: float | None = None):
+        """Swap each missing expert for the most likely resident one not already chosen (among `only`, if
+        given), if its router probability is within τ; weights re-derived from the router probabilities."""
         logits = self._router_logits.get(pos)
         if logits is None:
             return top_k_index, top_k_weights
+        tau = self.cfg.tau if tau is None else tau
         probs = logits.float().softmax(-1)  # [tokens, E]
         st = self.states[pos]
-        resident = torch.tensor([st.lookup(e) is not None for e in range(probs.shape[-1])])
+        resident = torch.tensor([st.lookup(e) is not None and (only is None or e in only)
+                                 for e in range(probs.shape[-1])])
         idx = top_k_index.clone()
         changed = 0
         for t in range(idx.shape[0]):
@@ -247,7 +257,7 @@ class OffloadEngine:
                 cand = probs[t].masked_fill(~resident, -1.0)
                 cand[idx[t]] = -1.0
                 r = int(cand.argmax())
-                if cand[r] >= 0 and probs[t, e] - probs[t, r] <= self.cfg.tau:
+                if cand[r] >= 0 and probs[t, e] - probs[t, r] <= tau:
                     idx[t, j] = r
                     changed += 1
         if not changed:
@@ -274,6 +284,9 @@ class OffloadEngine:
         # 2. what this layer needs
         if self.cfg.miss == "reroute":
             top_k_index, top_k_weights = self._reroute(pos, top_k_index, top_k_weights)
+        elif self.cfg.miss == "speculative":  # the prediction runs instead of a missing true choice
+            top_k_index, top_k_weights = self._reroute(pos, top_k_index, top_k_weights, set(self.prefetched[pos]),
+                                                       float("inf"))
         flat = top_k_index.reshape(-1).tolist()  # the one host sync of the layer: what it needs
         needed = sorted(set(flat))
         stall = self._settle(pos, set(needed))
@@ -290,7 +303,13 @@ class OffloadEngine:
         self.stats.demand_loads += len(misses)
         # 3. load the misses and compute
         t0 = time.perf_counter()
-        if len(misses) <= st.k and not mod._eager:
+        if self.cfg.miss == "host" and misses:
+            self.stats.demand_loads -= len(misses)  # nothing is moved: computed where the weights live
+            self.stats.host_computed += len(misses)
+            out = self._compute_host(mod, pos, hidden, top_k_index, top_k_weights, flat, set(misses))
+            # nothing is admitted on a miss: the fast tier fills only through prefetch
+            st.retain([e for e in needed if e not in misses], {}, self._scores(pos, hidden, needed))
+        elif len(misses) <= st.k and not mod._eager:
             staged = st.stage(misses)
             futs = [self.pool_exec.submit(self._load, pos, e, s) for e, s in staged.items()]
             for f in futs:
@@ -305,6 +324,35 @@ class OffloadEngine:
             stall += stall_c
         self.stats.stall_s += stall
         self.history[pos] = needed
+        return out
+
+    def _compute_host(self, mod, pos, hidden, top_k_index, top_k_weights, flat, misses: set[int]):
+        """Resident experts from the slots, missing ones straight from the host copy of the store: two calls of
+        the model's experts forward, each with the other's (token, choice) pairs weighted 0, summed."""
+        st = self.states[pos]
+        miss_mask = torch.tensor([e in misses for e in flat]).view_as(top_k_index)
+        any_slot = next((st.lookup(e) for e in flat if e not in misses), 0)
+        slots = torch.tensor([any_slot if e in misses else st.lookup(e) for e in flat]).view_as(top_k_index)
+        w_res = top_k_weights.masked_fill(miss_mask, 0)
+        w_host = top_k_weights.masked_fill(~miss_mask, 0)
+        out = mod.compute_compact(hidden, top_k_index, w_host, self._host_views(pos))
+        if not bool(miss_mask.all()):
+            out = mod.compute(hidden, slots, w_res) + out
+        return out
+
+    def _host_views(self, pos: int) -> dict[str, torch.Tensor]:
+        """`[E, ...]` views of layer `pos`'s experts inside the host tier's copy of the store (no copy)."""
+        host = getattr(self.tier, "host", None)
+        if host is None:
+            raise InputError(f"miss policy host computes experts where they live: it needs the host or a throttled "
+                             f"tier, not {self.cfg.tier}")
+        out, e = {}, self.adapter.num_experts
+        for t in self.meta.tensors:
+            es = torch.empty((), dtype=t.torch_dtype).element_size()
+            typed = host.view(t.torch_dtype)
+            inner = torch.empty(t.shape).stride() if t.shape else ()
+            out[t.name] = typed.as_strided([e, *t.shape], [self.meta.block_bytes // es, *inner],
+                                           (self.meta.offset(pos, 0) + t.offset) // es)
         return out
 
     def _scores(self, pos, hidden, needed):

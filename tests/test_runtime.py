@@ -149,3 +149,39 @@ def test_bad_stores_and_capacities_are_refused(family_models, tmp_path, monkeypa
     (tmp_path / "junk.store").write_bytes(b"x" * 5000)
     with pytest.raises(InputError, match="not an expertcache expert store"):
         read_store_meta(tmp_path / "junk.store")
+
+
+def test_host_compute_moves_nothing_and_matches_plain(family_models):
+    model, path = family_models["qwen3_moe"]
+    prompt = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = model(prompt).logits
+    m = _fresh("qwen3_moe")
+    eng = offload(m, path, EngineConfig(capacity=2, tier="host", miss="host"), predictor=make_predictor("probe:1", m))
+    try:
+        with torch.no_grad():
+            got = m(prompt).logits
+            out = _greedy(m, prompt)
+        s = eng.stats
+        assert s.host_computed > 0 and s.demand_loads == 0  # misses computed in place, never loaded
+        assert s.bytes_moved == s.prefetch_loads * eng.meta.expert_bytes  # only prefetches move bytes
+    finally:
+        eng.close()
+    assert torch.allclose(want, got, atol=1e-5)  # the same sum, in another order
+    assert out.shape[1] > prompt.shape[1]  # it decodes
+    with pytest.raises(InputError, match="host or a throttled tier"):
+        offload(_fresh("qwen3_moe"), path, EngineConfig(tier="disk", miss="host"))
+
+
+def test_speculative_runs_the_prediction_in_place_of_a_miss(family_models):
+    model, path = family_models["qwen3_moe"]
+    prompt = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(7))
+    runs = {}
+    for miss in ("blocking", "speculative"):
+        m = _fresh("qwen3_moe")
+        eng = offload(m, path, EngineConfig(capacity=3, tier="host", miss=miss), predictor=make_predictor("probe:1", m))
+        _greedy(m, prompt, 16)
+        runs[miss] = eng.stats
+        eng.close()
+    assert runs["speculative"].rerouted > 0
+    assert runs["speculative"].demand_loads < runs["blocking"].demand_loads
