@@ -260,13 +260,9 @@ def simulate_scored(steps: np.ndarray, capacity: int, keep: np.ndarray | None = 
 def _scored(rows, capacity, keep, prefetch) -> tuple[int, int, int]:
     """(hits, demand loads, prefetch loads) of `simulate_scored`; with neither scores nor prefetch it is LRU
     under token semantics (what `simulate(policy="lru")` runs)."""
-    res: OrderedDict = OrderedDict()  # resident key -> step of its last use; iteration order = recency order
+    res: OrderedDict = OrderedDict()  # resident keys; iteration order = recency order (least recent first)
     hits = loads = pre = 0
     prio = None  # keep scores from the previous step, as a list
-
-    def touch(e, s):
-        res[e] = s
-        res.move_to_end(e)
 
     for s, r in enumerate(rows):
         if prefetch is not None:
@@ -281,7 +277,7 @@ def _scored(rows, capacity, keep, prefetch) -> tuple[int, int, int]:
                         break
                     victim = min(cands, key=lambda v: prio[v]) if prio is not None else cands[0]
                     del res[victim]
-                touch(e, s - 0.5)  # loaded just before the step
+                res[e] = None  # loaded just before the step: the most recent
                 pre += 1
         miss = [e for e in r if e not in res]
         hits += len(r) - len(miss)
@@ -289,7 +285,8 @@ def _scored(rows, capacity, keep, prefetch) -> tuple[int, int, int]:
         if keep is not None:
             prio = keep[s].tolist()
             for e in r:
-                touch(e, s)
+                res[e] = None
+                res.move_to_end(e)
             if len(res) > capacity:
                 # stable sort: among equal scores the more recent (later in `res`) stays
                 ranked = sorted(res, key=lambda v: prio[v])
@@ -303,10 +300,10 @@ def _scored(rows, capacity, keep, prefetch) -> tuple[int, int, int]:
                 if victim is None:
                     continue  # C < k: streams through
                 del res[victim]
-            res[e] = s
+            res[e] = None
         for e in r:  # a step's keys are equally recent; ties by their position in the step
             if e in res:
-                touch(e, s)
+                res.move_to_end(e)
     return hits, loads, pre
 
 
