@@ -2,7 +2,7 @@
 
 Keys: capacity (fraction of E or count; default: none, every expert in memory), tier (host), predictor (none,
 probe:1, spatio, ...), miss (blocking | reroute | speculative | host), tau (0.1), policy (lru | lfu | scored: the checkpoint's
-Temporal router decides what stays). An empty policy is the plain model.
+Temporal router decides what stays), budget (layer | global). An empty policy is the plain model.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ class ServePolicy:
     miss: str = "blocking"
     tau: float = 0.1
     policy: str = "lru"
+    budget: str = "layer"
 
     @property
     def lossy(self) -> bool:
@@ -78,5 +79,5 @@ def apply_policy(model, model_dir, policy: ServePolicy, store_dir="runs/stores")
         keep = TemporalKeep(model, aux) if policy.policy == "scored" else None
     pred = make_predictor(policy.predictor, model, aux, a.num_experts, a.hidden_size)
     cfg = EngineConfig(capacity=policy.capacity, tier=policy.tier, policy=policy.policy, miss=policy.miss,
-                       tau=policy.tau)
+                       tau=policy.tau, budget=policy.budget)
     return OffloadEngine(model, store, cfg, predictor=pred, keep_scores=keep)

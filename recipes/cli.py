@@ -194,7 +194,7 @@ def cmd_bench_decode(a) -> int:
             from expertcache.trainer.aux_routers import load_aux_routers
 
             res = bench_decode(a.model, prompts, a.tier, caps, preds, a.miss, a.policy, a.tokens, a.warmup, a.rounds,
-                               a.store_dir, a.tau, load_aux=lambda m: load_aux_routers(a.model, m),
+                               a.store_dir, a.tau, load_aux=lambda m: load_aux_routers(a.model, m), budget=a.budget,
                                progress=lambda: prog.advance(task))
     res["git_commit"] = _git_commit()
     if a.out:
@@ -408,6 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(lossy: the prediction runs instead of a miss) | host (compute misses where they live; host "
                     "and throttled tiers)")
     bd.add_argument("--tau", type=float, default=0.1, help="reroute margin on router probabilities")
+    bd.add_argument("--budget", default="layer", help="layer: C slots per layer | global: C x layers slots shared")
     bd.add_argument("--policy", default="lru", help="cache policy: lru | lfu | scored (the checkpoint's Temporal "
                                                     "router decides what stays)")
     bd.add_argument("--tokens", type=int, default=64, help="timed decode tokens per pass (after the warm-up)")

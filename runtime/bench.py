@@ -91,7 +91,7 @@ def tier_bandwidth(engine: OffloadEngine, n: int = 64) -> float:
 def bench_decode(model_dir: str | Path, prompts: torch.Tensor, tier: str = "disk", capacities=(0.125, 0.25),
                  predictors=("probe:1",), miss: str = "blocking", policy: str = "lru", tokens: int = 64,
                  warmup: int = 8, rounds: int = 2, store_dir: str | Path = "runs/stores", tau: float = 0.1,
-                 load_aux=None, progress=None) -> dict:
+                 load_aux=None, budget: str = "layer", progress=None) -> dict:
     """`load_aux(model) -> AuxRouters`: the checkpoint's auxiliary routers, for the `spatio` predictor and the
     `scored` policy (passed in by the caller: the runtime does not depend on the trainer)."""
     from transformers import AutoModelForCausalLM
@@ -112,13 +112,13 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, tier: str = "disk
         m = load()
         # on-demand: no predictor, blocking, LRU (the scored policy needs a predictor's scores)
         runners[f"on-demand@{cap:g}"] = (m, OffloadEngine(m, store, EngineConfig(
-            capacity=cap, tier=tier, policy="lru" if policy == "scored" else policy)))
+            capacity=cap, tier=tier, policy="lru" if policy == "scored" else policy, budget=budget)))
         for p in predictors:
             m = load()
             aux = load_aux(m) if (p == "spatio" or policy == "scored") and load_aux is not None else None
             keep = TemporalKeep(m, aux) if policy == "scored" and aux is not None else None
             runners[f"{p}+{miss}@{cap:g}"] = (m, OffloadEngine(
-                m, store, EngineConfig(capacity=cap, tier=tier, policy=policy, miss=miss, tau=tau),
+                m, store, EngineConfig(capacity=cap, tier=tier, policy=policy, miss=miss, tau=tau, budget=budget),
                 predictor=make_predictor(p, m, aux, num_experts=e, hidden_size=m.config.hidden_size),
                 keep_scores=keep))
     results = {name: {"tpot": [], "stats": [], "tokens_equal_plain": True} for name in runners}
@@ -148,7 +148,7 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, tier: str = "disk
     eb = read_store_meta(store).expert_bytes
     t_plain = float(np.median(results["plain"]["tpot"]))
     t_res = float(np.median(results["resident"]["tpot"]))
-    out = {"inputs": {"model": str(model_dir), "tier": tier, "capacities": list(capacities),
+    out = {"inputs": {"model": str(model_dir), "tier": tier, "budget": budget, "capacities": list(capacities),
                       "predictors": list(predictors), "miss": miss, "policy": policy, "tokens": tokens,
                       "warmup": warmup, "rounds": rounds, "prompts": int(prompts.shape[0]),
                       "prompt_len": int(prompts.shape[1]), "torch_threads": torch.get_num_threads(),

@@ -31,7 +31,7 @@ from torch import nn
 
 from expertcache.telemetry.errors import InputError
 
-from .cache import CacheState
+from .cache import CacheState, LayerView
 from .predictors import Predictor
 from .store import check_store, expert_tensors, read_store_meta
 from .tiers import SlotPool, TierSpec, available_memory, make_tier
@@ -49,6 +49,7 @@ class EngineConfig:
     prefetch_budget: int = 0  # experts prefetched per layer per token (0: as many as the predictor names, up to k)
     max_inflight_bytes: int = 1 << 30
     workers: int = 4  # transfer threads
+    budget: str = "layer"  # layer: C slots per layer; global: one cache of C x layers slots shared by all layers
 
     def slots(self, num_experts: int, top_k: int) -> int:
         c = round(self.capacity * num_experts) if self.capacity < 1 else int(self.capacity)
@@ -138,8 +139,11 @@ class OffloadEngine:
             raise InputError(f"store has {self.meta.num_layers} layers x {self.meta.num_experts} experts; the model "
                              f"has {len(self.layers)} x {e}")
         self.capacity = cfg.slots(e, k)
-        n_slots = self.capacity + k
-        need = n_slots * self.meta.block_bytes * len(self.layers)
+        if cfg.budget not in ("layer", "global"):
+            raise InputError(f"budget={cfg.budget!r}; expected layer or global")
+        n_l = len(self.layers)
+        n_slots = self.capacity + k if cfg.budget == "layer" else self.capacity * n_l + k
+        need = n_slots * self.meta.block_bytes * (n_l if cfg.budget == "layer" else 1)
         avail = available_memory()
         if cfg.tier.startswith("cuda"):
             avail = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
@@ -153,22 +157,20 @@ class OffloadEngine:
         if cfg.policy == "scored" and keep_scores is None:
             raise InputError("policy scored needs keep scores (the Temporal router of a cache-aware checkpoint)")
         device = "cuda" if cfg.tier == "cuda" else "cpu"
-        self.pools, self.states, self.modules = [], [], []
-        self.pending: list[dict[int, Future]] = []
-        self.prefetched: list[set[int]] = []
+        self.pinned = pinned or {}
+        self.pools, self.modules = [], []
+        self.pending: list[dict[int, Future]] = [{} for _ in self.layers]
+        self.prefetched: list[set[int]] = [set() for _ in self.layers]
+        shared = SlotPool(self.meta, n_slots, device) if cfg.budget == "global" else None
         for i, layer in enumerate(self.layers):
-            pool = SlotPool(self.meta, n_slots, device)
-            state = CacheState(self.capacity, k, cfg.policy, (pinned or {}).get(i))
+            pool = shared or SlotPool(self.meta, n_slots, device)
             self.pools.append(pool)
-            self.states.append(state)
-            self.pending.append({})
-            self.prefetched.append(set())
-            for ex, slot in list(state.res.items()):  # static pins: load them now
-                self.tier.read(i, ex, pool, slot)
             mod = OffloadedExperts(self, i, layer.experts, pool)
             layer.block.experts = mod  # the original expert tensors are released with the old module
             self.modules.append(mod)
+        self._new_states()
         self.pool_exec = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="expert-load")
+        self._load_pins()
         self.inflight = 0
         self._lock = threading.Lock()
         self.stats = Stats()
@@ -194,10 +196,18 @@ class OffloadEngine:
         with self._lock:
             self.inflight -= self.meta.expert_bytes
 
-    def prefetch(self, pos: int, experts: list[int]) -> None:
-        """Asynchronously bring `experts` of layer `pos` into its slots (bounded in-flight bytes)."""
+    def prefetch(self, pos: int, experts: list[int], busy: tuple[int, list[int]] | None = None) -> None:
+        """Asynchronously bring `experts` of layer `pos` into its slots (bounded in-flight bytes). Under a global
+        budget the victims are any layer's: never the experts of the layer now running (`busy`) nor a slot whose
+        load is still in flight."""
         st = self.states[pos]
         protect = set(experts)
+        if self.cfg.budget == "global":
+            e_n = self.adapter.num_experts
+            keys = {p * e_n + x for p, fs in enumerate(self.pending) for x in fs}
+            if busy is not None:
+                keys |= {busy[0] * e_n + x for x in busy[1]}
+            protect |= {key - pos * e_n for key in keys}  # in the target view's ids (may fall outside 0..E-1)
         for e in experts:
             if st.lookup(e) is not None:
                 continue
@@ -274,14 +284,7 @@ class OffloadEngine:
         pos = mod.pos
         st = self.states[pos]
         k = top_k_index.shape[-1]
-        # 1. predict and prefetch the next layer(s) while this one loads and computes
-        scores = self.predictor.predict(pos, hidden, self.history)
-        if scores is not None:
-            target = pos + self.predictor.distance
-            budget = self.cfg.prefetch_budget or k
-            top = scores.float().sum(0).topk(min(budget, scores.shape[-1])).indices.tolist()
-            self.prefetch(target, top)
-        # 2. what this layer needs
+        # 1. what this layer needs (after the miss policy's substitutions)
         if self.cfg.miss == "reroute":
             top_k_index, top_k_weights = self._reroute(pos, top_k_index, top_k_weights)
         elif self.cfg.miss == "speculative":  # the prediction runs instead of a missing true choice
@@ -289,6 +292,12 @@ class OffloadEngine:
                                                        float("inf"))
         flat = top_k_index.reshape(-1).tolist()  # the one host sync of the layer: what it needs
         needed = sorted(set(flat))
+        # 2. predict and prefetch the next layer(s) while this one loads and computes
+        scores = self.predictor.predict(pos, hidden, self.history)
+        if scores is not None:
+            budget = self.cfg.prefetch_budget or k
+            top = scores.float().sum(0).topk(min(budget, scores.shape[-1])).indices.tolist()
+            self.prefetch(pos + self.predictor.distance, top, busy=(pos, needed))
         stall = self._settle(pos, set(needed))
         hits = [e for e in needed if st.lookup(e) is not None]
         misses = [e for e in needed if st.lookup(e) is None]
@@ -400,18 +409,34 @@ class OffloadEngine:
                 except Exception:  # noqa: BLE001 - a cancelled future raises; nothing was half-written
                     pass
             fs.clear()
-        k = self.adapter.top_k
-        for pos, st in enumerate(self.states):
-            pins = list(st.pinned) if st.policy == "static" else None
-            self.states[pos] = CacheState(self.capacity, k, st.policy, pins)
-            self.prefetched[pos].clear()
-            for ex, slot in self.states[pos].res.items():
-                self.tier.read(pos, ex, self.pools[pos], slot)
+        for p in self.prefetched:
+            p.clear()
+        self._new_states()
+        self._load_pins()
         self.history.clear()
         if hasattr(self.keep_scores, "reset"):
             self.keep_scores.reset()
         self._preload_all()
         self.reset_stats()
+
+    def _new_states(self) -> None:
+        """Empty caches: one state per layer, or one over `layer * E + expert` keys behind every layer's view."""
+        e, k, n_l, c = self.adapter.num_experts, self.adapter.top_k, len(self.layers), self.capacity
+        if self.cfg.budget == "layer":
+            self.states = [LayerView(CacheState(c, k, self.cfg.policy, self.pinned.get(i))) for i in range(n_l)]
+        else:
+            pins = [i * e + x for i in range(n_l) for x in self.pinned.get(i, [])[:c]] if self.pinned else None
+            shared = CacheState(c * n_l, k, self.cfg.policy, pins)
+            self.states = [LayerView(shared, i * e, e * n_l) for i in range(n_l)]
+
+    def _load_pins(self) -> None:
+        """Static pins are resident from the start: load them."""
+        e = self.adapter.num_experts
+        for state in {id(v.state): v.state for v in self.states}.values():
+            for key, slot in state.res.items():
+                pos = key // e if self.cfg.budget == "global" else next(
+                    i for i, v in enumerate(self.states) if v.state is state)
+                self.tier.read(pos, key % e, self.pools[pos], slot)
 
     def _preload_all(self) -> None:
         """A cache as large as the layer holds every expert from the start (the all-resident configuration)."""
@@ -427,7 +452,8 @@ class OffloadEngine:
                 "staging_slots": self.adapter.top_k, "policy": self.cfg.policy, "miss": self.cfg.miss,
                 "tau": self.cfg.tau if self.cfg.miss == "reroute" else None, **self.tier.describe(),
                 **self.predictor.describe(), "expert_bytes": self.meta.expert_bytes,
-                "fast_tier_bytes": (self.capacity + self.adapter.top_k) * self.meta.block_bytes * len(self.layers)}
+                "budget": self.cfg.budget,
+                "fast_tier_bytes": self.pools[0].n_slots * self.meta.block_bytes * len({id(p) for p in self.pools})}
 
     def close(self) -> None:
         for h in self._hooks:

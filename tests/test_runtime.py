@@ -185,3 +185,20 @@ def test_speculative_runs_the_prediction_in_place_of_a_miss(family_models):
         eng.close()
     assert runs["speculative"].rerouted > 0
     assert runs["speculative"].demand_loads < runs["blocking"].demand_loads
+
+
+@pytest.mark.parametrize("fam", ["qwen3_moe", "gpt_oss"])
+def test_global_budget_is_lossless_and_shares_one_pool(family_models, fam):
+    model, path = family_models[fam]
+    prompt = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(8))
+    want = _greedy(model, prompt, 16)
+    m = _fresh(fam)
+    eng = offload(m, path, EngineConfig(capacity=2, tier="disk", budget="global"),
+                  predictor=make_predictor("probe:1", m))
+    try:
+        got = _greedy(m, prompt, 16)
+        assert len({id(p) for p in eng.pools}) == 1 and eng.pools[0].n_slots == 2 * 2 + 2  # C x layers + k
+        assert eng.stats.demand_loads > 0 and eng.stats.prefetch_loads > 0
+    finally:
+        eng.close()
+    assert torch.equal(want, got)
