@@ -20,6 +20,7 @@ import torch
 from .engine import EngineConfig, OffloadEngine, Stats
 from .predictors import TemporalKeep, make_predictor
 from .store import model_fingerprint, read_store_meta, write_store
+from .tiers import measure_bandwidth
 
 
 class TokenClock:
@@ -74,20 +75,6 @@ def _pass(model, prompt, n_new, engine=None) -> tuple[list[float], Stats | None,
     return tpot, stats, out
 
 
-def tier_bandwidth(engine: OffloadEngine, n: int = 64) -> float:
-    """Bytes/s of expert transfers on the engine's tier, with its transfer threads (random experts)."""
-    from .tiers import SlotPool
-
-    rng = np.random.default_rng(0)
-    pool = SlotPool(engine.meta, 4)
-    jobs = [(int(rng.integers(engine.meta.num_layers)), int(rng.integers(engine.meta.num_experts))) for _ in range(n)]
-    t0 = time.perf_counter()
-    futs = [engine.pool_exec.submit(engine.tier.read, i, e, pool, j % 4) for j, (i, e) in enumerate(jobs)]
-    for f in futs:
-        f.result()
-    return n * engine.meta.expert_bytes / (time.perf_counter() - t0)
-
-
 def bench_decode(model_dir: str | Path, prompts: torch.Tensor, tier: str = "disk", capacities=(0.125, 0.25),
                  predictors=("probe:1",), miss: str = "blocking", policy: str = "lru", tokens: int = 64,
                  warmup: int = 8, rounds: int = 2, store_dir: str | Path = "runs/stores", tau: float = 0.1,
@@ -124,8 +111,8 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, tier: str = "disk
     results = {name: {"tpot": [], "stats": [], "tokens_equal_plain": True} for name in runners}
     plain_out = None
     try:
-        bw = tier_bandwidth(next((r[1] for n, r in runners.items() if n.startswith("on-demand")),
-                                 runners["resident"][1]))
+        eng = next((r[1] for n, r in runners.items() if n.startswith("on-demand")), runners["resident"][1])
+        bw = measure_bandwidth(eng.tier, eng.meta, eng.pool_exec, eng.meta.num_layers)
         for r in range(rounds):
             names = list(runners) if r % 2 == 0 else list(runners)[:1] + list(runners)[:0:-1]
             for name in names:

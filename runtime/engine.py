@@ -33,8 +33,8 @@ from expertcache.telemetry.errors import InputError
 
 from .cache import CacheState, LayerView
 from .predictors import Predictor
-from .store import check_store, expert_tensors, read_store_meta
-from .tiers import SlotPool, TierSpec, available_memory, make_tier
+from .store import check_store, read_store_meta
+from .tiers import SlotPool, TierSpec, available_memory, block_views, make_tier
 
 MISS_POLICIES = ("blocking", "reroute", "speculative", "host")
 
@@ -355,14 +355,7 @@ class OffloadEngine:
         if host is None:
             raise InputError(f"miss policy host computes experts where they live: it needs the host or a throttled "
                              f"tier, not {self.cfg.tier}")
-        out, e = {}, self.adapter.num_experts
-        for t in self.meta.tensors:
-            es = torch.empty((), dtype=t.torch_dtype).element_size()
-            typed = host.view(t.torch_dtype)
-            inner = torch.empty(t.shape).stride() if t.shape else ()
-            out[t.name] = typed.as_strided([e, *t.shape], [self.meta.block_bytes // es, *inner],
-                                           (self.meta.offset(pos, 0) + t.offset) // es)
-        return out
+        return block_views(host, self.meta, self.adapter.num_experts, self.meta.offset(pos, 0))
 
     def _scores(self, pos, hidden, needed):
         if self.keep_scores is None:
@@ -465,10 +458,3 @@ class OffloadEngine:
 def offload(model, store_path, cfg: EngineConfig | None = None, **kw) -> OffloadEngine:
     """Attach an engine to `model` (in place). Every routed expert then comes from the store."""
     return OffloadEngine(model, store_path, cfg or EngineConfig(), **kw)
-
-
-def expert_param_bytes(model) -> int:
-    from expertcache.telemetry.adapters import adapter_for
-
-    return sum(p.numel() * p.element_size() for L in adapter_for(model).moe_layers(model)
-               for p in expert_tensors(L.experts).values())

@@ -26,7 +26,7 @@ from expertcache.telemetry.errors import InputError
 from .cache import CacheState
 from .kernels import swiglu_experts
 from .store import read_store_meta, write_random_store
-from .tiers import SlotPool, make_tier
+from .tiers import SlotPool, make_tier, measure_bandwidth
 
 REFERENCE_TRACE = "../shared/reference/qwen3-30b-a3b-routing/code.npz"
 
@@ -251,16 +251,6 @@ class Replayer:
             times.append(time.perf_counter() - t0)
         return {"times": times, **st}
 
-    def disk_bandwidth(self, n: int = 64) -> float:
-        """Bytes/s the tier sustains for expert reads at this replay's concurrency (random experts)."""
-        pool = SlotPool(self.meta, 8)
-        picks = [(int(self.rng.integers(self.ids.shape[0])), int(self.rng.integers(self.e))) for _ in range(n)]
-        t0 = time.perf_counter()
-        futs = [self.exec.submit(self.tier.read, i, e, pool, j % 8) for j, (i, e) in enumerate(picks)]
-        for f in futs:
-            f.result()
-        return n * self.meta.expert_bytes / (time.perf_counter() - t0)
-
     def close(self):
         self.exec.shutdown(wait=True)
         self.tier.close()
@@ -317,7 +307,7 @@ def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2
         rp.run(configs[-1], range(cut, cut + warmup), est)  # untimed: threads, allocator, file handles warm
         bws = []
         for r in range(rounds):
-            bws.append(rp.disk_bandwidth(128))  # each round; the best is the tier's bandwidth (a conservative
+            bws.append(measure_bandwidth(rp.tier, rp.meta, rp.exec, ids.shape[0], 128, r))  # each round; the best is the tier's bandwidth (a conservative
             compute.append(rp.compute_only(span))  # T_transfer, so overlap efficiency is not flattered)
             base = None
             order = configs if r % 2 == 0 else [configs[0]] + configs[:0:-1]  # on-demand first, others reversed

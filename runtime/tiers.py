@@ -22,6 +22,32 @@ from expertcache.telemetry.errors import InputError
 from .store import StoreMeta, aligned_buffer, open_direct
 
 
+def block_views(raw: torch.Tensor, meta: StoreMeta, n_blocks: int, first: int) -> dict[str, torch.Tensor]:
+    """`[n_blocks, *shape]` views, per expert tensor, of `n_blocks` store blocks laid out back to back in the
+    bytes `raw` from byte `first` on (a slot pool, or the store itself in host memory): no copy."""
+    out = {}
+    for t in meta.tensors:
+        es = torch.empty((), dtype=t.torch_dtype).element_size()
+        inner = torch.empty(t.shape).stride() if t.shape else ()
+        out[t.name] = raw.view(t.torch_dtype).as_strided([n_blocks, *t.shape], [meta.block_bytes // es, *inner],
+                                                          (first + t.offset) // es)
+    return out
+
+
+def measure_bandwidth(tier: "Tier", meta: StoreMeta, executor, layers: int, n: int = 64, seed: int = 0) -> float:
+    """Bytes/s `tier` sustains moving `n` random experts (of the first `layers` layers) with `executor`'s
+    transfer threads: the roofline's link bandwidth, measured the way the engine and the replay load."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    pool = SlotPool(meta, 4)
+    jobs = [(int(rng.integers(layers)), int(rng.integers(meta.num_experts))) for _ in range(n)]
+    t0 = time.perf_counter()
+    for f in [executor.submit(tier.read, i, e, pool, j % 4) for j, (i, e) in enumerate(jobs)]:
+        f.result()
+    return n * meta.expert_bytes / (time.perf_counter() - t0)
+
+
 class SlotPool:
     """`n_slots` expert blocks of one layer (or of a global cache) in one aligned buffer; `views[name]` is a
     `[n_slots, *shape]` tensor over it for each expert tensor, so a slot is written by one read and computed
@@ -36,13 +62,7 @@ class SlotPool:
         else:
             self.buf = None
             self.raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self.views = {}
-        for t in meta.tensors:
-            es = torch.empty((), dtype=t.torch_dtype).element_size()
-            typed = self.raw.view(t.torch_dtype)
-            inner = torch.empty(t.shape).stride() if t.shape else ()
-            self.views[t.name] = typed.as_strided([n_slots, *t.shape], [meta.block_bytes // es, *inner],
-                                                  t.offset // es)
+        self.views = block_views(self.raw, meta, n_slots, 0)
 
     def slot_bytes(self, slot: int) -> memoryview:
         b = self.meta.block_bytes
