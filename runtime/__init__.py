@@ -1,1 +1,10 @@
-"""expertcache.runtime"""
+"""expertcache.runtime: run a MoE checkpoint whose experts do not fit in fast memory.
+
+`load(path_or_hub_id, capacity=, tier=, device=, dtype=)` is the entry point; `offload(model, source, cfg)`
+attaches the engine to a model already in memory.
+"""
+
+from .engine import EngineConfig, OffloadEngine, Stats, offload
+from .loader import load, reattach
+
+__all__ = ["EngineConfig", "OffloadEngine", "Stats", "load", "offload", "reattach"]

@@ -67,15 +67,19 @@ class CacheState:
             if e in self.res:
                 self.res.move_to_end(e)
 
-    def retain(self, step: list[int], staged: dict[int, int | None], scores: list[float] | None = None):
+    def retain(self, step: list[int], staged: dict[int, int | None], scores: list[float] | None = None,
+               transient=()):
         """After the step: update counters and choose the resident set; staged experts that stay take over the
         slot of the expert they replace, which becomes a staging slot. Experts staged as None (computed from a
-        transient buffer) get a free slot instead: returns those `(expert, slot)` pairs, to be copied in."""
+        transient buffer) get a free slot instead: returns those `(expert, slot)` pairs, to be copied in.
+        `transient` experts were used and are gone (a prefill's earlier waves through the staging slots): they
+        count as used but cannot be kept."""
         self._touch(step)
         self.t += 1
         if self.policy == "static" or (self.policy != "scored" and not staged):
             return []  # nothing new arrived: LRU/LFU order was updated by the touch, nothing is evicted
-        cand = list(self.res) + [e for e in step if e not in self.res]  # oldest first; the step's new keys last
+        gone = set(transient)
+        cand = list(self.res) + [e for e in step if e not in self.res and e not in gone]  # oldest first; new last
         if self.policy == "lru":
             keep = cand[-self.capacity:]
         elif self.policy == "lfu":
@@ -158,12 +162,14 @@ class LayerView:
     def stage(self, misses: list[int]) -> dict[int, int]:
         return {e: s for e, s in zip(misses, self.state.stage([m + self.off for m in misses]).values())}
 
-    def retain(self, step: list[int], staged: dict[int, int | None], scores: list[float] | None = None):
+    def retain(self, step: list[int], staged: dict[int, int | None], scores: list[float] | None = None,
+               transient=()):
         if scores is not None and self.num_keys is not None:  # a global state ranks every layer's keys
             full = list(self.state.prio) if self.state.prio is not None else [float("-inf")] * self.num_keys
             full[self.off:self.off + len(scores)] = scores
             scores = full
-        copies = self.state.retain([e + self.off for e in step], {e + self.off: s for e, s in staged.items()}, scores)
+        copies = self.state.retain([e + self.off for e in step], {e + self.off: s for e, s in staged.items()}, scores,
+                                   [e + self.off for e in transient])
         return [(key - self.off, s) for key, s in copies]
 
     def prefetch_slot(self, e: int, protect: set[int]) -> int | None:

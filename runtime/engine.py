@@ -1,21 +1,22 @@
 """The offload engine: a HF MoE model whose routed experts live on a slow tier, computed from a bounded cache of
-slots on the fast tier, with asynchronous prefetch. `model.generate` (KV cache and all) runs through it.
+slots on the fast tier, with asynchronous prefetch. `model.generate` (KV cache and all) runs through it, and so
+do the replay, the benchmarks and the server: `run_layer` is the only decode step.
 
 Each MoE layer's `experts` module is replaced by `OffloadedExperts` (the router, attention and everything else
 are untouched). When layer i runs:
-1. the predictor, given the hidden state entering layer i, names the experts of layer i + d; those not
+1. the miss policy may substitute experts first: ``reroute`` swaps a missing expert for a resident one whose
+   router probability is within τ of it, ``speculative`` runs the prefetched prediction instead of a missing true
+   choice (both lossy, vectorised over tokens, weights re-derived by the family's own rule);
+2. the predictor, given the hidden state entering layer i, names the experts of layer i + d; those not
    resident are prefetched asynchronously into slots of layer i + d (at most `max_inflight_bytes` in flight;
    one whose load has not started when its layer runs, and is not needed, is dropped);
-2. layer i's needed experts: resident ones are hits (waiting, if their prefetch is still in flight, counts as
-   stall); misses go through the miss policy: ``blocking`` loads them into staging slots (lossless),
-   ``reroute`` first swaps a missing expert for a resident one whose router probability is within τ of it
-   (lossy: outputs change, reported with the accuracy cost); ``speculative`` runs the predicted (prefetched)
-   experts in place of missing ones, the most likely first (lossy); ``host`` computes a missing expert where
-   its weights live (host and throttled tiers) instead of moving it (lossless in exact arithmetic; the two
-   partial sums are added in a different order, so outputs can differ in the last bits);
-3. the experts compute with the model's own experts implementation over the slot pool (same kernels, same
-   summation order over k: greedy tokens are bit-identical to plain `model.generate`);
-4. the cache policy decides what stays (`cache.CacheState`).
+3. the misses start loading into staging slots, the resident experts compute meanwhile, and each miss computes
+   as soon as its weights arrive (resident first, as mixtral-offloading iterates); waiting counts as stall.
+   ``host`` computes a missing expert where its weights live instead of moving it (host/throttled tiers);
+4. each expert computes with the model's own experts implementation over its slots, one (token, choice) row at a
+   time in the same kernels, and the rows are combined as that implementation combines them (a sum over k, or
+   eager's index_add in expert order): greedy tokens are bit-identical to plain `model.generate`;
+5. the cache policy decides what stays (`cache.CacheState`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -32,9 +34,10 @@ from torch import nn
 from expertcache.telemetry.errors import InputError
 
 from .cache import CacheState, LayerView
+from .checkpoint import StoreExperts
 from .predictors import Predictor
 from .store import check_store, read_store_meta
-from .tiers import SlotPool, TierSpec, available_memory, block_views, make_tier
+from .tiers import SlotPool, TierSpec, available_memory, make_tier, tier_host_bytes
 
 MISS_POLICIES = ("blocking", "reroute", "speculative", "host")
 
@@ -42,7 +45,7 @@ MISS_POLICIES = ("blocking", "reroute", "speculative", "host")
 @dataclass
 class EngineConfig:
     capacity: float = 0.25  # resident experts per layer: a fraction of E (< 1) or a count (>= 1)
-    tier: str = "host"
+    tier: str = "host"  # disk | host | throttled:<GB/s> | cuda (host with the slots on the GPU)
     policy: str = "lru"  # lru | lfu | static | scored (scored needs a keep-score source, e.g. the Temporal router)
     miss: str = "blocking"
     tau: float = 0.1  # reroute margin on router probabilities
@@ -50,12 +53,37 @@ class EngineConfig:
     max_inflight_bytes: int = 1 << 30
     workers: int = 4  # transfer threads
     budget: str = "layer"  # layer: C slots per layer; global: one cache of C x layers slots shared by all layers
+    device: str = "cpu"  # where the slots (and the non-expert model) live: cpu | cuda
 
     def slots(self, num_experts: int, top_k: int) -> int:
         c = round(self.capacity * num_experts) if self.capacity < 1 else int(self.capacity)
-        if c < 1 or c > num_experts:
+        if not self.capacity > 0 or c < 1 or c > num_experts:
             raise InputError(f"capacity {self.capacity} gives {c} resident experts; expected 1..{num_experts}")
         return c
+
+    def check(self) -> None:
+        """Every field in range, before anything is allocated."""
+        TierSpec.parse(self.tier)
+        if self.miss not in MISS_POLICIES:
+            raise InputError(f"unknown miss policy {self.miss!r}; expected one of {', '.join(MISS_POLICIES)}")
+        if self.miss == "host" and TierSpec.parse(self.tier).kind not in ("host", "throttled"):
+            raise InputError(f"miss policy host computes experts where they live: it needs the host or a "
+                             f"throttled tier, not {self.tier}")
+        if self.budget not in ("layer", "global"):
+            raise InputError(f"budget={self.budget!r}; expected layer or global")
+        if self.device not in ("cpu", "cuda"):
+            raise InputError(f"device={self.device!r}; expected cpu or cuda")
+        if not self.tau >= 0:
+            raise InputError(f"tau={self.tau}; expected a margin >= 0")
+        for name in ("prefetch_budget", "max_inflight_bytes"):
+            if getattr(self, name) < 0:
+                raise InputError(f"{name}={getattr(self, name)}; expected >= 0")
+        if self.workers < 1:
+            raise InputError(f"workers={self.workers}; expected >= 1")
+
+    @property
+    def slot_device(self) -> str:
+        return "cuda" if self.tier == "cuda" else self.device
 
 
 @dataclass
@@ -73,13 +101,16 @@ class Stats:
     stall_s: float = 0.0
     bytes_moved: int = 0
 
+    def __sub__(self, other: "Stats") -> "Stats":
+        return Stats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
+    def __add__(self, other: "Stats") -> "Stats":
+        return Stats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
     def to_dict(self, expert_bytes: int) -> dict:
         a = max(self.accesses, 1)
-        return {"accesses": self.accesses, "hits": self.hits, "hit_rate": self.hits / a,
+        return {**asdict(self), "hit_rate": self.hits / a,
                 "adjusted_hit_rate": 1 - (self.demand_loads + self.prefetch_loads) / a,
-                "demand_loads": self.demand_loads, "prefetch_loads": self.prefetch_loads,
-                "prefetch_dropped": self.prefetch_dropped, "prefetch_hits": self.prefetch_hits,
-                "rerouted": self.rerouted, "host_computed": self.host_computed, "stall_s": self.stall_s, "bytes_moved": self.bytes_moved,
                 "traffic_bytes_per_token": (self.demand_loads + self.prefetch_loads) * expert_bytes
                 / max(self.tokens, 1)}
 
@@ -91,82 +122,105 @@ class OffloadedExperts(nn.Module):
         super().__init__()
         self._engine = [engine]  # a list: not registered as a submodule
         self.pos = pos
-        tmpl = copy.copy(original)  # shares config, act_fn, _apply_gate...; its parameters replaced below
-        tmpl._parameters = {}
-        tmpl._modules = dict(original._modules)
+        if isinstance(original, OffloadedExperts):  # a new engine on a model that already has one
+            original = original._proto[0]
+        proto = copy.copy(original)  # shares config, act_fn, _apply_gate...; no parameters (the experts stay out)
+        proto._parameters = {}
+        proto._modules = dict(original._modules)
+        self._proto = [proto]
+        tmpl = copy.copy(proto)
         for name, view in pool.views.items():
             setattr(tmpl, name, view)
         tmpl.num_experts = pool.n_slots
         self._tmpl = tmpl
         self._forward = type(original).forward
-        self._eager = getattr(getattr(original, "config", None), "_experts_implementation", None) in (None, "eager")
-        self._names = list(pool.views)
+        impl = getattr(getattr(original, "config", None), "_experts_implementation", None)
+        self.eager = impl in (None, "eager")  # eager adds experts one by one in expert order; the others sum over k
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         return self._engine[0].run_layer(self, hidden_states, top_k_index, top_k_weights)
 
     def compute(self, hidden, slot_index, weights):
+        """All (token, choice) pairs at once over the slot pool: the family's own forward, as plain generate."""
         return self._forward(self._tmpl, hidden, slot_index, weights)
 
-    def compute_compact(self, hidden, top_k_index, weights, tensors: dict[str, torch.Tensor]):
-        """Over a compact stack of the needed experts, sorted by expert id (same order as the original)."""
-        t = copy.copy(self._tmpl)
-        for n, v in tensors.items():
-            setattr(t, n, v)
-        t.num_experts = next(iter(tensors.values())).shape[0]
-        return self._forward(t, hidden, top_k_index, weights)
+    def rows(self, x, slots, weights, tensors: dict[str, torch.Tensor] | None = None):
+        """`x [S, H]`, `slots [S]`, `weights [S]` -> each (token, choice) row's weighted expert output `[S, H]`,
+        through the family's own forward with k = 1 (the same kernels and roundings as the full call), over the
+        slot pool or over `tensors` (`[n, ...]` views, e.g. the host copy of a layer)."""
+        t = self._tmpl
+        if tensors is not None:
+            t = copy.copy(self._tmpl)
+            for n, v in tensors.items():
+                setattr(t, n, v)
+            t.num_experts = next(iter(tensors.values())).shape[0]
+        return self._forward(t, x, slots[:, None], weights[:, None])
+
+
+def _as_source(source):
+    """An expert source, or the path of a repacked store file."""
+    if isinstance(source, (str, Path)):
+        return StoreExperts(source, read_store_meta(source))
+    return source
 
 
 class OffloadEngine:
-    def __init__(self, model, store_path, cfg: EngineConfig, predictor: Predictor | None = None,
-                 pinned: dict[int, list[int]] | None = None, keep_scores=None):
+    def __init__(self, model, source, cfg: EngineConfig, predictor: Predictor | None = None,
+                 pinned: dict[int, list[int]] | None = None, keep_scores=None, tier=None):
+        """`source`: where the experts' bytes are (`checkpoint.CheckpointExperts`, `checkpoint.StoreExperts` or
+        a store path). `tier`: an already opened tier for `source` to reuse (a benchmark swapping engine
+        configurations on one model keeps one host copy)."""
         from expertcache.telemetry.adapters import adapter_for
 
         self.cfg = cfg
+        cfg.check()
         self.model = model
         self.adapter = adapter_for(model)
         self.layers = self.adapter.moe_layers(model)
-        self.meta = read_store_meta(store_path)
-        check_store(self.meta, model)
-        TierSpec.parse(cfg.tier)  # a bad tier name is refused before anything is allocated
-        if cfg.miss not in MISS_POLICIES:
-            raise InputError(f"unknown miss policy {cfg.miss!r}; expected one of {', '.join(MISS_POLICIES)}")
-        if cfg.miss == "host" and TierSpec.parse(cfg.tier).kind not in ("host", "throttled"):
-            raise InputError(f"miss policy host computes experts where they live: it needs the host or a "
-                             f"throttled tier, not {cfg.tier}")
+        self.source = _as_source(source)
+        self.meta = self.source.meta
+        if isinstance(self.source, StoreExperts):
+            check_store(self.meta, model)
         e, k = self.adapter.num_experts, self.adapter.top_k
         if self.meta.num_experts != e or self.meta.num_layers != len(self.layers):
-            raise InputError(f"store has {self.meta.num_layers} layers x {self.meta.num_experts} experts; the model "
-                             f"has {len(self.layers)} x {e}")
+            raise InputError(f"expert source has {self.meta.num_layers} layers x {self.meta.num_experts} experts; "
+                             f"the model has {len(self.layers)} x {e}")
         self.capacity = cfg.slots(e, k)
-        if cfg.budget not in ("layer", "global"):
-            raise InputError(f"budget={cfg.budget!r}; expected layer or global")
         n_l = len(self.layers)
         n_slots = self.capacity + k if cfg.budget == "layer" else self.capacity * n_l + k
-        need = n_slots * self.meta.block_bytes * (n_l if cfg.budget == "layer" else 1)
-        avail = available_memory()
-        if cfg.tier.startswith("cuda"):
+        self.fast_bytes = n_slots * self.meta.block_bytes * (n_l if cfg.budget == "layer" else 1)
+        self.host_bytes = 0 if tier is not None else tier_host_bytes(cfg.tier, self.meta, cfg.workers)
+        fast = cfg.slot_device
+        if fast == "cuda":
             avail = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+            need = self.fast_bytes
+            if self.host_bytes > 0.9 * available_memory():
+                raise InputError(f"tier {cfg.tier} holds every expert in host RAM ({self.host_bytes / 2**30:.2f} "
+                                 f"GiB); only {available_memory() / 2**30:.2f} GiB is available (use --tier disk)")
+        else:
+            avail, need = available_memory(), self.fast_bytes + self.host_bytes
         if need > 0.9 * avail:
-            raise InputError(f"a cache of {self.capacity} experts per layer (+{k} staging) x {len(self.layers)} "
-                             f"layers needs {need / 2**30:.2f} GiB; only {avail / 2**30:.2f} GiB is available "
-                             f"on the fast tier (lower --capacity)")
-        self.tier = make_tier(cfg.tier, store_path, self.meta)
+            raise InputError(f"a cache of {self.capacity} experts per layer (+{k} staging) x {n_l} layers needs "
+                             f"{self.fast_bytes / 2**30:.2f} GiB" + (f" and tier {cfg.tier} {self.host_bytes / 2**30:.2f}"
+                             f" GiB" if self.host_bytes > 2**26 else "") + f"; only {avail / 2**30:.2f} GiB is "
+                             f"available on the {fast} (lower --capacity" + (" or use --tier disk" if self.host_bytes
+                                                                             > 2**26 else "") + ")")
+        self.tier = tier or make_tier(cfg.tier, self.source, fast)
         self.predictor = predictor or Predictor()
         self.keep_scores = keep_scores  # callable(pos, hidden, ids) -> [E] scores for the scored policy
         if cfg.policy == "scored" and keep_scores is None:
-            raise InputError("policy scored needs keep scores (the Temporal router of a cache-aware checkpoint)")
-        device = "cuda" if cfg.tier == "cuda" else "cpu"
+            raise InputError("policy scored needs keep scores (the Temporal router of a cache-aware checkpoint, "
+                             "or a learned policy file)")
         self.pinned = pinned or {}
         self.pools, self.modules = [], []
         self.pending: list[dict[int, Future]] = [{} for _ in self.layers]
         self.prefetched: list[set[int]] = [set() for _ in self.layers]
-        shared = SlotPool(self.meta, n_slots, device) if cfg.budget == "global" else None
+        shared = SlotPool(self.meta, n_slots, fast) if cfg.budget == "global" else None
         for i, layer in enumerate(self.layers):
-            pool = shared or SlotPool(self.meta, n_slots, device)
+            pool = shared or SlotPool(self.meta, n_slots, fast)
             self.pools.append(pool)
             mod = OffloadedExperts(self, i, layer.experts, pool)
-            layer.block.experts = mod  # the original expert tensors are released with the old module
+            layer.block.experts = mod  # the original expert tensors (or meta placeholders) go with the old module
             self.modules.append(mod)
         self._new_states()
         self.pool_exec = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="expert-load")
@@ -211,12 +265,15 @@ class OffloadEngine:
         for e in experts:
             if st.lookup(e) is not None:
                 continue
-            if self.inflight + self.meta.expert_bytes > self.cfg.max_inflight_bytes:
-                break
+            with self._lock:
+                if self.inflight + self.meta.expert_bytes > self.cfg.max_inflight_bytes:
+                    break
+                self.inflight += self.meta.expert_bytes
             slot = st.prefetch_slot(e, protect)
             if slot is None:
+                with self._lock:
+                    self.inflight -= self.meta.expert_bytes
                 break
-            self.inflight += self.meta.expert_bytes
             fut = self.pool_exec.submit(self._load, pos, e, slot)
             fut.add_done_callback(self._prefetch_done)
             self.pending[pos][e] = fut
@@ -224,16 +281,14 @@ class OffloadEngine:
 
     def _settle(self, pos: int, needed: set[int]) -> float:
         """Before layer `pos` computes: wait for the prefetches it needs (stall), drop the stale ones that have
-        not started. Returns the seconds waited."""
+        not started. Returns the seconds waited. A failed load raises here."""
         waited = 0.0
         for e, fut in list(self.pending[pos].items()):
+            del self.pending[pos][e]
             if e in needed:
-                if not fut.done():
-                    t0 = time.perf_counter()
-                    fut.result()
-                    waited += time.perf_counter() - t0
-                else:
-                    fut.result()
+                t0 = time.perf_counter()
+                fut.result()
+                waited += time.perf_counter() - t0
                 self.stats.prefetch_loads += 1
             elif fut.cancel():
                 self.states[pos].drop(e)
@@ -242,43 +297,41 @@ class OffloadEngine:
             else:
                 fut.result()
                 self.stats.prefetch_loads += 1
-            del self.pending[pos][e]
         return waited
 
     def _reroute(self, pos: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  only: set[int] | None = None, tau: float | None = None):
         """Swap each missing expert for the most likely resident one not already chosen (among `only`, if
-        given), if its router probability is within τ; weights re-derived from the router probabilities."""
+        given), if its router probability is within τ; the weights re-derived by the family's own rule.
+        Vectorised over tokens: one pass per choice column."""
         logits = self._router_logits.get(pos)
         if logits is None:
             return top_k_index, top_k_weights
         tau = self.cfg.tau if tau is None else tau
-        probs = logits.float().softmax(-1)  # [tokens, E]
+        probs = self.adapter.scores(logits)  # [tokens, E]
         st = self.states[pos]
-        resident = torch.tensor([st.lookup(e) is not None and (only is None or e in only)
-                                 for e in range(probs.shape[-1])])
+        n_e = probs.shape[-1]
+        res_ids = [e for e in range(n_e) if st.lookup(e) is not None and (only is None or e in only)]
+        resident = torch.zeros(n_e, dtype=torch.bool, device=probs.device)
+        resident[res_ids] = True
         idx = top_k_index.clone()
         changed = 0
-        for t in range(idx.shape[0]):
-            for j in range(idx.shape[1]):
-                e = int(idx[t, j])
-                if resident[e]:
-                    continue
-                cand = probs[t].masked_fill(~resident, -1.0)
-                cand[idx[t]] = -1.0
-                r = int(cand.argmax())
-                if cand[r] >= 0 and probs[t, e] - probs[t, r] <= tau:
-                    idx[t, j] = r
-                    changed += 1
+        for j in range(idx.shape[1]):
+            miss = ~resident[idx[:, j]]  # [tokens]
+            if not bool(miss.any()):
+                continue
+            taken = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, idx, True)
+            cand = probs.masked_fill(~resident | taken, -1.0)
+            best, r = cand.max(dim=-1)
+            ok = miss & (best >= 0) & (probs.gather(1, idx[:, j:j + 1])[:, 0] - best <= tau)
+            idx[:, j] = torch.where(ok, r, idx[:, j])
+            changed += int(ok.sum())
         if not changed:
             return top_k_index, top_k_weights
         self.stats.rerouted += changed
-        w = probs.gather(1, idx)
-        if self.adapter.norm_topk_prob or self.adapter.family == "mixtral":
-            w = w / w.sum(-1, keepdim=True)
-        return idx, w.to(top_k_weights.dtype)
+        return idx, self.adapter.weights(logits, idx).to(top_k_weights.dtype)
 
-    # --- the layer ---------------------------------------------------------------------------------------------
+    # --- the decode step -------------------------------------------------------------------------------------
 
     def run_layer(self, mod: OffloadedExperts, hidden, top_k_index, top_k_weights):
         pos = mod.pos
@@ -306,86 +359,103 @@ class OffloadEngine:
         n_tok = hidden.shape[0]
         self.stats.calls += 1
         self.stats.tokens += n_tok if pos == 0 else 0
-        acc = int(top_k_index.numel()) if n_tok == 1 else len(needed)
-        self.stats.accesses += acc
+        self.stats.accesses += int(top_k_index.numel()) if n_tok == 1 else len(needed)
         self.stats.hits += len(hits)
-        self.stats.demand_loads += len(misses)
-        # 3. load the misses and compute
-        t0 = time.perf_counter()
-        if self.cfg.miss == "host" and misses:
-            self.stats.demand_loads -= len(misses)  # nothing is moved: computed where the weights live
+        scores_keep = self._scores(pos, hidden, needed)
+        # 3. compute: everything resident -> one call of the family's forward over the slots (plain's own path)
+        if not misses and not mod.eager:
+            slots = torch.tensor([st.lookup(e) for e in flat], dtype=torch.long).view_as(top_k_index)
+            out = mod.compute(hidden, slots.to(hidden.device), top_k_weights)
+            st.retain(needed, {}, scores_keep)
+        elif self.cfg.miss == "host":  # computed where the weights live: nothing moved, nothing admitted
             self.stats.host_computed += len(misses)
-            out = self._compute_host(mod, pos, hidden, top_k_index, top_k_weights, flat, set(misses))
-            # nothing is admitted on a miss: the fast tier fills only through prefetch
-            st.retain([e for e in needed if e not in misses], {}, self._scores(pos, hidden, needed))
-        elif len(misses) <= st.k and not mod._eager:
-            staged = st.stage(misses)
-            futs = [self.pool_exec.submit(self._load, pos, e, s) for e, s in staged.items()]
-            for f in futs:
-                f.result()
-            stall += time.perf_counter() - t0
-            slot_of = {e: st.lookup(e) for e in hits} | staged
-            slots = torch.tensor([slot_of[e] for e in flat], dtype=torch.long).view_as(top_k_index)
-            out = mod.compute(hidden, slots, top_k_weights)
-            st.retain(needed, staged, self._scores(pos, hidden, needed))
-        else:  # many tokens (prefill) or an eager implementation: a transient compact stack, expert order
-            out, stall_c = self._compute_compact(mod, pos, hidden, top_k_index, top_k_weights, needed, misses)
-            stall += stall_c
+            out, _ = self._stream(mod, pos, hidden, top_k_index, top_k_weights, flat, hits, misses, host=True)
+            st.retain([e for e in needed if e not in misses], {}, scores_keep)
+        else:  # misses stream in (eager's expert-order sum also comes this way when all are resident)
+            self.stats.demand_loads += len(misses)
+            out, (staged, transient, waited) = self._stream(mod, pos, hidden, top_k_index, top_k_weights, flat,
+                                                             hits, misses)
+            stall += waited
+            st.retain(needed, staged, scores_keep, transient)
         self.stats.stall_s += stall
         self.history[pos] = needed
         return out
 
-    def _compute_host(self, mod, pos, hidden, top_k_index, top_k_weights, flat, misses: set[int]):
-        """Resident experts from the slots, missing ones straight from the host copy of the store: two calls of
-        the model's experts forward, each with the other's (token, choice) pairs weighted 0, summed."""
+    def _stream(self, mod, pos, hidden, top_k_index, top_k_weights, flat, hits, misses, host=False):
+        """Resident experts compute while the misses load into the k staging slots (in waves of k when a prefill
+        needs more); each miss computes when its weights arrive. Rows are combined as the family's
+        implementation combines them. Returns the output and `(staged, transient, seconds waited)`: the last
+        wave's `{expert: staging slot}` (what the policy may keep) and the earlier waves' experts."""
         st = self.states[pos]
-        miss_mask = torch.tensor([e in misses for e in flat]).view_as(top_k_index)
-        any_slot = next((st.lookup(e) for e in flat if e not in misses), 0)
-        slots = torch.tensor([any_slot if e in misses else st.lookup(e) for e in flat]).view_as(top_k_index)
-        w_res = top_k_weights.masked_fill(miss_mask, 0)
-        w_host = top_k_weights.masked_fill(~miss_mask, 0)
-        out = mod.compute_compact(hidden, top_k_index, w_host, self._host_views(pos))
-        if not bool(miss_mask.all()):
-            out = mod.compute(hidden, slots, w_res) + out
-        return out
+        k = top_k_index.shape[-1]
+        rows: dict[int, list[int]] = {}
+        for r, e in enumerate(flat):  # (token, choice) rows of each expert
+            rows.setdefault(e, []).append(r)
+        x_all = hidden.reshape(-1, hidden.shape[-1])
+        w_flat = top_k_weights.reshape(-1)
+        n_rows = len(flat)
+        dev = hidden.device
+        parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # expert -> (row ids, weighted outputs)
+
+        def run(experts, slot_of, tensors=None):
+            r = torch.tensor([i for e in experts for i in rows[e]], dtype=torch.long)
+            s = torch.tensor([slot_of[e] for e in experts for _ in rows[e]], dtype=torch.long)
+            rd = r.to(dev)
+            y = mod.rows(x_all[rd // k], s.to(dev), w_flat[rd], tensors)
+            n = 0
+            for e in experts:
+                m = len(rows[e])
+                parts[e] = (rd[n:n + m], y[n:n + m])
+                n += m
+
+        waited, staged, transient = 0.0, {}, []
+        if host:
+            run(hits, {e: st.lookup(e) for e in hits}) if hits else None
+            run(misses, {e: e for e in misses}, self._host_views(pos))
+        else:
+            waves = [misses[i:i + st.k] for i in range(0, len(misses), st.k)]
+            futs = {}
+            for w_i, wave in enumerate(waves):
+                staged = st.stage(wave)
+                futs = {self.pool_exec.submit(self._load, pos, e, s): e for e, s in staged.items()}
+                if w_i == 0 and hits:  # resident experts compute while the first wave loads
+                    run(hits, {e: st.lookup(e) for e in hits})
+                while futs:
+                    t0 = time.perf_counter()
+                    done, _ = wait(futs, return_when=FIRST_COMPLETED)
+                    waited += time.perf_counter() - t0
+                    arrived = [futs.pop(f) for f in done]
+                    for f in done:
+                        f.result()  # a failed read raises here
+                    run(sorted(arrived), staged)
+                if w_i < len(waves) - 1:
+                    transient += wave
+            if not waves:
+                run(hits, {e: st.lookup(e) for e in hits})
+        # combine
+        if mod.eager:  # eager: index_add of each expert's rows, in expert order, into the hidden dtype
+            out = torch.zeros_like(x_all)
+            for e in sorted(parts):
+                r, y = parts[e]
+                out.index_add_(0, r // k, y.to(out.dtype))
+        else:  # grouped/batched implementations: the k weighted rows of a token summed
+            buf = torch.empty(n_rows, x_all.shape[-1], dtype=next(iter(parts.values()))[1].dtype, device=dev)
+            for r, y in parts.values():
+                buf[r] = y
+            out = buf.view(-1, k, x_all.shape[-1]).sum(dim=1).to(hidden.dtype)
+        return out.view_as(hidden), (staged, transient, waited)
 
     def _host_views(self, pos: int) -> dict[str, torch.Tensor]:
-        """`[E, ...]` views of layer `pos`'s experts inside the host tier's copy of the store (no copy)."""
-        host = getattr(self.tier, "host", None)
-        if host is None:
+        """`[E, ...]` views of layer `pos`'s experts inside the host tier's copy (no copy)."""
+        if not hasattr(self.tier, "layer_views"):
             raise InputError(f"miss policy host computes experts where they live: it needs the host or a throttled "
                              f"tier, not {self.cfg.tier}")
-        return block_views(host, self.meta, self.adapter.num_experts, self.meta.offset(pos, 0))
+        return self.tier.layer_views(pos)
 
     def _scores(self, pos, hidden, needed):
         if self.keep_scores is None:
             return None
         return self.keep_scores(pos, hidden, needed)
-
-    def _compute_compact(self, mod, pos, hidden, top_k_index, top_k_weights, needed, misses):
-        st = self.states[pos]
-        pool = self.pools[pos]
-        n = len(needed)
-        stack = SlotPool(self.meta, n, pool.device)
-        t0 = time.perf_counter()
-        futs = [self.pool_exec.submit(self._load, pos, e, j, stack) for j, e in enumerate(needed) if e in misses]
-        b = self.meta.block_bytes
-        for j, e in enumerate(needed):
-            if e not in misses:
-                s = st.lookup(e)
-                stack.raw[j * b:(j + 1) * b].copy_(pool.raw[s * b:(s + 1) * b])
-        for f in futs:
-            f.result()
-        stall = time.perf_counter() - t0
-        remap = torch.full((self.adapter.num_experts,), -1, dtype=torch.long)
-        remap[torch.tensor(needed)] = torch.arange(n)
-        out = mod.compute_compact(hidden, remap[top_k_index], top_k_weights, stack.views)
-        # what stays: copy newly kept experts from the stack into their resident slots
-        for e, slot in st.retain(needed, {e: None for e in misses}, self._scores(pos, hidden, needed)) or []:
-            j = needed.index(e)
-            pool.raw[slot * b:(slot + 1) * b].copy_(stack.raw[j * b:(j + 1) * b])
-        return out, stall
-
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -393,14 +463,15 @@ class OffloadEngine:
         self.stats = Stats()
 
     def reset(self) -> None:
-        """An empty cache (static pins reloaded), no history, fresh counters: a new, cold pass."""
-        for pos, fs in enumerate(self.pending):
+        """An empty cache (static pins reloaded), no history, fresh counters: a new, cold pass. A load that
+        failed is raised here, not swallowed."""
+        for fs in self.pending:
             for f in fs.values():
-                f.cancel()
-                try:
-                    f.result()
-                except Exception:  # noqa: BLE001 - a cancelled future raises; nothing was half-written
-                    pass
+                if not f.cancel():
+                    try:
+                        f.result()
+                    except CancelledError:
+                        pass
             fs.clear()
         for p in self.prefetched:
             p.clear()
@@ -445,16 +516,22 @@ class OffloadEngine:
                 "staging_slots": self.adapter.top_k, "policy": self.cfg.policy, "miss": self.cfg.miss,
                 "tau": self.cfg.tau if self.cfg.miss == "reroute" else None, **self.tier.describe(),
                 **self.predictor.describe(), "expert_bytes": self.meta.expert_bytes,
-                "budget": self.cfg.budget,
-                "fast_tier_bytes": self.pools[0].n_slots * self.meta.block_bytes * len({id(p) for p in self.pools})}
+                "expert_dtype": self.meta.tensors[0].dtype, "budget": self.cfg.budget, "device": self.cfg.slot_device,
+                "fast_tier_bytes": self.fast_bytes, "tier_host_bytes": self.host_bytes}
 
-    def close(self) -> None:
+    def detach(self) -> None:
+        """Stop serving: hooks removed, loads finished (the tier stays open for a next engine)."""
         for h in self._hooks:
             h.remove()
+        self._hooks = []
         self.pool_exec.shutdown(wait=True)
+
+    def close(self) -> None:
+        self.detach()
         self.tier.close()
 
 
-def offload(model, store_path, cfg: EngineConfig | None = None, **kw) -> OffloadEngine:
-    """Attach an engine to `model` (in place). Every routed expert then comes from the store."""
-    return OffloadEngine(model, store_path, cfg or EngineConfig(), **kw)
+def offload(model, source, cfg: EngineConfig | None = None, **kw) -> OffloadEngine:
+    """Attach an engine to `model` (in place). Every routed expert then comes from `source` (an expert source
+    of `checkpoint`, or a store path)."""
+    return OffloadEngine(model, source, cfg or EngineConfig(), **kw)

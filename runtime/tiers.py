@@ -5,7 +5,10 @@ Tiers (every reported figure names its tier):
 - ``host``: the whole store in RAM; a transfer is a memory copy into the slot.
 - ``throttled:<GB/s>``: host copies paced to a stated link bandwidth (one link shared by all transfers), to
   emulate PCIe / CXL / NVMe on a machine that has none.
-- ``cuda``: slots in GPU memory, the store in pinned host memory, copies on a side stream.
+- ``cuda`` (= ``host`` with the slots on a GPU): the experts in pinned host memory, copies on a side stream.
+
+Experts come from a source (`checkpoint.CheckpointExperts`: the checkpoint's own safetensors files, read by byte
+range; or `checkpoint.StoreExperts`: a repacked store), so no tier needs a second copy of the model on disk.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 from expertcache.telemetry.errors import InputError
 
-from .store import StoreMeta, aligned_buffer, open_direct
+from .store import ALIGN, StoreMeta, aligned_buffer, open_direct
 
 
 def block_views(raw: torch.Tensor, meta: StoreMeta, n_blocks: int, first: int) -> dict[str, torch.Tensor]:
@@ -53,12 +56,14 @@ class SlotPool:
     `[n_slots, *shape]` tensor over it for each expert tensor, so a slot is written by one read and computed
     on in place."""
 
-    def __init__(self, meta: StoreMeta, n_slots: int, device: str = "cpu"):
+    def __init__(self, meta: StoreMeta, n_slots: int, device: str = "cpu", pin: bool = False):
         self.meta, self.n_slots, self.device = meta, n_slots, device
         nbytes = n_slots * meta.block_bytes
         if device == "cpu":
             self.buf = aligned_buffer(nbytes)
             self.raw = torch.frombuffer(self.buf, dtype=torch.uint8)
+            if pin and torch.cuda.is_available():  # page-locked in place: async copies to the GPU
+                torch.cuda.cudart().cudaHostRegister(self.raw.data_ptr(), nbytes, 0)
         else:
             self.buf = None
             self.raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -70,11 +75,18 @@ class SlotPool:
 
 
 class Tier:
+    """Where experts live. `source` says where each expert's bytes lie in which files (`checkpoint.Span`s):
+    the checkpoint's own safetensors files, or a repacked store file."""
+
     name = "tier"
     bandwidth = None  # bytes/s the tier is paced to, when it is
 
+    def __init__(self, source):
+        self.source, self.meta = source, source.meta
+
     def read(self, layer: int, expert: int, pool: SlotPool, slot: int) -> int:
-        """Copy one expert into `pool`'s slot (blocking, thread-safe); returns the bytes moved."""
+        """Copy one expert into `pool`'s slot (blocking, thread-safe); returns the bytes moved. A failed read
+        raises (never swallowed: the caller surfaces it)."""
         raise NotImplementedError
 
     def describe(self) -> dict:
@@ -84,62 +96,109 @@ class Tier:
         pass
 
 
+def _runs(spans, gap: int = 64 << 10):
+    """Spans grouped into contiguous reads of one file (a gap under `gap` bytes is read through)."""
+    out = []
+    for s in sorted(spans, key=lambda s: (s.file, s.offset)):
+        if out and out[-1][0] == s.file and s.offset - out[-1][2] <= gap:
+            out[-1][2] = max(out[-1][2], s.offset + s.nbytes)
+            out[-1][3].append(s)
+        else:
+            out.append([s.file, s.offset, s.offset + s.nbytes, [s]])
+    return out
+
+
 class DiskTier(Tier):
+    """Reads with the page cache bypassed (O_DIRECT): the aligned range around each contiguous run of an expert's
+    bytes into a per-thread aligned staging buffer, then into the slot (converted if the cache's dtype differs).
+    A block that is itself aligned (a repacked store) is read straight into its slot."""
+
     name = "disk"
 
-    def __init__(self, path, meta: StoreMeta):
-        self.meta = meta
-        self.fd, self.mode = open_direct(path)
-        self._staging = threading.local()
+    def __init__(self, source):
+        super().__init__(source)
+        opened = [open_direct(p) for p in source.files]
+        self.fds = [fd for fd, _ in opened]
+        self.mode = opened[0][1] if opened else "O_DIRECT"
+        self._local = threading.local()
+
+    def _staging(self, nbytes: int) -> torch.Tensor:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            self._local.mm = aligned_buffer(nbytes)
+            self._local.buf = buf = memoryview(self._local.mm)
+            self._local.t = torch.frombuffer(self._local.mm, dtype=torch.uint8)
+        return self._local.t
+
+    def _pread(self, fd: int, view, offset: int, need: int, what: str) -> None:
+        try:
+            n = os.preadv(fd, [view], offset)
+        except OSError as e:
+            raise InputError(f"reading {what} failed at byte {offset}: {e}") from None
+        if n < need:
+            raise InputError(f"short read of {what}: {n} of {need} bytes at byte {offset} (file truncated?)")
+        if self.mode != "O_DIRECT":
+            os.posix_fadvise(fd, offset, len(view), os.POSIX_FADV_DONTNEED)
 
     def read(self, layer, expert, pool, slot):
         b = self.meta.block_bytes
-        off = self.meta.offset(layer, expert)
-        if pool.device == "cpu":
-            n = os.preadv(self.fd, [pool.slot_bytes(slot)], off)
-        else:  # disk -> aligned host staging -> device
-            st = getattr(self._staging, "buf", None)
-            if st is None:
-                st = self._staging.buf = aligned_buffer(b)
-            n = os.preadv(self.fd, [st], off)
-            pool.raw[slot * b:(slot + 1) * b].copy_(torch.frombuffer(st, dtype=torch.uint8)[:b])
-        if n != b:
-            raise InputError(f"short read from the expert store: {n} of {b} bytes at layer {layer} expert {expert}")
-        if self.mode != "O_DIRECT":
-            os.posix_fadvise(self.fd, off, b, os.POSIX_FADV_DONTNEED)
+        base = slot * b
+        what = f"layer {layer} expert {expert}"
+        for file, start, end, spans in _runs(self.source.spans(layer, expert)):
+            s0 = spans[0]
+            if (len(spans) == 1 and start % ALIGN == 0 and (end - start) % ALIGN == 0 and pool.device == "cpu"
+                    and s0.src_dtype == s0.dst_dtype and s0.dst % ALIGN == 0):
+                self._pread(self.fds[file], pool.slot_bytes(slot)[s0.dst:s0.dst + s0.nbytes], start, s0.nbytes, what)
+                continue
+            a0 = start // ALIGN * ALIGN
+            n = (end - a0 + ALIGN - 1) // ALIGN * ALIGN
+            st = self._staging(n)
+            self._pread(self.fds[file], self._local.buf[:n], a0, end - a0, what)
+            for s in spans:
+                src = st[s.offset - a0:s.offset - a0 + s.nbytes]
+                if s.src_dtype != s.dst_dtype:
+                    src = src.view(s.src_dtype).to(s.dst_dtype).view(torch.uint8)
+                pool.raw[base + s.dst:base + s.dst + src.numel()].copy_(src)
         return self.meta.expert_bytes
 
     def describe(self):
         return {"tier": self.name, "page_cache": "bypassed (" + self.mode + ")"}
 
     def close(self):
-        os.close(self.fd)
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
 
 
 class HostTier(Tier):
+    """Every expert in host RAM (read once, page cache bypassed), one block each; a transfer is a memory copy."""
+
     name = "host"
 
-    def __init__(self, path, meta: StoreMeta, pin: bool = False):
-        self.meta = meta
-        n = meta.file_bytes()
-        self.host = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
-        fd, _ = open_direct(path)
+    def __init__(self, source, pin: bool = False, progress=None):
+        super().__init__(source)
+        m = self.meta
+        self.store = SlotPool(m, m.num_layers * m.num_experts, "cpu", pin=pin)
+        self.host = self.store.raw
+        disk = DiskTier(source)
         try:
-            buf = aligned_buffer(min(n, 64 << 20))
-            pos = 0
-            while pos < n:  # read in big aligned chunks
-                got = os.preadv(fd, [buf], pos)
-                take = min(got, n - pos)
-                self.host[pos:pos + take].copy_(torch.frombuffer(buf, dtype=torch.uint8)[:take])
-                pos += take
-                if got == 0:
-                    raise InputError("the expert store ended early while loading it into host memory")
+            for i in range(m.num_layers):
+                for e in range(m.num_experts):
+                    disk.read(i, e, self.store, i * m.num_experts + e)
+                if progress:
+                    progress()
         finally:
-            os.close(fd)
+            disk.close()
+
+    def layer_views(self, layer: int) -> dict[str, torch.Tensor]:
+        """`[E, ...]` views of one layer's experts inside the host copy (no copy)."""
+        e = self.meta.num_experts
+        return block_views(self.host, self.meta, e, layer * e * self.meta.block_bytes)
 
     def _src(self, layer, expert):
-        off = self.meta.offset(layer, expert)
-        return self.host[off:off + self.meta.block_bytes]
+        b = self.meta.block_bytes
+        off = (layer * self.meta.num_experts + expert) * b
+        return self.host[off:off + b]
 
     def read(self, layer, expert, pool, slot):
         b = self.meta.block_bytes
@@ -151,10 +210,10 @@ class ThrottledTier(HostTier):
     """Host copies paced to `gbps` GB/s over one shared link: a transfer starts when the link is free and
     cannot finish before its bytes / bandwidth have passed."""
 
-    def __init__(self, path, meta, gbps: float):
-        super().__init__(path, meta)
-        if gbps <= 0:
-            raise InputError(f"throttled tier needs a positive GB/s, got {gbps}")
+    def __init__(self, source, gbps: float):
+        if not gbps > 0 or gbps == float("inf"):
+            raise InputError(f"throttled tier needs a positive, finite GB/s, got {gbps}")
+        super().__init__(source)
         self.bandwidth = gbps * 1e9
         self.name = f"throttled:{gbps:g}"
         self._lock = threading.Lock()
@@ -176,14 +235,14 @@ class ThrottledTier(HostTier):
 
 
 class CudaTier(HostTier):
-    """Pinned host store -> GPU slots on a side stream (the slot pool must live on the GPU)."""
+    """Pinned host copy -> GPU slots on a side stream (the slot pool lives on the GPU)."""
 
-    name = "cuda"
+    name = "host->cuda"
 
-    def __init__(self, path, meta):
+    def __init__(self, source):
         if not torch.cuda.is_available():
-            raise InputError("tier cuda needs a CUDA GPU; this machine has none (use disk, host or throttled:<GB/s>)")
-        super().__init__(path, meta, pin=True)
+            raise InputError("device cuda needs a CUDA GPU; this machine has none (use --device cpu)")
+        super().__init__(source, pin=True)
         self.stream = torch.cuda.Stream()
 
     def read(self, layer, expert, pool, slot):
@@ -205,23 +264,36 @@ class TierSpec:
     def parse(cls, s: str) -> "TierSpec":
         if s in ("disk", "host", "cuda"):
             return cls(s)
-        if s.startswith("throttled:"):
+        if isinstance(s, str) and s.startswith("throttled:"):
             try:
-                return cls("throttled", float(s.split(":", 1)[1]))
+                g = float(s.split(":", 1)[1])
             except ValueError:
-                pass
+                g = float("nan")
+            if g > 0 and g != float("inf"):
+                return cls("throttled", g)
         raise InputError(f"unknown tier {s!r}; expected disk, host, cuda or throttled:<GB/s> (e.g. throttled:16)")
 
 
-def make_tier(spec: str, path, meta: StoreMeta) -> Tier:
+def make_tier(spec: str, source, device: str = "cpu") -> Tier:
+    """The slow tier for `source` (a `checkpoint.CheckpointExperts` or `StoreExperts`). With slots on a GPU the
+    host tier holds pinned memory and copies on a side stream; the disk tier stages through host memory."""
     t = TierSpec.parse(spec)
+    if t.kind == "cuda" or (t.kind == "host" and device == "cuda"):
+        return CudaTier(source)
     if t.kind == "disk":
-        return DiskTier(path, meta)
+        return DiskTier(source)
     if t.kind == "host":
-        return HostTier(path, meta)
-    if t.kind == "cuda":
-        return CudaTier(path, meta)
-    return ThrottledTier(path, meta, t.gbps)
+        return HostTier(source)
+    return ThrottledTier(source, t.gbps)
+
+
+def tier_host_bytes(spec: str, meta: StoreMeta, workers: int) -> int:
+    """Host memory a tier holds besides the slots: the whole expert set for host/throttled/cuda, per-thread
+    staging buffers for disk."""
+    kind = TierSpec.parse(spec).kind
+    if kind == "disk":
+        return workers * (meta.block_bytes + 2 * ALIGN)
+    return meta.num_layers * meta.num_experts * meta.block_bytes
 
 
 def available_memory() -> int:

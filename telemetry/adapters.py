@@ -59,31 +59,45 @@ class Adapter:
             raise InputError(f"no MoE layers found in {type(model).__name__}")
         return out
 
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """Per-expert router probabilities `[tokens, E]` (float32): softmax, or DeepSeek-V3's sigmoid. What a
+        reroute margin τ is measured on."""
+        logits = logits.float()
+        return logits.sigmoid() if self.family == "deepseek_v3" else logits.softmax(dim=-1)
+
+    def weights(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This family's gate weights `[tokens, k]` (float32) for the experts `ids [tokens, k]`, whichever chose
+        them (the router, or a reroute): the one place each family's weight rule is written."""
+        logits = logits.float()
+        if self.family == "gpt_oss":  # top-k logits -> softmax over the k
+            return logits.gather(1, ids).softmax(dim=-1)
+        w = self.scores(logits).gather(1, ids)
+        if self.family == "deepseek_v3":
+            if self.norm_topk_prob:
+                w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+            return w * self.routed_scaling_factor
+        if self.norm_topk_prob or self.family == "mixtral":
+            w = w / w.sum(dim=-1, keepdim=True)
+        return w
+
     def route(self, logits: torch.Tensor, bias: torch.Tensor | None = None):
         """`logits [tokens, E]` -> `(ids [tokens, k] int64, weights [tokens, k] float32)` by this family's rule."""
         k = self.top_k
         logits = logits.float()
         if self.family in ("qwen3_moe", "olmoe", "mixtral"):
-            probs = logits.softmax(dim=-1)
-            w, ids = probs.topk(k, dim=-1)
-            if self.norm_topk_prob or self.family == "mixtral":
-                w = w / w.sum(dim=-1, keepdim=True)
-            return ids, w
+            ids = self.scores(logits).topk(k, dim=-1).indices
+            return ids, self.weights(logits, ids)
         if self.family == "gpt_oss":
-            top, ids = logits.topk(k, dim=-1)
-            return ids, top.softmax(dim=-1)
+            ids = logits.topk(k, dim=-1).indices
+            return ids, self.weights(logits, ids)
         if self.family == "deepseek_v3":
-            scores = logits.sigmoid()
-            choice = scores + (bias.float() if bias is not None else 0.0)
+            choice = self.scores(logits) + (bias.float() if bias is not None else 0.0)
             t, e = choice.shape
             groups = choice.view(t, self.n_group, e // self.n_group).topk(2, dim=-1).values.sum(-1)  # [t, G]
             keep = torch.zeros_like(groups).scatter_(1, groups.topk(self.topk_group, dim=-1).indices, 1.0)
             mask = keep.unsqueeze(-1).expand(t, self.n_group, e // self.n_group).reshape(t, e)
             ids = choice.masked_fill(mask == 0, float("-inf")).topk(k, dim=-1).indices
-            w = scores.gather(1, ids)
-            if self.norm_topk_prob:
-                w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-            return ids, w * self.routed_scaling_factor
+            return ids, self.weights(logits, ids)
         raise InputError(f"no routing rule for family {self.family!r}")
 
     def router_bias(self, router: torch.nn.Module) -> torch.Tensor | None:

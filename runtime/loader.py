@@ -1,0 +1,201 @@
+"""`load`: a HF MoE checkpoint that need not fit in memory, ready to `generate` through the offload engine.
+
+    from expertcache.runtime import load
+    model = load("Qwen/Qwen3-30B-A3B", capacity=0.125, tier="disk")   # or a local directory
+    model.generate(...)                                                # through the engine
+    model.expertcache.stats                                             # hit rate, traffic, stall
+
+The model is built on the meta device; only the non-expert weights (attention, norms, routers, embeddings,
+shared experts) are read into memory, from the checkpoint's own safetensors files. The routed experts are never
+materialised: the engine reads each one by byte range when it is needed (`checkpoint.CheckpointExperts`), in the
+checkpoint's dtype unless `dtype=` says otherwise. Nothing here executes code from the checkpoint: safetensors
+only, no `trust_remote_code`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from expertcache.telemetry.errors import InputError
+
+from .checkpoint import Checkpoint, CheckpointExperts, checkpoint_name
+from .engine import EngineConfig, OffloadEngine
+
+DTYPES = {"auto": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+          "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+
+
+def parse_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise InputError(f"dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def parse_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise InputError(f"device {device!r}; expected auto, cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InputError("device cuda asked for, but torch sees no CUDA GPU here (use --device cpu or auto)")
+    return device
+
+
+def resolve(model: str | Path, revision: str | None = None) -> Path:
+    """A local checkpoint directory, or a hub id resolved through the Hugging Face cache (downloads only when
+    `HF_HUB_OFFLINE` is unset; the project's Makefile sets it to 1)."""
+    p = Path(model).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise InputError(f"model {p} is a file; expected a checkpoint directory (config.json + safetensors)")
+        if not (p / "config.json").is_file():
+            raise InputError(f"{p} has no config.json: not a Hugging Face checkpoint directory")
+        return p
+    s = str(model)
+    parts = s.split("/")
+    if s.startswith((".", "/", "~")) or len(parts) != 2 or not all(parts):
+        raise InputError(f"model {s!r} not found: neither a local directory nor a hub id (org/name)")
+    from huggingface_hub import snapshot_download
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    try:
+        return Path(snapshot_download(s, revision=revision, local_files_only=offline,
+                                      allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja",
+                                                      "tokenizer*"]))
+    except Exception as e:  # noqa: BLE001 - every hub failure is the same bad input: the id cannot be had
+        why = "downloads are off (HF_HUB_OFFLINE=1) and it is not in the local cache" if offline else \
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        raise InputError(f"hub model {s!r} cannot be opened: {why}") from None
+
+
+def _meta_model(config, dtype: torch.dtype):
+    """The model's skeleton: parameters on the meta device (no memory), buffers (RoPE tables) real."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def build_offloaded(path: str | Path, dtype=None, device: str = "cpu"):
+    """`(model, source)`: the model with its non-expert weights read and its experts' modules still on meta,
+    and where each expert's bytes lie. The engine (attached by `load`) replaces those modules."""
+    from transformers import AutoConfig
+
+    from expertcache.telemetry.adapters import adapter_for, router_fingerprint
+
+    path = Path(path)
+    ckpt = Checkpoint(path)
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError) as e:
+        raise InputError(f"{path}/config.json: {str(e).splitlines()[0]}") from None
+    adapter = adapter_for(config)
+    dtype = parse_dtype(dtype)
+    model = _meta_model(config, dtype or torch.float32)
+    layers = adapter.moe_layers(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    prefixes = [names[id(L.experts)] for L in layers]
+    params = {n: (list(p.shape[1:]), p.dtype) for n, p in layers[0].experts.named_parameters(recurse=False)}
+    if dtype is None:  # the checkpoint's own dtype (of its experts), for the whole model, as from_pretrained(auto)
+        probe = CheckpointExperts(ckpt, adapter.family, prefixes[:1], adapter.num_experts, params, "")
+        dtype = probe.dtype
+        model = _meta_model(config, dtype)
+        layers = adapter.moe_layers(model)
+        names = {id(m): n for n, m in model.named_modules()}
+    expert_prefixes = tuple(p + "." for p in prefixes)
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.startswith(expert_prefixes):
+            continue
+        ck = checkpoint_name(name, adapter.family)
+        mod_name, _, attr = name.rpartition(".")
+        mod = model.get_submodule(mod_name)
+        if ck not in ckpt.tensors:
+            if isinstance(p, torch.nn.Parameter) and p.is_meta and not _tied(model, name):
+                raise InputError(f"checkpoint {path} has no tensor {ck} (model parameter {name})")
+            continue
+        t = ckpt.read(ck)
+        if list(t.shape) != list(p.shape):
+            raise InputError(f"checkpoint tensor {ck} has shape {list(t.shape)}; the model expects {list(p.shape)}")
+        t = t.to(p.dtype if p.dtype.is_floating_point else t.dtype)
+        if isinstance(p, torch.nn.Parameter):
+            mod._parameters[attr] = torch.nn.Parameter(t, requires_grad=False)
+        else:
+            mod._buffers[attr] = t
+    if getattr(config.get_text_config(), "tie_word_embeddings", False):
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    source = CheckpointExperts(ckpt, adapter.family, prefixes, adapter.num_experts,
+                               {n: (s, dtype) for n, (s, _) in params.items()}, router_fingerprint(model), dtype)
+    left = [n for n, p in model.named_parameters() if p.is_meta and not n.startswith(expert_prefixes)]
+    if left:
+        raise InputError(f"checkpoint {path} leaves {len(left)} parameters unset (first: {left[0]})")
+    model.config._name_or_path = str(path)
+    _generation_config(model, path)
+    return model.eval(), source
+
+
+def _tied(model, name: str) -> bool:
+    out = model.get_output_embeddings()
+    cfg = model.config.get_text_config()
+    return out is not None and getattr(cfg, "tie_word_embeddings", False) and name.endswith("lm_head.weight")
+
+
+def _generation_config(model, path: Path) -> None:
+    from transformers import GenerationConfig
+
+    if (path / "generation_config.json").is_file():
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(str(path))
+        except (OSError, ValueError) as e:
+            raise InputError(f"{path}/generation_config.json: {e}") from None
+
+
+def load(model: str | Path, capacity: float = 0.125, tier: str = "disk", device: str = "cpu", dtype=None, *,
+         predictor="none", keep_scores=None, aux=None, pinned=None, revision: str | None = None, **engine_options):
+    """An HF causal LM whose routed experts stay on `tier` (read from the checkpoint's own safetensors files) and
+    pass through a cache of `capacity` experts per layer (a fraction of E, or a count) on `device`.
+
+    `predictor`: a name for `predictors.make_predictor` (none, probe:1, persistence, estimator:FILE, spatio) or a
+    `Predictor`; `aux(model)`: returns the checkpoint's auxiliary routers (spatio predictor, scored policy);
+    `keep_scores`: the scored policy's keep-score source. Other keyword arguments are `EngineConfig` fields
+    (policy, miss, tau, budget, prefetch_budget, workers, max_inflight_bytes). The engine is `model.expertcache`.
+    """
+    from .predictors import Predictor, TemporalKeep, make_predictor
+
+    fields = set(EngineConfig.__dataclass_fields__) - {"capacity", "tier", "device"}
+    unknown = sorted(set(engine_options) - fields)
+    if unknown:
+        raise InputError(f"unknown engine option(s) {', '.join(unknown)}; expected {', '.join(sorted(fields))}")
+    dev = parse_device(device)
+    cfg = EngineConfig(capacity=capacity, tier=tier, device=dev, **engine_options)
+    cfg.check()
+    path = resolve(model, revision)
+    m, source = build_offloaded(path, dtype, dev)
+    if dev == "cuda":
+        m.to(dev)  # the non-expert model; the experts' modules are still meta and are replaced below
+    aux_routers = aux(m) if aux is not None and (predictor == "spatio" or cfg.policy == "scored") else None
+    if cfg.policy == "scored" and keep_scores is None and aux_routers is not None:
+        keep_scores = TemporalKeep(m, aux_routers)
+    pred = predictor if isinstance(predictor, Predictor) else make_predictor(
+        predictor, m, aux_routers, num_experts=source.num_experts, hidden_size=m.config.hidden_size)
+    engine = OffloadEngine(m, source, cfg, predictor=pred, pinned=pinned, keep_scores=keep_scores)
+    m.expertcache = engine
+    return m
+
+
+def reattach(model, cfg: EngineConfig, **kw) -> OffloadEngine:
+    """A new engine configuration on an already loaded model (`load`): the old engine stops, the new one
+    reuses its expert source and, when the tier kind is the same, its open tier (one host copy, not two)."""
+    old: OffloadEngine = model.expertcache
+    old.detach()
+    same = cfg.tier == old.cfg.tier and cfg.slot_device == old.cfg.slot_device
+    if not same:
+        old.tier.close()
+    eng = OffloadEngine(model, old.source, cfg, tier=old.tier if same else None, **kw)
+    model.expertcache = eng
+    return eng
