@@ -179,7 +179,7 @@ class OffloadEngine:
         self.layers = self.adapter.moe_layers(model)
         self.source = _as_source(source)
         self.meta = self.source.meta
-        if isinstance(self.source, StoreExperts):
+        if isinstance(self.source, StoreExperts) and self.meta.source != "random":
             check_store(self.meta, model)
         e, k = self.adapter.num_experts, self.adapter.top_k
         if self.meta.num_experts != e or self.meta.num_layers != len(self.layers):

@@ -23,10 +23,11 @@ import torch
 
 from expertcache.telemetry.errors import InputError
 
-from .cache import CacheState
-from .kernels import swiglu_experts
+from .checkpoint import StoreExperts
+from .engine import EngineConfig, OffloadEngine
+from .predictors import Predictor
 from .store import read_store_meta, write_random_store
-from .tiers import SlotPool, make_tier, measure_bandwidth
+from .tiers import make_tier, measure_bandwidth
 
 REFERENCE_TRACE = "../shared/reference/qwen3-30b-a3b-routing/code.npz"
 
@@ -138,121 +139,111 @@ def predicted(cfg: ReplayConfig, ids, est, rng, i: int, t: int, k: int, e: int) 
     return []
 
 
+class TracePredictor(Predictor):
+    """`predicted(...)` as an engine predictor: the replay sets `t`, the token being decoded, before each one."""
+
+    def __init__(self, cfg: ReplayConfig, ids: np.ndarray, est, seed: int = 0):
+        self.cfg, self.ids, self.est = cfg, ids, est
+        self.name, self.t = cfg.predictor, 0
+        self.rng = np.random.default_rng(seed)
+        self.e = int(ids.max()) + 1 if est is None else est.m.shape[-1]
+
+    def predict(self, layer, hidden, history):
+        if layer + 1 >= self.ids.shape[0]:
+            return None
+        pred = predicted(self.cfg, self.ids, self.est, self.rng, layer, self.t, self.ids.shape[2], self.e)
+        if not pred:
+            return None
+        s = torch.zeros(1, self.e)
+        s[0, pred] = torch.arange(len(pred), 0, -1, dtype=torch.float32)  # in the predictor's order
+        return s
+
+
+def replay_model(layers: int, num_experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype):
+    """A Qwen3-MoE skeleton of the replayed shape on the meta device: only its experts modules are used (the
+    engine replaces them); nothing else is ever materialised."""
+    from transformers import Qwen3MoeConfig
+
+    from .loader import _meta_model
+
+    cfg = Qwen3MoeConfig(vocab_size=16, hidden_size=hidden, intermediate_size=inter, moe_intermediate_size=inter,
+                         num_hidden_layers=layers, num_attention_heads=1, num_key_value_heads=1, head_dim=8,
+                         num_experts=num_experts, num_experts_per_tok=top_k, decoder_sparse_step=1,
+                         norm_topk_prob=True)
+    return _meta_model(cfg, dtype)
+
+
 class Replayer:
-    def __init__(self, store: Path, ids: np.ndarray, capacity: int, tier: str, workers: int = 4,
-                 compute_dtype: str = "auto", seed: int = 0):
-        self.meta = read_store_meta(store)
+    """Drives the engine's own decode step (`OffloadEngine.run_layer`) token by token, layer by layer, with the
+    trace's routing in place of a router's and a fixed random hidden state: the loads, the overlap, the cache
+    and the compute are exactly serving's."""
+
+    def __init__(self, store: Path, ids: np.ndarray, capacity: int, tier: str, workers: int = 4, seed: int = 0):
+        self.source = StoreExperts(store, read_store_meta(store))
+        self.meta = self.source.meta
         self.ids = ids
         n_l, _, self.k = ids.shape
         self.e = self.meta.num_experts
         if ids.max() >= self.e:
             raise InputError(f"trace uses expert {ids.max()}, the store has {self.e} per layer")
-        self.capacity = capacity
-        self.tier = make_tier(tier, store, self.meta)
-        self.pools = [SlotPool(self.meta, capacity + self.k) for _ in range(n_l)]
-        self.exec = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="replay-load")
-        sd = self.meta.tensors[0].torch_dtype
-        if compute_dtype == "auto":  # bf16 matmuls are ~10x slower than fp32 on CPUs without bf16 units
-            compute_dtype = "float32" if sd == torch.bfloat16 else str(sd).removeprefix("torch.")
-        self.cdt = getattr(torch, compute_dtype)
-        self.upcast = self.cdt != sd
-        if self.upcast:  # a compute copy of each slot, filled in the transfer thread (as a GPU dequantizes)
-            self.cviews = [{t.name: torch.empty(capacity + self.k, *t.shape, dtype=self.cdt) for t in self.meta.tensors}
-                           for _ in range(n_l)]
+        self.capacity, self.tier_name, self.workers = capacity, tier, workers
+        gu = self.meta.tensors[0]
+        self.dtype = gu.torch_dtype
+        hidden, inter = gu.shape[1], gu.shape[0] // 2
+        self.model = replay_model(n_l, self.e, self.k, hidden, inter, self.dtype)
+        self.tier = make_tier(tier, self.source)
         g = torch.Generator().manual_seed(seed)
-        hidden = self.meta.tensors[1].shape[0]
-        self.x = torch.randn(1, hidden, generator=g).to(self.cdt)
-        self.w = torch.full((1, self.k), 1.0 / self.k)
-        self.rng = np.random.default_rng(seed)
+        self.x = torch.randn(1, hidden, generator=g).to(self.dtype)
+        self.w = torch.full((1, self.k), 1.0 / self.k, dtype=self.dtype)
+        self.engine = None
 
-    def _load(self, i, e, slot):
-        self.tier.read(i, e, self.pools[i], slot)
-        if self.upcast:
-            for name, v in self.pools[i].views.items():
-                self.cviews[i][name][slot].copy_(v[slot])
-
-    def _compute(self, i, slots: list[int]):
-        views = self.cviews[i] if self.upcast else self.pools[i].views
-        s = torch.tensor([slots])
-        return swiglu_experts(self.x, views["gate_up_proj"], views["down_proj"], s, self.w[:, :len(slots)])
+    def _engine(self, cfg: ReplayConfig, est, policy: str | None = None) -> OffloadEngine:
+        if self.engine is not None:
+            self.engine.detach()
+        keep = None
+        if cfg.belady:
+            if not hasattr(self, "_nu"):
+                self._nu = next_use_scores(self.ids, self.e)
+            keep = lambda pos, hidden, needed: self._nu[pos, self.pred.t].tolist()  # noqa: E731
+        self.pred = TracePredictor(cfg, self.ids, est) if cfg.prefetch else Predictor()
+        self.pred.t = 0
+        ecfg = EngineConfig(capacity=self.capacity, tier=self.tier_name, workers=self.workers,
+                            policy=policy or ("scored" if cfg.belady else "lru"))
+        self.engine = OffloadEngine(self.model, self.source, ecfg, predictor=self.pred, keep_scores=keep,
+                                    tier=self.tier)
+        return self.engine
 
     def compute_only(self, tokens: range) -> list[float]:
-        """TPOT with every expert resident: the same compute, no loads (the roofline's T_compute)."""
+        """TPOT with every needed expert resident: the all-hits call of the step over k slots, no loads (the
+        roofline's T_compute)."""
         times = []
+        slots = torch.arange(self.k)[None, :]
         for _ in tokens:
             t0 = time.perf_counter()
-            for i in range(self.ids.shape[0]):
-                self._compute(i, list(range(self.k)))
+            for mod in self.engine.modules:
+                mod.compute(self.x, slots, self.w)
             times.append(time.perf_counter() - t0)
         return times
 
-    def run(self, cfg: ReplayConfig, tokens: range, est=None) -> dict:
+    def run(self, cfg: ReplayConfig, tokens: range, est=None, policy: str | None = None) -> dict:
+        eng = self._engine(cfg, est, policy)
         n_l = self.ids.shape[0]
-        states = [CacheState(self.capacity, self.k, "scored" if cfg.belady else "lru") for _ in range(n_l)]
-        if cfg.belady and not hasattr(self, "_nu"):
-            self._nu = next_use_scores(self.ids, self.e)
-        pending = [dict() for _ in range(n_l)]
-        st = {"hits": 0, "demand": 0, "prefetch": 0, "dropped": 0, "stall": 0.0, "acc": 0}
+        ids = torch.as_tensor(self.ids)
         times = []
         for t in tokens:
+            self.pred.t = t
             t0 = time.perf_counter()
             for i in range(n_l):
-                need = self.ids[i, t].tolist()
-                if cfg.prefetch:  # predict layer i+1 now; its loads overlap this layer's work
-                    pred = predicted(cfg, self.ids, est, self.rng, i, t, self.k, self.e)
-                    ni = i + 1 if i + 1 < n_l else 0
-                    s_n = states[ni]
-                    for e in pred:
-                        if s_n.lookup(e) is None:
-                            slot = s_n.prefetch_slot(e, set(pred))
-                            if slot is None:
-                                break
-                            pending[ni][e] = self.exec.submit(self._load, ni, e, slot)
-                s = states[i]
-                ready, waiting = [], []
-                for e, f in list(pending[i].items()):  # settle this layer's prefetches
-                    if e in need:
-                        (ready if f.done() else waiting).append(e)
-                        st["prefetch"] += 1
-                    elif f.cancel():
-                        s.drop(e)
-                        st["dropped"] += 1
-                    else:
-                        st["prefetch"] += 1
-                hits = [e for e in need if s.lookup(e) is not None]
-                misses = [e for e in need if s.lookup(e) is None]
-                st["hits"] += len(hits)
-                st["demand"] += len(misses)
-                st["acc"] += len(need)
-                staged = s.stage(misses)
-                futs = [self.exec.submit(self._load, i, e, sl) for e, sl in staged.items()]
-                slot_of = {e: s.lookup(e) for e in hits} | staged
-                if cfg.prefetch:  # resident, ready experts compute while the rest load
-                    now = [e for e in hits if e not in waiting]
-                    if now:
-                        self._compute(i, [slot_of[e] for e in now])
-                    w0 = time.perf_counter()
-                    for e in waiting:
-                        pending[i][e].result()
-                    for f in futs:
-                        f.result()
-                    st["stall"] += time.perf_counter() - w0
-                    rest = [e for e in need if e not in now]
-                    if rest:
-                        self._compute(i, [slot_of[e] for e in rest])
-                else:
-                    w0 = time.perf_counter()
-                    for f in futs:
-                        f.result()
-                    st["stall"] += time.perf_counter() - w0
-                    self._compute(i, [slot_of[e] for e in need])
-                pending[i].clear()
-                s.retain(need, staged, self._nu[i, t].tolist() if cfg.belady else None)
+                eng.run_layer(eng.modules[i], self.x, ids[i, t][None, :], self.w)
             times.append(time.perf_counter() - t0)
-        return {"times": times, **st}
+        st = eng.stats
+        eng.reset()  # waits for what is still in flight: the next configuration starts quiet
+        return {"times": times, "hits": st.hits, "demand": st.demand_loads, "prefetch": st.prefetch_loads,
+                "dropped": st.prefetch_dropped, "stall": st.stall_s, "acc": st.accesses}
 
     def close(self):
-        self.exec.shutdown(wait=True)
+        if self.engine is not None:
+            self.engine.detach()
         self.tier.close()
 
 
@@ -275,7 +266,7 @@ def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2
                      predictors=("persistence", "estimator", "oracle:0.25", "oracle:0.5", "oracle:0.75", "oracle"),
                      tokens: int = 64, warmup: int = 8, rounds: int = 2, disk_budget_gb: float = 8.0,
                      store_dir: str | Path = "runs/replay-store", first_layer: int | None = None,
-                     workers: int = 4, compute_dtype: str = "auto", fit_frac: float = 0.2, belady_bound: bool = True,
+                     workers: int = 4, fit_frac: float = 0.2, belady_bound: bool = True,
                      progress=None) -> dict:
     """On-demand vs each prefetching predictor, alternated pass by pass on the same tokens; JSON-ready."""
     ids_all, e, tmeta = load_routing(trace)
@@ -295,7 +286,7 @@ def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2
     est = CooccurrenceEstimator(ids[:, :cut], e)
     store = ensure_store(store_dir, n_layers, e, hidden, inter, dt, progress=progress)
     cap = round(capacity * e) if capacity < 1 else int(capacity)
-    rp = Replayer(store, ids, cap, tier, workers, compute_dtype)
+    rp = Replayer(store, ids, cap, tier, workers)
     span = range(cut, cut + warmup + tokens)
     configs = [ReplayConfig("on-demand")] + [ReplayConfig(p, p, True) for p in predictors]
     if belady_bound:  # the offline bound: oracle prefetch and Belady eviction (not realizable; lossless)
@@ -307,7 +298,7 @@ def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2
         rp.run(configs[-1], range(cut, cut + warmup), est)  # untimed: threads, allocator, file handles warm
         bws = []
         for r in range(rounds):
-            bws.append(measure_bandwidth(rp.tier, rp.meta, rp.exec, ids.shape[0], 128, r))  # each round; the best is the tier's bandwidth (a conservative
+            bws.append(measure_bandwidth(rp.tier, rp.meta, rp.engine.pool_exec, ids.shape[0], 128, r))  # each round; the best is the tier's bandwidth (a conservative
             compute.append(rp.compute_only(span))  # T_transfer, so overlap efficiency is not flattered)
             base = None
             order = configs if r % 2 == 0 else [configs[0]] + configs[:0:-1]  # on-demand first, others reversed
@@ -327,7 +318,7 @@ def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2
     bw = max(bws)
     out = {"inputs": {"trace": str(trace), "trace_model": tmeta.get("model", ""), "layers": [start, start + n_layers],
                       "num_experts": e, "top_k": ids.shape[2], "expert_shape": [hidden, inter], "dtype": dt,
-                      "compute_dtype": str(rp.cdt).removeprefix("torch."), "expert_bytes": rp.meta.expert_bytes,
+                      "compute_dtype": str(rp.dtype).removeprefix("torch."), "expert_bytes": rp.meta.expert_bytes,
                       "tier": tier, "page_cache": rp.tier.describe().get("page_cache"), "capacity": cap,
                       "capacity_frac": cap / e, "tokens": tokens, "warmup": warmup, "rounds": rounds,
                       "workers": workers, "torch_threads": torch.get_num_threads(), "estimator_fit_tokens": cut,
@@ -337,7 +328,8 @@ def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2
     for c in configs:
         s = _summary(runs[c.name], warmup, rp.meta.expert_bytes)
         if c.predictor in ("persistence", "estimator"):  # recall of layer i+1's experts, as predicted at layer i
-            rec = [len(set(predicted(c, ids, est, rp.rng, i, t, ids.shape[2], e)) & set(ids[i + 1, t].tolist()))
+            rng = np.random.default_rng(0)
+            rec = [len(set(predicted(c, ids, est, rng, i, t, ids.shape[2], e)) & set(ids[i + 1, t].tolist()))
                    / ids.shape[2] for t in span for i in range(n_layers - 1)]
             s["recall"] = float(np.mean(rec))
         t_transfer = s["traffic_bytes_per_token"] / bw

@@ -33,7 +33,7 @@ def test_replay_runs_every_configuration_on_the_disk_tier(trace_npz, tmp_path):
                            rounds=2, disk_budget_gb=3 * 64 * 32 * 2 * 16 * 3 / 1e9, store_dir=tmp_path)
     i = res["inputs"]
     assert i["layers"][1] - i["layers"][0] == 3  # the disk budget held three layers
-    assert i["page_cache"] == "bypassed (O_DIRECT)" and i["compute_dtype"] == "float32"
+    assert i["page_cache"] == "bypassed (O_DIRECT)" and i["compute_dtype"] == "bfloat16"  # computed in the store's dtype
     c = res["configs"]
     assert set(c) == {"on-demand", "persistence", "estimator", "oracle:0.5", "oracle", "oracle+belady"}
     assert c["oracle+belady"]["adjusted_hit_rate"] >= c["oracle"]["adjusted_hit_rate"]  # Belady loads less
