@@ -14,14 +14,14 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from .policy import apply_policy, parse_policy
+from .policy import open_model, parse_policy
 
 
 @register_model("expertcache")
 class ExpertCacheLM(HFLM):
-    def __init__(self, pretrained: str, policy: str = "", store_dir: str = "runs/stores", batch_size: int = 8,
+    def __init__(self, pretrained: str, policy: str = "", batch_size: int = 8,
                  max_length: int = 512, **kwargs):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         from expertcache.telemetry.errors import InputError
 
@@ -30,9 +30,8 @@ class ExpertCacheLM(HFLM):
         if not (Path(pretrained) / "config.json").is_file():
             raise InputError(f"no HF checkpoint at {pretrained}")
         self.serve = parse_policy(policy)
-        model = AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32).eval()
+        model, self.engine = open_model(pretrained, self.serve)
         tok = AutoTokenizer.from_pretrained(pretrained)
-        self.engine = apply_policy(model, pretrained, self.serve, store_dir)
         bs = 1 if self.serve.lossy else int(batch_size)
         super().__init__(pretrained=model, tokenizer=tok, device="cpu", batch_size=bs, max_length=int(max_length),
                          **kwargs)

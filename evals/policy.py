@@ -58,26 +58,22 @@ def parse_policy(s: str | None) -> ServePolicy:
     return p
 
 
-def apply_policy(model, model_dir, policy: ServePolicy, store_dir="runs/stores"):
-    """Attach the offload engine the policy describes (None for the plain model)."""
+def open_model(model_dir, policy: ServePolicy, dtype="fp32"):
+    """`(model, engine)`: the checkpoint as the policy serves it. Offloaded, it goes through the runtime's loader
+    (experts stay in the checkpoint's files, read by byte range); plain, through `from_pretrained` (engine None).
+    fp32 by default: the figures the gates compare were measured in fp32."""
+    from expertcache.runtime.loader import load, parse_dtype
+
     if not policy.offloaded:
-        return None
-    from expertcache.runtime.bench import store_for
-    from expertcache.runtime.engine import EngineConfig, OffloadEngine
-    from expertcache.runtime.predictors import make_predictor
-    from expertcache.telemetry.adapters import adapter_for
+        from transformers import AutoModelForCausalLM
 
-    a = adapter_for(model)
-    store = store_for(model, store_dir)
-    from expertcache.runtime.predictors import TemporalKeep
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=parse_dtype(dtype)).eval(), None
 
-    aux = keep = None
-    if policy.predictor == "spatio" or policy.policy == "scored":  # the routers saved beside the checkpoint
+    def aux(model):  # the routers saved beside the checkpoint (spatio predictor, scored policy)
         from expertcache.trainer.aux_routers import load_aux_routers
 
-        aux = load_aux_routers(model_dir, model)
-        keep = TemporalKeep(model, aux) if policy.policy == "scored" else None
-    pred = make_predictor(policy.predictor, model, aux, a.num_experts, a.hidden_size)
-    cfg = EngineConfig(capacity=policy.capacity, tier=policy.tier, policy=policy.policy, miss=policy.miss,
-                       tau=policy.tau, budget=policy.budget)
-    return OffloadEngine(model, store, cfg, predictor=pred, keep_scores=keep)
+        return load_aux_routers(model_dir, model)
+
+    model = load(model_dir, capacity=policy.capacity, tier=policy.tier, dtype=dtype, predictor=policy.predictor,
+                 aux=aux, policy=policy.policy, miss=policy.miss, tau=policy.tau, budget=policy.budget)
+    return model, model.expertcache

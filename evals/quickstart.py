@@ -52,7 +52,7 @@ def run_quickstart(data: str, runs: str, prose_sdist: str, max_mb: float = 24.0)
     bench = rep / "bench-decode.json"
     step("decode benchmark", ["bench", "decode", "--model", str(ca / "model"), "--corpus", corpus, "--tier", "disk",
                               "--capacity", "0.25", "--predictor", "probe:1", "--tokens", "32", "--rounds", "2",
-                              "--prompts", "1", "--store-dir", str(Path(runs) / "stores"), "--out", str(bench)])
+                              "--prompts", "1", "--out", str(bench)])
     ev = {}
     # a lossy policy is evaluated one token at a time (cache in order): fewer documents, two tasks
     lossy = ["--policy", "capacity=0.25,miss=reroute,tau=0.1", "--tasks", "ec_ppl_prose,ec_cloze_prose", "--limit", "4"]
@@ -61,7 +61,7 @@ def run_quickstart(data: str, runs: str, prose_sdist: str, max_mb: float = 24.0)
                                ("post-trained+reroute", ca / "model", lossy)):
         out = rep / f"eval-{name}.json"
         step(f"eval {name}", ["eval", "--model", str(model), "--corpus", corpus, "--out", str(out),
-                              "--task-dir", str(rep / "task-data"), "--store-dir", str(Path(runs) / "stores"), *extra])
+                              "--task-dir", str(rep / "task-data"), *extra])
         ev[name] = out
     # the lossy candidate ran fewer documents: its Δacc is against the base on exactly those
     base_small = rep / "eval-base-small.json"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .policy import apply_policy, parse_policy
+from .policy import open_model, parse_policy
 from .taskdata import DEFAULT_TASKS, DOMAINS, build_task_data, task_configs
 
 
@@ -26,11 +26,9 @@ def stepwise_blocks(corpus: str, tokenizer: str, split: str, seq_len: int, per_d
 
 def evaluate(model_dir: str | Path, corpus: str = "data/corpus", policy: str = "", tasks=DEFAULT_TASKS,
              out: str | Path | None = None, task_dir: str | Path | None = None, limit: int | None = None,
-             ppl_blocks: int = 8, seq_len: int = 128, split: str = "test", store_dir: str = "runs/stores",
+             ppl_blocks: int = 8, seq_len: int = 128, split: str = "test",
              batch_size: int = 8, progress=None) -> dict:
     import lm_eval
-    import torch
-    from transformers import AutoModelForCausalLM
 
     from expertcache.telemetry.errors import InputError
 
@@ -47,8 +45,7 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", policy: str = "
     if not (task_dir / "math_em.jsonl").is_file():
         build_task_data(corpus, task_dir, split)
     # step-wise token perplexity (the gate's Δppl), the engine attached, tokens in order
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    engine = apply_policy(model, model_dir, serve, store_dir)
+    model, engine = open_model(model_dir, serve)
     blocks = stepwise_blocks(corpus, str(model_dir), split, seq_len, ppl_blocks)
     step = stepwise_perplexity(model, blocks, progress)
     if engine is not None:
@@ -58,7 +55,6 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", policy: str = "
            "stepwise": step, "stepwise_blocks": {d: list(b.shape) for d, b in blocks.items()}}
     if tasks:
         r = lm_eval.simple_evaluate(model="expertcache", model_args={"pretrained": str(model_dir), "policy": policy,
-                                                                     "store_dir": store_dir,
                                                                      "batch_size": batch_size},
                                     tasks=task_configs(list(tasks), task_dir), limit=limit, log_samples=False,
                                     # our tasks are configs in hand: skip indexing lm-eval's ~13k built-in YAMLs

@@ -170,7 +170,7 @@ def cmd_bench_decode(a) -> int:
                              f"not {', '.join(bad)}")
         with Progress() as prog:
             task = prog.add_task("replay passes", total=a.rounds * (2 + len(preds)))
-            res = replay_benchmark(a.replay, a.expert_shape, a.dtype, a.tier, _floats(a.capacity)[0], preds,
+            res = replay_benchmark(a.replay, a.expert_shape, a.dtype or "bf16", a.tier, _floats(a.capacity)[0], preds,
                                    a.tokens, a.warmup, a.rounds, a.disk_budget_gb, a.store_dir,
                                    workers=a.workers, progress=lambda: prog.advance(task))
     else:
@@ -182,11 +182,17 @@ def cmd_bench_decode(a) -> int:
 
         if not a.model:
             raise FileNotFoundError("bench decode needs --model CKPT (or --replay TRACE)")
-        blocks = packed_blocks(a.corpus, a.model, "test", a.domain, a.prompt_len)
-        if not len(blocks):
-            raise FileNotFoundError(f"no {a.domain} test text in {a.corpus} long enough for --prompt-len")
-        idx = np.linspace(0, len(blocks) - 1, a.prompts).astype(int)
-        prompts = torch.from_numpy(blocks[idx].astype(np.int64))
+        if Path(a.corpus).is_dir():
+            blocks = packed_blocks(a.corpus, a.model, "test", a.domain, a.prompt_len)
+            if not len(blocks):
+                raise FileNotFoundError(f"no {a.domain} test text in {a.corpus} long enough for --prompt-len")
+            idx = np.linspace(0, len(blocks) - 1, a.prompts).astype(int)
+            prompts = torch.from_numpy(blocks[idx].astype(np.int64))
+        else:  # a checkpoint of its own, no corpus here: fixed random token ids (timing does not need text)
+            from transformers import AutoConfig
+
+            vocab = AutoConfig.from_pretrained(a.model).get_text_config().vocab_size
+            prompts = torch.randint(0, vocab, (a.prompts, a.prompt_len), generator=torch.Generator().manual_seed(0))
         caps = _floats(a.capacity)
         preds = [p for p in (a.predictor or "probe:1").split(",") if p]
         with Progress() as prog:
@@ -194,7 +200,8 @@ def cmd_bench_decode(a) -> int:
             from expertcache.trainer.aux_routers import load_aux_routers
 
             res = bench_decode(a.model, prompts, a.tier, caps, preds, a.miss, a.policy, a.tokens, a.warmup, a.rounds,
-                               a.store_dir, a.tau, load_aux=lambda m: load_aux_routers(a.model, m), budget=a.budget,
+                               a.tau, load_aux=lambda m: load_aux_routers(a.model, m), budget=a.budget,
+                               dtype=a.dtype, workers=a.workers,
                                progress=lambda: prog.advance(task))
     res["git_commit"] = _git_commit()
     if a.out:
@@ -281,7 +288,7 @@ def cmd_eval(a) -> int:
     with Progress() as prog:
         task = prog.add_task("step-wise perplexity", total=a.ppl_blocks * 3)
         res = evaluate(a.model, a.corpus, a.policy, tasks, a.out, a.task_dir, a.limit, a.ppl_blocks, a.seq_len,
-                       store_dir=a.store_dir, progress=lambda: prog.advance(task))
+                       progress=lambda: prog.advance(task))
     _print_json({k: v for k, v in res.items() if k != "lm_eval_versions"})
     return 0
 
@@ -297,8 +304,7 @@ def cmd_gate(a) -> int:
                 raise FileNotFoundError(f"{p} not found")
             return json.loads(p.read_text())
         tasks = [t for t in a.tasks.split(",") if t] if a.tasks != "none" else []
-        return evaluate(x, a.corpus, policy, tasks, None, a.task_dir, a.limit, a.ppl_blocks, a.seq_len,
-                        store_dir=a.store_dir)
+        return evaluate(x, a.corpus, policy, tasks, None, a.task_dir, a.limit, a.ppl_blocks, a.seq_len)
 
     g = gate(load(a.baseline, ""), load(a.candidate, a.policy),
              GateThresholds(a.max_dppl, a.max_dppl_domain, a.min_dacc))
@@ -397,7 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
                     metavar="TRACE", help="replay a trace (.npz or Parquet; alone: the reference Qwen3-30B-A3B code "
                     "trace in ../shared/reference) with random experts of --expert-shape instead of a live model")
     bd.add_argument("--expert-shape", default="2048x768", help="replay: HIDDENxINTERMEDIATE (Qwen3-30B-A3B: 2048x768)")
-    bd.add_argument("--dtype", default="bf16", help="replay: expert dtype in the store (bf16, fp16, fp32)")
+    bd.add_argument("--dtype", default=None, help="live: compute dtype (default: the checkpoint's own); replay: the "
+                    "store's expert dtype (default bf16); bf16, fp16 or fp32")
     bd.add_argument("--disk-budget-gb", type=float, default=8.0, help="replay: store size; sets how many layers")
     bd.add_argument("--tier", default="disk", help="disk | host | throttled:<GB/s> | cuda")
     bd.add_argument("--capacity", default="0.125,0.25", help="resident experts per layer, fractions of E")
@@ -416,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--rounds", type=int, default=2, help="alternated passes per configuration")
     bd.add_argument("--prompts", type=int, default=2, help="live: held-out prompts per pass")
     bd.add_argument("--prompt-len", type=int, default=64)
-    bd.add_argument("--corpus", default="data/corpus")
+    bd.add_argument("--corpus", default="data/corpus", help="prompts from this corpus's test split (absent: random token ids)")
     bd.add_argument("--domain", default="prose")
     bd.add_argument("--workers", type=int, default=4, help="transfer threads")
     bd.add_argument("--store-dir", default="runs/stores", help="where expert stores are written (reused)")
@@ -455,7 +462,6 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--limit", type=int, default=None, help="documents per task (lm-eval's limit)")
     ev.add_argument("--ppl-blocks", type=int, default=8, help="step-wise perplexity blocks per domain")
     ev.add_argument("--seq-len", type=int, default=128, help="tokens per step-wise block")
-    ev.add_argument("--store-dir", default="runs/stores")
     ev.set_defaults(func=cmd_eval)
     ga = sub.add_parser("gate", help="PASS/FAIL of a candidate against a baseline (METRICS.md thresholds); exit 1 "
                                      "on FAIL")
@@ -471,7 +477,6 @@ def build_parser() -> argparse.ArgumentParser:
     ga.add_argument("--limit", type=int, default=None)
     ga.add_argument("--ppl-blocks", type=int, default=8)
     ga.add_argument("--seq-len", type=int, default=128)
-    ga.add_argument("--store-dir", default="runs/stores")
     ga.add_argument("--out", default=None)
     ga.set_defaults(func=cmd_gate)
 

@@ -20,7 +20,7 @@ import torch
 from .engine import EngineConfig, OffloadEngine, Stats
 from .predictors import TemporalKeep, make_predictor
 from .store import model_fingerprint, read_store_meta, write_store
-from .tiers import measure_bandwidth
+from .tiers import available_memory, measure_bandwidth
 
 
 class TokenClock:
@@ -42,26 +42,6 @@ class TokenClock:
         pass
 
 
-def _diff(after: Stats, before: Stats) -> Stats:
-    out = Stats()
-    for f in ("calls", "tokens", "accesses", "hits", "demand_loads", "prefetch_loads", "prefetch_dropped",
-              "prefetch_hits", "rerouted", "stall_s", "bytes_moved"):
-        setattr(out, f, getattr(after, f) - getattr(before, f))
-    return out
-
-
-def store_for(model, store_dir: str | Path) -> Path:
-    """The checkpoint's expert store in `store_dir`, written once (named by the model's fingerprint)."""
-    store_dir = Path(store_dir)
-    store_dir.mkdir(parents=True, exist_ok=True)
-    path = store_dir / f"{model_fingerprint(model)}.store"
-    if path.is_file():
-        read_store_meta(path)
-        return path
-    write_store(model, path)
-    return path
-
-
 def _pass(model, prompt, n_new, engine=None) -> tuple[list[float], Stats | None, torch.Tensor]:
     if engine is not None:
         engine.reset()
@@ -69,54 +49,79 @@ def _pass(model, prompt, n_new, engine=None) -> tuple[list[float], Stats | None,
     with torch.no_grad():
         out = model.generate(prompt, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
                              attention_mask=torch.ones_like(prompt), streamer=clock,
-                             pad_token_id=model.config.pad_token_id)
+                             pad_token_id=model.generation_config.pad_token_id or model.config.eos_token_id)
     tpot = np.diff(clock.times).tolist()  # [n_new - 1]: decode steps only
-    stats = _diff(engine.stats, clock.first_stats) if engine is not None else None
+    stats = engine.stats - clock.first_stats if engine is not None else None
     return tpot, stats, out
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set so far (VmHWM), measured, not estimated."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def bench_decode(model_dir: str | Path, prompts: torch.Tensor, tier: str = "disk", capacities=(0.125, 0.25),
                  predictors=("probe:1",), miss: str = "blocking", policy: str = "lru", tokens: int = 64,
-                 warmup: int = 8, rounds: int = 2, store_dir: str | Path = "runs/stores", tau: float = 0.1,
-                 load_aux=None, budget: str = "layer", progress=None) -> dict:
-    """`load_aux(model) -> AuxRouters`: the checkpoint's auxiliary routers, for the `spatio` predictor and the
+                 warmup: int = 8, rounds: int = 2, tau: float = 0.1, load_aux=None, budget: str = "layer",
+                 dtype=None, plain: bool | None = None, workers: int = 4, progress=None) -> dict:
+    """The model is built once (`load`: experts stay in the checkpoint) and each configuration is attached to
+    it in turn, pass by pass, alternated. `plain` (the unmodified model, every expert in memory, loaded with
+    `from_pretrained`) is the reference when the checkpoint fits in half the available memory (None: decide so).
+    `load_aux(model) -> AuxRouters`: the checkpoint's auxiliary routers, for the `spatio` predictor and the
     `scored` policy (passed in by the caller: the runtime does not depend on the trainer)."""
-    from transformers import AutoModelForCausalLM
+    from .checkpoint import Checkpoint
+    from .loader import load, parse_dtype, reattach, resolve
 
-    def load():
-        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-
-    plain = load()
-    store = store_for(plain, store_dir)
-    from expertcache.telemetry.adapters import adapter_for
-
-    e = adapter_for(plain).num_experts
+    path = resolve(model_dir)
+    ckpt_bytes = Checkpoint(path).bytes_on_disk()
+    if plain is None:
+        plain = ckpt_bytes < 0.5 * available_memory()
+    rss_start = peak_rss_bytes()
+    m = load(path, capacity=capacities[0], tier=tier, dtype=dtype, budget=budget, workers=workers)
+    eng0 = m.expertcache
+    e = eng0.adapter.num_experts
+    rss_loaded = peak_rss_bytes()
+    dt = parse_dtype(dtype) or getattr(torch, eng0.meta.tensors[0].dtype)
     n_new = warmup + tokens + 1
-    runners = {"plain": (plain, None)}
-    m = load()
-    runners["resident"] = (m, OffloadEngine(m, store, EngineConfig(capacity=e, tier="host")))
+
+    def attach(cap, pred="none", pol=policy, ms="blocking", tr=tier):
+        aux = load_aux(m) if load_aux is not None and (pred == "spatio" or pol == "scored") else None
+        keep = TemporalKeep(m, aux) if pol == "scored" and aux is not None else None
+        cfg = EngineConfig(capacity=cap, tier=tr, policy=pol, miss=ms, tau=tau, budget=budget, workers=workers)
+        return reattach(m, cfg, predictor=make_predictor(pred, m, aux, num_experts=e, hidden_size=m.config.hidden_size),
+                        keep_scores=keep)
+
+    configs = {}  # name -> () -> engine
+    if e * eng0.meta.block_bytes * len(eng0.layers) < 0.4 * available_memory():
+        configs["resident"] = lambda: attach(e, tr="disk", pol="lru")
     for cap in capacities:
-        m = load()
         # on-demand: no predictor, blocking, LRU (the scored policy needs a predictor's scores)
-        runners[f"on-demand@{cap:g}"] = (m, OffloadEngine(m, store, EngineConfig(
-            capacity=cap, tier=tier, policy="lru" if policy == "scored" else policy, budget=budget)))
+        configs[f"on-demand@{cap:g}"] = lambda cap=cap: attach(cap, pol="lru" if policy == "scored" else policy)
         for p in predictors:
-            m = load()
-            aux = load_aux(m) if (p == "spatio" or policy == "scored") and load_aux is not None else None
-            keep = TemporalKeep(m, aux) if policy == "scored" and aux is not None else None
-            runners[f"{p}+{miss}@{cap:g}"] = (m, OffloadEngine(
-                m, store, EngineConfig(capacity=cap, tier=tier, policy=policy, miss=miss, tau=tau, budget=budget),
-                predictor=make_predictor(p, m, aux, num_experts=e, hidden_size=m.config.hidden_size),
-                keep_scores=keep))
-    results = {name: {"tpot": [], "stats": [], "tokens_equal_plain": True} for name in runners}
+            if p != "none":
+                configs[f"{p}+{miss}@{cap:g}"] = lambda cap=cap, p=p: attach(cap, p, policy, miss)
+    plain_model = None
+    if plain:
+        from transformers import AutoModelForCausalLM
+
+        plain_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt).eval()
+    names = (["plain"] if plain else []) + list(configs)
+    results = {name: {"tpot": [], "stats": [], "tokens_equal_plain": None} for name in names}
     plain_out = None
+    bw = None
     try:
-        eng = next((r[1] for n, r in runners.items() if n.startswith("on-demand")), runners["resident"][1])
-        bw = measure_bandwidth(eng.tier, eng.meta, eng.pool_exec, eng.meta.num_layers)
         for r in range(rounds):
-            names = list(runners) if r % 2 == 0 else list(runners)[:1] + list(runners)[:0:-1]
-            for name in names:
-                model, eng = runners[name]
+            order = names if r % 2 == 0 else names[:1] + names[:0:-1]
+            for name in order:
+                if name == "plain":
+                    model, eng = plain_model, None
+                else:
+                    model, eng = m, configs[name]()
+                    if bw is None and name.startswith("on-demand"):
+                        bw = measure_bandwidth(eng.tier, eng.meta, eng.pool_exec, eng.meta.num_layers)
                 for b in range(prompts.shape[0]):
                     tpot, stats, out = _pass(model, prompts[b:b + 1], n_new, eng)
                     results[name]["tpot"].extend(tpot[warmup:])
@@ -125,40 +130,42 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, tier: str = "disk
                     if name == "plain":
                         plain_out = out if b == 0 and r == 0 else plain_out
                     elif b == 0 and plain_out is not None:
-                        results[name]["tokens_equal_plain"] &= bool(torch.equal(out, plain_out))
+                        same = bool(torch.equal(out, plain_out))
+                        prev = results[name]["tokens_equal_plain"]
+                        results[name]["tokens_equal_plain"] = same if prev is None else prev and same
                 if progress:
                     progress()
     finally:
-        for _, eng in runners.values():
-            if eng is not None:
-                eng.close()
-    eb = read_store_meta(store).expert_bytes
-    t_plain = float(np.median(results["plain"]["tpot"]))
-    t_res = float(np.median(results["resident"]["tpot"]))
-    out = {"inputs": {"model": str(model_dir), "tier": tier, "budget": budget, "capacities": list(capacities),
-                      "predictors": list(predictors), "miss": miss, "policy": policy, "tokens": tokens,
-                      "warmup": warmup, "rounds": rounds, "prompts": int(prompts.shape[0]),
+        m.expertcache.close()
+    eb = eng0.meta.expert_bytes
+    base = "plain" if plain else ("resident" if "resident" in results else None)
+    t_base = float(np.median(results[base]["tpot"])) if base else None
+    t_res = float(np.median(results["resident"]["tpot"])) if "resident" in results else None
+    out = {"inputs": {"model": str(model_dir), "checkpoint_bytes": ckpt_bytes, "tier": tier, "budget": budget,
+                      "capacities": list(capacities), "predictors": list(predictors), "miss": miss, "policy": policy,
+                      "tokens": tokens, "warmup": warmup, "rounds": rounds, "prompts": int(prompts.shape[0]),
                       "prompt_len": int(prompts.shape[1]), "torch_threads": torch.get_num_threads(),
-                      "expert_bytes": eb, "store": str(store)},
-           "tier_bandwidth_GBps": bw / 1e9, "t_compute_s": t_res, "configs": {}}
+                      "expert_bytes": eb, "dtype": str(dt).removeprefix("torch."), "expert_source": "checkpoint",
+                      "plain": bool(plain)},
+           "tier_bandwidth_GBps": bw / 1e9 if bw else None, "t_compute_s": t_res,
+           "peak_rss_bytes": {"start": rss_start, "after_load": rss_loaded, "end": peak_rss_bytes()},
+           "configs": {}}
     for name, res in results.items():
         t = np.asarray(res["tpot"])
         row = {"tpot_median_s": float(np.median(t)), "tpot_p90_s": float(np.percentile(t, 90)),
-               "tokens_per_s": float(1 / np.median(t)), "vs_plain": float(np.median(t)) / t_plain,
-               "greedy_tokens_equal_plain": res["tokens_equal_plain"]}
+               "tokens_per_s": float(1 / np.median(t)), "greedy_tokens_equal_plain": res["tokens_equal_plain"]}
+        if t_base:
+            row[f"vs_{base}"] = float(np.median(t)) / t_base
         if res["stats"]:
-            tot = Stats()
-            for s in res["stats"]:
-                for f in ("tokens", "accesses", "hits", "demand_loads", "prefetch_loads", "prefetch_dropped",
-                          "prefetch_hits", "rerouted", "stall_s", "bytes_moved"):
-                    setattr(tot, f, getattr(tot, f) + getattr(s, f))
+            tot = sum(res["stats"], Stats())
             n_tok = len(res["stats"]) * (n_new - 1)
             tot.tokens = n_tok
             d = tot.to_dict(eb)
             d["stall_per_token_s"] = tot.stall_s / n_tok
-            t_transfer = d["traffic_bytes_per_token"] / bw
-            d["t_transfer_s"] = t_transfer
-            d["overlap_efficiency"] = max(t_res, t_transfer) / row["tpot_median_s"]
+            if bw and t_res:
+                t_transfer = d["traffic_bytes_per_token"] / bw
+                d["t_transfer_s"] = t_transfer
+                d["overlap_efficiency"] = max(t_res, t_transfer) / row["tpot_median_s"]
             row.update(d)
         if "@" in name and not name.startswith("on-demand"):
             cap = name.split("@")[1]

@@ -38,8 +38,7 @@ def main() -> None:
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    kw = dict(corpus=a.corpus, task_dir=out / "task-data", ppl_blocks=a.ppl_blocks, seq_len=a.seq_len,
-              store_dir=str(out / "stores"))
+    kw = dict(corpus=a.corpus, task_dir=out / "task-data", ppl_blocks=a.ppl_blocks, seq_len=a.seq_len)
     served = f"capacity={a.capacity},tier=host"
     reroute = f"capacity={a.capacity},tier=host,miss=reroute,tau={a.tau}"
 
