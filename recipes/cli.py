@@ -216,6 +216,32 @@ def cmd_bench_decode(a) -> int:
     return 0
 
 
+def cmd_bench_big(a) -> int:
+    from rich.progress import Progress
+
+    from expertcache.runtime.bigbench import SYSTEMS, bench_big, plot, table
+    from expertcache.telemetry.errors import InputError
+
+    systems = [x for x in a.systems.split(",") if x]
+    bad = [x for x in systems if x not in SYSTEMS]
+    if bad:
+        raise InputError(f"unknown system(s) {', '.join(bad)}; expected {', '.join(SYSTEMS)}")
+    with Progress() as prog:
+        task = prog.add_task("checkpoint layers, then runs", total=None)
+        res = bench_big(a.out_dir, a.trace, a.budget_gb, a.tokens, a.warmup, a.prompt_len, a.rounds, systems,
+                        a.ram_factor, a.layers, a.accelerate_tokens, a.accelerate_warmup, a.workers,
+                        progress=lambda n: prog.advance(task, n or 1))
+    res["git_commit"] = _git_commit()
+    if a.out:
+        from expertcache.telemetry.atomic import write_json
+
+        write_json(a.out, res)
+        plot(res, Path(a.out).with_suffix(".png"))
+    _print_json(res)
+    print("\n" + table(res))
+    return 0
+
+
 def _git_commit() -> str:
     import subprocess
 
@@ -313,6 +339,78 @@ def cmd_gate(a) -> int:
     _print_json(g)
     print("\n" + format_gate(g))
     return 0 if g["pass"] else 1
+
+
+# --- generate / serve: talk to a model through the offload engine (runtime.generate, runtime.serve) ----------
+
+def _talk_model(a):
+    """(model, tokenizer, path) for generate/serve: --model or the quickstart's checkpoint, engine options."""
+    from expertcache.runtime.generate import load_model, resolve_model_arg
+    from expertcache.trainer.aux_routers import load_aux_routers
+
+    path = resolve_model_arg(a.model)
+    model, tok = load_model(path, a.capacity, a.tier, a.device, a.dtype, predictor=a.predictor,
+                            aux=lambda m: load_aux_routers(path, m), plain=a.plain, policy=a.policy, miss=a.miss,
+                            tau=a.tau, budget=a.budget)
+    return model, tok, path
+
+
+def cmd_generate(a) -> int:
+    from expertcache.runtime.generate import SamplingParams, generate_text
+
+    model, tok, _ = _talk_model(a)
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, stop=a.stop or [],
+                            seed=a.seed)
+    return generate_text(model, tok, a.prompt, params, chat=a.chat, raw=a.raw)
+
+
+def cmd_serve(a) -> int:
+    from expertcache.runtime.serve import serve
+
+    model, tok, path = _talk_model(a)
+    serve(model, tok, a.served_model_name or str(path), a.host, a.port, a.log_level)
+    return 0
+
+
+def _talk_parsers(sub) -> None:
+    def common(p):
+        p.add_argument("--model", default=None, help="checkpoint directory or cached hub id (default: the "
+                       "quickstart's runs/ca-smoke/model)")
+        p.add_argument("--capacity", type=float, default=0.125, help="resident experts per layer: a fraction of E "
+                       "(< 1) or a count")
+        p.add_argument("--tier", default="disk", help="disk | host | throttled:<GB/s> | cuda")
+        p.add_argument("--policy", default="lru", help="cache policy: lru | lfu | scored")
+        p.add_argument("--miss", default="blocking", help="blocking (lossless) | reroute | speculative | host")
+        p.add_argument("--tau", type=float, default=0.1, help="reroute margin on router probabilities")
+        p.add_argument("--predictor", default="none", help="none | probe:1 | probe:2 | persistence | "
+                       "estimator:<file> | spatio")
+        p.add_argument("--budget", default="layer", help="layer: C slots per layer | global: C x layers shared")
+        p.add_argument("--device", default="cpu", help="auto | cpu | cuda")
+        p.add_argument("--dtype", default=None, help="auto (the checkpoint's) | bf16 | fp16 | fp32")
+        p.add_argument("--plain", action="store_true", help="no engine: plain from_pretrained, every expert in "
+                       "memory (the reference)")
+
+    g = sub.add_parser("generate", help="stream a completion to the terminal through the offload engine, then "
+                                        "tokens/s, hit rate and bytes moved per token")
+    g.add_argument("prompt", nargs="?", default=None, help="the prompt (with --chat: an optional system message)")
+    common(g)
+    g.add_argument("--chat", action="store_true", help="interactive chat loop (empty line or /exit ends it)")
+    g.add_argument("--raw", action="store_true", help="the prompt as is, without the tokenizer's chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--seed", type=int, default=None)
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                     "/v1/models, /health, /metrics); one decode at a time")
+    common(s)
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default: this machine only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    s.add_argument("--log-level", default="info")
+    s.set_defaults(func=cmd_serve)
 
 
 # --- parser ------------------------------------------------------------------------------------------------
@@ -429,6 +527,25 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--store-dir", default="runs/stores", help="where expert stores are written (reused)")
     bd.add_argument("--out", default=None, help="also write the JSON here")
     bd.set_defaults(func=cmd_bench_decode)
+    bb = bsub.add_parser("big", help="a Qwen3-30B-A3B-shaped checkpoint larger than RAM, decoded by expertcache (disk "
+                                     "tier, cache within --budget-gb), transformers+accelerate disk offload and the "
+                                     "page cache (mmap), same routing (the reference trace), alternated")
+    bb.add_argument("--out-dir", default="runs/bench-big", help="where the checkpoint is written (reused) and logs go")
+    bb.add_argument("--trace", default=None, help="routing trace (default: the reference Qwen3-30B-A3B code trace)")
+    bb.add_argument("--budget-gb", type=float, default=8.0, help="memory budget (GiB) for expertcache and accelerate")
+    bb.add_argument("--tokens", type=int, default=64, help="timed decode tokens (after --warmup)")
+    bb.add_argument("--warmup", type=int, default=8)
+    bb.add_argument("--accelerate-tokens", type=int, default=8, help="accelerate reads every offloaded layer per "
+                    "token (seconds each here): fewer timed tokens for it")
+    bb.add_argument("--accelerate-warmup", type=int, default=2)
+    bb.add_argument("--prompt-len", type=int, default=8)
+    bb.add_argument("--rounds", type=int, default=2, help="alternated runs per system")
+    bb.add_argument("--systems", default="expertcache:on-demand,expertcache:prefetch,accelerate,mmap")
+    bb.add_argument("--layers", type=int, default=None, help="MoE layers (default: experts >= --ram-factor x RAM)")
+    bb.add_argument("--ram-factor", type=float, default=1.25)
+    bb.add_argument("--workers", type=int, default=4, help="expertcache transfer threads")
+    bb.add_argument("--out", default="results/bench_big.json", help="JSON (and a PNG beside it)")
+    bb.set_defaults(func=cmd_bench_big)
 
     fp = sub.add_parser("fit-predictor", help="fit the ridge estimator (layer L hidden -> layer L+1 experts) on a "
                                               "trace recorded with --hidden")
@@ -480,6 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
     ga.add_argument("--out", default=None)
     ga.set_defaults(func=cmd_gate)
 
+    _talk_parsers(sub)
     _train_cache_aware_parser(sub.add_parser(
         "train-cache-aware", help="cache-aware post-training (locality losses, Temporal/Spatio routers) + gate"))
     return p

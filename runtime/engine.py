@@ -345,7 +345,9 @@ class OffloadEngine:
                                                        float("inf"))
         flat = top_k_index.reshape(-1).tolist()  # the one host sync of the layer: what it needs
         needed = sorted(set(flat))
-        # 2. predict and prefetch the next layer(s) while this one loads and computes
+        # 2. predict and prefetch the next layer(s) while this one loads and computes (history[pos] is now this
+        # token's choice here; the later layers' entries are still the previous token's)
+        self.history[pos] = needed
         scores = self.predictor.predict(pos, hidden, self.history)
         if scores is not None:
             budget = self.cfg.prefetch_budget or k
@@ -378,7 +380,6 @@ class OffloadEngine:
             stall += waited
             st.retain(needed, staged, scores_keep, transient)
         self.stats.stall_s += stall
-        self.history[pos] = needed
         return out
 
     def _stream(self, mod, pos, hidden, top_k_index, top_k_weights, flat, hits, misses, host=False):

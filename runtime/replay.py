@@ -94,6 +94,24 @@ class CooccurrenceEstimator:
         return s
 
 
+class CooccurrencePredictor(Predictor):
+    """The co-occurrence estimator as an engine predictor: layer L+1's experts from the experts layer L uses now
+    and those layer L+1 used at the previous token (both in the engine's history). Routing ids only: it serves a
+    model whose router is replaced by a trace's routing (`bench big`), fitted on other tokens of that trace."""
+
+    name = "cooccurrence"
+
+    def __init__(self, est: CooccurrenceEstimator):
+        self.est = est
+
+    def predict(self, layer, hidden, history):
+        if layer + 1 >= self.est.m.shape[0] or layer not in history:
+            return None
+        prev = history.get(layer + 1)
+        s = self.est.scores(layer, np.asarray(history[layer]), None if prev is None else np.asarray(prev))
+        return torch.from_numpy(s).float()[None, :]
+
+
 @dataclass
 class ReplayConfig:
     name: str

@@ -1,0 +1,434 @@
+"""`expertcache bench big`: a checkpoint larger than this machine's RAM, decoded by expertcache and by what a user
+runs today, side by side.
+
+1. `write_checkpoint` writes a Qwen3-30B-A3B-shaped checkpoint (hidden 2048, 128 experts of 2048x768, top-8,
+   32 query / 4 KV heads of 128, bf16, random weights) in the per-expert layout of the published checkpoint
+   (`model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`, each expert's three tensors back to back),
+   sharded with an index, with as many layers as make its experts >= `ram_factor` x physical RAM (fewer if the
+   disk cannot hold them: said in the JSON).
+2. Every system decodes the same prompt with the same routing: each router's choice is replaced by the reference
+   Qwen3-30B-A3B trace's (a forward hook on the routers), so every cache sees real locality:
+   - ``expertcache``: `load(..., tier="disk")`, a cache sized to the memory budget, on-demand and with prefetch
+     (the co-occurrence predictor fitted on trace tokens outside the decoded window); lossless;
+   - ``accelerate``: transformers + accelerate disk offload (`device_map="auto"`, `max_memory` = the budget);
+   - ``mmap``: the page cache as the expert cache (the safetensors file mapped, experts computed in place, as
+     llama.cpp does by default); no memory limit can be put on it, which favours it.
+   Each run is its own process (its peak RSS is its own); the page cache is dropped before each when this
+   process may (root), so every system starts cold; rounds alternate the order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from expertcache.telemetry.errors import InputError
+
+from .checkpoint import free_disk
+
+HIDDEN, INTER, EXPERTS, TOP_K, HEADS, KV_HEADS, HEAD_DIM = 2048, 768, 128, 8, 32, 4, 128
+ALIGN = 4096
+SYSTEMS = ("expertcache:on-demand", "expertcache:prefetch", "accelerate", "mmap")
+
+
+def big_config(layers: int, vocab: int = 32768):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=6144, moe_intermediate_size=INTER,
+                          num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                          head_dim=HEAD_DIM, num_experts=EXPERTS, num_experts_per_tok=TOP_K, decoder_sparse_step=1,
+                          norm_topk_prob=True, tie_word_embeddings=False, max_position_embeddings=4096,
+                          bos_token_id=0, eos_token_id=1, pad_token_id=1, dtype="bfloat16")
+
+
+def expert_bytes() -> int:
+    return 3 * HIDDEN * INTER * 2
+
+
+def physical_ram() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _write_shard(path: Path, tensors: list[tuple[str, list[int], object]]) -> None:
+    """A safetensors file streamed tensor by tensor (`fill` is a tensor or a callable making one), data aligned to
+    4 KiB, written to a temporary name and renamed when complete."""
+    header, off = {}, 0
+    for name, shape, _ in tensors:
+        n = int(np.prod(shape)) * 2
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    pad = (-(8 + len(raw))) % ALIGN
+    raw += b" " * pad
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for _, shape, fill in tensors:
+            t = fill() if callable(fill) else fill
+            f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def write_checkpoint(out: str | Path, layers: int, vocab: int = 32768, layers_per_shard: int = 3,
+                     progress=None) -> Path:
+    """The checkpoint (see the module doc); reused when it is already there and complete."""
+    out = Path(out)
+    cfg = big_config(layers, vocab)
+    if (out / "model.safetensors.index.json").is_file() and (out / "config.json").is_file():
+        from .checkpoint import Checkpoint
+
+        if json.loads((out / "config.json").read_text())["num_hidden_layers"] == layers:
+            Checkpoint(out)  # shards present and complete, or a clear error
+            return out
+    out.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape, scale=0.02):
+        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+    pool = {n: [rnd(*s) for _ in range(8)] for n, s in (("gate_proj", (INTER, HIDDEN)), ("up_proj", (INTER, HIDDEN)),
+                                                         ("down_proj", (HIDDEN, INTER)))}
+    weight_map = {}
+    shards = [list(range(i, min(i + layers_per_shard, layers))) for i in range(0, layers, layers_per_shard)]
+    n_sh = len(shards) + 1
+    for s_i, group in enumerate(shards):
+        name = f"model-{s_i + 1:05d}-of-{n_sh:05d}.safetensors"
+        tensors = []
+        for li in group:
+            p = f"model.layers.{li}"
+            tensors += [(f"{p}.input_layernorm.weight", [HIDDEN], torch.ones(HIDDEN, dtype=torch.bfloat16)),
+                        (f"{p}.post_attention_layernorm.weight", [HIDDEN], torch.ones(HIDDEN, dtype=torch.bfloat16)),
+                        (f"{p}.self_attn.q_proj.weight", [HEADS * HEAD_DIM, HIDDEN], lambda: rnd(HEADS * HEAD_DIM, HIDDEN)),
+                        (f"{p}.self_attn.k_proj.weight", [KV_HEADS * HEAD_DIM, HIDDEN], lambda: rnd(KV_HEADS * HEAD_DIM, HIDDEN)),
+                        (f"{p}.self_attn.v_proj.weight", [KV_HEADS * HEAD_DIM, HIDDEN], lambda: rnd(KV_HEADS * HEAD_DIM, HIDDEN)),
+                        (f"{p}.self_attn.o_proj.weight", [HIDDEN, HEADS * HEAD_DIM], lambda: rnd(HIDDEN, HEADS * HEAD_DIM)),
+                        (f"{p}.self_attn.q_norm.weight", [HEAD_DIM], torch.ones(HEAD_DIM, dtype=torch.bfloat16)),
+                        (f"{p}.self_attn.k_norm.weight", [HEAD_DIM], torch.ones(HEAD_DIM, dtype=torch.bfloat16)),
+                        (f"{p}.mlp.gate.weight", [EXPERTS, HIDDEN], lambda: rnd(EXPERTS, HIDDEN))]
+            for e in range(EXPERTS):  # each expert's three tensors back to back, as published checkpoints are
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    w = pool[proj][(e + li) % 8]
+                    tensors.append((f"{p}.mlp.experts.{e}.{proj}.weight", list(w.shape), w))
+        _write_shard(out / name, tensors)
+        weight_map.update({t[0]: name for t in tensors})
+        if progress:
+            progress(len(group))
+    name = f"model-{n_sh:05d}-of-{n_sh:05d}.safetensors"
+    rest = [("model.embed_tokens.weight", [vocab, HIDDEN], lambda: rnd(vocab, HIDDEN)),
+            ("model.norm.weight", [HIDDEN], torch.ones(HIDDEN, dtype=torch.bfloat16)),
+            ("lm_head.weight", [vocab, HIDDEN], lambda: rnd(vocab, HIDDEN))]
+    _write_shard(out / name, rest)
+    weight_map.update({t[0]: name for t in rest})
+    cfg.save_pretrained(out)
+    tmp = out / "index.tmp"
+    tmp.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    tmp.replace(out / "model.safetensors.index.json")
+    return out
+
+
+class TraceRouting:
+    """Forward hooks on every router that replace its choice with a trace's: token p of a pass (prefill
+    positions first) takes trace token `start + p` at the same layer, weights uniform over the k."""
+
+    def __init__(self, routers, ids: np.ndarray, start: int):
+        self.ids, self.start, self.pos = torch.as_tensor(ids.astype(np.int64)), start, 0
+        self.n = 0
+        self.handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(routers)]
+
+    def _hook(self, layer):
+        def hook(module, args, output):
+            logits, weights, _ = output
+            t = logits.shape[0]
+            if layer == 0:
+                self.pos, self.n = self.pos + self.n, t
+            idx = self.ids[layer, self.start + self.pos:self.start + self.pos + t].to(logits.device)
+            w = torch.full(idx.shape, 1.0 / idx.shape[1], dtype=weights.dtype, device=logits.device)
+            return logits, w, idx
+        return hook
+
+
+def _load_system(system: str, ckpt: Path, budget: int, ids, fit_end: int, workers: int):
+    """`(model, engine or None, routers)` for one system."""
+    from expertcache.telemetry.adapters import adapter_for
+
+    if system.startswith("expertcache"):
+        from .loader import load
+        from .replay import CooccurrenceEstimator, CooccurrencePredictor
+
+        layers = ids.shape[0]
+        ram_other = 2 << 30  # non-expert weights (~1.3 GB at this shape), interpreter, activations, staging
+        cap = int((budget - ram_other) // ((expert_bytes() + ALIGN) * layers)) - TOP_K
+        if cap < 1:
+            raise InputError(f"a budget of {budget / 2**30:.1f} GiB leaves no cache slots after the non-expert weights")
+        pred = CooccurrencePredictor(CooccurrenceEstimator(ids[:, :fit_end], EXPERTS)) if system.endswith(
+            "prefetch") else "none"
+        m = load(ckpt, capacity=cap, tier="disk", predictor=pred, workers=workers)
+        return m, m.expertcache, [L.router for L in m.expertcache.layers]
+    if system == "accelerate":
+        from transformers import AutoModelForCausalLM
+
+        off = ckpt.parent / (ckpt.name + "-accelerate-offload")
+        m = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.bfloat16, device_map="auto",
+                                                 max_memory={"cpu": budget}, offload_folder=str(off)).eval()
+        return m, None, [L.router for L in adapter_for(m).moe_layers(m)]
+    if system == "mmap":
+        m = _mmap_model(ckpt)
+        return m, None, [L.router for L in adapter_for(m).moe_layers(m)]
+    raise InputError(f"unknown system {system!r}; expected one of {', '.join(SYSTEMS)}")
+
+
+def _mmap_model(ckpt: Path):
+    """The non-expert weights in memory; every layer's `[E, ...]` expert tensors strided views into the mapped
+    shard (each expert's gate, up and down lie back to back): the model's own forward reads the pages it needs
+    and the page cache keeps what it keeps."""
+    import mmap
+
+    from .checkpoint import Checkpoint
+    from .loader import build_offloaded
+
+    m, source = build_offloaded(ckpt)
+    ck: Checkpoint = source.ckpt
+    maps = []
+    for p in ck.files:  # copy-on-write private maps: reads are the page cache's pages, nothing is ever written
+        fd = os.open(str(p), os.O_RDONLY)
+        maps.append(mmap.mmap(fd, 0, access=mmap.ACCESS_COPY))
+        os.close(fd)
+    raw = [torch.frombuffer(mp, dtype=torch.uint8) for mp in maps]
+    from expertcache.telemetry.adapters import adapter_for
+
+    for li, layer in enumerate(adapter_for(m).moe_layers(m)):
+        g0 = ck.tensors[f"model.layers.{layer.index}.mlp.experts.0.gate_proj.weight"]
+        g1 = ck.tensors[f"model.layers.{layer.index}.mlp.experts.1.gate_proj.weight"]
+        d0 = ck.tensors[f"model.layers.{layer.index}.mlp.experts.0.down_proj.weight"]
+        stride = (g1.start - g0.start) // 2  # elements between experts
+        base = raw[g0.file]
+        gu = base[g0.start:].view(torch.bfloat16).as_strided([EXPERTS, 2 * INTER, HIDDEN], [stride, HIDDEN, 1])
+        dn = base[d0.start:].view(torch.bfloat16).as_strided([EXPERTS, HIDDEN, INTER], [stride, INTER, 1])
+        ex = layer.experts
+        ex._parameters["gate_up_proj"] = torch.nn.Parameter(gu, requires_grad=False)
+        ex._parameters["down_proj"] = torch.nn.Parameter(dn, requires_grad=False)
+    m._expertcache_maps = maps  # kept alive with the model
+    return m
+
+
+def _rss_peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, tokens: int, warmup: int,
+            prompt_len: int, start: int, workers: int = 4) -> dict:
+    """One system's decode in this process: TPOT per token (prefill excluded), hits, bytes read, peak RSS."""
+    from .replay import load_routing
+
+    ckpt = Path(ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    ids, e, _ = load_routing(trace)
+    ids = ids[:cfg["num_hidden_layers"]]
+    budget = int(budget_gb * 2**30)
+    io0 = _read_bytes()
+    t0 = time.perf_counter()
+    m, eng, routers = _load_system(system, ckpt, budget, ids, start - 1, workers)
+    load_s = time.perf_counter() - t0
+    routing = TraceRouting(routers, ids, start)
+    prompt = torch.randint(2, cfg["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(0))
+    from .bench import TokenClock
+
+    clock = TokenClock(eng)
+    io1 = _read_bytes()
+    with torch.no_grad():
+        out = m.generate(prompt, max_new_tokens=warmup + tokens + 1, min_new_tokens=warmup + tokens + 1,
+                         do_sample=False, attention_mask=torch.ones_like(prompt), streamer=clock, pad_token_id=1)
+    io2 = _read_bytes()
+    tpot = np.diff(clock.times)[warmup:]
+    n_dec = len(clock.times) - 1
+    res = {"system": system, "load_s": load_s, "tokens_timed": int(len(tpot)),
+           "tpot_median_s": float(np.median(tpot)), "tpot_p90_s": float(np.percentile(tpot, 90)),
+           "tokens_per_s": float(1 / np.median(tpot)), "tpot_s": [float(x) for x in tpot],
+           "peak_rss_bytes": _rss_peak(), "disk_read_bytes_load": io1 - io0,
+           "disk_read_bytes_per_token": (io2 - io1) / max(len(clock.times), 1),
+           "output_tokens_sha": hash(tuple(out[0].tolist())) & 0xFFFFFFFF, "routing_positions": routing.pos + routing.n}
+    if eng is not None:
+        st = eng.stats - clock.first_stats
+        st.tokens = n_dec
+        d = st.to_dict(eng.meta.expert_bytes)
+        res.update({"hit_rate": d["hit_rate"], "stall_per_token_s": st.stall_s / n_dec,
+                    "traffic_bytes_per_token": d["traffic_bytes_per_token"], "engine": eng.describe()})
+        eng.close()
+    return res
+
+
+def _read_bytes() -> int:
+    """Bytes this process has read from storage (/proc/self/io read_bytes): page-cache hits excluded."""
+    try:
+        for line in open("/proc/self/io"):
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None = None, budget_gb: float = 8.0,
+              tokens: int = 64, warmup: int = 8, prompt_len: int = 8, rounds: int = 2, systems=SYSTEMS,
+              ram_factor: float = 1.25, layers: int | None = None, slow_tokens: int = 8, slow_warmup: int = 2,
+              workers: int = 4, timeout_s: int = 3600, progress=None) -> dict:
+    """Write (or reuse) the checkpoint, then run every system `rounds` times, alternated, each in its own process.
+    `slow_tokens`/`slow_warmup`: the token counts for accelerate, whose per-token time is minutes-scale here."""
+    from .replay import REFERENCE_TRACE
+
+    trace = trace or REFERENCE_TRACE
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    per_layer = EXPERTS * expert_bytes()
+    want = layers or int(np.ceil(ram_factor * physical_ram() / per_layer))
+    ckpt = out_dir / "qwen3-30b-a3b-shaped"
+    have = sum(p.stat().st_size for p in ckpt.glob("*.safetensors")) if ckpt.is_dir() else 0
+    fits = int((free_disk(out_dir) + have - (4 << 30)) // per_layer)  # 4 GiB kept free
+    n_layers = min(want, fits, 48)
+    note = None if n_layers >= want else f"disk holds {n_layers} layers; {want} wanted for {ram_factor}x RAM"
+    if n_layers < 2:
+        raise InputError(f"not enough free disk for even 2 layers of experts ({per_layer / 1e9:.1f} GB each)")
+    write_checkpoint(ckpt, n_layers, progress=progress)
+    start = 2000  # decode window of the trace; the predictor is fitted on tokens before it
+    runs: dict[str, list] = {s: [] for s in systems}
+    cold = []
+    for r in range(rounds):
+        order = list(systems) if r % 2 == 0 else list(systems)[::-1]
+        for s in order:
+            cold.append(drop_page_cache())
+            slow = s == "accelerate"
+            cmd = [sys.executable, "-m", "expertcache.runtime.bigbench", "--system", s, "--ckpt", str(ckpt),
+                   "--trace", str(trace), "--budget-gb", str(budget_gb), "--tokens",
+                   str(slow_tokens if slow else tokens), "--warmup", str(slow_warmup if slow else warmup),
+                   "--prompt-len", str(prompt_len), "--start", str(start), "--workers", str(workers)]
+            log = out_dir / f"{s.replace(':', '-')}-round{r}.log"
+            with open(log, "w") as lf:
+                p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=lf, text=True, timeout=timeout_s)
+            if p.returncode != 0:
+                runs[s].append({"error": f"exit {p.returncode}; see {log}"})
+            else:
+                runs[s].append(json.loads(p.stdout.strip().splitlines()[-1]))
+            if progress:
+                progress(0)
+    disk_used = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+    off = ckpt.parent / (ckpt.name + "-accelerate-offload")
+    res = {"inputs": {"shape": {"hidden": HIDDEN, "experts": EXPERTS, "expert": [HIDDEN, INTER], "top_k": TOP_K,
+                                "heads": [HEADS, KV_HEADS, HEAD_DIM], "vocab": 32768, "dtype": "bfloat16"},
+                      "layers": n_layers, "expert_bytes_total": n_layers * per_layer, "physical_ram": physical_ram(),
+                      "experts_over_ram": n_layers * per_layer / physical_ram(), "note": note,
+                      "budget_gb": budget_gb, "tokens": tokens, "warmup": warmup,
+                      "accelerate_tokens": slow_tokens, "accelerate_warmup": slow_warmup, "prompt_len": prompt_len,
+                      "trace": str(trace), "trace_start": start, "rounds": rounds, "workers": workers,
+                      "torch_threads": torch.get_num_threads(), "page_cache_dropped_before_each": all(cold)},
+           "disk_used_bytes": {"checkpoint": disk_used,
+                               "accelerate_offload": sum(p.stat().st_size for p in off.rglob("*") if p.is_file())
+                               if off.is_dir() else 0},
+           "systems": {}}
+    for s, rs in runs.items():
+        ok = [x for x in rs if "error" not in x]
+        row = {"runs": len(rs), "errors": [x["error"] for x in rs if "error" in x]}
+        if ok:
+            t = np.concatenate([x["tpot_s"] for x in ok])
+            row.update({"tpot_median_s": float(np.median(t)), "tpot_p90_s": float(np.percentile(t, 90)),
+                        "tokens_per_s": float(1 / np.median(t)), "tokens_timed": int(len(t)),
+                        "peak_rss_bytes": max(x["peak_rss_bytes"] for x in ok),
+                        "disk_read_bytes_per_token": float(np.mean([x["disk_read_bytes_per_token"] for x in ok])),
+                        "load_s": float(np.mean([x["load_s"] for x in ok])),
+                        "same_output_tokens": len({x["output_tokens_sha"] for x in ok}) == 1})
+            for k in ("hit_rate", "stall_per_token_s", "traffic_bytes_per_token"):
+                if k in ok[0]:
+                    row[k] = float(np.mean([x[k] for x in ok]))
+            if "engine" in ok[0]:
+                row["engine"] = ok[0]["engine"]
+        res["systems"][s] = row
+    ec = [res["systems"][s]["tpot_median_s"] for s in systems if s.startswith("expertcache")
+          and "tpot_median_s" in res["systems"][s]]
+    peers = {s: res["systems"][s]["tpot_median_s"] for s in systems if not s.startswith("expertcache")
+             and "tpot_median_s" in res["systems"][s]}
+    if ec and peers:
+        best_peer = min(peers, key=peers.get)
+        res["best_expertcache_tpot_s"] = min(ec)
+        res["best_peer"] = best_peer
+        res["tpot_ratio_vs_best_peer"] = min(ec) / peers[best_peer]
+    return res
+
+
+def table(res: dict) -> str:
+    rows = ["| system | TPOT med (s) | p90 (s) | tok/s | peak RSS (GiB) | disk read MB/tok | hit | stall s/tok |",
+            "|---|---|---|---|---|---|---|---|"]
+    for s, r in res["systems"].items():
+        if "tpot_median_s" not in r:
+            rows.append(f"| {s} | failed: {'; '.join(r['errors'])} | | | | | | |")
+            continue
+        rows.append(f"| {s} | {r['tpot_median_s']:.3f} | {r['tpot_p90_s']:.3f} | {r['tokens_per_s']:.2f} | "
+                    f"{r['peak_rss_bytes'] / 2**30:.2f} | {r['disk_read_bytes_per_token'] / 1e6:.0f} | "
+                    f"{r.get('hit_rate', float('nan')):.3f} | {r.get('stall_per_token_s', float('nan')):.3f} |")
+    return "\n".join(rows)
+
+
+def plot(res: dict, png: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [s for s, r in res["systems"].items() if "tpot_median_s" in r]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
+    t = [res["systems"][s]["tpot_median_s"] for s in names]
+    rss = [res["systems"][s]["peak_rss_bytes"] / 2**30 for s in names]
+    ax[0].barh(names, t, color=["C0" if s.startswith("expertcache") else "C7" for s in names])
+    ax[0].set_xscale("log")
+    ax[0].set_xlabel("TPOT, median (s, log)")
+    ax[1].barh(names, rss, color=["C0" if s.startswith("expertcache") else "C7" for s in names])
+    ax[1].axvline(res["inputs"]["budget_gb"], color="C3", ls="--", label="memory budget")
+    ax[1].set_xlabel("peak RSS (GiB)")
+    ax[1].legend(loc="lower right")
+    i = res["inputs"]
+    fig.suptitle(f"{i['layers']} layers x 128 experts ({i['expert_bytes_total'] / 2**30:.1f} GiB of experts, "
+                 f"{i['experts_over_ram']:.2f}x RAM), bf16, reference Qwen3-30B-A3B routing")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="one system of `expertcache bench big`, in its own process")
+    ap.add_argument("--system", required=True, choices=SYSTEMS)
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--trace", required=True)
+    ap.add_argument("--budget-gb", type=float, required=True)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=8)
+    ap.add_argument("--start", type=int, default=2000)
+    ap.add_argument("--workers", type=int, default=4)
+    a = ap.parse_args(argv)
+    res = run_one(a.system, a.ckpt, a.trace, a.budget_gb, a.tokens, a.warmup, a.prompt_len, a.start, a.workers)
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

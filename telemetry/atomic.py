@@ -1,0 +1,32 @@
+"""Outputs that never read as complete when they are not: write to a temporary name beside the target, flush,
+then rename into place (atomic on one filesystem). A failed or interrupted run leaves the old file untouched."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def write_bytes(path: str | Path, data: bytes) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    return write_bytes(path, text.encode())
+
+
+def write_json(path: str | Path, obj) -> Path:
+    return write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
