@@ -1,0 +1,350 @@
+"""Streaming text generation on a loaded causal LM, with or without the offload engine.
+
+    gen = Generation(model, tokenizer, prompt_ids, SamplingParams(max_tokens=64, stop=["\\n\\n"]))
+    for text in gen:            # text deltas as they decode
+        print(text, end="")
+    gen.finish_reason, gen.completion_tokens, gen.summary()
+
+One decode loop serves `expertcache generate` and `expertcache serve`: prefill, then one token per forward call
+over the model's KV cache. Every forward goes through `model`'s own modules, so when an engine is attached
+(`model.expertcache`, see `loader.load`) each MoE layer runs the engine's decode step, exactly as in
+`bench decode`. The loop checks a `threading.Event` between tokens: setting it stops the decode at the next
+token (the server sets it when a client disconnects).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from expertcache.telemetry.errors import InputError
+
+# `make quickstart` (evals/quickstart.py) leaves its cache-aware post-trained checkpoint here.
+QUICKSTART_MODEL = Path("runs/ca-smoke/model")
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)  # the text ends before the first occurrence of any of these
+    seed: int | None = None
+    ignore_eos: bool = False  # decode max_tokens even past an end-of-sequence token (benchmarks, tests)
+
+    def check(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InputError(f"max_tokens={self.max_tokens!r}; expected an integer >= 1")
+        if not 0 <= self.temperature <= 2:
+            raise InputError(f"temperature={self.temperature}; expected 0..2")
+        if not 0 < self.top_p <= 1:
+            raise InputError(f"top_p={self.top_p}; expected 0 < top_p <= 1")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InputError(f"stop={self.stop!r}; expected non-empty strings")
+
+
+# --- prompts ---------------------------------------------------------------------------------------------------
+
+def chat_prompt(tokenizer, messages: list[dict]) -> str:
+    """The tokenizer's chat template (generation prompt added) when it has one; otherwise a plain transcript
+    `role: content` per line ending in `assistant:` (base checkpoints such as the quickstart's have no template)."""
+    if not messages:
+        raise InputError("messages is empty; expected at least one {role, content}")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise InputError(f"message {m!r}; expected {{'role': str, 'content': str}}")
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+def encode(tokenizer, text: str, templated: bool = False) -> list[int]:
+    """Token ids of `text`; a chat template already holds its special tokens, so none are added to it."""
+    ids = tokenizer(text, add_special_tokens=not templated)["input_ids"]
+    if not ids:
+        bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        if bos is None:
+            raise InputError("the prompt is empty and the tokenizer has no BOS/EOS token to start from")
+        ids = [bos]
+    return list(ids)
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for src in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                model.config.get_text_config().eos_token_id, tokenizer.eos_token_id):
+        if src is not None:
+            ids.update(src if isinstance(src, (list, tuple)) else [src])
+    return ids
+
+
+# --- the decode loop -----------------------------------------------------------------------------------------
+
+class _Detok:
+    """Incremental detokenisation: emits text once the bytes decoded so far form whole characters (a byte-level
+    BPE splits a UTF-8 character over up to 4 tokens; bytes still invalid after that are shown as U+FFFD),
+    decoding a short window, not the whole output."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
+
+    def push(self, token: int | None = None) -> str:
+        """The new text after `token` (None: everything still held back, at the end)."""
+        if token is not None:
+            self.ids.append(token)
+        before = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        after = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        if token is not None and after.endswith("\ufffd") and len(self.ids) - self.read < 4:
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before):]
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that begins some stop string: not shown until it is decided."""
+    n = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), n, -1):
+            if text.endswith(s[:k]):
+                n = k
+                break
+    return n
+
+
+class Generation:
+    """One request: iterate for text deltas; afterwards `finish_reason` (stop | length | cancelled),
+    `prompt_tokens`, `completion_tokens`, `token_times` (perf_counter at each token), `text`, and the engine's
+    counters over the decode (`stats`, from the first generated token on: prefill excluded, as in METRICS.md)."""
+
+    def __init__(self, model, tokenizer, prompt_ids: list[int], params: SamplingParams,
+                 cancel: threading.Event | None = None):
+        params.check()
+        self.model, self.tokenizer, self.params = model, tokenizer, params
+        self.prompt_ids = list(prompt_ids)
+        self.cancel = cancel or threading.Event()
+        self.engine = getattr(model, "expertcache", None)
+        self.finish_reason: str | None = None
+        self.text, self.completion_ids, self.token_times = "", [], []
+        self.t_start = self.t_first = None
+        self._stats0 = self._stats1 = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.completion_ids)
+
+    def _next_token(self, logits: torch.Tensor, gen: torch.Generator | None) -> int:
+        """`logits [V]` -> one token id: argmax at temperature 0, else nucleus sampling."""
+        p = self.params
+        if p.temperature == 0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.float() / p.temperature, dim=-1)  # [V]
+        if p.top_p < 1:
+            sorted_p, order = probs.sort(descending=True)
+            keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # the smallest prefix whose mass reaches top_p
+            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+        return int(torch.multinomial(probs, 1, generator=gen))
+
+    def __iter__(self):
+        p, model = self.params, self.model
+        stops, eos = list(p.stop), set() if p.ignore_eos else eos_ids(model, self.tokenizer)
+        device = model.get_input_embeddings().weight.device
+        gen = None
+        if p.temperature > 0:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(p.seed if p.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        detok, self._shown, self._cut = _Detok(self.tokenizer), 0, False
+        ids = torch.tensor([self.prompt_ids], dtype=torch.long, device=device)  # [1, prompt]
+        # transformers 5.x renamed the KV-cache argument `past_key_values` -> `cache` (the old name is deprecated)
+        cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        past = None
+        self.t_start = time.perf_counter()
+        with torch.no_grad():
+            while True:
+                if self.cancel.is_set():
+                    self.finish_reason = "cancelled"
+                    break
+                out = model(input_ids=ids, **{cache_kw: past}, use_cache=True, logits_to_keep=1)
+                past = getattr(out, cache_kw)
+                tok = self._next_token(out.logits[0, -1], gen)
+                self.token_times.append(time.perf_counter())
+                if self.engine is not None and self._stats0 is None:
+                    self._stats0 = copy.copy(self.engine.stats)
+                if tok in eos:
+                    self.finish_reason = "stop"
+                    break
+                self.completion_ids.append(tok)
+                piece = self._add(detok.push(tok), stops)
+                if piece:
+                    yield piece
+                if self.finish_reason is None and len(self.completion_ids) >= p.max_tokens:
+                    self.finish_reason = "length"
+                if self.finish_reason is not None:
+                    break
+                ids = torch.tensor([[tok]], dtype=torch.long, device=device)  # [1, 1]
+        if self.finish_reason != "cancelled" and not self._cut:  # the tail held back for UTF-8 or a stop prefix
+            piece = self._add(detok.push(None), stops, final=True)
+            if piece:
+                yield piece
+        if self.engine is not None:
+            self._stats1 = copy.copy(self.engine.stats)
+
+    def _add(self, new: str, stops: list[str], final: bool = False) -> str:
+        """Append decoded text; cut it at the first stop string; return what may be shown now (not a suffix
+        that could still turn into a stop string, unless `final`)."""
+        self.text += new
+        cut = min((i for i in (self.text.find(s, self._shown) for s in stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text = self.text[:cut]
+            self.finish_reason, self._cut = "stop", True
+            end = cut
+        else:
+            end = len(self.text) - (0 if final else _held_back(self.text, stops))
+        piece = self.text[self._shown:end] if end > self._shown else ""
+        self._shown = max(self._shown, end)
+        return piece
+
+    @property
+    def stats(self):
+        """The engine's counters over the decode steps (None without an engine or before the first token)."""
+        if self._stats0 is None or self._stats1 is None:
+            return None
+        return self._stats1 - self._stats0
+
+    def summary(self) -> dict:
+        """tokens, tokens/s over decode (prefill excluded), TPOT, and the engine's figures per decoded token."""
+        t = self.token_times
+        decode_s = t[-1] - t[0] if len(t) > 1 else 0.0
+        out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+               "finish_reason": self.finish_reason,
+               "prefill_s": (t[0] - self.t_start) if t else None,
+               "decode_tokens_per_s": (len(t) - 1) / decode_s if decode_s > 0 else None,
+               "tpot_s": decode_s / (len(t) - 1) if len(t) > 1 else None}
+        s = self.stats
+        if s is not None:
+            d = s.to_dict(self.engine.meta.expert_bytes)
+            out.update(hit_rate=d["hit_rate"] if s.accesses else None,
+                       adjusted_hit_rate=d["adjusted_hit_rate"] if s.accesses else None,
+                       bytes_moved_per_token=s.bytes_moved / max(len(t) - 1, 1),
+                       stall_s_per_token=s.stall_s / max(len(t) - 1, 1))
+        return out
+
+
+def summary_line(summary: dict, engine=None) -> str:
+    """One line for people: `32 tokens, 41.2 tok/s, hit rate 0.81 (adjusted 0.66), 12.0 KiB moved/token`."""
+    parts = [f"{summary['completion_tokens']} tokens"]
+    tps = summary.get("decode_tokens_per_s")
+    parts.append(f"{tps:.1f} tok/s" if tps else "- tok/s")
+    if engine is None:
+        parts.append("plain model (every expert in memory)")
+    else:
+        hr = summary.get("hit_rate")
+        parts.append(f"hit rate {hr:.2f} (adjusted {summary['adjusted_hit_rate']:.2f})" if hr is not None
+                     else "hit rate -")
+        parts.append(f"{_human_bytes(summary.get('bytes_moved_per_token', 0))} moved/token")
+        d = engine.describe()
+        parts.append(f"tier {d.get('tier', engine.cfg.tier)}, {engine.capacity}/{engine.adapter.num_experts} "
+                     f"experts resident per layer")
+    return "[" + ", ".join(parts) + "]"
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+# --- loading --------------------------------------------------------
+
+def load_model(model: str | Path, capacity: float = 0.125, tier: str = "disk", device: str = "cpu", dtype=None, *,
+               predictor: str = "none", aux=None, plain: bool = False,
+               **engine_options):
+    """(model, tokenizer) of a checkpoint directory or cached hub id: `expertcache.runtime.load` (the offload engine
+    attached as `model.expertcache`; `capacity`, `tier`, `predictor` and the other `EngineConfig` fields), or with
+    `plain` the unmodified `from_pretrained` model, every expert in memory. `aux(model)`: the checkpoint's
+    auxiliary routers (predictor spatio, policy scored)."""
+    from transformers import AutoTokenizer
+
+    from .loader import load, parse_device, parse_dtype, resolve
+
+    path = resolve(model)
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(f"{path} has no tokenizer (tokenizer.json)")
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if plain:
+        from transformers import AutoModelForCausalLM
+
+        m = AutoModelForCausalLM.from_pretrained(str(path), dtype=parse_dtype(dtype) or "auto").eval()
+        return m.to(parse_device(device)), tokenizer
+    # the one place the checkpoint is opened through the engine (experts stay on `tier`, read by byte range)
+    return load(path, capacity, tier, device, dtype, predictor=predictor, aux=aux, **engine_options), tokenizer
+
+
+def resolve_model_arg(model: str | None) -> Path:
+    """`--model`, or the quickstart's final checkpoint when none is given."""
+    if model:
+        return Path(model)
+    if not (QUICKSTART_MODEL / "config.json").is_file():
+        raise FileNotFoundError(f"no --model given and no quickstart model at {QUICKSTART_MODEL}: run "
+                                f"`make quickstart` first, or pass --model DIR")
+    return QUICKSTART_MODEL
+
+
+# --- the terminal ----------------------------------------------------------------------------------------------
+
+def print_stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams, out, err) -> Generation:
+    """Decode `prompt_ids`, writing the text to `out` as it comes and then the summary line to `err`."""
+    g = Generation(model, tokenizer, prompt_ids, params)
+    for piece in g:
+        out.write(piece)
+        out.flush()
+    out.write("\n")
+    out.flush()
+    err.write(summary_line(g.summary(), g.engine) + "\n")
+    err.flush()
+    return g
+
+
+def generate_text(model, tokenizer, prompt: str | None, params: SamplingParams, chat: bool = False,
+                  raw: bool = False, out=None, err=None, read=input) -> int:
+    """`expertcache generate`: one prompt (through the chat template unless `raw` or the tokenizer has none), or
+    with `chat` an interactive loop that keeps the conversation (`read` gives each user turn; EOF, an empty line
+    or /exit ends it)."""
+    import sys
+
+    out, err = out or sys.stdout, err or sys.stderr
+    templated = bool(getattr(tokenizer, "chat_template", None)) and not raw
+    if not chat:
+        if prompt is None:
+            raise InputError("generate needs a prompt (or --chat for an interactive loop)")
+        text = chat_prompt(tokenizer, [{"role": "user", "content": prompt}]) if templated else prompt
+        print_stream(model, tokenizer, encode(tokenizer, text, templated), params, out, err)
+        return 0
+    if not templated:  # the plain transcript: a base model would go on to write the user's next turn
+        params = SamplingParams(**{**params.__dict__, "stop": [*params.stop, "\nuser:"]})
+    messages = []
+    if prompt:
+        messages.append({"role": "system", "content": prompt})
+    while True:
+        try:
+            user = read("> ")
+        except EOFError:
+            break
+        if not user.strip() or user.strip() == "/exit":
+            break
+        messages.append({"role": "user", "content": user})
+        text = chat_prompt(tokenizer, messages)
+        g = print_stream(model, tokenizer, encode(tokenizer, text, templated=templated), params, out, err)
+        messages.append({"role": "assistant", "content": g.text})
+    return 0

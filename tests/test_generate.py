@@ -1,0 +1,163 @@
+"""`Generation` (the decode loop of generate and serve) against HF `generate`, through the offload engine too;
+stop strings; and `expertcache generate` from the command line, streamed."""
+
+import re
+
+import pytest
+import torch
+from tiny_lm import make_tiny_checkpoint
+
+from expertcache.recipes.cli import main
+from expertcache.runtime.engine import EngineConfig, offload
+from expertcache.runtime.generate import (Generation, SamplingParams, chat_prompt, encode, generate_text,
+                                          load_model)
+from expertcache.runtime.store import write_store
+
+PROMPT = "thou art the king"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():  # a shared 2-core machine; restored for the modules that run after this one
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-lm"), chat_template=True)
+
+
+@pytest.fixture(scope="module")
+def plain(ckpt):
+    return load_model(ckpt, plain=True)
+
+
+def _hf_greedy(model, ids, n):
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def test_greedy_matches_hf_generate_plain_and_through_the_engine(plain, tmp_path):
+    model, tok = plain
+    ids = encode(tok, PROMPT)
+    g = Generation(model, tok, ids, SamplingParams(max_tokens=24, temperature=0))
+    text = "".join(g)
+    ref = _hf_greedy(model, ids, 24)
+    assert g.completion_ids == ref[:g.completion_tokens]
+    if g.finish_reason == "stop":  # ended on EOS, which HF keeps and we do not
+        assert ref[g.completion_tokens] == tok.eos_token_id
+    else:
+        assert g.finish_reason == "length" and g.completion_tokens == 24
+    assert text == tok.decode(g.completion_ids, skip_special_tokens=True)
+    assert g.stats is None and "hit_rate" not in g.summary()
+
+    from transformers import AutoModelForCausalLM
+
+    m2 = AutoModelForCausalLM.from_pretrained(str(model.name_or_path)).eval()
+    write_store(m2, tmp_path / "e.store")
+    m2.expertcache = offload(m2, tmp_path / "e.store", EngineConfig(capacity=0.25, tier="disk"))
+    try:
+        g2 = Generation(m2, tok, ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        assert "".join(g2).startswith(text) and g2.completion_ids[:g.completion_tokens] == g.completion_ids
+        s = g2.stats
+        decode_steps = len(g2.token_times) - 1  # forwards after the first token (the prefill made that one)
+        assert g2.completion_tokens == 24 and decode_steps == 23
+        assert s.accesses == decode_steps * 2 * 2  # 2 MoE layers x top-2, one token per step
+        assert 0 <= s.hits < s.accesses and s.demand_loads == s.accesses - s.hits
+        summ = g2.summary()
+        assert summ["hit_rate"] == pytest.approx(s.hits / s.accesses)
+        assert summ["bytes_moved_per_token"] == pytest.approx(s.bytes_moved / decode_steps)
+    finally:
+        m2.expertcache.close()
+
+
+def test_stop_strings_cut_the_text_and_are_never_streamed(plain):
+    model, tok = plain
+    ids = encode(tok, PROMPT)
+    full = "".join(Generation(model, tok, ids, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)))
+    assert len(full) > 20
+    stop = full[10:14]
+    g = Generation(model, tok, ids, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                                                   stop=["\x00never", stop]))
+    pieces = list(g)
+    assert "".join(pieces) == full[:full.find(stop)] == g.text
+    assert g.finish_reason == "stop" and g.completion_tokens < 40
+
+
+def test_sampling_is_seeded_and_cancel_stops(plain):
+    model, tok = plain
+    ids = encode(tok, PROMPT)
+    p = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True)
+    a = Generation(model, tok, ids, p)
+    b = Generation(model, tok, ids, SamplingParams(**p.__dict__))
+    assert "".join(a) == "".join(b) and a.completion_ids == b.completion_ids
+    g = Generation(model, tok, ids, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    it = iter(g)
+    while g.completion_tokens < 3:
+        next(it)
+    g.cancel.set()
+    list(it)
+    assert g.finish_reason == "cancelled" and 3 <= g.completion_tokens < 10
+    with pytest.raises(Exception, match="max_tokens"):
+        Generation(model, tok, ids, SamplingParams(max_tokens=0))
+
+
+def test_chat_template_and_plain_transcript(plain):
+    _, tok = plain
+    msgs = [{"role": "user", "content": "hi"}]
+    assert chat_prompt(tok, msgs) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    tok2 = type(tok).from_pretrained(tok.name_or_path)
+    tok2.chat_template = None
+    assert chat_prompt(tok2, msgs) == "user: hi\nassistant:"
+
+
+class _Pieces:
+    def __init__(self):
+        self.writes = []
+
+    def write(self, s):
+        self.writes.append(s)
+
+    def flush(self):
+        pass
+
+
+def test_generate_text_streams_piece_by_piece_and_chat_keeps_the_conversation(plain):
+    model, tok = plain
+    out, err = _Pieces(), _Pieces()
+    generate_text(model, tok, PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), out=out,
+                  err=err)
+    assert len(out.writes) > 3 and out.writes[-1] == "\n"  # streamed as it decoded, not one write at the end
+    assert "plain model" in err.writes[0]
+    seen = []
+    turns = iter(["hello", "and again", ""])
+
+    def read(prompt):
+        seen.append(prompt)
+        return next(turns)
+
+    out = _Pieces()
+    generate_text(model, tok, None, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), chat=True,
+                  out=out, err=_Pieces(), read=read)
+    assert seen == ["> "] * 3 and out.writes.count("\n") == 2
+
+
+def test_cli_generate_streams_then_one_line_of_figures(ckpt, capsys, tmp_path, monkeypatch):
+    rc = main(["generate", "--model", str(ckpt), "--capacity", "0.25", "--tier", "disk", "--temperature", "0",
+               "--max-tokens", "10", PROMPT])
+    assert rc == 0
+    cap = capsys.readouterr()
+    model, tok = load_model(ckpt, plain=True)
+    templated = chat_prompt(tok, [{"role": "user", "content": PROMPT}])
+    g = Generation(model, tok, encode(tok, templated, templated=True), SamplingParams(max_tokens=10, temperature=0))
+    assert cap.out == "".join(g) + "\n"  # the engine is lossless: the plain model's greedy text
+    line = cap.err.strip().splitlines()[-1]
+    assert re.fullmatch(r"\[\d+ tokens, [\d.]+ tok/s, hit rate [\d.]+ \(adjusted [\d.-]+\), [\d.]+ (B|KiB|MiB) "
+                        r"moved/token, tier disk, 2/8 experts resident per layer\]", line), line
+    monkeypatch.chdir(tmp_path)  # no runs/ca-smoke/model here
+    assert main(["generate", "hello"]) == 2
+    assert "make quickstart" in capsys.readouterr().err
