@@ -1,0 +1,188 @@
+"""`expertcache serve`: a real uvicorn server on 127.0.0.1 (free port) over the tiny model with the offload
+engine attached, called with the official `openai` client, plain and streamed; /metrics moves; bad input gets a
+400 and the server goes on; a client that goes away mid-stream stops its decode."""
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from tiny_lm import make_tiny_checkpoint
+
+from expertcache.runtime.engine import EngineConfig, offload
+from expertcache.runtime.generate import encode
+from expertcache.runtime.serve import create_app
+from expertcache.runtime.store import write_store
+
+NAME = "tiny-moe"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():  # a shared 2-core machine; restored for the modules that run after this one
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    import uvicorn
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("serve")
+    ckpt = make_tiny_checkpoint(root / "ckpt")
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt)).eval()
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    write_store(model, root / "experts.store")
+    model.expertcache = offload(model, root / "experts.store", EngineConfig(capacity=0.25, tier="disk"))
+    app = create_app(model, tok, NAME, max_tokens_default=32, torch_threads=1)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    t0 = time.time()
+    while not srv.started:
+        assert th.is_alive() and time.time() - t0 < 30, "server did not start"
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    yield {"url": url, "tok": tok, "model": model}
+    srv.should_exit = True
+    th.join(timeout=20)
+    assert not th.is_alive(), "server did not shut down"
+    model.expertcache.close()
+    sock.close()
+
+
+@pytest.fixture
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _metrics(url) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in fam.samples:
+            out[s.name + (json.dumps(s.labels, sort_keys=True) if s.labels else "")] = s.value
+    return out
+
+
+def _idle(url, timeout=30.0):
+    t0 = time.time()
+    while True:
+        h = httpx.get(url + "/health").json()
+        if h["running"] == 0 and h["queued"] == 0:
+            return h
+        assert time.time() - t0 < timeout, h
+        time.sleep(0.05)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    h = httpx.get(server["url"] + "/health").json()
+    assert h["status"] == "ok" and "one decode at a time" in h["scheduling"]
+    assert h["engine"]["capacity"] == 2 and h["engine"]["tier"].startswith("disk")
+
+
+def test_completions_plain_and_streamed_agree_and_count_usage(server, client):
+    prompt = "thou art the king"
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0)
+    c = r.choices[0]
+    assert r.object == "text_completion" and c.finish_reason in ("length", "stop")
+    assert r.usage.prompt_tokens == len(encode(server["tok"], prompt))
+    assert 1 <= r.usage.completion_tokens <= 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.text
+    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].text) > 1  # token by token, not one piece
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == c.finish_reason
+
+
+def test_chat_plain_and_streamed(server, client):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what say you"}]
+    r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=10, temperature=0)
+    m = r.choices[0].message
+    assert r.object == "chat.completion" and m.role == "assistant" and r.usage.completion_tokens <= 10
+    stream = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=10, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == m.content
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+    # sampled, seeded: the same seed gives the same text
+    a, b = (client.chat.completions.create(model=NAME, messages=msgs, max_tokens=8, temperature=1.0, top_p=0.9,
+                                           seed=5).choices[0].message.content for _ in range(2))
+    assert a == b
+
+
+def test_metrics_move_after_a_request(server, client):
+    url = server["url"]
+    before = _metrics(url)
+    r = client.completions.create(model=NAME, prompt="fair heaven", max_tokens=9, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    after = _metrics(url)
+    n = r.usage.completion_tokens
+    assert n == 9
+    d = {k: after[k] - before.get(k, 0) for k in after}
+    assert d['expertcache_requests_total{"endpoint": "/v1/completions", "outcome": "ok"}'] == 1
+    assert d["expertcache_generated_tokens_total"] == n
+    assert d["expertcache_prompt_tokens_total"] == r.usage.prompt_tokens
+    assert d["expertcache_tpot_seconds_count"] == n - 1  # decode steps, the prefill's token excluded
+    # the engine's counters: every token through both MoE layers, top-2 (prefill included)
+    assert d["expertcache_cache_tokens_total"] == r.usage.prompt_tokens + n - 1
+    assert d["expertcache_cache_accesses_total"] >= (n - 1) * 2 * 2
+    assert d["expertcache_cache_bytes_moved_total"] > 0 and d["expertcache_cache_demand_loads_total"] > 0
+    assert 0 <= after["expertcache_cache_hit_rate"] <= 1 and "expertcache_cache_adjusted_hit_rate" in after
+    assert "expertcache_cache_stall_seconds_total" in after
+
+
+def test_malformed_requests_get_400_and_the_server_keeps_serving(server, client):
+    url = server["url"]
+    bad = [(url + "/v1/completions", b'{"prompt": "x", "max_tokens": ', "JSON"),
+           (url + "/v1/completions", json.dumps({"prompt": "x", "max_tokens": -1}).encode(), "max_tokens"),
+           (url + "/v1/chat/completions", json.dumps({"model": NAME}).encode(), "messages"),
+           (url + "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                                      "top_p": 0}).encode(), "top_p"),
+           (url + "/v1/completions", json.dumps({"prompt": "x", "model": "other"}).encode(), "not served")]
+    for u, body, word in bad:
+        r = httpx.post(u, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert word in err["message"] and err["type"] == "invalid_request_error", err
+    import openai
+
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=NAME, prompt="x", max_tokens=-1)
+    r = client.completions.create(model=NAME, prompt="thou", max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_a_client_gone_mid_stream_stops_its_decode(server):
+    url, limit = server["url"], 3000
+    _idle(url)
+    before = _metrics(url)
+    body = {"model": NAME, "prompt": "thou art", "max_tokens": limit, "stream": True, "ignore_eos": True,
+            "temperature": 0}
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", url + "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            got = [ln for ln in (next(lines) for _ in range(8)) if ln.startswith("data:")]
+            assert len(got) >= 3
+    _idle(url)  # the decode ended (it would take seconds to reach 3000 tokens)
+    after = _metrics(url)
+    key = 'expertcache_requests_total{"endpoint": "/v1/completions", "outcome": "cancelled"}'
+    assert after.get(key, 0) - before.get(key, 0) == 1
+    generated = after["expertcache_generated_tokens_total"] - before["expertcache_generated_tokens_total"]
+    assert 3 <= generated < limit // 2, generated
+    r = httpx.post(url + "/v1/completions", json={"prompt": "thou", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
