@@ -93,9 +93,11 @@ class _EngineCollector:
                 ("stall_seconds", "Time compute waited on expert loads", s.stall_s),
                 ("tokens", "Tokens through the engine (prefill and decode)", s.tokens)):
             yield CounterMetricFamily(f"expertcache_cache_{name}", doc, value=v)
-        yield GaugeMetricFamily("expertcache_cache_hit_rate", "hits / accesses since start", value=d["hit_rate"])
+        nan = float("nan")  # no access yet: no rate (not 0, not 1)
+        yield GaugeMetricFamily("expertcache_cache_hit_rate", "hits / accesses since start",
+                                value=d["hit_rate"] if s.accesses else nan)
         yield GaugeMetricFamily("expertcache_cache_adjusted_hit_rate", "1 - (demand + prefetch loads) / accesses "
-                                "(METRICS.md)", value=d["adjusted_hit_rate"])
+                                "since start (METRICS.md)", value=d["adjusted_hit_rate"] if s.accesses else nan)
         yield GaugeMetricFamily("expertcache_cache_traffic_bytes_per_token", "(demand + prefetch loads) x expert "
                                 "bytes / tokens", value=d["traffic_bytes_per_token"])
         yield GaugeMetricFamily("expertcache_cache_capacity_experts", "Resident experts per layer",
@@ -266,8 +268,9 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
         first = errs[0] if errs else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         msg = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
+        if first.get("type") == "json_invalid":  # loc is (body, character offset): no parameter to name
             msg = f"request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}"
+            loc = []
         elif loc:
             msg = f"{'.'.join(loc)}: {msg}"
         metrics.requests.labels(request.url.path, "bad_request").inc()

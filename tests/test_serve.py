@@ -158,6 +158,7 @@ def test_malformed_requests_get_400_and_the_server_keeps_serving(server, client)
         assert r.status_code == 400, (body, r.text)
         err = r.json()["error"]
         assert word in err["message"] and err["type"] == "invalid_request_error", err
+        assert err["param"] == (None if word in ("JSON", "not served") else word)
     import openai
 
     with pytest.raises(openai.BadRequestError):
