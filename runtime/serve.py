@@ -115,7 +115,8 @@ class Decoder:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="expertcache-decode",
                                        initializer=torch.set_num_threads, initargs=(n,))
         self.model, self.tokenizer, self.metrics = model, tokenizer, metrics
-        self.queued = self.running = 0
+        self.queued = self.running = 0  # changed by the event loop and the worker: under `_count`
+        self._count = threading.Lock()
         self.live: set[threading.Event] = set()
 
     async def run(self, prompt_ids: list[int], params: SamplingParams, request):
@@ -133,10 +134,7 @@ class Decoder:
                 cancel.set()
 
         def work():
-            self.queued -= 1
-            self.metrics.queued.dec()
-            self.running += 1
-            self.metrics.running.inc()
+            self._move(queued=-1, running=+1)
             g, err = None, None
             try:
                 g = Generation(self.model, self.tokenizer, prompt_ids, params, cancel)
@@ -146,9 +144,11 @@ class Decoder:
                 err = e
             if g is not None:  # what the decode did, whether or not its client stayed to the end
                 self.metrics.observe(g)
-            self.running -= 1
-            self.metrics.running.dec()
-            put("error", err) if err is not None else put("done", g)
+            self._move(running=-1)
+            if err is not None:
+                put("error", err)
+            else:
+                put("done", g)
 
         async def watch():
             while not cancel.is_set():
@@ -157,8 +157,7 @@ class Decoder:
                     return
                 await asyncio.sleep(0.05)
 
-        self.queued += 1
-        self.metrics.queued.inc()
+        self._move(queued=+1)
         self.pool.submit(work)
         watcher = asyncio.create_task(watch())
         try:
@@ -173,6 +172,13 @@ class Decoder:
             cancel.set()  # normal end: a no-op; cancelled or closed early: the decode stops
             watcher.cancel()
             self.live.discard(cancel)
+
+    def _move(self, queued: int = 0, running: int = 0) -> None:
+        with self._count:
+            self.queued += queued
+            self.running += running
+            self.metrics.queued.set(self.queued)
+            self.metrics.running.set(self.running)
 
     def shutdown(self) -> None:
         for c in list(self.live):

@@ -187,3 +187,24 @@ def test_a_client_gone_mid_stream_stops_its_decode(server):
     assert 3 <= generated < limit // 2, generated
     r = httpx.post(url + "/v1/completions", json={"prompt": "thou", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_concurrent_requests_decode_one_at_a_time_with_the_same_answers(server, client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(prompt):
+        return client.completions.create(model=NAME, prompt=prompt, max_tokens=60, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    prompts = ["thou art", "fair heaven", "my lord", "come hither"]
+    alone = [ask(p) for p in prompts]
+    url, seen = server["url"], []
+    with ThreadPoolExecutor(4) as ex:
+        futs = [ex.submit(ask, p) for p in prompts]
+        while not all(f.done() for f in futs):
+            h = httpx.get(url + "/health").json()
+            seen.append((h["running"], h["queued"]))
+            time.sleep(0.01)
+        together = [f.result() for f in futs]
+    assert together == alone  # no state leaks between requests sharing the model, its cache and the engine
+    assert all(r <= 1 for r, _ in seen) and max(q for _, q in seen) >= 1
