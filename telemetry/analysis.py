@@ -48,18 +48,22 @@ def capacities(num_experts: int, fractions=CAPACITY_FRACTIONS) -> list[int]:
 
 
 def hit_curves(ids: np.ndarray, num_experts: int, caps: list[int], policies=POLICIES, semantics: str = "token",
-               fit_frac: float = 0.2, fit_ids: np.ndarray | None = None, progress=None) -> list[dict]:
+               fit_frac: float = 0.2, fit_ids: np.ndarray | None = None, progress=None, learned=None,
+               probs: np.ndarray | None = None) -> list[dict]:
     """Hit rate against per-layer capacity for each policy, per-layer and global budgets.
 
     Static pins are fitted on `fit_ids` (another split's trace) if given; otherwise on the first `fit_frac` of
     tokens, and then *every* policy is scored on the remaining tokens only, so static never sees what it is
-    scored on. A global budget of C per layer is one cache of C x layers slots shared by all layers."""
+    scored on. A global budget of C per layer is one cache of C x layers slots shared by all layers.
+    `learned` (a `LearnedPolicy`, token semantics): also rows with policy ``learned``, its state cold at the
+    first scored token; `probs [L, T, k]`: the router probabilities of `ids`, for a policy fitted with them."""
     n_layers, n_tok, _ = ids.shape
     if fit_ids is None:
         cut = int(round(fit_frac * n_tok))
         if cut < 1 or cut >= n_tok:
             raise InputError(f"{n_tok} tokens cannot be split {fit_frac:g}/{1 - fit_frac:g} for the static fit")
         fit_ids, ids = ids[:, :cut], ids[:, cut:]
+        probs = probs[:, cut:] if probs is not None else None
     out = []
     g_steps = global_steps(ids, num_experts)
     g_fit = global_steps(fit_ids, num_experts)
@@ -74,6 +78,8 @@ def hit_curves(ids: np.ndarray, num_experts: int, caps: list[int], policies=POLI
                         "hit_rate_per_layer": hits / acc, "hit_rate_global": g.hit_rate, "accesses": acc})
             if progress:
                 progress()
+    if learned is not None and semantics == "token":
+        out += _learned_rows(learned, ids, num_experts, caps, probs)
     for row in out:  # every result also as a fraction of the Belady bound at the same capacity
         bel = next(r for r in out if r["policy"] == "belady" and r["capacity"] == row["capacity"]) \
             if "belady" in policies else None
@@ -82,6 +88,23 @@ def hit_curves(ids: np.ndarray, num_experts: int, caps: list[int], policies=POLI
                 b = bel[f"hit_rate_{key}"]
                 row[f"of_belady_{key}"] = row[f"hit_rate_{key}"] / b if b > 0 else None
     return out
+
+
+def _probs(trace: Trace) -> np.ndarray | None:
+    """Router probabilities of the chosen experts `[L, T, k]` in `routing()` order; None if not recorded."""
+    w = trace.layer_matrix("weights").astype(np.float64)
+    return None if np.isnan(w).any() else w
+
+
+def _learned_rows(learned, ids, num_experts, caps, probs) -> list[dict]:
+    from .learned_policy import simulate_learned
+
+    learned.check_shape(num_experts, ids.shape[2])
+    per_layer = simulate_learned(learned, ids, caps, probs, "layer")
+    glob = simulate_learned(learned, ids, caps, probs, "global")
+    return [{"policy": "learned", "capacity": c, "capacity_frac": c / num_experts, "semantics": "token",
+             "hit_rate_per_layer": per_layer[c]["hit_rate"], "hit_rate_global": glob[c]["hit_rate"],
+             "accesses": per_layer[c]["accesses"], "policy_file": learned.meta.get("path")} for c in caps]
 
 
 def lookahead_recall(trace: Trace, model, distances=(1, 2, 3)) -> dict:
@@ -132,7 +155,7 @@ def _routing_stats(trace: Trace, routing: tuple[np.ndarray, np.ndarray, np.ndarr
 
 def analyze(trace_path: str | Path, out_dir: str | Path, model_dir: str | None = None, phase: str | None = "decode",
             semantics: str = "token", fit_trace: str | None = None, by_domain: bool = True,
-            fractions=CAPACITY_FRACTIONS) -> dict:
+            fractions=CAPACITY_FRACTIONS, policy_file: str | None = None) -> dict:
     from rich.progress import Progress
 
     trace = read_trace(trace_path)
@@ -158,12 +181,20 @@ def analyze(trace_path: str | Path, out_dir: str | Path, model_dir: str | None =
                "capacities": caps}
     routing = sel.routing()
     summary["routing"] = _routing_stats(sel, routing)
+    learned = probs = None
+    if policy_file:  # the learned eviction policy beside the others (token semantics)
+        from .learned_policy import LearnedPolicy
+
+        learned = LearnedPolicy.load(policy_file)
+        learned.check_shape(meta.num_experts, meta.top_k, f"trace {trace_path}")
+        probs = _probs(sel) if learned.uses_probs else None
+        summary["learned_policy"] = learned.describe()
     domains = [d for d in sel.domains() if d] if by_domain else []
     with Progress(transient=True) as prog:
         n = len(caps) * len(POLICIES) * (1 + len(domains))
         task = prog.add_task("cache simulation", total=n)
         summary["hit_curves"] = hit_curves(routing[0], meta.num_experts, caps, semantics=semantics, fit_ids=fit_ids,
-                                           progress=lambda: prog.advance(task))
+                                           progress=lambda: prog.advance(task), learned=learned, probs=probs)
         if len(domains) > 1:
             summary["by_domain"] = {}
             for d in domains:
@@ -172,7 +203,9 @@ def analyze(trace_path: str | Path, out_dir: str | Path, model_dir: str | None =
                 summary["by_domain"][d] = {
                     "routing": {k: v for k, v in _routing_stats(dt, dr).items() if k != "per_layer"},
                     "hit_curves": hit_curves(dr[0], meta.num_experts, caps, semantics=semantics,
-                                             progress=lambda: prog.advance(task))}
+                                             progress=lambda: prog.advance(task), learned=learned,
+                                             probs=_probs(dt) if learned is not None and learned.uses_probs
+                                             else None)}
     if model_dir is not None and "hidden" in sel.table.column_names:
         from transformers import AutoModelForCausalLM
 
@@ -213,7 +246,7 @@ def plot_summary(s: dict, out: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
     for ax, key, title in ((axes[0], "hit_rate_per_layer", "per-layer budget"),
                            (axes[1], "hit_rate_global", "global budget")):
-        for pol in POLICIES:
+        for pol in _policies(s):
             rows = [r for r in s["hit_curves"] if r["policy"] == pol]
             ax.plot([r["capacity_frac"] for r in rows], [r[key] for r in rows], marker="o", label=pol,
                     ls="--" if pol == "belady" else "-")
@@ -238,6 +271,11 @@ def plot_summary(s: dict, out: Path) -> None:
         plt.close(fig)
 
 
+def _policies(s: dict) -> tuple:
+    """The policies of a summary's hit curves: the built-in ones, and ``learned`` where a policy file was given."""
+    return POLICIES + (("learned",) if any(r["policy"] == "learned" for r in s["hit_curves"]) else ())
+
+
 def text_summary(s: dict) -> str:
     r = s["routing"]
     lines = [f"trace {s['trace']}  model {s['model']}  ({s['family']}, {s['moe_layers']} MoE layers, "
@@ -247,10 +285,10 @@ def text_summary(s: dict) -> str:
              "coverage: " + ", ".join(f"{float(x):.0%} of accesses on {v:.1%} of experts"
                                       for x, v in r["coverage_mean"].items()),
              f"hit rate ({s['semantics']} semantics; static fit: {s['static_fit']}):",
-             f"  {'capacity':>14} " + " ".join(f"{p:>16}" for p in POLICIES)]
+             f"  {'capacity':>14} " + " ".join(f"{p:>16}" for p in _policies(s))]
     for cap in s["capacities"]:
         rows = {x["policy"]: x for x in s["hit_curves"] if x["capacity"] == cap}
-        cells = [f"{rows[p]['hit_rate_per_layer']:.3f}/{rows[p]['hit_rate_global']:.3f}" for p in POLICIES]
+        cells = [f"{rows[p]['hit_rate_per_layer']:.3f}/{rows[p]['hit_rate_global']:.3f}" for p in _policies(s)]
         lines.append(f"  {cap:>4} ({cap / s['num_experts']:6.1%}) " + " ".join(f"{c:>16}" for c in cells))
     lines.append("  (each cell: per-layer budget / global budget)")
     if "lookahead_recall" in s:

@@ -34,6 +34,7 @@ import numpy as np
 from .errors import InputError
 
 POLICIES = ("lru", "lfu", "static", "belady")
+LEARNED = "learned"  # a fitted policy file's keep scores through the scored path (not in POLICIES: needs a file)
 SEMANTICS = ("token", "reference")
 _INF = 1 << 60
 
@@ -83,8 +84,16 @@ def _check(steps: np.ndarray, capacity: int, policy: str, semantics: str) -> lis
 
 
 def simulate(steps: np.ndarray, capacity: int, policy: str = "lru", semantics: str = "token",
-             fit: np.ndarray | None = None) -> CacheResult:
-    """Hit/miss counts of one cache over `steps`. `fit` (static only): the steps whose frequencies pick the pins."""
+             fit: np.ndarray | None = None, keep=None) -> CacheResult:
+    """Hit/miss counts of one cache over `steps`. `fit` (static only): the steps whose frequencies pick the pins.
+    ``learned`` (token semantics): the scored path driven by `keep`, a fitted policy's keep scores for these
+    steps (`LearnedPolicy.keep_stream`, expertcache.telemetry.learned_policy)."""
+    if policy == LEARNED:
+        if semantics != "token":
+            raise InputError("the learned policy is simulated under token semantics only")
+        if keep is None:
+            raise InputError("policy learned needs its keep scores (LearnedPolicy.keep_stream over the trace)")
+        return simulate_scored(steps, capacity, keep, name=LEARNED)
     rows = _check(steps, capacity, policy, semantics)
     if policy == "static":
         hits = _static(rows, capacity, fit if fit is not None else steps)
@@ -229,21 +238,23 @@ def _belady(rows, cap, token: bool) -> int:
     return hits
 
 
-def simulate_scored(steps: np.ndarray, capacity: int, keep: np.ndarray | None = None,
-                    prefetch: np.ndarray | None = None) -> CacheResult:
+def simulate_scored(steps: np.ndarray, capacity: int, keep=None, prefetch: np.ndarray | None = None,
+                    name: str | None = None) -> CacheResult:
     """One per-layer cache (token semantics) driven by a predictor's scores; LRU where it has none.
 
     - `keep [S, E]`: scores computed after step s for step s+1 (a Temporal router). After the access the cache
       keeps the top-C keys of (resident ∪ step s's keys) by `keep[s]`, ties to the more recent: an update-only
       policy that never loads anything itself, and may let a just-used key stream through (bypass).
       Without `keep`, every key of the step is kept and the least recently used one is evicted (= `lru`).
+      `keep` may also be an iterator of per-step score lists, consumed in step order (a learned policy's
+      `keep_stream`: ``learned``; a row may be the same list object updated in place).
     - `prefetch [S, R]`: keys to load before step s is accessed (a Spatio refinement, -1 = none), at most R per
       step. Each one not resident is loaded (counted in `prefetches`, used or not), evicting the resident key
       with the lowest priority (`keep[s-1]`, or recency without `keep`) that is not itself being prefetched.
     """
     rows = _check(steps, capacity, "lru", "token")
     e_max = max((max(r) for r in rows if r), default=0) + 1
-    if keep is not None:
+    if keep is not None and not _is_stream(keep):
         keep = np.asarray(keep, dtype=np.float64)
         if keep.shape[0] != len(rows) or keep.shape[1] < e_max:
             raise InputError(f"keep scores have shape {keep.shape}; expected [{len(rows)}, >= {e_max}]")
@@ -254,7 +265,14 @@ def simulate_scored(steps: np.ndarray, capacity: int, keep: np.ndarray | None = 
         prefetch = prefetch.tolist()
     hits, loads, pre = _scored(rows, capacity, keep, prefetch)
     acc = sum(len(r) for r in rows)
-    return CacheResult("scored" if keep is not None else "lru", capacity, "token", len(rows), acc, hits, loads, pre)
+    return CacheResult(name or ("scored" if keep is not None else "lru"), capacity, "token", len(rows), acc, hits,
+                       loads, pre)
+
+
+def _is_stream(keep) -> bool:
+    """Keep scores given one row at a time (a generator of per-step lists, e.g. a learned policy's
+    `keep_stream`) rather than as an `[S, E]` array."""
+    return not isinstance(keep, (np.ndarray, list, tuple))
 
 
 def _scored(rows, capacity, keep, prefetch) -> tuple[int, int, int]:
@@ -263,6 +281,8 @@ def _scored(rows, capacity, keep, prefetch) -> tuple[int, int, int]:
     res: OrderedDict = OrderedDict()  # resident keys; iteration order = recency order (least recent first)
     hits = loads = pre = 0
     prio = None  # keep scores from the previous step, as a list
+    if keep is not None:
+        keep = iter(keep) if _is_stream(keep) else (row.tolist() for row in keep)
 
     for s, r in enumerate(rows):
         if prefetch is not None:
@@ -283,7 +303,7 @@ def _scored(rows, capacity, keep, prefetch) -> tuple[int, int, int]:
         hits += len(r) - len(miss)
         loads += len(miss)
         if keep is not None:
-            prio = keep[s].tolist()
+            prio = next(keep)
             for e in r:
                 res[e] = None
                 res.move_to_end(e)
