@@ -94,7 +94,8 @@ def cmd_analyze(a) -> int:
     from expertcache.telemetry.analysis import analyze, text_summary
 
     s = analyze(a.trace, a.out, model_dir=a.model, phase=None if a.phase == "all" else a.phase,
-                semantics=a.semantics, fit_trace=a.static_fit, by_domain=not a.no_domains)
+                semantics=a.semantics, fit_trace=a.static_fit, by_domain=not a.no_domains,
+                policy_file=a.policy_file)
     print(text_summary(s))
     print(f"\nwrote {a.out}/summary.json, {a.out}/summary.txt and plots")
     return 0
@@ -413,6 +414,34 @@ def _talk_parsers(sub) -> None:
     s.set_defaults(func=cmd_serve)
 
 
+def cmd_fit_policy(a) -> int:
+    import os
+
+    import torch
+
+    from expertcache.telemetry.learned_policy import fit
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
+    pol = fit(a.trace, hidden=a.hidden, epochs=a.epochs, seed=a.seed, phase=None if a.phase == "all" else a.phase,
+              log=lambda m: print(m, file=sys.stderr))
+    pol.save(a.out)
+    _print_json({"policy": a.out, **{k: pol.meta[k] for k in ("model", "num_experts", "top_k", "num_layers", "traces",
+                                                              "uses_probs", "rows", "fit_seconds")}})
+    return 0
+
+
+def _fit_policy_parser(fp: argparse.ArgumentParser) -> None:
+    fp.add_argument("--trace", action="append", required=True,
+                    help="Parquet trace or llama-moe-trace .npz (repeat for several traces of one model)")
+    fp.add_argument("--out", required=True, help="policy file to write (safetensors + JSON metadata)")
+    fp.add_argument("--phase", default="decode", choices=["decode", "prefill", "all"],
+                    help="Parquet traces: tokens to fit on (default decode; a trace without them: every token)")
+    fp.add_argument("--hidden", type=int, default=32, help="MLP width (default 32)")
+    fp.add_argument("--epochs", type=int, default=4)
+    fp.add_argument("--seed", type=int, default=0)
+    fp.set_defaults(func=cmd_fit_policy)
+
+
 # --- parser ------------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -490,6 +519,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "published simulator's sequential accesses")
     an.add_argument("--static-fit", default=None, help="fit static pins on this trace (e.g. the validation split)")
     an.add_argument("--no-domains", action="store_true", help="skip the per-domain breakdown")
+    an.add_argument("--policy-file", default=None, help="a learned eviction policy (`expertcache fit-policy`): adds "
+                                                        "its rows (policy learned, token semantics) to the hit curves")
     an.set_defaults(func=cmd_analyze)
 
     be = sub.add_parser("bench", help="decode benchmarks (JSON + table)")
@@ -605,6 +636,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from expertcache.telemetry.errors import InputError
+    _fit_policy_parser(sub.add_parser(
+        "fit-policy", help="fit a learned eviction policy (keep scores from online features, supervised by the "
+                           "trace's future) on one or more traces of one model"))
 
     args = build_parser().parse_args(argv)
     try:
