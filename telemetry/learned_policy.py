@@ -305,8 +305,10 @@ def _collect(ids: np.ndarray, probs: np.ndarray | None, e: int, k: int, uses_pro
 
 
 def fit(traces: list[str | Path], hidden: int = 32, epochs: int = 4, rows_per_step: int = 8, max_rank: int = 48,
-        seed: int = 0, phase: str | None = "decode", log=None) -> LearnedPolicy:
-    """Fit a policy on one or more traces of one model (same num_experts and top_k)."""
+        seed: int = 0, phase: str | None = "decode", log=None, use_probs: bool = True) -> LearnedPolicy:
+    """Fit a policy on one or more traces of one model (same num_experts and top_k). Router probabilities are a
+    feature when every trace has them and `use_probs`; a policy fitted with them should be given them at serving
+    time too (`policy(pos, hidden, ids, probs)`): without, each chosen expert counts 1/k."""
     import torch
 
     t0 = time.perf_counter()
@@ -323,7 +325,7 @@ def fit(traces: list[str | Path], hidden: int = 32, epochs: int = 4, rows_per_st
     if not data:
         raise InputError("fit-policy needs at least one trace")
     e, k, n_l, model = shape
-    uses_probs = all(pr is not None for _, pr in data)
+    uses_probs = use_probs and all(pr is not None for _, pr in data)
     rng = np.random.default_rng(seed)
     xs, ds = zip(*(_collect(ids, pr, e, k, uses_probs, rng, rows_per_step, max_rank) for ids, pr in data))
     x, d = np.concatenate(xs), np.concatenate(ds)
