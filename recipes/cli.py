@@ -423,7 +423,7 @@ def cmd_fit_policy(a) -> int:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     pol = fit(a.trace, hidden=a.hidden, epochs=a.epochs, seed=a.seed, phase=None if a.phase == "all" else a.phase,
-              log=lambda m: print(m, file=sys.stderr))
+              log=lambda m: print(m, file=sys.stderr), use_probs=a.probs)
     pol.save(a.out)
     _print_json({"policy": a.out, **{k: pol.meta[k] for k in ("model", "num_experts", "top_k", "num_layers", "traces",
                                                               "uses_probs", "rows", "fit_seconds")}})
@@ -439,6 +439,8 @@ def _fit_policy_parser(fp: argparse.ArgumentParser) -> None:
     fp.add_argument("--hidden", type=int, default=32, help="MLP width (default 32)")
     fp.add_argument("--epochs", type=int, default=4)
     fp.add_argument("--seed", type=int, default=0)
+    fp.add_argument("--no-probs", dest="probs", action="store_false",
+                    help="ignore the traces' router probabilities (for an engine that passes expert ids only)")
     fp.set_defaults(func=cmd_fit_policy)
 
 
