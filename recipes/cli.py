@@ -202,7 +202,7 @@ def cmd_bench_decode(a) -> int:
 
             res = bench_decode(a.model, prompts, a.tier, caps, preds, a.miss, a.policy, a.tokens, a.warmup, a.rounds,
                                a.tau, load_aux=lambda m: load_aux_routers(a.model, m), budget=a.budget,
-                               dtype=a.dtype, workers=a.workers,
+                               dtype=a.dtype, workers=a.workers, device=a.device, kernel=a.kernel, plain=a.plain,
                                progress=lambda: prog.advance(task))
     res["git_commit"] = _git_commit()
     if a.out:
@@ -557,6 +557,13 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--corpus", default="data/corpus", help="prompts from this corpus's test split (absent: random token ids)")
     bd.add_argument("--domain", default="prose")
     bd.add_argument("--workers", type=int, default=4, help="transfer threads")
+    bd.add_argument("--device", default="cpu", help="live: cpu | cuda | auto (the cache slots and the non-expert "
+                    "model; experts stay on --tier: disk, or host RAM pinned for the GPU)")
+    bd.add_argument("--kernel", default="native", help="native (the family's own expert forward: bit-identical) | "
+                    "triton (CUDA: the SwiGLU kernel over the slots)")
+    bd.add_argument("--no-plain", dest="plain", action="store_false", default=None,
+                    help="skip the plain from_pretrained reference (default: run it when the checkpoint fits in "
+                         "half the available memory)")
     bd.add_argument("--store-dir", default="runs/stores", help="where expert stores are written (reused)")
     bd.add_argument("--out", default=None, help="also write the JSON here")
     bd.set_defaults(func=cmd_bench_decode)
@@ -631,6 +638,9 @@ def build_parser() -> argparse.ArgumentParser:
     ga.set_defaults(func=cmd_gate)
 
     _talk_parsers(sub)
+    _fit_policy_parser(sub.add_parser(
+        "fit-policy", help="fit a learned eviction policy (keep scores from online features, supervised by the "
+                           "trace's future) on one or more traces of one model"))
     _train_cache_aware_parser(sub.add_parser(
         "train-cache-aware", help="cache-aware post-training (locality losses, Temporal/Spatio routers) + gate"))
     return p
@@ -638,9 +648,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from expertcache.telemetry.errors import InputError
-    _fit_policy_parser(sub.add_parser(
-        "fit-policy", help="fit a learned eviction policy (keep scores from online features, supervised by the "
-                           "trace's future) on one or more traces of one model"))
 
     args = build_parser().parse_args(argv)
     try:

@@ -66,21 +66,24 @@ def peak_rss_bytes() -> int:
 def bench_decode(model_dir: str | Path, prompts: torch.Tensor, tier: str = "disk", capacities=(0.125, 0.25),
                  predictors=("probe:1",), miss: str = "blocking", policy: str = "lru", tokens: int = 64,
                  warmup: int = 8, rounds: int = 2, tau: float = 0.1, load_aux=None, budget: str = "layer",
-                 dtype=None, plain: bool | None = None, workers: int = 4, progress=None) -> dict:
+                 dtype=None, plain: bool | None = None, workers: int = 4, device: str = "cpu",
+                 kernel: str = "native", progress=None) -> dict:
     """The model is built once (`load`: experts stay in the checkpoint) and each configuration is attached to
     it in turn, pass by pass, alternated. `plain` (the unmodified model, every expert in memory, loaded with
     `from_pretrained`) is the reference when the checkpoint fits in half the available memory (None: decide so).
     `load_aux(model) -> AuxRouters`: the checkpoint's auxiliary routers, for the `spatio` predictor and the
     `scored` policy (passed in by the caller: the runtime does not depend on the trainer)."""
     from .checkpoint import Checkpoint
-    from .loader import load, parse_dtype, reattach, resolve
+    from .loader import load, parse_device, parse_dtype, reattach, resolve
 
     path = resolve(model_dir)
     ckpt_bytes = Checkpoint(path).bytes_on_disk()
     if plain is None:
         plain = ckpt_bytes < 0.5 * available_memory()
     rss_start = peak_rss_bytes()
-    m = load(path, capacity=capacities[0], tier=tier, dtype=dtype, budget=budget, workers=workers)
+    device = parse_device(device)
+    m = load(path, capacity=capacities[0], tier=tier, dtype=dtype, budget=budget, workers=workers, device=device,
+             kernel=kernel)
     eng0 = m.expertcache
     e = eng0.adapter.num_experts
     rss_loaded = peak_rss_bytes()
@@ -90,7 +93,8 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, tier: str = "disk
     def attach(cap, pred="none", pol=policy, ms="blocking", tr=tier):
         aux = load_aux(m) if load_aux is not None and (pred == "spatio" or pol == "scored") else None
         keep = TemporalKeep(m, aux) if pol == "scored" and aux is not None else None
-        cfg = EngineConfig(capacity=cap, tier=tr, policy=pol, miss=ms, tau=tau, budget=budget, workers=workers)
+        cfg = EngineConfig(capacity=cap, tier=tr, policy=pol, miss=ms, tau=tau, budget=budget, workers=workers,
+                           device=device, kernel=kernel)
         return reattach(m, cfg, predictor=make_predictor(pred, m, aux, num_experts=e, hidden_size=m.config.hidden_size),
                         keep_scores=keep)
 
@@ -107,7 +111,7 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, tier: str = "disk
     if plain:
         from transformers import AutoModelForCausalLM
 
-        plain_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt).eval()
+        plain_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt).eval().to(device)
     names = (["plain"] if plain else []) + list(configs)
     results = {name: {"tpot": [], "stats": [], "tokens_equal_plain": None} for name in names}
     plain_out = None
@@ -123,7 +127,7 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, tier: str = "disk
                     if bw is None and name.startswith("on-demand"):
                         bw = measure_bandwidth(eng.tier, eng.meta, eng.pool_exec, eng.meta.num_layers)
                 for b in range(prompts.shape[0]):
-                    tpot, stats, out = _pass(model, prompts[b:b + 1], n_new, eng)
+                    tpot, stats, out = _pass(model, prompts[b:b + 1].to(device), n_new, eng)
                     results[name]["tpot"].extend(tpot[warmup:])
                     if stats is not None:
                         results[name]["stats"].append(stats)
@@ -146,6 +150,7 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, tier: str = "disk
                       "tokens": tokens, "warmup": warmup, "rounds": rounds, "prompts": int(prompts.shape[0]),
                       "prompt_len": int(prompts.shape[1]), "torch_threads": torch.get_num_threads(),
                       "expert_bytes": eb, "dtype": str(dt).removeprefix("torch."), "expert_source": "checkpoint",
+                      "device": device, "kernel": kernel,
                       "plain": bool(plain)},
            "tier_bandwidth_GBps": bw / 1e9 if bw else None, "t_compute_s": t_res,
            "peak_rss_bytes": {"start": rss_start, "after_load": rss_loaded, "end": peak_rss_bytes()},

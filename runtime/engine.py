@@ -54,6 +54,8 @@ class EngineConfig:
     workers: int = 4  # transfer threads
     budget: str = "layer"  # layer: C slots per layer; global: one cache of C x layers slots shared by all layers
     device: str = "cpu"  # where the slots (and the non-expert model) live: cpu | cuda
+    kernel: str = "native"  # native: the family's own experts forward (bit-identical to plain) | triton (SwiGLU
+    # families on CUDA: `kernels.swiglu_triton` over the slots, fp32 accumulation; equal up to rounding)
 
     def slots(self, num_experts: int, top_k: int) -> int:
         c = round(self.capacity * num_experts) if self.capacity < 1 else int(self.capacity)
@@ -80,6 +82,8 @@ class EngineConfig:
                 raise InputError(f"{name}={getattr(self, name)}; expected >= 0")
         if self.workers < 1:
             raise InputError(f"workers={self.workers}; expected >= 1")
+        if self.kernel not in ("native", "triton"):
+            raise InputError(f"kernel={self.kernel!r}; expected native or triton")
 
     @property
     def slot_device(self) -> str:
@@ -141,7 +145,13 @@ class OffloadedExperts(nn.Module):
         return self._engine[0].run_layer(self, hidden_states, top_k_index, top_k_weights)
 
     def compute(self, hidden, slot_index, weights):
-        """All (token, choice) pairs at once over the slot pool: the family's own forward, as plain generate."""
+        """All (token, choice) pairs at once over the slot pool: the family's own forward, as plain generate (or
+        the triton SwiGLU kernel, when the engine is configured for it and the tensors are on a GPU)."""
+        if self._engine[0].cfg.kernel == "triton" and hidden.is_cuda and not getattr(self._tmpl, "has_bias", False):
+            from .kernels import swiglu_experts
+
+            v = self._tmpl
+            return swiglu_experts(hidden, v.gate_up_proj, v.down_proj, slot_index, weights)
         return self._forward(self._tmpl, hidden, slot_index, weights)
 
     def rows(self, x, slots, weights, tensors: dict[str, torch.Tensor] | None = None):
