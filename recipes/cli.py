@@ -173,7 +173,8 @@ def cmd_bench_decode(a) -> int:
             task = prog.add_task("replay passes", total=a.rounds * (2 + len(preds)))
             res = replay_benchmark(a.replay, a.expert_shape, a.dtype or "bf16", a.tier, _floats(a.capacity)[0], preds,
                                    a.tokens, a.warmup, a.rounds, a.disk_budget_gb, a.store_dir,
-                                   workers=a.workers, progress=lambda: prog.advance(task))
+                                   workers=a.workers, progress=lambda: prog.advance(task),
+                                   policy_file=a.policy.split(":", 1)[1] if a.policy.startswith("learned:") else None)
     else:
         import numpy as np
         import torch
@@ -548,7 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--tau", type=float, default=0.1, help="reroute margin on router probabilities")
     bd.add_argument("--budget", default="layer", help="layer: C slots per layer | global: C x layers slots shared")
     bd.add_argument("--policy", default="lru", help="cache policy: lru | lfu | scored (the checkpoint's Temporal "
-                                                    "router decides what stays)")
+                    "router decides what stays) | learned:FILE (fitted with `expertcache fit-policy`; in a replay it "
+                    "runs on-demand beside LRU)")
     bd.add_argument("--tokens", type=int, default=64, help="timed decode tokens per pass (after the warm-up)")
     bd.add_argument("--warmup", type=int, default=8)
     bd.add_argument("--rounds", type=int, default=2, help="alternated passes per configuration")

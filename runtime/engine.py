@@ -46,7 +46,8 @@ MISS_POLICIES = ("blocking", "reroute", "speculative", "host")
 class EngineConfig:
     capacity: float = 0.25  # resident experts per layer: a fraction of E (< 1) or a count (>= 1)
     tier: str = "host"  # disk | host | throttled:<GB/s> | cuda (host with the slots on the GPU)
-    policy: str = "lru"  # lru | lfu | static | scored (scored needs a keep-score source, e.g. the Temporal router)
+    policy: str = "lru"  # lru | lfu | static | scored (needs a keep-score source, e.g. the Temporal router) |
+    # learned:FILE (an eviction policy fitted on traces with `expertcache fit-policy`)
     miss: str = "blocking"
     tau: float = 0.1  # reroute margin on router probabilities
     prefetch_budget: int = 0  # experts prefetched per layer per token (0: as many as the predictor names, up to k)
@@ -71,6 +72,11 @@ class EngineConfig:
         if self.miss == "host" and TierSpec.parse(self.tier).kind not in ("host", "throttled"):
             raise InputError(f"miss policy host computes experts where they live: it needs the host or a "
                              f"throttled tier, not {self.tier}")
+        from .cache import POLICIES
+
+        if self.policy not in POLICIES and not self.policy.startswith("learned:"):
+            raise InputError(f"unknown cache policy {self.policy!r}; expected one of {', '.join(POLICIES)} or "
+                             f"learned:FILE")
         if self.budget not in ("layer", "global"):
             raise InputError(f"budget={self.budget!r}; expected layer or global")
         if self.device not in ("cpu", "cuda"):
@@ -217,8 +223,16 @@ class OffloadEngine:
                                                                              > 2**26 else "") + ")")
         self.tier = tier or make_tier(cfg.tier, self.source, fast)
         self.predictor = predictor or Predictor()
-        self.keep_scores = keep_scores  # callable(pos, hidden, ids) -> [E] scores for the scored policy
-        if cfg.policy == "scored" and keep_scores is None:
+        self.cache_policy = cfg.policy
+        if cfg.policy.startswith("learned:"):  # a learned eviction policy (`expertcache fit-policy`): lossless
+            from expertcache.telemetry.learned_policy import LearnedPolicy
+
+            if keep_scores is None:
+                keep_scores = LearnedPolicy.load(cfg.policy.split(":", 1)[1], num_experts=e, top_k=k,
+                                                 num_layers=len(self.layers))
+            self.cache_policy = "scored"
+        self.keep_scores = keep_scores
+        if self.cache_policy == "scored" and keep_scores is None:
             raise InputError("policy scored needs keep scores (the Temporal router of a cache-aware checkpoint, "
                              "or a learned policy file)")
         self.pinned = pinned or {}
@@ -498,10 +512,10 @@ class OffloadEngine:
         """Empty caches: one state per layer, or one over `layer * E + expert` keys behind every layer's view."""
         e, k, n_l, c = self.adapter.num_experts, self.adapter.top_k, len(self.layers), self.capacity
         if self.cfg.budget == "layer":
-            self.states = [LayerView(CacheState(c, k, self.cfg.policy, self.pinned.get(i))) for i in range(n_l)]
+            self.states = [LayerView(CacheState(c, k, self.cache_policy, self.pinned.get(i))) for i in range(n_l)]
         else:
             pins = [i * e + x for i in range(n_l) for x in self.pinned.get(i, [])[:c]] if self.pinned else None
-            shared = CacheState(c * n_l, k, self.cfg.policy, pins)
+            shared = CacheState(c * n_l, k, self.cache_policy, pins)
             self.states = [LayerView(shared, i * e, e * n_l) for i in range(n_l)]
 
     def _load_pins(self) -> None:

@@ -118,6 +118,7 @@ class ReplayConfig:
     predictor: str = "none"  # none | persistence | estimator | oracle | oracle:<recall>
     prefetch: bool = False
     belady: bool = False  # evict by the trace's next use (the offline bound), instead of LRU
+    policy: str | None = None  # another cache policy (e.g. learned:FILE); default LRU (Belady when `belady`)
 
 
 def next_use_scores(ids: np.ndarray, num_experts: int) -> np.ndarray:
@@ -244,7 +245,7 @@ class Replayer:
         return times
 
     def run(self, cfg: ReplayConfig, tokens: range, est=None, policy: str | None = None) -> dict:
-        eng = self._engine(cfg, est, policy)
+        eng = self._engine(cfg, est, policy or cfg.policy)
         n_l = self.ids.shape[0]
         ids = torch.as_tensor(self.ids)
         times = []
@@ -285,7 +286,7 @@ def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2
                      tokens: int = 64, warmup: int = 8, rounds: int = 2, disk_budget_gb: float = 8.0,
                      store_dir: str | Path = "runs/replay-store", first_layer: int | None = None,
                      workers: int = 4, fit_frac: float = 0.2, belady_bound: bool = True,
-                     progress=None) -> dict:
+                     policy_file: str | Path | None = None, progress=None) -> dict:
     """On-demand vs each prefetching predictor, alternated pass by pass on the same tokens; JSON-ready."""
     ids_all, e, tmeta = load_routing(trace)
     hidden, inter = parse_shape(expert_shape)
@@ -307,6 +308,8 @@ def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2
     rp = Replayer(store, ids, cap, tier, workers)
     span = range(cut, cut + warmup + tokens)
     configs = [ReplayConfig("on-demand")] + [ReplayConfig(p, p, True) for p in predictors]
+    if policy_file is not None:  # the learned eviction policy, on-demand (lossless: only what stays changes)
+        configs.append(ReplayConfig("on-demand+learned", policy=f"learned:{policy_file}"))
     if belady_bound:  # the offline bound: oracle prefetch and Belady eviction (not realizable; lossless)
         configs.append(ReplayConfig("oracle+belady", "oracle", True, belady=True))
     runs = {c.name: [] for c in configs}

@@ -146,9 +146,12 @@ class DiskTier(Tier):
         what = f"layer {layer} expert {expert}"
         for file, start, end, spans in _runs(self.source.spans(layer, expert)):
             s0 = spans[0]
-            if (len(spans) == 1 and start % ALIGN == 0 and (end - start) % ALIGN == 0 and pool.device == "cpu"
-                    and s0.src_dtype == s0.dst_dtype and s0.dst % ALIGN == 0):
-                self._pread(self.fds[file], pool.slot_bytes(slot)[s0.dst:s0.dst + s0.nbytes], start, s0.nbytes, what)
+            n = (end - start + ALIGN - 1) // ALIGN * ALIGN
+            if (pool.device == "cpu" and start % ALIGN == 0 and s0.dst % ALIGN == 0 and s0.dst + n <= b
+                    and all(s.src_dtype == s.dst_dtype and s.offset - start == s.dst - s0.dst for s in spans)):
+                # the run lies in the file exactly as in the block (a repacked store, or an aligned checkpoint
+                # whose experts' tensors sit back to back): one read straight into the slot, no staging copy
+                self._pread(self.fds[file], pool.slot_bytes(slot)[s0.dst:s0.dst + n], start, end - start, what)
                 continue
             a0 = start // ALIGN * ALIGN
             n = (end - a0 + ALIGN - 1) // ALIGN * ALIGN

@@ -68,3 +68,24 @@ def test_bandwidth_model_arithmetic():
     assert p["t_transfer_s"] == pytest.approx(10 * 1e6 / 1e9)
     assert p["t_compute_s"] == pytest.approx(10 * 1e6 / 1e9)  # 10 layers x top-1 x 1 MB at 1 GB/s
     assert p["tpot_on_demand_s"] == pytest.approx(0.02) and p["tpot_perfect_overlap_s"] == pytest.approx(0.01)
+
+
+def test_the_engine_keeps_what_the_simulator_keeps_under_a_learned_policy(trace_npz, tmp_path):
+    """Driven through the engine's own step (the replay), a learned policy file gives the simulator's hits."""
+    from expertcache.runtime.replay import ReplayConfig, Replayer, ensure_store, load_routing
+    from expertcache.telemetry.learned_policy import LearnedPolicy, fit, simulate_learned
+
+    ids, e, _ = load_routing(trace_npz)
+    ids = ids[:, :80]
+    pol_path = tmp_path / "p.safetensors"
+    fit([trace_npz], epochs=1, rows_per_step=4, max_rank=8).save(pol_path)
+    store = ensure_store(tmp_path, ids.shape[0], e, 64, 32, "bfloat16")
+    rp = Replayer(store, ids, 4, "disk")
+    try:
+        lru = rp.run(ReplayConfig("on-demand"), range(ids.shape[1]))
+        got = rp.run(ReplayConfig("learned", policy=f"learned:{pol_path}"), range(ids.shape[1]))
+    finally:
+        rp.close()
+    want = simulate_learned(LearnedPolicy.load(pol_path), ids, [4])[4]
+    assert got["acc"] == want["accesses"] and got["hits"] == want["hits"]
+    assert got["hits"] != lru["hits"]  # the policy really decided something
