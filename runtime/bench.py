@@ -123,6 +123,7 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, tier: str = "disk
                 if name == "plain":
                     model, eng = plain_model, None
                 else:
+                    eng = None  # the previous configuration's engine goes before the next one's slots are made
                     model, eng = m, configs[name]()
                     if bw is None and name.startswith("on-demand"):
                         bw = measure_bandwidth(eng.tier, eng.meta, eng.pool_exec, eng.meta.num_layers)

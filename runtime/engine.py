@@ -550,6 +550,8 @@ class OffloadEngine:
             h.remove()
         self._hooks = []
         self.pool_exec.shutdown(wait=True)
+        for mod in self.modules:  # break the engine <-> module cycle: the slot pools go when the engine does
+            mod._engine = [None]
 
     def close(self) -> None:
         self.detach()

@@ -14,6 +14,7 @@ only, no `trust_remote_code`.
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -196,6 +197,10 @@ def reattach(model, cfg: EngineConfig, **kw) -> OffloadEngine:
     same = cfg.tier == old.cfg.tier and cfg.slot_device == old.cfg.slot_device
     if not same:
         old.tier.close()
-    eng = OffloadEngine(model, old.source, cfg, tier=old.tier if same else None, **kw)
+    model_source, tier = old.source, old.tier if same else None
+    del old
+    model.expertcache = None
+    gc.collect()  # the old slots are freed before the new ones are allocated: peak memory is one configuration's
+    eng = OffloadEngine(model, model_source, cfg, tier=tier, **kw)
     model.expertcache = eng
     return eng
