@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 import torch
-from tiny_lm import make_tiny_checkpoint
+from tiny_lm import make_tiny_checkpoint, one_torch_thread  # noqa: F401 - autouse fixture
 
 from expertcache.runtime.engine import EngineConfig, offload
 from expertcache.runtime.generate import encode
@@ -20,12 +20,6 @@ from expertcache.runtime.store import write_store
 NAME = "tiny-moe"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():  # a shared 2-core machine; restored for the modules that run after this one
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

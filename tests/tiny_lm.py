@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import torch
 from helpers import WORDS
 
 # a small chat template in the usual ChatML shape, for the tests that exercise the templated path
@@ -31,3 +33,12 @@ def make_tiny_checkpoint(out: Path, seed: int = 0, chat_template: bool = False, 
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(str(out))
     return Path(out)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """One torch thread for a module that imports this (a shared 2-core machine); restored after it."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
