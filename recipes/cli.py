@@ -531,9 +531,11 @@ def build_parser() -> argparse.ArgumentParser:
     bd = bsub.add_parser("decode", help="TPOT, hit, traffic, stall, overlap: the offload engine vs plain generate and "
                                         "on-demand loading, alternated in one run; or --replay a trace at real size")
     bd.add_argument("--model", default=None, help="HF checkpoint (live mode)")
-    bd.add_argument("--replay", nargs="?", default=None, const="../shared/reference/qwen3-30b-a3b-routing/code.npz",
+    from expertcache.runtime.replay import REFERENCE_TRACE
+
+    bd.add_argument("--replay", nargs="?", default=None, const=REFERENCE_TRACE,
                     metavar="TRACE", help="replay a trace (.npz or Parquet; alone: the reference Qwen3-30B-A3B code "
-                    "trace in ../shared/reference) with random experts of --expert-shape instead of a live model")
+                    "trace shipped in telemetry/reference) with random experts of --expert-shape instead of a live model")
     bd.add_argument("--expert-shape", default="2048x768", help="replay: HIDDENxINTERMEDIATE (Qwen3-30B-A3B: 2048x768)")
     bd.add_argument("--dtype", default=None, help="live: compute dtype (default: the checkpoint's own); replay: the "
                     "store's expert dtype (default bf16); bf16, fp16 or fp32")

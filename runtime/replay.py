@@ -1,5 +1,5 @@
 """Replay at realistic sizes: random-weight experts of a real model's shape in a real store on disk, driven by the
-routing of a real trace (default: Qwen3-30B-A3B, 128 experts, top-8, from ../shared/reference), with the real
+routing of a real trace (default: Qwen3-30B-A3B, 128 experts, top-8, shipped in telemetry/reference), with the real
 reads (page cache bypassed) and the real expert compute (`kernels.swiglu_experts`) of one decode token at a time.
 
 Per token and MoE layer i: the predictor names layer i+1's experts (from the trace itself: persistence, a
@@ -29,7 +29,9 @@ from .predictors import Predictor
 from .store import read_store_meta, write_random_store
 from .tiers import make_tier, measure_bandwidth
 
-REFERENCE_TRACE = "../shared/reference/qwen3-30b-a3b-routing/code.npz"
+# the reference Qwen3-30B-A3B traces ship with the package (MIT; telemetry/reference/README.md)
+REFERENCE_DIR = Path(__file__).resolve().parents[1] / "telemetry" / "reference" / "qwen3-30b-a3b-routing"
+REFERENCE_TRACE = str(REFERENCE_DIR / "code.npz")
 
 
 def load_routing(path: str | Path) -> tuple[np.ndarray, int, dict]:

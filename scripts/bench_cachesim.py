@@ -17,7 +17,7 @@ import numpy as np
 
 from expertcache.telemetry.cachesim import global_steps, simulate
 
-REF = Path(__file__).resolve().parents[1] / ".." / "shared" / "reference" / "qwen3-30b-a3b-routing" / "code.npz"
+REF = Path(__file__).resolve().parents[1] / "telemetry" / "reference" / "qwen3-30b-a3b-routing" / "code.npz"
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Honest evaluation of the learned eviction policy (issue 13): fit on one trace, score on another.
 
-Reference Qwen3-30B-A3B routing (shared/reference/qwen3-30b-a3b-routing): fitted on code.npz and scored on
+Reference Qwen3-30B-A3B routing (telemetry/reference/qwen3-30b-a3b-routing): fitted on code.npz and scored on
 general.npz, and the reverse. Token semantics, one cache per layer, every layer, capacities 1/16, 1/8 and 1/4 of
 E: hit rate of LRU, the learned policy and Belady, the learned policy's fraction of Belady, and the share of the
 LRU-to-Belady gap it closes. A base model's validation -> test pair is added when `--base-fit/--base-test` name
@@ -29,7 +29,7 @@ from expertcache.telemetry.cachesim import simulate  # noqa: E402
 from expertcache.telemetry.learned_policy import fit, load_routing, simulate_learned  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_REF = REPO / ".." / "shared" / "reference" / "qwen3-30b-a3b-routing"
+DEFAULT_REF = REPO / "telemetry" / "reference" / "qwen3-30b-a3b-routing"
 FRACTIONS = (1 / 16, 1 / 8, 1 / 4)
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Check the analysis against the published Qwen3-30B-A3B routing tables (shared/reference/...).
+"""Check the analysis against the published Qwen3-30B-A3B routing tables (telemetry/reference/..., shipped).
 
 Imports both NumPy traces into Parquet with `expertcache trace import`'s code, then:
 - the layer-24 cache table: every (policy, capacity) row of cache_{code,general}.csv under the reference
@@ -25,7 +25,7 @@ from expertcache.telemetry.cachesim import simulate
 from expertcache.telemetry.llamacpp import import_trace
 from expertcache.telemetry.parquet_trace import read_trace
 
-DEFAULT_REF = Path(__file__).resolve().parents[1] / ".." / "shared" / "reference" / "qwen3-30b-a3b-routing"
+DEFAULT_REF = Path(__file__).resolve().parents[1] / "telemetry" / "reference" / "qwen3-30b-a3b-routing"
 
 
 def cache_table(ids_layer: np.ndarray, csv_path: Path) -> list[dict]:

@@ -13,7 +13,7 @@ from expertcache.telemetry.llamacpp import import_trace
 from expertcache.telemetry.parquet_trace import read_trace
 from helpers import REPO
 
-REF = REPO.parent / "shared" / "reference" / "qwen3-30b-a3b-routing"
+REF = REPO / "telemetry" / "reference" / "qwen3-30b-a3b-routing"
 
 
 def test_reuse_and_chance_by_hand():
@@ -45,7 +45,7 @@ def test_hit_curves_hold_out_the_static_fit_and_rank_belady_first():
         assert by["lru"]["accesses"] == 2 * 320 * 2  # scored on the 80% after the fit part only
 
 
-@pytest.mark.skipif(not (REF / "code.npz").is_file(), reason="shared/reference not beside this checkout")
+@pytest.mark.skipif(not (REF / "code.npz").is_file(), reason="the shipped reference traces are missing")
 def test_real_qwen3_traces_reproduce_published_numbers(tmp_path):
     import_trace(REF / "code.npz", tmp_path / "code.parquet", domain="code")
     ids, seq, pos = read_trace(tmp_path / "code.parquet").routing()

@@ -1,0 +1,19 @@
+"""Print the README's runtime tables from the committed results (so every figure there can be regenerated).
+
+    python scripts/readme_tables.py            # all of them, markdown, in README order
+"""
+
+import json
+from pathlib import Path
+
+from expertcache.runtime import bench, bigbench, replay
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+TABLES = [("bench_big.json", bigbench.table), ("bench_big_16gb.json", bigbench.table),
+          ("bench_decode_0.87gb.json", bench.table), ("replay_bf16.json", replay.table)]
+
+for name, fn in TABLES:
+    p = RESULTS / name
+    if p.is_file():
+        print(f"<!-- results/{name} (git {json.loads(p.read_text()).get('git_commit', '?')}) -->")
+        print(fn(json.loads(p.read_text())), end="\n\n")
