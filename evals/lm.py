@@ -20,21 +20,18 @@ from .policy import open_model, parse_policy
 @register_model("expertcache")
 class ExpertCacheLM(HFLM):
     def __init__(self, pretrained: str, policy: str = "", batch_size: int = 8,
-                 max_length: int = 512, **kwargs):
+                 max_length: int = 512, dtype: str = "fp32", device: str = "cpu", **kwargs):
         from transformers import AutoTokenizer
 
-        from expertcache.telemetry.errors import InputError
+        from expertcache.runtime.loader import parse_device, resolve
 
-        from pathlib import Path
-
-        if not (Path(pretrained) / "config.json").is_file():
-            raise InputError(f"no HF checkpoint at {pretrained}")
+        path = resolve(pretrained)
         self.serve = parse_policy(policy)
-        model, self.engine = open_model(pretrained, self.serve)
-        tok = AutoTokenizer.from_pretrained(pretrained)
+        model, self.engine = open_model(path, self.serve, dtype, device)
+        tok = AutoTokenizer.from_pretrained(str(path))
         bs = 1 if self.serve.lossy else int(batch_size)
-        super().__init__(pretrained=model, tokenizer=tok, device="cpu", batch_size=bs, max_length=int(max_length),
-                         **kwargs)
+        super().__init__(pretrained=model, tokenizer=tok, device=parse_device(device), batch_size=bs,
+                         max_length=int(max_length), **kwargs)
 
     def _model_call(self, inps, attn_mask=None, labels=None):
         if not self.serve.lossy:

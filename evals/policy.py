@@ -58,22 +58,27 @@ def parse_policy(s: str | None) -> ServePolicy:
     return p
 
 
-def open_model(model_dir, policy: ServePolicy, dtype="fp32"):
-    """`(model, engine)`: the checkpoint as the policy serves it. Offloaded, it goes through the runtime's loader
-    (experts stay in the checkpoint's files, read by byte range); plain, through `from_pretrained` (engine None).
-    fp32 by default: the figures the gates compare were measured in fp32."""
-    from expertcache.runtime.loader import load, parse_dtype
+def open_model(model_dir, policy: ServePolicy, dtype="fp32", device="cpu"):
+    """`(model, engine)`: the checkpoint (a local directory or a cached hub id) as the policy serves it.
+    Offloaded, it goes through the runtime's loader (experts stay in the checkpoint's files, read by byte range);
+    plain, through `from_pretrained` (engine None). fp32 by default: the figures the gates compare were measured
+    in fp32 (`auto`: the checkpoint's own dtype)."""
+    from expertcache.runtime.loader import load, parse_device, parse_dtype, resolve
 
+    path = resolve(model_dir)
+    device = parse_device(device)
     if not policy.offloaded:
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=parse_dtype(dtype)).eval(), None
+        m = AutoModelForCausalLM.from_pretrained(str(path), dtype=parse_dtype(dtype) or "auto")
+        return m.eval().to(device), None
 
     def aux(model):  # the routers saved beside the checkpoint (spatio predictor, scored policy)
         from expertcache.trainer.aux_routers import load_aux_routers
 
         return load_aux_routers(model_dir, model)
 
-    model = load(model_dir, capacity=policy.capacity, tier=policy.tier, dtype=dtype, predictor=policy.predictor,
+    model = load(path, capacity=policy.capacity, tier=policy.tier, dtype=dtype, device=device,
+                 predictor=policy.predictor,
                  aux=aux, policy=policy.policy, miss=policy.miss, tau=policy.tau, budget=policy.budget)
     return model, model.expertcache

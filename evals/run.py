@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from .policy import open_model, parse_policy
-from .taskdata import DEFAULT_TASKS, DOMAINS, build_task_data, task_configs
+from .taskdata import DEFAULT_TASKS, DOMAINS, build_task_data, lm_eval_tasks
 
 
 def stepwise_blocks(corpus: str, tokenizer: str, split: str, seq_len: int, per_domain: int) -> dict[str, np.ndarray]:
@@ -27,38 +27,40 @@ def stepwise_blocks(corpus: str, tokenizer: str, split: str, seq_len: int, per_d
 def evaluate(model_dir: str | Path, corpus: str = "data/corpus", policy: str = "", tasks=DEFAULT_TASKS,
              out: str | Path | None = None, task_dir: str | Path | None = None, limit: int | None = None,
              ppl_blocks: int = 8, seq_len: int = 128, split: str = "test",
-             batch_size: int = 8, progress=None) -> dict:
+             batch_size: int = 8, include_path: str | Path | None = None, dtype: str = "fp32",
+             device: str = "cpu", progress=None) -> dict:
     import lm_eval
-
-    from expertcache.telemetry.errors import InputError
 
     from .stepwise import stepwise_perplexity
 
     import expertcache.evals.lm  # noqa: F401 - registers the "expertcache" lm-eval model
 
-    model_dir = Path(model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise InputError(f"no HF checkpoint at {model_dir}")
+    from expertcache.runtime.loader import parse_device, parse_dtype, resolve
+
+    model_dir = resolve(model_dir)  # a local checkpoint or a cached hub id; a one-line error otherwise
+    parse_dtype(dtype)
+    device = parse_device(device)
     serve = parse_policy(policy)
     t0 = time.time()
     task_dir = Path(task_dir or Path(out or "runs/eval").parent / "task-data")
     if not (task_dir / "math_em.jsonl").is_file():
         build_task_data(corpus, task_dir, split)
+    task_list, manager = lm_eval_tasks(list(tasks), task_dir, include_path) if tasks else (None, None)
     # step-wise token perplexity (the gate's Δppl), the engine attached, tokens in order
-    model, engine = open_model(model_dir, serve)
+    model, engine = open_model(model_dir, serve, dtype, device)
     blocks = stepwise_blocks(corpus, str(model_dir), split, seq_len, ppl_blocks)
     step = stepwise_perplexity(model, blocks, progress)
     if engine is not None:
         step["engine"] = engine.stats.to_dict(engine.meta.expert_bytes)
         engine.close()
     res = {"model": str(model_dir), "policy": serve.label(), "policy_args": serve.to_dict(), "split": split,
+           "dtype": dtype, "device": device,
            "stepwise": step, "stepwise_blocks": {d: list(b.shape) for d, b in blocks.items()}}
     if tasks:
         r = lm_eval.simple_evaluate(model="expertcache", model_args={"pretrained": str(model_dir), "policy": policy,
-                                                                     "batch_size": batch_size},
-                                    tasks=task_configs(list(tasks), task_dir), limit=limit, log_samples=False,
-                                    # our tasks are configs in hand: skip indexing lm-eval's ~13k built-in YAMLs
-                                    task_manager=lm_eval.tasks.TaskManager(include_defaults=False),
+                                                                     "batch_size": batch_size, "dtype": dtype,
+                                                                     "device": device},
+                                    tasks=task_list, limit=limit, log_samples=False, task_manager=manager,
                                     bootstrap_iters=0, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
         res["lm_eval"] = {t: {k: v for k, v in m.items() if isinstance(v, (int, float, str))}
                           for t, m in r["results"].items()}

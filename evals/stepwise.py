@@ -41,7 +41,7 @@ def stepwise_perplexity(model, blocks: dict[str, np.ndarray], progress=None) -> 
     for dom, b in blocks.items():
         nll = n = 0
         for row in b:
-            x, c = stepwise_nll(model, torch.from_numpy(row[None].astype(np.int64)))
+            x, c = stepwise_nll(model, torch.from_numpy(row[None].astype(np.int64)).to(model.device))
             nll, n = nll + x, n + c
             if progress:
                 progress()

@@ -84,6 +84,28 @@ def _write(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(r) + "\n")
 
 
+def lm_eval_tasks(names: list[str], data_dir: str | Path, include_path: str | Path | None = None):
+    """`(tasks, task_manager)` for `lm_eval.simple_evaluate`: the local `ec_*` tasks as configs in hand, any other
+    name resolved by lm-eval itself, in `include_path` (a folder of the user's task YAMLs, lm-eval's convention) or
+    among its built-in tasks. The ~13k built-in YAMLs are indexed only when a name is found nowhere else."""
+    from lm_eval.tasks import TaskManager
+
+    local = [n for n in names if (TASK_DIR / f"{n}.yaml").is_file()]
+    other = [n for n in names if n not in local]
+    if include_path is not None and not Path(include_path).is_dir():
+        raise InputError(f"--include-path {include_path} is not a directory of task YAMLs")
+    inc = str(include_path) if include_path is not None else None
+    tm = TaskManager(include_defaults=False, include_path=inc)
+    if any(n not in tm.all_tasks for n in other):
+        tm = TaskManager(include_defaults=True, include_path=inc)
+    missing = [n for n in other if n not in tm.all_tasks]
+    if missing:
+        known = sorted(p.stem for p in TASK_DIR.glob("*.yaml"))
+        raise InputError(f"unknown task(s) {', '.join(missing)}: not local ({', '.join(known)}), not in "
+                         f"{include_path or 'an --include-path'}, not an lm-eval task (`lm-eval ls tasks`)")
+    return task_configs(local, data_dir) + other, tm
+
+
 def task_configs(names: list[str], data_dir: str | Path) -> list[dict]:
     """The YAML configs of `names` with their data files resolved under `data_dir`."""
     data_dir = Path(data_dir).resolve()

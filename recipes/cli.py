@@ -55,7 +55,8 @@ def cmd_pretrain(a) -> int:
 
     recipe = load_recipe(PretrainRecipe, resolve_recipe(a.recipe), a.overrides)
     metrics = run_pretrain(recipe, resume=not a.no_resume)
-    _print_json(metrics)
+    if metrics is not None:  # None: a data-parallel worker process (rank 0 reports)
+        _print_json(metrics)
     return 0
 
 
@@ -116,6 +117,8 @@ def cmd_train_cache_aware(a) -> int:
         return 0
     recipe = load_recipe(CacheAwareRecipe, resolve_recipe(a.recipe, RECIPE_DIR / "cache-aware"), a.overrides)
     result = run_cache_aware(recipe, resume=not a.no_resume)
+    if result is None:  # a data-parallel worker process: rank 0 reports
+        return 0
     if "table" in result:  # a sweep
         _print_json(result["rows"])
         print("\n" + Path(result["table"]).read_text())
@@ -316,7 +319,7 @@ def cmd_eval(a) -> int:
     with Progress() as prog:
         task = prog.add_task("step-wise perplexity", total=a.ppl_blocks * 3)
         res = evaluate(a.model, a.corpus, a.policy, tasks, a.out, a.task_dir, a.limit, a.ppl_blocks, a.seq_len,
-                       progress=lambda: prog.advance(task))
+                       include_path=a.include_path, dtype=a.dtype, device=a.device, progress=lambda: prog.advance(task))
     _print_json({k: v for k, v in res.items() if k != "lm_eval_versions"})
     return 0
 
@@ -332,7 +335,8 @@ def cmd_gate(a) -> int:
                 raise FileNotFoundError(f"{p} not found")
             return json.loads(p.read_text())
         tasks = [t for t in a.tasks.split(",") if t] if a.tasks != "none" else []
-        return evaluate(x, a.corpus, policy, tasks, None, a.task_dir, a.limit, a.ppl_blocks, a.seq_len)
+        return evaluate(x, a.corpus, policy, tasks, None, a.task_dir, a.limit, a.ppl_blocks, a.seq_len,
+                        include_path=a.include_path, dtype=a.dtype, device=a.device)
 
     g = gate(load(a.baseline, ""), load(a.candidate, a.policy),
              GateThresholds(a.max_dppl, a.max_dppl_domain, a.min_dacc))
@@ -613,10 +617,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="local lm-eval tasks + step-wise token perplexity of a checkpoint, served under "
                                      "a runtime policy")
-    ev.add_argument("--model", required=True, help="HF checkpoint")
+    ev.add_argument("--model", required=True, help="HF checkpoint: a local directory or a hub id (from the local "
+                    "cache while HF_HUB_OFFLINE=1)")
     ev.add_argument("--policy", default="", help="e.g. capacity=0.25,miss=reroute,tau=0.1 (default: plain model)")
+    ev.add_argument("--device", default="cpu", help="cpu | cuda | auto (the GPU when there is one)")
+    ev.add_argument("--dtype", default="fp32", help="fp32 (the gates' figures) | bf16 | fp16 | auto (the "
+                       "checkpoint's own)")
+    ev.add_argument("--include-path", default=None, help="a folder of your own lm-eval task YAMLs "
+                    "(lm-eval's convention); their names then work in --tasks")
     ev.add_argument("--tasks", default=",".join(__import__("expertcache.evals.taskdata", fromlist=["x"]).DEFAULT_TASKS),
-                    help="comma list of local tasks (evals/tasks/), or none")
+                    help="comma list: local tasks (evals/tasks/), any lm-eval task (e.g. arc_easy), tasks in "
+                         "--include-path; or none")
     ev.add_argument("--corpus", default="data/corpus")
     ev.add_argument("--out", default=None, help="JSON to write (lm-eval's own JSON beside it)")
     ev.add_argument("--task-dir", default=None, help="where the task files are built (default: beside --out)")
@@ -632,6 +643,11 @@ def build_parser() -> argparse.ArgumentParser:
     ga.add_argument("--max-dppl", type=float, default=1.0, help="largest Δppl overall, %% (default 1.0)")
     ga.add_argument("--max-dppl-domain", type=float, default=2.0, help="largest Δppl per domain, %% (default 2.0)")
     ga.add_argument("--min-dacc", type=float, default=-1.0, help="smallest Δacc per task, points (default -1.0)")
+    ga.add_argument("--device", default="cpu", help="cpu | cuda | auto (the GPU when there is one)")
+    ga.add_argument("--dtype", default="fp32", help="fp32 (the gates' figures) | bf16 | fp16 | auto (the "
+                       "checkpoint's own)")
+    ga.add_argument("--include-path", default=None, help="a folder of your own lm-eval task YAMLs "
+                    "(lm-eval's convention); their names then work in --tasks")
     ga.add_argument("--tasks", default="ec_cloze_code,ec_cloze_prose,ec_cloze_math,ec_math_em,ec_ppl_prose")
     ga.add_argument("--corpus", default="data/corpus")
     ga.add_argument("--task-dir", default="runs/task-data")

@@ -36,7 +36,7 @@ def evals(tiny_data, tmp_path_factory):
 
     AutoTokenizer.from_pretrained(base).save_pretrained(damaged)
     kw = dict(corpus=tiny_data["corpus"], tasks=TASKS, task_dir=root / "tasks", limit=4, ppl_blocks=2, seq_len=32,
-              store_dir=str(root / "stores"), batch_size=4, split="validation")  # the tiny test split is too small
+              batch_size=4, split="validation")  # the tiny test split is too small
     out = {"base": evaluate(base, out=root / "base.json", **kw),
            "damaged": evaluate(damaged, **kw),
            "served": evaluate(base, policy="capacity=0.25,tier=disk", **kw),
@@ -97,3 +97,27 @@ def test_bad_policy_is_refused():
         parse_policy("capacty=0.25")
     with pytest.raises(InputError, match="expected a number"):
         parse_policy("capacity=quarter")
+
+
+def test_a_users_own_task_yaml_is_evaluated_and_gated(evals, tiny_data, tmp_path):
+    """lm-eval's convention: a folder of task YAMLs over local files, named in --tasks beside the local ones."""
+    rows = [{"question": f"Is {a} plus {b} equal to {a + b + (i % 2)}?", "label": 1 - i % 2}
+            for i, (a, b) in enumerate([(1, 2), (3, 4), (5, 6), (7, 1), (2, 2), (9, 9)])]
+    data = tmp_path / "yesno.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "my_yesno.yaml").write_text(
+        "task: my_yesno\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {data}\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: '{{question}} Answer:'\ndoc_to_choice: [' no', ' yes']\ndoc_to_target: '{{label}}'\n"
+        "metric_list:\n  - metric: acc\n")
+    base = evals["root"] / "base" / "model"
+    kw = dict(corpus=tiny_data["corpus"], tasks=["ec_cloze_prose", "my_yesno"], task_dir=evals["root"] / "tasks",
+              limit=6, ppl_blocks=1, seq_len=32, batch_size=4, split="validation", include_path=tasks)
+    res = evaluate(base, **kw)
+    assert set(res["lm_eval"]) == {"ec_cloze_prose", "my_yesno"}
+    assert 0 <= res["lm_eval"]["my_yesno"]["acc,none"] <= 1
+    assert gate(res, res)["pass"]
+    with pytest.raises(InputError, match="not a directory"):  # refused before any work
+        evaluate(base, **dict(kw, include_path=tmp_path / "nope"))

@@ -153,7 +153,7 @@ class CacheAwareModule(CausalLMModule):
             else:
                 out = self.model(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False)
                 total, lm, bal = self.lm_losses(out)
-                self.log("train/loss", lm.detach(), prog_bar=True)
+                self.log("train/loss", lm.detach(), prog_bar=True, sync_dist=self.trainer.world_size > 1)
                 if bal is not None:
                     self.log("train/aux_loss", bal.detach())
             if loc.weight:
@@ -288,6 +288,8 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     model.train()  # from_pretrained returns eval mode
     module = CacheAwareModule(model, recipe, dm.val_domains(), aux, allowed)
     start_step, train_s, trainer = fit_resumable(recipe, module, dm, out, resume)
+    if trainer.global_rank != 0:  # data-parallel workers: rank 0 alone writes the checkpoint and the reports
+        return None
 
     model_dir = out / "model"
     model.save_pretrained(str(model_dir), safe_serialization=True)

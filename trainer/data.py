@@ -70,12 +70,17 @@ class Blocks(Dataset):
 
 
 class StepBatchSampler(Sampler):
-    """Infinite batches; batch `s` = slice `s` of a seeded permutation stream. Starts at `start_step()`."""
+    """Infinite batches; batch `s` = slice `s` of a seeded permutation stream. Starts at `start_step()`. Under
+    data parallelism each rank takes its contiguous share of every global batch, so W processes see exactly the
+    batches one process would."""
 
-    def __init__(self, n: int, batch_size: int, seed: int, start_step=lambda: 0):
+    def __init__(self, n: int, batch_size: int, seed: int, start_step=lambda: 0, rank: int = 0, world: int = 1):
         if n < batch_size:
             raise ValueError(f"only {n} training blocks for batch_size={batch_size}; build a larger corpus")
+        if batch_size % world:
+            raise ValueError(f"data.batch_size={batch_size} does not split evenly across {world} devices")
         self.n, self.batch_size, self.seed, self.start_step = n, batch_size, seed, start_step
+        self.rank, self.world = rank, world
 
     def _perm(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.n)
@@ -87,8 +92,9 @@ class StepBatchSampler(Sampler):
 
     def __iter__(self):
         step = self.start_step()
+        share = self.batch_size // self.world
         while True:
-            yield self.batch(step)
+            yield self.batch(step)[self.rank * share:(self.rank + 1) * share]
             step += 1
 
 
@@ -120,7 +126,9 @@ class CorpusDataModule(L.LightningDataModule):
         return self.trainer.global_step if self.trainer is not None else 0
 
     def train_dataloader(self):
-        sampler = StepBatchSampler(len(self.train), self.spec.batch_size, self.seed, self._current_step)
+        t = self.trainer
+        rank, world = (t.global_rank, t.world_size) if t is not None else (0, 1)
+        sampler = StepBatchSampler(len(self.train), self.spec.batch_size, self.seed, self._current_step, rank, world)
         return DataLoader(self.train, batch_sampler=sampler, num_workers=0)
 
     def val_dataloader(self):

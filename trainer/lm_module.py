@@ -22,7 +22,12 @@ class TrainSpec:
     weight_decay: float = opt(0.1, "AdamW weight decay on matrices (not on norms or embeddings)")
     beta2: float = opt(0.95, "AdamW beta2")
     grad_clip: float = opt(1.0, "gradient norm clip (0: off)")
-    precision: str = opt("32-true", "Lightning precision: 32-true, or bf16-mixed where the CPU has fast bf16")
+    precision: str = opt("32-true", "Lightning precision: 32-true, or bf16-mixed where the device has fast bf16 "
+                         "(GPUs from Ampere on; CPUs with avx512_bf16)")
+    accelerator: str = opt("auto", "Lightning accelerator: auto (the GPU when there is one), cpu, gpu")
+    devices: str = opt("auto", "devices (processes) to train on: auto, or a count; data.batch_size is the global "
+                       "batch, split evenly across them")
+    strategy: str = opt("auto", "Lightning strategy: auto, ddp (gloo on CPU, nccl on GPUs), fsdp (several GPUs)")
     val_every: int = opt(200, "validate every N optimizer steps")
     ckpt_every: int = opt(100, "write a resumable checkpoint every N optimizer steps")
     log_every: int = opt(10, "log training metrics every N steps")
@@ -35,6 +40,8 @@ class TrainSpec:
 
 
     def __post_init__(self):
+        if self.devices != "auto" and not (str(self.devices).isdigit() and int(self.devices) >= 1):
+            raise RecipeError(f"train.devices={self.devices!r}; expected auto or a count >= 1")
         if self.balance not in BALANCE_LOSSES:
             raise RecipeError(f"train.balance={self.balance!r}; expected one of {', '.join(BALANCE_LOSSES)}")
 
@@ -97,7 +104,7 @@ class CausalLMModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         loss, lm, aux = self.lm_forward(batch["input_ids"])
-        self.log("train/loss", lm.detach(), prog_bar=True)
+        self.log("train/loss", lm.detach(), prog_bar=True, sync_dist=self.trainer.world_size > 1)  # global mean
         if aux is not None:
             self.log("train/aux_loss", aux.detach())
         return loss

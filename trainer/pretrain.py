@@ -61,7 +61,9 @@ def fit_resumable(recipe, module, dm, out: Path, resume: bool = True) -> tuple[i
     latest, start_step = latest_checkpoint(ckpt_dir) if resume else (None, 0)
     t = recipe.train
     trainer = L.Trainer(
-        max_steps=t.max_steps, accelerator="cpu", devices=1, precision=t.precision,
+        max_steps=t.max_steps, accelerator=t.accelerator, precision=t.precision,
+        devices=int(t.devices) if str(t.devices).isdigit() else t.devices, strategy=t.strategy,
+        use_distributed_sampler=False,  # the data module splits each global batch across ranks itself
         val_check_interval=t.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
         gradient_clip_val=t.grad_clip or None, log_every_n_steps=t.log_every, logger=_loggers(recipe, out),
         callbacks=[ModelCheckpoint(dirpath=str(ckpt_dir), filename="step{step}", every_n_train_steps=t.ckpt_every,
@@ -154,6 +156,8 @@ def run_pretrain(recipe: PretrainRecipe, resume: bool = True) -> dict:
     dm.setup("fit")
     module = CausalLMModule(model, recipe.train, dm.val_domains())
     start_step, train_s, trainer = fit_resumable(recipe, module, dm, out, resume)
+    if trainer.global_rank != 0:  # data-parallel workers: rank 0 alone writes the checkpoint and the reports
+        return None
 
     model_dir = out / "model"
     model.save_pretrained(str(model_dir), safe_serialization=True)
