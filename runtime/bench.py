@@ -19,7 +19,6 @@ import torch
 
 from .engine import EngineConfig, OffloadEngine, Stats
 from .predictors import TemporalKeep, make_predictor
-from .store import model_fingerprint, read_store_meta, write_store
 from .tiers import available_memory, measure_bandwidth
 
 

@@ -9,7 +9,6 @@ import time
 
 import httpx
 import pytest
-import torch
 from tiny_lm import make_tiny_checkpoint, one_torch_thread  # noqa: F401 - autouse fixture
 
 from expertcache.runtime.engine import EngineConfig, offload
