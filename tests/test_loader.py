@@ -165,3 +165,25 @@ def test_engine_config_is_checked_before_anything_is_allocated():
                 dict(device="tpu"), dict(miss="pray")):
         with pytest.raises(InputError):
             EngineConfig(**bad).check()
+
+
+def test_large_reads_go_in_concurrent_pieces_and_land_intact(tmp_path, monkeypatch):
+    """An expert of >= 4 MiB is read as four aligned pieces at once; the slot holds exactly the file's bytes."""
+    from expertcache.runtime.checkpoint import StoreExperts
+    from expertcache.runtime.store import read_store_meta, write_random_store
+    from expertcache.runtime.tiers import DiskTier, SlotPool
+
+    path = tmp_path / "big.store"
+    write_random_store(path, 2, 2, [("gate_up_proj", [2048, 1024], "bfloat16"), ("down_proj", [1024, 1024], "bfloat16")])
+    meta = read_store_meta(path)
+    tier = DiskTier(StoreExperts(path, meta))
+    pieces = []
+    one = tier._pread_one
+    monkeypatch.setattr(tier, "_pread_one", lambda fd, view, off, need, what: (pieces.append(len(view)),
+                                                                              one(fd, view, off, need, what)))
+    pool = SlotPool(meta, 2)
+    tier.read(1, 1, pool, 1)
+    tier.close()
+    assert len(pieces) == 4 and sum(pieces) == meta.block_bytes
+    raw = path.read_bytes()[meta.offset(1, 1):meta.offset(1, 1) + meta.block_bytes]
+    assert bytes(pool.slot_bytes(1)) == raw
