@@ -148,12 +148,6 @@ def checkpoint_name(module_name: str, family: str) -> str:
     return module_name
 
 
-def module_name(ckpt_name: str, family: str) -> str:
-    for ckpt, mod in RENAMES.get(family, []):
-        ckpt_name = ckpt_name.replace(ckpt, mod)
-    return ckpt_name
-
-
 class CheckpointExperts:
     """Where each routed expert of each MoE layer lies in the checkpoint's files, as the engine's block layout.
 
@@ -180,30 +174,16 @@ class CheckpointExperts:
         off = {t.name: t.offset for t in specs}
         es_dst = torch.empty((), dtype=self.dtype).element_size()
         for per_param in found:
-            layer = []
-            for e in range(num_experts):
-                spans = []
-                for pname, pieces in per_param:
-                    dst = off[pname]
-                    for info, n_per in self._pieces(pieces, e):
-                        es_src = info.dtype.itemsize
-                        start = info.start + (e * n_per if n_per else 0)
-                        nbytes = n_per or info.nbytes
-                        spans.append(Span(info.file, start, nbytes, dst, info.dtype, self.dtype))
-                        dst += nbytes // es_src * es_dst
-                layer.append(spans)
+            layer = [[] for _ in range(num_experts)]
+            for pname, pieces in per_param:
+                dst = [off[pname]] * num_experts  # where each expert's next piece of this tensor lands
+                for info, kind in pieces:  # fused: one [E, ...] tensor sliced per expert; else each part in order
+                    n_per = info.nbytes // info.shape[0] if kind == -1 else info.nbytes
+                    for e in (range(num_experts) if kind == -1 else (kind,)):
+                        start = info.start + (e * n_per if kind == -1 else 0)
+                        layer[e].append(Span(info.file, start, n_per, dst[e], info.dtype, self.dtype))
+                        dst[e] += n_per // info.dtype.itemsize * es_dst
             self._spans.append(layer)
-
-    @staticmethod
-    def _pieces(pieces, e):
-        """(tensor, bytes per expert if fused else 0) for expert e."""
-        out = []
-        for info, kind in pieces:
-            if kind == -1:  # fused [E, ...]
-                out.append((info, info.nbytes // info.shape[0]))
-            elif kind == e:
-                out.append((info, 0))
-        return out
 
     def _locate(self, prefix: str, pname: str, shape: list[int]) -> list[tuple[TensorInfo, int]]:
         """The checkpoint tensors holding `prefix.pname` for every expert: `[(info, -1)]` for a fused tensor,

@@ -83,7 +83,7 @@ def _meta_model(config, dtype: torch.dtype):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-def build_offloaded(path: str | Path, dtype=None, device: str = "cpu"):
+def build_offloaded(path: str | Path, dtype=None):
     """`(model, source)`: the model with its non-expert weights read and its experts' modules still on meta,
     and where each expert's bytes lie. The engine (attached by `load`) replaces those modules."""
     from transformers import AutoConfig
@@ -176,7 +176,7 @@ def load(model: str | Path, capacity: float = 0.125, tier: str = "disk", device:
     cfg = EngineConfig(capacity=capacity, tier=tier, device=dev, **engine_options)
     cfg.check()
     path = resolve(model, revision)
-    m, source = build_offloaded(path, dtype, dev)
+    m, source = build_offloaded(path, dtype)
     if dev == "cuda":
         m.to(dev)  # the non-expert model; the experts' modules are still meta and are replaced below
     aux_routers = aux(m) if aux is not None and (predictor == "spatio" or cfg.policy == "scored") else None
