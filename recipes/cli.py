@@ -12,6 +12,8 @@ import json
 import sys
 from pathlib import Path
 
+import yaml
+
 RECIPE_DIR = Path(__file__).resolve().parent
 
 
@@ -115,7 +117,13 @@ def cmd_train_cache_aware(a) -> int:
             results.append(json.loads(f.read_text()))
         print(results_table(results))
         return 0
-    recipe = load_recipe(CacheAwareRecipe, resolve_recipe(a.recipe, RECIPE_DIR / "cache-aware"), a.overrides)
+    path = resolve_recipe(a.recipe, RECIPE_DIR / "cache-aware")
+    if "frontier" in (yaml.safe_load(path.read_text()) or {}):  # a frontier: many variants, one table
+        from expertcache.recipes.frontier import FrontierRecipe, run_frontier
+
+        run_frontier(load_recipe(FrontierRecipe, path, a.overrides), resume=not a.no_resume)
+        return 0
+    recipe = load_recipe(CacheAwareRecipe, path, a.overrides)
     result = run_cache_aware(recipe, resume=not a.no_resume)
     if result is None:  # a data-parallel worker process: rank 0 reports
         return 0

@@ -2,6 +2,7 @@
 simulator, and real post-training runs (aux-only freeze, joint, resume) on a tiny pretrained base."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from expertcache.telemetry.errors import InputError
 from expertcache.trainer.aux_routers import (AuxRouterConfig, AuxRouters, history_features, load_aux_routers,
                                              next_use_target)
 from expertcache.trainer.config import RecipeError, load_recipe
-from expertcache.trainer.locality import domain_loss, layer_weights, locality_loss
+from expertcache.trainer.locality import domain_loss, layer_weights, locality_loss, lru_resident
 from helpers import REPO, smoke_overrides
 
 CA_RECIPES = REPO / "recipes" / "cache-aware"
@@ -48,6 +49,32 @@ def test_locality_layer_weights_and_pairs_stay_inside_a_sequence():
     assert l_w.item() == pytest.approx(0.0, abs=1e-7)
     with pytest.raises(InputError, match="2 MoE layers"):
         layer_weights([1.0], 2)
+
+
+@pytest.mark.parametrize("cache", [2, 3, 4, 7])
+def test_lru_resident_set_is_the_simulators_lru(cache):
+    # random routing of 2 sequences: the misses the loss sees are exactly the simulated LRU's demand loads
+    torch.manual_seed(cache)
+    b, t, e, k = 2, 40, 8, 2
+    logits = torch.randn(b * t, e) * 3
+    resident, chosen = lru_resident(logits, b, k, cache)
+    ids = logits.view(b, t, e).topk(k, dim=-1).indices.numpy()
+    for s in range(b):
+        misses = int((chosen[s] & ~resident[s]).sum()) + k  # + token 0's k cold misses
+        assert misses == simulate(ids[s], cache, "lru", "token").loads
+
+
+@pytest.mark.parametrize("kind", ["resident", "miss"])
+def test_cache_losses_push_the_missed_expert_down_and_the_resident_one_up(kind):
+    # 4 experts, top-1, cache of 1: token 0 chose expert 0; token 1 chooses expert 3 (a miss)
+    logits = torch.tensor([[3.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 3.0]], requires_grad=True)
+    loss = locality_loss([logits], batch=1, kind=kind, top_k=1, cache=1, temperature=0.5)
+    loss.backward()
+    g = logits.grad
+    assert g[1, 3] > 0 and g[1, 0] < 0, g  # descent lowers the miss and raises the resident expert
+    assert torch.all(g[0] == 0)  # the cache's contents come from the hard choice: no gradient into token 0
+    hit = torch.tensor([[3.0, 0, 0, 0], [3.0, 0, 0, 0]])
+    assert locality_loss([hit], 1, "miss", top_k=1, cache=1).item() == 0.0
 
 
 def test_domain_loss_gradient_moves_mass_into_the_allowed_set():
@@ -315,3 +342,57 @@ def test_joint_recipe_on_two_ddp_processes_matches_one_process(tiny_data, tiny_b
     assert two == pytest.approx(one, rel=2e-3)
     m = AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "model")
     assert m.config.model_type == "qwen3_moe"
+
+
+def test_distillation_to_the_base_starts_at_zero_and_routers_only_leaves_the_rest(tiny_data, tiny_base, tmp_path):
+    from safetensors.torch import load_file
+
+    from expertcache.trainer.cache_aware import run_cache_aware
+
+    out = tmp_path / "kd"
+    res = run_cache_aware(_ca_recipe(tiny_data, tiny_base, out, "locality", **{
+        "locality.kind": "miss", "locality.weight": 0.5, "locality.temperature": 0.5, "locality.warmup_steps": 2,
+        "quality.distill": 1.0, "quality.lm_weight": 0.0, "quality.trainable": "routers", "train.max_steps": 3,
+        "train.log_every": 1}))
+    assert res["global_step"] == 3
+    before = load_file(str(tiny_base / "model.safetensors"))
+    after = load_file(str(out / "model" / "model.safetensors"))
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved and all(k.endswith("mlp.gate.weight") for k in moved), moved  # the routers alone trained
+    metrics = (out / "logs").rglob("metrics.csv")
+    head = next(metrics).read_text().splitlines()
+    assert "train/distill" in head[0] and "train/locality" in head[0]
+
+
+def test_frontier_trains_each_variant_once_gates_it_and_writes_rows(tiny_data, tiny_base, tmp_path):
+    from expertcache.recipes.frontier import FrontierRecipe, run_frontier
+
+    ov = {"base": str(tiny_base), "out_dir": str(tmp_path / "fr"), "data.corpus": tiny_data["corpus"],
+          "data.tokenizer": str(tiny_base), "data.seq_len": 64, "data.batch_size": 4, "data.val_batches": 1,
+          "train.max_steps": 2, "train.ckpt_every": 1, "train.val_every": 2, "train.wandb": False,
+          "eval.prompt_len": 16, "eval.decode_tokens": 8, "eval.max_seqs": 2, "eval.ppl_blocks": 2,
+          "eval.seq_len": 64, "frontier.out": str(tmp_path / "frontier.json"), "frontier.limit": 2,
+          "frontier.ppl_blocks": 1, "frontier.seq_len": 32, "frontier.lossy_limit": 1,
+          "frontier.lossy_ppl_blocks": 1, "frontier.lossy_seq_len": 16,
+          "frontier.tasks": "[ec_ppl_prose,ec_cloze_prose]", "frontier.lossy_tasks": "[ec_cloze_prose]",
+          "frontier.reroute": "[base,miss]", "frontier.split": "validation"}
+    recipe = load_recipe(FrontierRecipe, CA_RECIPES / "frontier.yaml", [f"{k}={v}" for k, v in ov.items()] + [
+        "frontier.variants={control: [locality.weight=0], miss: [locality.weight=1.0, quality.distill=0.5]}"])
+    rows = run_frontier(recipe, log=lambda *a: None)
+    assert [(r["name"], r["serving"]) for r in rows] == [("base", "reroute"), ("control", "plain"),
+                                                         ("miss", "plain"), ("miss", "reroute")]
+    for r in rows:
+        assert r["gate"] in ("PASS", "FAIL") and (r["gate"] == "PASS") == (not r["failures"])
+        assert math.isfinite(r["dppl_overall_pct"]) and r["dppl_max_domain_pct"] >= r["dppl_overall_pct"] - 1e-9 \
+            or len(r["dppl_percent"]) == 2
+        assert r["miss_reduction_1_8"] is not None and r["miss_reduction_1_8"] <= 1
+    assert "dppl_vs_control_pct" in rows[2] and abs(rows[1]["dppl_vs_control_pct"]["overall"]) < 1e-9
+    assert json.loads((tmp_path / "frontier.json").read_text()) == json.loads(json.dumps(rows))
+    assert (tmp_path / "frontier.png").stat().st_size > 5000
+    # again: nothing is trained or evaluated twice
+    stamp = (tmp_path / "fr" / "miss" / "result.json").stat().st_mtime_ns
+    assert run_frontier(recipe, log=lambda *a: None) == rows
+    assert (tmp_path / "fr" / "miss" / "result.json").stat().st_mtime_ns == stamp
+    with pytest.raises(RecipeError, match="variant typo: unknown recipe key locality.wieght"):
+        load_recipe(FrontierRecipe, CA_RECIPES / "frontier.yaml", ["frontier.variants={typo: [locality.wieght=1]}",
+                                                                   "frontier.reroute=[]", "frontier.control="])

@@ -29,15 +29,49 @@ from .data import DataSpec
 from .lm_module import CausalLMModule, TrainSpec
 
 MODES = ("joint", "aux-only", "locality-only")
+TRAINABLE = ("all", "routers", "moe")
 
 
 @dataclass
 class LocalitySpec:
     weight: float = opt(0.0, "lambda: weight of the adjacent-token routing-locality loss (0: off)")
-    kind: str = opt("dot", "dot: 1 - <p_t, p_t-1>; l2: ||p_t - p_t-1||^2 (softmax router probabilities)")
+    kind: str = opt("dot", "dot: 1 - <p_t, p_t-1>; l2: ||p_t - p_t-1||^2 (softmax router probabilities); "
+                    "resident: router mass off an LRU cache of `cache` experts; miss: mass of the chosen experts "
+                    "that cache lacks (hard top-k, straight-through)")
+    cache: int = opt(0, "C of the simulated LRU cache for kind=resident|miss (0: the model's top_k, i.e. the "
+                     "previous token's experts)")
+    temperature: float = opt(1.0, "router temperature for the locality loss only (< 1 sharpens; routing unchanged)")
+    warmup_steps: int = opt(0, "ramp lambda linearly from 0 over this many optimizer steps (0: full from the start)")
     layer_weights: list[float] = opt([], "one weight per MoE layer (normalised to mean 1); [] = all equal")
     domain_weight: float = opt(0.0, "weight of the domain loss: routing mass outside the domain's expert set")
     domain_frac: float = opt(0.5, "each domain's allowed experts, as a fraction of E, from the base's own usage")
+
+    def __post_init__(self):
+        from .locality import LOCALITY_KINDS
+
+        if self.kind not in LOCALITY_KINDS:
+            raise RecipeError(f"locality.kind={self.kind!r}; expected one of {', '.join(LOCALITY_KINDS)}")
+        if not (math.isfinite(self.weight) and self.weight >= 0):
+            raise RecipeError(f"locality.weight={self.weight}; expected a finite number >= 0")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise RecipeError(f"locality.temperature={self.temperature}; expected a finite number > 0")
+        if self.cache < 0 or self.warmup_steps < 0:
+            raise RecipeError("locality.cache and locality.warmup_steps must be >= 0")
+
+
+@dataclass
+class QualitySpec:
+    lm_weight: float = opt(1.0, "weight of the next-token LM loss")
+    distill: float = opt(0.0, "weight of distillation to the frozen base: KL(base || model) of the next-token "
+                         "distributions, token by token (0: off); lets routing move while the outputs stay")
+    trainable: str = opt("all", "what the backbone trains: all | routers (router weights only) | moe (routers and "
+                         "routed experts)")
+
+    def __post_init__(self):
+        if self.trainable not in TRAINABLE:
+            raise RecipeError(f"quality.trainable={self.trainable!r}; expected one of {', '.join(TRAINABLE)}")
+        if self.lm_weight < 0 or self.distill < 0 or not (self.lm_weight or self.distill):
+            raise RecipeError("quality.lm_weight and quality.distill must be >= 0, and not both 0")
 
 
 @dataclass
@@ -84,6 +118,7 @@ class CacheAwareRecipe:
     train: TrainSpec = opt(TrainSpec(max_steps=200, lr=3e-4, warmup_steps=20, val_every=100, ckpt_every=25,
                                      log_every=5), "optimisation, validation, checkpoints, logging")
     locality: LocalitySpec = opt(LocalitySpec(), "routing-locality losses on the backbone's routers")
+    quality: QualitySpec = opt(QualitySpec(), "the quality terms (LM loss, distillation) and what trains")
     routers: RouterSpec = opt(RouterSpec(), "auxiliary Temporal / Spatio routers")
     eval: EvalSpec = opt(EvalSpec(), "end-of-run cache figures, perplexity and the gate")
     sweep: SweepSpec = opt(SweepSpec(), "run one key over a grid and write one table")
@@ -106,8 +141,9 @@ class CacheAwareRecipe:
 
 class CacheAwareModule(CausalLMModule):
     def __init__(self, model, recipe: CacheAwareRecipe, val_domains: list[str], aux=None,
-                 allowed: torch.Tensor | None = None):
+                 allowed: torch.Tensor | None = None, teacher=None):
         super().__init__(model, recipe.train, val_domains)
+        self._teacher = [teacher] if teacher is not None else []  # a list: not a submodule, never saved
         from expertcache.telemetry.adapters import adapter_for
 
         from .locality import layer_weights
@@ -124,6 +160,12 @@ class CacheAwareModule(CausalLMModule):
         if recipe.mode == "aux-only":
             for p in model.parameters():
                 p.requires_grad_(False)
+        elif recipe.quality.trainable != "all":
+            keep = {id(p) for L in self.moe for p in L.router.parameters()}
+            if recipe.quality.trainable == "moe":
+                keep |= {id(p) for L in self.moe for p in L.experts.parameters()}
+            for p in model.parameters():
+                p.requires_grad_(id(p) in keep)
 
     def optimizer_groups(self) -> list[dict]:
         from .lm_module import param_groups
@@ -151,16 +193,24 @@ class CacheAwareModule(CausalLMModule):
                     out = self.model(input_ids=ids, output_router_logits=True, use_cache=False)
                 total = torch.zeros((), device=ids.device)
             else:
+                q = self.recipe.quality
                 out = self.model(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False)
                 total, lm, bal = self.lm_losses(out)
+                total = total + (q.lm_weight - 1.0) * lm
                 self.log("train/loss", lm.detach(), prog_bar=True, sync_dist=self.trainer.world_size > 1)
                 if bal is not None:
                     self.log("train/aux_loss", bal.detach())
+                if q.distill:
+                    kl = self.distill_loss(ids, out.logits)
+                    total = total + q.distill * kl
+                    self.log("train/distill", kl.detach(), prog_bar=True)
             if loc.weight:
                 from .locality import locality_loss
 
-                lo = locality_loss(out.router_logits, b, loc.kind, self.layer_w)
-                total = total + loc.weight * lo
+                lo = locality_loss(out.router_logits, b, loc.kind, self.layer_w, loc.temperature,
+                                   self.adapter.top_k, loc.cache)
+                ramp = min(1.0, (self.global_step + 1) / loc.warmup_steps) if loc.warmup_steps else 1.0
+                total = total + ramp * loc.weight * lo
                 self.log("train/locality", lo.detach(), prog_bar=True)
             if loc.domain_weight:
                 from .locality import domain_loss
@@ -182,6 +232,19 @@ class CacheAwareModule(CausalLMModule):
             self._capture = False
             self._hidden.clear()
         return total
+
+
+    def on_fit_start(self) -> None:
+        for t in self._teacher:
+            t.to(self.device)
+
+    def distill_loss(self, ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """KL(base || model) of the next-token distributions, summed over the vocabulary, mean over tokens."""
+        with torch.no_grad():
+            ref = self._teacher[0](input_ids=ids, use_cache=False).logits.float().log_softmax(-1)
+        own = logits.float().log_softmax(-1)
+        return torch.nn.functional.kl_div(own.flatten(0, 1), ref.flatten(0, 1), log_target=True,
+                                          reduction="batchmean")
 
 
 # --- a run ---------------------------------------------------------------------------------------------------
@@ -286,7 +349,10 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     dm = CorpusDataModule(recipe.data, seed=recipe.train.seed)
     dm.setup("fit")
     model.train()  # from_pretrained returns eval mode
-    module = CacheAwareModule(model, recipe, dm.val_domains(), aux, allowed)
+    teacher = None
+    if recipe.quality.distill and recipe.mode != "aux-only":
+        teacher = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval().requires_grad_(False)
+    module = CacheAwareModule(model, recipe, dm.val_domains(), aux, allowed, teacher)
     start_step, train_s, trainer = fit_resumable(recipe, module, dm, out, resume)
     if trainer.global_rank != 0:  # data-parallel workers: rank 0 alone writes the checkpoint and the reports
         return None

@@ -5,6 +5,12 @@ Both act on `router_logits`, one `[B*T, E]` tensor per MoE layer as HF models re
 
 - locality: adjacent-token routing consistency, averaged over the `T-1` adjacent pairs of each sequence, then
   over layers with per-layer weights. `dot`: `1 - <p_t, p_{t-1}>`; `l2`: `||p_t - p_{t-1}||^2`.
+  Two cache-targeted kinds score token t against the experts an LRU cache of C experts holds before t (the C
+  most recently used distinct experts of the sequence, from the router's own hard top-k; C = k: the previous
+  token's experts): `resident`: `1 - sum_{e resident} q_t(e)`, the router mass off the cache; `miss`:
+  `sum_{e in topk_t, not resident} q_t(e)`, the mass of the experts the token would load (hard selection,
+  gradient through the probabilities: a straight-through form that pushes exactly the misses down).
+  `q = softmax(z / temperature)`: a temperature for the loss only (routing itself is unchanged).
 - domain: routing mass outside a domain's allowed expert set, `sum_{e not allowed} p_e`, averaged over tokens
   and layers; the allowed sets come from the base model's own usage (`allowed_experts`).
 """
@@ -15,12 +21,34 @@ import torch
 
 from expertcache.telemetry.errors import InputError
 
-LOCALITY_KINDS = ("dot", "l2")
+LOCALITY_KINDS = ("dot", "l2", "resident", "miss")
 
 
-def _probs(logits: torch.Tensor, batch: int) -> torch.Tensor:
-    p = logits.float().softmax(dim=-1)  # [B*T, E]
+def _probs(logits: torch.Tensor, batch: int, temperature: float = 1.0) -> torch.Tensor:
+    p = (logits.float() / temperature).softmax(dim=-1)  # [B*T, E]
     return p.view(batch, -1, p.shape[-1])  # [B, T, E]
+
+
+@torch.no_grad()
+def lru_resident(logits: torch.Tensor, batch: int, top_k: int, cache: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(resident [B, T-1, E], chosen [B, T-1, E])` bool for tokens 1..T-1 of each sequence: the experts an LRU
+    cache of `cache` experts holds before the token (the `cache` most recently used distinct experts of the
+    sequence so far, a token's experts ordered by their top-k position) and the token's own top-k choice."""
+    z = logits.view(batch, -1, logits.shape[-1])  # [B, T, E]
+    b, t, e = z.shape
+    top = z.topk(top_k, dim=-1).indices  # [B, T, k], best first
+    chosen = torch.zeros_like(z, dtype=torch.bool).scatter_(-1, top, True)
+    # recency key of each use: token index, then position in the token's top-k (later = more recent, as the
+    # simulator's LRU orders one step's keys); the running max is each expert's most recent use so far
+    order = torch.arange(t, device=z.device).view(1, t, 1) * top_k + torch.arange(top_k, device=z.device)
+    key = torch.full(z.shape, -1, dtype=torch.long, device=z.device).scatter_(-1, top, order.expand(b, t, top_k))
+    last = key.cummax(dim=1).values
+    if cache >= e:
+        resident = last >= 0
+    else:
+        most = last.topk(cache, dim=-1)
+        resident = torch.zeros_like(chosen).scatter_(-1, most.indices, most.values >= 0)
+    return resident[:, :-1], chosen[:, 1:]
 
 
 def layer_weights(spec: list[float], n_layers: int) -> torch.Tensor:
@@ -36,18 +64,28 @@ def layer_weights(spec: list[float], n_layers: int) -> torch.Tensor:
     return w * (n_layers / w.sum())
 
 
-def locality_loss(router_logits, batch: int, kind: str = "dot", weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean over layers (weighted) of the mean over adjacent token pairs of the routing change."""
+def locality_loss(router_logits, batch: int, kind: str = "dot", weights: torch.Tensor | None = None,
+                  temperature: float = 1.0, top_k: int = 0, cache: int = 0) -> torch.Tensor:
+    """Mean over layers (weighted) of the mean over tokens 1..T-1 of the routing change (`dot`, `l2`) or of the
+    router mass off an LRU cache of `cache` experts (`resident`, `miss`; `cache` 0: `top_k`)."""
     if kind not in LOCALITY_KINDS:
         raise InputError(f"locality kind {kind!r}; expected one of {LOCALITY_KINDS}")
+    if kind in ("resident", "miss") and top_k < 1:
+        raise InputError(f"locality kind {kind!r} needs the model's top_k")
     per_layer = []
     for logits in router_logits:
-        p = _probs(logits, batch)
+        p = _probs(logits, batch, temperature)
         prev, cur = p[:, :-1], p[:, 1:]  # [B, T-1, E]
         if kind == "dot":
             per_layer.append((1.0 - (prev * cur).sum(-1)).mean())
-        else:
+        elif kind == "l2":
             per_layer.append(((cur - prev) ** 2).sum(-1).mean())
+        else:
+            resident, chosen = lru_resident(logits, batch, top_k, cache or top_k)
+            if kind == "resident":
+                per_layer.append((1.0 - (cur * resident).sum(-1)).mean())
+            else:
+                per_layer.append((cur * (chosen & ~resident)).sum(-1).mean())
     losses = torch.stack(per_layer)  # [layers]
     if weights is not None:
         losses = losses * weights.to(losses.device)

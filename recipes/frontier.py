@@ -1,0 +1,237 @@
+"""The cache-aware post-training frontier: named variants of one cache-aware recipe, each trained on the same base
+and judged by the same gate, plain and (where asked) served with the reroute miss policy.
+
+`train-cache-aware --recipe frontier` runs every variant into `out_dir/<name>/` (a finished variant is not
+trained again; an interrupted one resumes from its last checkpoint), evaluates each with `expertcache eval`
+(step-wise token perplexity + lm-eval accuracy, the same documents for every model), gates it against the base
+with `expertcache.evals.gate`, and writes one JSON list of rows (`frontier.out`, e.g. results/frontier.json) and
+the frontier plot beside it (miss reduction at 1/8 of E against Δppl, with the published reference's points).
+
+Row fields: `name`, `serving` (plain | reroute), `miss_reduction_1_8` (fraction of the base's LRU misses at 1/8 of
+E removed: plain from the run's decode-style cache figures, reroute from the demand loads of the served
+step-wise evaluation against the base served with LRU on the same tokens), `dppl_overall_pct`,
+`dppl_max_domain_pct`, `dacc_min_points` (gate figures against the base) and `gate` (PASS/FAIL), plus the run's
+other figures (1/4 of E, Belady, the λ = 0 control, the Temporal router) where they exist.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from expertcache.telemetry.atomic import write_json
+from expertcache.trainer.cache_aware import CacheAwareRecipe
+from expertcache.trainer.config import RecipeError, apply_overrides, from_dict, opt, to_dict
+
+# "Cacheable by Design?" (137M multi-domain models), as issue #12 quotes it: LRU miss reduction at 1/8 of E
+# against Δppl in %; post-training alone, and post-training served with rerouting.
+REFERENCE_POINTS = {"plain": [(2.1, 0.59), (3.1, 0.60)], "reroute": [(3.4, 0.80)]}
+PLAIN_TASKS = ["ec_ppl_code", "ec_ppl_prose", "ec_ppl_math", "ec_cloze_code", "ec_cloze_prose", "ec_cloze_math",
+               "ec_math_em"]
+
+
+@dataclass
+class FrontierSpec:
+    variants: dict = opt({}, "name -> list of key=value overrides of this recipe; each variant is one run in "
+                             "out_dir/<name>/")
+    control: str = opt("", "the variant that is the λ = 0 control (same steps, no locality); empty for none")
+    reroute: list[str] = opt([], "variants also served with the reroute miss policy ('base': the base itself)")
+    capacity: float = opt(0.125, "served cache per layer, as a fraction of E, for the reroute rows")
+    tau: float = opt(0.1, "reroute threshold: a miss is served by a resident expert within tau of its weight")
+    split: str = opt("test", "held-out split of the evaluation (the documents of every lm-eval task and block)")
+    tasks: list[str] = opt(PLAIN_TASKS, "lm-eval tasks of the plain rows")
+    limit: int = opt(24, "documents per task, plain rows")
+    ppl_blocks: int = opt(16, "step-wise perplexity blocks per domain, plain rows")
+    seq_len: int = opt(256, "tokens per step-wise block, plain rows")
+    lossy_tasks: list[str] = opt(["ec_cloze_code", "ec_cloze_prose", "ec_cloze_math"],
+                                 "lm-eval tasks of the reroute rows (served token by token: slower)")
+    lossy_limit: int = opt(8, "documents per task, reroute rows")
+    lossy_ppl_blocks: int = opt(4, "step-wise perplexity blocks per domain, reroute rows")
+    lossy_seq_len: int = opt(128, "tokens per step-wise block, reroute rows")
+    out: str = opt("results/frontier.json", "the rows (a JSON list); the plot is written beside it (.png)")
+
+    def __post_init__(self):
+        for name, ov in self.variants.items():
+            if not isinstance(ov, list) or not all(isinstance(x, str) for x in ov):
+                raise RecipeError(f"frontier.variants.{name}: expected a list of key=value strings, got {ov!r}")
+            if not name or "/" in name or name.startswith("."):
+                raise RecipeError(f"frontier.variants: {name!r} is not a usable folder name")
+        unknown = [r for r in self.reroute if r != "base" and r not in self.variants]
+        if unknown:
+            raise RecipeError(f"frontier.reroute names {unknown[0]!r}, which is not a variant")
+        if self.control and self.control not in self.variants:
+            raise RecipeError(f"frontier.control={self.control!r} is not a variant")
+        if not (0 < self.capacity <= 1) or not (math.isfinite(self.tau) and self.tau >= 0):
+            raise RecipeError("frontier.capacity must be in (0, 1] and frontier.tau a finite number >= 0")
+        if min(self.limit, self.ppl_blocks, self.seq_len, self.lossy_limit, self.lossy_ppl_blocks,
+               self.lossy_seq_len) < 1:
+            raise RecipeError("frontier limits, blocks and sequence lengths must be >= 1")
+
+
+@dataclass
+class FrontierRecipe(CacheAwareRecipe):
+    frontier: FrontierSpec = opt(FrontierSpec(), "the variants, their evaluation and where the rows go")
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in self.frontier.variants:
+            self.variant(name)  # every variant's overrides are checked before anything runs
+
+    def variant(self, name: str) -> CacheAwareRecipe:
+        data = to_dict(self)
+        data.pop("frontier")
+        data["out_dir"] = str(Path(self.out_dir) / name)
+        data["name"] = name
+        try:
+            return from_dict(CacheAwareRecipe, apply_overrides(data, list(self.frontier.variants[name])))
+        except RecipeError as e:
+            raise RecipeError(f"frontier variant {name}: {e}") from None
+
+
+def _done(recipe: CacheAwareRecipe) -> dict | None:
+    """The variant's result.json if it finished with exactly this recipe."""
+    from expertcache.trainer.config import load_recipe
+
+    out = Path(recipe.out_dir)
+    res, saved = out / "result.json", out / "recipe.yaml"
+    if not (res.is_file() and saved.is_file()):
+        return None
+    try:
+        same = to_dict(load_recipe(CacheAwareRecipe, saved)) == to_dict(recipe)
+    except RecipeError:
+        return None
+    r = json.loads(res.read_text())
+    return r if same and r.get("global_step") == recipe.train.max_steps else None
+
+
+def run_frontier(recipe: FrontierRecipe, resume: bool = True, log=print) -> list[dict]:
+    from expertcache.evals.gate import gate
+    from expertcache.evals.run import evaluate
+    from expertcache.trainer.cache_aware import run_cache_aware
+
+    f = recipe.frontier
+    out = Path(recipe.out_dir)
+    evals = out / "evals"
+    kw = dict(corpus=recipe.data.corpus, task_dir=evals / "task-data", split=f.split)
+
+    def ev(model, name, policy="", lossy=False):
+        path = evals / f"{name}.json"
+        if path.is_file():
+            return json.loads(path.read_text())
+        log(f"[frontier] eval {name} [{policy or 'plain'}]")
+        tasks, limit = (f.lossy_tasks, f.lossy_limit) if lossy else (f.tasks, f.limit)
+        blocks, seq = (f.lossy_ppl_blocks, f.lossy_seq_len) if lossy else (f.ppl_blocks, f.seq_len)
+        r = evaluate(model, policy=policy, tasks=tasks, limit=limit, ppl_blocks=blocks, seq_len=seq, **kw)
+        write_json(path, r)
+        return r
+
+    base = recipe.base
+    base_plain = ev(base, "base-plain")
+    served = f"capacity={f.capacity},tier=host"
+    reroute = f"{served},miss=reroute,tau={f.tau}"
+    results, rows = {}, []
+    for name in f.variants:
+        point = recipe.variant(name)
+        res = _done(point) if resume else None
+        if res is None:
+            log(f"[frontier] train {name}")
+            res = run_cache_aware(point, resume)
+        results[name] = res
+    control = results.get(f.control)
+    if f.reroute:
+        base_small = ev(base, "base-lossy", lossy=True)
+        base_lru = ev(base, "base-lru", served, lossy=True)["stepwise"]["engine"]["demand_loads"]
+    for name in (["base"] if "base" in f.reroute else []) + list(f.variants):
+        res = results.get(name)
+        model = base if res is None else str(Path(res["out_dir"]) / "model")
+        if res is not None:
+            g = gate(base_plain, ev(model, f"{name}-plain"))
+            rows.append(_row(name, "plain", res, g, res["summary"]["capacities"], control))
+        if name in f.reroute:
+            r = ev(model, f"{name}-reroute", reroute, lossy=True)
+            g = gate(base_small, r)
+            e = r["stepwise"]["engine"]
+            row = _row(name, "reroute", res, g, None, control)
+            row.update(miss_reduction_1_8=1 - e["demand_loads"] / base_lru, demand_loads=e["demand_loads"],
+                       base_lru_demand_loads=base_lru, rerouted=e.get("rerouted", 0), capacity=f.capacity,
+                       tau=f.tau)
+            rows.append(row)
+    write_json(f.out, rows)
+    plot_frontier(rows, Path(f.out).with_suffix(".png"))
+    log(frontier_table(rows))
+    return rows
+
+
+def _row(name: str, serving: str, res: dict | None, g: dict, caps: dict | None, control: dict | None) -> dict:
+    d = g["dppl_percent"]
+    row = {"name": name, "serving": serving, "miss_reduction_1_8": None,
+           "dppl_overall_pct": d.get("overall"),
+           "dppl_max_domain_pct": max(v for k, v in d.items() if k != "overall"),
+           "dacc_min_points": min(g["dacc_points"].values()) if g["dacc_points"] else None,
+           "gate": "PASS" if g["pass"] else "FAIL", "failures": g["failures"],
+           "dppl_percent": d, "dacc_points": g["dacc_points"]}
+    if res is None:
+        return row
+    row.update(steps=res["global_step"], mode=res["mode"], locality=res["locality"])
+    if caps:
+        # the recipe's capacities (1/8 and 1/4 of E); on a model with few experts both can round to one cache
+        c8, c4 = (sorted(caps.values(), key=lambda c: c["capacity_frac"]) * 2)[:2]
+        row.update(miss_reduction_1_8=c8["lru_miss_reduction"], miss_reduction_1_4=c4["lru_miss_reduction"],
+                   capacity_frac_1_8=c8["capacity_frac"], capacity_frac_1_4=c4["capacity_frac"],
+                   lru_hit_1_8=c8["lru"]["hit_rate"], belady_hit_1_8=c8["lru"]["belady_hit_rate"],
+                   lru_hit_1_4=c4["lru"]["hit_rate"], belady_hit_1_4=c4["lru"]["belady_hit_rate"],
+                   base_lru_hit_1_8=c8["base_lru"]["hit_rate"])
+        if "best_router_policy" in c8:
+            row.update(temporal_adjusted_gain_points_1_8=c8["router_adjusted_gain_points"],
+                       temporal_traffic_ratio_1_8=c8["router_traffic_ratio"], router_policy=c8["best_router_policy"])
+        # the run's own 64-block perplexity figures (teacher-forced), against the base and the λ = 0 control
+        row["dppl_eval_blocks_pct"] = res["summary"]["dppl_percent"]
+        if control is not None:
+            row["dppl_vs_control_pct"] = {k: 100 * (res["candidate"]["ppl"][k] / control["candidate"]["ppl"][k] - 1)
+                                          for k in res["candidate"]["ppl"]}
+    return row
+
+
+def frontier_table(rows: list[dict]) -> str:
+    def pct(v):
+        return "—" if v is None else f"{100 * v:.1f}%"
+
+    lines = ["| run | serving | miss red. 1/8 E | 1/4 E | Δppl overall | max domain | Δacc min (pts) | gate |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        acc = "—" if r["dacc_min_points"] is None else f"{r['dacc_min_points']:+.1f}"
+        lines.append(f"| {r['name']} | {r['serving']} | {pct(r['miss_reduction_1_8'])} | "
+                     f"{pct(r.get('miss_reduction_1_4'))} | {r['dppl_overall_pct']:+.2f}% | "
+                     f"{r['dppl_max_domain_pct']:+.2f}% | {acc} | {r['gate']} |")
+    return "\n".join(lines)
+
+
+def plot_frontier(rows: list[dict], out_png: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for serving, marker in (("plain", "o"), ("reroute", "s")):
+        pts = [r for r in rows if r["serving"] == serving and r["miss_reduction_1_8"] is not None]
+        ax.scatter([r["dppl_overall_pct"] for r in pts], [100 * r["miss_reduction_1_8"] for r in pts],
+                   marker=marker, label=f"expertcache ({serving})", zorder=3,
+                   c=["tab:green" if r["gate"] == "PASS" else "tab:red" for r in pts])
+        for r in pts:
+            ax.annotate(r["name"], (r["dppl_overall_pct"], 100 * r["miss_reduction_1_8"]), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+        ref = REFERENCE_POINTS[serving]
+        ax.scatter([x for x, _ in ref], [100 * y for _, y in ref], marker=marker, facecolors="none",
+                   edgecolors="k", label=f"Cacheable by Design? ({serving}, published)")
+    ax.axvline(1.0, ls="--", c="grey", lw=1)
+    ax.axhline(50, ls=":", c="tab:blue", lw=1)
+    ax.axhline(80, ls=":", c="tab:purple", lw=1)
+    ax.set(xlabel="Δppl overall vs the base (%)", ylabel="LRU misses removed at 1/8 of E (%)",
+           title="Cache-aware post-training frontier (green: gate PASS)")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
