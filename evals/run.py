@@ -3,11 +3,14 @@ one checkpoint under one runtime policy; one JSON with both (and lm-eval's own r
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
 
 import numpy as np
+
+from expertcache.telemetry.atomic import write_json
 
 from .policy import open_model, parse_policy
 from .taskdata import DEFAULT_TASKS, DOMAINS, build_task_data, lm_eval_tasks
@@ -22,6 +25,27 @@ def stepwise_blocks(corpus: str, tokenizer: str, split: str, seq_len: int, per_d
         if len(b):
             out[d] = b[np.linspace(0, len(b) - 1, min(per_domain, len(b))).astype(int)]
     return out
+
+
+def blocks_sha256(blocks: dict[str, np.ndarray]) -> str:
+    """sha256 over the step-wise blocks' token ids (domain, shape, int32 little-endian ids, in domain order): two
+    evals with the same hash measured perplexity on exactly the same tokens."""
+    h = hashlib.sha256()
+    for d in sorted(blocks):
+        b = np.ascontiguousarray(blocks[d], dtype="<i4")
+        h.update(f"{d}:{'x'.join(map(str, b.shape))};".encode())
+        h.update(b.tobytes())
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(model_dir: str | Path) -> dict:
+    """{'vocab_sha256', 'vocab_size'}: sha256 of the tokenizer's vocabulary (token -> id, added tokens included,
+    sorted), so a re-saved tokenizer with the same vocabulary matches and a different one does not."""
+    from expertcache.trainer.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(model_dir).get_vocab()
+    blob = json.dumps(sorted(vocab.items()), ensure_ascii=False, separators=(",", ":")).encode()
+    return {"vocab_sha256": hashlib.sha256(blob).hexdigest(), "vocab_size": len(vocab)}
 
 
 def evaluate(model_dir: str | Path, corpus: str = "data/corpus", policy: str = "", tasks=DEFAULT_TASKS,
@@ -50,11 +74,15 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", policy: str = "
     model, engine = open_model(model_dir, serve, dtype, device)
     blocks = stepwise_blocks(corpus, str(model_dir), split, seq_len, ppl_blocks)
     step = stepwise_perplexity(model, blocks, progress)
+    step["blocks_sha256"] = blocks_sha256(blocks)
     if engine is not None:
         step["engine"] = engine.stats.to_dict(engine.meta.expert_bytes)
         engine.close()
-    res = {"model": str(model_dir), "policy": serve.label(), "policy_args": serve.to_dict(), "split": split,
-           "dtype": dtype, "device": device,
+    from .gate import EVAL_FORMAT_VERSION
+
+    res = {"format_version": EVAL_FORMAT_VERSION, "model": str(model_dir), "policy": serve.label(),
+           "policy_args": serve.to_dict(), "split": split, "dtype": dtype, "device": device,
+           "tokenizer": tokenizer_fingerprint(model_dir), "tasks": list(tasks or []), "limit": limit,
            "stepwise": step, "stepwise_blocks": {d: list(b.shape) for d, b in blocks.items()}}
     if tasks:
         r = lm_eval.simple_evaluate(model="expertcache", model_args={"pretrained": str(model_dir), "policy": policy,
@@ -65,10 +93,12 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", policy: str = "
         res["lm_eval"] = {t: {k: v for k, v in m.items() if isinstance(v, (int, float, str))}
                           for t, m in r["results"].items()}
         res["lm_eval_versions"] = r.get("versions", {})
+        res["lm_eval_samples"] = {t: {k: int(v) for k, v in n.items() if isinstance(v, (int, float))}
+                                  for t, n in (r.get("n-samples") or {}).items() if isinstance(n, dict)}
         if out:
             Path(out).with_suffix(".lm_eval.json").write_text(json.dumps(r, indent=2, default=str))
     res["seconds"] = round(time.time() - t0, 1)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(res, indent=2))
+        write_json(out, res)  # atomic: an interrupted eval never leaves a half-written result
     return res

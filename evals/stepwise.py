@@ -9,6 +9,8 @@ import math
 import numpy as np
 import torch
 
+from expertcache.telemetry.errors import InputError
+
 
 def step(model, token: torch.Tensor, cache):
     """One forward of `token [B, 1]` through `cache` (a DynamicCache, updated in place); transformers >= 5.x
@@ -34,6 +36,15 @@ def stepwise_nll(model, ids: torch.Tensor) -> tuple[float, int]:
     return nll, t - 1
 
 
+def _ppl(nll: float, n: int, dom: str) -> float:
+    if not n:
+        raise InputError(f"no step-wise tokens in the {dom} blocks (blocks of one token): a larger --seq-len")
+    if nll / n > 700:  # exp overflows a double; a model this far off (uniform over 50k tokens is 10.8) is broken
+        raise InputError(f"the model's mean step-wise NLL on {dom} is {nll / n:.3g} nats per token: perplexity "
+                         f"overflows; corrupted weights?")
+    return math.exp(nll / n)
+
+
 def stepwise_perplexity(model, blocks: dict[str, np.ndarray], progress=None) -> dict:
     """Per-domain and overall token perplexity over `blocks[domain] [n, T]` (the engine, if any, attached)."""
     model.eval()
@@ -42,12 +53,17 @@ def stepwise_perplexity(model, blocks: dict[str, np.ndarray], progress=None) -> 
         nll = n = 0
         for row in b:
             x, c = stepwise_nll(model, torch.from_numpy(row[None].astype(np.int64)).to(model.device))
+            if not math.isfinite(x):
+                raise InputError(f"the model produced non-finite logits: corrupted weights? (step-wise NLL {x} on a "
+                                 f"{dom} block)")
             nll, n = nll + x, n + c
             if progress:
                 progress()
-        res["ppl"][dom] = math.exp(nll / n)
+        res["ppl"][dom] = _ppl(nll, n, dom)
         res["tokens"][dom] = n
         tot_nll, tot_n = tot_nll + nll, tot_n + n
-    res["ppl"]["overall"] = math.exp(tot_nll / tot_n)
+    if not tot_n:
+        raise InputError("no step-wise tokens to measure (every block empty): a larger split or a smaller --seq-len")
+    res["ppl"]["overall"] = _ppl(tot_nll, tot_n, "overall")
     res["tokens"]["overall"] = tot_n
     return res

@@ -107,7 +107,7 @@ def _done(recipe: CacheAwareRecipe) -> dict | None:
 
 
 def run_frontier(recipe: FrontierRecipe, resume: bool = True, log=print) -> list[dict]:
-    from expertcache.evals.gate import gate
+    from expertcache.evals.gate import EVAL_FORMAT_VERSION, gate
     from expertcache.evals.run import evaluate
     from expertcache.trainer.cache_aware import run_cache_aware
 
@@ -119,7 +119,9 @@ def run_frontier(recipe: FrontierRecipe, resume: bool = True, log=print) -> list
     def ev(model, name, policy="", lossy=False):
         path = evals / f"{name}.json"
         if path.is_file():
-            return json.loads(path.read_text())
+            r = json.loads(path.read_text())
+            if r.get("format_version") == EVAL_FORMAT_VERSION:  # older evals lack the gate's fingerprints
+                return r
         log(f"[frontier] eval {name} [{policy or 'plain'}]")
         tasks, limit = (f.lossy_tasks, f.lossy_limit) if lossy else (f.tasks, f.limit)
         blocks, seq = (f.lossy_ppl_blocks, f.lossy_seq_len) if lossy else (f.ppl_blocks, f.seq_len)

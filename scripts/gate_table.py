@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from expertcache.evals.gate import gate
+from expertcache.evals.gate import EVAL_FORMAT_VERSION, gate
 from expertcache.evals.run import evaluate
 
 PLAIN_TASKS = ["ec_ppl_code", "ec_ppl_prose", "ec_ppl_math", "ec_cloze_code", "ec_cloze_prose", "ec_cloze_math",
@@ -45,7 +45,9 @@ def main() -> None:
     def ev(model, name, policy="", tasks=PLAIN_TASKS, limit=a.limit):
         f = out / f"eval-{name}.json"
         if f.is_file():
-            return json.loads(f.read_text())
+            r = json.loads(f.read_text())
+            if r.get("format_version") == EVAL_FORMAT_VERSION:  # older evals lack the gate's fingerprints
+                return r
         print(f"eval {name} [{policy or 'plain'}]", flush=True)
         return evaluate(model, policy=policy, tasks=tasks, out=f, limit=limit, **kw)
 

@@ -121,3 +121,116 @@ def test_a_users_own_task_yaml_is_evaluated_and_gated(evals, tiny_data, tmp_path
     assert gate(res, res)["pass"]
     with pytest.raises(InputError, match="not a directory"):  # refused before any work
         evaluate(base, **dict(kw, include_path=tmp_path / "nope"))
+
+
+def test_eval_records_what_makes_two_evals_comparable(evals):
+    r = evals["base"]
+    assert r["format_version"] == 2
+    assert len(r["tokenizer"]["vocab_sha256"]) == 64 and r["tokenizer"]["vocab_size"] == 512
+    assert len(r["stepwise"]["blocks_sha256"]) == 64
+    assert r["stepwise"]["tokens"]["overall"] > 0
+    assert r["limit"] == 4 and r["tasks"] == TASKS
+    assert set(r["lm_eval_samples"]) == set(TASKS)
+    # the damaged checkpoint re-saved its tokenizer: same vocabulary, same fingerprint; the same tokens
+    assert evals["damaged"]["tokenizer"] == r["tokenizer"]
+    assert evals["damaged"]["stepwise"]["blocks_sha256"] == r["stepwise"]["blocks_sha256"]
+
+
+def _broken(res, path, value):
+    import copy
+
+    r = copy.deepcopy(res)
+    *keys, last = path
+    d = r
+    for k in keys:
+        d = d[k]
+    if value is _DEL:
+        del d[last]
+    else:
+        d[last] = value
+    return r
+
+
+_DEL = object()
+
+
+@pytest.mark.parametrize("path,value,match", [
+    (("stepwise",), _DEL, "no step-wise perplexity"),
+    (("stepwise", "ppl"), {}, "no step-wise perplexity"),
+    (("stepwise", "ppl", "overall"), float("nan"), "not a finite positive"),
+    (("stepwise", "ppl", "prose"), float("inf"), "not a finite positive"),
+    (("stepwise", "ppl", "code"), 0.0, "not a finite positive"),
+    (("stepwise", "ppl", "math"), -3.0, "not a finite positive"),
+    (("stepwise", "ppl", "overall"), "12.5", "not a finite positive"),
+    (("lm_eval", "ec_cloze_prose", "acc,none"), float("nan"), "not a finite accuracy"),
+    (("lm_eval", "ec_cloze_prose", "acc,none"), 1.5, "not a finite accuracy"),
+    (("lm_eval", "ec_math_em", "exact_match,answer"), float("-inf"), "not a finite accuracy"),
+    (("format_version",), _DEL, "older `expertcache eval`.*re-run"),
+    (("format_version",), 99, "format_version 99"),
+    (("tokenizer",), _DEL, "no tokenizer fingerprint"),
+    (("stepwise", "blocks_sha256"), _DEL, "no hash of the step-wise blocks"),
+])
+def test_gate_refuses_a_broken_or_old_input_on_either_side(evals, path, value, match):
+    bad = _broken(evals["base"], path, value)
+    with pytest.raises(InputError, match=match):
+        gate(evals["base"], bad)
+    with pytest.raises(InputError, match=match):
+        gate(bad, evals["base"])
+
+
+@pytest.mark.parametrize("path,value,match", [
+    (("tokenizer", "vocab_sha256"), "0" * 64, "different tokenizers"),
+    (("stepwise", "tokens", "prose"), 1, "different step-wise tokens"),
+    (("stepwise", "blocks_sha256"), "f" * 64, "different step-wise token ids"),
+    (("limit",), 8, "different limits"),
+    (("lm_eval_samples", "ec_cloze_prose"), {"original": 9, "effective": 3}, "different documents"),
+    (("lm_eval", "ec_math_em"), _DEL, "different lm-eval tasks"),
+    (("lm_eval",), _DEL, "different lm-eval tasks"),
+])
+def test_gate_refuses_incomparable_inputs(evals, path, value, match):
+    other = _broken(evals["base"], path, value)
+    with pytest.raises(InputError, match=match):
+        gate(evals["base"], other)
+
+
+def test_gate_cli_refuses_broken_candidate_with_exit_2(evals, capsys):
+    from expertcache.recipes.cli import main
+
+    root = evals["root"]
+    nan = _broken(evals["base"], ("stepwise", "ppl", "overall"), float("nan"))
+    (root / "nan.json").write_text(json.dumps(nan))  # json writes NaN and reads it back
+    old = _broken(evals["base"], ("format_version",), _DEL)
+    (root / "old.json").write_text(json.dumps(old))
+    assert main(["gate", "--baseline", str(root / "base.json"), "--candidate", str(root / "nan.json")]) == 2
+    assert main(["gate", "--baseline", str(root / "old.json"), "--candidate", str(root / "base.json")]) == 2
+    captured = capsys.readouterr()
+    assert "gate: PASS" not in captured.out and "re-run" in captured.err + captured.out
+
+
+def test_load_eval_refuses_unreadable_files(tmp_path):
+    from expertcache.evals.gate import load_eval
+
+    (tmp_path / "x.json").write_text("{not json")
+    with pytest.raises(InputError, match="not a readable eval JSON"):
+        load_eval(tmp_path / "x.json")
+    (tmp_path / "y.json").write_text("[1, 2]")
+    with pytest.raises(InputError, match="not an `expertcache eval` result"):
+        load_eval(tmp_path / "y.json")
+    with pytest.raises(InputError, match="no such file"):
+        load_eval(tmp_path / "nope.json")
+
+
+def test_eval_refuses_a_checkpoint_that_produces_nan(evals, tiny_data):
+    """Corrupted weights that make NaN logits never reach a result (and so never a gate, never exit 0)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = evals["root"] / "base" / "model"
+    nan = evals["root"] / "nan-model"
+    m = AutoModelForCausalLM.from_pretrained(base)
+    with torch.no_grad():
+        m.model.norm.weight.fill_(float("nan"))  # the final norm: every logit NaN
+    m.save_pretrained(nan)
+    AutoTokenizer.from_pretrained(base).save_pretrained(nan)
+    with pytest.raises(InputError, match="non-finite logits: corrupted weights"):
+        evaluate(nan, corpus=tiny_data["corpus"], tasks=[], task_dir=evals["root"] / "tasks", ppl_blocks=1,
+                 seq_len=16, split="validation")
