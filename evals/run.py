@@ -6,18 +6,20 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
+from expertcache.runtime.engine import EngineConfig
 from expertcache.telemetry.atomic import write_json
 
-from .policy import open_model, parse_policy
+from .policy import label, open_model
 from .taskdata import DEFAULT_TASKS, DOMAINS, build_task_data, lm_eval_tasks
 
 
 def stepwise_blocks(corpus: str, tokenizer: str, split: str, seq_len: int, per_domain: int) -> dict[str, np.ndarray]:
-    from expertcache.trainer.data import packed_blocks
+    from expertcache.telemetry.corpus import packed_blocks
 
     out = {}
     for d in DOMAINS:
@@ -41,14 +43,14 @@ def blocks_sha256(blocks: dict[str, np.ndarray]) -> str:
 def tokenizer_fingerprint(model_dir: str | Path) -> dict:
     """{'vocab_sha256', 'vocab_size'}: sha256 of the tokenizer's vocabulary (token -> id, added tokens included,
     sorted), so a re-saved tokenizer with the same vocabulary matches and a different one does not."""
-    from expertcache.trainer.tokenizer import load_tokenizer
+    from expertcache.telemetry.corpus import load_tokenizer
 
     vocab = load_tokenizer(model_dir).get_vocab()
     blob = json.dumps(sorted(vocab.items()), ensure_ascii=False, separators=(",", ":")).encode()
     return {"vocab_sha256": hashlib.sha256(blob).hexdigest(), "vocab_size": len(vocab)}
 
 
-def evaluate(model_dir: str | Path, corpus: str = "data/corpus", policy: str = "", tasks=DEFAULT_TASKS,
+def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineConfig | None = None, tasks=DEFAULT_TASKS,
              out: str | Path | None = None, task_dir: str | Path | None = None, limit: int | None = None,
              ppl_blocks: int = 8, seq_len: int = 128, split: str = "test",
              batch_size: int = 8, include_path: str | Path | None = None, dtype: str = "fp32",
@@ -64,7 +66,7 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", policy: str = "
     model_dir = resolve(model_dir)  # a local checkpoint or a cached hub id; a one-line error otherwise
     parse_dtype(dtype)
     device = parse_device(device)
-    serve = parse_policy(policy)
+    serve = engine
     t0 = time.time()
     task_dir = Path(task_dir or Path(out or "runs/eval").parent / "task-data")
     if not (task_dir / "math_em.jsonl").is_file():
@@ -80,14 +82,15 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", policy: str = "
         engine.close()
     from .gate import EVAL_FORMAT_VERSION
 
-    res = {"format_version": EVAL_FORMAT_VERSION, "model": str(model_dir), "policy": serve.label(),
-           "policy_args": serve.to_dict(), "split": split, "dtype": dtype, "device": device,
+    res = {"format_version": EVAL_FORMAT_VERSION, "model": str(model_dir), "policy": label(serve),
+           "engine": None if serve is None else asdict(serve), "split": split, "dtype": dtype, "device": device,
            "tokenizer": tokenizer_fingerprint(model_dir), "tasks": list(tasks or []), "limit": limit,
            "stepwise": step, "stepwise_blocks": {d: list(b.shape) for d, b in blocks.items()}}
     if tasks:
-        r = lm_eval.simple_evaluate(model="expertcache", model_args={"pretrained": str(model_dir), "policy": policy,
-                                                                     "batch_size": batch_size, "dtype": dtype,
-                                                                     "device": device},
+        args = {"pretrained": str(model_dir), "batch_size": batch_size, "dtype": dtype, "device": device}
+        if serve is not None:
+            args.update({k: v for k, v in asdict(serve).items() if k != "device"})
+        r = lm_eval.simple_evaluate(model="expertcache", model_args=args,
                                     tasks=task_list, limit=limit, log_samples=False, task_manager=manager,
                                     bootstrap_iters=0, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
         res["lm_eval"] = {t: {k: v for k, v in m.items() if isinstance(v, (int, float, str))}

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import yaml
 
+from expertcache.telemetry.corpus import DOMAINS, load_corpus
 from expertcache.telemetry.errors import InputError
 
 TASK_DIR = Path(__file__).resolve().parent / "tasks"
-DOMAINS = ("code", "prose", "math")
 DEFAULT_TASKS = tuple(f"ec_ppl_{d}" for d in DOMAINS) + tuple(f"ec_cloze_{d}" for d in DOMAINS) + ("ec_math_em",)
 MATH_RE = re.compile(r"Question: (?P<q>.*?)\nSolution: .*?Answer: (?P<a>-?\d+)", re.S)
 
@@ -41,7 +41,6 @@ def _chunks(text: str, size: int) -> list[str]:
 def build_task_data(corpus: str | Path, out_dir: str | Path, split: str = "test", per_domain: int = 24,
                     ppl_chars: int = 1500, ctx_chars: int = 240, cont_chars: int = 60, seed: int = 0) -> dict:
     """Write the task files; returns how many documents each got."""
-    from expertcache.trainer.corpus import load_corpus
 
     ds = load_corpus(corpus)[split]
     out = Path(out_dir)

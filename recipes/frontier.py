@@ -17,77 +17,28 @@ other figures (1/4 of E, Belady, the λ = 0 control, the Temporal router) where 
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass
 from pathlib import Path
 
 from expertcache.telemetry.atomic import write_json
 from expertcache.trainer.cache_aware import CacheAwareRecipe
-from expertcache.trainer.config import RecipeError, apply_overrides, from_dict, opt, to_dict
+from expertcache.trainer.config import RecipeError, apply_overrides, from_dict, to_dict
 
 # "Cacheable by Design?" (137M multi-domain models), as issue #12 quotes it: LRU miss reduction at 1/8 of E
 # against Δppl in %; post-training alone, and post-training served with rerouting.
 REFERENCE_POINTS = {"plain": [(2.1, 0.59), (3.1, 0.60)], "reroute": [(3.4, 0.80)]}
-PLAIN_TASKS = ["ec_ppl_code", "ec_ppl_prose", "ec_ppl_math", "ec_cloze_code", "ec_cloze_prose", "ec_cloze_math",
-               "ec_math_em"]
 
 
-@dataclass
-class FrontierSpec:
-    variants: dict = opt({}, "name -> list of key=value overrides of this recipe; each variant is one run in "
-                             "out_dir/<name>/")
-    control: str = opt("", "the variant that is the λ = 0 control (same steps, no locality); empty for none")
-    reroute: list[str] = opt([], "variants also served with the reroute miss policy ('base': the base itself)")
-    capacity: float = opt(0.125, "served cache per layer, as a fraction of E, for the reroute rows")
-    tau: float = opt(0.1, "reroute threshold: a miss is served by a resident expert within tau of its weight")
-    split: str = opt("test", "held-out split of the evaluation (the documents of every lm-eval task and block)")
-    tasks: list[str] = opt(PLAIN_TASKS, "lm-eval tasks of the plain rows")
-    limit: int = opt(24, "documents per task, plain rows")
-    ppl_blocks: int = opt(16, "step-wise perplexity blocks per domain, plain rows")
-    seq_len: int = opt(256, "tokens per step-wise block, plain rows")
-    lossy_tasks: list[str] = opt(["ec_cloze_code", "ec_cloze_prose", "ec_cloze_math"],
-                                 "lm-eval tasks of the reroute rows (served token by token: slower)")
-    lossy_limit: int = opt(8, "documents per task, reroute rows")
-    lossy_ppl_blocks: int = opt(4, "step-wise perplexity blocks per domain, reroute rows")
-    lossy_seq_len: int = opt(128, "tokens per step-wise block, reroute rows")
-    out: str = opt("results/frontier.json", "the rows (a JSON list); the plot is written beside it (.png)")
-
-    def __post_init__(self):
-        for name, ov in self.variants.items():
-            if not isinstance(ov, list) or not all(isinstance(x, str) for x in ov):
-                raise RecipeError(f"frontier.variants.{name}: expected a list of key=value strings, got {ov!r}")
-            if not name or "/" in name or name.startswith("."):
-                raise RecipeError(f"frontier.variants: {name!r} is not a usable folder name")
-        unknown = [r for r in self.reroute if r != "base" and r not in self.variants]
-        if unknown:
-            raise RecipeError(f"frontier.reroute names {unknown[0]!r}, which is not a variant")
-        if self.control and self.control not in self.variants:
-            raise RecipeError(f"frontier.control={self.control!r} is not a variant")
-        if not (0 < self.capacity <= 1) or not (math.isfinite(self.tau) and self.tau >= 0):
-            raise RecipeError("frontier.capacity must be in (0, 1] and frontier.tau a finite number >= 0")
-        if min(self.limit, self.ppl_blocks, self.seq_len, self.lossy_limit, self.lossy_ppl_blocks,
-               self.lossy_seq_len) < 1:
-            raise RecipeError("frontier limits, blocks and sequence lengths must be >= 1")
-
-
-@dataclass
-class FrontierRecipe(CacheAwareRecipe):
-    frontier: FrontierSpec = opt(FrontierSpec(), "the variants, their evaluation and where the rows go")
-
-    def __post_init__(self):
-        super().__post_init__()
-        for name in self.frontier.variants:
-            self.variant(name)  # every variant's overrides are checked before anything runs
-
-    def variant(self, name: str) -> CacheAwareRecipe:
-        data = to_dict(self)
-        data.pop("frontier")
-        data["out_dir"] = str(Path(self.out_dir) / name)
-        data["name"] = name
-        try:
-            return from_dict(CacheAwareRecipe, apply_overrides(data, list(self.frontier.variants[name])))
-        except RecipeError as e:
-            raise RecipeError(f"frontier variant {name}: {e}") from None
+def variant(recipe: CacheAwareRecipe, name: str) -> CacheAwareRecipe:
+    """The recipe of one frontier variant: the recipe with `frontier.variants[name]` applied, run into
+    out_dir/<name>/ (every variant's overrides are checked before anything runs)."""
+    data = to_dict(recipe)
+    data.pop("frontier")
+    data["out_dir"] = str(Path(recipe.out_dir) / name)
+    data["name"] = name
+    try:
+        return from_dict(CacheAwareRecipe, apply_overrides(data, list(recipe.frontier.variants[name])))
+    except RecipeError as e:
+        raise RecipeError(f"frontier variant {name}: {e}") from None
 
 
 def _done(recipe: CacheAwareRecipe) -> dict | None:
@@ -106,12 +57,15 @@ def _done(recipe: CacheAwareRecipe) -> dict | None:
     return r if same and r.get("global_step") == recipe.train.max_steps else None
 
 
-def run_frontier(recipe: FrontierRecipe, resume: bool = True, log=print) -> list[dict]:
+def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> list[dict]:
     from expertcache.evals.gate import EVAL_FORMAT_VERSION, gate
     from expertcache.evals.run import evaluate
     from expertcache.trainer.cache_aware import run_cache_aware
 
+    from expertcache.runtime.engine import EngineConfig
+
     f = recipe.frontier
+    points = {name: variant(recipe, name) for name in f.variants}  # every variant checked before anything runs
     out = Path(recipe.out_dir)
     evals = out / "evals"
     kw = dict(corpus=recipe.data.corpus, task_dir=evals / "task-data", split=f.split)
@@ -131,11 +85,10 @@ def run_frontier(recipe: FrontierRecipe, resume: bool = True, log=print) -> list
 
     base = recipe.base
     base_plain = ev(base, "base-plain")
-    served = f"capacity={f.capacity},tier=host"
-    reroute = f"{served},miss=reroute,tau={f.tau}"
+    served = EngineConfig(capacity=f.capacity, tier="host")
+    reroute = EngineConfig(capacity=f.capacity, tier="host", miss="reroute", tau=f.tau)
     results, rows = {}, []
-    for name in f.variants:
-        point = recipe.variant(name)
+    for name, point in points.items():
         res = _done(point) if resume else None
         if res is None:
             log(f"[frontier] train {name}")
@@ -150,12 +103,12 @@ def run_frontier(recipe: FrontierRecipe, resume: bool = True, log=print) -> list
         model = base if res is None else str(Path(res["out_dir"]) / "model")
         if res is not None:
             g = gate(base_plain, ev(model, f"{name}-plain"))
-            rows.append(_row(name, "plain", res, g, res["summary"]["capacities"], control))
+            rows.append(frontier_row(name, "plain", res, g, res["summary"]["capacities"], control))
         if name in f.reroute:
             r = ev(model, f"{name}-reroute", reroute, lossy=True)
             g = gate(base_small, r)
             e = r["stepwise"]["engine"]
-            row = _row(name, "reroute", res, g, None, control)
+            row = frontier_row(name, "reroute", res, g, None, control)
             row.update(miss_reduction_1_8=1 - e["demand_loads"] / base_lru, demand_loads=e["demand_loads"],
                        base_lru_demand_loads=base_lru, rerouted=e.get("rerouted", 0), capacity=f.capacity,
                        tau=f.tau)
@@ -166,7 +119,7 @@ def run_frontier(recipe: FrontierRecipe, resume: bool = True, log=print) -> list
     return rows
 
 
-def _row(name: str, serving: str, res: dict | None, g: dict, caps: dict | None, control: dict | None) -> dict:
+def frontier_row(name: str, serving: str, res: dict | None, g: dict, caps: dict | None, control: dict | None) -> dict:
     d = g["dppl_percent"]
     row = {"name": name, "serving": serving, "miss_reduction_1_8": None,
            "dppl_overall_pct": d.get("overall"),

@@ -69,7 +69,9 @@ def project(ids: np.ndarray, hw: Hardware, shape: ModelShape, capacity_frac: flo
     """TPOT projection; `compute_s` overrides T_compute with a measured one."""
     if ids.shape[2] != shape.top_k:
         raise InputError(f"trace is top-{ids.shape[2]}, model shape {shape.name} is top-{shape.top_k}")
-    cap = max(1, round(capacity_frac * shape.num_experts))
+    from expertcache.telemetry.cachesim import capacity_count
+
+    cap = capacity_count(capacity_frac, shape.num_experts)
     mpt = trace_misses_per_layer_token(ids, cap, policy)
     misses = mpt * shape.moe_layers  # per output token
     t_transfer = misses * (shape.expert_bytes / (hw.link_GBps * 1e9) + hw.link_latency_us * 1e-6)

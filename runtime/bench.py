@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -62,27 +63,26 @@ def peak_rss_bytes() -> int:
     return 0
 
 
-def bench_decode(model_dir: str | Path, prompts: torch.Tensor, tier: str = "disk", capacities=(0.125, 0.25),
-                 predictors=("probe:1",), miss: str = "blocking", policy: str = "lru", tokens: int = 64,
-                 warmup: int = 8, rounds: int = 2, tau: float = 0.1, load_aux=None, budget: str = "layer",
-                 dtype=None, plain: bool | None = None, workers: int = 4, device: str = "cpu",
-                 kernel: str = "native", progress=None) -> dict:
-    """The model is built once (`load`: experts stay in the checkpoint) and each configuration is attached to
-    it in turn, pass by pass, alternated. `plain` (the unmodified model, every expert in memory, loaded with
+def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineConfig = EngineConfig(tier="disk"),
+                 capacities=(0.125, 0.25), predictors=("probe:1",), tokens: int = 64, warmup: int = 8,
+                 rounds: int = 2, load_aux=None, dtype=None, plain: bool | None = None, progress=None) -> dict:
+    """The model is built once (`load`: experts stay in the checkpoint) and each configuration (`engine` at each
+    of `capacities`: on demand, then with each of `predictors`) is attached to it in turn, pass by pass,
+    alternated. `plain` (the unmodified model, every expert in memory, loaded with
     `from_pretrained`) is the reference when the checkpoint fits in half the available memory (None: decide so).
     `load_aux(model) -> AuxRouters`: the checkpoint's auxiliary routers, for the `spatio` predictor and the
     `scored` policy (passed in by the caller: the runtime does not depend on the trainer)."""
     from .checkpoint import Checkpoint
     from .loader import load, parse_device, parse_dtype, reattach, resolve
 
+    tier, policy, miss, device = engine.tier, engine.policy, engine.miss, parse_device(engine.device)
     path = resolve(model_dir)
     ckpt_bytes = Checkpoint(path).bytes_on_disk()
     if plain is None:
         plain = ckpt_bytes < 0.5 * available_memory()
     rss_start = peak_rss_bytes()
-    device = parse_device(device)
-    m = load(path, capacity=capacities[0], tier=tier, dtype=dtype, budget=budget, workers=workers, device=device,
-             kernel=kernel)
+    m = load(path, capacity=capacities[0], tier=tier, dtype=dtype, budget=engine.budget, workers=engine.workers,
+             device=device, kernel=engine.kernel)
     eng0 = m.expertcache
     e = eng0.adapter.num_experts
     rss_loaded = peak_rss_bytes()
@@ -92,8 +92,7 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, tier: str = "disk
     def attach(cap, pred="none", pol=policy, ms="blocking", tr=tier):
         aux = load_aux(m) if load_aux is not None and (pred == "spatio" or pol == "scored") else None
         keep = TemporalKeep(m, aux) if pol == "scored" and aux is not None else None
-        cfg = EngineConfig(capacity=cap, tier=tr, policy=pol, miss=ms, tau=tau, budget=budget, workers=workers,
-                           device=device, kernel=kernel)
+        cfg = replace(engine, capacity=cap, tier=tr, policy=pol, miss=ms, predictor=pred, device=device)
         return reattach(m, cfg, predictor=make_predictor(pred, m, aux, num_experts=e, hidden_size=m.config.hidden_size),
                         keep_scores=keep)
 
@@ -145,12 +144,12 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, tier: str = "disk
     base = "plain" if plain else ("resident" if "resident" in results else None)
     t_base = float(np.median(results[base]["tpot"])) if base else None
     t_res = float(np.median(results["resident"]["tpot"])) if "resident" in results else None
-    out = {"inputs": {"model": str(model_dir), "checkpoint_bytes": ckpt_bytes, "tier": tier, "budget": budget,
+    out = {"inputs": {"model": str(model_dir), "checkpoint_bytes": ckpt_bytes, "tier": tier, "budget": engine.budget,
                       "capacities": list(capacities), "predictors": list(predictors), "miss": miss, "policy": policy,
                       "tokens": tokens, "warmup": warmup, "rounds": rounds, "prompts": int(prompts.shape[0]),
                       "prompt_len": int(prompts.shape[1]), "torch_threads": torch.get_num_threads(),
                       "expert_bytes": eb, "dtype": str(dt).removeprefix("torch."), "expert_source": "checkpoint",
-                      "device": device, "kernel": kernel,
+                      "device": device, "kernel": engine.kernel, "engine": asdict(engine),
                       "plain": bool(plain)},
            "tier_bandwidth_GBps": bw / 1e9 if bw else None, "t_compute_s": t_res,
            "peak_rss_bytes": {"start": rss_start, "after_load": rss_loaded, "end": peak_rss_bytes()},

@@ -22,6 +22,7 @@ are untouched). When layer i runs:
 from __future__ import annotations
 
 import copy
+import math
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
@@ -44,25 +45,54 @@ MISS_POLICIES = ("blocking", "reroute", "speculative", "host")
 
 @dataclass
 class EngineConfig:
-    capacity: float = 0.25  # resident experts per layer: a fraction of E (< 1) or a count (>= 1)
-    tier: str = "host"  # disk | host | throttled:<GB/s> | cuda (host with the slots on the GPU)
-    policy: str = "lru"  # lru | lfu | static | scored (needs a keep-score source, e.g. the Temporal router) |
-    # learned:FILE (an eviction policy fitted on traces with `expertcache fit-policy`)
+    """How the offload engine serves a model: the one set of engine options of every command and API.
+
+    Args:
+        capacity: resident experts per MoE layer: a fraction of E (0 < c < 1, or 1.0 for all) or a count (an integer
+            >= 1); see `expertcache.telemetry.cache.capacity_count`
+        tier: where the experts live: disk (O_DIRECT reads of the checkpoint's files) | host (a RAM copy) |
+            throttled:<GB/s> (host, paced like a slower link) | cuda (host RAM pinned, slots on the GPU)
+        policy: cache eviction: lru | lfu | static | scored (the checkpoint's Temporal router decides what stays) |
+            learned:FILE (fitted with `expertcache fit-policy`)
+        miss: blocking (lossless: wait for the expert) | reroute (lossy: a resident expert within tau of the
+            missed one's router weight takes its place) | speculative (lossy) | host (compute a miss where it lives)
+        tau: reroute margin on router probabilities
+        predictor: what is prefetched for the next layer: none | probe:1 | probe:2 | persistence |
+            estimator:FILE | spatio (the checkpoint's Spatio router)
+        prefetch_budget: experts prefetched per layer per token (0: as many as the predictor names, up to k)
+        max_inflight_bytes: bytes of transfers in flight at most
+        workers: transfer threads
+        budget: layer (C slots per layer) | global (one cache of C x layers slots shared by every layer)
+        device: where the slots and the non-expert model live: cpu | cuda
+        kernel: native (the family's own expert forward: bit-identical to plain) | triton (SwiGLU families on CUDA)
+    """
+
+    capacity: float = 0.25
+    tier: str = "host"
+    policy: str = "lru"
     miss: str = "blocking"
-    tau: float = 0.1  # reroute margin on router probabilities
-    prefetch_budget: int = 0  # experts prefetched per layer per token (0: as many as the predictor names, up to k)
+    tau: float = 0.1
+    predictor: str = "none"
+    prefetch_budget: int = 0
     max_inflight_bytes: int = 1 << 30
-    workers: int = 4  # transfer threads
-    budget: str = "layer"  # layer: C slots per layer; global: one cache of C x layers slots shared by all layers
-    device: str = "cpu"  # where the slots (and the non-expert model) live: cpu | cuda
-    kernel: str = "native"  # native: the family's own experts forward (bit-identical to plain) | triton (SwiGLU
-    # families on CUDA: `kernels.swiglu_triton` over the slots, fp32 accumulation; equal up to rounding)
+    workers: int = 4
+    budget: str = "layer"
+    device: str = "cpu"
+    kernel: str = "native"
+
+    @property
+    def lossy(self) -> bool:
+        """Outputs depend on the cache state (evaluated one token at a time); `host` only reorders a sum."""
+        return self.miss in ("reroute", "speculative")
+
+    def label(self) -> str:
+        s = f"C={self.capacity:g},{self.miss}"
+        return s + (f",tau={self.tau:g}" if self.miss == "reroute" else "")
 
     def slots(self, num_experts: int, top_k: int) -> int:
-        c = round(self.capacity * num_experts) if self.capacity < 1 else int(self.capacity)
-        if not self.capacity > 0 or c < 1 or c > num_experts:
-            raise InputError(f"capacity {self.capacity} gives {c} resident experts; expected 1..{num_experts}")
-        return c
+        from expertcache.telemetry.cachesim import capacity_count
+
+        return capacity_count(self.capacity, num_experts)
 
     def check(self) -> None:
         """Every field in range, before anything is allocated."""
@@ -81,8 +111,10 @@ class EngineConfig:
             raise InputError(f"budget={self.budget!r}; expected layer or global")
         if self.device not in ("cpu", "cuda"):
             raise InputError(f"device={self.device!r}; expected cpu or cuda")
-        if not self.tau >= 0:
-            raise InputError(f"tau={self.tau}; expected a margin >= 0")
+        if not (math.isfinite(self.tau) and self.tau >= 0):
+            raise InputError(f"tau={self.tau}; expected a finite margin >= 0")
+        if not (math.isfinite(self.capacity) and self.capacity > 0):
+            raise InputError(f"capacity={self.capacity}; expected a fraction of E in (0, 1] or a count >= 1")
         for name in ("prefetch_budget", "max_inflight_bytes"):
             if getattr(self, name) < 0:
                 raise InputError(f"{name}={getattr(self, name)}; expected >= 0")

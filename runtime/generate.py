@@ -25,7 +25,7 @@ import torch
 
 from expertcache.telemetry.errors import InputError
 
-# `make quickstart` (evals/quickstart.py) leaves its cache-aware post-trained checkpoint here.
+# `make quickstart` (recipes/quickstart.py) leaves its cache-aware post-trained checkpoint here.
 QUICKSTART_MODEL = Path("runs/ca-smoke/model")
 
 

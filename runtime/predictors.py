@@ -19,11 +19,49 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable, Optional, Protocol
 
 import numpy as np
 import torch
 
 from expertcache.telemetry.errors import InputError
+
+
+class RouterHeadsConfig(Protocol):
+    num_experts: int
+    history: int
+
+
+class RouterHeads(Protocol):
+    """What the runtime needs of a checkpoint's auxiliary routers (the trainer's `AuxRouters` is one): a Spatio
+    head that scores layer L's experts from the state entering layer L-1, and a Temporal head that scores layer
+    L's experts for the tokens ahead from the hidden state and the last `history` tokens' routing."""
+
+    cfg: RouterHeadsConfig
+    spatio: object | None
+    temporal: object | None
+
+    def spatio_scores(self, layer: int, hidden: torch.Tensor, router: torch.nn.Module) -> torch.Tensor: ...
+
+    def temporal_scores(self, layer: int, hidden: torch.Tensor, router: torch.nn.Module,
+                        history: torch.Tensor) -> torch.Tensor: ...
+
+
+# How a checkpoint's router heads are loaded: `(checkpoint_dir, model) -> RouterHeads`. The runtime does not import
+# the trainer that defines them; the entry point (expertcache.recipes.cli, or a user's code) installs the loader.
+_HEADS_LOADER: Optional[Callable] = None
+
+
+def set_router_heads_loader(fn: Optional[Callable]) -> None:
+    global _HEADS_LOADER
+    _HEADS_LOADER = fn
+
+
+def router_heads_loader(checkpoint_dir) -> Optional[Callable]:
+    """`model -> RouterHeads` for `checkpoint_dir` (None when no loader is installed)."""
+    if _HEADS_LOADER is None:
+        return None
+    return lambda model: _HEADS_LOADER(checkpoint_dir, model)
 
 
 class Predictor:
@@ -129,7 +167,7 @@ class EstimatorPredictor(Predictor):
 class SpatioPredictor(Predictor):
     name = "spatio"
 
-    def __init__(self, model, aux):
+    def __init__(self, model, aux: RouterHeads):
         from expertcache.telemetry.adapters import adapter_for
 
         if aux.spatio is None:
@@ -174,7 +212,7 @@ class TemporalKeep:
     for a token, its scores for the tokens ahead, from the hidden state entering layer L and the experts the
     layer used at the last `history` tokens (kept here)."""
 
-    def __init__(self, model, aux):
+    def __init__(self, model, aux: RouterHeads):
         from collections import deque
 
         from expertcache.telemetry.adapters import adapter_for

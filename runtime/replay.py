@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from expertcache.telemetry.cachesim import capacity_count
 from expertcache.telemetry.errors import InputError
 
 from .checkpoint import StoreExperts
@@ -305,7 +306,7 @@ def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2
     ids = ids_all[start:start + n_layers]
     est = CooccurrenceEstimator(ids[:, :cut], e)
     store = ensure_store(store_dir, n_layers, e, hidden, inter, dt, progress=progress)
-    cap = round(capacity * e) if capacity < 1 else int(capacity)
+    cap = capacity_count(capacity, e)
     rp = Replayer(store, ids, cap, tier, workers)
     span = range(cut, cut + warmup + tokens)
     configs = [ReplayConfig("on-demand")] + [ReplayConfig(p, p, True) for p in predictors]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from expertcache.evals.gate import EVAL_FORMAT_VERSION, gate
 from expertcache.evals.run import evaluate
+from expertcache.runtime.engine import EngineConfig
 
 PLAIN_TASKS = ["ec_ppl_code", "ec_ppl_prose", "ec_ppl_math", "ec_cloze_code", "ec_cloze_prose", "ec_cloze_math",
                "ec_math_em"]
@@ -39,27 +40,27 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     kw = dict(corpus=a.corpus, task_dir=out / "task-data", ppl_blocks=a.ppl_blocks, seq_len=a.seq_len)
-    served = f"capacity={a.capacity},tier=host"
-    reroute = f"capacity={a.capacity},tier=host,miss=reroute,tau={a.tau}"
+    served = EngineConfig(capacity=a.capacity, tier="host")
+    reroute = EngineConfig(capacity=a.capacity, tier="host", miss="reroute", tau=a.tau)
 
-    def ev(model, name, policy="", tasks=PLAIN_TASKS, limit=a.limit):
+    def ev(model, name, policy=None, tasks=PLAIN_TASKS, limit=a.limit):
         f = out / f"eval-{name}.json"
         if f.is_file():
             r = json.loads(f.read_text())
             if r.get("format_version") == EVAL_FORMAT_VERSION:  # older evals lack the gate's fingerprints
                 return r
-        print(f"eval {name} [{policy or 'plain'}]", flush=True)
-        return evaluate(model, policy=policy, tasks=tasks, out=f, limit=limit, **kw)
+        print(f"eval {name} [{'plain' if policy is None else policy.label()}]", flush=True)
+        return evaluate(model, engine=policy, tasks=tasks, out=f, limit=limit, **kw)
 
     base = ev(a.base, "base")
     # lossy rows run fewer documents: their Δacc is against the plain base on exactly those documents
-    base_small = ev(a.base, "base-small", "", LOSSY_TASKS, a.lossy_limit)
+    base_small = ev(a.base, "base-small", None, LOSSY_TASKS, a.lossy_limit)
     base_lru = ev(a.base, "base-lru", served, [], a.lossy_limit)
     base_misses = base_lru["stepwise"]["engine"]["demand_loads"]
     rows = []
     for cand in [a.base, *a.candidates]:
         name = Path(cand).parent.name if Path(cand).name == "model" else Path(cand).name
-        for label, policy, tasks, limit in (("plain", "", PLAIN_TASKS, a.limit),
+        for label, policy, tasks, limit in (("plain", None, PLAIN_TASKS, a.limit),
                                             ("reroute", reroute, LOSSY_TASKS, a.lossy_limit)):
             is_base = cand == a.base and label == "plain"
             r = base if is_base else ev(cand, f"{name}-{label}", policy, tasks, limit)

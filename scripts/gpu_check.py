@@ -76,6 +76,7 @@ def tpot(root: Path) -> dict:
     from transformers import Qwen3MoeConfig
 
     from expertcache.runtime.bench import bench_decode
+    from expertcache.runtime.engine import EngineConfig
     from expertcache.trainer.models import build_model
 
     d = root / "mid"
@@ -88,8 +89,9 @@ def tpot(root: Path) -> dict:
     out = {}
     for tier in ("host", "disk"):
         for kernel in ("native", "triton"):
-            r = bench_decode(d, prompts, tier=tier, capacities=(0.125, 0.25), predictors=("probe:1",), tokens=64,
-                             warmup=8, rounds=1, device="cuda", kernel=kernel, plain=(tier == "host"))
+            r = bench_decode(d, prompts, EngineConfig(tier=tier, device="cuda", kernel=kernel),
+                             capacities=(0.125, 0.25), predictors=("probe:1",), tokens=64, warmup=8, rounds=1,
+                             plain=(tier == "host"))
             out[f"{tier}/{kernel}"] = {n: {k: v for k, v in c.items() if not isinstance(v, list)}
                                        for n, c in r["configs"].items()}
             out[f"{tier}/{kernel}"]["tier_bandwidth_GBps"] = r["tier_bandwidth_GBps"]

@@ -25,7 +25,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
-from expertcache.telemetry.cachesim import simulate  # noqa: E402
+from expertcache.telemetry.cachesim import capacity_count, simulate  # noqa: E402
 from expertcache.telemetry.learned_policy import fit, load_routing, simulate_learned  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,7 +37,7 @@ def score(policy, trace: Path, fractions=FRACTIONS) -> dict:
     ids, probs, meta = load_routing(trace)
     policy.check_shape(meta["num_experts"], meta["top_k"], f"trace {trace}")
     e = meta["num_experts"]
-    caps = [max(1, round(f * e)) for f in fractions]
+    caps = [capacity_count(f, e) for f in fractions]
     t0 = time.perf_counter()
     learned = simulate_learned(policy, ids, caps, probs if policy.uses_probs else None, "layer")
     t_learned = time.perf_counter() - t0

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .cachesim import POLICIES, global_steps, simulate
+from .cachesim import POLICIES, capacity_count, global_steps, simulate
 from .errors import InputError
 from .parquet_trace import Trace, read_trace
 
@@ -44,7 +44,7 @@ def coverage(ids: np.ndarray, num_experts: int, levels=COVERAGE_LEVELS) -> dict:
 
 
 def capacities(num_experts: int, fractions=CAPACITY_FRACTIONS) -> list[int]:
-    return sorted({max(1, round(f * num_experts)) for f in fractions})
+    return sorted({capacity_count(f, num_experts) for f in fractions})
 
 
 def hit_curves(ids: np.ndarray, num_experts: int, caps: list[int], policies=POLICIES, semantics: str = "token",

@@ -70,6 +70,23 @@ class CacheResult:
                 "misses_per_step": round(self.misses_per_step, 6)}
 
 
+def capacity_count(capacity: float, num_experts: int) -> int:
+    """The one capacity rule (every command, the engine, the simulator, the trainer's figures): resident experts
+    per layer. A value below 1 is a fraction of E, rounded, at least 1 expert; a value of 1 or more is a count and
+    must be a whole number (so 1.0 is one expert; all of them is E). Out of range: InputError."""
+    import math
+
+    if not (isinstance(capacity, (int, float)) and math.isfinite(capacity) and capacity > 0):
+        raise InputError(f"capacity {capacity!r}: expected a fraction of E in (0, 1) or a count of experts >= 1")
+    if capacity < 1:
+        return max(1, round(capacity * num_experts))
+    if capacity != int(capacity):
+        raise InputError(f"capacity {capacity}: a count of experts must be a whole number (a fraction is < 1)")
+    if capacity > num_experts:
+        raise InputError(f"capacity {int(capacity)} experts, but a layer has only {num_experts}")
+    return int(capacity)
+
+
 def _check(steps: np.ndarray, capacity: int, policy: str, semantics: str) -> list[list[int]]:
     if policy not in POLICIES:
         raise InputError(f"unknown cache policy {policy!r}; expected one of {POLICIES}")

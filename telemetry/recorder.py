@@ -148,8 +148,7 @@ def record_corpus(model_dir: str | Path, corpus: str, tokenizer: str | None, spl
     from rich.progress import Progress
     from transformers import AutoModelForCausalLM
 
-    from expertcache.trainer.corpus import DOMAINS
-    from expertcache.trainer.data import packed_blocks
+    from .corpus import DOMAINS, packed_blocks
 
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():

@@ -17,7 +17,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
     """{'corpus': dir, 'tokenizer': dir, 'sdist': path} of a real (tiny) corpus and a 512-token BPE."""
-    from expertcache.trainer.corpus import CorpusConfig, build_corpus, load_corpus
+    from expertcache.telemetry.corpus import load_corpus
+    from expertcache.trainer.corpus import CorpusConfig, build_corpus
     from expertcache.trainer.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("data")

@@ -71,17 +71,19 @@ def test_analyze_cli_writes_summary_and_plots(tmp_path):
     ids = np.concatenate([ids, (ids + 3) % 32], axis=2)
     np.savez(tmp_path / "t.npz", experts=ids, meta=json.dumps({"num_experts": 32, "model": "random"}))
     cli = [sys.executable, "-m", "expertcache.recipes.cli"]
-    r = subprocess.run(cli + ["trace", "import", str(tmp_path / "t.npz"), "--out", str(tmp_path / "t.parquet"),
+    r = subprocess.run(cli + ["trace", "import", "--src", str(tmp_path / "t.npz"), "--out", str(tmp_path / "t.parquet"),
                               "--domain", "code"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    r = subprocess.run(cli + ["analyze", str(tmp_path / "t.parquet"), "--out", str(tmp_path / "a")],
+    r = subprocess.run(cli + ["analyze", "--trace", str(tmp_path / "t.parquet"), "--out", str(tmp_path / "a")],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert "reuse@lag1" in r.stdout and "belady" in r.stdout
+    assert "reuse@lag1" in r.stderr and "belady" in r.stderr  # the text summary; stdout is the JSON
+    assert json.loads(r.stdout)["capacities"] == [1, 2, 4, 8, 16]
+    assert (tmp_path / "a" / "config.yaml").is_file()  # the resolved configuration beside the outputs
     s = json.loads((tmp_path / "a" / "summary.json").read_text())
     assert s["capacities"] == [1, 2, 4, 8, 16] and s["routing"]["tokens"] == 300
     for png in ("hit_rate.png", "reuse_coverage.png"):
         assert (tmp_path / "a" / png).stat().st_size > 10_000
-    r = subprocess.run(cli + ["analyze", str(tmp_path / "missing.parquet"), "--out", str(tmp_path / "b")],
+    r = subprocess.run(cli + ["analyze", "--trace", str(tmp_path / "missing.parquet"), "--out", str(tmp_path / "b")],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "not found" in r.stderr and "Traceback" not in r.stderr

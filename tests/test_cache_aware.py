@@ -285,7 +285,8 @@ def test_runtime_reloads_the_routers_and_serves_losslessly_with_them(tiny_data, 
     misses keep greedy decoding bit-identical to plain generate."""
     from transformers import AutoModelForCausalLM
 
-    from expertcache.evals.policy import open_model, parse_policy
+    from expertcache.evals.policy import open_model
+    from expertcache.runtime.engine import EngineConfig
     from expertcache.trainer.cache_aware import run_cache_aware
 
     run_cache_aware(_ca_recipe(tiny_data, tiny_base, tmp_path / "r", "aux-only", **{"routers.rank": 4,
@@ -295,7 +296,7 @@ def test_runtime_reloads_the_routers_and_serves_losslessly_with_them(tiny_data, 
     plain = AutoModelForCausalLM.from_pretrained(ckpt).eval()
     kw = dict(max_new_tokens=10, do_sample=False, attention_mask=torch.ones_like(prompt), pad_token_id=0)
     want = plain.generate(prompt, **kw)
-    m, eng = open_model(ckpt, parse_policy("capacity=0.25,tier=disk,policy=scored,predictor=spatio"))  # load()
+    m, eng = open_model(ckpt, EngineConfig(capacity=0.25, tier="disk", policy="scored", predictor="spatio"))  # load()
     try:
         got = m.generate(prompt, **kw)
         assert eng.stats.prefetch_loads + eng.stats.prefetch_dropped > 0 and eng.stats.demand_loads > 0
@@ -365,7 +366,8 @@ def test_distillation_to_the_base_starts_at_zero_and_routers_only_leaves_the_res
 
 
 def test_frontier_trains_each_variant_once_gates_it_and_writes_rows(tiny_data, tiny_base, tmp_path):
-    from expertcache.recipes.frontier import FrontierRecipe, run_frontier
+    from expertcache.recipes.frontier import run_frontier
+    from expertcache.trainer.cache_aware import CacheAwareRecipe
 
     ov = {"base": str(tiny_base), "out_dir": str(tmp_path / "fr"), "data.corpus": tiny_data["corpus"],
           "data.tokenizer": str(tiny_base), "data.seq_len": 64, "data.batch_size": 4, "data.val_batches": 1,
@@ -376,7 +378,7 @@ def test_frontier_trains_each_variant_once_gates_it_and_writes_rows(tiny_data, t
           "frontier.lossy_ppl_blocks": 1, "frontier.lossy_seq_len": 16,
           "frontier.tasks": "[ec_ppl_prose,ec_cloze_prose]", "frontier.lossy_tasks": "[ec_cloze_prose]",
           "frontier.reroute": "[base,miss]", "frontier.split": "validation"}
-    recipe = load_recipe(FrontierRecipe, CA_RECIPES / "frontier.yaml", [f"{k}={v}" for k, v in ov.items()] + [
+    recipe = load_recipe(CacheAwareRecipe, CA_RECIPES / "frontier.yaml", [f"{k}={v}" for k, v in ov.items()] + [
         "frontier.variants={control: [locality.weight=0], miss: [locality.weight=1.0, quality.distill=0.5]}"])
     rows = run_frontier(recipe, log=lambda *a: None)
     assert [(r["name"], r["serving"]) for r in rows] == [("base", "reroute"), ("control", "plain"),
@@ -393,6 +395,9 @@ def test_frontier_trains_each_variant_once_gates_it_and_writes_rows(tiny_data, t
     stamp = (tmp_path / "fr" / "miss" / "result.json").stat().st_mtime_ns
     assert run_frontier(recipe, log=lambda *a: None) == rows
     assert (tmp_path / "fr" / "miss" / "result.json").stat().st_mtime_ns == stamp
+    typo = load_recipe(CacheAwareRecipe, CA_RECIPES / "frontier.yaml", [
+        "frontier.variants={typo: [locality.wieght=1]}", "frontier.reroute=[]", "frontier.control=",
+        f"out_dir={tmp_path / 'typo'}"])
     with pytest.raises(RecipeError, match="variant typo: unknown recipe key locality.wieght"):
-        load_recipe(FrontierRecipe, CA_RECIPES / "frontier.yaml", ["frontier.variants={typo: [locality.wieght=1]}",
-                                                                   "frontier.reroute=[]", "frontier.control="])
+        run_frontier(typo)
+    assert not (tmp_path / "typo").exists()  # refused before anything ran

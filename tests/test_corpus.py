@@ -3,7 +3,8 @@ import re
 import pytest
 
 from expertcache.trainer import mathgen
-from expertcache.trainer.corpus import DOMAINS, SPLITS, CorpusConfig, CorpusError, build_corpus, load_corpus
+from expertcache.telemetry.corpus import DOMAINS, CorpusError, load_corpus
+from expertcache.trainer.corpus import SPLITS, CorpusConfig, build_corpus
 
 
 def test_every_split_has_every_domain_and_no_group_crosses_splits(tiny_data):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from expertcache.evals.gate import gate
-from expertcache.evals.policy import parse_policy
 from expertcache.evals.run import evaluate
+from expertcache.runtime.engine import EngineConfig
 from expertcache.telemetry.errors import InputError
 from expertcache.trainer.config import load_recipe
 from helpers import REPO, smoke_overrides
@@ -39,9 +39,9 @@ def evals(tiny_data, tmp_path_factory):
               batch_size=4, split="validation")  # the tiny test split is too small
     out = {"base": evaluate(base, out=root / "base.json", **kw),
            "damaged": evaluate(damaged, **kw),
-           "served": evaluate(base, policy="capacity=0.25,tier=disk", **kw),
+           "served": evaluate(base, engine=EngineConfig(capacity=0.25, tier="disk"), **kw),
            # a lossy policy: lm-eval forwards go one token at a time through the engine
-           "reroute": evaluate(base, policy="capacity=0.25,miss=reroute,tau=1.0",
+           "reroute": evaluate(base, engine=EngineConfig(capacity=0.25, miss="reroute", tau=1.0),
                                **dict(kw, tasks=["ec_cloze_prose"], limit=2)),
            "root": root}
     return out
@@ -89,14 +89,22 @@ def test_gate_cli_exit_status(evals, capsys):
     (root / "damaged.json").write_text(json.dumps(evals["damaged"]))
     assert main(["gate", "--baseline", str(root / "base.json"), "--candidate", str(root / "base.json")]) == 0
     assert main(["gate", "--baseline", str(root / "base.json"), "--candidate", str(root / "damaged.json")]) == 1
-    assert "gate: FAIL" in capsys.readouterr().out
+    assert "gate: FAIL" in capsys.readouterr().err
 
 
-def test_bad_policy_is_refused():
-    with pytest.raises(InputError, match="unknown policy key"):
-        parse_policy("capacty=0.25")
-    with pytest.raises(InputError, match="expected a number"):
-        parse_policy("capacity=quarter")
+def test_bad_engine_options_are_refused(capsys):
+    from expertcache.evals.lm import engine_from_args
+    from expertcache.recipes.cli import main
+
+    assert main(["eval", "--model", "x", "--engine.capacty", "0.25"]) == 2
+    assert main(["eval", "--model", "x", "--engine.capacity", "quarter"]) == 2
+    assert main(["eval", "--model", "x", "--engine.miss", "bogus"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("expertcache eval: error:") for line in err), err
+    with pytest.raises(InputError, match="expected a float"):
+        engine_from_args({"capacity": "quarter"})
+    assert engine_from_args({"batch_size": 4}) is None  # no engine option: the plain model
+    assert engine_from_args({"capacity": "0.25", "miss": "reroute"}).lossy
 
 
 def test_a_users_own_task_yaml_is_evaluated_and_gated(evals, tiny_data, tmp_path):

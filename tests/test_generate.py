@@ -141,8 +141,8 @@ def test_generate_text_streams_piece_by_piece_and_chat_keeps_the_conversation(pl
 
 
 def test_cli_generate_streams_then_one_line_of_figures(ckpt, capsys, tmp_path, monkeypatch):
-    rc = main(["generate", "--model", str(ckpt), "--capacity", "0.25", "--tier", "disk", "--temperature", "0",
-               "--max-tokens", "10", PROMPT])
+    rc = main(["generate", "--model", str(ckpt), "--engine.capacity", "0.25", "--engine.tier", "disk",
+               "--temperature", "0", "--max_tokens", "10", "--prompt", PROMPT])
     assert rc == 0
     cap = capsys.readouterr()
     model, tok = load_model(ckpt, plain=True)
@@ -153,5 +153,5 @@ def test_cli_generate_streams_then_one_line_of_figures(ckpt, capsys, tmp_path, m
     assert re.fullmatch(r"\[\d+ tokens, [\d.]+ tok/s, hit rate [\d.]+ \(adjusted [\d.-]+\), [\d.]+ (B|KiB|MiB) "
                         r"moved/token, tier disk, 2/8 experts resident per layer\]", line), line
     monkeypatch.chdir(tmp_path)  # no runs/ca-smoke/model here
-    assert main(["generate", "hello"]) == 2
+    assert main(["generate", "--prompt", "hello"]) == 2
     assert "make quickstart" in capsys.readouterr().err

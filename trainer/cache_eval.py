@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from expertcache.telemetry.cachesim import simulate, simulate_scored
+from expertcache.telemetry.cachesim import capacity_count, simulate, simulate_scored
 
 
 def expert_bytes(model) -> int:
@@ -106,7 +106,7 @@ def evaluate_checkpoint(model_dir: str | Path, corpus: str, split: str, trace_pa
     keep = pre = None
     if aux is not None:
         keep, pre = router_predictions(model, aux, trace.layer_matrix("hidden"), ids)
-    caps = sorted({max(a.top_k, round(f * a.num_experts)) for f in fractions})
+    caps = sorted({capacity_count(f, a.num_experts) for f in fractions})
     ppl = evaluate_lm(model, corpus, str(model_dir), split, seq_len, ppl_blocks)
     return {"decode_tokens": int(ids.shape[1]), "expert_bytes": expert_bytes(model),
             "cache": cache_table(ids, caps, a.num_experts, expert_bytes(model), keep, pre), "ppl": ppl["ppl"],

@@ -20,17 +20,11 @@ import tarfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from expertcache.telemetry.errors import InputError
+from expertcache.telemetry.corpus import DOMAINS, MANIFEST, CorpusError
 
 from . import mathgen
 
-DOMAINS = ("code", "prose", "math")
 SPLITS = ("train", "validation", "test")
-MANIFEST = "corpus.json"
-
-
-class CorpusError(InputError):
-    """Bad input to the corpus builder or loader (missing source, wrong directory)."""
 
 
 @dataclass
@@ -217,12 +211,3 @@ def build_corpus(cfg: CorpusConfig) -> CorpusStats:
     return stats
 
 
-def load_corpus(path: str | Path):
-    """The `DatasetDict` written by `build_corpus`, with a clear error if `path` is not one."""
-    import datasets
-
-    path = Path(path)
-    if not (path / MANIFEST).is_file() or not (path / "arrow").is_dir():
-        raise CorpusError(f"no corpus at {path} (expected {path / MANIFEST} and {path / 'arrow'}); "
-                          f"build one with `expertcache data build --out {path}`")
-    return datasets.load_from_disk(str(path / "arrow"))

@@ -7,18 +7,16 @@ domain label (traces and per-domain perplexity need that). The train order is a 
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
-from pathlib import Path
 
 import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from expertcache.telemetry.corpus import DOMAINS, packed_blocks
+
 from .config import opt
-from .corpus import DOMAINS, load_corpus
-from .tokenizer import load_tokenizer
 
 
 @dataclass
@@ -28,33 +26,6 @@ class DataSpec:
     seq_len: int = opt(256, "tokens per packed training block")
     batch_size: int = opt(16, "blocks per optimizer step")
     val_batches: int = opt(8, "validation batches per domain at each validation")
-
-
-def _fingerprint(tokenizer_dir: Path) -> str:
-    return hashlib.sha256((tokenizer_dir / "tokenizer.json").read_bytes()).hexdigest()[:16]
-
-
-def packed_blocks(corpus_dir: str | Path, tokenizer_dir: str | Path, split: str, domain: str,
-                  seq_len: int) -> np.ndarray:
-    """[n_blocks, seq_len] int32 token blocks, cached as .npy under the corpus (keyed by tokenizer and length)."""
-    corpus_dir, tokenizer_dir = Path(corpus_dir), Path(tokenizer_dir)
-    tok = load_tokenizer(tokenizer_dir)
-    cache = corpus_dir / "packed" / _fingerprint(tokenizer_dir) / f"{split}-{domain}-L{seq_len}.npy"
-    if cache.is_file():
-        return np.load(cache, allow_pickle=False)
-    ds = load_corpus(corpus_dir)[split]
-    texts = [t for t, d in zip(ds["text"], ds["domain"]) if d == domain]
-    ids: list[int] = []
-    for enc in tok(texts, add_special_tokens=False)["input_ids"]:
-        ids.extend(enc)
-        ids.append(tok.eos_token_id)
-    n = len(ids) // seq_len
-    blocks = np.asarray(ids[: n * seq_len], dtype=np.int32).reshape(n, seq_len)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp.npy")
-    np.save(tmp, blocks, allow_pickle=False)
-    tmp.replace(cache)
-    return blocks
 
 
 class Blocks(Dataset):

@@ -7,10 +7,8 @@ import math
 import numpy as np
 import torch
 
+from expertcache.telemetry.corpus import DOMAINS, packed_blocks
 from expertcache.telemetry.errors import InputError
-
-from .corpus import DOMAINS
-from .data import packed_blocks
 
 
 def check_vocab(tokenizer, config) -> None:

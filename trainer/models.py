@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from expertcache.telemetry.adapters import FAMILIES  # noqa: F401 (the one list of supported families)
+
 from .config import opt
 
-FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3")
 
 
 def tiny_config(family: str, vocab_size: int = 128, **overrides):

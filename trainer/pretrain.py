@@ -129,8 +129,8 @@ def prepare_run(recipe) -> tuple[object, Path]:
     import lightning as L
     import torch
 
-    from .corpus import load_corpus
-    from .tokenizer import load_tokenizer
+    from expertcache.telemetry.corpus import load_corpus
+    from expertcache.telemetry.corpus import load_tokenizer
 
     load_corpus(recipe.data.corpus)
     tok = load_tokenizer(recipe.data.tokenizer)

@@ -28,11 +28,3 @@ def train_tokenizer(texts, out_dir: str | Path, vocab_size: int = 8192):
     return tok
 
 
-def load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer
-
-    path = Path(path)
-    if not (path / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"no tokenizer at {path} (expected {path / 'tokenizer.json'}); "
-                                f"build one with `expertcache data build`")
-    return AutoTokenizer.from_pretrained(str(path))

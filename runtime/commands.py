@@ -1,0 +1,350 @@
+"""The runtime's commands: plain typed functions; `expertcache` builds its command line from their signatures and
+docstrings (expertcache.recipes.cli). Engine options are one `EngineConfig` everywhere (`--engine.capacity`,
+`--engine.tier`, ...). Each returns what it reports (printed as JSON by the CLI, tables on stderr)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+from expertcache.telemetry.errors import InputError
+
+from .engine import EngineConfig
+
+
+def _table(text: str) -> None:
+    print("\n" + text, file=sys.stderr)
+
+
+def _aux(model_dir):
+    """The checkpoint's auxiliary routers, loaded on demand (spatio predictor, scored policy), through the loader
+    the entry point installed (`predictors.set_router_heads_loader`)."""
+    from .predictors import router_heads_loader
+
+    return router_heads_loader(model_dir)
+
+
+def _git_commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _writable(out: Optional[str]) -> None:
+    """Refuse an output path that cannot be written before any work starts."""
+    if out is None:
+        return
+    p = Path(out)
+    if p.is_dir():
+        raise InputError(f"output {out} is a directory; expected a file path")
+    parent = p.parent if str(p.parent) else Path(".")
+    parent.mkdir(parents=True, exist_ok=True)
+    import os
+
+    if not os.access(parent, os.W_OK):
+        raise InputError(f"output folder {parent} is not writable")
+
+
+def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
+                 engine: EngineConfig = EngineConfig(tier="disk"), capacities: list[float] = [0.125, 0.25],
+                 predictors: Optional[list[str]] = None, dtype: Optional[str] = None, tokens: int = 64,
+                 warmup: int = 8, rounds: int = 2, prompts: int = 2, prompt_len: int = 64,
+                 corpus: str = "data/corpus", domain: str = "prose", plain: Optional[bool] = None,
+                 expert_shape: str = "2048x768", disk_budget_gb: float = 8.0, store_dir: str = "runs/stores",
+                 out: Optional[str] = None) -> dict:
+    """TPOT, hit rate, traffic, stall and overlap of the offload engine against plain generate and on-demand
+    loading, alternated in one run; or `--replay` a routing trace at real size with random experts.
+
+    Args:
+        model: HF checkpoint (live mode)
+        replay: replay a trace (.npz or Parquet; 'reference': the Qwen3-30B-A3B code trace shipped in
+            telemetry/reference) with random experts of --expert_shape instead of a live model
+        engine: the engine options; each of --capacities and --predictors is run on top of them
+        capacities: resident experts per layer to compare (fractions of E, or counts)
+        predictors: live: none, probe:1, probe:2, persistence, estimator:FILE, spatio (default probe:1);
+            replay: persistence, estimator, oracle[:recall] (default: those and the oracle at recall 0.25-1)
+        dtype: live: compute dtype (default: the checkpoint's own); replay: the store's dtype (default bf16)
+        tokens: timed decode tokens per pass (after the warm-up)
+        warmup: untimed decode tokens per pass
+        rounds: alternated passes per configuration
+        prompts: live: held-out prompts per pass
+        prompt_len: live: prompt tokens
+        corpus: live: prompts from this corpus's test split (absent: fixed random token ids)
+        domain: live: the corpus domain of the prompts
+        plain: live: also run the plain from_pretrained reference (default: when it fits in half the memory)
+        expert_shape: replay: HIDDENxINTERMEDIATE of one expert (Qwen3-30B-A3B: 2048x768)
+        disk_budget_gb: replay: store size; sets how many layers are replayed
+        store_dir: replay: where the expert store is written (reused)
+        out: also write the JSON here (and a PNG beside it for a replay)
+    """
+    from rich.progress import Progress
+
+    _writable(out)
+    engine.check()
+    if min(tokens, rounds, prompts, prompt_len) < 1 or warmup < 0 or not capacities:
+        raise InputError("tokens, rounds, prompts and prompt_len must be >= 1, warmup >= 0, capacities non-empty")
+    if (model is None) == (replay is None):
+        raise InputError("bench decode needs exactly one of --model CKPT or --replay TRACE")
+    if replay is not None:
+        from .replay import REFERENCE_TRACE, plot_recall, replay_benchmark, table
+
+        preds = [p for p in (predictors or []) if p != "none"] or \
+            ["persistence", "estimator", "oracle:0.25", "oracle:0.5", "oracle:0.75", "oracle"]
+        bad = [p for p in preds if p not in ("persistence", "estimator") and not p.startswith("oracle")]
+        if bad:
+            raise InputError(f"replay predictors come from the trace: persistence, estimator, oracle[:recall]; "
+                             f"not {', '.join(bad)}")
+        policy_file = engine.policy.split(":", 1)[1] if engine.policy.startswith("learned:") else None
+        with Progress() as prog:
+            task = prog.add_task("replay passes", total=rounds * (2 + len(preds)))
+            res = replay_benchmark(REFERENCE_TRACE if replay == "reference" else replay, expert_shape,
+                                   dtype or "bf16", engine.tier, capacities[0], preds, tokens, warmup, rounds,
+                                   disk_budget_gb, store_dir, workers=engine.workers,
+                                   progress=lambda: prog.advance(task), policy_file=policy_file)
+    else:
+        import numpy as np
+        import torch
+
+        from expertcache.telemetry.corpus import packed_blocks
+
+        from .bench import bench_decode as run, table
+
+        if Path(corpus).is_dir():
+            blocks = packed_blocks(corpus, model, "test", domain, prompt_len)
+            if not len(blocks):
+                raise InputError(f"no {domain} test text in {corpus} long enough for --prompt_len {prompt_len}")
+            idx = np.linspace(0, len(blocks) - 1, prompts).astype(int)
+            ids = torch.from_numpy(blocks[idx].astype(np.int64))
+        else:  # a checkpoint of its own, no corpus here: fixed random token ids (timing does not need text)
+            from transformers import AutoConfig
+
+            from .loader import resolve
+
+            vocab = AutoConfig.from_pretrained(str(resolve(model))).get_text_config().vocab_size
+            ids = torch.randint(0, vocab, (prompts, prompt_len), generator=torch.Generator().manual_seed(0))
+        preds = predictors or ["probe:1"]
+        with Progress() as prog:
+            task = prog.add_task("decode passes", total=rounds * (2 + len(capacities) * (1 + len(preds))))
+            res = run(model, ids, engine, capacities, preds, tokens, warmup, rounds, load_aux=_aux(model),
+                      dtype=dtype, plain=plain, progress=lambda: prog.advance(task))
+    res["git_commit"] = _git_commit()
+    if out:
+        from expertcache.telemetry.atomic import write_json
+
+        write_json(out, res)
+        if replay is not None:
+            plot_recall(res, Path(out).with_suffix(".png"))
+    _table(table(res))
+    return res
+
+
+def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budget_gb: float = 8.0,
+              tokens: int = 64, warmup: int = 8, accelerate_tokens: int = 8, accelerate_warmup: int = 2,
+              prompt_len: int = 8, rounds: int = 2,
+              systems: list[str] = ["expertcache:on-demand", "expertcache:prefetch", "accelerate", "mmap"],
+              layers: Optional[int] = None, ram_factor: float = 1.25, workers: int = 4,
+              out: Optional[str] = "results/bench_big.json") -> dict:
+    """A Qwen3-30B-A3B-shaped checkpoint larger than RAM, decoded by expertcache (disk tier, cache within the
+    budget), transformers + accelerate disk offload and the page cache (mmap), on the same routing, alternated.
+
+    Args:
+        out_dir: where the checkpoint is written (reused) and the logs go
+        trace: routing trace (default: the reference Qwen3-30B-A3B code trace)
+        budget_gb: memory budget (GiB) for expertcache and accelerate
+        tokens: timed decode tokens (after the warm-up)
+        warmup: untimed decode tokens
+        accelerate_tokens: accelerate reads every offloaded layer per token (seconds each): fewer timed tokens
+        accelerate_warmup: untimed tokens for accelerate
+        prompt_len: prompt tokens
+        rounds: alternated runs per system
+        systems: which systems run
+        layers: MoE layers (default: experts >= ram_factor x RAM)
+        ram_factor: size of the experts against this machine's RAM
+        workers: expertcache transfer threads
+        out: the JSON (a PNG beside it)
+    """
+    from rich.progress import Progress
+
+    from .bigbench import SYSTEMS, bench_big as run, plot, table
+
+    _writable(out)
+    bad = [x for x in systems if x not in SYSTEMS]
+    if bad:
+        raise InputError(f"unknown system(s) {', '.join(bad)}; expected {', '.join(SYSTEMS)}")
+    if not (budget_gb > 0 and ram_factor > 0) or min(tokens, rounds, prompt_len, workers) < 1:
+        raise InputError("budget_gb and ram_factor must be > 0; tokens, rounds, prompt_len, workers >= 1")
+    with Progress() as prog:
+        task = prog.add_task("checkpoint layers, then runs", total=None)
+        res = run(out_dir, trace, budget_gb, tokens, warmup, prompt_len, rounds, systems, ram_factor, layers,
+                  accelerate_tokens, accelerate_warmup, workers, progress=lambda n: prog.advance(task, n or 1))
+    res["git_commit"] = _git_commit()
+    if out:
+        from expertcache.telemetry.atomic import write_json
+
+        write_json(out, res)
+        plot(res, Path(out).with_suffix(".png"))
+    _table(table(res))
+    return res
+
+
+def simulate(trace: str, hardware: str, model_shape: str = "qwen3-30b-a3b", capacities: list[float] = [0.125, 0.25],
+             policy: str = "lru", layers: Optional[str] = None, tokens: Optional[str] = None,
+             moe_layers: Optional[int] = None, link_gbps: Optional[float] = None,
+             compute_ms: Optional[float] = None) -> list[dict]:
+    """Project TPOT on named hardware from a trace's hit rates and a bandwidth model.
+
+    Args:
+        trace: .npz reference trace or Parquet trace
+        hardware: h100-pcie5 | 4gpu-cxl3 | consumer-8gb-nvme | this-machine (needs --link_gbps)
+        model_shape: qwen3-30b-a3b | base-tiny
+        capacities: resident experts per layer (fractions of E, or counts)
+        policy: cache policy of the simulated cache (lru | lfu | static | belady)
+        layers: LO:HI trace layers to use (default: all)
+        tokens: LO:HI trace tokens to use (default: all)
+        moe_layers: override the shape's MoE layer count
+        link_gbps: this-machine: the measured tier bandwidth (GB/s)
+        compute_ms: a measured T_compute per token (overrides the bandwidth model's)
+    """
+    import dataclasses
+    import math
+
+    from .bandwidth import HARDWARE, MODEL_SHAPES, Hardware, project
+    from .replay import load_routing
+
+    def span(s: Optional[str], n: int, what: str) -> slice:
+        if s is None:
+            return slice(0, n)
+        try:
+            lo, hi = (int(x) for x in s.split(":"))
+        except ValueError:
+            raise InputError(f"--{what} {s!r}: expected LO:HI (two integers)") from None
+        if not 0 <= lo < hi <= n:
+            raise InputError(f"--{what} {s}: expected 0 <= LO < HI <= {n}")
+        return slice(lo, hi)
+
+    if model_shape not in MODEL_SHAPES:
+        raise InputError(f"unknown model shape {model_shape!r}; known: {', '.join(MODEL_SHAPES)}")
+    for name, v in (("link_gbps", link_gbps), ("compute_ms", compute_ms)):
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise InputError(f"--{name} {v}: expected a finite number > 0")
+    ids, e, _ = load_routing(trace)
+    ids = ids[span(layers, ids.shape[0], "layers")]
+    ids = ids[:, span(tokens, ids.shape[1], "tokens")]
+    shape = MODEL_SHAPES[model_shape]
+    if moe_layers:
+        shape = dataclasses.replace(shape, moe_layers=moe_layers)
+    if hardware == "this-machine":
+        if not link_gbps:
+            raise InputError("--hardware this-machine needs --link_gbps (measured, e.g. by the replay benchmark)")
+        hw = Hardware("this-machine", link_gbps, 1.0, 1e9, 0.0, "bandwidths as measured on this machine")
+    elif hardware in HARDWARE:
+        hw = HARDWARE[hardware]
+    else:
+        raise InputError(f"unknown hardware {hardware!r}; known: {', '.join(HARDWARE)}, this-machine")
+    if e != shape.num_experts:
+        raise InputError(f"trace has {e} experts per layer, model shape {shape.name} has {shape.num_experts}")
+    rows = [project(ids, hw, shape, c, policy, compute_ms / 1e3 if compute_ms else None) for c in capacities]
+    lines = ["| capacity | hit | MB/token | T_compute ms | T_transfer ms | on-demand ms | perfect overlap ms |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['capacity']} ({r['capacity_frac']:.3g} E) | {r['hit_rate']:.3f} | "
+              f"{r['traffic_bytes_per_token'] / 1e6:.1f} | {1e3 * r['t_compute_s']:.2f} | "
+              f"{1e3 * r['t_transfer_s']:.2f} | {1e3 * r['tpot_on_demand_s']:.2f} | "
+              f"{1e3 * r['tpot_perfect_overlap_s']:.2f} |" for r in rows]
+    _table("\n".join(lines))
+    return rows
+
+
+def fit_predictor(trace: str, out: str, ridge: float = 1.0) -> dict:
+    """Fit the ridge estimator (layer L's hidden state -> layer L+1's experts) on a trace recorded with --hidden.
+
+    Args:
+        trace: Parquet trace with hidden states (`trace record --hidden true`)
+        out: safetensors file to write; use it as `--engine.predictor estimator:FILE`
+        ridge: ridge regularisation (> 0)
+    """
+    import math
+
+    from expertcache.telemetry.parquet_trace import read_meta
+
+    from .predictors import EstimatorPredictor
+
+    if not (math.isfinite(ridge) and ridge > 0):
+        raise InputError(f"--ridge {ridge}: expected a finite number > 0")
+    _writable(out)
+    est = EstimatorPredictor.fit(trace, ridge)
+    est.save(out, read_meta(trace).__dict__)
+    return {"estimator": out, "layers": int(est.w.shape[0]) + 1, "hidden": int(est.w.shape[1]),
+            "experts": int(est.w.shape[2]), "trace": trace}
+
+
+def _talk_model(model: Optional[str], engine: EngineConfig, dtype: Optional[str], plain: bool):
+    """(model, tokenizer, path) for generate/serve: --model or the quickstart's checkpoint."""
+    from dataclasses import asdict
+
+    from .generate import load_model, resolve_model_arg
+
+    path = resolve_model_arg(model)
+    engine.check()
+    opts = {k: v for k, v in asdict(engine).items() if k not in ("capacity", "tier", "device", "predictor")}
+    m, tok = load_model(path, engine.capacity, engine.tier, engine.device, dtype, predictor=engine.predictor,
+                        aux=_aux(path), plain=plain, **opts)
+    return m, tok, path
+
+
+def generate(prompt: Optional[str] = None, model: Optional[str] = None,
+             engine: EngineConfig = EngineConfig(capacity=0.125, tier="disk"), dtype: Optional[str] = None,
+             plain: bool = False, chat: bool = False, raw: bool = False, max_tokens: int = 128,
+             temperature: float = 0.8, top_p: float = 0.95, stop: list[str] = [], seed: Optional[int] = None) -> int:
+    """Stream a completion to the terminal through the offload engine, then tokens/s, hit rate and bytes moved.
+
+    Args:
+        prompt: the prompt (with --chat: an optional system message)
+        model: checkpoint directory or cached hub id (default: the quickstart's runs/ca-smoke/model)
+        engine: how the experts are served
+        dtype: auto (the checkpoint's) | bf16 | fp16 | fp32
+        plain: no engine: plain from_pretrained, every expert in memory (the reference)
+        chat: interactive chat loop (an empty line or /exit ends it)
+        raw: the prompt as is, without the tokenizer's chat template
+        max_tokens: new tokens at most
+        temperature: sampling temperature (0: greedy)
+        top_p: nucleus sampling mass
+        stop: stop strings
+        seed: sampling seed
+    """
+    from .generate import SamplingParams, generate_text
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed)
+    params.check()
+    m, tok, _ = _talk_model(model, engine, dtype, plain)
+    return generate_text(m, tok, prompt, params, chat=chat, raw=raw)
+
+
+def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(capacity=0.125, tier="disk"),
+          dtype: Optional[str] = None, plain: bool = False, host: str = "127.0.0.1", port: int = 8000,
+          served_model_name: Optional[str] = None, log_level: str = "info") -> int:
+    """OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
+
+    Args:
+        model: checkpoint directory or cached hub id (default: the quickstart's runs/ca-smoke/model)
+        engine: how the experts are served
+        dtype: auto (the checkpoint's) | bf16 | fp16 | fp32
+        plain: no engine: plain from_pretrained, every expert in memory (the reference)
+        host: bind address (default: this machine only)
+        port: TCP port
+        served_model_name: the model id clients send (default: --model)
+        log_level: uvicorn log level
+    """
+    from .serve import serve as run
+
+    if not 0 < port < 65536:
+        raise InputError(f"--port {port}: expected 1..65535")
+    m, tok, path = _talk_model(model, engine, dtype, plain)
+    run(m, tok, served_model_name or str(path), host, port, log_level)
+    return 0
+
+

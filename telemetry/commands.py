@@ -1,0 +1,123 @@
+"""Telemetry's commands: plain typed functions; `expertcache` builds its command line from their signatures and
+docstrings (expertcache.recipes.cli). Each returns what it reports (printed as JSON by the CLI)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Literal, Optional
+
+from .errors import InputError
+
+Split = Literal["train", "validation", "test"]
+Phase = Literal["decode", "prefill", "all"]
+
+
+def trace_record(model: str, out: str, corpus: str = "data/corpus", tokenizer: Optional[str] = None,
+                 split: Split = "test", prompt_len: int = 128, decode_tokens: int = 64, batch_size: int = 8,
+                 max_seqs: int = 16, domains: Optional[list[str]] = None, hidden: bool = False,
+                 logits: bool = False) -> dict:
+    """Record every MoE layer's routing of a checkpoint on held-out corpus blocks (prefill, then greedy decode).
+
+    Args:
+        model: HF checkpoint directory (e.g. runs/base-tiny/model)
+        out: Parquet trace to write
+        corpus: corpus folder (`expertcache data build`)
+        tokenizer: tokenizer folder (default: the checkpoint's own)
+        split: corpus split the blocks come from
+        prompt_len: prefill tokens per sequence
+        decode_tokens: greedy decode steps per sequence (model.generate)
+        batch_size: sequences per forward
+        max_seqs: sequences per domain
+        domains: corpus domains to record (default: every domain)
+        hidden: also record the hidden state entering each MoE layer (lookahead recall, router training)
+        logits: also record the router logits
+    """
+    from .recorder import record_corpus
+
+    for name, v in (("prompt_len", prompt_len), ("decode_tokens", decode_tokens), ("batch_size", batch_size),
+                    ("max_seqs", max_seqs)):
+        if v < 1:
+            raise InputError(f"{name}={v}; expected >= 1")
+    return record_corpus(model, corpus, tokenizer, split, out, prompt_len, decode_tokens, batch_size, max_seqs,
+                         domains, hidden, logits)
+
+
+def trace_import(src: str, out: str, num_experts: Optional[int] = None, domain: str = "",
+                 model_name: str = "") -> dict:
+    """Convert a llama.cpp `llama-moe-trace` stream (binary, or its .npz form) into a Parquet trace.
+
+    Args:
+        src: .npz (experts [layers, tokens, k] + meta) or the binary eval-callback stream
+        out: Parquet trace to write
+        num_experts: experts per layer (needed for the binary stream)
+        domain: domain label of every token
+        model_name: model id for the trace's metadata
+    """
+    from .llamacpp import import_trace
+
+    return import_trace(src, out, num_experts, domain, model_name)
+
+
+def trace_info(trace: str) -> dict:
+    """A trace's metadata and counts.
+
+    Args:
+        trace: Parquet trace
+    """
+    from .parquet_trace import info
+
+    return info(trace)
+
+
+def analyze(trace: str, out: str, model: Optional[str] = None, phase: Phase = "decode",
+            semantics: Literal["token", "reference"] = "token", static_fit: Optional[str] = None,
+            domains: bool = True, policy_file: Optional[str] = None) -> dict:
+    """Reuse, coverage, hit-rate curves against the Belady bound and lookahead recall of a trace; JSON, text, plots.
+
+    Args:
+        trace: Parquet trace (`expertcache trace record` or `trace import`)
+        out: folder for summary.json, summary.txt and the PNG plots
+        model: HF checkpoint: adds lookahead recall (the trace needs --hidden)
+        phase: tokens to analyse (METRICS.md: decode)
+        semantics: token (a token's k experts resident together: an engine's view) | reference (the published
+            simulator's sequential accesses)
+        static_fit: fit the static policy's pins on this trace (e.g. the validation split)
+        domains: also break the figures down by domain
+        policy_file: a learned eviction policy (`expertcache fit-policy`): adds its rows to the hit curves
+    """
+    from .analysis import analyze as run, text_summary
+
+    s = run(trace, out, model_dir=model, phase=None if phase == "all" else phase, semantics=semantics,
+            fit_trace=static_fit, by_domain=domains, policy_file=policy_file)
+    print(text_summary(s), file=sys.stderr)
+    return {k: s[k] for k in ("trace", "model", "num_experts", "top_k", "moe_layers", "phase", "capacities")} | \
+        {"out": out, "files": ["summary.json", "summary.txt", "hit_rate.png", "reuse_coverage.png"]}
+
+
+def fit_policy(trace: list[str], out: str, phase: Phase = "decode", hidden: int = 32, epochs: int = 4,
+               seed: int = 0, probs: bool = True) -> dict:
+    """Fit a learned eviction policy (keep scores from online features, supervised by the traces' future).
+
+    Args:
+        trace: Parquet traces or llama-moe-trace .npz files, all of one model
+        out: policy file to write (safetensors + JSON metadata); use it as `--engine.policy learned:FILE`
+        phase: Parquet traces: the tokens to fit on (a trace without them: every token)
+        hidden: MLP width
+        epochs: passes over the traces
+        seed: initialisation and shuffling seed
+        probs: use the traces' router probabilities as a feature (false: for an engine that passes expert ids only)
+    """
+    import os
+
+    import torch
+
+    from .learned_policy import fit
+
+    if hidden < 1 or epochs < 1:
+        raise InputError("hidden and epochs must be >= 1")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
+    pol = fit(trace, hidden=hidden, epochs=epochs, seed=seed, phase=None if phase == "all" else phase,
+              log=lambda m: print(m, file=sys.stderr), use_probs=probs)
+    pol.save(out)
+    return {"policy": out, **{k: pol.meta[k] for k in ("model", "num_experts", "top_k", "num_layers", "traces",
+                                                       "uses_probs", "rows", "fit_seconds")}}
