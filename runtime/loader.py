@@ -83,9 +83,32 @@ def _meta_model(config, dtype: torch.dtype):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-def build_offloaded(path: str | Path, dtype=None):
+def expert_source(path: str | Path, dtype=None) -> CheckpointExperts:
+    """Where each routed expert's bytes lie in the checkpoint at `path` (its config read, the model built on the
+    meta device only: no weight is read). For `verify` and tools that walk every expert."""
+    from transformers import AutoConfig
+
+    from expertcache.telemetry.adapters import adapter_for
+
+    path = Path(path)
+    ckpt = Checkpoint(path)
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError) as e:
+        raise InputError(f"{path}/config.json: {str(e).splitlines()[0]}") from None
+    adapter = adapter_for(config)
+    model = _meta_model(config, parse_dtype(dtype) or torch.float32)
+    layers = adapter.moe_layers(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    prefixes = [names[id(L.experts)] for L in layers]
+    params = {n: (list(p.shape[1:]), p.dtype) for n, p in layers[0].experts.named_parameters(recurse=False)}
+    return CheckpointExperts(ckpt, adapter.family, prefixes, adapter.num_experts, params, "", parse_dtype(dtype))
+
+
+def build_offloaded(path: str | Path, dtype=None, verify: bool | None = None):
     """`(model, source)`: the model with its non-expert weights read and its experts' modules still on meta,
-    and where each expert's bytes lie. The engine (attached by `load`) replaces those modules."""
+    and where each expert's bytes lie. The engine (attached by `load`) replaces those modules. `verify`: check
+    each expert read against the checkpoint's checksum index (`CheckpointExperts.use_index`)."""
     from transformers import AutoConfig
 
     from expertcache.telemetry.adapters import adapter_for, router_fingerprint
@@ -132,6 +155,7 @@ def build_offloaded(path: str | Path, dtype=None):
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     source = CheckpointExperts(ckpt, adapter.family, prefixes, adapter.num_experts,
                                {n: (s, dtype) for n, (s, _) in params.items()}, router_fingerprint(model), dtype)
+    source.use_index(verify)
     left = [n for n, p in model.named_parameters() if p.is_meta and not n.startswith(expert_prefixes)]
     if left:
         raise InputError(f"checkpoint {path} leaves {len(left)} parameters unset (first: {left[0]})")
@@ -157,13 +181,17 @@ def _generation_config(model, path: Path) -> None:
 
 
 def load(model: str | Path, capacity: float = 0.125, tier: str = "disk", device: str = "cpu", dtype=None, *,
-         predictor="none", keep_scores=None, aux=None, pinned=None, revision: str | None = None, **engine_options):
+         predictor="none", keep_scores=None, aux=None, pinned=None, revision: str | None = None,
+         verify: bool | None = None, **engine_options):
     """An HF causal LM whose routed experts stay on `tier` (read from the checkpoint's own safetensors files) and
     pass through a cache of `capacity` experts per layer (a fraction of E, or a count) on `device`.
 
     `predictor`: a name for `predictors.make_predictor` (none, probe:1, persistence, estimator:FILE, spatio) or a
     `Predictor`; `aux(model)`: returns the checkpoint's auxiliary routers (spatio predictor, scored policy);
-    `keep_scores`: the scored policy's keep-score source. Other keyword arguments are `EngineConfig` fields
+    `keep_scores`: the scored policy's keep-score source. `verify`: check every expert read against the
+    checkpoint's checksum index (`expertcache verify` writes it); None = `checkpoint.VERIFY_DEFAULT` (on: about 2%
+    of TPOT, scripts/bench_checksum.py), False = off, True = on and warn when there is no index.
+    A mismatch raises `InputError` naming the layer, expert and file. Other keyword arguments are `EngineConfig` fields
     (policy, miss, tau, budget, prefetch_budget, workers, max_inflight_bytes). The engine is `model.expertcache`.
     """
     from .predictors import Predictor, TemporalKeep, make_predictor
@@ -176,7 +204,7 @@ def load(model: str | Path, capacity: float = 0.125, tier: str = "disk", device:
     cfg = EngineConfig(capacity=capacity, tier=tier, device=dev, **engine_options)
     cfg.check()
     path = resolve(model, revision)
-    m, source = build_offloaded(path, dtype)
+    m, source = build_offloaded(path, dtype, verify)
     if dev == "cuda":
         m.to(dev)  # the non-expert model; the experts' modules are still meta and are replaced below
     aux_routers = aux(m) if aux is not None and (predictor == "spatio" or cfg.policy == "scored") else None

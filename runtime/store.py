@@ -1,13 +1,17 @@
 """The expert store: every routed expert of a checkpoint in one file, one aligned block per (MoE layer, expert).
 
 Layout:
-    [0, HEADER)      JSON header, NUL-padded to HEADER = 64 KiB: shapes, dtypes, fingerprint, block size
+    [0, HEADER)      JSON header, NUL-padded to HEADER = 64 KiB: shapes, dtypes, fingerprint, block size, and
+                     (version 2) where the checksum table lies
     HEADER + (i * E + e) * block    expert e of MoE layer i: its tensors back to back, each at a 4 KiB-aligned
                                     offset inside the block; the block is a multiple of 4 KiB
+    checksum table   (version 2) one little-endian uint64 xxh3_64 digest per block, in block order, padded to
+                     4 KiB: 8 bytes x L x E do not fit 64 KiB for a large model (48 x 128 experts: 48 KiB)
 
 so any expert is one contiguous, aligned read that O_DIRECT can serve (the page cache bypassed: the disk tier
 measures the disk, not RAM). The header's fingerprint ties the store to the checkpoint it came from; a
-truncated file is refused when opened.
+truncated file is refused when opened; a block whose bytes changed is refused when read (`tiers.DiskTier`
+checks each block against its digest) or by `verify.verify`. Version 1 stores (no table) are still read.
 """
 
 from __future__ import annotations
@@ -15,16 +19,29 @@ from __future__ import annotations
 import json
 import mmap
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+import xxhash
 
 from expertcache.telemetry.errors import InputError
 
 MAGIC = "expertcache-store"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # versions this build reads (1: no checksum table)
+CHECKSUM = "xxh3_64"  # the per-expert digest of stores and checkpoint indexes (about 10 GB/s on one core)
+
+
+def hasher():
+    """A fresh incremental digest of the checksum algorithm (`update(buffer)`, `intdigest()`)."""
+    return xxhash.xxh3_64()
+
+
+def checksum(data) -> int:
+    """The digest of one buffer (bytes, bytearray, memoryview)."""
+    return xxhash.xxh3_64_intdigest(data)
 HEADER = 64 << 10
 ALIGN = 4096
 
@@ -57,22 +74,36 @@ class StoreMeta:
     tensors: list[TensorSpec]
     block_bytes: int
     source: str = ""  # checkpoint path, or "random" for replay stores
+    version: int = VERSION
+    # [num_layers, num_experts] uint64 digests of each block (version 2; not part of the header's JSON)
+    checksums: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @property
     def expert_bytes(self) -> int:
         """Bytes of one expert's weights (what a transfer moves, padding excluded)."""
         return sum(t.nbytes for t in self.tensors)
 
-    def file_bytes(self) -> int:
+    @property
+    def table_offset(self) -> int:
+        """Where the checksum table starts (version 2): right after the last block."""
         return HEADER + self.num_layers * self.num_experts * self.block_bytes
+
+    def table_bytes(self) -> int:
+        return _align(8 * self.num_layers * self.num_experts) if self.version >= 2 else 0
+
+    def file_bytes(self) -> int:
+        return self.table_offset + self.table_bytes()
 
     def offset(self, layer: int, expert: int) -> int:
         return HEADER + (layer * self.num_experts + expert) * self.block_bytes
 
     def to_json(self) -> bytes:
-        d = {"magic": MAGIC, "version": VERSION, "fingerprint": self.fingerprint, "num_layers": self.num_layers,
+        d = {"magic": MAGIC, "version": self.version, "fingerprint": self.fingerprint, "num_layers": self.num_layers,
              "num_experts": self.num_experts, "block_bytes": self.block_bytes, "source": self.source,
              "tensors": [t.__dict__ for t in self.tensors]}
+        if self.version >= 2:
+            d["checksum"] = {"algorithm": CHECKSUM, "offset": self.table_offset, "count": self.num_layers *
+                             self.num_experts}
         raw = json.dumps(d).encode()
         if len(raw) >= HEADER:
             raise InputError(f"store header of {len(raw)} bytes does not fit {HEADER}")
@@ -101,26 +132,37 @@ def expert_tensors(experts: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _write(path: str | Path, meta: StoreMeta, expert, progress=None) -> StoreMeta:
-    """The store file: header, then `expert(layer, e) -> {name: tensor}` for every block, written to a temp name,
-    fsynced (on disk before anyone times a read of it) and moved into place."""
+    """The store file: header, then `expert(layer, e) -> {name: tensor}` for every block, then the blocks'
+    checksum table, written to a temp name, fsynced (on disk before anyone times a read of it) and moved into
+    place."""
     path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
     buf = bytearray(meta.block_bytes)
-    with open(tmp, "wb") as f:
-        f.write(meta.to_json())
-        for layer in range(meta.num_layers):
-            for e in range(meta.num_experts):
-                buf[:] = bytes(meta.block_bytes)
-                tensors = expert(layer, e)
-                for t in meta.tensors:
-                    raw = tensors[t.name].detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-                    buf[t.offset:t.offset + len(raw)] = raw
-                f.write(buf)
-            if progress:
-                progress()
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    meta.version = VERSION
+    sums = np.zeros((meta.num_layers, meta.num_experts), dtype="<u8")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(meta.to_json())
+            for layer in range(meta.num_layers):
+                for e in range(meta.num_experts):
+                    buf[:] = bytes(meta.block_bytes)
+                    tensors = expert(layer, e)
+                    for t in meta.tensors:
+                        raw = tensors[t.name].detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+                        buf[t.offset:t.offset + len(raw)] = raw
+                    sums[layer, e] = checksum(buf)
+                    f.write(buf)
+                if progress:
+                    progress()
+            table = sums.tobytes()
+            f.write(table + b"\0" * (meta.table_bytes() - len(table)))
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    meta.checksums = sums
     return meta
 
 
@@ -156,7 +198,8 @@ def write_random_store(path: str | Path, num_layers: int, num_experts: int, spec
 
 
 def read_store_meta(path: str | Path) -> StoreMeta:
-    """The header, checked: magic, version and the file's size (a truncated store is refused here)."""
+    """The header, checked: magic, version, every field's type, the file's size (a truncated store is refused
+    here) and, for version 2, the checksum table (read into `meta.checksums`)."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"expert store {path} not found")
@@ -164,19 +207,66 @@ def read_store_meta(path: str | Path) -> StoreMeta:
         raw = f.read(HEADER)
     try:
         d = json.loads(raw.rstrip(b"\0").decode())
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         d = {}
-    if d.get("magic") != MAGIC:
+    if not isinstance(d, dict) or d.get("magic") != MAGIC:
         raise InputError(f"{path} is not an expertcache expert store")
-    if d.get("version") != VERSION:
-        raise InputError(f"{path} is store version {d.get('version')}; this build reads version {VERSION}")
-    meta = StoreMeta(d["fingerprint"], d["num_layers"], d["num_experts"], [TensorSpec(**t) for t in d["tensors"]],
-                     d["block_bytes"], d.get("source", ""))
+    if d.get("version") not in READS:
+        raise InputError(f"{path} is store version {d.get('version')}; this build reads versions "
+                         f"{', '.join(map(str, READS))}")
+    meta = _meta_from_header(path, d)
     size = path.stat().st_size
     if size != meta.file_bytes():
         raise InputError(f"expert store {path} is {size} bytes, its header says {meta.file_bytes()}: the file is "
                          f"truncated or damaged (rewrite it)")
+    if meta.version >= 2:
+        c = d.get("checksum")
+        n = meta.num_layers * meta.num_experts
+        if (not isinstance(c, dict) or c.get("algorithm") != CHECKSUM or c.get("offset") != meta.table_offset
+                or c.get("count") != n):
+            raise InputError(f"{path}: store header's checksum entry {c!r} is not the {CHECKSUM} table of {n} blocks "
+                             f"at byte {meta.table_offset} (damaged header: rewrite the store)")
+        with open(path, "rb") as f:
+            f.seek(meta.table_offset)
+            table = f.read(8 * n)
+        meta.checksums = np.frombuffer(table, dtype="<u8").reshape(meta.num_layers, meta.num_experts).copy()
     return meta
+
+
+def _int(d: dict, key: str, path, lo: int = 1) -> int:
+    v = d.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        raise InputError(f"{path}: store header field {key} = {v!r}, expected an integer >= {lo} (damaged header)")
+    return v
+
+
+def _meta_from_header(path, d: dict) -> StoreMeta:
+    """A `StoreMeta` from a parsed header, every field checked (a damaged header is an `InputError`, never a
+    KeyError or a nonsensical layout)."""
+    dtypes = ("float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64", "bool")
+    tensors = d.get("tensors")
+    if not isinstance(tensors, list) or not tensors:
+        raise InputError(f"{path}: store header has no tensor list (damaged header)")
+    specs = []
+    block = _int(d, "block_bytes", path)
+    if block % ALIGN:
+        raise InputError(f"{path}: store block size {block} is not a multiple of {ALIGN} (damaged header)")
+    for t in tensors:
+        if (not isinstance(t, dict) or set(t) != {"name", "shape", "dtype", "offset"} or not isinstance(t["name"], str)
+                or t["dtype"] not in dtypes or not isinstance(t["shape"], list)
+                or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 40 for x in t["shape"])
+                or not isinstance(t["offset"], int) or isinstance(t["offset"], bool) or t["offset"] < 0):
+            raise InputError(f"{path}: store header tensor entry {str(t)[:120]} is not a tensor spec (damaged header)")
+        spec = TensorSpec(**t)
+        if spec.offset + spec.nbytes > block:
+            raise InputError(f"{path}: store tensor {spec.name} ends at byte {spec.offset + spec.nbytes} of a "
+                             f"{block}-byte block (damaged header)")
+        specs.append(spec)
+    fp, src = d.get("fingerprint"), d.get("source", "")
+    if not isinstance(fp, str) or not isinstance(src, str):
+        raise InputError(f"{path}: store header fingerprint/source are not strings (damaged header)")
+    return StoreMeta(fp, _int(d, "num_layers", path), _int(d, "num_experts", path), specs, block, src,
+                     version=d["version"])
 
 
 def check_store(meta: StoreMeta, model) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from expertcache.telemetry.errors import InputError
 
-from .store import ALIGN, StoreMeta, aligned_buffer, open_direct
+from .store import ALIGN, CHECKSUM, StoreMeta, aligned_buffer, hasher, open_direct
 
 SPLIT, SPLIT_MIN = 4, 4 << 20  # reads of 4 MiB and more go as 4 concurrent pieces
 
@@ -158,9 +158,14 @@ class DiskTier(Tier):
             os.posix_fadvise(fd, offset, len(view), os.POSIX_FADV_DONTNEED)
 
     def read(self, layer, expert, pool, slot):
+        """One expert into the slot; when the source has its checksum, the bytes read (as they lie in the file,
+        before any dtype conversion) are checked against it and a mismatch is an `InputError` naming the layer,
+        expert and file."""
         b = self.meta.block_bytes
         base = slot * b
         what = f"layer {layer} expert {expert}"
+        want = getattr(self.source, "expected_checksum", lambda i, e: None)(layer, expert)
+        h = hasher() if want is not None else None
         for file, start, end, spans in _runs(self.source.spans(layer, expert)):
             s0 = spans[0]
             n = (end - start + ALIGN - 1) // ALIGN * ALIGN
@@ -168,7 +173,11 @@ class DiskTier(Tier):
                     and all(s.src_dtype == s.dst_dtype and s.offset - start == s.dst - s0.dst for s in spans)):
                 # the run lies in the file exactly as in the block (a repacked store, or an aligned checkpoint
                 # whose experts' tensors sit back to back): one read straight into the slot, no staging copy
-                self._pread(self.fds[file], pool.slot_bytes(slot)[s0.dst:s0.dst + n], start, end - start, what)
+                view = pool.slot_bytes(slot)[s0.dst:s0.dst + n]
+                self._pread(self.fds[file], view, start, end - start, what)
+                if h is not None:
+                    for s in spans:
+                        h.update(view[s.offset - start:s.offset - start + s.nbytes])
                 continue
             a0 = start // ALIGN * ALIGN
             n = (end - a0 + ALIGN - 1) // ALIGN * ALIGN
@@ -179,6 +188,13 @@ class DiskTier(Tier):
                 if s.src_dtype != s.dst_dtype:
                     src = src.view(s.src_dtype).to(s.dst_dtype).view(torch.uint8)
                 pool.raw[base + s.dst:base + s.dst + src.numel()].copy_(src)
+            if h is not None:  # after the copy: the staged bytes are in cache then (hashing them cold costs 2-3x)
+                for s in spans:
+                    h.update(self._local.buf[s.offset - a0:s.offset - a0 + s.nbytes])
+        if h is not None and h.intdigest() != want:
+            raise InputError(f"checksum mismatch: {self.source.where(layer, expert)}: its bytes hash to "
+                             f"{h.intdigest():016x}, the recorded {CHECKSUM} is {want:016x}; "
+                             f"{getattr(self.source, 'remedy', 'the file is corrupted')}")
         return self.meta.expert_bytes
 
     def describe(self):

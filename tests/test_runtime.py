@@ -75,7 +75,9 @@ def test_store_holds_each_expert_in_one_aligned_block(family_models):
     off = meta.offset(1, 5) + t.offset
     got = torch.frombuffer(bytearray(raw[off:off + t.nbytes]), dtype=torch.float32).view(*t.shape)
     assert torch.equal(got, exp.down_proj[5].detach())
-    assert meta.file_bytes() == HEADER + meta.num_layers * meta.num_experts * meta.block_bytes == len(raw)
+    assert meta.file_bytes() == HEADER + meta.num_layers * meta.num_experts * meta.block_bytes + meta.table_bytes() \
+        == len(raw)
+    assert meta.table_bytes() >= 8 * meta.num_layers * meta.num_experts  # the checksum table (version 2)
 
 
 @pytest.mark.parametrize("fam", FAMILIES)

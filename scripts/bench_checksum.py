@@ -1,0 +1,140 @@
+"""What checking every expert read against its checksum costs at decode time, as a share of TPOT. Prints JSON.
+
+One checkpoint (make one with scripts/make_checkpoint.py), its checksum index built by `verify`, loaded once with
+`load(..., tier="disk", capacity=C, predictor="none")`: greedy decode passes alternate between checking off and on
+(the same engine, the source's checksums detached and re-attached), page cache bypassed (O_DIRECT). Two figures:
+
+- `ab`: median TPOT with checks on against off (the end-to-end difference; noisy on a busy machine);
+- `hash`: the time to hash one expert's bytes (xxh3_64, measured in process) x the experts read per decode token,
+  against TPOT off: the work the check adds to each token, independent of scheduling noise.
+
+    python scripts/make_checkpoint.py --out /tmp/ck --layers 4 --experts 16 --hidden 1024 --inter 512 --vocab 8192
+    python scripts/bench_checksum.py --model /tmp/ck --capacity 0.125 --tokens 32 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+class _Clock:
+    """A `generate` streamer timestamping each new token (the prompt comes first and is skipped)."""
+
+    def __init__(self):
+        self.times, self.prompt = [], False
+
+    def put(self, value):
+        if not self.prompt:
+            self.prompt = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def _decode(model, prompt, n_new: int, warmup: int) -> list[float]:
+    clock = _Clock()
+    with torch.no_grad():
+        model.generate(prompt, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, streamer=clock,
+                       attention_mask=torch.ones_like(prompt),
+                       pad_token_id=model.generation_config.pad_token_id or model.config.eos_token_id)
+    return np.diff(clock.times).tolist()[warmup:]
+
+
+def _loads(stats) -> int:
+    return int(getattr(stats, "demand_loads", 0)) + int(getattr(stats, "prefetch_loads", 0))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--capacity", type=float, default=0.125)
+    ap.add_argument("--tokens", type=int, default=32, help="decode steps timed per pass")
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3, help="off/on pairs (alternated)")
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+
+    from expertcache.runtime import load
+    from expertcache.runtime.store import checksum
+    from expertcache.runtime.verify import verify
+
+    rep = verify(a.model)
+    if not rep["ok"]:
+        raise SystemExit(f"verify failed: {rep}")
+    m = load(a.model, capacity=a.capacity, tier="disk", predictor="none", verify=True)
+    eng = m.expertcache
+    src = eng.source
+    assert src.index_state == "on", src.index_state
+    expected = src.expected
+    vocab = m.config.vocab_size
+    prompt = torch.randint(0, vocab, (1, a.prompt_len), generator=torch.Generator().manual_seed(0))
+    n_new = a.warmup + a.tokens + 1
+    tpot = {"off": [], "on": []}
+    loads = {"off": 0, "on": 0}
+    tokens = {"off": 0, "on": 0}
+    try:
+        for r in range(a.rounds):
+            for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                src.expected = expected if mode == "on" else None
+                eng.reset()
+                tpot[mode] += _decode(m, prompt, n_new, a.warmup)
+                loads[mode] += _loads(eng.stats)
+                tokens[mode] += n_new
+    finally:
+        eng.close()
+    # the hash of one expert's bytes, as the tier computes it (one span list, in memory)
+    nbytes = sum(s.nbytes for s in src.spans(0, 0))
+    buf = os.urandom(nbytes)
+    reps = max(20, int(2e9 // max(nbytes, 1)))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        checksum(buf)
+    t_hash = (time.perf_counter() - t0) / reps
+    # the same over bytes not in any cache (as an O_DIRECT read leaves them): 256 MiB walked once
+    cold = np.frombuffer(os.urandom(256 << 20), dtype=np.uint8)
+    n_cold = len(cold) // nbytes
+    t0 = time.perf_counter()
+    for i in range(n_cold):
+        checksum(cold[i * nbytes:(i + 1) * nbytes])
+    t_cold = (time.perf_counter() - t0) / n_cold
+    med = {k: float(np.median(v)) for k, v in tpot.items()}
+    per_tok = loads["on"] / tokens["on"]  # experts read per token (demand + prefetch, prefill included)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    except OSError:
+        commit = ""
+    out = {"inputs": {"model": a.model, "checkpoint_bytes": sum(p.stat().st_size for p in src.files),
+                      "capacity": a.capacity, "tier": "disk", "predictor": "none", "tokens": a.tokens,
+                      "warmup": a.warmup, "rounds": a.rounds, "prompt_len": a.prompt_len, "torch_threads": a.threads,
+                      "expert_bytes": nbytes, "num_experts": src.num_experts, "moe_layers": len(src.prefixes),
+                      "page_cache": eng.tier.describe().get("page_cache")},
+           "verify_seconds": rep["seconds"], "verify_bytes": rep["expert_bytes_checked"],
+           "tpot_median_s": med, "tpot_p90_s": {k: float(np.percentile(v, 90)) for k, v in tpot.items()},
+           "experts_read_per_token": per_tok, "hash_s_per_expert": t_hash,
+           "hash_GBps": nbytes / t_hash / 1e9, "hash_s_per_expert_cold": t_cold, "hash_GBps_cold": nbytes / t_cold / 1e9,
+           "share_of_tpot": {"ab": med["on"] / med["off"] - 1, "hash": per_tok * t_hash / med["off"],
+                             "hash_cold": per_tok * t_cold / med["off"]},
+           "commit": commit}
+    print(json.dumps(out, indent=2))
+    if a.out:
+        from expertcache.telemetry.atomic import write_json
+
+        write_json(a.out, out)
+
+
+if __name__ == "__main__":
+    main()

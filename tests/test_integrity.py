@@ -1,0 +1,170 @@
+"""Expert checksums: a store's table, a checkpoint's index (`expertcache verify`), checked on every disk read; flipped
+bytes inside an expert (header intact) are found by verify and refused by load / read, naming layer, expert, file."""
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+from expertcache.runtime import load
+from expertcache.runtime.checkpoint import CHECKSUM_INDEX, StoreExperts, expert_order
+from expertcache.runtime.loader import expert_source
+from expertcache.runtime.store import read_store_meta, write_store
+from expertcache.runtime.tiers import DiskTier, SlotPool
+from expertcache.runtime.verify import verify
+from expertcache.telemetry.errors import InputError
+from expertcache.trainer.models import FAMILIES, build_model, tiny_config
+
+
+def _flip(path, offset, keep_mtime=True):
+    """Flip one byte at `offset` in place; the mtime kept (bit rot, a bad sector: nothing touches the stamp)."""
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x5A]))
+    if keep_mtime:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _write_at(path, offset, data, keep_mtime=True):
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+    if keep_mtime:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.fixture
+def ckpt(tmp_path_factory, request):
+    fam = getattr(request, "param", "qwen3_moe")
+    d = tmp_path_factory.mktemp(f"ckpt-{fam}")
+    build_model(tiny_config(fam), seed=2, dtype=torch.bfloat16).save_pretrained(d)
+    return d
+
+
+def test_store_records_a_checksum_per_block_and_a_flipped_byte_is_refused_on_read(tmp_path):
+    model = build_model(tiny_config("qwen3_moe"), seed=1).eval()
+    path = tmp_path / "e.store"
+    write_store(model, path)
+    meta = read_store_meta(path)
+    assert meta.version == 2 and meta.checksums.shape == (meta.num_layers, meta.num_experts)
+    assert meta.file_bytes() == path.stat().st_size
+    assert verify(path)["ok"]
+    _flip(path, meta.offset(1, 5) + meta.tensors[-1].offset + 7)
+    rep = verify(path)
+    assert not rep["ok"] and rep["mismatches"] == 1
+    assert (rep["mismatch_list"][0]["layer"], rep["mismatch_list"][0]["expert"]) == (1, 5)
+    meta = read_store_meta(path)  # the header is intact: the store still opens
+    pool = SlotPool(meta, 2)
+    tier = DiskTier(StoreExperts(path, meta))
+    try:
+        tier.read(1, 4, pool, 0)  # its neighbours read fine
+        with pytest.raises(InputError, match=r"checksum mismatch: MoE layer 1 expert 5 in .*e\.store"):
+            tier.read(1, 5, pool, 1)
+    finally:
+        tier.close()
+    unchecked = DiskTier(StoreExperts(path, meta, verify=False))
+    try:
+        unchecked.read(1, 5, pool, 1)  # opted out: read as is
+    finally:
+        unchecked.close()
+
+
+def test_a_truncated_or_damaged_store_header_is_one_line(tmp_path):
+    model = build_model(tiny_config("qwen3_moe"), seed=1).eval()
+    path = tmp_path / "e.store"
+    write_store(model, path)
+    raw = path.read_bytes()
+    (tmp_path / "t.store").write_bytes(raw[:-4096])  # the checksum table cut off
+    with pytest.raises(InputError, match="truncated or damaged"):
+        read_store_meta(tmp_path / "t.store")
+    head = json.loads(raw[:65536].rstrip(b"\0"))
+    head["checksum"]["offset"] += 8
+    bad = json.dumps(head).encode()
+    (tmp_path / "h.store").write_bytes(bad + b"\0" * (65536 - len(bad)) + raw[65536:])
+    with pytest.raises(InputError, match="checksum entry"):
+        read_store_meta(tmp_path / "h.store")
+
+
+@pytest.mark.parametrize("ckpt", FAMILIES, indirect=True)
+def test_verify_indexes_a_checkpoint_then_finds_a_flipped_byte_and_load_refuses_it(ckpt):
+    rep = verify(ckpt)
+    assert rep["ok"] and rep["index"]["before"] == "none" and rep["index"]["after"] == "written"
+    assert (ckpt / CHECKSUM_INDEX).is_file() and rep["experts"] == 2 * 8 and rep["non_expert_tensors"] > 0
+    again = verify(ckpt)
+    assert again["ok"] and again["index"]["before"] == "valid" and again["checked_against_index"] == 16
+    src = expert_source(ckpt)
+    s = expert_order(src.spans(1, 3))[-1]
+    _flip(src.files[s.file], s.offset + s.nbytes // 2)
+    rep = verify(ckpt)
+    assert not rep["ok"] and rep["mismatches"] == 1 and rep["index"]["after"] == "unchanged"
+    m = rep["mismatch_list"][0]
+    assert (m["layer"], m["expert"]) == (1, 3) and src.files[s.file].name in m["where"]
+    # load reads every expert into host memory: the damaged one is refused, named
+    with pytest.raises(InputError, match=rf"checksum mismatch: MoE layer 1 \(.*\) expert 3 in "
+                                         rf"{src.files[s.file].name}"):
+        load(ckpt, capacity=8, tier="host")
+    # the disk tier refuses it when it is read, and reads the others
+    m = load(ckpt, capacity=2, tier="disk")
+    eng = m.expertcache
+    pool = SlotPool(eng.meta, 1)
+    try:
+        eng.tier.read(1, 2, pool, 0)
+        with pytest.raises(InputError, match="MoE layer 1 .* expert 3 in"):
+            eng.tier.read(1, 3, pool, 0)
+    finally:
+        eng.close()
+    load(ckpt, capacity=8, tier="host", verify=False).expertcache.close()  # opted out: loads as is
+
+
+def test_a_changed_file_invalidates_its_index_entries(ckpt):
+    verify(ckpt)
+    src = expert_source(ckpt)
+    s = src.spans(0, 0)[0]
+    _flip(src.files[s.file], s.offset, keep_mtime=False)  # a deliberate edit: the mtime moves
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        m = load(ckpt, capacity=8, tier="host")  # not refused: the index no longer speaks for this file
+        m.expertcache.close()
+    assert any("changed since" in str(x.message) for x in w)
+    assert m.expertcache.source.index_state == "stale"
+    rep = verify(ckpt)
+    assert rep["ok"] and rep["index"]["before"] == "stale" and rep["index"]["after"] == "written"
+    assert verify(ckpt)["index"]["before"] == "valid"
+
+
+def test_verify_finds_non_finite_weights_and_does_not_index_them(ckpt):
+    src = expert_source(ckpt)
+    nan_bf16 = b"\xc0\x7f"
+    s = src.spans(0, 6)[0]
+    _write_at(src.files[s.file], s.offset + 64, nan_bf16)
+    norm = src.ckpt.tensors["model.norm.weight"]
+    _write_at(src.files[norm.file], norm.start, nan_bf16 * 2)
+    rep = verify(ckpt)
+    assert not rep["ok"] and rep["non_finite"] == 2
+    where = {(x.get("layer"), x.get("expert"), x.get("tensor")) for x in rep["non_finite_list"]}
+    assert where == {(0, 6, None), (None, None, "model.norm.weight")}
+    assert rep["index"]["after"].startswith("not written") and not (ckpt / CHECKSUM_INDEX).exists()
+
+
+def test_a_damaged_index_is_one_line_and_verify_rebuilds_it(ckpt):
+    verify(ckpt)
+    (ckpt / CHECKSUM_INDEX).write_text("{oops")
+    with pytest.raises(InputError, match="unreadable checksum index"):
+        load(ckpt, capacity=2)
+    rep = verify(ckpt)
+    assert rep["ok"] and rep["index"]["before"] == "unreadable" and rep["index"]["after"] == "written"
+    load(ckpt, capacity=2).expertcache.close()
+
+
+def test_verify_refuses_what_is_not_a_model(tmp_path):
+    with pytest.raises(InputError, match="no such checkpoint"):
+        verify(tmp_path / "nope")
+    (tmp_path / "x.store").write_bytes(b"\0" * 100)
+    with pytest.raises(InputError, match="not an expertcache expert store"):
+        verify(tmp_path / "x.store")
