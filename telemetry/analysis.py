@@ -178,7 +178,7 @@ def analyze(trace_path: str | Path, out_dir: str | Path, model_dir: str | None =
     summary = {"trace": str(trace_path), "model": meta.model, "family": meta.family, "num_experts": meta.num_experts,
                "top_k": meta.top_k, "moe_layers": len(meta.moe_layers), "phase": phase or "all",
                "semantics": semantics, "static_fit": fit_trace or "first 20% of tokens (all policies scored on the rest)",
-               "capacities": caps}
+               "capacities": caps, "partial": bool(meta.partial)}
     routing = sel.routing()
     summary["routing"] = _routing_stats(sel, routing)
     learned = probs = None
@@ -276,9 +276,15 @@ def _policies(s: dict) -> tuple:
     return POLICIES + (("learned",) if any(r["policy"] == "learned" for r in s["hit_curves"]) else ())
 
 
+def partial_warning(trace: str) -> str:
+    return (f"WARNING: {trace} is a partial trace (its recording was interrupted): the figures cover only the "
+            f"row groups written before it stopped")
+
+
 def text_summary(s: dict) -> str:
     r = s["routing"]
-    lines = [f"trace {s['trace']}  model {s['model']}  ({s['family']}, {s['moe_layers']} MoE layers, "
+    lines = [partial_warning(s["trace"])] if s.get("partial") else []
+    lines += [f"trace {s['trace']}  model {s['model']}  ({s['family']}, {s['moe_layers']} MoE layers, "
              f"E={s['num_experts']}, top-{s['top_k']}; {r['tokens']} {s['phase']} tokens)",
              f"reuse@lag1 {r['reuse_lag1']['reuse']:.3f} vs chance {r['reuse_lag1']['chance']:.3f} "
              f"(x{r['reuse_lag1']['ratio']:.2f})",

@@ -6,15 +6,22 @@ Columns (plain Arrow types, so pandas, polars and duckdb read a trace without th
     ids fixed_size_list<int16>[k], weights fixed_size_list<float16>[k],
     logits fixed_size_list<float16>[E]   (optional), hidden fixed_size_list<float16>[H]  (optional)
 File metadata key `expertcache` holds a JSON object: model id, family, num_layers, moe_layers, num_experts,
-top_k, hidden_size, dtype, tokenizer, corpus, split, format version.
+top_k, hidden_size, dtype, tokenizer, corpus, split, format version. Key `expertcache_status` (written into the
+footer when the file is closed) says whether the trace is complete: `{"partial": false}` on a clean close,
+`{"partial": true, "reason": ...}` when the recording stopped on an exception (Ctrl-C, SIGTERM, an error);
+`read_meta(...).partial` exposes it (None for traces written before the key existed).
 
-Rows are written a row group at a time; `TraceWriter` closes the file (footer included) on Ctrl-C or SIGTERM,
-so an interrupted recording leaves a valid file holding every finished row group.
+Rows are written a row group at a time, to a temporary name beside the target; `TraceWriter` closes the file
+(footer included) on Ctrl-C or SIGTERM, so an interrupted recording leaves a valid file holding every finished
+row group, marked partial. The file is renamed into place only then (complete, or partial with rows): a run that
+fails before its first row group leaves an existing file untouched. Expert ids outside [0, num_experts) are
+refused when written and when read.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +34,10 @@ from .errors import InputError
 
 FORMAT_VERSION = 1
 META_KEY = b"expertcache"
+STATUS_KEY = b"expertcache_status"
 PHASES = ("prefill", "decode")
+COLUMNS = ("seq_id", "pos", "layer", "phase", "domain", "token", "ids", "weights")
+MAX_EXPERTS = 1 << 15  # ids are stored as int16
 
 
 @dataclass
@@ -46,15 +56,52 @@ class TraceMeta:
     source: str = "expertcache.telemetry.recorder"
     extra: dict = field(default_factory=dict)
     version: int = FORMAT_VERSION
+    partial: bool | None = None  # from the footer's status key when read (None: written before it existed)
 
     def to_json(self) -> str:
-        return json.dumps(self.__dict__)
+        return json.dumps({k: v for k, v in self.__dict__.items() if k != "partial"})
+
+    def check(self, where: str = "trace") -> "TraceMeta":
+        """Every field of the type and range a trace needs; an `InputError` naming the first that is not."""
+        def bad(name, want):
+            raise InputError(f"{where}: metadata {name} = {str(getattr(self, name))[:80]!r}, expected {want}")
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+        for name in ("model", "family", "dtype", "tokenizer", "corpus", "split", "source"):
+            if not isinstance(getattr(self, name), str):
+                bad(name, "a string")
+        if not is_int(self.num_experts) or not 1 <= self.num_experts <= MAX_EXPERTS:
+            bad("num_experts", f"an integer in 1..{MAX_EXPERTS}")
+        if not is_int(self.top_k) or not 1 <= self.top_k <= self.num_experts:
+            bad("top_k", f"an integer in 1..num_experts ({self.num_experts})")
+        if not is_int(self.num_layers) or self.num_layers < 1:
+            bad("num_layers", "an integer >= 1")
+        if (not isinstance(self.moe_layers, list) or not self.moe_layers
+                or not all(is_int(x) and 0 <= x < MAX_EXPERTS for x in self.moe_layers)
+                or len(set(self.moe_layers)) != len(self.moe_layers)):
+            bad("moe_layers", "a non-empty list of distinct layer indices")
+        if not is_int(self.hidden_size) or not 0 <= self.hidden_size < 1 << 24:
+            bad("hidden_size", "an integer >= 0")
+        if not isinstance(self.extra, dict):
+            bad("extra", "an object")
+        if not is_int(self.version) or self.version > FORMAT_VERSION or self.version < 1:
+            bad("version", f"a trace format this build reads (1..{FORMAT_VERSION})")
+        return self
 
     @classmethod
-    def from_json(cls, s: str | bytes) -> "TraceMeta":
-        d = json.loads(s)
-        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
-        return cls(**known)
+    def from_json(cls, s: str | bytes, where: str = "trace") -> "TraceMeta":
+        try:
+            d = json.loads(s)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise InputError(f"{where}: unreadable trace metadata ({str(e).splitlines()[0][:80]})") from None
+        if not isinstance(d, dict):
+            raise InputError(f"{where}: trace metadata is not a JSON object")
+        missing = [k for k in ("model", "family", "num_layers", "moe_layers", "num_experts", "top_k") if k not in d]
+        if missing:
+            raise InputError(f"{where}: trace metadata lacks {', '.join(missing)}")
+        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d and k != "partial"}
+        return cls(**known).check(where)
 
 
 def schema(meta: TraceMeta, with_logits: bool, with_hidden: bool) -> pa.Schema:
@@ -74,21 +121,39 @@ def _fixed(values: np.ndarray, width: int, dtype) -> pa.FixedSizeListArray:
     return pa.FixedSizeListArray.from_arrays(pa.array(flat), width)
 
 
+def _same_file(a: Path, b: str | Path) -> bool:
+    try:
+        return a.resolve() == Path(b).resolve() or (a.exists() and Path(b).exists() and a.samefile(b))
+    except OSError:
+        return False
+
+
 class TraceWriter:
     """Append batches of rows as row groups. Use as a context manager; SIGTERM is turned into KeyboardInterrupt
-    while it is open, so the footer is written on either signal."""
+    while it is open, so the footer is written on either signal. Rows go to a temporary name beside `path`,
+    renamed into place on close (complete), or on an exception when at least one row group was written (marked
+    partial); otherwise the temporary file is removed and an existing `path` is left as it was. `inputs`: the
+    files the trace is made from; `path` may not be one of them."""
 
-    def __init__(self, path: str | Path, meta: TraceMeta, with_logits: bool = False, with_hidden: bool = False):
-        self.path, self.meta = Path(path), meta
+    def __init__(self, path: str | Path, meta: TraceMeta, with_logits: bool = False, with_hidden: bool = False,
+                 inputs=()):
+        self.path, self.meta = Path(path), meta.check(f"trace {path}")
+        for src in inputs:
+            if src and _same_file(self.path, src):
+                raise InputError(f"output {self.path} is also an input ({src}); write the trace to another file")
         self.with_logits, self.with_hidden = with_logits, with_hidden
         self.schema = schema(meta, with_logits, with_hidden)
         self.rows = 0
+        self.row_groups = 0
+        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         self._writer: pq.ParquetWriter | None = None
         self._old_term = None
 
     def __enter__(self) -> "TraceWriter":
+        if self.path.is_dir():
+            raise InputError(f"output {self.path} is a directory; expected a .parquet file name")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._writer = pq.ParquetWriter(str(self.path), self.schema, compression="zstd")
+        self._writer = pq.ParquetWriter(str(self.tmp), self.schema, compression="zstd")
         try:
             self._old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
         except ValueError:  # not the main thread: no signal handling
@@ -99,8 +164,16 @@ class TraceWriter:
         """One row group. Per-row arrays of equal length n; ids/weights [n, k]; logits [n, E]; hidden [n, H]."""
         n = len(seq_id)
         k, e, h = self.meta.top_k, self.meta.num_experts, self.meta.hidden_size
+        ids = np.asarray(ids)
         if ids.shape != (n, k):
             raise InputError(f"ids have shape {ids.shape}, expected ({n}, {k})")
+        if n and ids.dtype.kind not in "iu":
+            raise InputError(f"expert ids are {ids.dtype}, expected integers")
+        if n and (int(ids.min()) < 0 or int(ids.max()) >= e):
+            raise InputError(f"expert ids span [{int(ids.min())}, {int(ids.max())}], outside [0, {e}) "
+                             f"(num_experts={e}); refusing to store them (int16 would wrap)")
+        if np.shape(weights) != (n, k):
+            raise InputError(f"weights have shape {np.shape(weights)}, expected ({n}, {k})")
         cols = [pa.array(np.asarray(seq_id, np.int32)), pa.array(np.asarray(pos, np.int32)),
                 pa.array(np.asarray(layer, np.int16)), _strings(phase, n), _strings(domain, n),
                 pa.array(np.asarray(token, np.int32)), _fixed(ids, k, np.int16), _fixed(weights, k, np.float16)]
@@ -110,13 +183,27 @@ class TraceWriter:
             cols.append(_fixed(hidden, h, np.float16))
         self._writer.write_table(pa.Table.from_arrays(cols, schema=self.schema))
         self.rows += n
+        self.row_groups += 1
 
-    def __exit__(self, *exc) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        if self._old_term is not None:
-            signal.signal(signal.SIGTERM, self._old_term)
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if self._writer is not None:
+                status = {"partial": exc_type is not None, "rows": self.rows, "row_groups": self.row_groups}
+                if exc_type is not None:
+                    status["reason"] = f"{exc_type.__name__}: {exc}"[:200]
+                keep = exc_type is None or self.rows > 0
+                if keep:
+                    self._writer.add_key_value_metadata({STATUS_KEY.decode(): json.dumps(status)})
+                self._writer.close()
+                self._writer = None
+                if keep:
+                    self.tmp.replace(self.path)
+        finally:
+            if self.tmp.exists():
+                self.tmp.unlink()
+            if self._old_term is not None:
+                signal.signal(signal.SIGTERM, self._old_term)
+                self._old_term = None
 
 
 def _raise_interrupt(signum, frame):
@@ -186,22 +273,77 @@ class Trace:
         return sorted(set(self.table["domain"].to_pylist()))
 
 
+def _unreadable(path, e: Exception) -> InputError:
+    return InputError(f"{path} is not a readable Parquet trace ({type(e).__name__}: "
+                      f"{(str(e).splitlines() or [''])[0][:120]})")
+
+
 def read_meta(path: str | Path) -> TraceMeta:
+    """The trace's metadata, checked, with `partial` from the footer's status (True: the recording stopped early)."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"trace {path} not found")
     try:
-        md = pq.read_schema(str(path)).metadata or {}
-    except (pa.ArrowInvalid, OSError) as e:
-        raise InputError(f"{path} is not a readable Parquet trace ({e})") from e
+        md = pq.read_metadata(str(path)).metadata or {}
+    except (pa.ArrowException, OSError, ValueError, MemoryError) as e:
+        raise _unreadable(path, e) from None
     if META_KEY not in md:
         raise InputError(f"{path} is Parquet but has no expertcache trace metadata")
-    return TraceMeta.from_json(md[META_KEY])
+    meta = TraceMeta.from_json(md[META_KEY], f"trace {path}")
+    if STATUS_KEY in md:
+        try:
+            st = json.loads(md[STATUS_KEY])
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            st = None
+        if not isinstance(st, dict) or not isinstance(st.get("partial"), bool):
+            raise InputError(f"trace {path}: unreadable status {md[STATUS_KEY][:80]!r}")
+        meta.partial = st["partial"]
+    return meta
+
+
+def _check_table(path, meta: TraceMeta, table: pa.Table, columns) -> None:
+    """The columns a trace has, of the types it writes; ids in [0, num_experts); layers among moe_layers."""
+    import pyarrow.compute as pc
+
+    want = COLUMNS if columns is None else columns
+    missing = [c for c in want if c not in table.column_names]
+    if missing:
+        raise InputError(f"trace {path} lacks column(s) {', '.join(missing)}")
+    types = {"seq_id": pa.int32(), "pos": pa.int32(), "layer": pa.int16(), "phase": pa.string(),
+             "domain": pa.string(), "token": pa.int32(), "ids": pa.list_(pa.int16(), meta.top_k),
+             "weights": pa.list_(pa.float16(), meta.top_k),
+             "logits": pa.list_(pa.float16(), meta.num_experts), "hidden": pa.list_(pa.float16(), meta.hidden_size)}
+    for c in table.column_names:
+        if c in types and table.schema.field(c).type != types[c]:
+            raise InputError(f"trace {path}: column {c} is {table.schema.field(c).type}, expected {types[c]}")
+    for c in ("seq_id", "pos", "layer", "ids"):
+        if c in table.column_names and table[c].null_count:
+            raise InputError(f"trace {path}: column {c} has {table[c].null_count} nulls")
+    if "ids" in table.column_names and table.num_rows:
+        flat = pc.list_flatten(table["ids"])
+        if flat.null_count:
+            raise InputError(f"trace {path}: expert ids have nulls")
+        mm = pc.min_max(flat).as_py()
+        if mm["min"] is not None and (mm["min"] < 0 or mm["max"] >= meta.num_experts):
+            bad = mm["max"] if mm["max"] >= meta.num_experts else mm["min"]
+            raise InputError(f"trace {path}: expert id {bad} outside [0, {meta.num_experts}) "
+                             f"(num_experts={meta.num_experts})")
+    if "layer" in table.column_names and table.num_rows:
+        seen = set(pc.unique(table["layer"]).to_pylist()) - set(meta.moe_layers)
+        if seen:
+            raise InputError(f"trace {path}: rows of layer(s) {sorted(seen)[:8]} not among its MoE layers "
+                             f"{meta.moe_layers[:16]}")
 
 
 def read_trace(path: str | Path, columns: list[str] | None = None) -> Trace:
+    """A trace, checked: its metadata, columns and types, expert ids in [0, num_experts). An `InputError` for
+    anything that is not a readable trace."""
     meta = read_meta(path)
-    table = pq.read_table(str(path), columns=columns)
+    try:
+        table = pq.read_table(str(path), columns=columns)
+    except (pa.ArrowException, OSError, ValueError, KeyError, MemoryError) as e:
+        raise _unreadable(path, e) from None
+    _check_table(path, meta, table, columns)
     return Trace(meta, table, str(path))
 
 
@@ -219,16 +361,16 @@ def check_compatible(meta: TraceMeta, model_or_config) -> None:
 
 
 def info(path: str | Path) -> dict:
-    """Metadata and counts without loading the heavy columns."""
+    """Metadata and counts without loading the heavy columns; `partial` True when the recording stopped early."""
     meta = read_meta(path)
     f = pq.ParquetFile(str(path))
-    t = pq.read_table(str(path), columns=["seq_id", "layer", "phase", "domain"])
+    t = read_trace(path, columns=["seq_id", "layer", "phase", "domain"]).table
     import pyarrow.compute as pc
 
     phases = {p: int(pc.sum(pc.equal(t["phase"], p)).as_py() or 0) // max(1, len(meta.moe_layers)) for p in PHASES}
     doms = {}
     for d in sorted(set(t["domain"].to_pylist())):
         doms[d] = int(pc.sum(pc.equal(t["domain"], d)).as_py()) // max(1, len(meta.moe_layers))
-    return {"path": str(path), "meta": meta.__dict__, "rows": f.metadata.num_rows,
+    return {"path": str(path), "meta": meta.__dict__, "partial": meta.partial, "rows": f.metadata.num_rows,
             "row_groups": f.metadata.num_row_groups, "columns": f.schema_arrow.names,
             "sequences": len(set(t["seq_id"].to_pylist())), "tokens_by_phase": phases, "tokens_by_domain": doms}

@@ -84,7 +84,7 @@ def rows_from_calls(calls: dict[int, list], call_tokens: list[tuple[np.ndarray, 
         entries = calls[i]
         if len(entries) != len(call_tokens):
             raise RuntimeError(f"layer {i} saw {len(entries)} forwards, expected {len(call_tokens)}")
-        per[i] = {"ids": _cat([e[0] for e in entries], torch.int16),
+        per[i] = {"ids": _cat([e[0] for e in entries], torch.int32),  # the writer checks the range, stores int16
                   "weights": _cat([e[1] for e in entries], torch.float16)}
         if want_logits:
             per[i]["logits"] = _cat([e[2] for e in entries], torch.float16)
@@ -166,7 +166,8 @@ def record_corpus(model_dir: str | Path, corpus: str, tokenizer: str | None, spl
     meta = Recorder(model).meta(str(model_dir), tokenizer=str(tokenizer), corpus=str(corpus), split=split,
                                 extra={"prompt_len": prompt_len, "decode_tokens": decode_tokens, "greedy": True})
     n = 0
-    with TraceWriter(out, meta, with_logits=logits, with_hidden=hidden) as w, Progress() as prog:
+    with TraceWriter(out, meta, with_logits=logits, with_hidden=hidden, inputs=(model_dir, tokenizer)) as w, \
+            Progress() as prog:
         task = prog.add_task("recording", total=sum(len(v) for v in picked.values()))
         for dom, blocks in picked.items():
             n += record_blocks(model, blocks, w, dom, prompt_len, decode_tokens, batch_size, seq_offset=n,

@@ -139,15 +139,21 @@ def test_interrupted_recording_leaves_a_valid_file(sig, tmp_path):
     path = tmp_path / "t.parquet"
     p = subprocess.Popen([sys.executable, "-c", RECORD_FOREVER, str(path)], stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
-    while (not path.exists() or path.stat().st_size < 20_000) and time.time() < deadline and p.poll() is None:
+
+    def tmp_size():  # rows go to a temporary name beside the target until the file is closed
+        return sum(f.stat().st_size for f in tmp_path.glob(".t.parquet.tmp-*"))
+    while tmp_size() < 20_000 and time.time() < deadline and p.poll() is None:
         time.sleep(0.05)
+    assert not path.exists()
     p.send_signal(sig)
     assert p.wait(timeout=60) != 0
-    f = pq.ParquetFile(path)  # footer present
+    f = pq.ParquetFile(path)  # footer present, renamed into place
     assert f.metadata.num_row_groups >= 2
     t = f.read()
     assert t.num_rows == f.metadata.num_row_groups * 2 * 12 * 2  # whole row groups: 2 seqs x 12 tokens x 2 layers
     assert read_trace(path).routing()[0].shape[0] == 2
+    assert read_trace(path).meta.partial is True and info(path)["partial"] is True
+    assert not list(tmp_path.glob(".t.parquet.tmp-*"))
 
 
 def write_stream(path, ids_by_layer, chunk):
@@ -181,3 +187,112 @@ def test_npz_import_checks_expert_range(tmp_path):
     np.savez(tmp_path / "t.npz", experts=np.full((2, 5, 2), 9, np.int16), meta=json.dumps({"num_experts": 8}))
     with pytest.raises(InputError, match=r"outside 0..7"):
         import_trace(tmp_path / "t.npz", tmp_path / "t.parquet")
+
+
+def _meta(num_experts=16, top_k=2):
+    from expertcache.telemetry.parquet_trace import TraceMeta
+
+    return TraceMeta(model="m", family="qwen3_moe", num_layers=2, moe_layers=[0, 1], num_experts=num_experts,
+                     top_k=top_k)
+
+
+def _rows(w, ids, seq=0):
+    n = len(ids)
+    w.write(seq_id=np.full(n, seq, np.int32), pos=np.arange(n, dtype=np.int32) // 2,
+            layer=np.tile(np.asarray([0, 1], np.int16), n // 2), phase="decode", domain="code",
+            token=np.zeros(n, np.int32), ids=np.asarray(ids), weights=np.ones((n, 2), np.float16))
+
+
+def test_a_clean_trace_says_complete_and_an_interrupted_one_says_partial(tmp_path):
+    from expertcache.telemetry.analysis import analyze, text_summary
+    from expertcache.telemetry.parquet_trace import read_meta
+
+    good = tmp_path / "good.parquet"
+    with TraceWriter(good, _meta()) as w:
+        _rows(w, np.random.default_rng(0).integers(0, 16, (40, 2)))
+    assert read_meta(good).partial is False and info(good)["partial"] is False
+    part = tmp_path / "part.parquet"
+    with pytest.raises(RuntimeError, match="boom"):
+        with TraceWriter(part, _meta()) as w:
+            _rows(w, np.random.default_rng(0).integers(0, 16, (40, 2)))
+            _rows(w, np.random.default_rng(1).integers(0, 16, (40, 2)), seq=1)
+            raise RuntimeError("boom")
+    assert read_meta(part).partial is True
+    assert info(part)["rows"] == 80 and info(part)["partial"] is True
+    s = analyze(part, tmp_path / "an", by_domain=False)
+    assert s["partial"] is True
+    first = text_summary(s).splitlines()[0]
+    assert first.startswith("WARNING:") and "partial trace" in first
+    assert not text_summary(analyze(good, tmp_path / "an2", by_domain=False)).startswith("WARNING")
+    assert not list(tmp_path.glob(".*.tmp-*"))
+
+
+def test_a_run_failing_before_its_first_rows_leaves_the_old_file(tmp_path):
+    path = tmp_path / "t.parquet"
+    with TraceWriter(path, _meta()) as w:
+        _rows(w, np.random.default_rng(0).integers(0, 16, (40, 2)))
+    before = path.read_bytes()
+    with pytest.raises(KeyboardInterrupt):
+        with TraceWriter(path, _meta()):
+            raise KeyboardInterrupt
+    with pytest.raises(InputError, match="outside"):
+        with TraceWriter(path, _meta()) as w:
+            _rows(w, np.full((4, 2), 16))
+    assert path.read_bytes() == before and read_trace(path).meta.partial is False
+    assert not list(tmp_path.glob(".*.tmp-*"))
+
+
+@pytest.mark.parametrize("bad", [16, 65539, -1, 32768])
+def test_expert_ids_outside_the_range_are_refused_when_written(tmp_path, bad):
+    ids = np.zeros((4, 2), np.int64)
+    ids[2, 1] = bad
+    with pytest.raises(InputError, match=r"outside \[0, 16\)"):
+        with TraceWriter(tmp_path / "t.parquet", _meta()) as w:
+            _rows(w, ids)
+    assert not (tmp_path / "t.parquet").exists()
+
+
+def test_imports_refuse_ids_that_int16_would_wrap(tmp_path):
+    ids = np.random.default_rng(0).integers(0, 16, (2, 10, 2)).astype(np.int32)
+    ids[1, 3, 0] = 65539  # 65539 % 65536 = 3: it used to be stored as expert 3
+    write_stream(tmp_path / "s.bin", ids, chunk=4)
+    with pytest.raises(InputError, match="outside 0..15"):
+        import_trace(tmp_path / "s.bin", tmp_path / "s.parquet", num_experts=16)
+    np.savez(tmp_path / "t.npz", experts=ids, meta=json.dumps({"num_experts": 16}))
+    with pytest.raises(InputError, match="outside 0..15"):
+        import_trace(tmp_path / "t.npz", tmp_path / "t.parquet")
+    np.savez(tmp_path / "f.npz", experts=ids.astype(np.float32), meta=json.dumps({"num_experts": 16}))
+    with pytest.raises(InputError, match="integer expert ids"):
+        import_trace(tmp_path / "f.npz", tmp_path / "t.parquet")
+    assert not (tmp_path / "s.parquet").exists() and not (tmp_path / "t.parquet").exists()
+
+
+def test_a_trace_holding_an_id_outside_its_experts_is_refused_on_read(tmp_path):
+    import pyarrow as pa
+
+    from expertcache.telemetry.parquet_trace import schema
+
+    meta = _meta()
+    sch = schema(meta, False, False)
+    n = 4
+    ids = np.array([[1, 2], [3, 99], [0, 1], [5, 6]], np.int16)
+    cols = [pa.array(np.zeros(n, np.int32)), pa.array(np.arange(n, dtype=np.int32) // 2),
+            pa.array(np.tile(np.array([0, 1], np.int16), 2)), pa.array(["decode"] * n), pa.array(["code"] * n),
+            pa.array(np.zeros(n, np.int32)), pa.FixedSizeListArray.from_arrays(pa.array(ids.reshape(-1)), 2),
+            pa.FixedSizeListArray.from_arrays(pa.array(np.ones(2 * n, np.float16)), 2)]
+    pq.write_table(pa.Table.from_arrays(cols, schema=sch), tmp_path / "bad.parquet")
+    with pytest.raises(InputError, match=r"expert id 99 outside \[0, 16\)"):
+        read_trace(tmp_path / "bad.parquet")
+    with pytest.raises(InputError, match="expert id 99"):
+        read_trace(tmp_path / "bad.parquet", columns=["ids"])
+
+
+def test_an_output_that_is_an_input_is_refused(tmp_path):
+    ids = np.random.default_rng(0).integers(0, 16, (2, 10, 2)).astype(np.int32)
+    np.savez(tmp_path / "t.npz", experts=ids, meta=json.dumps({"num_experts": 16}))
+    before = (tmp_path / "t.npz").read_bytes()
+    with pytest.raises(InputError, match="is also an input"):
+        import_trace(tmp_path / "t.npz", tmp_path / "t.npz")
+    with pytest.raises(InputError, match="is also an input"):
+        import_trace(tmp_path / "t.npz", tmp_path / "." / "t.npz")
+    assert (tmp_path / "t.npz").read_bytes() == before
