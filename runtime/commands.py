@@ -67,7 +67,7 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
         engine: the engine options; each of --capacities and --predictors is run on top of them
         capacities: resident experts per layer to compare (fractions of E, or counts)
         predictors: live: none, probe:1, probe:2, persistence, estimator:FILE, spatio (default probe:1);
-            replay: persistence, estimator, oracle[:recall] (default: those and the oracle at recall 0.25-1)
+            replay: persistence, cooccurrence, oracle[:recall] (default: those and the oracle at recall 0.25-1)
         dtype: live: compute dtype (default: the checkpoint's own); replay: the store's dtype (default bf16)
         tokens: timed decode tokens per pass (after the warm-up)
         warmup: untimed decode tokens per pass
@@ -91,14 +91,12 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
     if (model is None) == (replay is None):
         raise InputError("bench decode needs exactly one of --model CKPT or --replay TRACE")
     if replay is not None:
-        from .replay import REFERENCE_TRACE, plot_recall, replay_benchmark, table
+        from .replay import REFERENCE_TRACE, check_replay_predictor, plot_recall, replay_benchmark, table
 
         preds = [p for p in (predictors or []) if p != "none"] or \
-            ["persistence", "estimator", "oracle:0.25", "oracle:0.5", "oracle:0.75", "oracle"]
-        bad = [p for p in preds if p not in ("persistence", "estimator") and not p.startswith("oracle")]
-        if bad:
-            raise InputError(f"replay predictors come from the trace: persistence, estimator, oracle[:recall]; "
-                             f"not {', '.join(bad)}")
+            ["persistence", "cooccurrence", "oracle:0.25", "oracle:0.5", "oracle:0.75", "oracle"]
+        for p in preds:
+            check_replay_predictor(p)
         policy_file = engine.policy.split(":", 1)[1] if engine.policy.startswith("learned:") else None
         with Progress() as prog:
             task = prog.add_task("replay passes", total=rounds * (2 + len(preds)))

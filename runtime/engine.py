@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from expertcache.telemetry.cachesim import CacheResult
 from expertcache.telemetry.errors import InputError
 
 from .cache import CacheState, LayerView
@@ -102,7 +103,7 @@ class EngineConfig:
         if self.miss == "host" and TierSpec.parse(self.tier).kind not in ("host", "throttled"):
             raise InputError(f"miss policy host computes experts where they live: it needs the host or a "
                              f"throttled tier, not {self.tier}")
-        from .cache import POLICIES
+        from expertcache.telemetry.cache import POLICIES
 
         if self.policy not in POLICIES and not self.policy.startswith("learned:"):
             raise InputError(f"unknown cache policy {self.policy!r}; expected one of {', '.join(POLICIES)} or "
@@ -149,12 +150,15 @@ class Stats:
     def __add__(self, other: "Stats") -> "Stats":
         return Stats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
+    def counters(self) -> CacheResult:
+        """The cache's counts in the one counters type every area reports through (one step per token)."""
+        return CacheResult("engine", 0, "token", self.tokens, self.accesses, self.hits, self.demand_loads,
+                           self.prefetch_loads)
+
     def to_dict(self, expert_bytes: int) -> dict:
-        a = max(self.accesses, 1)
-        return {**asdict(self), "hit_rate": self.hits / a,
-                "adjusted_hit_rate": 1 - (self.demand_loads + self.prefetch_loads) / a,
-                "traffic_bytes_per_token": (self.demand_loads + self.prefetch_loads) * expert_bytes
-                / max(self.tokens, 1)}
+        c = self.counters()
+        return {**asdict(self), "hit_rate": c.hit_rate, "adjusted_hit_rate": c.adjusted_hit_rate,
+                "traffic_bytes_per_token": c.traffic_per_step(expert_bytes)}
 
 
 class OffloadedExperts(nn.Module):

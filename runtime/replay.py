@@ -114,10 +114,29 @@ class CooccurrencePredictor(Predictor):
         return torch.from_numpy(s).float()[None, :]
 
 
+REPLAY_PREDICTORS = ("none", "persistence", "cooccurrence", "oracle")  # what a trace itself can predict
+
+
+def check_replay_predictor(p: str) -> None:
+    """Replay predictors come from the trace (`cooccurrence`: counts of which experts follow which, fitted on
+    the trace's earlier tokens; not the runtime's ridge `estimator:FILE`, which needs hidden states)."""
+    if p in REPLAY_PREDICTORS:
+        return
+    if p.startswith("oracle:"):
+        try:
+            r = float(p.split(":", 1)[1])
+        except ValueError:
+            r = -1.0
+        if 0.0 <= r <= 1.0:
+            return
+    raise InputError(f"replay predictor {p!r}; expected one of {', '.join(REPLAY_PREDICTORS)} or oracle:<recall "
+                     f"in [0, 1]>")
+
+
 @dataclass
 class ReplayConfig:
     name: str
-    predictor: str = "none"  # none | persistence | estimator | oracle | oracle:<recall>
+    predictor: str = "none"  # one of REPLAY_PREDICTORS, or oracle:<recall>
     prefetch: bool = False
     belady: bool = False  # evict by the trace's next use (the offline bound), instead of LRU
     policy: str | None = None  # another cache policy (e.g. learned:FILE); default LRU (Belady when `belady`)
@@ -126,14 +145,11 @@ class ReplayConfig:
 def next_use_scores(ids: np.ndarray, num_experts: int) -> np.ndarray:
     """`[layers, tokens, E]`: minus the token index of each expert's next use after t (-inf: never again), the
     keep scores under which the scored policy is Belady."""
-    n_l, n_t, _ = ids.shape
-    out = np.full((n_l, n_t, num_experts), -np.inf)
-    for i in range(n_l):
-        nxt = np.full(num_experts, np.inf)
-        for t in range(n_t - 1, -1, -1):
-            out[i, t] = -nxt
-            nxt[ids[i, t]] = t
-    return out
+    from expertcache.telemetry.cachesim import NEVER, next_use_steps
+
+    out = np.stack([next_use_steps(layer, num_experts) for layer in ids]).astype(np.float64)
+    out[out >= NEVER] = np.inf
+    return -out
 
 
 def predicted(cfg: ReplayConfig, ids, est, rng, i: int, t: int, k: int, e: int) -> list[int]:
@@ -146,7 +162,7 @@ def predicted(cfg: ReplayConfig, ids, est, rng, i: int, t: int, k: int, e: int) 
     p = cfg.predictor
     if p == "persistence":
         return ids[ni, nt - 1].tolist() if nt >= 1 else []
-    if p == "estimator":
+    if p == "cooccurrence":
         prev = ids[ni, nt - 1] if nt >= 1 else None
         if ni == 0:  # across tokens there is no layer-to-layer evidence: persistence
             return prev.tolist() if prev is not None else []
@@ -157,7 +173,8 @@ def predicted(cfg: ReplayConfig, ids, est, rng, i: int, t: int, k: int, e: int) 
         keep = [x for x in true if rng.random() < recall]
         wrong = [x for x in rng.permutation(e).tolist() if x not in true][:k - len(keep)]
         return keep + wrong
-    return []
+    check_replay_predictor(p)
+    return []  # none
 
 
 class TracePredictor(Predictor):
@@ -269,22 +286,24 @@ class Replayer:
 
 
 def _summary(runs: list[dict], warmup: int, expert_bytes: int) -> dict:
+    from expertcache.telemetry.cachesim import CacheResult
+
     t = np.concatenate([np.asarray(r["times"][warmup:]) for r in runs])
-    acc = sum(r["acc"] for r in runs)
     tokens = sum(len(r["times"]) for r in runs)
-    loads = sum(r["demand"] + r["prefetch"] for r in runs)
+    c = CacheResult("replay", 0, "token", tokens, sum(r["acc"] for r in runs), sum(r["hits"] for r in runs),
+                    sum(r["demand"] for r in runs), sum(r["prefetch"] for r in runs))
     return {"tpot_median_s": float(np.median(t)), "tpot_p90_s": float(np.percentile(t, 90)),
-            "tokens_per_s": float(1 / np.median(t)), "hit_rate": sum(r["hits"] for r in runs) / acc,
-            "adjusted_hit_rate": 1 - loads / acc, "demand_loads_per_token": sum(r["demand"] for r in runs) / tokens,
-            "prefetch_loads_per_token": sum(r["prefetch"] for r in runs) / tokens,
+            "tokens_per_s": float(1 / np.median(t)), "hit_rate": c.hit_rate,
+            "adjusted_hit_rate": c.adjusted_hit_rate, "demand_loads_per_token": c.loads / tokens,
+            "prefetch_loads_per_token": c.prefetches / tokens,
             "prefetch_dropped": sum(r["dropped"] for r in runs),
-            "traffic_bytes_per_token": loads * expert_bytes / tokens,
+            "traffic_bytes_per_token": c.traffic_per_step(expert_bytes),
             "stall_per_token_s": sum(r["stall"] for r in runs) / tokens}
 
 
 def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2048x768", dtype: str = "bfloat16",
                      tier: str = "disk", capacity: float = 0.25,
-                     predictors=("persistence", "estimator", "oracle:0.25", "oracle:0.5", "oracle:0.75", "oracle"),
+                     predictors=("persistence", "cooccurrence", "oracle:0.25", "oracle:0.5", "oracle:0.75", "oracle"),
                      tokens: int = 64, warmup: int = 8, rounds: int = 2, disk_budget_gb: float = 8.0,
                      store_dir: str | Path = "runs/replay-store", first_layer: int | None = None,
                      workers: int = 4, fit_frac: float = 0.2, belady_bound: bool = True,
@@ -309,6 +328,8 @@ def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2
     cap = capacity_count(capacity, e)
     rp = Replayer(store, ids, cap, tier, workers)
     span = range(cut, cut + warmup + tokens)
+    for p in predictors:
+        check_replay_predictor(p)
     configs = [ReplayConfig("on-demand")] + [ReplayConfig(p, p, True) for p in predictors]
     if policy_file is not None:  # the learned eviction policy, on-demand (lossless: only what stays changes)
         configs.append(ReplayConfig("on-demand+learned", policy=f"learned:{policy_file}"))
@@ -350,7 +371,7 @@ def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2
            "t_compute_s": t_compute, "configs": {}}
     for c in configs:
         s = _summary(runs[c.name], warmup, rp.meta.expert_bytes)
-        if c.predictor in ("persistence", "estimator"):  # recall of layer i+1's experts, as predicted at layer i
+        if c.predictor in ("persistence", "cooccurrence"):  # recall of layer i+1's experts, as predicted at layer i
             rng = np.random.default_rng(0)
             rec = [len(set(predicted(c, ids, est, rng, i, t, ids.shape[2], e)) & set(ids[i + 1, t].tolist()))
                    / ids.shape[2] for t in span for i in range(n_layers - 1)]
@@ -397,7 +418,7 @@ def plot_recall(res: dict, png: str | Path) -> None:
         ax.plot(*zip(*pts), marker="o", label="oracle at a stated recall")
     ax.axhline(cfg["on-demand"]["tpot_median_s"] * 1e3, ls="--", c="k", label="on-demand")
     for n, s in cfg.items():
-        if n in ("persistence", "estimator") and "recall" in s:
+        if n in ("persistence", "cooccurrence") and "recall" in s:
             ax.scatter([s["recall"]], [s["tpot_median_s"] * 1e3], marker="x", s=60, label=n, zorder=3)
     if "oracle+belady" in cfg:
         ax.scatter([1.0], [cfg["oracle+belady"]["tpot_median_s"] * 1e3], marker="*", s=90, c="k",

@@ -26,11 +26,11 @@ but any key may go after it, so Belady bounds every policy here, `simulate_score
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
+from .cache import CacheState
 from .errors import InputError
 
 POLICIES = ("lru", "lfu", "static", "belady")
@@ -58,6 +58,18 @@ class CacheResult:
     def adjusted_hit_rate(self) -> float:
         """`1 - (D + P) / A` (METRICS.md): every load counts, so a wasted prefetch costs as much as a miss."""
         return 1.0 - (self.loads + self.prefetches) / self.accesses if self.accesses else 0.0
+
+    def __add__(self, other: "CacheResult") -> "CacheResult":
+        """Counts of two caches (or two runs of one) together; the name and capacity of the first."""
+        return CacheResult(self.policy, self.capacity, self.semantics, self.steps + other.steps,
+                           self.accesses + other.accesses, self.hits + other.hits, self.loads + other.loads,
+                           self.prefetches + other.prefetches)
+
+    def traffic_per_step(self, bytes_per_key: int, steps: int | None = None) -> float:
+        """Bytes moved (every load, demand or prefetch) per step (per output token when `steps` is the token
+        count of several caches' results added together)."""
+        n = self.steps if steps is None else steps
+        return (self.loads + self.prefetches) * bytes_per_key / n if n else 0.0
 
     @property
     def misses_per_step(self) -> float:
@@ -113,23 +125,65 @@ def simulate(steps: np.ndarray, capacity: int, policy: str = "lru", semantics: s
         return simulate_scored(steps, capacity, keep, name=LEARNED)
     rows = _check(steps, capacity, policy, semantics)
     if policy == "static":
-        hits = _static(rows, capacity, fit if fit is not None else steps)
-    elif policy == "lru":
-        hits = _scored(rows, capacity, None, None)[0] if semantics == "token" else _lru_ref(rows, capacity)
-    elif policy == "lfu":
-        hits = _lfu(rows, capacity, semantics == "token")
-    else:
+        hits = drive(rows, _state(rows, capacity, "static", _pins(fit if fit is not None else steps, capacity)))[0]
+    elif policy == "belady":
         hits = _belady(rows, capacity, semantics == "token")
+    elif semantics == "token":
+        hits = drive(rows, _state(rows, capacity, policy))[0]
+    else:
+        hits = simulate_reference(rows, capacity, policy)
     acc = sum(len(r) for r in rows)
     return CacheResult(policy, capacity, semantics, len(rows), acc, hits, acc - hits)
 
 
-def _static(rows, capacity, fit) -> int:
+def _pins(fit, capacity: int) -> list[int]:
+    """The static policy's pinned keys: the `capacity` most frequent of `fit`."""
     fit = np.asarray(fit).reshape(-1).astype(np.int64)
     counts = np.bincount(fit)
     # Most frequent first; ties in the order of numpy's default argsort, which reproduces the published table.
-    pinned = set(np.argsort(-counts)[:capacity].tolist())
-    return sum(e in pinned for r in rows for e in r)
+    return np.argsort(-counts)[:capacity].tolist()
+
+
+def _state(rows, capacity: int, policy: str, pinned=None) -> CacheState:
+    return CacheState(capacity, max((len(r) for r in rows), default=1), policy, pinned)
+
+
+def drive(rows, state: CacheState, keep=None, prefetch=None) -> tuple[int, int, int]:
+    """(hits, demand loads, prefetch loads) of the cache `state` driven over `rows` (token semantics), exactly as
+    the engine drives it: before step s, the keys `prefetch[s]` (-1: none) are given resident slots; then the
+    step's resident keys hit, its misses are staged, and `retain` decides what stays (`keep`: the scored
+    policy's scores for each step, an `[S, E]` array or an iterator of rows)."""
+    hits = loads = pre = 0
+    if keep is not None:
+        keep = iter(keep) if _is_stream(keep) else (row.tolist() for row in keep)
+    for s, r in enumerate(rows):
+        if prefetch is not None:
+            want = [e for e in prefetch[s] if e >= 0]
+            protect = set(want)
+            for e in want:
+                if state.lookup(e) is not None:
+                    continue
+                if state.prefetch_slot(e, protect) is None:
+                    break  # every resident key is itself predicted
+                pre += 1
+        miss = [e for e in r if state.lookup(e) is None]
+        hits += len(r) - len(miss)
+        loads += len(miss)
+        state.retain(r, state.stage(miss), next(keep) if keep is not None else None)
+    return hits, loads, pre
+
+
+# --- the published reference semantics (read literally; reproduces the published Qwen3-30B-A3B table) ---------
+
+def simulate_reference(rows, capacity: int, policy: str) -> int:
+    """Hits under the reference semantics: a step's keys accessed one after another, each miss inserted at once
+    (evicting first if full), so a key the same step used a moment ago can go. `lru` and `lfu` (`belady` and
+    `static` are shared with the token semantics: see `simulate`)."""
+    if policy == "lru":
+        return _lru_ref(rows, capacity)
+    if policy == "lfu":
+        return _lfu_ref(rows, capacity)
+    raise InputError(f"the reference semantics has lru and lfu of its own; {policy!r} is simulated by `simulate`")
 
 
 def _lru_ref(rows, cap) -> int:
@@ -153,36 +207,40 @@ def _lru_ref(rows, cap) -> int:
     return hits
 
 
-def _lfu(rows, cap, token: bool) -> int:
+def _lfu_ref(rows, cap) -> int:
     count: dict = {}
     last: dict = {}
     cache: set = set()
     hits = 0
     for s, r in enumerate(rows):
-        cur = set(r) if token else ()
-        if token:  # hits first, for the whole step
-            for e in r:
-                count[e] = count.get(e, 0) + 1
-                last[e] = s
-                hits += e in cache
-            todo = [e for e in r if e not in cache]
-        else:
-            todo = r
-        for e in todo:
-            if not token:
-                count[e] = count.get(e, 0) + 1
-                last[e] = s
-                if e in cache:
-                    hits += 1
-                    continue
+        for e in r:
+            count[e] = count.get(e, 0) + 1
+            last[e] = s
+            if e in cache:
+                hits += 1
+                continue
             if len(cache) >= cap:
-                cands = [v for v in cache if v not in cur]
-                if not cands:
-                    continue
-                victim = min(cands, key=lambda v: (count[v], last[v], v))
+                victim = min(cache, key=lambda v: (count[v], last[v], v))
                 cache.remove(victim)
             cache.add(e)
     return hits
+
+
+NEVER = _INF  # next use of a key that is never used again
+
+
+def next_use_steps(ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """One layer's `ids [T, k]` -> `[T, E]` int64: the step of each expert's next use after t (`NEVER` if none).
+    The dense form of `next_use`: Belady's keep scores (replay), the learned policy's supervision."""
+    t_n = ids.shape[0]
+    used = np.zeros((t_n, num_experts), bool)
+    np.put_along_axis(used, np.asarray(ids, dtype=np.int64), True, axis=1)
+    nxt = np.full(num_experts, NEVER, np.int64)
+    out = np.empty((t_n, num_experts), np.int64)
+    for t in range(t_n - 1, -1, -1):
+        out[t] = nxt
+        nxt = np.where(used[t], t, nxt)
+    return out
 
 
 def next_use(rows) -> list[list[int]]:
@@ -280,7 +338,7 @@ def simulate_scored(steps: np.ndarray, capacity: int, keep=None, prefetch: np.nd
         if prefetch.ndim != 2 or prefetch.shape[0] != len(rows):
             raise InputError(f"prefetch has shape {prefetch.shape}; expected [{len(rows)}, R]")
         prefetch = prefetch.tolist()
-    hits, loads, pre = _scored(rows, capacity, keep, prefetch)
+    hits, loads, pre = drive(rows, _state(rows, capacity, "scored" if keep is not None else "lru"), keep, prefetch)
     acc = sum(len(r) for r in rows)
     return CacheResult(name or ("scored" if keep is not None else "lru"), capacity, "token", len(rows), acc, hits,
                        loads, pre)
@@ -290,58 +348,6 @@ def _is_stream(keep) -> bool:
     """Keep scores given one row at a time (a generator of per-step lists, e.g. a learned policy's
     `keep_stream`) rather than as an `[S, E]` array."""
     return not isinstance(keep, (np.ndarray, list, tuple))
-
-
-def _scored(rows, capacity, keep, prefetch) -> tuple[int, int, int]:
-    """(hits, demand loads, prefetch loads) of `simulate_scored`; with neither scores nor prefetch it is LRU
-    under token semantics (what `simulate(policy="lru")` runs)."""
-    res: OrderedDict = OrderedDict()  # resident keys; iteration order = recency order (least recent first)
-    hits = loads = pre = 0
-    prio = None  # keep scores from the previous step, as a list
-    if keep is not None:
-        keep = iter(keep) if _is_stream(keep) else (row.tolist() for row in keep)
-
-    for s, r in enumerate(rows):
-        if prefetch is not None:
-            want = [e for e in prefetch[s] if e >= 0]
-            protect = set(want)
-            for e in want:
-                if e in res:
-                    continue
-                if len(res) >= capacity:
-                    cands = [v for v in res if v not in protect]  # least recent first
-                    if not cands:
-                        break
-                    victim = min(cands, key=lambda v: prio[v]) if prio is not None else cands[0]
-                    del res[victim]
-                res[e] = None  # loaded just before the step: the most recent
-                pre += 1
-        miss = [e for e in r if e not in res]
-        hits += len(r) - len(miss)
-        loads += len(miss)
-        if keep is not None:
-            prio = next(keep)
-            for e in r:
-                res[e] = None
-                res.move_to_end(e)
-            if len(res) > capacity:
-                # stable sort: among equal scores the more recent (later in `res`) stays
-                ranked = sorted(res, key=lambda v: prio[v])
-                for v in ranked[:len(res) - capacity]:
-                    del res[v]
-            continue
-        cur = set(r)
-        for e in miss:
-            if len(res) >= capacity:
-                victim = next((v for v in res if v not in cur), None)  # the least recent
-                if victim is None:
-                    continue  # C < k: streams through
-                del res[victim]
-            res[e] = None
-        for e in r:  # a step's keys are equally recent; ties by their position in the step
-            if e in res:
-                res.move_to_end(e)
-    return hits, loads, pre
 
 
 # --- helpers for traces ------------------------------------------------------------------------------------

@@ -78,15 +78,9 @@ def load_routing(path: str | Path, phase: str | None = "decode") -> tuple[np.nda
 
 def next_use_distance(ids: np.ndarray, num_experts: int) -> np.ndarray:
     """One layer's `ids [T, k]` -> `[T, E]`: steps from t to the next use of e after t (a large value if none)."""
-    t_n = ids.shape[0]
-    used = np.zeros((t_n, num_experts), bool)
-    np.put_along_axis(used, ids, True, axis=1)
-    nxt = np.full(num_experts, 1 << 30, np.int64)
-    out = np.empty((t_n, num_experts), np.int64)
-    for t in range(t_n - 1, -1, -1):
-        out[t] = nxt - t
-        nxt = np.where(used[t], t, nxt)
-    return out
+    from .cachesim import next_use_steps
+
+    return np.minimum(next_use_steps(ids, num_experts), 1 << 30) - np.arange(ids.shape[0])[:, None]
 
 
 # --- online features ---------------------------------------------------------------------------------------

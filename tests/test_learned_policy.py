@@ -7,7 +7,8 @@ import pickle
 import numpy as np
 import pytest
 
-from expertcache.runtime.cache import CacheState, LayerView
+from expertcache.runtime.cache import LayerView
+from expertcache.telemetry.cache import CacheState
 from expertcache.telemetry.cachesim import simulate
 from expertcache.telemetry.errors import InputError
 from expertcache.telemetry.learned_policy import FEATURES, LearnedPolicy, fit, simulate_learned

@@ -29,18 +29,18 @@ def trace_npz(tmp_path_factory):
 
 def test_replay_runs_every_configuration_on_the_disk_tier(trace_npz, tmp_path):
     res = replay_benchmark(trace_npz, expert_shape="64x32", dtype="bf16", tier="disk", capacity=0.25,
-                           predictors=("persistence", "estimator", "oracle:0.5", "oracle"), tokens=16, warmup=4,
+                           predictors=("persistence", "cooccurrence", "oracle:0.5", "oracle"), tokens=16, warmup=4,
                            rounds=2, disk_budget_gb=3 * 64 * 32 * 2 * 16 * 3 / 1e9, store_dir=tmp_path)
     i = res["inputs"]
     assert i["layers"][1] - i["layers"][0] == 3  # the disk budget held three layers
     assert i["page_cache"] == "bypassed (O_DIRECT)" and i["compute_dtype"] == "bfloat16"  # computed in the store's dtype
     c = res["configs"]
-    assert set(c) == {"on-demand", "persistence", "estimator", "oracle:0.5", "oracle", "oracle+belady"}
+    assert set(c) == {"on-demand", "persistence", "cooccurrence", "oracle:0.5", "oracle", "oracle+belady"}
     assert c["oracle+belady"]["adjusted_hit_rate"] >= c["oracle"]["adjusted_hit_rate"]  # Belady loads less
     assert c["on-demand"]["prefetch_loads_per_token"] == 0
     assert c["oracle"]["hit_rate"] > c["on-demand"]["hit_rate"]  # the oracle's prefetches land
     assert c["oracle:0.5"]["adjusted_hit_rate"] < c["oracle"]["adjusted_hit_rate"]  # wrong prefetches cost
-    assert 0 < c["estimator"]["recall"] <= 1 and len(c["oracle"]["tpot_vs_on_demand"]) == 2
+    assert 0 < c["cooccurrence"]["recall"] <= 1 and len(c["oracle"]["tpot_vs_on_demand"]) == 2
     assert res["tier_bandwidth_GBps"] > 0 and res["t_compute_s"] > 0
 
 

@@ -1,14 +1,14 @@
-"""The offload runtime: cache bookkeeping against the shared simulator, the store file, and lossless decoding
+"""The offload runtime: the one cache state machine (slots and what stays), the store file, and lossless decoding
 through the engine on every family's tiny model, with real stores on disk."""
 
 import numpy as np
 import pytest
 import torch
 
-from expertcache.runtime.cache import CacheState
 from expertcache.runtime.engine import EngineConfig, offload
 from expertcache.runtime.predictors import make_predictor
 from expertcache.runtime.store import HEADER, read_store_meta, write_store
+from expertcache.telemetry.cache import CacheState
 from expertcache.telemetry.cachesim import simulate, simulate_scored
 from expertcache.telemetry.errors import InputError
 from expertcache.trainer.models import FAMILIES, build_model, tiny_config
@@ -28,18 +28,44 @@ def _drive(steps, cap, k, policy, pinned=None, keep=None):
     return hits
 
 
+def _lru_by_hand(steps, cap):
+    """Hits of an LRU cache written the obvious way (C >= k): after each step the C most recently used distinct
+    keys stay, recency by step, then by position in the step."""
+    last, hits = {}, 0
+    for s, r in enumerate(steps.tolist()):
+        resident = sorted(last, key=lambda e: last[e])[-cap:]
+        hits += sum(e in resident for e in r)
+        for j, e in enumerate(r):
+            last[e] = (s, j)
+    return hits
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_cache_state_counts_what_the_shared_simulator_counts(seed):
+def test_the_one_cache_keeps_its_slots_apart_and_counts_lru_as_written_by_hand(seed):
     rng = np.random.default_rng(seed)
     e, k = 8, int(rng.integers(1, 4))
     steps = np.stack([rng.choice(e, k, replace=False) for _ in range(120)])
     keep = rng.random((120, e))
-    for cap in range(k, e):
-        assert _drive(steps, cap, k, "lru") == simulate(steps, cap, "lru").hits
-        assert _drive(steps, cap, k, "lfu") == simulate(steps, cap, "lfu").hits
+    for cap in range(1, e):
+        hits = {p: _drive(steps, cap, k, p, keep=keep if p == "scored" else None) for p in ("lru", "lfu", "scored")}
+        # the simulator is a driver over the same state machine: the same counts, and slots stay consistent
+        assert hits["lru"] == simulate(steps, cap, "lru").hits
+        assert hits["lfu"] == simulate(steps, cap, "lfu").hits
+        assert hits["scored"] == simulate_scored(steps, cap, keep=keep).hits
+        if cap >= k:
+            assert hits["lru"] == _lru_by_hand(steps, cap)
         pins = np.argsort(-np.bincount(steps.reshape(-1), minlength=e))[:cap].tolist()
         assert _drive(steps, cap, k, "static", pinned=pins) == simulate(steps, cap, "static").hits
-        assert _drive(steps, cap, k, "scored", keep=keep) == simulate_scored(steps, cap, keep=keep).hits
+        assert hits["lru"] <= simulate(steps, cap, "belady").hits
+
+
+def test_a_step_larger_than_the_cache_keeps_its_hits_and_streams_the_rest():
+    # C = 2 < k = 3: [0, 1, 2] fills 0 and 1 (2 streams); [0, 3, 4]: 0 hits and stays, 3 takes 1's place
+    cs = CacheState(2, 3, "lru")
+    for r in ([0, 1, 2], [0, 3, 4]):
+        cs.retain(r, cs.stage([e for e in r if cs.lookup(e) is None]))
+    assert list(cs.res) == [0, 3]
+    assert simulate(np.array([[0, 1, 2], [0, 3, 4], [0, 3, 5]]), 2, "lru").hits == 1 + 2
 
 
 @pytest.fixture(scope="module")

@@ -72,16 +72,15 @@ def cache_table(ids: np.ndarray, caps: list[int], num_experts: int, bytes_per_ex
     for cap in caps:
         bel = sum(simulate(ids[i], cap, "belady", "token").hits for i in range(n_layers))
         for name, (k_on, p_on) in policies.items():
-            hits = loads = pre = acc = 0
-            for i in range(n_layers):
-                r = simulate_scored(ids[i], cap, keep[i] if k_on else None, prefetch[i] if p_on else None)
-                hits, loads, pre, acc = hits + r.hits, loads + r.loads, pre + r.prefetches, acc + r.accesses
-            rows.append({"policy": name, "capacity": cap, "capacity_frac": cap / num_experts, "accesses": acc,
-                         "hit_rate": hits / acc, "adjusted_hit_rate": 1 - (loads + pre) / acc,
-                         "demand_loads": loads, "prefetch_loads": pre,
-                         "misses_per_token": loads / n_tok,
-                         "traffic_bytes_per_token": (loads + pre) * bytes_per_expert / n_tok,
-                         "belady_hit_rate": bel / acc, "of_belady": hits / bel if bel else None})
+            per_layer = [simulate_scored(ids[i], cap, keep[i] if k_on else None, prefetch[i] if p_on else None)
+                         for i in range(n_layers)]
+            r = sum(per_layer[1:], per_layer[0])  # every layer's cache together: one set of counters
+            rows.append({"policy": name, "capacity": cap, "capacity_frac": cap / num_experts, "accesses": r.accesses,
+                         "hit_rate": r.hit_rate, "adjusted_hit_rate": r.adjusted_hit_rate,
+                         "demand_loads": r.loads, "prefetch_loads": r.prefetches,
+                         "misses_per_token": r.loads / n_tok,
+                         "traffic_bytes_per_token": r.traffic_per_step(bytes_per_expert, n_tok),
+                         "belady_hit_rate": bel / r.accesses, "of_belady": r.hits / bel if bel else None})
     return rows
 
 

@@ -1,0 +1,146 @@
+"""The one expert cache: which expert sits in which slot, and what stays after each access. A pure state machine
+(no bytes move here): the offload engine drives it while it moves bytes, and the simulator
+(`expertcache.telemetry.cachesim`) drives the very same object over a trace, so analysis, the trainer's cache
+figures, the replay and the engine count hits with one piece of code.
+
+Token semantics (METRICS.md, cachesim): a step's k experts are needed together. Resident ones are hits; the
+misses are loaded into *staging* slots (k of them beside the C resident slots) and computed there. After the
+step, `retain` decides which C keys of (resident ∪ step) stay, by the policy; a staged expert that stays swaps
+roles with the slot of the one it replaces (no copy). Policies:
+- ``lru``: the C most recently used (the step's own keys most recent, ties by their position in the step);
+- ``lfu``: the step's keys, then the others by (use count, recency, key);
+  for both, when C < k the step cannot fit: its hits stay and its misses take the room the other keys leave,
+  in step order; the rest stream through staging without being kept;
+- ``static``: a pinned set that never changes (from a trace); everything else streams through staging;
+- ``scored``: the top C by a predictor's scores for the next step (a Temporal router, or an oracle's next-use
+  ranking, which makes it Belady), ties to the more recent.
+Prefetch: `prefetch_slot` gives an expert a resident slot ahead of its access, evicting the lowest-priority
+resident not itself predicted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .errors import InputError
+
+POLICIES = ("lru", "lfu", "static", "scored")
+
+
+class CacheState:
+    def __init__(self, capacity: int, k: int, policy: str = "lru", pinned: list[int] | None = None,
+                 slot_base: int = 0):
+        if policy not in POLICIES:
+            raise InputError(f"unknown cache policy {policy!r}; expected one of {', '.join(POLICIES)}")
+        if capacity < 1:
+            raise InputError(f"cache capacity must be at least 1 expert, got {capacity}")
+        self.capacity, self.k, self.policy = capacity, k, policy
+        self.res: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recent first
+        self.free = list(range(slot_base, slot_base + capacity))  # resident slots not holding anything
+        self.staging = list(range(slot_base + capacity, slot_base + capacity + k))
+        self.count: dict[int, int] = {}
+        self.last: dict[int, int] = {}
+        self.prio: list[float] | None = None  # scores of the last retain (scored policy)
+        self.t = 0
+        self.pinned = set()
+        if policy == "static":
+            if pinned is None:
+                raise InputError("the static policy needs the pinned experts (from a trace)")
+            for e in list(pinned)[:capacity]:
+                self.res[e] = self.free.pop(0)
+            self.pinned = set(self.res)
+
+    @property
+    def n_slots(self) -> int:
+        return self.capacity + self.k
+
+    def lookup(self, e: int) -> int | None:
+        return self.res.get(e)
+
+    def stage(self, misses: list[int]) -> dict[int, int]:
+        """Staging slots for this step's misses."""
+        if len(misses) > len(self.staging):
+            raise RuntimeError(f"{len(misses)} misses but {len(self.staging)} staging slots")
+        return dict(zip(misses, self.staging[:len(misses)]))
+
+    def _touch(self, step: list[int]) -> None:
+        for e in step:
+            self.count[e] = self.count.get(e, 0) + 1
+            self.last[e] = self.t
+            if e in self.res:
+                self.res.move_to_end(e)
+
+    def retain(self, step: list[int], staged: dict[int, int | None], scores: list[float] | None = None,
+               transient=()):
+        """After the step: update counters and choose the resident set; staged experts that stay take over the
+        slot of the expert they replace, which becomes a staging slot. Experts staged as None (computed from a
+        transient buffer) get a free slot instead: returns those `(expert, slot)` pairs, to be copied in.
+        `transient` experts were used and are gone (a prefill's earlier waves through the staging slots): they
+        count as used but cannot be kept."""
+        self._touch(step)
+        self.t += 1
+        if self.policy == "static" or (self.policy != "scored" and not staged):
+            return []  # nothing new arrived: LRU/LFU order was updated by the touch, nothing is evicted
+        gone = set(transient)
+        cur = set(step)
+        hits = [e for e in step if e in self.res]
+        new = [e for e in step if e not in self.res and e not in gone]
+        others = [e for e in self.res if e not in cur]  # least recent first
+        if self.policy == "scored":
+            if scores is None:
+                raise InputError("the scored policy needs scores at every step")
+            self.prio = scores
+            cand = list(self.res) + new  # recency order: a stable sort keeps the more recent among ties
+            keep = sorted(cand, key=lambda e: scores[e])[-self.capacity:]
+        else:
+            if self.policy == "lfu":
+                others.sort(key=lambda e: (self.count[e], self.last[e], e))  # the least valuable first
+            n_new = min(len(new), self.capacity - len(hits))  # the step's misses that can stay
+            n_old = min(len(others), self.capacity - len(hits) - n_new)
+            keep = others[len(others) - n_old:] + hits + new[:n_new]
+        keep_set = set(keep)
+        for e in [e for e in self.res if e not in keep_set]:
+            self.free.append(self.res.pop(e))
+        copies = []
+        for e in new:  # newly kept staged experts, in step order
+            if e in keep_set and e not in self.res:
+                f = self.free.pop()
+                s = staged.get(e)
+                if s is None:  # computed outside the slots: its bytes must be copied into slot f
+                    self.res[e] = f
+                    copies.append((e, f))
+                else:  # swap roles: the staging slot becomes resident, the freed slot becomes staging
+                    self.staging[self.staging.index(s)] = f
+                    self.res[e] = s
+        for e in step:  # a step's keys are equally recent; ties by their position in the step
+            if e in self.res:
+                self.res.move_to_end(e)
+        return copies
+
+    def prefetch_slot(self, e: int, protect: set[int]) -> int | None:
+        """A resident slot for `e` before it is accessed: a free one, or the lowest-priority resident not in
+        `protect`. None if every resident is protected (or the policy pins its set)."""
+        if e in self.res:
+            return self.res[e]
+        if self.policy == "static":
+            return None
+        if self.free:
+            s = self.free.pop(0)
+        else:
+            cands = [v for v in self.res if v not in protect]  # least recent first
+            if not cands:
+                return None
+            if self.policy == "scored" and self.prio is not None:
+                victim = min(cands, key=lambda v: self.prio[v])
+            elif self.policy == "lfu":
+                victim = min(cands, key=lambda v: (self.count[v], self.last[v], v))
+            else:
+                victim = cands[0]
+            s = self.res.pop(victim)
+        self.res[e] = s
+        return s
+
+    def drop(self, e: int) -> None:
+        """Forget `e` (a cancelled prefetch): its slot is free again."""
+        if e in self.res:
+            self.free.append(self.res.pop(e))
