@@ -196,12 +196,13 @@ def load(model: str | Path, capacity: float = 0.125, tier: str = "disk", device:
     """
     from .predictors import Predictor, TemporalKeep, make_predictor
 
-    fields = set(EngineConfig.__dataclass_fields__) - {"capacity", "tier", "device"}
+    fields = set(EngineConfig.__dataclass_fields__) - {"capacity", "tier", "device", "predictor"}
     unknown = sorted(set(engine_options) - fields)
     if unknown:
         raise InputError(f"unknown engine option(s) {', '.join(unknown)}; expected {', '.join(sorted(fields))}")
     dev = parse_device(device)
-    cfg = EngineConfig(capacity=capacity, tier=tier, device=dev, **engine_options)
+    cfg = EngineConfig(capacity=capacity, tier=tier, device=dev, predictor=predictor if isinstance(predictor, str)
+                       else type(predictor).__name__, **engine_options)
     cfg.check()
     path = resolve(model, revision)
     m, source = build_offloaded(path, dtype, verify)
@@ -215,6 +216,13 @@ def load(model: str | Path, capacity: float = 0.125, tier: str = "disk", device:
     engine = OffloadEngine(m, source, cfg, predictor=pred, pinned=pinned, keep_scores=keep_scores)
     m.expertcache = engine
     return m
+
+
+def load_served(model: str | Path, engine: EngineConfig, dtype=None, *, aux=None, **kw):
+    """`load` with every engine option from one `EngineConfig` (what the commands take)."""
+    from dataclasses import asdict
+
+    return load(model, dtype=dtype, aux=aux, **asdict(engine), **kw)
 
 
 def reattach(model, cfg: EngineConfig, **kw) -> OffloadEngine:
