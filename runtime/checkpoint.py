@@ -99,10 +99,40 @@ def read_header(path: Path) -> tuple[dict, int]:
         raise InputError(f"{path}: unreadable safetensors header")
     header.pop("__metadata__", None)
     data = 8 + n
-    need = data + max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+    need = data
+    for name, v in header.items():
+        need = max(need, data + _check_entry(path, name, v))
     if size < need:
         raise InputError(f"{path} is truncated: {size} bytes, its header needs {need} (re-download or re-save it)")
     return header, data
+
+
+def _check_entry(path: Path, name: str, v) -> int:
+    """One header entry is a tensor: a dtype name, a shape of non-negative integers, `data_offsets` [begin, end]
+    whose length is the shape's bytes (for the dtypes read here). Returns its end offset."""
+    def bad(why):
+        raise InputError(f"{path}: safetensors header entry {str(name)[:60]!r} {why} (damaged header)")
+
+    def is_int(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+    if not isinstance(v, dict):
+        bad("is not an object")
+    if not isinstance(v.get("dtype"), str):
+        bad("has no dtype")
+    shape, offs = v.get("shape"), v.get("data_offsets")
+    if not isinstance(shape, list) or not all(is_int(x) and 0 <= x < 1 << 48 for x in shape):
+        bad(f"has shape {str(shape)[:40]}, expected a list of non-negative integers")
+    if (not isinstance(offs, list) or len(offs) != 2 or not all(is_int(x) for x in offs)
+            or not 0 <= offs[0] <= offs[1] < 1 << 62):
+        bad(f"has data_offsets {str(offs)[:40]}, expected [begin, end] with 0 <= begin <= end")
+    if v["dtype"] in DTYPES:
+        numel = 1
+        for x in shape:
+            numel *= x
+        if numel * DTYPES[v["dtype"]].itemsize != offs[1] - offs[0]:
+            bad(f"holds {offs[1] - offs[0]} bytes, its shape {shape} of {v['dtype']} needs "
+                f"{numel * DTYPES[v['dtype']].itemsize}")
+    return offs[1]
 
 
 class Checkpoint:

@@ -106,7 +106,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         if "=" not in item:
             raise RecipeError(f"override {item!r} is not of the form key=value (e.g. train.max_steps=100)")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = _yaml(raw, f"override {key!r}") if raw != "" else ""
+        if not key or any(not p for p in key.split(".")):
+            raise RecipeError(f"override {item[:60]!r}: empty key name (expected e.g. train.max_steps=100)")
         node = data
         parts = key.split(".")
         for p in parts[:-1]:
@@ -117,6 +119,19 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+def _yaml(text: str, where: str):
+    """`yaml.safe_load`, its errors as one-line `RecipeError`s."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        why = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise RecipeError(f"{where}: not valid YAML{at}: {why}") from None
+    except RecursionError:
+        raise RecipeError(f"{where}: YAML nested too deeply") from None
+
+
 def load_recipe(cls, path: str | Path | None, overrides: list[str] = ()):
     """Defaults of `cls`, then the YAML at `path` (if any), then `overrides`; every key checked."""
     data: dict = {}
@@ -124,7 +139,11 @@ def load_recipe(cls, path: str | Path | None, overrides: list[str] = ()):
         path = Path(path)
         if not path.is_file():
             raise RecipeError(f"recipe {path} not found")
-        loaded = yaml.safe_load(path.read_text())
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise RecipeError(f"recipe {path} is not UTF-8 text (byte {e.start})") from None
+        loaded = _yaml(text, f"recipe {path}")
         if loaded is not None and not isinstance(loaded, dict):
             raise RecipeError(f"recipe {path} must be a mapping of keys, got {type(loaded).__name__}")
         data = loaded or {}
