@@ -3,7 +3,6 @@ docstrings (expertcache.recipes.cli)."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -85,20 +84,16 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
     """
     from expertcache.telemetry.atomic import write_json
 
-    from .gate import GateThresholds, format_gate, gate as judge
+    from expertcache.telemetry.metrics import GateThresholds
+
+    from .gate import format_gate, gate as judge, load_eval
     from .run import evaluate
 
     _check(dtype, limit, ppl_blocks, seq_len)
 
     def load(x: str, served: Optional[EngineConfig]) -> dict:
-        p = Path(x)
-        if p.suffix == ".json":
-            if not p.is_file():
-                raise InputError(f"{p} not found")
-            try:
-                return json.loads(p.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise InputError(f"{p} is not an `expertcache eval` JSON ({e})") from None
+        if Path(x).suffix == ".json":
+            return load_eval(x)
         return evaluate(x, corpus, served, tasks, None, task_dir, limit, ppl_blocks, seq_len,
                         include_path=include_path, dtype=dtype, device=device)
 

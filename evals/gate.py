@@ -15,20 +15,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from expertcache.telemetry.errors import InputError
+from expertcache.telemetry.metrics import GateThresholds, gate_failures
 
 ACC_METRICS = {"acc": "acc,none", "exact_match": "exact_match,answer"}
 EVAL_FORMAT_VERSION = 2  # evals/run.py writes it; 1 (no field) lacks the tokenizer and token-set fingerprints
-
-
-@dataclass
-class GateThresholds:
-    ppl_overall: float = 1.0  # % relative, at most
-    ppl_domain: float = 2.0  # % relative in every domain, at most
-    acc_points: float = -1.0  # points, at least (on every accuracy task)
 
 
 def _accs(res: dict) -> dict[str, float]:
@@ -149,12 +143,7 @@ def gate(baseline: dict, candidate: dict, th: GateThresholds = GateThresholds())
     dppl = {d: 100 * (cp[d] / bp[d] - 1) for d in bp if d in cp}
     ba, ca = _accs(baseline), _accs(candidate)
     dacc = {t: ca[t] - ba[t] for t in ba if t in ca}
-    fails = []
-    if dppl.get("overall", 0) > th.ppl_overall:
-        fails.append(f"Δppl overall {dppl['overall']:+.2f}% > +{th.ppl_overall:g}%")
-    fails += [f"Δppl {d} {v:+.2f}% > +{th.ppl_domain:g}%" for d, v in dppl.items()
-              if d != "overall" and v > th.ppl_domain]
-    fails += [f"Δacc {t} {v:+.2f} pts < {th.acc_points:+g}" for t, v in dacc.items() if v < th.acc_points]
+    fails = gate_failures(dppl, dacc, th)
     shared = _ppl_tasks(baseline) & _ppl_tasks(candidate)
     b0, b1 = _bpb(baseline, shared), _bpb(candidate, shared)
     cross = None

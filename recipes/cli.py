@@ -40,6 +40,7 @@ COMMANDS = {
     "fit-predictor": "expertcache.runtime.commands:fit_predictor",
     "generate": "expertcache.runtime.commands:generate",
     "serve": "expertcache.runtime.commands:serve",
+    "verify": "expertcache.runtime.commands:verify",
     "eval": "expertcache.evals.commands:eval",
     "gate": "expertcache.evals.commands:gate",
 }
@@ -66,16 +67,9 @@ def commands(only: str | None = None) -> dict:
 def resolve_recipe(name_or_path: str, folder: Path = RECIPE_DIR) -> Path:
     """A recipe is a YAML path, or the name of one shipped in `folder` of this package: pretraining recipes
     (`smoke`, `base-tiny`) in recipes/, cache-aware ones (`locality`, `smoke`, ...) in recipes/cache-aware/."""
-    from expertcache.telemetry.errors import InputError
+    from expertcache.trainer.config import shipped_recipe
 
-    p = Path(name_or_path)
-    if p.is_file():
-        return p
-    shipped = folder / f"{name_or_path.removesuffix('.yaml')}.yaml"
-    if shipped.is_file():
-        return shipped
-    names = sorted(f.stem for f in folder.glob("*.yaml"))
-    raise InputError(f"recipe {name_or_path!r} is neither a file nor a shipped recipe ({', '.join(names)})")
+    return shipped_recipe(name_or_path, str(folder.relative_to(RECIPE_DIR)) if folder != RECIPE_DIR else "")
 
 
 def _document(cls, seen=None) -> None:
@@ -127,8 +121,7 @@ def _rewrite(argv: list[str]) -> list[str]:
         else:
             out.append(a)
         i += 1
-    if recipe is None and not any(a in ("-h", "--help") or a.startswith(("--print_config", "--table"))
-                                  for a in rest):
+    if recipe is None and not any(a in ("-h", "--help") for a in rest):
         recipe = folder / f"{default}.yaml"
         out[1:1] = ["--recipe", str(recipe)]
     if recipe is not None:  # our own loader first: an unknown key or a bad value is named as the recipe names it
@@ -244,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         return result
     if result is not None:
         print(json.dumps(result, indent=2, default=str))
-    if isinstance(result, dict) and name == "gate":
-        return 0 if result.get("pass") else 1
+    if isinstance(result, dict) and (result.get("pass") is False or result.get("ok") is False):
+        return 1  # a gate FAIL, a verify that found damage: a result, not bad input
     return 0
 
 

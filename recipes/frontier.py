@@ -58,11 +58,12 @@ def _done(recipe: CacheAwareRecipe) -> dict | None:
 
 
 def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> list[dict]:
+    """Every variant in turn: trained (or its finished run reused), evaluated and gated, and the rows so far
+    written (JSON and plot) after each one, so an interrupted frontier keeps what it measured."""
     from expertcache.evals.gate import EVAL_FORMAT_VERSION, gate
     from expertcache.evals.run import evaluate
-    from expertcache.trainer.cache_aware import run_cache_aware
-
     from expertcache.runtime.engine import EngineConfig
+    from expertcache.trainer.cache_aware import run_cache_aware
 
     f = recipe.frontier
     points = {name: variant(recipe, name) for name in f.variants}  # every variant checked before anything runs
@@ -70,16 +71,16 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
     evals = out / "evals"
     kw = dict(corpus=recipe.data.corpus, task_dir=evals / "task-data", split=f.split)
 
-    def ev(model, name, policy="", lossy=False):
+    def ev(model, name, engine=None, lossy=False):
         path = evals / f"{name}.json"
         if path.is_file():
             r = json.loads(path.read_text())
             if r.get("format_version") == EVAL_FORMAT_VERSION:  # older evals lack the gate's fingerprints
                 return r
-        log(f"[frontier] eval {name} [{policy or 'plain'}]")
+        log(f"[frontier] eval {name} [{'plain' if engine is None else engine.label()}]")
         tasks, limit = (f.lossy_tasks, f.lossy_limit) if lossy else (f.tasks, f.limit)
         blocks, seq = (f.lossy_ppl_blocks, f.lossy_seq_len) if lossy else (f.ppl_blocks, f.seq_len)
-        r = evaluate(model, policy=policy, tasks=tasks, limit=limit, ppl_blocks=blocks, seq_len=seq, **kw)
+        r = evaluate(model, engine=engine, tasks=tasks, limit=limit, ppl_blocks=blocks, seq_len=seq, **kw)
         write_json(path, r)
         return r
 
@@ -87,34 +88,41 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
     base_plain = ev(base, "base-plain")
     served = EngineConfig(capacity=f.capacity, tier="host")
     reroute = EngineConfig(capacity=f.capacity, tier="host", miss="reroute", tau=f.tau)
-    results, rows = {}, []
+    base_small = base_lru = None
+    if f.reroute:
+        base_small = ev(base, "base-lossy", lossy=True)
+        base_lru = ev(base, "base-lru", served, lossy=True)["stepwise"]["engine"]["demand_loads"]
+    rows: list[dict] = []
+
+    def served_row(name, model, res, control):
+        r = ev(model, f"{name}-reroute", reroute, lossy=True)
+        e = r["stepwise"]["engine"]
+        row = frontier_row(name, "reroute", res, gate(base_small, r), None, control)
+        row.update(miss_reduction_1_8=1 - e["demand_loads"] / base_lru, demand_loads=e["demand_loads"],
+                   base_lru_demand_loads=base_lru, rerouted=e.get("rerouted", 0), capacity=f.capacity, tau=f.tau)
+        return row
+
+    def publish():
+        write_json(f.out, rows)
+        plot_frontier(rows, Path(f.out).with_suffix(".png"))
+
+    if "base" in f.reroute:
+        rows.append(served_row("base", base, None, None))
+        publish()
+    control = None
     for name, point in points.items():
         res = _done(point) if resume else None
         if res is None:
             log(f"[frontier] train {name}")
             res = run_cache_aware(point, resume)
-        results[name] = res
-    control = results.get(f.control)
-    if f.reroute:
-        base_small = ev(base, "base-lossy", lossy=True)
-        base_lru = ev(base, "base-lru", served, lossy=True)["stepwise"]["engine"]["demand_loads"]
-    for name in (["base"] if "base" in f.reroute else []) + list(f.variants):
-        res = results.get(name)
-        model = base if res is None else str(Path(res["out_dir"]) / "model")
-        if res is not None:
-            g = gate(base_plain, ev(model, f"{name}-plain"))
-            rows.append(frontier_row(name, "plain", res, g, res["summary"]["capacities"], control))
+        if name == f.control:
+            control = res
+        model = str(Path(res["out_dir"]) / "model")
+        g = gate(base_plain, ev(model, f"{name}-plain"))
+        rows.append(frontier_row(name, "plain", res, g, res["summary"]["capacities"], control))
         if name in f.reroute:
-            r = ev(model, f"{name}-reroute", reroute, lossy=True)
-            g = gate(base_small, r)
-            e = r["stepwise"]["engine"]
-            row = frontier_row(name, "reroute", res, g, None, control)
-            row.update(miss_reduction_1_8=1 - e["demand_loads"] / base_lru, demand_loads=e["demand_loads"],
-                       base_lru_demand_loads=base_lru, rerouted=e.get("rerouted", 0), capacity=f.capacity,
-                       tau=f.tau)
-            rows.append(row)
-    write_json(f.out, rows)
-    plot_frontier(rows, Path(f.out).with_suffix(".png"))
+            rows.append(served_row(name, model, res, control))
+        publish()
     log(frontier_table(rows))
     return rows
 
@@ -150,16 +158,22 @@ def frontier_row(name: str, serving: str, res: dict | None, g: dict, caps: dict 
 
 
 def frontier_table(rows: list[dict]) -> str:
-    def pct(v):
-        return "—" if v is None else f"{100 * v:.1f}%"
+    """Markdown: one line per (variant, serving); the README's post-training table."""
+    def pct(v, sign=False):
+        return "—" if v is None else (f"{v:+.2f}%" if sign else f"{100 * v:.1f}%")
 
-    lines = ["| run | serving | miss red. 1/8 E | 1/4 E | Δppl overall | max domain | Δacc min (pts) | gate |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | serving | LRU misses removed 1/8 E | 1/4 E | LRU hit 1/8 (Belady) | Δppl overall | worst domain | "
+             "Δppl vs λ=0 control | Δacc worst (pts) | Temporal vs LRU 1/8 (traffic) | gate |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = "—" if r["dacc_min_points"] is None else f"{r['dacc_min_points']:+.1f}"
+        hit = "—" if r.get("lru_hit_1_8") is None else f"{r['lru_hit_1_8']:.3f} ({r['belady_hit_1_8']:.3f})"
+        ctl = r.get("dppl_vs_control_pct", {}).get("overall")
+        tg = r.get("temporal_adjusted_gain_points_1_8")
+        tmp = "—" if tg is None else f"{tg:+.1f} pts ({r['temporal_traffic_ratio_1_8']:.2f}x)"
         lines.append(f"| {r['name']} | {r['serving']} | {pct(r['miss_reduction_1_8'])} | "
-                     f"{pct(r.get('miss_reduction_1_4'))} | {r['dppl_overall_pct']:+.2f}% | "
-                     f"{r['dppl_max_domain_pct']:+.2f}% | {acc} | {r['gate']} |")
+                     f"{pct(r.get('miss_reduction_1_4'))} | {hit} | {pct(r['dppl_overall_pct'], True)} | "
+                     f"{pct(r['dppl_max_domain_pct'], True)} | {pct(ctl, True)} | {acc} | {tmp} | {r['gate']} |")
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ from typing import Optional
 from expertcache.telemetry.errors import InputError
 
 from .engine import EngineConfig
+from .store import STORE_DIR
 
 
 def _table(text: str) -> None:
@@ -55,7 +56,7 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
                  predictors: Optional[list[str]] = None, dtype: Optional[str] = None, tokens: int = 64,
                  warmup: int = 8, rounds: int = 2, prompts: int = 2, prompt_len: int = 64,
                  corpus: str = "data/corpus", domain: str = "prose", plain: Optional[bool] = None,
-                 expert_shape: str = "2048x768", disk_budget_gb: float = 8.0, store_dir: str = "runs/stores",
+                 expert_shape: str = "2048x768", disk_budget_gb: float = 8.0, store_dir: str = STORE_DIR,
                  out: Optional[str] = None) -> dict:
     """TPOT, hit rate, traffic, stall and overlap of the offload engine against plain generate and on-demand
     loading, alternated in one run; or `--replay` a routing trace at real size with random experts.
@@ -346,3 +347,20 @@ def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(capac
     return 0
 
 
+
+
+def verify(model: str, write_index: bool = True) -> dict:
+    """Check every routed expert's bytes against its checksum, and every weight's finiteness; exit 2 on damage.
+
+    Args:
+        model: a checkpoint directory (safetensors) or an expert store file
+        write_index: record the checkpoint's checksum index (<dir>/.expertcache-checksums.json) when it has none;
+            reads through `load` then check against it
+    """
+    from rich.progress import Progress
+
+    from .verify import verify as run
+
+    with Progress(transient=True) as prog:
+        task = prog.add_task("experts checked", total=None)
+        return run(model, write_index=write_index, progress=lambda n=1: prog.advance(task, n))

@@ -26,7 +26,7 @@ from expertcache.telemetry.errors import InputError
 from .checkpoint import StoreExperts
 from .engine import EngineConfig, OffloadEngine
 from .predictors import Predictor
-from .store import read_store_meta, write_random_store
+from .store import STORE_DIR, read_store_meta, write_random_store
 from .tiers import make_tier, measure_bandwidth
 
 # the reference Qwen3-30B-A3B traces ship with the package (MIT; telemetry/reference/README.md)
@@ -305,7 +305,7 @@ def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2
                      tier: str = "disk", capacity: float = 0.25,
                      predictors=("persistence", "cooccurrence", "oracle:0.25", "oracle:0.5", "oracle:0.75", "oracle"),
                      tokens: int = 64, warmup: int = 8, rounds: int = 2, disk_budget_gb: float = 8.0,
-                     store_dir: str | Path = "runs/replay-store", first_layer: int | None = None,
+                     store_dir: str | Path = STORE_DIR, first_layer: int | None = None,
                      workers: int = 4, fit_frac: float = 0.2, belady_bound: bool = True,
                      policy_file: str | Path | None = None, progress=None) -> dict:
     """On-demand vs each prefetching predictor, alternated pass by pass on the same tokens; JSON-ready."""

@@ -44,6 +44,7 @@ def checksum(data) -> int:
     return xxhash.xxh3_64_intdigest(data)
 HEADER = 64 << 10
 ALIGN = 4096
+STORE_DIR = "runs/stores"  # where repacked stores (the replay's, `bench decode --replay`) are written by default
 
 
 def _align(n: int, a: int = ALIGN) -> int:

@@ -15,7 +15,7 @@ ap.add_argument("--capacity", type=float, default=0.125)
 ap.add_argument("--rounds", type=int, default=3)
 ap.add_argument("--tokens", type=int, default=64)
 ap.add_argument("--warmup", type=int, default=8)
-ap.add_argument("--store-dir", default="runs/replay-store")
+ap.add_argument("--store-dir", default="runs/stores")
 a = ap.parse_args()
 ids, e, _ = load_routing(REFERENCE_TRACE)
 ids = ids[21:27]

@@ -1,4 +1,4 @@
-"""Print the README's runtime tables from the committed results (so every figure there can be regenerated).
+"""Print the README's result tables from the committed results (so every figure there can be regenerated).
 
     python scripts/readme_tables.py            # all of them, markdown, in README order
 """
@@ -6,6 +6,7 @@
 import json
 from pathlib import Path
 
+from expertcache.recipes.frontier import frontier_table
 from expertcache.runtime import bench, bigbench, replay
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -17,3 +18,6 @@ for name, fn in TABLES:
     if p.is_file():
         print(f"<!-- results/{name} (git {json.loads(p.read_text()).get('git_commit', '?')}) -->")
         print(fn(json.loads(p.read_text())), end="\n\n")
+if (RESULTS / "frontier.json").is_file():  # the post-training frontier (a list of rows)
+    print("<!-- results/frontier.json (train-cache-aware --recipe frontier) -->")
+    print(frontier_table(json.loads((RESULTS / "frontier.json").read_text())), end="\n\n")

@@ -105,14 +105,21 @@ class Adapter:
 
     def router_logits(self, router: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """The router's logits for `hidden [tokens, H]`, without firing hooks (used by the lookahead probe)."""
-        w = router.weight
-        b = getattr(router, "bias", None)
-        return torch.nn.functional.linear(hidden.to(w.dtype), w, b)
+        return router_logits(router, hidden)
 
     def describe(self) -> dict:
         return {"family": self.family, "num_experts": self.num_experts, "top_k": self.top_k,
                 "num_layers": self.num_layers, "hidden_size": self.hidden_size,
                 "norm_topk_prob": self.norm_topk_prob}
+
+
+def router_logits(router: torch.nn.Module, hidden: torch.Tensor, detach: bool = False) -> torch.Tensor:
+    """A router's logits for `hidden [tokens, H]` computed from its weight (and bias), without firing its hooks;
+    `detach`: as a fixed prior, no gradient into the router (the auxiliary routers' zero start)."""
+    w, b = router.weight, getattr(router, "bias", None)
+    if detach:
+        w, b = w.detach(), b.detach() if b is not None else None
+    return torch.nn.functional.linear(hidden.to(w.dtype), w, b)
 
 
 def router_fingerprint(model) -> str:

@@ -165,8 +165,10 @@ def test_bad_stores_and_capacities_are_refused(family_models, tmp_path, monkeypa
     retrained = build_model(tiny_config("qwen3_moe"), seed=2)
     with pytest.raises(InputError, match="another checkpoint"):
         offload(retrained, path)
-    with pytest.raises(InputError, match="expected 1..8"):
+    with pytest.raises(InputError, match="capacity 9 experts, but a layer has only 8"):
         offload(_fresh("qwen3_moe"), path, EngineConfig(capacity=9))
+    with pytest.raises(InputError, match="must be a whole number"):
+        offload(_fresh("qwen3_moe"), path, EngineConfig(capacity=2.5))
     with pytest.raises(InputError, match="unknown tier"):
         offload(_fresh("qwen3_moe"), path, EngineConfig(tier="nvme"))
     import expertcache.runtime.engine as engine_mod

@@ -93,9 +93,9 @@ class AuxRouters(nn.Module):
     @staticmethod
     def native(router: nn.Module, h: torch.Tensor) -> torch.Tensor:
         """The router's logits for `h`, as a fixed prior (no gradient into the backbone's router)."""
-        b = getattr(router, "bias", None)
-        return nn.functional.linear(h.to(router.weight.dtype), router.weight.detach(),
-                                    b.detach() if b is not None else None)
+        from expertcache.telemetry.adapters import router_logits
+
+        return router_logits(router, h, detach=True)
 
     def temporal_scores(self, i: int, h: torch.Tensor, router: nn.Module, hist: torch.Tensor) -> torch.Tensor:
         """MoE layer i's scores for the next token, from `h [tokens, H]` entering layer i now and `hist

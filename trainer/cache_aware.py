@@ -342,11 +342,9 @@ def summarize(recipe: CacheAwareRecipe, base: dict, cand: dict) -> dict:
             c["router_traffic_ratio"] = c[best]["traffic_bytes_per_token"] / c["lru"]["traffic_bytes_per_token"]
     dppl = {d: 100 * (cand["ppl"][d] / base["ppl"][d] - 1) for d in cand["ppl"]}
     e = recipe.eval
-    fails = []
-    if dppl["overall"] > e.gate_ppl_overall:
-        fails.append(f"Δppl overall {dppl['overall']:+.2f}% > +{e.gate_ppl_overall}%")
-    fails += [f"Δppl {d} {v:+.2f}% > +{e.gate_ppl_domain}%" for d, v in dppl.items()
-              if d != "overall" and v > e.gate_ppl_domain]
+    from expertcache.telemetry.metrics import GateThresholds, gate_failures
+
+    fails = gate_failures(dppl, {}, GateThresholds(e.gate_ppl_overall, e.gate_ppl_domain))
     return {"capacities": caps, "dppl_percent": dppl, "gate": {"pass": not fails, "failures": fails,
                                                               "ppl_overall_max": e.gate_ppl_overall,
                                                               "ppl_domain_max": e.gate_ppl_domain}}
