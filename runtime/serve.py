@@ -319,6 +319,14 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
             return fallback
         return max(1, context - len(prompt_ids)) if context else 1024
 
+    def fit_context(prompt_ids: list[int], params: SamplingParams) -> None:
+        """The prompt and max_tokens within the model's context (as OpenAI answers): a request for more would
+        hold the one decode slot past any position the model knows, until its client gives up."""
+        if context and len(prompt_ids) + params.max_tokens > context:
+            left = max(0, context - len(prompt_ids))
+            raise InputError(f"this model's context is {context} tokens: the prompt has {len(prompt_ids)} and "
+                             f"max_tokens={params.max_tokens} asks for more than the {left} left")
+
     async def respond(request: Request, endpoint: str, req, prompt_ids: list[int], params: SamplingParams,
                       chat: bool):
         t0 = time.perf_counter()
@@ -413,6 +421,7 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
             prompt = prompt[0]
         ids = encode(tokenizer, prompt)
         params = _params(req, DEFAULT_MAX_TOKENS)
+        fit_context(ids, params)
         return await respond(request, "/v1/completions", req, ids, params, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -422,6 +431,7 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
         templated = bool(getattr(tokenizer, "chat_template", None))
         ids = encode(tokenizer, chat_prompt(tokenizer, msgs), templated=templated)
         params = _params(req, default_max(ids, max_tokens_default))
+        fit_context(ids, params)
         if not templated:  # the plain transcript: stop before the model writes the user's next turn
             params.stop = [*params.stop, "\nuser:"]
         return await respond(request, "/v1/chat/completions", req, ids, params, chat=True)

@@ -182,6 +182,19 @@ def test_a_client_gone_mid_stream_stops_its_decode(server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_max_tokens_beyond_the_context_is_refused_and_the_server_goes_on(server):
+    """Found by scripts/load_test.py: max_tokens=10**9 (ignore_eos) was accepted and held the one decode slot past
+    the model's context until its client gave up; now a 400, as OpenAI answers."""
+    url = server["url"]
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "thou"}],
+                                                 "max_tokens": 10 ** 9, "ignore_eos": True, "stream": True}),
+                       ("/v1/completions", {"prompt": "thou art", "max_tokens": 4096})):
+        r = httpx.post(url + path, json=body, timeout=30)
+        assert r.status_code == 400 and "context is 4096 tokens" in r.json()["error"]["message"], r.text
+    r = httpx.post(url + "/v1/completions", json={"prompt": "thou", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200
+
+
 def test_concurrent_requests_decode_one_at_a_time_with_the_same_answers(server, client):
     from concurrent.futures import ThreadPoolExecutor
 
