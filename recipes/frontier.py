@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 from expertcache.telemetry.atomic import write_json
-from expertcache.trainer.cache_aware import CacheAwareRecipe
+from expertcache.trainer.cache_aware import CacheAwareRecipe, frontier_table
 from expertcache.trainer.config import RecipeError, apply_overrides, from_dict, to_dict
 
 # "Cacheable by Design?" (137M multi-domain models), as issue #12 quotes it: LRU miss reduction at 1/8 of E
@@ -155,26 +155,6 @@ def frontier_row(name: str, serving: str, res: dict | None, g: dict, caps: dict 
             row["dppl_vs_control_pct"] = {k: 100 * (res["candidate"]["ppl"][k] / control["candidate"]["ppl"][k] - 1)
                                           for k in res["candidate"]["ppl"]}
     return row
-
-
-def frontier_table(rows: list[dict]) -> str:
-    """Markdown: one line per (variant, serving); the README's post-training table."""
-    def pct(v, sign=False):
-        return "—" if v is None else (f"{v:+.2f}%" if sign else f"{100 * v:.1f}%")
-
-    lines = ["| run | serving | LRU misses removed 1/8 E | 1/4 E | LRU hit 1/8 (Belady) | Δppl overall | worst domain | "
-             "Δppl vs λ=0 control | Δacc worst (pts) | Temporal vs LRU 1/8 (traffic) | gate |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        acc = "—" if r["dacc_min_points"] is None else f"{r['dacc_min_points']:+.1f}"
-        hit = "—" if r.get("lru_hit_1_8") is None else f"{r['lru_hit_1_8']:.3f} ({r['belady_hit_1_8']:.3f})"
-        ctl = r.get("dppl_vs_control_pct", {}).get("overall")
-        tg = r.get("temporal_adjusted_gain_points_1_8")
-        tmp = "—" if tg is None else f"{tg:+.1f} pts ({r['temporal_traffic_ratio_1_8']:.2f}x)"
-        lines.append(f"| {r['name']} | {r['serving']} | {pct(r['miss_reduction_1_8'])} | "
-                     f"{pct(r.get('miss_reduction_1_4'))} | {hit} | {pct(r['dppl_overall_pct'], True)} | "
-                     f"{pct(r['dppl_max_domain_pct'], True)} | {pct(ctl, True)} | {acc} | {tmp} | {r['gate']} |")
-    return "\n".join(lines)
 
 
 def plot_frontier(rows: list[dict], out_png: Path) -> None:

@@ -6,8 +6,8 @@
 import json
 from pathlib import Path
 
-from expertcache.recipes.frontier import frontier_table
 from expertcache.runtime import bench, bigbench, replay
+from expertcache.trainer.cache_aware import frontier_table
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 TABLES = [("bench_big.json", bigbench.table), ("bench_big_16gb.json", bigbench.table),

@@ -57,6 +57,11 @@ class LocalitySpec:
             raise RecipeError(f"locality.temperature={self.temperature}; expected a finite number > 0")
         if self.cache < 0 or self.warmup_steps < 0:
             raise RecipeError("locality.cache and locality.warmup_steps must be >= 0")
+        if not (math.isfinite(self.domain_weight) and self.domain_weight >= 0) or not 0 < self.domain_frac <= 1:
+            raise RecipeError(f"locality.domain_weight={self.domain_weight}, locality.domain_frac={self.domain_frac}; "
+                              f"expected a finite weight >= 0 and a fraction in (0, 1]")
+        if not all(math.isfinite(w) and w >= 0 for w in self.layer_weights):
+            raise RecipeError(f"locality.layer_weights={self.layer_weights}; expected finite numbers >= 0")
 
 
 @dataclass
@@ -70,7 +75,8 @@ class QualitySpec:
     def __post_init__(self):
         if self.trainable not in TRAINABLE:
             raise RecipeError(f"quality.trainable={self.trainable!r}; expected one of {', '.join(TRAINABLE)}")
-        if self.lm_weight < 0 or self.distill < 0 or not (self.lm_weight or self.distill):
+        if not (self.lm_weight >= 0 and self.distill >= 0) or not (self.lm_weight or self.distill) \
+                or not math.isfinite(self.lm_weight + self.distill):
             raise RecipeError("quality.lm_weight and quality.distill must be >= 0, and not both 0")
 
 
@@ -88,6 +94,17 @@ class RouterSpec:
     lr: float = opt(0.0, "peak learning rate of the routers (0: train.lr); fresh heads usually want more than "
                          "the pretrained backbone")
 
+    def __post_init__(self):
+        for name, lo in (("rank", 1), ("refine_budget", 0), ("horizon", 1), ("history", 1)):
+            if getattr(self, name) < lo:
+                raise RecipeError(f"routers.{name}={getattr(self, name)}; expected an integer >= {lo}")
+        for name in ("prefetch_threshold", "horizon_decay"):
+            if not 0 <= getattr(self, name) <= 1:  # NaN fails too
+                raise RecipeError(f"routers.{name}={getattr(self, name)}; expected a number in [0, 1]")
+        for name in ("weight", "lr"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise RecipeError(f"routers.{name}={getattr(self, name)}; expected a finite number >= 0")
+
 
 @dataclass
 class EvalSpec:
@@ -100,6 +117,22 @@ class EvalSpec:
     seq_len: int = opt(256, "tokens per perplexity block")
     gate_ppl_overall: float = opt(1.0, "gate: largest allowed Δppl overall, in %")
     gate_ppl_domain: float = opt(2.0, "gate: largest allowed Δppl in any domain, in %")
+
+    def __post_init__(self):
+        if self.split not in ("train", "validation", "test"):
+            raise RecipeError(f"eval.split={self.split!r}; expected train, validation or test")
+        for name, lo in (("prompt_len", 1), ("decode_tokens", 1), ("max_seqs", 1), ("ppl_blocks", 1),
+                         ("seq_len", 2)):
+            if getattr(self, name) < lo:
+                raise RecipeError(f"eval.{name}={getattr(self, name)}; expected an integer >= {lo}")
+        if not self.capacities:
+            raise RecipeError("eval.capacities is empty; expected fractions of E (e.g. [0.125, 0.25])")
+        for c in self.capacities:
+            if not (math.isfinite(c) and c > 0 and (c < 1 or c == int(c))):
+                raise RecipeError(f"eval.capacities has {c}; expected fractions of E in (0, 1) or whole counts")
+        for name in ("gate_ppl_overall", "gate_ppl_domain"):
+            if not math.isfinite(getattr(self, name)):
+                raise RecipeError(f"eval.{name}={getattr(self, name)}; expected a finite number")
 
 
 @dataclass
@@ -491,6 +524,27 @@ def results_table(results: list[dict]) -> str:
         d = r["dppl_percent"]
         cells += [f"{d.get(k, float('nan')):+.2f}%" for k in ("overall", "code", "prose", "math")] + [r["gate"]]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def frontier_table(rows: list[dict]) -> str:
+    """Markdown of the frontier's rows (expertcache.recipes.frontier): one line per (variant, serving); the
+    README's post-training table."""
+    def pct(v, sign=False):
+        return "—" if v is None else (f"{v:+.2f}%" if sign else f"{100 * v:.1f}%")
+
+    lines = ["| run | serving | LRU misses removed 1/8 E | 1/4 E | LRU hit 1/8 (Belady) | Δppl overall | worst domain | "
+             "Δppl vs λ=0 control | Δacc worst (pts) | Temporal vs LRU 1/8 (traffic) | gate |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        acc = "—" if r["dacc_min_points"] is None else f"{r['dacc_min_points']:+.1f}"
+        hit = "—" if r.get("lru_hit_1_8") is None else f"{r['lru_hit_1_8']:.3f} ({r['belady_hit_1_8']:.3f})"
+        ctl = r.get("dppl_vs_control_pct", {}).get("overall")
+        tg = r.get("temporal_adjusted_gain_points_1_8")
+        tmp = "—" if tg is None else f"{tg:+.1f} pts ({r['temporal_traffic_ratio_1_8']:.2f}x)"
+        lines.append(f"| {r['name']} | {r['serving']} | {pct(r['miss_reduction_1_8'])} | "
+                     f"{pct(r.get('miss_reduction_1_4'))} | {hit} | {pct(r['dppl_overall_pct'], True)} | "
+                     f"{pct(r['dppl_max_domain_pct'], True)} | {pct(ctl, True)} | {acc} | {tmp} | {r['gate']} |")
     return "\n".join(lines)
 
 
