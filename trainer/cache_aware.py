@@ -401,7 +401,9 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     from .pretrain import fit_resumable, plot_training_curve, prepare_run
 
     base = _check_base(recipe.base)
-    tok, out = prepare_run(recipe)
+    tok, out, done = prepare_run(recipe, resume, ("result.json", "model/config.json"))
+    if done is not None:
+        return done
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     check_vocab(tok, model.config)
     r = recipe.routers
@@ -453,7 +455,9 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
               "parameters": {"backbone": n_backbone, "aux_routers": n_aux,
                              "aux_fraction_of_backbone": n_aux / n_backbone},
               "baseline": base_res, "candidate": cand, "summary": summarize(recipe, base_res, cand)}
-    (out / "result.json").write_text(json.dumps(result, indent=2))
+    from expertcache.telemetry.atomic import write_json
+
+    write_json(out / "result.json", result)
     (out / "result.md").write_text(results_table([result]) + "\n")
     plot_cache(result, out / "cache.png")
     return result

@@ -27,6 +27,18 @@ class DataSpec:
     batch_size: int = opt(16, "blocks per optimizer step")
     val_batches: int = opt(8, "validation batches per domain at each validation")
 
+    def __post_init__(self):
+        from .config import RecipeError
+
+        if self.seq_len < 2:
+            raise RecipeError(f"data.seq_len={self.seq_len}; expected an integer >= 2")
+        for name in ("batch_size", "val_batches"):
+            if getattr(self, name) < 1:
+                raise RecipeError(f"data.{name}={getattr(self, name)}; expected an integer >= 1")
+        for name in ("corpus", "tokenizer"):
+            if not getattr(self, name):
+                raise RecipeError(f"data.{name} is empty; expected a folder")
+
 
 class Blocks(Dataset):
     def __init__(self, blocks: np.ndarray, domain_ids: np.ndarray):

@@ -40,6 +40,23 @@ class TrainSpec:
 
 
     def __post_init__(self):
+        for name in ("max_steps", "val_every", "ckpt_every", "log_every"):
+            if getattr(self, name) < 1:
+                raise RecipeError(f"train.{name}={getattr(self, name)}; expected an integer >= 1")
+        for name in ("warmup_steps", "threads"):
+            if getattr(self, name) < 0:
+                raise RecipeError(f"train.{name}={getattr(self, name)}; expected an integer >= 0")
+        if not 0 <= self.seed < 2 ** 32:
+            raise RecipeError(f"train.seed={self.seed}; expected an integer in [0, 2^32)")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise RecipeError(f"train.lr={self.lr}; expected a finite number > 0")
+        if not 0 <= self.min_lr_ratio <= 1:  # NaN fails too
+            raise RecipeError(f"train.min_lr_ratio={self.min_lr_ratio}; expected a number in [0, 1]")
+        if not 0 <= self.beta2 < 1:
+            raise RecipeError(f"train.beta2={self.beta2}; expected a number in [0, 1)")
+        for name in ("weight_decay", "grad_clip"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise RecipeError(f"train.{name}={getattr(self, name)}; expected a finite number >= 0")
         if self.devices != "auto" and not (str(self.devices).isdigit() and int(self.devices) >= 1):
             raise RecipeError(f"train.devices={self.devices!r}; expected auto or a count >= 1")
         if self.balance not in BALANCE_LOSSES:

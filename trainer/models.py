@@ -77,6 +77,23 @@ class BaseModelSpec:
     norm_topk_prob: bool = opt(True, "renormalise the top-k gate weights to sum to 1 (Qwen3-MoE rule)")
     tie_embeddings: bool = opt(True, "share input embedding and LM head")
 
+    def __post_init__(self):
+        import math
+
+        from .config import RecipeError
+
+        for name in ("hidden_size", "num_layers", "num_experts", "top_k", "moe_intermediate_size", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise RecipeError(f"model.{name}={getattr(self, name)}; expected an integer >= 1")
+        if self.top_k > self.num_experts:
+            raise RecipeError(f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}")
+        if self.num_heads % self.num_kv_heads:
+            raise RecipeError(f"model.num_heads={self.num_heads} is not a multiple of "
+                              f"model.num_kv_heads={self.num_kv_heads}")
+        if not (math.isfinite(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0):
+            raise RecipeError(f"model.router_aux_loss_coef={self.router_aux_loss_coef}; expected a finite number >= 0")
+
     def to_hf_config(self, vocab_size: int, eos_token_id: int, pad_token_id: int):
         from transformers import Qwen3MoeConfig
 

@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import opt, save_recipe, to_dict
+from expertcache.telemetry.errors import InputError
+
+from .config import RecipeError, opt, to_dict
 from .data import CorpusDataModule, DataSpec
 from .lm_module import CausalLMModule, TrainSpec
 from .models import BaseModelSpec, count_parameters
@@ -31,6 +35,12 @@ class PretrainRecipe:
     model: BaseModelSpec = opt(BaseModelSpec(), "the Qwen3-MoE base model's shape")
     train: TrainSpec = opt(TrainSpec(), "optimisation, validation, checkpoints, logging")
     eval_blocks: int = opt(64, "validation blocks per domain in the final metrics.json")
+
+    def __post_init__(self):
+        if self.eval_blocks < 1:
+            raise RecipeError(f"eval_blocks={self.eval_blocks}; expected an integer >= 1")
+        if not self.out_dir:
+            raise RecipeError("out_dir is empty; expected the run folder")
 
 
 def _loggers(recipe, out: Path):
@@ -60,16 +70,35 @@ def fit_resumable(recipe, module, dm, out: Path, resume: bool = True) -> tuple[i
     ckpt_dir = out / "checkpoints"
     latest, start_step = latest_checkpoint(ckpt_dir) if resume else (None, 0)
     t = recipe.train
-    trainer = L.Trainer(
-        max_steps=t.max_steps, accelerator=t.accelerator, precision=t.precision,
-        devices=int(t.devices) if str(t.devices).isdigit() else t.devices, strategy=t.strategy,
-        use_distributed_sampler=False,  # the data module splits each global batch across ranks itself
-        val_check_interval=t.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
-        gradient_clip_val=t.grad_clip or None, log_every_n_steps=t.log_every, logger=_loggers(recipe, out),
-        callbacks=[ModelCheckpoint(dirpath=str(ckpt_dir), filename="step{step}", every_n_train_steps=t.ckpt_every,
-                                   save_top_k=1, save_last=True, auto_insert_metric_name=False),
-                   LearningRateMonitor(logging_interval="step")],
-        enable_model_summary=False, default_root_dir=str(out))
+
+    class DropPrevious(L.Callback):
+        """A run started over (resume=false) keeps the old one in PREVIOUS until its own first checkpoint."""
+
+        def _drop(self, trainer) -> None:
+            if trainer.is_global_zero and (out / PREVIOUS).exists() and any(ckpt_dir.glob("*.ckpt")):
+                shutil.rmtree(out / PREVIOUS, ignore_errors=True)
+
+        def on_train_batch_start(self, trainer, *args) -> None:
+            self._drop(trainer)
+
+        def on_fit_end(self, trainer, *args) -> None:
+            self._drop(trainer)
+
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    try:
+        trainer = L.Trainer(
+            max_steps=t.max_steps, accelerator=t.accelerator, precision=t.precision,
+            devices=int(t.devices) if str(t.devices).isdigit() else t.devices, strategy=t.strategy,
+            use_distributed_sampler=False,  # the data module splits each global batch across ranks itself
+            val_check_interval=t.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+            gradient_clip_val=t.grad_clip or None, log_every_n_steps=t.log_every, logger=_loggers(recipe, out),
+            callbacks=[ModelCheckpoint(dirpath=str(ckpt_dir), filename="step{step}", every_n_train_steps=t.ckpt_every,
+                                       save_top_k=1, save_last=True, auto_insert_metric_name=False),
+                       LearningRateMonitor(logging_interval="step"), DropPrevious()],
+            enable_model_summary=False, default_root_dir=str(out))
+    except (MisconfigurationException, ValueError) as e:  # an accelerator, precision or strategy Lightning lacks
+        raise RecipeError(f"train.accelerator/precision/devices/strategy: {' '.join(str(e).split())}") from None
     started = time.time()
     trainer.fit(module, datamodule=dm, ckpt_path=str(latest) if latest else None, weights_only=True)
     return start_step, time.time() - started, trainer
@@ -83,7 +112,11 @@ def latest_checkpoint(ckpt_dir: Path) -> tuple[Path | None, int]:
 
     best, best_step = None, -1
     for f in sorted(ckpt_dir.glob("*.ckpt")):
-        step = int(torch.load(f, map_location="cpu", weights_only=True, mmap=True)["global_step"])
+        try:
+            step = int(torch.load(f, map_location="cpu", weights_only=True, mmap=True)["global_step"])
+        except (OSError, RuntimeError, KeyError, TypeError, ValueError) as e:
+            raise InputError(f"checkpoint {f} is not readable ({' '.join(str(e).split())[:120]}); move it away "
+                             f"to resume from the others, or pass resume false to start over") from None
         if step > best_step:
             best, best_step = f, step
     return best, max(best_step, 0)
@@ -122,33 +155,138 @@ def plot_training_curve(log_dir: Path, out_png: Path) -> None:
     plt.close(fig)
 
 
-def prepare_run(recipe) -> tuple[object, Path]:
+# Recipe keys a checkpoint cannot follow when they change on resume: its tensors' shapes, the data its step counts
+# and its optimizer's parameter groups. A key ending in "." covers its whole section.
+CONFLICTING = ("model.", "data.corpus", "data.tokenizer", "data.seq_len", "data.batch_size", "base", "mode",
+               "routers.temporal", "routers.spatio", "routers.rank", "routers.history", "quality.trainable")
+PATH_KEYS = ("data.corpus", "data.tokenizer", "base")
+# what a run writes into its folder (moved aside, not deleted, when a run starts over)
+RUN_FILES = ("recipe.yaml", "checkpoints", "logs", "model", "metrics.json", "result.json", "result.md",
+             "training_curve.png", "cache.png", "wandb")
+PREVIOUS = ".previous-run"
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _same(key: str, a, b) -> bool:
+    if key in PATH_KEYS and isinstance(a, str) and isinstance(b, str):
+        return Path(a).resolve() == Path(b).resolve()
+    return a == b
+
+
+def check_resume(recipe, out: Path, resume: bool, outputs: tuple[str, ...]) -> dict | None:
+    """Before anything is written into a run folder that holds a checkpoint: a resume with a recipe the
+    checkpoint cannot follow is refused (RecipeError naming each key, its saved and its new value), and a finished
+    run (checkpoint at max_steps, `outputs` present, the same recipe) returns its saved result (outputs[0]).
+    Returns None when the run is to go ahead."""
+    import yaml
+
+    ckpt_dir = out / "checkpoints"
+    ckpt, step = latest_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else (None, 0)
+    if ckpt is None or not resume:
+        return None
+    saved_path = out / "recipe.yaml"
+    diffs = {}
+    if saved_path.is_file():
+        try:
+            saved = yaml.safe_load(saved_path.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError, OSError) as e:
+            raise RecipeError(f"{saved_path}: the run's saved recipe is not readable ({type(e).__name__}); "
+                              f"restore it, or pass resume false to start over") from None
+        if not isinstance(saved, dict):
+            raise RecipeError(f"{saved_path}: the run's saved recipe is not a mapping; restore it, or pass resume "
+                              f"false to start over")
+        old, new = _flat(saved), _flat(to_dict(recipe))
+        diffs = {k: (old[k], new[k]) for k in old if k in new and k != "out_dir" and not _same(k, old[k], new[k])}
+    conflicts = [k for k in diffs if any(k == c or (c.endswith(".") and k.startswith(c)) for c in CONFLICTING)]
+    if conflicts:
+        what = "; ".join(f"{k}: {diffs[k][0]!r} in the checkpoint, {diffs[k][1]!r} now" for k in conflicts)
+        raise RecipeError(f"{out} holds a checkpoint (step {step}) trained with another recipe ({what}); a resume "
+                          f"cannot change that: use another out_dir, or pass resume false to start over")
+    if recipe.train.max_steps < step:
+        raise RecipeError(f"train.max_steps={recipe.train.max_steps} is below the step {step} of {ckpt}; a resume "
+                          f"cannot go back: use another out_dir, or pass resume false to start over")
+    if step == recipe.train.max_steps and not diffs and all((out / o).exists() for o in outputs):
+        try:
+            return json.loads((out / outputs[0]).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return None  # damaged: the run writes its outputs again (no training left to do)
+    return None
+
+
+def _set_aside(out: Path) -> None:
+    """Start over (resume=false) in a folder holding a run: its files go to out/PREVIOUS, deleted once the new run
+    has written its first checkpoint (fit_resumable), so a start-over killed before that loses nothing."""
+    if os.environ.get("LOCAL_RANK", "0") != "0" or os.environ.get("NODE_RANK", "0") != "0":
+        return  # a data-parallel worker: rank 0 did it before launching it
+    if not any((out / "checkpoints").glob("*.ckpt")):
+        return
+    prev = out / PREVIOUS
+    if prev.exists():  # an older start-over's leftovers: the run now in the folder is newer
+        shutil.rmtree(prev)
+    prev.mkdir()
+    for name in RUN_FILES:
+        if (out / name).exists():
+            (out / name).rename(prev / name)
+    print(f"starting over: the previous run in {out} is kept in {prev} until the new run's first checkpoint",
+          file=sys.stderr)
+
+
+def prepare_run(recipe, resume: bool = True, outputs: tuple[str, ...] = ("metrics.json",)) -> tuple:
     """What every training run does first, for a recipe with `data`, `train` and `out_dir`: reject bad input
-    (corpus, tokenizer) before any model is built, set threads, write the resolved recipe, seed.
-    Returns (tokenizer, run folder)."""
+    (corpus, tokenizer, a resume the checkpoint cannot follow) before anything is written, set threads, write the
+    resolved recipe (atomically), seed. Returns (tokenizer, run folder, the saved result of a finished run or
+    None): a finished run resumed with the same recipe is reported as it is, nothing rewritten."""
     import lightning as L
     import torch
 
+    from expertcache.telemetry.atomic import write_text
     from expertcache.telemetry.corpus import load_corpus
     from expertcache.telemetry.corpus import load_tokenizer
 
     load_corpus(recipe.data.corpus)
     tok = load_tokenizer(recipe.data.tokenizer)
+    out = Path(recipe.out_dir)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"out_dir {out} is a file; expected a run folder")
+    done = check_resume(recipe, out, resume, outputs)
+    if done is not None:
+        print(f"{out}: finished at step {recipe.train.max_steps} with this recipe; nothing to do (raise "
+              f"train.max_steps to train on, or pass resume false to start over)", file=sys.stderr)
+        return tok, out, done
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            _set_aside(out)
+        import yaml
+
+        write_text(out / "recipe.yaml", yaml.safe_dump(to_dict(recipe), sort_keys=False))
+    except PermissionError as e:
+        raise InputError(f"out_dir {out} is not writable ({e.strerror}: {e.filename})") from None
     if recipe.train.threads:
         torch.set_num_threads(recipe.train.threads)
-    out = Path(recipe.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_recipe(recipe, out / "recipe.yaml")
     L.seed_everything(recipe.train.seed, workers=True, verbose=False)
-    return tok, out
+    return tok, out, None
 
 
 def run_pretrain(recipe: PretrainRecipe, resume: bool = True) -> dict:
     from transformers import AutoModelForCausalLM
 
+    from expertcache.telemetry.atomic import write_json
+
     from .evaluate import check_vocab, evaluate_lm
 
-    tok, out = prepare_run(recipe)
+    tok, out, done = prepare_run(recipe, resume, ("metrics.json", "model/config.json"))
+    if done is not None:
+        return done
     hf_config = recipe.model.to_hf_config(len(tok), tok.eos_token_id, tok.pad_token_id)
     check_vocab(tok, hf_config)
     model = AutoModelForCausalLM.from_config(hf_config)
@@ -168,6 +306,6 @@ def run_pretrain(recipe: PretrainRecipe, resume: bool = True) -> dict:
                "train_seconds_this_run": round(train_s, 1),
                "tokens_per_step": recipe.data.batch_size * recipe.data.seq_len,
                "parameters": count_parameters(model), "validation": final}
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    write_json(out / "metrics.json", metrics)
     plot_training_curve(out / "logs", out / "training_curve.png")
     return metrics
