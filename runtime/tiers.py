@@ -45,11 +45,25 @@ def measure_bandwidth(tier: "Tier", meta: StoreMeta, executor, layers: int, n: i
     transfer threads: the roofline's link bandwidth, measured the way the engine and the replay load."""
     import numpy as np
 
+    import queue
+
     rng = np.random.default_rng(seed)
-    pool = SlotPool(meta, 4)
+    width = getattr(executor, "_max_workers", 4)
+    pool = SlotPool(meta, width)
+    free: queue.Queue = queue.Queue()
+    for s in range(width):
+        free.put(s)
+
+    def job(i, e):  # a slot of its own while it reads: two reads never write one slot at once
+        s = free.get()
+        try:
+            return tier.read(i, e, pool, s)
+        finally:
+            free.put(s)
+
     jobs = [(int(rng.integers(layers)), int(rng.integers(meta.num_experts))) for _ in range(n)]
     t0 = time.perf_counter()
-    for f in [executor.submit(tier.read, i, e, pool, j % 4) for j, (i, e) in enumerate(jobs)]:
+    for f in [executor.submit(job, i, e) for i, e in jobs]:
         f.result()
     return n * meta.expert_bytes / (time.perf_counter() - t0)
 
