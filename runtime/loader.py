@@ -83,25 +83,31 @@ def _meta_model(config, dtype: torch.dtype):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-def expert_source(path: str | Path, dtype=None) -> CheckpointExperts:
-    """Where each routed expert's bytes lie in the checkpoint at `path` (its config read, the model built on the
-    meta device only: no weight is read). For `verify` and tools that walk every expert."""
+def _skeleton(path: Path, dtype):
+    """`(checkpoint, config, adapter, meta model, expert-module prefixes, expert params)` of the checkpoint at
+    `path`: its config read, the model built on the meta device (no weight read)."""
     from transformers import AutoConfig
 
     from expertcache.telemetry.adapters import adapter_for
 
-    path = Path(path)
     ckpt = Checkpoint(path)
     try:
         config = AutoConfig.from_pretrained(str(path))
     except (OSError, ValueError, KeyError) as e:
         raise InputError(f"{path}/config.json: {str(e).splitlines()[0]}") from None
     adapter = adapter_for(config)
-    model = _meta_model(config, parse_dtype(dtype) or torch.float32)
+    model = _meta_model(config, dtype or torch.float32)
     layers = adapter.moe_layers(model)
     names = {id(m): n for n, m in model.named_modules()}
     prefixes = [names[id(L.experts)] for L in layers]
     params = {n: (list(p.shape[1:]), p.dtype) for n, p in layers[0].experts.named_parameters(recurse=False)}
+    return ckpt, config, adapter, model, prefixes, params
+
+
+def expert_source(path: str | Path, dtype=None) -> CheckpointExperts:
+    """Where each routed expert's bytes lie in the checkpoint at `path` (its config read, the model built on the
+    meta device only: no weight is read). For `verify` and tools that walk every expert."""
+    ckpt, _, adapter, _, prefixes, params = _skeleton(Path(path), parse_dtype(dtype))
     return CheckpointExperts(ckpt, adapter.family, prefixes, adapter.num_experts, params, "", parse_dtype(dtype))
 
 
@@ -109,29 +115,15 @@ def build_offloaded(path: str | Path, dtype=None, verify: bool | None = None):
     """`(model, source)`: the model with its non-expert weights read and its experts' modules still on meta,
     and where each expert's bytes lie. The engine (attached by `load`) replaces those modules. `verify`: check
     each expert read against the checkpoint's checksum index (`CheckpointExperts.use_index`)."""
-    from transformers import AutoConfig
-
-    from expertcache.telemetry.adapters import adapter_for, router_fingerprint
+    from expertcache.telemetry.adapters import router_fingerprint
 
     path = Path(path)
-    ckpt = Checkpoint(path)
-    try:
-        config = AutoConfig.from_pretrained(str(path))
-    except (OSError, ValueError, KeyError) as e:
-        raise InputError(f"{path}/config.json: {str(e).splitlines()[0]}") from None
-    adapter = adapter_for(config)
     dtype = parse_dtype(dtype)
-    model = _meta_model(config, dtype or torch.float32)
-    layers = adapter.moe_layers(model)
-    names = {id(m): n for n, m in model.named_modules()}
-    prefixes = [names[id(L.experts)] for L in layers]
-    params = {n: (list(p.shape[1:]), p.dtype) for n, p in layers[0].experts.named_parameters(recurse=False)}
+    ckpt, config, adapter, model, prefixes, params = _skeleton(path, dtype)
     if dtype is None:  # the checkpoint's own dtype (of its experts), for the whole model, as from_pretrained(auto)
         probe = CheckpointExperts(ckpt, adapter.family, prefixes[:1], adapter.num_experts, params, "")
         dtype = probe.dtype
         model = _meta_model(config, dtype)
-        layers = adapter.moe_layers(model)
-        names = {id(m): n for n, m in model.named_modules()}
     expert_prefixes = tuple(p + "." for p in prefixes)
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if name.startswith(expert_prefixes):

@@ -136,33 +136,26 @@ def _write(path: str | Path, meta: StoreMeta, expert, progress=None) -> StoreMet
     """The store file: header, then `expert(layer, e) -> {name: tensor}` for every block, then the blocks'
     checksum table, written to a temp name, fsynced (on disk before anyone times a read of it) and moved into
     place."""
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    from expertcache.telemetry.atomic import atomic_open
+
     buf = bytearray(meta.block_bytes)
     meta.version = VERSION
     sums = np.zeros((meta.num_layers, meta.num_experts), dtype="<u8")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(meta.to_json())
-            for layer in range(meta.num_layers):
-                for e in range(meta.num_experts):
-                    buf[:] = bytes(meta.block_bytes)
-                    tensors = expert(layer, e)
-                    for t in meta.tensors:
-                        raw = tensors[t.name].detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-                        buf[t.offset:t.offset + len(raw)] = raw
-                    sums[layer, e] = checksum(buf)
-                    f.write(buf)
-                if progress:
-                    progress()
-            table = sums.tobytes()
-            f.write(table + b"\0" * (meta.table_bytes() - len(table)))
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with atomic_open(path) as f:
+        f.write(meta.to_json())
+        for layer in range(meta.num_layers):
+            for e in range(meta.num_experts):
+                buf[:] = bytes(meta.block_bytes)
+                tensors = expert(layer, e)
+                for t in meta.tensors:
+                    raw = tensors[t.name].detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+                    buf[t.offset:t.offset + len(raw)] = raw
+                sums[layer, e] = checksum(buf)
+                f.write(buf)
+            if progress:
+                progress()
+        table = sums.tobytes()
+        f.write(table + b"\0" * (meta.table_bytes() - len(table)))
     meta.checksums = sums
     return meta
 

@@ -5,23 +5,32 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 
-def write_bytes(path: str | Path, data: bytes) -> Path:
+@contextmanager
+def atomic_open(path: str | Path):
+    """A binary file to write `path` through: it is a temporary name beside it until the block ends without an
+    exception, then fsynced (on disk before anyone times a read of it) and renamed into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(path)
     finally:
         if tmp.exists():
             tmp.unlink()
-    return path
+
+
+def write_bytes(path: str | Path, data: bytes) -> Path:
+    with atomic_open(path) as f:
+        f.write(data)
+    return Path(path)
 
 
 def write_text(path: str | Path, text: str) -> Path:
