@@ -181,6 +181,7 @@ def plot_frontier(rows: list[dict], out_png: Path) -> None:
            title="Cache-aware post-training frontier (green: gate PASS)")
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=120)
+    from expertcache.telemetry.atomic import write_figure
+
+    write_figure(fig, out_png)
     plt.close(fig)

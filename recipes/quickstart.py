@@ -11,6 +11,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from expertcache.telemetry.atomic import write_json, write_text
+
 
 def run_quickstart(data: str, runs: str, prose_sdist: str, max_mb: float = 24.0) -> dict:
     from expertcache.recipes.cli import main
@@ -113,7 +115,7 @@ def _report(rep: Path, smoke: Path, ca: Path, bench: Path, ev: dict, gates: dict
                                                  "lm_eval": v.get("lm_eval")} for k, v in evals.items()},
               "gates": summary_rows}
     report["report_md"] = str(rep / "report.md")
-    (rep / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    write_json(rep / "report.json", report)
     md = [f"# expertcache quickstart report ({rep.name})", "",
           f"Total {total_s / 60:.1f} min on this machine. Every figure below is in `report.json`; each step's command "
           "is listed at the end.", "",
@@ -138,7 +140,7 @@ def _report(rep: Path, smoke: Path, ca: Path, bench: Path, ev: dict, gates: dict
                   f"{r['gate']} |")
     md += ["", "## Commands", "", "| step | seconds | command |", "|---|---|---|"]
     md += [f"| {s['step']} | {s['seconds']} | `{s['command']}` |" for s in steps]
-    (rep / "report.md").write_text("\n".join(md) + "\n")
+    write_text(rep / "report.md", "\n".join(md) + "\n")
     print("\n" + "\n".join(md[md.index("## Gate (step-wise token Δppl; lm-eval accuracy tasks; bits/byte "
                                          "cross-check)"):]))
     print(f"\nreport: {rep / 'report.md'} (and report.json); total {total_s / 60:.1f} min")

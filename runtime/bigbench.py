@@ -413,7 +413,9 @@ def plot(res: dict, png: str | Path) -> None:
     fig.suptitle(f"{i['layers']} layers x 128 experts ({i['expert_bytes_total'] / 2**30:.1f} GiB of experts, "
                  f"{i['experts_over_ram']:.2f}x RAM), bf16, reference Qwen3-30B-A3B routing")
     fig.tight_layout()
-    fig.savefig(png, dpi=120)
+    from expertcache.telemetry.atomic import write_figure
+
+    write_figure(fig, png)
     plt.close(fig)
 
 

@@ -141,10 +141,12 @@ class EstimatorPredictor(Predictor):
         return cls(torch.tensor(np.stack(ws), dtype=torch.float32), torch.tensor(np.stack(bs), dtype=torch.float32))
 
     def save(self, path: str | Path, trace_meta: dict) -> None:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
-        save_file({"weights": self.w.contiguous(), "bias": self.b.contiguous()}, str(path),
-                  metadata={"kind": "expertcache-estimator", "trace": json.dumps(trace_meta, default=str)})
+        from expertcache.telemetry.atomic import write_bytes
+
+        write_bytes(path, save({"weights": self.w.contiguous(), "bias": self.b.contiguous()},
+                               metadata={"kind": "expertcache-estimator", "trace": json.dumps(trace_meta, default=str)}))
 
     @classmethod
     def load(cls, path: str | Path, num_experts: int, hidden_size: int) -> "EstimatorPredictor":

@@ -59,6 +59,28 @@ def parse_shape(s: str) -> tuple[int, int]:
         raise InputError(f"--expert-shape {s!r}: expected HIDDENxINTERMEDIATE, e.g. 2048x768") from None
 
 
+def check_replay_fits(store_dir, layers: int, num_experts: int, hidden: int, inter: int, dtype: str,
+                      per_expert: int, tier: str, capacity: float) -> None:
+    """Before a store is written: it fits on the disk (unless already there), and what the tier and the cache hold
+    in RAM fits in the memory available."""
+    import shutil
+
+    from .tiers import TierSpec, available_memory
+
+    total = layers * num_experts * per_expert
+    path = Path(store_dir) / f"replay-{layers}x{num_experts}-{hidden}x{inter}-{dtype}.store"
+    folder = next((p for p in [Path(store_dir), *Path(store_dir).absolute().parents] if p.exists()), Path("."))
+    if not path.is_file() and total > shutil.disk_usage(folder).free - (1 << 30):
+        raise InputError(f"a replay store of {total / 1e9:.1f} GB does not fit the free disk at {folder} "
+                         f"({shutil.disk_usage(folder).free / 1e9:.1f} GB); lower --disk_budget_gb or --expert_shape")
+    held = layers * capacity_count(capacity, num_experts) * per_expert
+    if TierSpec.parse(tier).kind != "disk":
+        held += total
+    if held > 0.9 * available_memory():
+        raise InputError(f"the cache ({capacity} of {num_experts} experts per layer) and tier {tier} hold "
+                         f"{held / 2**30:.1f} GiB in RAM; only {available_memory() / 2**30:.1f} GiB is available")
+
+
 def ensure_store(folder: str | Path, layers: int, num_experts: int, hidden: int, inter: int, dtype: str,
                  progress=None) -> Path:
     """A random store of this shape in `folder`, written once and reused (its name says its shape)."""
@@ -323,6 +345,7 @@ def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2
     if cut + warmup + tokens > ids_all.shape[1]:
         raise InputError(f"trace has {ids_all.shape[1]} tokens; need {cut + warmup + tokens}")
     ids = ids_all[start:start + n_layers]
+    check_replay_fits(store_dir, n_layers, e, hidden, inter, dt, per_expert, tier, capacity)
     est = CooccurrenceEstimator(ids[:, :cut], e)
     store = ensure_store(store_dir, n_layers, e, hidden, inter, dt, progress=progress)
     cap = capacity_count(capacity, e)
@@ -430,5 +453,7 @@ def plot_recall(res: dict, png: str | Path) -> None:
                  f"({i['capacity_frac']:.3g} E), {i['tier']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(png, dpi=120)
+    from expertcache.telemetry.atomic import write_figure
+
+    write_figure(fig, png)
     plt.close(fig)

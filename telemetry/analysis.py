@@ -6,12 +6,12 @@ lookahead recall of the zero-parameter probe. Decode tokens only unless the trac
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 
+from .atomic import write_figure, write_json, write_text
 from .cachesim import POLICIES, capacity_count, global_steps, simulate
 from .errors import InputError
 from .parquet_trace import Trace, read_trace
@@ -214,10 +214,10 @@ def analyze(trace_path: str | Path, out_dir: str | Path, model_dir: str | None =
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         check_compatible(meta, model)
         summary["lookahead_recall"] = lookahead_recall(sel, model)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_json(out / "summary.json", summary)
     plot_summary(summary, out)
     text = text_summary(summary)
-    (out / "summary.txt").write_text(text)
+    write_text(out / "summary.txt", text)
     return summary
 
 
@@ -240,7 +240,7 @@ def plot_summary(s: dict, out: Path) -> None:
     b.set(xlabel="layer", ylabel="fraction of experts", title="experts needed for coverage", ylim=(0, 1))
     b.legend()
     fig.tight_layout()
-    fig.savefig(out / "reuse_coverage.png", dpi=120)
+    write_figure(fig, out / "reuse_coverage.png")
     plt.close(fig)
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
@@ -258,7 +258,7 @@ def plot_summary(s: dict, out: Path) -> None:
         ax.legend()
     axes[0].set_ylabel(f"hit rate ({s['semantics']} semantics)")
     fig.tight_layout()
-    fig.savefig(out / "hit_rate.png", dpi=120)
+    write_figure(fig, out / "hit_rate.png")
     plt.close(fig)
 
     if "lookahead_recall" in s:
@@ -267,7 +267,7 @@ def plot_summary(s: dict, out: Path) -> None:
         ax.bar([f"d={d}" for d in ds], [s["lookahead_recall"][d]["mean"] for d in ds])
         ax.set(ylim=(0, 1), ylabel="top-k recall", title="lookahead probe recall")
         fig.tight_layout()
-        fig.savefig(out / "lookahead_recall.png", dpi=120)
+        write_figure(fig, out / "lookahead_recall.png")
         plt.close(fig)
 
 

@@ -33,6 +33,15 @@ def write_bytes(path: str | Path, data: bytes) -> Path:
     return Path(path)
 
 
+def write_figure(fig, path: str | Path, dpi: int = 120) -> Path:
+    """A matplotlib figure as a PNG, atomically (rendered in memory, then written and renamed)."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return write_bytes(path, buf.getvalue())
+
+
 def write_text(path: str | Path, text: str) -> Path:
     return write_bytes(path, text.encode())
 

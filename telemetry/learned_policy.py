@@ -232,14 +232,16 @@ class LearnedPolicy:
 
     # file
     def save(self, path: str | Path) -> None:
-        from safetensors.numpy import save_file
+        from safetensors.numpy import save
+
+        from .atomic import write_bytes
 
         t = {"mu": self.mu, "sd": self.sd}
         for i, (w, b) in enumerate(self.layers):
             t[f"w{i}"], t[f"b{i}"] = w, b
         meta = {k: v for k, v in self.meta.items() if k != "path"}
-        save_file({k: np.ascontiguousarray(v, dtype=np.float64) for k, v in t.items()}, str(path),
-                  metadata={"kind": KIND, "policy": json.dumps(meta)})
+        write_bytes(path, save({k: np.ascontiguousarray(v, dtype=np.float64) for k, v in t.items()},
+                               metadata={"kind": KIND, "policy": json.dumps(meta)}))
 
     @classmethod
     def load(cls, path: str | Path, num_experts: int | None = None, top_k: int | None = None,

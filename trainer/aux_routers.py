@@ -135,11 +135,13 @@ class AuxRouters(nn.Module):
     # --- files ---------------------------------------------------------------------------------------------
 
     def save(self, model_dir: str | Path, model) -> Path:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
+
+        from expertcache.telemetry.atomic import write_bytes
 
         path = Path(model_dir) / ROUTERS_FILE
         meta = {"config": json.dumps(asdict(self.cfg)), "routers_fingerprint": router_fingerprint(model)}
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(path), metadata=meta)
+        write_bytes(path, save({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, metadata=meta))
         return path
 
 
