@@ -186,7 +186,7 @@ def _write_config(parser, cfg) -> None:
     p = Path(out)
     target = p / "config.yaml" if p.is_dir() else p.with_name(p.stem + ".config.yaml")
     if target.parent.is_dir():
-        write_text(target, parser.dump(cfg, skip_none=False))
+        write_text(target, parser.dump(cfg))
 
 
 def _call(fn, sub_cfg, parser):

@@ -173,4 +173,7 @@ def record_corpus(model_dir: str | Path, corpus: str, tokenizer: str | None, spl
             n += record_blocks(model, blocks, w, dom, prompt_len, decode_tokens, batch_size, seq_offset=n,
                                progress=lambda b: prog.advance(task, b))
         rows = w.rows
-    return {"trace": str(out), "sequences": n, "rows": rows, "domains": domains, "meta": meta.__dict__}
+    from .parquet_trace import read_meta
+
+    return {"trace": str(out), "sequences": n, "rows": rows, "domains": domains,
+            "meta": read_meta(out).__dict__}  # as written, its footer's status (partial false) included
