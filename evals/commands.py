@@ -47,7 +47,12 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = l
 
     from .run import evaluate
 
+    from expertcache.telemetry.atomic import check_output
+
     _check(dtype, limit, ppl_blocks, seq_len)
+    check_output(out, model)
+    if out and Path(model).is_dir() and Path(out).exists() and Path(model).resolve() in Path(out).resolve().parents:
+        raise InputError(f"--out {out} would overwrite a file of the checkpoint {model}")
     if engine is not None:
         engine.check()
     with Progress(transient=True) as prog:
@@ -89,7 +94,10 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
     from .gate import format_gate, gate as judge, load_eval
     from .run import evaluate
 
+    from expertcache.telemetry.atomic import check_output
+
     _check(dtype, limit, ppl_blocks, seq_len)
+    check_output(out, baseline, candidate)
 
     def load(x: str, served: Optional[EngineConfig]) -> dict:
         if Path(x).suffix == ".json":

@@ -64,7 +64,11 @@ def build_task_data(corpus: str | Path, out_dir: str | Path, split: str = "test"
         docs = []
         for i in sorted(rng.sample(range(len(spans)), min(per_domain, len(spans)))):
             text, cont = spans[i]
-            others = rng.sample([s[1] for j, s in enumerate(spans) if j != i and s[1] != cont], 3)
+            pool = [s[1] for j, s in enumerate(spans) if j != i and s[1] != cont]
+            if len(pool) < 3:  # repetitive text: most spots continue the same way
+                raise InputError(f"held-out {dom} text repeats itself: fewer than 3 distinct continuations for "
+                                 f"a 4-way cloze")
+            others = rng.sample(pool, 3)
             gold = rng.randrange(4)
             choices = others[:gold] + [cont] + others[gold:]
             docs.append({"context": text[:ctx_chars], "choices": choices, "gold": gold})

@@ -51,6 +51,15 @@ def _writable(out: Optional[str]) -> None:
         raise InputError(f"output folder {parent} is not writable")
 
 
+def _not_input(out: Optional[str], *inputs: Optional[str]) -> None:
+    """Refuse an output path that is one of the command's inputs (it would be overwritten by its own result)."""
+    if out is None:
+        return
+    for i in inputs:
+        if i is not None and Path(i).exists() and Path(out).resolve() == Path(i).resolve():
+            raise InputError(f"output {out} is also an input of this command; write the result elsewhere")
+
+
 def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
                  engine: EngineConfig = EngineConfig(tier="disk"), capacities: list[float] = [0.125, 0.25],
                  predictors: Optional[list[str]] = None, dtype: Optional[str] = None, tokens: int = 64,
@@ -86,6 +95,7 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
     from rich.progress import Progress
 
     _writable(out)
+    _not_input(out, replay, model)
     engine.check()
     if min(tokens, rounds, prompts, prompt_len) < 1 or warmup < 0 or not capacities:
         raise InputError("tokens, rounds, prompts and prompt_len must be >= 1, warmup >= 0, capacities non-empty")
@@ -175,8 +185,20 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
     bad = [x for x in systems if x not in SYSTEMS]
     if bad:
         raise InputError(f"unknown system(s) {', '.join(bad)}; expected {', '.join(SYSTEMS)}")
-    if not (budget_gb > 0 and ram_factor > 0) or min(tokens, rounds, prompt_len, workers) < 1:
-        raise InputError("budget_gb and ram_factor must be > 0; tokens, rounds, prompt_len, workers >= 1")
+    import math
+
+    if not (math.isfinite(budget_gb) and budget_gb > 0 and math.isfinite(ram_factor) and ram_factor > 0) \
+            or min(tokens, rounds, prompt_len, workers, accelerate_tokens) < 1 or min(warmup, accelerate_warmup) < 0:
+        raise InputError("budget_gb and ram_factor must be finite and > 0; tokens, accelerate_tokens, rounds, "
+                         "prompt_len, workers >= 1; warmup, accelerate_warmup >= 0")
+    if layers is not None and layers < 2:
+        raise InputError(f"--layers {layers}: expected at least 2 MoE layers")
+    if trace is not None:  # read before the (large) checkpoint is written, not after
+        from .replay import load_routing
+
+        load_routing(trace)
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise InputError(f"--out_dir {out_dir} is a file; expected a folder")
     with Progress() as prog:
         task = prog.add_task("checkpoint layers, then runs", total=None)
         res = run(out_dir, trace, budget_gb, tokens, warmup, prompt_len, rounds, systems, ram_factor, layers,
@@ -275,6 +297,7 @@ def fit_predictor(trace: str, out: str, ridge: float = 1.0) -> dict:
     if not (math.isfinite(ridge) and ridge > 0):
         raise InputError(f"--ridge {ridge}: expected a finite number > 0")
     _writable(out)
+    _not_input(out, trace)
     est = EstimatorPredictor.fit(trace, ridge)
     est.save(out, read_meta(trace).__dict__)
     return {"estimator": out, "layers": int(est.w.shape[0]) + 1, "hidden": int(est.w.shape[1]),

@@ -48,3 +48,26 @@ def write_text(path: str | Path, text: str) -> Path:
 
 def write_json(path: str | Path, obj) -> Path:
     return write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def check_output(out: str | Path | None, *inputs, folder: bool = False) -> None:
+    """Before any work: refuse an output that cannot be written (a folder where a file goes, or the reverse; a
+    parent folder that is not writable) or that is one of the command's inputs (its result would replace it)."""
+    from .errors import InputError
+
+    if out is None:
+        return
+    p = Path(out)
+    if folder and p.exists() and not p.is_dir():
+        raise InputError(f"output folder {out} is a file")
+    if not folder and p.is_dir():
+        raise InputError(f"output {out} is a folder; expected a file path")
+    for i in inputs:
+        for one in (i if isinstance(i, (list, tuple)) else [i]):
+            if one is not None and Path(one).exists() and p.resolve() == Path(one).resolve():
+                raise InputError(f"output {out} is also an input of this command; write the result elsewhere")
+    parent = p if folder and p.is_dir() else p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"output {out}: folder {parent} is not writable")

@@ -32,8 +32,10 @@ def trace_record(model: str, out: str, corpus: str = "data/corpus", tokenizer: O
         hidden: also record the hidden state entering each MoE layer (lookahead recall, router training)
         logits: also record the router logits
     """
+    from .atomic import check_output
     from .recorder import record_corpus
 
+    check_output(out, model)
     for name, v in (("prompt_len", prompt_len), ("decode_tokens", decode_tokens), ("batch_size", batch_size),
                     ("max_seqs", max_seqs)):
         if v < 1:
@@ -53,8 +55,10 @@ def trace_import(src: str, out: str, num_experts: Optional[int] = None, domain: 
         domain: domain label of every token
         model_name: model id for the trace's metadata
     """
+    from .atomic import check_output
     from .llamacpp import import_trace
 
+    check_output(out, src)
     return import_trace(src, out, num_experts, domain, model_name)
 
 
@@ -86,7 +90,9 @@ def analyze(trace: str, out: str, model: Optional[str] = None, phase: Phase = "d
         policy_file: a learned eviction policy (`expertcache fit-policy`): adds its rows to the hit curves
     """
     from .analysis import analyze as run, text_summary
+    from .atomic import check_output
 
+    check_output(out, trace, static_fit, policy_file, model, folder=True)
     s = run(trace, out, model_dir=model, phase=None if phase == "all" else phase, semantics=semantics,
             fit_trace=static_fit, by_domain=domains, policy_file=policy_file)
     print(text_summary(s), file=sys.stderr)
@@ -113,8 +119,13 @@ def fit_policy(trace: list[str], out: str, phase: Phase = "decode", hidden: int 
 
     from .learned_policy import fit
 
+    from .atomic import check_output
+
     if hidden < 1 or epochs < 1:
         raise InputError("hidden and epochs must be >= 1")
+    if not trace:
+        raise InputError("--trace is empty; expected a list of traces, e.g. [t.parquet]")
+    check_output(out, trace)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     pol = fit(trace, hidden=hidden, epochs=epochs, seed=seed, phase=None if phase == "all" else phase,
               log=lambda m: print(m, file=sys.stderr), use_probs=probs)

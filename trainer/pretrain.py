@@ -97,7 +97,8 @@ def fit_resumable(recipe, module, dm, out: Path, resume: bool = True) -> tuple[i
                                        save_top_k=1, save_last=True, auto_insert_metric_name=False),
                        LearningRateMonitor(logging_interval="step"), DropPrevious()],
             enable_model_summary=False, default_root_dir=str(out))
-    except (MisconfigurationException, ValueError) as e:  # an accelerator, precision or strategy Lightning lacks
+    except (MisconfigurationException, ValueError, ImportError) as e:  # an accelerator, precision or strategy
+        # Lightning lacks, or one whose package is not installed (tpu: torch_xla)
         raise RecipeError(f"train.accelerator/precision/devices/strategy: {' '.join(str(e).split())}") from None
     started = time.time()
     trainer.fit(module, datamodule=dm, ckpt_path=str(latest) if latest else None, weights_only=True)

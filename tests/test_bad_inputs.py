@@ -1,0 +1,90 @@
+"""A few representative rows of the bad-input table (scripts/bad_inputs.py builds the whole table): each is one
+line on stderr, exit status 2, no traceback, and the files it was pointed at are left as they were."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "expertcache.recipes.cli", *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+
+
+def _one_line(r, *needles):
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and lines and ": error: " in lines[-1], r.stderr[-2000:]
+    assert all(n in lines[-1] for n in needles), lines[-1]
+
+
+def _digest(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def npz(tmp_path):
+    p = tmp_path / "routing.npz"
+    ids = np.random.default_rng(0).integers(0, 16, size=(4, 64, 4)).astype(np.int16)
+    np.savez(p, experts=ids, meta=np.array(json.dumps({"num_experts": 16})))
+    return p
+
+
+def test_an_output_equal_to_an_input_is_refused_before_any_work(npz, tmp_path):
+    before = _digest(npz)
+    r = _cli("bench", "decode", "--replay", npz, "--out", npz, "--store_dir", tmp_path / "st", "--tokens", 2)
+    _one_line(r, "also an input")
+    r = _cli("fit-predictor", "--trace", npz, "--out", npz)
+    _one_line(r, "also an input")
+    assert _digest(npz) == before and not (tmp_path / "st").exists()
+
+
+def test_bench_big_reads_its_trace_before_writing_a_checkpoint(tmp_path):
+    r = _cli("bench", "big", "--out_dir", tmp_path / "big", "--trace", tmp_path / "none.npz",
+             "--out", tmp_path / "big.json")
+    _one_line(r, "none.npz")
+    assert not list((tmp_path / "big").glob("**/*.safetensors")) if (tmp_path / "big").exists() else True
+    _one_line(_cli("bench", "big", "--out_dir", tmp_path / "big", "--layers", 0), "--layers 0")
+
+
+def test_a_replay_store_that_does_not_fit_is_refused_before_it_is_written(tmp_path):
+    from expertcache.runtime.replay import check_replay_fits
+    from expertcache.telemetry.errors import InputError
+
+    with pytest.raises(InputError, match="does not fit the free disk"):
+        check_replay_fits(tmp_path, 4, 16, 200_000, 200_000, "bfloat16", 3 * 200_000 ** 2 * 2, "disk", 0.25)
+    with pytest.raises(InputError, match="in RAM"):  # on disk already: the host tier would hold it all in RAM
+        (tmp_path / "replay-4x16-200000x200000-bfloat16.store").write_bytes(b"")
+        check_replay_fits(tmp_path, 4, 16, 200_000, 200_000, "bfloat16", 3 * 200_000 ** 2 * 2, "host", 0.25)
+    assert not [p for p in tmp_path.iterdir() if p.stat().st_size]
+
+
+@pytest.mark.parametrize("override, needle", [("train.lr=nan", "train.lr=nan"),
+                                              ("data.batch_size=0", "data.batch_size=0"),
+                                              ("routers.rank=0", "routers.rank=0")])
+def test_recipe_ranges_are_one_line(tmp_path, override, needle):
+    cmd = "train-cache-aware" if override.startswith("routers") else "pretrain"
+    _one_line(_cli(cmd, "--recipe", "smoke", override, f"out_dir={tmp_path}/o"), needle)
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_yaml_tag_never_runs(tmp_path):
+    bad = tmp_path / "r.yaml"
+    bad.write_text(f"!!python/object/apply:os.system ['touch {tmp_path}/PWNED']\n")
+    _one_line(_cli("pretrain", "--recipe", bad), "r.yaml")
+    _one_line(_cli("trace-info", "--config", bad))
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_gate_inputs_that_are_not_eval_results(tmp_path):
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "bad.json").write_text('{"stepwise": ')
+    _one_line(_cli("gate", "--baseline", tmp_path / "list.json", "--candidate", tmp_path / "bad.json"), "list.json")
+    _one_line(_cli("gate", "--baseline", tmp_path / "none.json", "--candidate", tmp_path / "bad.json"), "none.json")
