@@ -51,8 +51,6 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = l
 
     _check(dtype, limit, ppl_blocks, seq_len)
     check_output(out, model)
-    if out and Path(model).is_dir() and Path(out).exists() and Path(model).resolve() in Path(out).resolve().parents:
-        raise InputError(f"--out {out} would overwrite a file of the checkpoint {model}")
     if engine is not None:
         engine.check()
     with Progress(transient=True) as prog:

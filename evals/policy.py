@@ -20,9 +20,9 @@ def open_model(model_dir, engine: EngineConfig | None, dtype="fp32", device="cpu
     path = resolve(model_dir)
     device = parse_device(device)
     if engine is None:
-        from transformers import AutoModelForCausalLM
+        from expertcache.telemetry.hf import load_causal_lm
 
-        m = AutoModelForCausalLM.from_pretrained(str(path), dtype=parse_dtype(dtype) or "auto")
+        m = load_causal_lm(path, dtype=parse_dtype(dtype) or "auto")
         return m.eval().to(device), None
 
     def aux(model):  # the routers saved beside the checkpoint (spatio predictor, scored policy)

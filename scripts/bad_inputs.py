@@ -183,7 +183,8 @@ def damaged(root: Path, P: dict) -> None:
     P["eval_zero"] = variant("eval-zero.json", lambda d: d["stepwise"]["ppl"].__setitem__("code", 0))
     P["eval_noppl"] = variant("eval-noppl.json", lambda d: d["stepwise"].pop("ppl"))
     P["eval_old"] = variant("eval-old.json", lambda d: d.pop("format_version", None))
-    P["eval_tasks"] = variant("eval-tasks.json", lambda d: d.__setitem__("tasks", ["ec_cloze_code"]))
+    P["eval_tasks"] = variant("eval-tasks.json", lambda d: d.__setitem__(
+        "lm_eval", {"ec_cloze_code": {"acc,none": 0.5, "acc_stderr,none": 0.1}}))
     P["eval_blocks"] = variant("eval-blocks.json", lambda d: d["stepwise"].__setitem__("blocks_sha256", "0" * 64))
     P["eval_worse"] = variant("eval-worse.json", lambda d: d["stepwise"]["ppl"].update(
         {k: v * 1.2 for k, v in d["stepwise"]["ppl"].items()}))
@@ -224,15 +225,21 @@ def damaged(root: Path, P: dict) -> None:
     (P["model_badcfg"] / "config.json").write_text('{"model_type": "qwen3_moe", ')
     P["model_wrongcfg"] = model_copy("model-wrongconfig")
     cfg = json.loads((P["model_wrongcfg"] / "config.json").read_text())
-    cfg["num_experts"] = 99
+    cfg["hidden_size"] = 2 * cfg["hidden_size"]
     (P["model_wrongcfg"] / "config.json").write_text(json.dumps(cfg))
     P["model_bin"] = model_copy("model-bin")
     (P["model_bin"] / "model.safetensors").rename(P["model_bin"] / "pytorch_model.bin")
-    P["model_flip"] = model_copy("model-flipped")
-    raw = bytearray((P["model_flip"] / "model.safetensors").read_bytes())
-    for i in range(len(raw) - 4096, len(raw) - 2048):
-        raw[i] ^= 0x55
-    (P["model_flip"] / "model.safetensors").write_bytes(bytes(raw))
+    P["model_flip"] = model_copy("model-flipped")  # indexed by `verify` first, then damaged in place (same mtime)
+    from expertcache.runtime.verify import verify
+
+    verify(str(P["model_flip"]), write_index=True)
+    f = P["model_flip"] / "model.safetensors"
+    st = f.stat()
+    raw = bytearray(f.read_bytes())
+    for i in range(len(raw) // 2, len(raw) // 2 + 256):
+        raw[i] ^= 0x01
+    f.write_bytes(bytes(raw))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
     P["model_nan"] = model_copy("model-nan")
     from safetensors.torch import load_file, save_file
 
@@ -250,7 +257,7 @@ def damaged(root: Path, P: dict) -> None:
 
 def cases(P: dict) -> list[dict]:
     S, RO = P["scratch"], P["ro_dir"]
-    M, O, C, T, TR = P["model"], P["other"], P["corpus"], P["tokenizer"], P["trace"]
+    M, O, C, TR = P["model"], P["other"], P["corpus"], P["trace"]
     EB, RUN = P["eval_base"], P["run"]
     ov = P["run_overrides"]
     tiny_ca = [f"base={M}", f"data.corpus={C}", f"data.tokenizer={M}", "data.seq_len=32", "data.batch_size=2",

@@ -206,12 +206,14 @@ def analyze(trace_path: str | Path, out_dir: str | Path, model_dir: str | None =
                                              progress=lambda: prog.advance(task), learned=learned,
                                              probs=_probs(dt) if learned is not None and learned.uses_probs
                                              else None)}
-    if model_dir is not None and "hidden" in sel.table.column_names:
-        from transformers import AutoModelForCausalLM
-
+    if model_dir is not None and "hidden" not in sel.table.column_names:
+        raise InputError(f"--model adds lookahead recall, which needs the hidden states; {trace_path} has none "
+                         f"(record it with --hidden true)")
+    if model_dir is not None:
+        from .hf import load_causal_lm
         from .parquet_trace import check_compatible
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        model = load_causal_lm(model_dir)
         check_compatible(meta, model)
         summary["lookahead_recall"] = lookahead_recall(sel, model)
     write_json(out / "summary.json", summary)

@@ -66,6 +66,8 @@ def check_output(out: str | Path | None, *inputs, folder: bool = False) -> None:
         for one in (i if isinstance(i, (list, tuple)) else [i]):
             if one is not None and Path(one).exists() and p.resolve() == Path(one).resolve():
                 raise InputError(f"output {out} is also an input of this command; write the result elsewhere")
+            if one is not None and Path(one).is_dir() and p.exists() and Path(one).resolve() in p.resolve().parents:
+                raise InputError(f"output {out} would replace a file of the input folder {one}")
     parent = p if folder and p.is_dir() else p.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent

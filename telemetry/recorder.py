@@ -146,7 +146,6 @@ def record_corpus(model_dir: str | Path, corpus: str, tokenizer: str | None, spl
                   domains: list[str] | None = None, hidden: bool = False, logits: bool = False) -> dict:
     """Record a HF checkpoint on `max_seqs` held-out blocks per domain of our corpus into a Parquet trace."""
     from rich.progress import Progress
-    from transformers import AutoModelForCausalLM
 
     from .corpus import DOMAINS, packed_blocks
 
@@ -154,7 +153,9 @@ def record_corpus(model_dir: str | Path, corpus: str, tokenizer: str | None, spl
     if not (model_dir / "config.json").is_file():
         raise InputError(f"no HF checkpoint at {model_dir} (expected {model_dir / 'config.json'})")
     tokenizer = tokenizer or str(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    from .hf import load_causal_lm
+
+    model = load_causal_lm(model_dir, dtype=torch.float32)
     domains = list(domains or DOMAINS)
     picked = {}
     for dom in domains:

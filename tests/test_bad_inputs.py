@@ -88,3 +88,42 @@ def test_gate_inputs_that_are_not_eval_results(tmp_path):
     (tmp_path / "bad.json").write_text('{"stepwise": ')
     _one_line(_cli("gate", "--baseline", tmp_path / "list.json", "--candidate", tmp_path / "bad.json"), "list.json")
     _one_line(_cli("gate", "--baseline", tmp_path / "none.json", "--candidate", tmp_path / "bad.json"), "none.json")
+
+
+def test_a_damaged_checkpoint_is_one_input_error(tmp_path):
+    from tiny_lm import make_tiny_checkpoint
+
+    from expertcache.telemetry.errors import InputError
+    from expertcache.telemetry.hf import load_causal_lm
+
+    ck = make_tiny_checkpoint(tmp_path / "m")
+    load_causal_lm(ck)
+    w = (ck / "model.safetensors").read_bytes()
+    (ck / "model.safetensors").write_bytes(w[: len(w) // 2])
+    with pytest.raises(InputError, match="does not load"):
+        load_causal_lm(ck)
+    (ck / "config.json").write_text("{")
+    with pytest.raises(InputError, match="does not load"):
+        load_causal_lm(ck)
+    (ck / "config.json").unlink()
+    with pytest.raises(InputError, match="no HF checkpoint"):
+        load_causal_lm(ck)
+
+
+def test_check_output_refuses_inputs_and_their_files(tmp_path):
+    from expertcache.telemetry.atomic import check_output
+    from expertcache.telemetry.errors import InputError
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"x")
+    (tmp_path / "t.parquet").write_bytes(b"x")
+    with pytest.raises(InputError, match="also an input"):
+        check_output(tmp_path / "t.parquet", [tmp_path / "t.parquet"])
+    with pytest.raises(InputError, match="input folder"):
+        check_output(tmp_path / "m" / "model.safetensors", tmp_path / "m")
+    with pytest.raises(InputError, match="is a folder"):
+        check_output(tmp_path / "m", None)
+    with pytest.raises(InputError, match="is a file"):
+        check_output(tmp_path / "t.parquet", None, folder=True)
+    check_output(tmp_path / "m" / "new.json", tmp_path / "m")  # a new file beside the checkpoint: fine
+    check_output(tmp_path / "new" / "deeper" / "out.json", tmp_path / "t.parquet")

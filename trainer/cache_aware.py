@@ -404,8 +404,16 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     tok, out, done = prepare_run(recipe, resume, ("result.json", "model/config.json"))
     if done is not None:
         return done
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    from expertcache.telemetry.hf import load_causal_lm
+
+    model = load_causal_lm(base, dtype=torch.float32)
     check_vocab(tok, model.config)
+    if (base / "tokenizer.json").is_file() or (base / "tokenizer_config.json").is_file():
+        from expertcache.telemetry.corpus import load_tokenizer
+
+        if load_tokenizer(str(base)).get_vocab() != tok.get_vocab():
+            raise InputError(f"data.tokenizer {recipe.data.tokenizer} is not the tokenizer of the base {base} (their "
+                             f"vocabularies differ); pass data.tokenizer={base}")
     r = recipe.routers
     aux = AuxRouters(config_for(model, r.temporal, r.spatio, r.rank, r.refine_budget, r.prefetch_threshold,
                                 r.horizon, r.horizon_decay, r.history)) \

@@ -88,8 +88,6 @@ def evaluate_checkpoint(model_dir: str | Path, corpus: str, split: str, trace_pa
                         decode_tokens: int, max_seqs: int, fractions: list[float], ppl_blocks: int,
                         seq_len: int, aux=None) -> dict:
     """Record the checkpoint's decode routing on `split`, simulate its caches, and measure its perplexity."""
-    from transformers import AutoModelForCausalLM
-
     from expertcache.telemetry.adapters import adapter_for
     from expertcache.telemetry.parquet_trace import read_trace
     from expertcache.telemetry.recorder import record_corpus
@@ -98,7 +96,9 @@ def evaluate_checkpoint(model_dir: str | Path, corpus: str, split: str, trace_pa
 
     record_corpus(model_dir, corpus, None, split, trace_path, prompt_len, decode_tokens, batch_size=8,
                   max_seqs=max_seqs, hidden=aux is not None)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    from expertcache.telemetry.hf import load_causal_lm
+
+    model = load_causal_lm(model_dir, dtype=torch.float32).eval()
     a = adapter_for(model)
     trace = read_trace(trace_path).filter(phase="decode")
     ids = trace.routing()[0].astype(np.int64)  # [layers, tokens, k]

@@ -1,0 +1,46 @@
+"""Loading a HF checkpoint folder with transformers, its failures as one `InputError` naming the folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import InputError
+
+
+def load_causal_lm(path: str | Path, **kwargs):
+    """`AutoModelForCausalLM.from_pretrained` of a local checkpoint folder (or a cached hub id). Refused, as an
+    InputError naming the folder: no config.json, a config that does not parse, weights that are truncated, not
+    safetensors or unreadable, and weights that do not fit the config (a tensor missing or of another shape, which
+    transformers would otherwise initialise at random)."""
+    import json
+
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    p = Path(path)
+    if p.exists() and not (p / "config.json").is_file():
+        raise InputError(f"no HF checkpoint at {p} (expected {p / 'config.json'})")
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(str(p), output_loading_info=True, **kwargs)
+    except InputError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError, json.JSONDecodeError) as e:
+        why = (str(e).strip().splitlines() or [""])[0][:160]
+        raise InputError(f"checkpoint {p} does not load ({type(e).__name__}: {why})") from None
+    bad = [(kind, info.get(kind)) for kind in ("missing_keys", "mismatched_keys") if info.get(kind)]
+    if bad:
+        kind, keys = bad[0]
+        first = sorted(keys)[0] if not isinstance(keys, (list, tuple)) else keys[0]
+        raise InputError(f"checkpoint {p}: its weights do not fit its config ({len(keys)} {kind.replace('_', ' ')},"
+                         f" e.g. {first if isinstance(first, str) else first[0]})")
+    try:  # transformers takes a tensor's saved shape over its config's: a config that lies loads "fine"
+        from .adapters import adapter_for
+
+        a = adapter_for(model)
+        rows = {int(L.router.weight.shape[0]) for L in a.moe_layers(model)}
+    except (InputError, AttributeError, ValueError):
+        return model  # not a family the telemetry reads: nothing more to check here
+    if rows != {a.num_experts}:
+        raise InputError(f"checkpoint {p}: its config says {a.num_experts} experts per layer, its router weights "
+                         f"have {sorted(rows)}")
+    return model
