@@ -397,7 +397,7 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
 
     from .data import CorpusDataModule
     from .evaluate import check_vocab
-    from .models import count_parameters
+    from .models import count_parameters, save_model_dir
     from .pretrain import fit_resumable, plot_training_curve, prepare_run
 
     base = _check_base(recipe.base)
@@ -445,10 +445,7 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
         return None
 
     model_dir = out / "model"
-    model.save_pretrained(str(model_dir), safe_serialization=True)
-    tok.save_pretrained(str(model_dir))
-    if aux is not None:
-        aux.save(model_dir, model)
+    save_model_dir(model, tok, model_dir, aux)
     plot_training_curve(out / "logs", out / "training_curve.png")
 
     e = recipe.eval

@@ -113,3 +113,29 @@ def count_parameters(model) -> dict:
     total = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     return {"total": total, "experts": experts, "non_expert": total - experts}
+
+
+def save_model_dir(model, tokenizer, model_dir, aux=None) -> None:
+    """The HF checkpoint folder (weights, config, tokenizer and, if given, the auxiliary routers) written whole
+    into a temporary folder beside it and swapped into place, so a half-written `model/` never reads as a
+    checkpoint and a failed save leaves the previous one as it was."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    model_dir = Path(model_dir)
+    tmp = model_dir.with_name(f".{model_dir.name}.tmp-{os.getpid()}")
+    old = model_dir.with_name(f".{model_dir.name}.old-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        if aux is not None:
+            aux.save(tmp, model)
+        if model_dir.exists():
+            model_dir.rename(old)
+        tmp.rename(model_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+

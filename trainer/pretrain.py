@@ -24,7 +24,7 @@ from expertcache.telemetry.errors import InputError
 from .config import RecipeError, opt, to_dict
 from .data import CorpusDataModule, DataSpec
 from .lm_module import CausalLMModule, TrainSpec
-from .models import BaseModelSpec, count_parameters
+from .models import BaseModelSpec, count_parameters, save_model_dir
 
 
 @dataclass
@@ -299,8 +299,7 @@ def run_pretrain(recipe: PretrainRecipe, resume: bool = True) -> dict:
         return None
 
     model_dir = out / "model"
-    model.save_pretrained(str(model_dir), safe_serialization=True)
-    tok.save_pretrained(str(model_dir))
+    save_model_dir(model, tok, model_dir)
     final = evaluate_lm(model, recipe.data.corpus, recipe.data.tokenizer, "validation", recipe.data.seq_len,
                         recipe.eval_blocks)
     metrics = {"name": recipe.name, "global_step": trainer.global_step, "resumed_from_step": start_step,
