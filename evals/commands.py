@@ -51,6 +51,8 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = l
 
     _check(dtype, limit, ppl_blocks, seq_len)
     check_output(out, model)
+    if include_path is not None and not Path(include_path).is_dir():
+        raise InputError(f"--include_path {include_path} is not a folder of task YAMLs")
     if engine is not None:
         engine.check()
     with Progress(transient=True) as prog:
@@ -96,6 +98,8 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
 
     _check(dtype, limit, ppl_blocks, seq_len)
     check_output(out, baseline, candidate)
+    if include_path is not None and not Path(include_path).is_dir():
+        raise InputError(f"--include_path {include_path} is not a folder of task YAMLs")
 
     def load(x: str, served: Optional[EngineConfig]) -> dict:
         if Path(x).suffix == ".json":

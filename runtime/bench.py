@@ -139,7 +139,8 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineCon
                 if progress:
                     progress()
     finally:
-        m.expertcache.close()
+        if m.expertcache is not None:  # None when a configuration's engine failed to build (its error goes on)
+            m.expertcache.close()
     eb = eng0.meta.expert_bytes
     base = "plain" if plain else ("resident" if "resident" in results else None)
     t_base = float(np.median(results[base]["tpot"])) if base else None

@@ -156,10 +156,18 @@ class EstimatorPredictor(Predictor):
         path = Path(path)
         if not path.is_file():
             raise InputError(f"estimator {path} not found (fit one with `expertcache fit-predictor`)")
-        with safe_open(str(path), "pt") as f:
-            if (f.metadata() or {}).get("kind") != "expertcache-estimator":
-                raise InputError(f"{path} is not an expertcache estimator")
-        t = load_file(str(path))
+        from safetensors import SafetensorError
+
+        try:
+            with safe_open(str(path), "pt") as f:
+                if (f.metadata() or {}).get("kind") != "expertcache-estimator":
+                    raise InputError(f"{path} is not an expertcache estimator")
+            t = load_file(str(path))
+        except (SafetensorError, OSError) as e:
+            raise InputError(f"estimator {path} is not a readable safetensors file ({' '.join(str(e).split())[:120]})"
+                             ) from None
+        if set(t) != {"weights", "bias"} or t["weights"].ndim != 3:
+            raise InputError(f"{path} is not an expertcache estimator (tensors {sorted(t)[:4]})")
         if t["weights"].shape[1:] != (hidden_size, num_experts):
             raise InputError(f"estimator {path} maps {tuple(t['weights'].shape[1:])} (hidden, experts); the model "
                              f"has ({hidden_size}, {num_experts})")

@@ -5,7 +5,7 @@ few steps, a second tiny model of another shape and tokenizer, Parquet traces re
 stream and .npz, eval JSONs, a learned policy and a ridge estimator, and damaged copies of all of them), then runs
 each bad input through `python -m expertcache.recipes.cli` under `nice -n 19` with OMP_NUM_THREADS=1. Per case:
 the command, the exit status, whether stderr holds a traceback, its last line, and whether any file that existed
-before changed (size, mtime and SHA-256 of every file in the environment, before and after).
+before and that it was pointed at changed (size, mtime and SHA-256 of each, before and after).
 
 A case is OK when it exits 2 with one `expertcache CMD: error: ...` line as the last line of stderr (or exits 1
 where a FAIL is the right answer: a gate that fails, a verify that finds damage), with no traceback and no
@@ -14,6 +14,7 @@ root read or write past permissions (as root, chmod 000 does not stop a read).
 
     nice -n 19 .venv/bin/python scripts/bad_inputs.py                  # results/bad_inputs.{json,md}
     nice -n 19 .venv/bin/python scripts/bad_inputs.py --only gate      # cases whose id starts with "gate"
+    nice -n 19 .venv/bin/python scripts/bad_inputs.py --only gate --update   # re-run those rows of the table
 """
 
 from __future__ import annotations
@@ -670,6 +671,8 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", default=[], help="run only the cases whose id starts with one of these")
     ap.add_argument("--out", default=str(REPO / "results" / "bad_inputs.json"))
     ap.add_argument("--keep", action="store_true", help="keep the temporary environment")
+    ap.add_argument("--update", action="store_true", help="with --only: replace those rows of the existing --out "
+                    "table (same ids), keep the others")
     ap.add_argument("--jobs", type=int, default=2, help="cases run at once (each watches its own files)")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -684,6 +687,10 @@ def main() -> int:
         P = build(root, env)
         rows = run_cases(P, root, env, args.only, args.jobs)
         out = Path(args.out)
+        if args.update and out.is_file():
+            new = {r["id"]: r for r in rows}
+            old = json.loads(out.read_text())["rows"]
+            rows = [dict(new.pop(r["id"]), rerun=True) if r["id"] in new else r for r in old] + list(new.values())
         summary = write(rows, out, out.with_suffix(".md"))
         print(json.dumps(summary), file=sys.stderr)
         for r in rows:

@@ -36,6 +36,11 @@ def trace_record(model: str, out: str, corpus: str = "data/corpus", tokenizer: O
     from .recorder import record_corpus
 
     check_output(out, model)
+    from .corpus import DOMAINS
+
+    unknown = [d for d in domains or [] if d not in DOMAINS]
+    if unknown or domains == []:
+        raise InputError(f"--domains {domains}: expected some of {', '.join(DOMAINS)}")
     for name, v in (("prompt_len", prompt_len), ("decode_tokens", decode_tokens), ("batch_size", batch_size),
                     ("max_seqs", max_seqs)):
         if v < 1:

@@ -408,7 +408,7 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
 
     model = load_causal_lm(base, dtype=torch.float32)
     check_vocab(tok, model.config)
-    if (base / "tokenizer.json").is_file() or (base / "tokenizer_config.json").is_file():
+    if (base / "tokenizer.json").is_file():
         from expertcache.telemetry.corpus import load_tokenizer
 
         if load_tokenizer(str(base)).get_vocab() != tok.get_vocab():
