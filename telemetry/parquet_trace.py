@@ -153,7 +153,8 @@ class TraceWriter:
         if self.path.is_dir():
             raise InputError(f"output {self.path} is a directory; expected a .parquet file name")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._writer = pq.ParquetWriter(str(self.tmp), self.schema, compression="zstd")
+        # page checksums (CRC32 per data page): a flipped byte in any column is found when the page is read
+        self._writer = pq.ParquetWriter(str(self.tmp), self.schema, compression="zstd", write_page_checksum=True)
         try:
             self._old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
         except ValueError:  # not the main thread: no signal handling
@@ -340,7 +341,7 @@ def read_trace(path: str | Path, columns: list[str] | None = None) -> Trace:
     anything that is not a readable trace."""
     meta = read_meta(path)
     try:
-        table = pq.read_table(str(path), columns=columns)
+        table = pq.read_table(str(path), columns=columns, page_checksum_verification=True)
     except (pa.ArrowException, OSError, ValueError, KeyError, MemoryError) as e:
         raise _unreadable(path, e) from None
     _check_table(path, meta, table, columns)
@@ -361,9 +362,15 @@ def check_compatible(meta: TraceMeta, model_or_config) -> None:
 
 
 def info(path: str | Path) -> dict:
-    """Metadata and counts without loading the heavy columns; `partial` True when the recording stopped early."""
+    """Metadata and counts (`partial` True when the recording stopped early), every data page read once against
+    its checksum (traces written before page checksums: decoded, not checksummed)."""
     meta = read_meta(path)
-    f = pq.ParquetFile(str(path))
+    f = pq.ParquetFile(str(path), page_checksum_verification=True)
+    try:  # every page of every column once, one column at a time: damaged data is found here, not later
+        for name in f.schema_arrow.names:
+            f.read(columns=[name])
+    except (pa.ArrowException, OSError, ValueError, MemoryError) as e:
+        raise _unreadable(path, e) from None
     t = read_trace(path, columns=["seq_id", "layer", "phase", "domain"]).table
     import pyarrow.compute as pc
 
