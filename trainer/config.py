@@ -166,10 +166,6 @@ def shipped_recipe(name_or_path: str, folder: str = "") -> Path:
     raise RecipeError(f"recipe {name_or_path!r} is neither a file nor a shipped recipe ({', '.join(names)})")
 
 
-def save_recipe(obj, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(obj), sort_keys=False))
-
-
 def describe(cls, prefix: str = "") -> list[str]:
     """One line per key: `section.key (type, default): help`."""
     lines = []
