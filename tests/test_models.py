@@ -30,7 +30,7 @@ def test_base_spec_meets_the_realism_bar():
 
 
 def test_top_k_above_experts_is_rejected():
-    with pytest.raises(ValueError, match="top_k=9 exceeds num_experts=8"):
+    with pytest.raises(ValueError, match="top_k=9 exceeds model.num_experts=8"):
         BaseModelSpec(num_experts=8, top_k=9).to_hf_config(512, 0, 1)
 
 
