@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from expertcache.telemetry.atomic import check_output
 from expertcache.telemetry.errors import InputError
 
 from .engine import EngineConfig
@@ -34,30 +35,6 @@ def _git_commit() -> str:
                               cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
-
-
-def _writable(out: Optional[str]) -> None:
-    """Refuse an output path that cannot be written before any work starts."""
-    if out is None:
-        return
-    p = Path(out)
-    if p.is_dir():
-        raise InputError(f"output {out} is a directory; expected a file path")
-    parent = p.parent if str(p.parent) else Path(".")
-    parent.mkdir(parents=True, exist_ok=True)
-    import os
-
-    if not os.access(parent, os.W_OK):
-        raise InputError(f"output folder {parent} is not writable")
-
-
-def _not_input(out: Optional[str], *inputs: Optional[str]) -> None:
-    """Refuse an output path that is one of the command's inputs (it would be overwritten by its own result)."""
-    if out is None:
-        return
-    for i in inputs:
-        if i is not None and Path(i).exists() and Path(out).resolve() == Path(i).resolve():
-            raise InputError(f"output {out} is also an input of this command; write the result elsewhere")
 
 
 def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
@@ -94,8 +71,7 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
     """
     from rich.progress import Progress
 
-    _writable(out)
-    _not_input(out, replay, model)
+    check_output(out, replay, model)
     engine.check()
     if min(tokens, rounds, prompts, prompt_len) < 1 or warmup < 0 or not capacities:
         raise InputError("tokens, rounds, prompts and prompt_len must be >= 1, warmup >= 0, capacities non-empty")
@@ -181,7 +157,7 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
 
     from .bigbench import SYSTEMS, bench_big as run, plot, table
 
-    _writable(out)
+    check_output(out)
     bad = [x for x in systems if x not in SYSTEMS]
     if bad:
         raise InputError(f"unknown system(s) {', '.join(bad)}; expected {', '.join(SYSTEMS)}")
@@ -296,8 +272,7 @@ def fit_predictor(trace: str, out: str, ridge: float = 1.0) -> dict:
 
     if not (math.isfinite(ridge) and ridge > 0):
         raise InputError(f"--ridge {ridge}: expected a finite number > 0")
-    _writable(out)
-    _not_input(out, trace)
+    check_output(out, trace)
     est = EstimatorPredictor.fit(trace, ridge)
     est.save(out, read_meta(trace).__dict__)
     return {"estimator": out, "layers": int(est.w.shape[0]) + 1, "hidden": int(est.w.shape[1]),
