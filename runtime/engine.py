@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from expertcache.telemetry.cache import reroute_choice
 from expertcache.telemetry.cachesim import CacheResult
 from expertcache.telemetry.errors import InputError
 
@@ -374,18 +375,8 @@ class OffloadEngine:
         res_ids = [e for e in range(n_e) if st.lookup(e) is not None and (only is None or e in only)]
         resident = torch.zeros(n_e, dtype=torch.bool, device=probs.device)
         resident[res_ids] = True
-        idx = top_k_index.clone()
-        changed = 0
-        for j in range(idx.shape[1]):
-            miss = ~resident[idx[:, j]]  # [tokens]
-            if not bool(miss.any()):
-                continue
-            taken = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, idx, True)
-            cand = probs.masked_fill(~resident | taken, -1.0)
-            best, r = cand.max(dim=-1)
-            ok = miss & (best >= 0) & (probs.gather(1, idx[:, j:j + 1])[:, 0] - best <= tau)
-            idx[:, j] = torch.where(ok, r, idx[:, j])
-            changed += int(ok.sum())
+        idx, swapped = reroute_choice(probs, top_k_index, resident, tau)
+        changed = int(swapped.sum())
         if not changed:
             return top_k_index, top_k_weights
         self.stats.rerouted += changed

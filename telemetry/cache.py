@@ -144,3 +144,28 @@ class CacheState:
         """Forget `e` (a cancelled prefetch): its slot is free again."""
         if e in self.res:
             self.free.append(self.res.pop(e))
+
+
+def reroute_choice(probs, idx, resident, tau: float):
+    """The reroute miss policy's rule, the one place it is written (the engine serves with it; the trainer's
+    serving-aware forward applies it): each chosen expert that is not resident, column by column in the
+    choice's order, is swapped for the most likely resident expert not already chosen, if its probability is
+    within `tau` of the missing one's.
+
+    `probs [N, E]` router probabilities (float), `idx [N, k]` the router's choice, `resident [E]` or `[N, E]`
+    bool. Returns `(idx' [N, k], changed [N, k] bool)`; `idx` itself is not modified."""
+    import torch
+
+    resident = resident.expand_as(probs)
+    out = idx.clone()
+    changed = torch.zeros_like(idx, dtype=torch.bool)
+    for j in range(idx.shape[1]):
+        miss = ~resident.gather(1, out[:, j:j + 1])[:, 0]  # [N]
+        if not bool(miss.any()):
+            continue
+        taken = torch.zeros_like(resident).scatter_(1, out, True)
+        best, r = probs.masked_fill(~resident | taken, -1.0).max(dim=-1)
+        ok = miss & (best >= 0) & (probs.gather(1, out[:, j:j + 1])[:, 0] - best <= tau)
+        out[:, j] = torch.where(ok, r, out[:, j])
+        changed[:, j] = ok
+    return out, changed

@@ -13,7 +13,8 @@ from expertcache.telemetry.errors import InputError
 from expertcache.trainer.aux_routers import (AuxRouterConfig, AuxRouters, history_features, load_aux_routers,
                                              next_use_target)
 from expertcache.trainer.config import RecipeError, load_recipe
-from expertcache.trainer.locality import domain_loss, layer_weights, locality_loss, lru_resident
+from expertcache.trainer.locality import (domain_loss, layer_weights, locality_loss, lru_resident, served_margin_loss,
+                                          served_routing)
 from helpers import REPO, smoke_overrides
 
 CA_RECIPES = REPO / "recipes" / "cache-aware"
@@ -75,6 +76,82 @@ def test_cache_losses_push_the_missed_expert_down_and_the_resident_one_up(kind):
     assert torch.all(g[0] == 0)  # the cache's contents come from the hard choice: no gradient into token 0
     hit = torch.tensor([[3.0, 0, 0, 0], [3.0, 0, 0, 0]])
     assert locality_loss([hit], 1, "miss", top_k=1, cache=1).item() == 0.0
+
+
+def _reroute_by_hand(probs, choice, lru, cap, tau):
+    """The engine's reroute rule, written out for one token: `lru` the served experts, least recent first."""
+    resident = set(lru[-cap:])
+    out = list(choice)
+    for j, e in enumerate(out):
+        if e in resident:
+            continue
+        cand = [r for r in resident if r not in out]
+        if cand:
+            r = max(cand, key=lambda x: (probs[x], -x))
+            if probs[e] - probs[r] <= tau:
+                out[j] = r
+    return out
+
+
+@pytest.mark.parametrize("cap,k,tau", [(2, 2, 0.05), (3, 2, 0.2), (4, 4, 0.1), (6, 2, float("inf")), (8, 2, 0.1)])
+def test_served_routing_replays_the_engines_reroute_token_by_token(cap, k, tau):
+    torch.manual_seed(cap * 10 + k)
+    b, t, e = 3, 30, 8
+    probs = (torch.randn(b * t, e) * 2).softmax(-1)
+    idx = probs.topk(k, dim=-1).indices
+    served, changed = served_routing(probs, idx, b, cap, tau)
+    for s in range(b):
+        lru: list[int] = []
+        for i in range(t):
+            row = s * t + i
+            want = _reroute_by_hand(probs[row].tolist(), idx[row].tolist(), lru, cap, tau)
+            assert served[row].tolist() == want, (s, i)
+            assert changed[row].tolist() == [a != c for a, c in zip(want, idx[row].tolist())]
+            for x in want:  # the served experts become the most recent (in choice order)
+                if x in lru:
+                    lru.remove(x)
+                lru.append(x)
+    if tau > 0:
+        assert changed.any()  # the replay did reroute something (the comparison above is not vacuous)
+    same, none = served_routing(probs, idx, b, cap, -1.0)  # a negative tau never swaps
+    assert torch.equal(same, idx) and not none.any()
+
+
+def test_margin_loss_lifts_the_served_experts_over_the_rest():
+    # 4 experts, top-1: the router prefers expert 3, the reroute served expert 0 -> push 0 up and 3 down
+    logits = torch.tensor([[0.0, 0.0, 0.0, 3.0], [3.0, 0.0, 0.0, 0.0]], requires_grad=True)
+    served = torch.tensor([[0], [0]])
+    loss = served_margin_loss([logits], [served], margin=0.5)
+    assert loss.item() == pytest.approx((3.0 - 0.0 + 0.5) / 2)  # token 1 agrees already: it adds nothing
+    loss.backward()
+    g = logits.grad
+    assert g[0, 0] < 0 and g[0, 3] > 0 and torch.all(g[1] == 0), g
+    agree = served_margin_loss([torch.tensor([[3.0, 0, 0, 0]])], [torch.tensor([[0]])], margin=0.5)
+    assert agree.item() == 0.0
+
+
+def test_serving_aware_forward_computes_with_the_served_experts(tiny_base):
+    from transformers import AutoModelForCausalLM
+
+    from expertcache.telemetry.adapters import adapter_for
+    from expertcache.trainer.locality import ServedRouting
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_base).eval()
+    a = adapter_for(model)
+    ids = torch.randint(3, model.config.vocab_size, (2, 24))
+    with torch.no_grad():
+        native = model(input_ids=ids, output_router_logits=True, use_cache=False)
+    hooks = ServedRouting(a.moe_layers(model), a, capacity=a.top_k, tau=1.0, apply=True)
+    with torch.no_grad():
+        off = model(input_ids=ids, use_cache=False).logits  # inactive: the model's own routing
+        hooks.active, hooks.batch = True, 2
+        on = model(input_ids=ids, output_router_logits=True, use_cache=False)
+    assert torch.equal(off, native.logits)
+    assert hooks.rerouted_fraction() > 0 and not torch.allclose(on.logits, native.logits)
+    # layer 0 sees the same input either way: its served set is the replay of its own logits
+    want, _ = served_routing(a.scores(native.router_logits[0]), native.router_logits[0].topk(a.top_k).indices, 2,
+                             a.top_k, 1.0)
+    assert torch.equal(hooks.served[0], want)
 
 
 def test_domain_loss_gradient_moves_mass_into_the_allowed_set():

@@ -43,6 +43,7 @@ class LocalitySpec:
     temperature: float = opt(1.0, "router temperature for the locality loss only (< 1 sharpens; routing unchanged)")
     warmup_steps: int = opt(0, "ramp lambda linearly from 0 over this many optimizer steps (0: full from the start)")
     layer_weights: list[float] = opt([], "one weight per MoE layer (normalised to mean 1); [] = all equal")
+    margin: float = opt(0.5, "kind=margin: the logit margin by which the served experts should beat the rest")
     domain_weight: float = opt(0.0, "weight of the domain loss: routing mass outside the domain's expert set")
     domain_frac: float = opt(0.5, "each domain's allowed experts, as a fraction of E, from the base's own usage")
 
@@ -55,6 +56,8 @@ class LocalitySpec:
             raise RecipeError(f"locality.weight={self.weight}; expected a finite number >= 0")
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise RecipeError(f"locality.temperature={self.temperature}; expected a finite number > 0")
+        if not (math.isfinite(self.margin) and self.margin >= 0):
+            raise RecipeError(f"locality.margin={self.margin}; expected a finite number >= 0")
         if self.cache < 0 or self.warmup_steps < 0:
             raise RecipeError("locality.cache and locality.warmup_steps must be >= 0")
         if not (math.isfinite(self.domain_weight) and self.domain_weight >= 0) or not 0 < self.domain_frac <= 1:
@@ -78,6 +81,22 @@ class QualitySpec:
         if not (self.lm_weight >= 0 and self.distill >= 0) or not (self.lm_weight or self.distill) \
                 or not math.isfinite(self.lm_weight + self.distill):
             raise RecipeError("quality.lm_weight and quality.distill must be >= 0, and not both 0")
+
+
+@dataclass
+class ServingSpec:
+    reroute: bool = opt(False, "serving-aware fine-tuning: the training forward computes with the experts the "
+                        "reroute miss policy would serve (an LRU cache of `capacity` experts per layer, misses "
+                        "swapped for resident experts within tau), replayed token by token")
+    capacity: float = opt(0.125, "the served cache per layer (a fraction of E below 1, else a count; at least "
+                          "top_k): for serving.reroute and for locality.kind=margin")
+    tau: float = opt(0.1, "the reroute threshold on router probabilities, as the engine's --engine.tau")
+
+    def __post_init__(self):
+        if not (math.isfinite(self.capacity) and self.capacity > 0):
+            raise RecipeError(f"serving.capacity={self.capacity}; expected a fraction of E or a count of experts")
+        if not (math.isfinite(self.tau) and self.tau >= 0):
+            raise RecipeError(f"serving.tau={self.tau}; expected a finite number >= 0")
 
 
 @dataclass
@@ -191,6 +210,7 @@ class CacheAwareRecipe:
                                      log_every=5), "optimisation, validation, checkpoints, logging")
     locality: LocalitySpec = opt(LocalitySpec(), "routing-locality losses on the backbone's routers")
     quality: QualitySpec = opt(QualitySpec(), "the quality terms (LM loss, distillation) and what trains")
+    serving: ServingSpec = opt(ServingSpec(), "the served routing (reroute) replayed in training")
     routers: RouterSpec = opt(RouterSpec(), "auxiliary Temporal / Spatio routers")
     eval: EvalSpec = opt(EvalSpec(), "end-of-run cache figures, perplexity and the gate")
     sweep: SweepSpec = opt(SweepSpec(), "run one key over a grid and write one table")
@@ -231,6 +251,18 @@ class CacheAwareModule(CausalLMModule):
         self.layer_w = layer_weights(recipe.locality.layer_weights, len(self.moe))
         self._hidden: dict[int, torch.Tensor] = {}
         self._capture = False
+        self.served = None
+        sv = recipe.serving
+        if sv.reroute or recipe.locality.kind == "margin":
+            from expertcache.telemetry.cachesim import capacity_count
+
+            from .locality import ServedRouting
+
+            c = capacity_count(sv.capacity, self.adapter.num_experts)
+            if c < self.adapter.top_k:
+                raise RecipeError(f"serving.capacity={sv.capacity} is {c} experts, fewer than top_k="
+                                  f"{self.adapter.top_k}: the served replay needs a step's experts to fit")
+            self.served = ServedRouting(self.moe, self.adapter, c, sv.tau, apply=sv.reroute)
         if aux is not None:
             for i, layer in enumerate(self.moe):
                 layer.router.register_forward_hook(self._keep_input(i))
@@ -264,6 +296,8 @@ class CacheAwareModule(CausalLMModule):
         b = ids.shape[0]
         loc, r = self.recipe.locality, self.recipe.routers
         self._capture = self.aux is not None
+        if self.served is not None:
+            self.served.active, self.served.batch = True, b
         try:
             if self.recipe.mode == "aux-only":
                 with torch.no_grad():
@@ -281,11 +315,17 @@ class CacheAwareModule(CausalLMModule):
                     kl = self.distill_loss(ids, out.logits)
                     total = total + q.distill * kl
                     self.log("train/distill", kl.detach(), prog_bar=True)
+            if self.served is not None:
+                self.log("train/rerouted", self.served.rerouted_fraction())
             if loc.weight:
-                from .locality import locality_loss
+                from .locality import locality_loss, served_margin_loss
 
-                lo = locality_loss(out.router_logits, b, loc.kind, self.layer_w, loc.temperature,
-                                   self.adapter.top_k, loc.cache)
+                if loc.kind == "margin":
+                    lo = served_margin_loss(out.router_logits, [self.served.served[i] for i in range(len(self.moe))],
+                                            loc.margin, self.layer_w)
+                else:
+                    lo = locality_loss(out.router_logits, b, loc.kind, self.layer_w, loc.temperature,
+                                       self.adapter.top_k, loc.cache)
                 ramp = min(1.0, (self.global_step + 1) / loc.warmup_steps) if loc.warmup_steps else 1.0
                 total = total + ramp * loc.weight * lo
                 self.log("train/locality", lo.detach(), prog_bar=True)
@@ -308,6 +348,9 @@ class CacheAwareModule(CausalLMModule):
         finally:
             self._capture = False
             self._hidden.clear()
+            if self.served is not None:
+                self.served.active = False
+                self.served.clear()
         return total
 
 

@@ -11,6 +11,10 @@ Both act on `router_logits`, one `[B*T, E]` tensor per MoE layer as HF models re
   `sum_{e in topk_t, not resident} q_t(e)`, the mass of the experts the token would load (hard selection,
   gradient through the probabilities: a straight-through form that pushes exactly the misses down).
   `q = softmax(z / temperature)`: a temperature for the loss only (routing itself is unchanged).
+- margin: the native top-k pulled toward the experts the reroute miss policy would serve (`ServedRouting`): on
+  each token whose served set differs from its own top-k, a hinge `relu(max_{e not served} z_e -
+  min_{e served} z_e + margin)` on the router logits, so that the router learns to choose natively what a
+  reroute would have swapped in (cheap swaps only: a reroute moves a token only within tau).
 - domain: routing mass outside a domain's allowed expert set, `sum_{e not allowed} p_e`, averaged over tokens
   and layers; the allowed sets come from the base model's own usage (`allowed_experts`).
 """
@@ -21,7 +25,7 @@ import torch
 
 from expertcache.telemetry.errors import InputError
 
-LOCALITY_KINDS = ("dot", "l2", "resident", "miss")
+LOCALITY_KINDS = ("dot", "l2", "resident", "miss", "margin")
 
 
 def _probs(logits: torch.Tensor, batch: int, temperature: float = 1.0) -> torch.Tensor:
@@ -70,6 +74,8 @@ def locality_loss(router_logits, batch: int, kind: str = "dot", weights: torch.T
     router mass off an LRU cache of `cache` experts (`resident`, `miss`; `cache` 0: `top_k`)."""
     if kind not in LOCALITY_KINDS:
         raise InputError(f"locality kind {kind!r}; expected one of {LOCALITY_KINDS}")
+    if kind == "margin":
+        raise InputError("locality kind 'margin' scores the served routing: use served_margin_loss")
     if kind in ("resident", "miss") and top_k < 1:
         raise InputError(f"locality kind {kind!r} needs the model's top_k")
     per_layer = []
@@ -90,6 +96,87 @@ def locality_loss(router_logits, batch: int, kind: str = "dot", weights: torch.T
     if weights is not None:
         losses = losses * weights.to(losses.device)
     return losses.mean()
+
+
+def served_margin_loss(router_logits, served: list[torch.Tensor], margin: float,
+                       weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over layers (weighted) of the hinge that makes the router's own top-k the served set: per token
+    whose served experts `served[i] [N, k]` differ from the top-k of its logits `[N, E]`, `relu(best logit
+    outside the served set - worst logit inside it + margin)`; summed over those tokens, divided by all N."""
+    per_layer = []
+    for logits, s in zip(router_logits, served):
+        z = logits.float()
+        k = s.shape[-1]
+        in_s = torch.zeros_like(z, dtype=torch.bool).scatter_(-1, s.to(z.device), True)
+        native = torch.zeros_like(in_s).scatter_(-1, z.detach().topk(k, dim=-1).indices, True)
+        moved = (in_s != native).any(-1)  # [N]
+        lo = z.masked_fill(~in_s, float("inf")).min(-1).values
+        hi = z.masked_fill(in_s, float("-inf")).max(-1).values
+        per_layer.append(((hi - lo + margin).relu() * moved).sum() / z.shape[0])
+    losses = torch.stack(per_layer)
+    if weights is not None:
+        losses = losses * weights.to(losses.device)
+    return losses.mean()
+
+
+@torch.no_grad()
+def served_routing(probs: torch.Tensor, idx: torch.Tensor, batch: int, capacity: int, tau: float):
+    """What the engine serves with the reroute miss policy and an LRU cache of `capacity` experts per layer,
+    replayed over teacher-forced sequences: token by token, each sequence from an empty cache, the router's
+    choice `idx [B*T, k]` rerouted (`telemetry.cache.reroute_choice`, on `probs [B*T, E]`) against the
+    `capacity` most recently *served* experts. Exact for `capacity >= k` (a step's experts all stay).
+    Returns `(served [B*T, k], changed [B*T, k] bool)`."""
+    from expertcache.telemetry.cache import reroute_choice
+
+    e, k = probs.shape[-1], idx.shape[-1]
+    p, ix = probs.view(batch, -1, e), idx.view(batch, -1, k)
+    t_len = p.shape[1]
+    last = torch.full((batch, e), -1, dtype=torch.long, device=p.device)  # most recent use of each expert
+    rank = torch.arange(k, device=p.device).expand(batch, k)
+    out, changed = torch.empty_like(ix), torch.zeros_like(ix, dtype=torch.bool)
+    for t in range(t_len):
+        if capacity >= e:
+            res = last >= 0
+        else:
+            most = last.topk(capacity, dim=-1)
+            res = torch.zeros_like(last, dtype=torch.bool).scatter_(-1, most.indices, most.values >= 0)
+        out[:, t], changed[:, t] = reroute_choice(p[:, t], ix[:, t], res, tau)
+        last.scatter_(1, out[:, t], t * k + rank)
+    return out.view(-1, k), changed.view(-1, k)
+
+
+class ServedRouting:
+    """Forward hooks on a model's routers that replay the reroute miss policy during training steps: with
+    `apply`, the layers compute with the served experts (their weights re-derived from the logits by the
+    family's rule, so the router learns through them: serving-aware fine-tuning); either way the served choice
+    of each layer is kept for the margin loss. Off (`active = False`) outside training steps."""
+
+    def __init__(self, moe_layers, adapter, capacity: int, tau: float, apply: bool):
+        self.adapter, self.capacity, self.tau, self.apply = adapter, capacity, tau, apply
+        self.active, self.batch = False, 1
+        self.served: dict[int, torch.Tensor] = {}
+        self.changed: dict[int, torch.Tensor] = {}
+        self.handles = [layer.router.register_forward_hook(self._hook(i)) for i, layer in enumerate(moe_layers)]
+
+    def _hook(self, i: int):
+        def hook(module, args, output):
+            if not self.active:
+                return None
+            logits, weights, idx = output
+            served, changed = served_routing(self.adapter.scores(logits.detach()), idx, self.batch,
+                                             self.capacity, self.tau)
+            self.served[i], self.changed[i] = served, changed
+            if not self.apply:
+                return None
+            return logits, self.adapter.weights(logits, served).to(weights.dtype), served
+        return hook
+
+    def rerouted_fraction(self) -> float:
+        return float(torch.stack([c.float().mean() for c in self.changed.values()]).mean()) if self.changed else 0.0
+
+    def clear(self) -> None:
+        self.served.clear()
+        self.changed.clear()
 
 
 def domain_loss(router_logits, batch: int, domain: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
