@@ -67,6 +67,10 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
 
     f = recipe.frontier
     points = {name: variant(recipe, name) for name in f.variants}  # every variant checked before anything runs
+    for name, point in points.items():
+        if point.serving.reroute and name in f.reroute and point.serving.capacity != f.capacity:
+            raise RecipeError(f"frontier variant {name}: serving.capacity={point.serving.capacity} but its reroute "
+                              f"row is compared with the base at frontier.capacity={f.capacity}")
     out = Path(recipe.out_dir)
     evals = out / "evals"
     kw = dict(corpus=recipe.data.corpus, task_dir=evals / "task-data", split=f.split)
@@ -75,7 +79,9 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
         path = evals / f"{name}.json"
         if path.is_file():
             r = json.loads(path.read_text())
-            if r.get("format_version") == EVAL_FORMAT_VERSION:  # older evals lack the gate's fingerprints
+            # older evals lack the gate's fingerprints; one served otherwise is not this row's
+            if r.get("format_version") == EVAL_FORMAT_VERSION and r.get("policy") == (engine.label() if engine
+                                                                                       else "plain"):
                 return r
         log(f"[frontier] eval {name} [{'plain' if engine is None else engine.label()}]")
         tasks, limit = (f.lossy_tasks, f.lossy_limit) if lossy else (f.tasks, f.limit)
@@ -94,12 +100,17 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
         base_lru = ev(base, "base-lru", served, lossy=True)["stepwise"]["engine"]["demand_loads"]
     rows: list[dict] = []
 
-    def served_row(name, model, res, control):
-        r = ev(model, f"{name}-reroute", reroute, lossy=True)
+    def served_row(name, model, res, control, point=None):
+        # a variant trained serving-aware is served as it was trained (its own capacity and tau)
+        sv = point.serving if point is not None and point.serving.reroute else None
+        engine = reroute if sv is None else EngineConfig(capacity=sv.capacity, tier="host", miss="reroute",
+                                                         tau=sv.tau)
+        r = ev(model, f"{name}-reroute", engine, lossy=True)
         e = r["stepwise"]["engine"]
         row = frontier_row(name, "reroute", res, gate(base_small, r), None, control)
         row.update(miss_reduction_1_8=1 - e["demand_loads"] / base_lru, demand_loads=e["demand_loads"],
-                   base_lru_demand_loads=base_lru, rerouted=e.get("rerouted", 0), capacity=f.capacity, tau=f.tau)
+                   base_lru_demand_loads=base_lru, rerouted=e.get("rerouted", 0), capacity=engine.capacity,
+                   tau=engine.tau)
         return row
 
     def publish():
@@ -121,7 +132,7 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
         g = gate(base_plain, ev(model, f"{name}-plain"))
         rows.append(frontier_row(name, "plain", res, g, res["summary"]["capacities"], control))
         if name in f.reroute:
-            rows.append(served_row(name, model, res, control))
+            rows.append(served_row(name, model, res, control, point))
         publish()
     log(frontier_table(rows))
     return rows

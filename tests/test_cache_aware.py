@@ -1,6 +1,7 @@
 """Cache-aware post-training: losses with hand-made cases, router shapes and targets, the predictor-driven cache
 simulator, and real post-training runs (aux-only freeze, joint, resume) on a tiny pretrained base."""
 
+import csv
 import json
 import math
 
@@ -262,6 +263,10 @@ def test_every_shipped_recipe_loads_and_bad_ones_are_refused():
         load_recipe(CacheAwareRecipe, CA_RECIPES / "locality.yaml", ["routers.temporal=true"])
     with pytest.raises(RecipeError, match="aux-only freezes the backbone"):
         load_recipe(CacheAwareRecipe, CA_RECIPES / "aux-only.yaml", ["locality.weight=1.0"])
+    with pytest.raises(RecipeError, match="serving.tau=-0.1"):
+        load_recipe(CacheAwareRecipe, CA_RECIPES / "locality.yaml", ["serving.reroute=true", "serving.tau=-0.1"])
+    with pytest.raises(RecipeError, match="locality.margin=nan"):
+        load_recipe(CacheAwareRecipe, CA_RECIPES / "locality.yaml", ["locality.kind=margin", "locality.margin=nan"])
 
 
 @pytest.fixture(scope="module")
@@ -440,6 +445,24 @@ def test_distillation_to_the_base_starts_at_zero_and_routers_only_leaves_the_res
     metrics = (out / "logs").rglob("metrics.csv")
     head = next(metrics).read_text().splitlines()
     assert "train/distill" in head[0] and "train/locality" in head[0]
+
+
+def test_serving_aware_run_with_the_margin_loss_logs_its_reroutes(tiny_data, tiny_base, tmp_path):
+    from expertcache.trainer.cache_aware import run_cache_aware
+
+    out = tmp_path / "served"
+    res = run_cache_aware(_ca_recipe(tiny_data, tiny_base, out, "locality", **{
+        "serving.reroute": "true", "serving.capacity": 0.5, "serving.tau": 0.2, "locality.kind": "margin",
+        "locality.weight": 1.0, "quality.distill": 1.0, "train.max_steps": 2, "train.log_every": 1}))
+    assert res["global_step"] == 2
+    rows = list(csv.DictReader(next((out / "logs").rglob("metrics.csv")).open()))
+    rerouted = [float(r["train/rerouted"]) for r in rows if r.get("train/rerouted")]
+    assert rerouted and all(0 < x < 1 for x in rerouted)  # the forward computed with swapped experts
+    assert any(r.get("train/locality") for r in rows)
+    too_small = _ca_recipe(tiny_data, tiny_base, tmp_path / "small", "locality",
+                           **{"serving.reroute": "true", "serving.capacity": 1})
+    with pytest.raises(RecipeError, match="fewer than top_k"):
+        run_cache_aware(too_small)
 
 
 def test_frontier_trains_each_variant_once_gates_it_and_writes_rows(tiny_data, tiny_base, tmp_path):

@@ -7,7 +7,11 @@ Modes:
   backbone's hidden states.
 - `aux-only`: the backbone is frozen (bit-identical); only the auxiliary routers train.
 - `locality-only`: the backbone with locality losses, no auxiliary routers.
-Inference always uses the model's native top-k: nothing here changes which experts a token computes with.
+Inference always uses the model's native top-k: nothing here changes which experts a token computes with once
+it is served. `serving.reroute` changes the *training* forward only: each training sequence is replayed token by
+token through an LRU cache of `serving.capacity` experts per layer, and every layer computes with the experts the
+engine's reroute miss policy would serve (`locality.ServedRouting`), so the model learns to work with them
+(serving-aware fine-tuning); `locality.kind=margin` teaches the router to choose those experts itself.
 
 Run folder (`out_dir`): recipe.yaml, checkpoints/ (resumable), logs/, model/ (HF checkpoint + tokenizer +
 aux_routers.safetensors), trace-<split>.parquet (the run's decode routing), result.json, result.md,
