@@ -598,7 +598,8 @@ def frontier_table(rows: list[dict]) -> str:
         ctl = r.get("dppl_vs_control_pct", {}).get("overall")
         tg = r.get("temporal_adjusted_gain_points_1_8")
         tmp = "—" if tg is None else f"{tg:+.1f} pts ({r['temporal_traffic_ratio_1_8']:.2f}x)"
-        lines.append(f"| {r['name']} | {r['serving']} | {pct(r['miss_reduction_1_8'])} | "
+        serving = r["serving"] + (f" τ={r['tau']:g}" if r.get("tau") is not None else "")
+        lines.append(f"| {r['name']} | {serving} | {pct(r['miss_reduction_1_8'])} | "
                      f"{pct(r.get('miss_reduction_1_4'))} | {hit} | {pct(r['dppl_overall_pct'], True)} | "
                      f"{pct(r['dppl_max_domain_pct'], True)} | {pct(ctl, True)} | {acc} | {tmp} | {r['gate']} |")
     return "\n".join(lines)
