@@ -162,6 +162,9 @@ class ServedRouting:
         def hook(module, args, output):
             if not self.active:
                 return None
+            if not (isinstance(output, tuple) and len(output) == 3):
+                raise InputError(f"serving-aware training needs routers that return (logits, weights, ids); "
+                                 f"{type(module).__name__} returns {type(output).__name__}")
             logits, weights, idx = output
             served, changed = served_routing(self.adapter.scores(logits.detach()), idx, self.batch,
                                              self.capacity, self.tau)
