@@ -590,18 +590,20 @@ def frontier_table(rows: list[dict]) -> str:
         return "—" if v is None else (f"{v:+.2f}%" if sign else f"{100 * v:.1f}%")
 
     lines = ["| run | serving | LRU misses removed 1/8 E | 1/4 E | LRU hit 1/8 (Belady) | Δppl overall | worst domain | "
-             "Δppl vs λ=0 control | Δacc worst (pts) | Temporal vs LRU 1/8 (traffic) | gate |",
+             "Δppl 64 blocks (vs λ=0 control) | Δacc worst (pts) | Temporal vs LRU 1/8 (traffic) | gate |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = "—" if r["dacc_min_points"] is None else f"{r['dacc_min_points']:+.1f}"
         hit = "—" if r.get("lru_hit_1_8") is None else f"{r['lru_hit_1_8']:.3f} ({r['belady_hit_1_8']:.3f})"
         ctl = r.get("dppl_vs_control_pct", {}).get("overall")
+        own = r.get("dppl_eval_blocks_pct", {}).get("overall")
+        big = "—" if own is None else f"{pct(own, True)} ({pct(ctl, True)})"
         tg = r.get("temporal_adjusted_gain_points_1_8")
         tmp = "—" if tg is None else f"{tg:+.1f} pts ({r['temporal_traffic_ratio_1_8']:.2f}x)"
         serving = r["serving"] + (f" τ={r['tau']:g}" if r.get("tau") is not None else "")
         lines.append(f"| {r['name']} | {serving} | {pct(r['miss_reduction_1_8'])} | "
                      f"{pct(r.get('miss_reduction_1_4'))} | {hit} | {pct(r['dppl_overall_pct'], True)} | "
-                     f"{pct(r['dppl_max_domain_pct'], True)} | {pct(ctl, True)} | {acc} | {tmp} | {r['gate']} |")
+                     f"{pct(r['dppl_max_domain_pct'], True)} | {big} | {acc} | {tmp} | {r['gate']} |")
     return "\n".join(lines)
 
 
