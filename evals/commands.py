@@ -15,11 +15,13 @@ from .taskdata import DEFAULT_TASKS
 DTYPES = ("fp32", "bf16", "fp16", "auto")
 
 
-def _check(dtype: str, limit: Optional[int], ppl_blocks: int, seq_len: int) -> None:
+def _check(dtype: str, limit: Optional[int], ppl_blocks: int, seq_len: int, include_path: Optional[str]) -> None:
     if dtype not in DTYPES:
         raise InputError(f"--dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
     if (limit is not None and limit < 1) or ppl_blocks < 1 or seq_len < 2:
         raise InputError("--limit and --ppl_blocks must be >= 1 and --seq_len >= 2")
+    if include_path is not None and not Path(include_path).is_dir():
+        raise InputError(f"--include_path {include_path} is not a folder of task YAMLs")
 
 
 def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = list(DEFAULT_TASKS),
@@ -49,10 +51,8 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = l
 
     from expertcache.telemetry.atomic import check_output
 
-    _check(dtype, limit, ppl_blocks, seq_len)
+    _check(dtype, limit, ppl_blocks, seq_len, include_path)
     check_output(out, model)
-    if include_path is not None and not Path(include_path).is_dir():
-        raise InputError(f"--include_path {include_path} is not a folder of task YAMLs")
     if engine is not None:
         engine.check()
     with Progress(transient=True) as prog:
@@ -96,10 +96,8 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
 
     from expertcache.telemetry.atomic import check_output
 
-    _check(dtype, limit, ppl_blocks, seq_len)
+    _check(dtype, limit, ppl_blocks, seq_len, include_path)
     check_output(out, baseline, candidate)
-    if include_path is not None and not Path(include_path).is_dir():
-        raise InputError(f"--include_path {include_path} is not a folder of task YAMLs")
 
     def load(x: str, served: Optional[EngineConfig]) -> dict:
         if Path(x).suffix == ".json":

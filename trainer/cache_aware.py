@@ -257,7 +257,7 @@ class CacheAwareModule(CausalLMModule):
         self._capture = False
         self.served = None
         sv = recipe.serving
-        if sv.reroute or recipe.locality.kind == "margin":
+        if sv.reroute or (recipe.locality.kind == "margin" and recipe.locality.weight):  # the replay is paid per step
             from expertcache.telemetry.cachesim import capacity_count
 
             from .locality import ServedRouting

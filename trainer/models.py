@@ -138,4 +138,3 @@ def save_model_dir(model, tokenizer, model_dir, aux=None) -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)
-
