@@ -25,7 +25,6 @@ but any key may go after it, so Belady bounds every policy here, `simulate_score
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,7 +98,8 @@ def capacity_count(capacity: float, num_experts: int) -> int:
     return int(capacity)
 
 
-def _check(steps: np.ndarray, capacity: int, policy: str, semantics: str) -> list[list[int]]:
+def _check(steps: np.ndarray, capacity: int, policy: str, semantics: str) -> np.ndarray:
+    """`steps` as a C-contiguous int64 `[S, k]` array of distinct non-negative keys per row, or InputError."""
     if policy not in POLICIES:
         raise InputError(f"unknown cache policy {policy!r}; expected one of {POLICIES}")
     if semantics not in SEMANTICS:
@@ -109,14 +109,33 @@ def _check(steps: np.ndarray, capacity: int, policy: str, semantics: str) -> lis
     steps = np.asarray(steps)
     if steps.ndim != 2:
         raise InputError(f"steps must be [S, k], got shape {steps.shape}")
-    return steps.tolist()
+    if steps.size and not np.issubdtype(steps.dtype, np.integer):
+        raise InputError(f"steps must be integer keys, got {steps.dtype}")
+    steps = np.ascontiguousarray(steps, dtype=np.int64)
+    if steps.size:
+        if int(steps.min()) < 0:
+            raise InputError(f"steps hold a negative key ({int(steps.min())})")
+        srt = np.sort(steps, axis=1)
+        dup = np.flatnonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))
+        if dup.size:
+            raise InputError(f"step {int(dup[0])} uses key {steps[dup[0]].tolist()} more than once: a token's experts "
+                             f"at one layer are distinct ({dup.size} such steps)")
+    return steps
+
+
+def _n_keys(steps: np.ndarray) -> int:
+    return int(steps.max()) + 1 if steps.size else 1
 
 
 def simulate(steps: np.ndarray, capacity: int, policy: str = "lru", semantics: str = "token",
              fit: np.ndarray | None = None, keep=None) -> CacheResult:
     """Hit/miss counts of one cache over `steps`. `fit` (static only): the steps whose frequencies pick the pins.
     ``learned`` (token semantics): the scored path driven by `keep`, a fitted policy's keep scores for these
-    steps (`LearnedPolicy.keep_stream`, expertcache.telemetry.learned_policy)."""
+    steps (an `[S, E]` array; `LearnedPolicy.keep_stream`, expertcache.telemetry.learned_policy).
+
+    Each policy runs as a compiled loop (`simkernels`) that tests prove equal to driving `CacheState`."""
+    from . import simkernels as sk
+
     if policy == LEARNED:
         if semantics != "token":
             raise InputError("the learned policy is simulated under token semantics only")
@@ -124,16 +143,18 @@ def simulate(steps: np.ndarray, capacity: int, policy: str = "lru", semantics: s
             raise InputError("policy learned needs its keep scores (LearnedPolicy.keep_stream over the trace)")
         return simulate_scored(steps, capacity, keep, name=LEARNED)
     rows = _check(steps, capacity, policy, semantics)
+    n = _n_keys(rows)
     if policy == "static":
-        hits = drive(rows, _state(rows, capacity, "static", _pins(fit if fit is not None else steps, capacity)))[0]
+        pins = _pins(fit if fit is not None else rows, capacity)
+        hits = int(np.isin(rows, np.asarray(pins, dtype=np.int64)).sum())
     elif policy == "belady":
-        hits = _belady(rows, capacity, semantics == "token")
+        hits = sk.belady(rows, capacity, n, semantics == "token")
     elif semantics == "token":
-        hits = drive(rows, _state(rows, capacity, policy))[0]
+        hits = (sk.lru_token if policy == "lru" else sk.lfu_token)(rows, capacity, n)
     else:
         hits = simulate_reference(rows, capacity, policy)
-    acc = sum(len(r) for r in rows)
-    return CacheResult(policy, capacity, semantics, len(rows), acc, hits, acc - hits)
+    acc = int(rows.size)
+    return CacheResult(policy, capacity, semantics, len(rows), acc, int(hits), acc - int(hits))
 
 
 def _pins(fit, capacity: int) -> list[int]:
@@ -152,7 +173,8 @@ def drive(rows, state: CacheState, keep=None, prefetch=None) -> tuple[int, int, 
     """(hits, demand loads, prefetch loads) of the cache `state` driven over `rows` (token semantics), exactly as
     the engine drives it: before step s, the keys `prefetch[s]` (-1: none) are given resident slots; then the
     step's resident keys hit, its misses are staged, and `retain` decides what stays (`keep`: the scored
-    policy's scores for each step, an `[S, E]` array or an iterator of rows)."""
+    policy's scores for each step, an `[S, E]` array or an iterator of rows). The definition the compiled
+    kernels are tested against, and the path for prefetching (`simulate_scored(prefetch=...)`)."""
     hits = loads = pre = 0
     if keep is not None:
         keep = iter(keep) if _is_stream(keep) else (row.tolist() for row in keep)
@@ -177,53 +199,17 @@ def drive(rows, state: CacheState, keep=None, prefetch=None) -> tuple[int, int, 
 
 def simulate_reference(rows, capacity: int, policy: str) -> int:
     """Hits under the reference semantics: a step's keys accessed one after another, each miss inserted at once
-    (evicting first if full), so a key the same step used a moment ago can go. `lru` and `lfu` (`belady` and
-    `static` are shared with the token semantics: see `simulate`)."""
+    (evicting first if full), so a key the same step used a moment ago can go. `lru` (the least recent step, ties
+    to the smallest key) and `lfu` (the least (count, last step, key)); `belady` and `static` are shared with the
+    token semantics: see `simulate`."""
+    from . import simkernels as sk
+
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
     if policy == "lru":
-        return _lru_ref(rows, capacity)
+        return int(sk.lru_reference(rows, capacity, _n_keys(rows)))
     if policy == "lfu":
-        return _lfu_ref(rows, capacity)
+        return int(sk.lfu_reference(rows, capacity, _n_keys(rows)))
     raise InputError(f"the reference semantics has lru and lfu of its own; {policy!r} is simulated by `simulate`")
-
-
-def _lru_ref(rows, cap) -> int:
-    cache: dict = {}  # key -> step of its last use
-    heap: list = []  # (step, key): the least recent first, ties to the smallest key; lazily invalidated
-    hits = 0
-    for s, r in enumerate(rows):
-        for e in r:
-            if e in cache:
-                hits += 1
-                if cache[e] == s:
-                    continue
-            elif len(cache) >= cap:
-                while True:
-                    t, v = heapq.heappop(heap)
-                    if cache.get(v) == t:
-                        del cache[v]
-                        break
-            cache[e] = s
-            heapq.heappush(heap, (s, e))
-    return hits
-
-
-def _lfu_ref(rows, cap) -> int:
-    count: dict = {}
-    last: dict = {}
-    cache: set = set()
-    hits = 0
-    for s, r in enumerate(rows):
-        for e in r:
-            count[e] = count.get(e, 0) + 1
-            last[e] = s
-            if e in cache:
-                hits += 1
-                continue
-            if len(cache) >= cap:
-                victim = min(cache, key=lambda v: (count[v], last[v], v))
-                cache.remove(victim)
-            cache.add(e)
-    return hits
 
 
 NEVER = _INF  # next use of a key that is never used again
@@ -244,73 +230,11 @@ def next_use_steps(ids: np.ndarray, num_experts: int) -> np.ndarray:
 
 
 def next_use(rows) -> list[list[int]]:
-    """nxt[s][j]: the next step after s that uses rows[s][j] (a large sentinel if none)."""
-    seen: dict = {}
-    nxt = [None] * len(rows)
-    for s in range(len(rows) - 1, -1, -1):
-        r = rows[s]
-        nxt[s] = [seen.get(e, _INF) for e in r]
-        for e in r:
-            seen[e] = s
-    return nxt
+    """nxt[s][j]: the next step after s that uses rows[s][j] (`NEVER` if none)."""
+    from . import simkernels as sk
 
-
-def _belady(rows, cap, token: bool) -> int:
-    nxt = next_use(rows)
-    res: dict = {}  # resident key -> its next use
-    heap: list = []  # (-next_use, key), lazily invalidated
-    hits = 0
-
-    def furthest(protect):
-        """(next use, key) of the resident key used furthest in the future, not in `protect`; None if none."""
-        stash, found = [], None
-        while heap:
-            nu, v = heapq.heappop(heap)
-            if res.get(v) != -nu:
-                continue  # stale entry
-            stash.append((nu, v))
-            if v not in protect:
-                found = (-nu, v)
-                break
-        for item in stash:
-            heapq.heappush(heap, item)
-        return found
-
-    for s, r in enumerate(rows):
-        nu_row = nxt[s]
-        if token:
-            miss = []
-            for e, nu in zip(r, nu_row):
-                if e in res:
-                    hits += 1
-                    res[e] = nu
-                    heapq.heappush(heap, (-nu, e))
-                else:
-                    miss.append((e, nu))
-            for e, nu in miss:
-                if len(res) >= cap:
-                    # after the step any resident key may go, a just-used one included: the cache ends
-                    # holding the C keys of (resident ∪ step) used soonest
-                    f = furthest(())
-                    if f is None or f[0] <= nu:
-                        continue  # streams through: keeping it would not pay
-                    del res[f[1]]
-                res[e] = nu
-                heapq.heappush(heap, (-nu, e))
-        else:
-            for e, nu in zip(r, nu_row):  # rank this step's resident keys by their use after this step
-                if e in res:
-                    res[e] = nu
-                    heapq.heappush(heap, (-nu, e))
-            for e, nu in zip(r, nu_row):
-                if e in res:
-                    hits += 1
-                    continue
-                if len(res) >= cap:
-                    del res[furthest(())[1]]
-                res[e] = nu
-                heapq.heappush(heap, (-nu, e))
-    return hits
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    return sk.next_use(rows, _n_keys(rows)).tolist()
 
 
 def simulate_scored(steps: np.ndarray, capacity: int, keep=None, prefetch: np.ndarray | None = None,
@@ -328,20 +252,68 @@ def simulate_scored(steps: np.ndarray, capacity: int, keep=None, prefetch: np.nd
       with the lowest priority (`keep[s-1]`, or recency without `keep`) that is not itself being prefetched.
     """
     rows = _check(steps, capacity, "lru", "token")
-    e_max = max((max(r) for r in rows if r), default=0) + 1
-    if keep is not None and not _is_stream(keep):
+    e_max = _n_keys(rows)
+    stream = keep is not None and _is_stream(keep)
+    if keep is not None and not stream:
         keep = np.asarray(keep, dtype=np.float64)
-        if keep.shape[0] != len(rows) or keep.shape[1] < e_max:
+        if keep.ndim != 2 or keep.shape[0] != len(rows) or keep.shape[1] < e_max:
             raise InputError(f"keep scores have shape {keep.shape}; expected [{len(rows)}, >= {e_max}]")
     if prefetch is not None:
         prefetch = np.asarray(prefetch)
         if prefetch.ndim != 2 or prefetch.shape[0] != len(rows):
             raise InputError(f"prefetch has shape {prefetch.shape}; expected [{len(rows)}, R]")
-        prefetch = prefetch.tolist()
-    hits, loads, pre = drive(rows, _state(rows, capacity, "scored" if keep is not None else "lru"), keep, prefetch)
-    acc = sum(len(r) for r in rows)
-    return CacheResult(name or ("scored" if keep is not None else "lru"), capacity, "token", len(rows), acc, hits,
-                       loads, pre)
+    label = name or ("scored" if keep is not None else "lru")
+    acc = int(rows.size)
+    if prefetch is None and not stream:  # the compiled paths
+        if keep is None:
+            from .simkernels import lru_token
+
+            hits = int(lru_token(rows, capacity, e_max))
+        else:
+            sc = ScoredCache(capacity, 1, keep.shape[1])
+            sc.run(rows[None], keep[:, None, :])
+            hits = sc.hits
+        return CacheResult(label, capacity, "token", len(rows), acc, hits, acc - hits)
+    hits, loads, pre = drive(rows.tolist(), _state(rows, capacity, "scored" if keep is not None else "lru"), keep,
+                             None if prefetch is None else prefetch.tolist())
+    return CacheResult(label, capacity, "token", len(rows), acc, hits, loads, pre)
+
+
+class ScoredCache:
+    """One cache under the scored policy, fed chunk by chunk (token semantics, no prefetch): `run(ids, keep)`
+    with `ids [B, T, k]` the steps of B blocks of E keys (B = 1: a per-layer cache; B = layers: a global budget
+    of `capacity` keys, steps token-major) and `keep [T, B, E]` the scores each block's step leaves. Scores
+    of a chunk may be dropped once `run` returns, so a learned policy's scores are computed in batches."""
+
+    def __init__(self, capacity: int, blocks: int, num_experts: int):
+        if capacity < 1:
+            raise InputError(f"cache capacity must be at least 1 expert, got {capacity}")
+        self.capacity, self.e = capacity, num_experts
+        self.res = np.zeros(blocks * num_experts, np.bool_)
+        self.rank = np.zeros(blocks * num_experts, np.int64)
+        self.state = np.zeros(3, np.int64)  # resident keys, steps, hits
+        self.prev = np.full((blocks, num_experts), -np.inf)
+        self.accesses = 0
+
+    def run(self, ids: np.ndarray, keep: np.ndarray) -> None:
+        from .simkernels import scored_chunk
+
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        keep = np.ascontiguousarray(keep, dtype=np.float64)
+        if keep.shape != (ids.shape[1], ids.shape[0], self.e):
+            raise InputError(f"keep scores have shape {keep.shape}; expected {(ids.shape[1], ids.shape[0], self.e)}")
+        scored_chunk(ids, keep, self.prev, self.capacity, self.res, self.rank, self.state)
+        if len(keep):
+            self.prev = keep[-1].copy()
+        self.accesses += int(ids.size)
+
+    @property
+    def hits(self) -> int:
+        return int(self.state[2])
+
+    def result(self, name: str = LEARNED) -> CacheResult:
+        return CacheResult(name, self.capacity, "token", int(self.state[1]), self.accesses, self.hits,
+                           self.accesses - self.hits)
 
 
 def _is_stream(keep) -> bool:

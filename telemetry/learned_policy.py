@@ -154,6 +154,72 @@ def _step(st: _LayerState, ids: np.ndarray, up: np.ndarray | None, probs: np.nda
     return f
 
 
+class _AllLayers:
+    """`_LayerState` of every layer at once (arrays `[L, E]`), for scoring a whole trace token by token: each
+    layer's features depend only on the trace, so all layers advance together, with the same arithmetic as
+    `_step` element by element (the tests compare the two)."""
+
+    def __init__(self, n_layers: int, e: int):
+        self.t = 0
+        self.last = np.full((n_layers, e), -1.0)
+        self.gap = np.full((n_layers, e), _CAP)
+        self.count = np.zeros((n_layers, e))
+        self.ema = np.zeros((len(EMA_RATES), n_layers, e))
+        self.cooc = np.zeros((n_layers, e, e))
+        self.cooc_n = np.zeros((n_layers, e))
+        self.cross = np.zeros((n_layers, e, e))  # layer 0's stays empty (it has no previous layer)
+        self.cross_n = np.zeros((n_layers, e))
+        self.prev: np.ndarray | None = None
+        self.li = np.arange(n_layers)[:, None]
+
+
+_RATES3 = np.asarray(EMA_RATES)[:, None, None]
+
+
+def _step_all(st: _AllLayers, ids: np.ndarray, probs: np.ndarray | None, k: int, out: np.ndarray) -> None:
+    """`_step` for every layer of one token: `ids [L, k]` (layer l's `up` is layer l-1's ids), features into
+    `out [L, E, F]`."""
+    n_l, e = st.last.shape
+    t, li = st.t, st.li
+    if st.prev is not None:
+        st.cooc[li[:, :, None], st.prev[:, :, None], ids[:, None, :]] += 1.0
+        st.cooc_n[li, st.prev] += 1.0
+        if n_l > 1:  # prev_up of layer l is layer l-1's ids at the previous token
+            st.cross[li[1:, :, None], st.prev[:-1, :, None], ids[1:, None, :]] += 1.0
+            st.cross_n[li[1:], st.prev[:-1]] += 1.0
+    last_ids = st.last[li, ids]
+    st.gap[li, ids] = np.where(last_ids >= 0, np.minimum(t - last_ids, _CAP), _CAP)
+    st.last[li, ids] = t
+    st.count[li, ids] += 1.0
+    used = np.zeros((n_l, e))
+    used[li, ids] = 1.0
+    st.ema *= _RATES3
+    st.ema += (1.0 - _RATES3) * used
+    share = st.count / (t + 1)
+    rec = np.where(st.last >= 0, np.minimum(t - st.last, _CAP), _CAP)
+    out[:, :, 0] = used
+    out[:, :, 1] = np.log1p(rec)
+    out[:, :, 2] = st.last < 0
+    out[:, :, 3] = np.log1p(st.gap)
+    out[:, :, 4:4 + len(EMA_RATES)] = st.ema.transpose(1, 2, 0)
+    j = 4 + len(EMA_RATES)
+    out[:, :, j] = share
+    out[:, :, j + 1] = (st.cooc[li, ids].sum(1) + _ALPHA * share) / (st.cooc_n[li, ids].sum(1) + _ALPHA)[:, None]
+    out[0, :, j + 2] = share[0]
+    if n_l > 1:
+        out[1:, :, j + 2] = ((st.cross[li[1:], ids[:-1]].sum(1) + _ALPHA * share[1:])
+                             / (st.cross_n[li[1:], ids[:-1]].sum(1) + _ALPHA)[:, None])
+    pr = np.zeros((n_l, e))
+    if probs is None:
+        pr[li, ids] = 1.0 / k
+    else:
+        np.add.at(pr, (np.broadcast_to(li, ids.shape), ids), probs)
+    out[:, :, j + 3] = pr
+    out[:, :, j + 4] = np.arange(n_l)[:, None] / max(1, n_l - 1)
+    st.prev = ids
+    st.t = t + 1
+
+
 # --- the policy --------------------------------------------------------------------------------------------
 
 class LearnedPolicy:
@@ -229,6 +295,31 @@ class LearnedPolicy:
             for i in range(n_l):
                 full[i * self.e:(i + 1) * self.e] = self(i, None, ids[i, t], None if probs is None else probs[i, t])
                 yield full
+
+    def keep_chunks(self, ids: np.ndarray, probs: np.ndarray | None = None, chunk: int = 64):
+        """Keep scores of every layer over a trace's `ids [L, T, k]`, from a fresh state, in batches: yields
+        `(t0, scores [tc, L, E])` for tokens t0..t0+tc (float64; row [t, l] = what `keep_stream(ids, l)` yields at
+        token t, and the global stream's layer-l slice after layer l ran at token t). Features of a chunk are
+        computed layer-parallel and scored in one batched pass of the MLP."""
+        n_l, n_t, k = ids.shape
+        self.num_layers = n_l
+        ids = np.asarray(ids, dtype=np.int64)
+        if not self.uses_probs:
+            probs = None
+        st = _AllLayers(n_l, self.e)
+        feats = np.empty((chunk, n_l, self.e, len(FEATURES)))
+        tie = _TIE * (np.arange(n_l)[:, None] * self.e + np.arange(self.e)) / (max(1, n_l) * self.e)
+        for t0 in range(0, n_t, chunk):
+            tc = min(chunk, n_t - t0)
+            for t in range(tc):
+                _step_all(st, ids[:, t0 + t], None if probs is None else np.asarray(probs[:, t0 + t], np.float64),
+                          k, feats[t])
+            h = (feats[:tc] - self.mu) / self.sd
+            for i, (w, b) in enumerate(self.layers):
+                h = h @ w + b
+                if i < len(self.layers) - 1:
+                    np.maximum(h, 0.0, out=h)
+            yield t0, (1.0 / (1.0 + np.exp(-h))).sum(-1) + tie
 
     # file
     def save(self, path: str | Path) -> None:
@@ -371,30 +462,36 @@ def fit(traces: list[str | Path], hidden: int = 32, epochs: int = 4, rows_per_st
 # --- simulation --------------------------------------------------------------------------------------------
 
 def simulate_learned(policy: LearnedPolicy, ids: np.ndarray, capacities: list[int], probs: np.ndarray | None = None,
-                     budget: str = "layer") -> dict[int, dict]:
-    """Hits of the learned policy over a trace's `ids [L, T, k]` (token semantics) through the simulator's scored
-    path, for each capacity C per layer: `budget` ``layer`` (one cache of C per layer, hits summed) or ``global``
-    (one cache of C x L keys). Returns `{C: {"hits", "accesses", "hit_rate"}}`."""
-    from .cachesim import global_steps, simulate
+                     budget: str | tuple[str, ...] = "layer", progress=None) -> dict:
+    """Hits of the learned policy over a trace's `ids [L, T, k]` (token semantics, the scored policy), for each
+    capacity C per layer: `budget` ``layer`` (one cache of C per layer, hits summed) or ``global`` (one cache of
+    C x L keys), or a tuple of both. The keep scores are computed once, in batches, and fed to every cache.
+    Returns `{C: {"hits", "accesses", "hit_rate"}}` (for a tuple: `{budget: that}`)."""
+    from .cachesim import ScoredCache
 
+    budgets = (budget,) if isinstance(budget, str) else tuple(budget)
+    for b in budgets:
+        if b not in ("layer", "global"):
+            raise InputError(f"budget={b!r}; expected layer or global")
+    ids = np.asarray(ids, dtype=np.int64)
     if int(ids.max()) >= policy.e or ids.shape[2] != policy.k:
         policy.check_shape(max(policy.e, int(ids.max()) + 1), ids.shape[2])
     n_l = ids.shape[0]
-    out = {c: {"hits": 0, "accesses": 0} for c in capacities}
-    if budget == "layer":
-        for layer in range(n_l):
-            keep = np.asarray(list(policy.keep_stream(ids, layer, probs)))  # scores do not depend on C
-            for c in capacities:
-                r = simulate(ids[layer], c, "learned", keep=keep)
-                out[c]["hits"] += r.hits
-                out[c]["accesses"] += r.accesses
-    elif budget == "global":
-        steps = global_steps(ids, policy.e)
-        for c in capacities:
-            r = simulate(steps, c * n_l, "learned", keep=policy.keep_stream(ids, None, probs))
-            out[c]["hits"], out[c]["accesses"] = r.hits, r.accesses
-    else:
-        raise InputError(f"budget={budget!r}; expected layer or global")
-    for v in out.values():
-        v["hit_rate"] = v["hits"] / v["accesses"] if v["accesses"] else 0.0
-    return out
+    caches = {("layer", c): [ScoredCache(c, 1, policy.e) for _ in range(n_l)] for c in capacities
+              if "layer" in budgets}
+    caches |= {("global", c): [ScoredCache(c * n_l, n_l, policy.e)] for c in capacities if "global" in budgets}
+    for t0, keep in policy.keep_chunks(ids, probs):
+        part = ids[:, t0:t0 + len(keep)]
+        for (b, _), cs in caches.items():
+            if b == "global":
+                cs[0].run(part, keep)
+            else:
+                for layer, c in enumerate(cs):
+                    c.run(part[layer:layer + 1], keep[:, layer:layer + 1])
+        if progress:
+            progress(t0 + len(keep), ids.shape[1])
+    out = {b: {} for b in budgets}
+    for (b, c), cs in caches.items():
+        hits, acc = sum(x.hits for x in cs), sum(x.accesses for x in cs)
+        out[b][c] = {"hits": hits, "accesses": acc, "hit_rate": hits / acc if acc else 0.0}
+    return out[budget] if isinstance(budget, str) else out
