@@ -100,8 +100,8 @@ def _learned_rows(learned, ids, num_experts, caps, probs) -> list[dict]:
     from .learned_policy import simulate_learned
 
     learned.check_shape(num_experts, ids.shape[2])
-    per_layer = simulate_learned(learned, ids, caps, probs, "layer")
-    glob = simulate_learned(learned, ids, caps, probs, "global")
+    both = simulate_learned(learned, ids, caps, probs, ("layer", "global"))  # one pass of keep scores
+    per_layer, glob = both["layer"], both["global"]
     return [{"policy": "learned", "capacity": c, "capacity_frac": c / num_experts, "semantics": "token",
              "hit_rate_per_layer": per_layer[c]["hit_rate"], "hit_rate_global": glob[c]["hit_rate"],
              "accesses": per_layer[c]["accesses"], "policy_file": learned.meta.get("path")} for c in caps]

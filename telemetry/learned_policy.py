@@ -309,17 +309,25 @@ class LearnedPolicy:
         st = _AllLayers(n_l, self.e)
         feats = np.empty((chunk, n_l, self.e, len(FEATURES)))
         tie = _TIE * (np.arange(n_l)[:, None] * self.e + np.arange(self.e)) / (max(1, n_l) * self.e)
+        # the standardisation folded into the first layer: the same function, one pass over the features fewer
+        w0, b0 = self.layers[0]
+        layers = [(w0 / self.sd[:, None], b0 - (self.mu / self.sd) @ w0)] + self.layers[1:]
         for t0 in range(0, n_t, chunk):
             tc = min(chunk, n_t - t0)
             for t in range(tc):
                 _step_all(st, ids[:, t0 + t], None if probs is None else np.asarray(probs[:, t0 + t], np.float64),
                           k, feats[t])
-            h = (feats[:tc] - self.mu) / self.sd
-            for i, (w, b) in enumerate(self.layers):
-                h = h @ w + b
-                if i < len(self.layers) - 1:
+            h = feats[:tc].reshape(-1, feats.shape[-1])  # one matrix product per layer for the whole chunk
+            for i, (w, b) in enumerate(layers):
+                h = h @ w
+                h += b
+                if i < len(layers) - 1:
                     np.maximum(h, 0.0, out=h)
-            yield t0, (1.0 / (1.0 + np.exp(-h))).sum(-1) + tie
+            np.negative(h, out=h)
+            np.exp(h, out=h)
+            h += 1.0
+            np.reciprocal(h, out=h)
+            yield t0, h.sum(-1).reshape(tc, n_l, self.e) + tie
 
     # file
     def save(self, path: str | Path) -> None:

@@ -142,3 +142,121 @@ def test_bad_arguments():
         simulate(np.zeros((2, 2), int), 0)
     with pytest.raises(InputError, match="unknown cache policy 'fifo'"):
         simulate(np.zeros((2, 2), int), 2, "fifo")
+
+
+# --- the compiled kernels against the one state machine (telemetry.cache.CacheState) ----------------------------
+
+def _drive_state(steps, cap, policy, keep=None, pinned=None):
+    """Hits of CacheState driven step by step (the definition), through cachesim.drive."""
+    from expertcache.telemetry.cache import CacheState
+    from expertcache.telemetry.cachesim import drive
+
+    rows = steps.tolist()
+    return drive(rows, CacheState(cap, steps.shape[1], policy, pinned), keep)[0]
+
+
+def _kernel_cases(seed, n_traces=40):
+    rng = np.random.default_rng(seed)
+    for _ in range(n_traces):
+        e = int(rng.integers(3, 30))
+        k = int(rng.integers(1, min(8, e) + 1))
+        steps = random_steps(rng, int(rng.integers(1, 120)), e, k, sticky=float(rng.random()))
+        for cap in sorted({1, max(1, k - 1), k, min(e, k + 1), max(1, e // 2), e}):
+            yield rng, e, k, steps, cap
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_kernels_equal_the_state_machine(policy):
+    n = 0
+    for _, _, _, steps, cap in _kernel_cases(11 if policy == "lru" else 12):
+        assert simulate(steps, cap, policy, "token").hits == _drive_state(steps, cap, policy), (steps.tolist(), cap)
+        n += 1
+    assert n > 100
+
+
+def test_static_equals_the_state_machine():
+    from expertcache.telemetry.cachesim import _pins
+
+    for _, _, _, steps, cap in _kernel_cases(13):
+        fit = steps[: max(1, len(steps) // 3)]
+        assert simulate(steps, cap, "static", fit=fit).hits == _drive_state(steps, cap, "static",
+                                                                           pinned=_pins(fit, cap))
+
+
+def test_scored_kernel_equals_the_state_machine_including_ties():
+    from expertcache.telemetry.cachesim import simulate_scored
+
+    for rng, e, _, steps, cap in _kernel_cases(14):
+        for keep in (rng.random((len(steps), e)), rng.integers(0, 3, (len(steps), e)).astype(float)):  # ties too
+            assert simulate_scored(steps, cap, keep).hits == _drive_state(steps, cap, "scored", keep=keep), cap
+
+
+def test_belady_equals_the_scored_state_machine_ranked_by_next_use():
+    """Token-semantics Belady is CacheState's scored policy keeping the keys used soonest (its own docstring)."""
+    from expertcache.telemetry.cachesim import next_use_steps
+
+    for _, e, _, steps, cap in _kernel_cases(15):
+        keep = -next_use_steps(steps, e).astype(float)
+        assert simulate(steps, cap, "belady", "token").hits == _drive_state(steps, cap, "scored", keep=keep)
+
+
+def _lfu_reference_naive(rows, cap):
+    count, last, cache, hits = {}, {}, set(), 0
+    for s, r in enumerate(rows):
+        for e in r:
+            count[e] = count.get(e, 0) + 1
+            last[e] = s
+            if e in cache:
+                hits += 1
+                continue
+            if len(cache) >= cap:
+                cache.remove(min(cache, key=lambda v: (count[v], last[v], v)))
+            cache.add(e)
+    return hits
+
+
+def test_lfu_reference_matches_naive():
+    for _, _, _, steps, cap in _kernel_cases(16):
+        assert simulate(steps, cap, "lfu", "reference").hits == _lfu_reference_naive(steps.tolist(), cap)
+
+
+def test_global_budget_kernels_equal_the_state_machine():
+    """Global keys (layer * E + e, token-major) through every compiled policy, heaps compacted many times."""
+    rng = np.random.default_rng(17)
+    ids = np.stack([random_steps(rng, 300, 16, 4) for _ in range(3)])  # [3 layers, 300 tokens, 4]
+    steps = global_steps(ids, 16)
+    for cap in (3, 4, 9, 24, 48):
+        for policy in ("lru", "lfu"):
+            assert simulate(steps, cap, policy).hits == _drive_state(steps, cap, policy)
+
+
+def test_scored_chunks_carry_their_state():
+    """ScoredCache fed in chunks (a global budget over 3 blocks) equals one pass, and equals CacheState driven
+    with the global keep rows (each block's slice updated when its layer runs)."""
+    from expertcache.telemetry.cachesim import ScoredCache
+
+    rng = np.random.default_rng(18)
+    n_l, n_t, e = 3, 90, 12
+    ids = np.stack([random_steps(rng, n_t, e, 3) for _ in range(n_l)])
+    keep = rng.random((n_t, n_l, e))
+    rows, full = [], np.full(n_l * e, -np.inf)
+    for t in range(n_t):
+        for i in range(n_l):
+            full[i * e:(i + 1) * e] = keep[t, i]
+            rows.append(full.copy())
+    for cap in (2, 5, 17):
+        exp = _drive_state(global_steps(ids, e), cap, "scored", keep=np.asarray(rows))
+        one = ScoredCache(cap, n_l, e)
+        one.run(ids, keep)
+        parts = ScoredCache(cap, n_l, e)
+        for a, b in ((0, 1), (1, 40), (40, 41), (41, 90)):
+            parts.run(ids[:, a:b], keep[a:b])
+        assert one.hits == parts.hits == exp, cap
+        assert parts.accesses == ids.size
+
+
+def test_repeated_or_negative_keys_are_refused():
+    with pytest.raises(InputError, match="more than once"):
+        simulate(np.array([[3, 3, 5, 7]]), 2)
+    with pytest.raises(InputError, match="negative"):
+        simulate(np.array([[-1, 2]]), 2)

@@ -165,3 +165,20 @@ def test_cli_fit_and_analyze_rows(tmp_path, capsys):
     a = simulate_scored(ids[1], 5, keep)
     b = simulate_scored(ids[1], 5, pol.keep_stream(ids.astype(np.int64), 1))
     assert (a.hits, a.loads) == (b.hits, b.loads)
+
+
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_batched_keep_scores_equal_the_step_by_step_scorer(toy_policy, with_probs):
+    """keep_chunks (all layers at once, MLP in batches) gives the scores the runtime's per-step scorer gives."""
+    ids = random_trace(seed=9).astype(np.int64)
+    n_l, n_t, k = ids.shape
+    probs = np.random.default_rng(2).random(ids.shape) if with_probs else None
+    pol = LearnedPolicy.load(toy_policy, num_layers=n_l)
+    pol.uses_probs = with_probs
+    batched = np.concatenate([s for _, s in pol.keep_chunks(ids, probs, chunk=37)])  # [T, L, E]
+    scorer = LearnedPolicy.load(toy_policy, num_layers=n_l)
+    scorer.uses_probs = with_probs
+    for t in range(n_t):
+        for i in range(n_l):
+            row = scorer(i, None, ids[i, t], None if probs is None else probs[i, t])
+            np.testing.assert_allclose(batched[t, i], row, rtol=0, atol=1e-12)
