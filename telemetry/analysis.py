@@ -49,14 +49,15 @@ def capacities(num_experts: int, fractions=CAPACITY_FRACTIONS) -> list[int]:
 
 def hit_curves(ids: np.ndarray, num_experts: int, caps: list[int], policies=POLICIES, semantics: str = "token",
                fit_frac: float = 0.2, fit_ids: np.ndarray | None = None, progress=None, learned=None,
-               probs: np.ndarray | None = None) -> list[dict]:
+               probs: np.ndarray | None = None, learned_progress=None) -> list[dict]:
     """Hit rate against per-layer capacity for each policy, per-layer and global budgets.
 
     Static pins are fitted on `fit_ids` (another split's trace) if given; otherwise on the first `fit_frac` of
     tokens, and then *every* policy is scored on the remaining tokens only, so static never sees what it is
     scored on. A global budget of C per layer is one cache of C x layers slots shared by all layers.
     `learned` (a `LearnedPolicy`, token semantics): also rows with policy ``learned``, its state cold at the
-    first scored token; `probs [L, T, k]`: the router probabilities of `ids`, for a policy fitted with them."""
+    first scored token; `probs [L, T, k]`: the router probabilities of `ids`, for a policy fitted with them;
+    `learned_progress(tokens done, tokens)` while it runs."""
     n_layers, n_tok, _ = ids.shape
     if fit_ids is None:
         cut = int(round(fit_frac * n_tok))
@@ -79,7 +80,7 @@ def hit_curves(ids: np.ndarray, num_experts: int, caps: list[int], policies=POLI
             if progress:
                 progress()
     if learned is not None and semantics == "token":
-        out += _learned_rows(learned, ids, num_experts, caps, probs)
+        out += _learned_rows(learned, ids, num_experts, caps, probs, learned_progress)
     for row in out:  # every result also as a fraction of the Belady bound at the same capacity
         bel = next(r for r in out if r["policy"] == "belady" and r["capacity"] == row["capacity"]) \
             if "belady" in policies else None
@@ -96,11 +97,11 @@ def _probs(trace: Trace) -> np.ndarray | None:
     return None if np.isnan(w).any() else w
 
 
-def _learned_rows(learned, ids, num_experts, caps, probs) -> list[dict]:
+def _learned_rows(learned, ids, num_experts, caps, probs, progress=None) -> list[dict]:
     from .learned_policy import simulate_learned
 
     learned.check_shape(num_experts, ids.shape[2])
-    both = simulate_learned(learned, ids, caps, probs, ("layer", "global"))  # one pass of keep scores
+    both = simulate_learned(learned, ids, caps, probs, ("layer", "global"), progress)  # one pass of keep scores
     per_layer, glob = both["layer"], both["global"]
     return [{"policy": "learned", "capacity": c, "capacity_frac": c / num_experts, "semantics": "token",
              "hit_rate_per_layer": per_layer[c]["hit_rate"], "hit_rate_global": glob[c]["hit_rate"],
@@ -193,8 +194,11 @@ def analyze(trace_path: str | Path, out_dir: str | Path, model_dir: str | None =
     with Progress(transient=True) as prog:
         n = len(caps) * len(POLICIES) * (1 + len(domains))
         task = prog.add_task("cache simulation", total=n)
+        ltask = prog.add_task("learned policy (tokens)", total=None) if learned is not None else None
+        lprog = _token_progress(prog, ltask)
         summary["hit_curves"] = hit_curves(routing[0], meta.num_experts, caps, semantics=semantics, fit_ids=fit_ids,
-                                           progress=lambda: prog.advance(task), learned=learned, probs=probs)
+                                           progress=lambda: prog.advance(task), learned=learned, probs=probs,
+                                           learned_progress=lprog)
         if len(domains) > 1:
             summary["by_domain"] = {}
             for d in domains:
@@ -205,7 +209,7 @@ def analyze(trace_path: str | Path, out_dir: str | Path, model_dir: str | None =
                     "hit_curves": hit_curves(dr[0], meta.num_experts, caps, semantics=semantics,
                                              progress=lambda: prog.advance(task), learned=learned,
                                              probs=_probs(dt) if learned is not None and learned.uses_probs
-                                             else None)}
+                                             else None, learned_progress=_token_progress(prog, ltask, d))}
     if model_dir is not None and "hidden" not in sel.table.column_names:
         raise InputError(f"--model adds lookahead recall, which needs the hidden states; {trace_path} has none "
                          f"(record it with --hidden true)")
@@ -221,6 +225,17 @@ def analyze(trace_path: str | Path, out_dir: str | Path, model_dir: str | None =
     text = text_summary(summary)
     write_text(out / "summary.txt", text)
     return summary
+
+
+def _token_progress(prog, task, label: str = ""):
+    """A `(done, total)` callback that moves a rich progress task (None: no task)."""
+    if task is None:
+        return None
+
+    def update(done: int, total: int) -> None:
+        prog.update(task, completed=done, total=total,
+                    description=f"learned policy{f' ({label})' if label else ''}: tokens")
+    return update
 
 
 # --- people: plots and a text summary ----------------------------------------------------------------------

@@ -291,6 +291,7 @@ class ScoredCache:
         self.capacity, self.e = capacity, num_experts
         self.res = np.zeros(blocks * num_experts, np.bool_)
         self.rank = np.zeros(blocks * num_experts, np.int64)
+        self.bmin = np.full(blocks, -1, np.int64)
         self.state = np.zeros(3, np.int64)  # resident keys, steps, hits
         self.prev = np.full((blocks, num_experts), -np.inf)
         self.accesses = 0
@@ -302,7 +303,7 @@ class ScoredCache:
         keep = np.ascontiguousarray(keep, dtype=np.float64)
         if keep.shape != (ids.shape[1], ids.shape[0], self.e):
             raise InputError(f"keep scores have shape {keep.shape}; expected {(ids.shape[1], ids.shape[0], self.e)}")
-        scored_chunk(ids, keep, self.prev, self.capacity, self.res, self.rank, self.state)
+        scored_chunk(ids, keep, self.prev, self.capacity, self.res, self.rank, self.bmin, self.state)
         if len(keep):
             self.prev = keep[-1].copy()
         self.accesses += int(ids.size)

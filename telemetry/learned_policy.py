@@ -103,6 +103,8 @@ class _LayerState:
 
 
 _RATES = np.asarray(EMA_RATES)[:, None]
+_RATES_1D = np.asarray(EMA_RATES, dtype=np.float64)
+_NO_PROBS = np.zeros((1, 1))
 
 
 def _step(st: _LayerState, ids: np.ndarray, up: np.ndarray | None, probs: np.ndarray | None, k: int,
@@ -152,72 +154,6 @@ def _step(st: _LayerState, ids: np.ndarray, up: np.ndarray | None, probs: np.nda
     st.prev, st.prev_up = ids, up
     st.t = t + 1
     return f
-
-
-class _AllLayers:
-    """`_LayerState` of every layer at once (arrays `[L, E]`), for scoring a whole trace token by token: each
-    layer's features depend only on the trace, so all layers advance together, with the same arithmetic as
-    `_step` element by element (the tests compare the two)."""
-
-    def __init__(self, n_layers: int, e: int):
-        self.t = 0
-        self.last = np.full((n_layers, e), -1.0)
-        self.gap = np.full((n_layers, e), _CAP)
-        self.count = np.zeros((n_layers, e))
-        self.ema = np.zeros((len(EMA_RATES), n_layers, e))
-        self.cooc = np.zeros((n_layers, e, e))
-        self.cooc_n = np.zeros((n_layers, e))
-        self.cross = np.zeros((n_layers, e, e))  # layer 0's stays empty (it has no previous layer)
-        self.cross_n = np.zeros((n_layers, e))
-        self.prev: np.ndarray | None = None
-        self.li = np.arange(n_layers)[:, None]
-
-
-_RATES3 = np.asarray(EMA_RATES)[:, None, None]
-
-
-def _step_all(st: _AllLayers, ids: np.ndarray, probs: np.ndarray | None, k: int, out: np.ndarray) -> None:
-    """`_step` for every layer of one token: `ids [L, k]` (layer l's `up` is layer l-1's ids), features into
-    `out [L, E, F]`."""
-    n_l, e = st.last.shape
-    t, li = st.t, st.li
-    if st.prev is not None:
-        st.cooc[li[:, :, None], st.prev[:, :, None], ids[:, None, :]] += 1.0
-        st.cooc_n[li, st.prev] += 1.0
-        if n_l > 1:  # prev_up of layer l is layer l-1's ids at the previous token
-            st.cross[li[1:, :, None], st.prev[:-1, :, None], ids[1:, None, :]] += 1.0
-            st.cross_n[li[1:], st.prev[:-1]] += 1.0
-    last_ids = st.last[li, ids]
-    st.gap[li, ids] = np.where(last_ids >= 0, np.minimum(t - last_ids, _CAP), _CAP)
-    st.last[li, ids] = t
-    st.count[li, ids] += 1.0
-    used = np.zeros((n_l, e))
-    used[li, ids] = 1.0
-    st.ema *= _RATES3
-    st.ema += (1.0 - _RATES3) * used
-    share = st.count / (t + 1)
-    rec = np.where(st.last >= 0, np.minimum(t - st.last, _CAP), _CAP)
-    out[:, :, 0] = used
-    out[:, :, 1] = np.log1p(rec)
-    out[:, :, 2] = st.last < 0
-    out[:, :, 3] = np.log1p(st.gap)
-    out[:, :, 4:4 + len(EMA_RATES)] = st.ema.transpose(1, 2, 0)
-    j = 4 + len(EMA_RATES)
-    out[:, :, j] = share
-    out[:, :, j + 1] = (st.cooc[li, ids].sum(1) + _ALPHA * share) / (st.cooc_n[li, ids].sum(1) + _ALPHA)[:, None]
-    out[0, :, j + 2] = share[0]
-    if n_l > 1:
-        out[1:, :, j + 2] = ((st.cross[li[1:], ids[:-1]].sum(1) + _ALPHA * share[1:])
-                             / (st.cross_n[li[1:], ids[:-1]].sum(1) + _ALPHA)[:, None])
-    pr = np.zeros((n_l, e))
-    if probs is None:
-        pr[li, ids] = 1.0 / k
-    else:
-        np.add.at(pr, (np.broadcast_to(li, ids.shape), ids), probs)
-    out[:, :, j + 3] = pr
-    out[:, :, j + 4] = np.arange(n_l)[:, None] / max(1, n_l - 1)
-    st.prev = ids
-    st.t = t + 1
 
 
 # --- the policy --------------------------------------------------------------------------------------------
@@ -296,38 +232,55 @@ class LearnedPolicy:
                 full[i * self.e:(i + 1) * self.e] = self(i, None, ids[i, t], None if probs is None else probs[i, t])
                 yield full
 
+    def _batched(self, n_l: int, k: int):
+        """(features state for `simkernels.learned_features`, the MLP with the standardisation folded into its
+        first layer (the same function, one pass over the features fewer), the tie-break term `[L, E]`)."""
+        e, n_r = self.e, len(EMA_RATES)
+        st = [np.full((n_l, e), -1.0), np.full((n_l, e), _CAP), np.zeros((n_l, e)), np.zeros((n_l, e, n_r)),
+              np.zeros((n_l, e, e)), np.zeros((n_l, e)), np.zeros((n_l, e, e)), np.zeros((n_l, e)),
+              np.zeros((n_l, k), np.int64)]
+        w0, b0 = self.layers[0]
+        layers = [(w0 / self.sd[:, None], b0 - (self.mu / self.sd) @ w0)] + \
+            [(np.ascontiguousarray(w), b) for w, b in self.layers[1:]]
+
+        def mlp(x: np.ndarray) -> np.ndarray:  # keep scores of feature rows [n, F] (before the tie term)
+            for i, (w, b) in enumerate(layers):
+                x = x @ w
+                x += b
+                if i < len(layers) - 1:
+                    np.maximum(x, 0.0, out=x)
+            np.negative(x, out=x)
+            np.exp(x, out=x)
+            x += 1.0
+            np.reciprocal(x, out=x)
+            return x.sum(-1)
+
+        tie = _TIE * (np.arange(n_l)[:, None] * e + np.arange(e)) / (max(1, n_l) * e)
+        return st, mlp, tie
+
+    def _features(self, st, ids_t: np.ndarray, probs_t, t: int, feats: np.ndarray) -> None:
+        from .simkernels import learned_features
+
+        learned_features(ids_t, _NO_PROBS if probs_t is None else probs_t, probs_t is not None, t, _CAP, _ALPHA,
+                         _RATES_1D, *st, feats)
+
     def keep_chunks(self, ids: np.ndarray, probs: np.ndarray | None = None, chunk: int = 64):
         """Keep scores of every layer over a trace's `ids [L, T, k]`, from a fresh state, in batches: yields
         `(t0, scores [tc, L, E])` for tokens t0..t0+tc (float64; row [t, l] = what `keep_stream(ids, l)` yields at
-        token t, and the global stream's layer-l slice after layer l ran at token t). Features of a chunk are
-        computed layer-parallel and scored in one batched pass of the MLP."""
+        token t, and the global stream's layer-l slice after layer l ran at token t). Features of every layer in
+        one compiled loop per token (`simkernels.learned_features`), the MLP in one matrix product per chunk."""
         n_l, n_t, k = ids.shape
         self.num_layers = n_l
-        ids = np.asarray(ids, dtype=np.int64)
-        if not self.uses_probs:
-            probs = None
-        st = _AllLayers(n_l, self.e)
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        probs = np.asarray(probs, np.float64) if self.uses_probs and probs is not None else None
+        st, mlp, tie = self._batched(n_l, k)
         feats = np.empty((chunk, n_l, self.e, len(FEATURES)))
-        tie = _TIE * (np.arange(n_l)[:, None] * self.e + np.arange(self.e)) / (max(1, n_l) * self.e)
-        # the standardisation folded into the first layer: the same function, one pass over the features fewer
-        w0, b0 = self.layers[0]
-        layers = [(w0 / self.sd[:, None], b0 - (self.mu / self.sd) @ w0)] + self.layers[1:]
         for t0 in range(0, n_t, chunk):
             tc = min(chunk, n_t - t0)
             for t in range(tc):
-                _step_all(st, ids[:, t0 + t], None if probs is None else np.asarray(probs[:, t0 + t], np.float64),
-                          k, feats[t])
-            h = feats[:tc].reshape(-1, feats.shape[-1])  # one matrix product per layer for the whole chunk
-            for i, (w, b) in enumerate(layers):
-                h = h @ w
-                h += b
-                if i < len(layers) - 1:
-                    np.maximum(h, 0.0, out=h)
-            np.negative(h, out=h)
-            np.exp(h, out=h)
-            h += 1.0
-            np.reciprocal(h, out=h)
-            yield t0, h.sum(-1).reshape(tc, n_l, self.e) + tie
+                self._features(st, np.ascontiguousarray(ids[:, t0 + t]),
+                               None if probs is None else np.ascontiguousarray(probs[:, t0 + t]), t0 + t, feats[t])
+            yield t0, mlp(feats[:tc].reshape(-1, len(FEATURES))).reshape(tc, n_l, self.e) + tie
 
     # file
     def save(self, path: str | Path) -> None:
@@ -473,33 +426,84 @@ def simulate_learned(policy: LearnedPolicy, ids: np.ndarray, capacities: list[in
                      budget: str | tuple[str, ...] = "layer", progress=None) -> dict:
     """Hits of the learned policy over a trace's `ids [L, T, k]` (token semantics, the scored policy), for each
     capacity C per layer: `budget` ``layer`` (one cache of C per layer, hits summed) or ``global`` (one cache of
-    C x L keys), or a tuple of both. The keep scores are computed once, in batches, and fed to every cache.
-    Returns `{C: {"hits", "accesses", "hit_rate"}}` (for a tuple: `{budget: that}`)."""
-    from .cachesim import ScoredCache
+    C x L keys), or a tuple of both. Returns `{C: {"hits", "accesses", "hit_rate"}}` (for a tuple:
+    `{budget: that}`).
+
+    Every cache advances token by token together (`simkernels.bank_token`); each token's features are computed
+    for every layer at once, and the MLP only for the keys some cache can read at that token (its resident keys
+    and the token's own: `bank_needed`), in one matrix product: a small cache scores a fraction of E."""
+    from . import simkernels as sk
+    from .cachesim import _check
 
     budgets = (budget,) if isinstance(budget, str) else tuple(budget)
     for b in budgets:
         if b not in ("layer", "global"):
             raise InputError(f"budget={b!r}; expected layer or global")
-    ids = np.asarray(ids, dtype=np.int64)
-    if int(ids.max()) >= policy.e or ids.shape[2] != policy.k:
+    ids = np.asarray(ids)
+    if ids.ndim != 3:
+        raise InputError(f"ids must be [layers, tokens, k], got shape {ids.shape}")
+    _check(ids.reshape(-1, ids.shape[2]), 1, "lru", "token")  # distinct non-negative experts per row
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    if (ids.size and int(ids.max()) >= policy.e) or ids.shape[2] != policy.k:
         policy.check_shape(max(policy.e, int(ids.max()) + 1), ids.shape[2])
-    n_l = ids.shape[0]
-    caches = {("layer", c): [ScoredCache(c, 1, policy.e) for _ in range(n_l)] for c in capacities
-              if "layer" in budgets}
-    caches |= {("global", c): [ScoredCache(c * n_l, n_l, policy.e)] for c in capacities if "global" in budgets}
-    for t0, keep in policy.keep_chunks(ids, probs):
-        part = ids[:, t0:t0 + len(keep)]
-        for (b, _), cs in caches.items():
-            if b == "global":
-                cs[0].run(part, keep)
-            else:
-                for layer, c in enumerate(cs):
-                    c.run(part[layer:layer + 1], keep[:, layer:layer + 1])
-        if progress:
-            progress(t0 + len(keep), ids.shape[1])
+    n_l, n_t, k = ids.shape
+    e = policy.e
+    policy.num_layers = n_l
+    probs = np.asarray(probs, np.float64) if policy.uses_probs and probs is not None else None
+    cfg = ([("layer", c, (l, l + 1), c) for c in capacities for l in range(n_l)] if "layer" in budgets else []) + \
+          ([("global", c, (0, n_l), c * n_l) for c in capacities] if "global" in budgets else [])
+    for *_, cap in cfg:
+        if cap < 1:
+            raise InputError(f"cache capacity must be at least 1 expert, got {cap}")
+    n_c = len(cfg)
+    blocks = np.asarray([b for _, _, b, _ in cfg], np.int64).reshape(n_c, 2)
+    caps = np.asarray([cap for *_, cap in cfg], np.int64)
+    res = np.zeros((n_c, n_l * e), np.bool_)
+    rank = np.zeros((n_c, n_l * e), np.int64)
+    bmin = np.full((n_c, n_l), -1, np.int64)
+    state = np.zeros((n_c, 3), np.int64)
+    st, mlp, tie = policy._batched(n_l, k)
+    feats = np.empty((n_l, e, len(FEATURES)))
+    need = np.zeros((n_l, e), np.bool_)
+    cur, prev = np.full((n_l, e), np.nan), np.full((n_l, e), -np.inf)
+    with _one_blas_thread():  # a few thousand rows per product: threads cost more than they give
+        _bank_loop(policy, ids, probs, st, mlp, tie, feats, need, cur, prev, blocks, caps, res, rank, bmin, state,
+                   progress)
     out = {b: {} for b in budgets}
-    for (b, c), cs in caches.items():
-        hits, acc = sum(x.hits for x in cs), sum(x.accesses for x in cs)
-        out[b][c] = {"hits": hits, "accesses": acc, "hit_rate": hits / acc if acc else 0.0}
+    per_cache_acc = {"layer": n_t * k, "global": n_t * k * n_l}
+    for (b, c, _, _), (_, _, h) in zip(cfg, state.tolist()):
+        d = out[b].setdefault(c, {"hits": 0, "accesses": 0})
+        d["hits"] += h
+        d["accesses"] += per_cache_acc[b]
+    for d in out.values():
+        for v in d.values():
+            v["hit_rate"] = v["hits"] / v["accesses"] if v["accesses"] else 0.0
     return out[budget] if isinstance(budget, str) else out
+
+
+def _bank_loop(policy, ids, probs, st, mlp, tie, feats, need, cur, prev, blocks, caps, res, rank, bmin, state,
+               progress) -> None:
+    from . import simkernels as sk
+
+    n_t = ids.shape[1]
+    flat = feats.reshape(-1, feats.shape[-1])
+    for t in range(n_t):
+        ids_t = np.ascontiguousarray(ids[:, t])
+        policy._features(st, ids_t, None if probs is None else np.ascontiguousarray(probs[:, t]), t, feats)
+        sk.bank_needed(ids_t, blocks, res, need)
+        rows = np.flatnonzero(need)
+        cur.flat[rows] = mlp(flat[rows]) + tie.flat[rows]
+        sk.bank_token(ids_t, cur, prev, blocks, caps, res, rank, bmin, state)
+        cur, prev = prev, cur  # the rows of `prev` not written at token t are never read at t + 1
+        if progress and ((t + 1) % 256 == 0 or t + 1 == n_t):
+            progress(t + 1, n_t)
+
+
+def _one_blas_thread():
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # not installed: BLAS keeps its own setting
+        import contextlib
+
+        return contextlib.nullcontext()
+    return threadpool_limits(1, user_api="blas")

@@ -339,80 +339,182 @@ def lfu_reference(rows, cap, n_keys):
 
 # --- the scored policy (a predictor's or a learned policy's keep scores) ---------------------------------------
 
-@njit(cache=True, inline="always")
-def _score(keep, prev, t, i, j, e):
-    """Score of expert e of block j at step (token t, block i): block j was last scored at token t if j <= i,
-    else at t - 1 (`prev` at the chunk's first token)."""
-    if j <= i:
-        return keep[t, j, e]
-    if t > 0:
-        return keep[t - 1, j, e]
-    return prev[j, e]
-
-
 @njit(cache=True)
-def _block_min(keep, prev, t, i, j, n_e, res, rank):
-    """The resident key of block j with the least (score, rank); -1 if none."""
+def _block_min(cur, prev, i, j, n_e, res, rank):
+    """The resident key of block j with the least (score, rank); -1 if none. Block j's scores at step i are
+    `cur[j]` if j <= i (it ran this token), else `prev[j]` (what its last step left)."""
     best = -1
     bs = 0.0
     br = 0
+    sc_row = cur[j] if j <= i else prev[j]
     for e in range(n_e):
         key = j * n_e + e
         if res[key]:
-            sc = _score(keep, prev, t, i, j, e)
+            sc = sc_row[e]
             if best < 0 or sc < bs or (sc == bs and rank[key] < br):
                 best, bs, br = key, sc, rank[key]
     return best
 
 
 @njit(cache=True)
-def scored_chunk(ids, keep, prev, cap, res, rank, state):
-    """The scored policy (CacheState "scored", token semantics) over a chunk of tokens, state carried between
-    chunks: after each step the cache keeps the `cap` keys of (resident ∪ step) with the highest scores, ties to
-    the more recent. One cache over the blocks of `ids [B, T, k]` (B = 1: a per-layer cache; B = layers: a global
-    budget, keys `block * E + expert`, steps token-major), `keep [T, B, E]` the scores each block's step leaves
-    (float64), `prev [B, E]` the scores before the chunk. `res [B*E]` bool and `rank [B*E]` int64 are the cache;
-    `state` int64 [size, steps, hits]. Returns nothing; hits accumulate in state[2]."""
-    n_b, t_n, k = ids.shape
-    n_e = keep.shape[2]
-    bmin = np.empty(n_b, np.int64)
+def scored_token(ids_t, cur, prev, b_lo, b_hi, cap, res, rank, bmin, state):
+    """One token through one scored cache (CacheState "scored", token semantics): the steps of blocks
+    b_lo..b_hi-1 in order (one block: a per-layer cache; every block: a global budget, keys `block * E + e`).
+    After each step the cache keeps the `cap` keys of (resident ∪ step) with the highest scores, ties to the more
+    recent. `ids_t [B, k]` this token's keys per block, `cur`/`prev [B, E]` the scores of this token's steps and
+    of the previous token's; `res`/`rank [B*E]`, `bmin [B]` (each block's least resident key, valid for the
+    scores its block was last stepped with) and `state` int64 [size, steps, hits] are the cache."""
+    k = ids_t.shape[1]
+    n_e = cur.shape[1]
     size, step, hits = state[0], state[1], state[2]
-    is_new = np.zeros(k, np.bool_)
-    for t in range(t_n):
-        if t == 0:
-            for j in range(n_b):
-                bmin[j] = _block_min(keep, prev, 0, -1, j, n_e, res, rank)
-        for i in range(n_b):
-            base = step * 2 * k
-            for j in range(k):
-                key = i * n_e + ids[i, t, j]
-                if res[key]:
-                    hits += 1
-                    is_new[j] = False
-                    rank[key] = base + j
-                else:
-                    is_new[j] = True
-                    res[key] = True
-                    size += 1
-                    rank[key] = base + k + j
-            bmin[i] = _block_min(keep, prev, t, i, i, n_e, res, rank)
-            while size > cap:  # evict the least (score, rank) of every candidate
-                bb = -1
-                bs = 0.0
-                br = 0
-                for j in range(n_b):
-                    v = bmin[j]
-                    if v >= 0:
-                        sc = _score(keep, prev, t, i, j, v - j * n_e)
-                        if bb < 0 or sc < bs or (sc == bs and rank[v] < br):
-                            bb, bs, br = j, sc, rank[v]
-                res[bmin[bb]] = False
-                size -= 1
-                bmin[bb] = _block_min(keep, prev, t, i, bb, n_e, res, rank)
-            for j in range(k):  # the step's kept keys, most recent, in step order
-                key = i * n_e + ids[i, t, j]
-                if res[key]:
-                    rank[key] = base + j
-            bmin[i] = _block_min(keep, prev, t, i, i, n_e, res, rank)
-            step += 1
+    for i in range(b_lo, b_hi):
+        base = step * 2 * k
+        for j in range(k):
+            key = i * n_e + ids_t[i, j]
+            if res[key]:
+                hits += 1
+                rank[key] = base + j
+            else:
+                res[key] = True
+                size += 1
+                rank[key] = base + k + j
+        bmin[i] = _block_min(cur, prev, i, i, n_e, res, rank)
+        while size > cap:  # evict the least (score, rank) of every candidate
+            bb = -1
+            bs = 0.0
+            br = 0
+            for j in range(b_lo, b_hi):
+                v = bmin[j]
+                if v >= 0:
+                    sc = cur[j, v - j * n_e] if j <= i else prev[j, v - j * n_e]
+                    if bb < 0 or sc < bs or (sc == bs and rank[v] < br):
+                        bb, bs, br = j, sc, rank[v]
+            res[bmin[bb]] = False
+            size -= 1
+            bmin[bb] = _block_min(cur, prev, i, bb, n_e, res, rank)
+        for j in range(k):  # the step's kept keys, most recent, in step order
+            key = i * n_e + ids_t[i, j]
+            if res[key]:
+                rank[key] = base + j
+        bmin[i] = _block_min(cur, prev, i, i, n_e, res, rank)
+        step += 1
     state[0], state[1], state[2] = size, step, hits
+
+
+@njit(cache=True)
+def scored_chunk(ids, keep, prev, cap, res, rank, bmin, state):
+    """`scored_token` over the tokens of `ids [B, T, k]` with `keep [T, B, E]` (`prev`: the scores before)."""
+    n_b = ids.shape[0]
+    for t in range(ids.shape[1]):
+        scored_token(ids[:, t], keep[t], keep[t - 1] if t > 0 else prev, 0, n_b, cap, res, rank, bmin, state)
+
+
+@njit(cache=True)
+def bank_needed(ids_t, blocks, res, need):
+    """Which (block, expert) scores a bank of scored caches can read this token: every key resident in any cache
+    now, and this token's keys (a key of a block only enters at that block's step, so nothing else can be read).
+    `blocks [C, 2]` each cache's block range; `need [B, E]` is filled."""
+    n_b, n_e = need.shape
+    need[:, :] = False
+    for c in range(blocks.shape[0]):
+        for key in range(blocks[c, 0] * n_e, blocks[c, 1] * n_e):
+            if res[c, key]:
+                need[key // n_e, key % n_e] = True
+    for i in range(n_b):
+        for j in range(ids_t.shape[1]):
+            need[i, ids_t[i, j]] = True
+
+
+@njit(cache=True)
+def bank_token(ids_t, cur, prev, blocks, caps, res, rank, bmin, state):
+    """One token through every cache of a bank (`scored_token` each; row c of the state arrays is cache c)."""
+    for c in range(blocks.shape[0]):
+        scored_token(ids_t, cur, prev, blocks[c, 0], blocks[c, 1], caps[c], res[c], rank[c], bmin[c], state[c])
+
+
+# --- the learned policy's keep scores (telemetry.learned_policy: features + MLP), every layer of a chunk ---------
+
+@njit(cache=True)
+def learned_features(ids_t, probs_t, has_probs, t, cap, alpha, rates, last, gap, count, ema, cooc, cooc_n, cross,
+                     cross_n, prev, feats):
+    """`learned_policy._step` of every layer for token t: `ids_t [L, k]` (layer l's `up` is layer l-1's ids),
+    the state arrays `[L, ...]` (`prev [L, k]`: token t-1's ids) updated, the features written to
+    `feats [L, E, F]`. The same float64 arithmetic as `_step`, element by element."""
+    n_l, k = ids_t.shape
+    n_e = last.shape[1]
+    n_r = rates.shape[0]
+    used = np.zeros(n_e)
+    pr = np.zeros(n_e)
+    cs = np.zeros(n_e)
+    xs = np.zeros(n_e)
+    lp_den = max(1, n_l - 1)
+    if t > 0:
+        for l in range(n_l):
+            for a in range(k):
+                pa = prev[l, a]
+                for c in range(k):
+                    cooc[l, pa, ids_t[l, c]] += 1.0
+                cooc_n[l, pa] += 1.0
+                if l > 0:
+                    pu = prev[l - 1, a]
+                    for c in range(k):
+                        cross[l, pu, ids_t[l, c]] += 1.0
+                    cross_n[l, pu] += 1.0
+    for l in range(n_l):
+        for c in range(k):
+            e = ids_t[l, c]
+            if last[l, e] >= 0:
+                gap[l, e] = min(t - last[l, e], cap)
+            else:
+                gap[l, e] = cap
+            last[l, e] = t
+            count[l, e] += 1.0
+        used[:] = 0.0
+        pr[:] = 0.0
+        for c in range(k):
+            e = ids_t[l, c]
+            used[e] = 1.0
+            if has_probs:
+                pr[e] += probs_t[l, c]
+            else:
+                pr[e] = 1.0 / k
+        cs[:] = 0.0
+        den = 0.0
+        for c in range(k):
+            a = ids_t[l, c]
+            den += cooc_n[l, a]
+            for e in range(n_e):
+                cs[e] += cooc[l, a, e]
+        den += alpha
+        xs[:] = 0.0
+        xden = 0.0
+        if l > 0:
+            for c in range(k):
+                a = ids_t[l - 1, c]
+                xden += cross_n[l, a]
+                for e in range(n_e):
+                    xs[e] += cross[l, a, e]
+            xden += alpha
+        for e in range(n_e):
+            for r in range(n_r):
+                ema[l, e, r] = ema[l, e, r] * rates[r]
+                ema[l, e, r] = ema[l, e, r] + (1.0 - rates[r]) * used[e]
+            share = count[l, e] / (t + 1)
+            lst = last[l, e]
+            rec = min(t - lst, cap) if lst >= 0 else cap
+            x = feats[l, e]
+            x[0] = used[e]
+            x[1] = np.log1p(rec)
+            x[2] = 1.0 if lst < 0 else 0.0
+            x[3] = np.log1p(gap[l, e])
+            for r in range(n_r):
+                x[4 + r] = ema[l, e, r]
+            j = 4 + n_r
+            x[j] = share
+            x[j + 1] = (cs[e] + alpha * share) / den
+            x[j + 2] = (xs[e] + alpha * share) / xden if l > 0 else share
+            x[j + 3] = pr[e]
+            x[j + 4] = l / lp_den
+    for l in range(n_l):
+        for c in range(k):
+            prev[l, c] = ids_t[l, c]
