@@ -229,11 +229,12 @@ def _rss_peak() -> int:
 def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, tokens: int, warmup: int,
             prompt_len: int, start: int, workers: int = 4) -> dict:
     """One system's decode in this process: TPOT per token (prefill excluded), hits, bytes read, peak RSS."""
-    from .replay import load_routing
+    from expertcache.telemetry.parquet_trace import load_routing
 
     ckpt = Path(ckpt)
     cfg = json.loads((ckpt / "config.json").read_text())
-    ids, e, _ = load_routing(trace)
+    r = load_routing(trace)
+    ids, e = r.ids, r.num_experts
     ids = ids[:cfg["num_hidden_layers"]]
     budget = int(budget_gb * 2**30)
     io0 = _read_bytes()

@@ -170,7 +170,7 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
     if layers is not None and layers < 2:
         raise InputError(f"--layers {layers}: expected at least 2 MoE layers")
     if trace is not None:  # read before the (large) checkpoint is written, not after
-        from .replay import load_routing
+        from expertcache.telemetry.parquet_trace import load_routing
 
         load_routing(trace)
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
@@ -211,7 +211,7 @@ def simulate(trace: str, hardware: str, model_shape: str = "qwen3-30b-a3b", capa
     import math
 
     from .bandwidth import HARDWARE, MODEL_SHAPES, Hardware, project
-    from .replay import load_routing
+    from expertcache.telemetry.parquet_trace import load_routing
 
     def span(s: Optional[str], n: int, what: str) -> slice:
         if s is None:
@@ -229,7 +229,8 @@ def simulate(trace: str, hardware: str, model_shape: str = "qwen3-30b-a3b", capa
     for name, v in (("link_gbps", link_gbps), ("compute_ms", compute_ms)):
         if v is not None and not (math.isfinite(v) and v > 0):
             raise InputError(f"--{name} {v}: expected a finite number > 0")
-    ids, e, _ = load_routing(trace)
+    r = load_routing(trace)
+    ids, e = r.ids, r.num_experts
     ids = ids[span(layers, ids.shape[0], "layers")]
     ids = ids[:, span(tokens, ids.shape[1], "tokens")]
     shape = MODEL_SHAPES[model_shape]

@@ -23,6 +23,8 @@ import torch
 from expertcache.telemetry.cachesim import capacity_count
 from expertcache.telemetry.errors import InputError
 
+from expertcache.telemetry.parquet_trace import load_routing
+
 from .checkpoint import StoreExperts
 from .engine import EngineConfig, OffloadEngine
 from .predictors import Predictor
@@ -32,23 +34,6 @@ from .tiers import make_tier, measure_bandwidth
 # the reference Qwen3-30B-A3B traces ship with the package (MIT; telemetry/reference/README.md)
 REFERENCE_DIR = Path(__file__).resolve().parents[1] / "telemetry" / "reference" / "qwen3-30b-a3b-routing"
 REFERENCE_TRACE = str(REFERENCE_DIR / "code.npz")
-
-
-def load_routing(path: str | Path) -> tuple[np.ndarray, int, dict]:
-    """`(ids [layers, tokens, k], num_experts, meta)` from a reference .npz or a Parquet trace (decode tokens)."""
-    path = Path(path)
-    if path.suffix == ".npz":
-        from expertcache.telemetry.llamacpp import read_npz
-
-        ids, meta = read_npz(path)
-        e = int(meta.get("num_experts") or ids.max() + 1)
-        return ids.astype(np.int64), e, meta
-    from expertcache.telemetry.parquet_trace import read_trace
-
-    tr = read_trace(path)
-    dec = tr.filter(phase="decode")
-    t = dec if dec.num_rows else tr
-    return t.routing()[0].astype(np.int64), tr.meta.num_experts, tr.meta.__dict__
 
 
 def parse_shape(s: str) -> tuple[int, int]:
@@ -331,7 +316,8 @@ def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2
                      workers: int = 4, fit_frac: float = 0.2, belady_bound: bool = True,
                      policy_file: str | Path | None = None, progress=None) -> dict:
     """On-demand vs each prefetching predictor, alternated pass by pass on the same tokens; JSON-ready."""
-    ids_all, e, tmeta = load_routing(trace)
+    r = load_routing(trace)
+    ids_all, e, tmeta = r.ids, r.num_experts, r.meta
     hidden, inter = parse_shape(expert_shape)
     dt = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype)
     per_expert = 3 * hidden * inter * torch.empty((), dtype=getattr(torch, dt)).element_size()

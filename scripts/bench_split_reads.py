@@ -8,7 +8,8 @@ import json
 import numpy as np
 
 from expertcache.runtime import tiers
-from expertcache.runtime.replay import REFERENCE_TRACE, ReplayConfig, Replayer, ensure_store, load_routing
+from expertcache.runtime.replay import REFERENCE_TRACE, ReplayConfig, Replayer, ensure_store
+from expertcache.telemetry.parquet_trace import load_routing
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--capacity", type=float, default=0.125)
@@ -17,7 +18,8 @@ ap.add_argument("--tokens", type=int, default=64)
 ap.add_argument("--warmup", type=int, default=8)
 ap.add_argument("--store-dir", default="runs/stores")
 a = ap.parse_args()
-ids, e, _ = load_routing(REFERENCE_TRACE)
+r = load_routing(REFERENCE_TRACE)
+ids, e = r.ids, r.num_experts
 ids = ids[21:27]
 store = ensure_store(a.store_dir, 6, e, 2048, 768, "bfloat16")
 rp = Replayer(store, ids, round(a.capacity * e), "disk")

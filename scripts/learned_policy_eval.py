@@ -26,7 +26,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 
 from expertcache.telemetry.cachesim import capacity_count, simulate  # noqa: E402
-from expertcache.telemetry.learned_policy import fit, load_routing, simulate_learned  # noqa: E402
+from expertcache.telemetry.learned_policy import fit, simulate_learned  # noqa: E402
+from expertcache.telemetry.parquet_trace import load_routing  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_REF = REPO / "telemetry" / "reference" / "qwen3-30b-a3b-routing"
@@ -34,7 +35,8 @@ FRACTIONS = (1 / 16, 1 / 8, 1 / 4)
 
 
 def score(policy, trace: Path, fractions=FRACTIONS) -> dict:
-    ids, probs, meta = load_routing(trace)
+    r = load_routing(trace)
+    ids, probs, meta = r.ids, r.probs, r.meta
     policy.check_shape(meta["num_experts"], meta["top_k"], f"trace {trace}")
     e = meta["num_experts"]
     caps = [capacity_count(f, e) for f in fractions]

@@ -29,10 +29,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .cache import POLICIES as CACHE_POLICIES
 from .cache import CacheState
 from .errors import InputError
 
-POLICIES = ("lru", "lfu", "static", "belady")
+# The one policy list is CacheState's; the simulator replaces `scored` (which needs a predictor's scores) by
+# `belady`, the scored policy ranked by each key's next use in the trace: the offline optimum.
+POLICIES = tuple(p for p in CACHE_POLICIES if p != "scored") + ("belady",)
 LEARNED = "learned"  # a fitted policy file's keep scores through the scored path (not in POLICIES: needs a file)
 SEMANTICS = ("token", "reference")
 _INF = 1 << 60
@@ -112,15 +115,23 @@ def _check(steps: np.ndarray, capacity: int, policy: str, semantics: str) -> np.
     if steps.size and not np.issubdtype(steps.dtype, np.integer):
         raise InputError(f"steps must be integer keys, got {steps.dtype}")
     steps = np.ascontiguousarray(steps, dtype=np.int64)
-    if steps.size:
-        if int(steps.min()) < 0:
-            raise InputError(f"steps hold a negative key ({int(steps.min())})")
-        srt = np.sort(steps, axis=1)
-        dup = np.flatnonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))
-        if dup.size:
-            raise InputError(f"step {int(dup[0])} uses key {steps[dup[0]].tolist()} more than once: a token's experts "
-                             f"at one layer are distinct ({dup.size} such steps)")
+    check_rows(steps)
     return steps
+
+
+def check_rows(ids: np.ndarray, num_experts: int | None = None, what: str = "steps") -> None:
+    """Routing rows (`[..., k]`) hold distinct experts in [0, E): else one InputError naming the first bad row."""
+    if not ids.size:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or (num_experts is not None and hi >= num_experts):
+        raise InputError(f"{what}: expert id {lo if lo < 0 else hi} outside [0, {num_experts or 'E'})")
+    flat = ids.reshape(-1, ids.shape[-1])
+    srt = np.sort(flat, axis=1)
+    dup = np.flatnonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))
+    if dup.size:
+        raise InputError(f"{what}: row {int(dup[0])} chooses {flat[dup[0]].tolist()}, an expert more than once "
+                         f"(a token's experts at one layer are distinct; {dup.size} such rows)")
 
 
 def _n_keys(steps: np.ndarray) -> int:

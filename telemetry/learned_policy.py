@@ -47,35 +47,6 @@ _TIE = 1e-9  # score += _TIE * (layer * E + e) / (L * E): no two keys ever tie, 
 
 # --- traces -----------------------------------------------------------------------------------------------
 
-def load_routing(path: str | Path, phase: str | None = "decode") -> tuple[np.ndarray, np.ndarray | None, dict]:
-    """(ids [layers, tokens, k], router probabilities of those ids [layers, tokens, k] or None, meta) of a
-    Parquet trace (`phase` tokens, or every token if it has none) or a llama-moe-trace `.npz`."""
-    path = Path(path)
-    if path.suffix == ".npz":
-        from .llamacpp import read_npz
-
-        ids, meta = read_npz(path)
-        e = meta.get("num_experts")
-        if e is None:
-            raise InputError(f"{path}: meta has no num_experts")
-        return ids.astype(np.int64), None, {"model": meta.get("model", path.stem), "num_experts": int(e),
-                                            "top_k": int(ids.shape[2]), "num_layers": int(ids.shape[0])}
-    from .parquet_trace import read_trace
-
-    tr = read_trace(path)
-    if phase and phase in set(tr.table["phase"].to_pylist()):
-        tr = tr.filter(phase=phase)
-    if tr.num_rows == 0:
-        raise InputError(f"trace {path} has no rows")
-    order = tr._token_order()
-    ids = tr.layer_matrix("ids", order).astype(np.int64)
-    w = tr.layer_matrix("weights", order).astype(np.float64)
-    probs = None if np.isnan(w).any() else w
-    m = tr.meta
-    return ids, probs, {"model": m.model, "num_experts": int(m.num_experts), "top_k": int(m.top_k),
-                        "num_layers": int(ids.shape[0])}
-
-
 def next_use_distance(ids: np.ndarray, num_experts: int) -> np.ndarray:
     """One layer's `ids [T, k]` -> `[T, E]`: steps from t to the next use of e after t (a large value if none)."""
     from .cachesim import next_use_steps
@@ -361,8 +332,11 @@ def fit(traces: list[str | Path], hidden: int = 32, epochs: int = 4, rows_per_st
 
     t0 = time.perf_counter()
     data, shape, names = [], None, []
+    from .parquet_trace import load_routing
+
     for p in traces:
-        ids, probs, meta = load_routing(p, phase)
+        r = load_routing(p, phase)
+        ids, probs, meta = r.ids, r.probs, r.meta
         s = (meta["num_experts"], meta["top_k"])
         if shape is not None and s != shape[:2]:
             raise InputError(f"trace {p} routes {s[0]} experts top-{s[1]}; {traces[0]} routes {shape[0]} top-{shape[1]}:"

@@ -72,10 +72,12 @@ def test_bandwidth_model_arithmetic():
 
 def test_the_engine_keeps_what_the_simulator_keeps_under_a_learned_policy(trace_npz, tmp_path):
     """Driven through the engine's own step (the replay), a learned policy file gives the simulator's hits."""
-    from expertcache.runtime.replay import ReplayConfig, Replayer, ensure_store, load_routing
+    from expertcache.runtime.replay import ReplayConfig, Replayer, ensure_store
+    from expertcache.telemetry.parquet_trace import load_routing
     from expertcache.telemetry.learned_policy import LearnedPolicy, fit, simulate_learned
 
-    ids, e, _ = load_routing(trace_npz)
+    r = load_routing(trace_npz)
+    ids, e = r.ids, r.num_experts
     ids = ids[:, :80]
     pol_path = tmp_path / "p.safetensors"
     fit([trace_npz], epochs=1, rows_per_step=4, max_rank=8).save(pol_path)
