@@ -45,15 +45,14 @@ def engine_from_args(args: dict) -> EngineConfig | None:
 class ExpertCacheLM(HFLM):
     def __init__(self, pretrained: str, batch_size: int = 8, max_length: int = 512, dtype: str = "fp32",
                  device: str = "cpu", **kwargs):
-        from transformers import AutoTokenizer
-
         from expertcache.runtime.loader import parse_device, resolve
+        from expertcache.telemetry.hf import load_tokenizer
 
         path = resolve(pretrained)
         self.serve = engine_from_args(kwargs)
         kwargs = {k: v for k, v in kwargs.items() if k not in ENGINE_FIELDS}
         model, self.engine = open_model(path, self.serve, dtype, device)
-        tok = AutoTokenizer.from_pretrained(str(path))
+        tok = load_tokenizer(path)
         self.lossy = self.serve is not None and self.serve.lossy
         bs = 1 if self.lossy else int(batch_size)
         super().__init__(pretrained=model, tokenizer=tok, device=parse_device(device), batch_size=bs,

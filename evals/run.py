@@ -43,7 +43,7 @@ def blocks_sha256(blocks: dict[str, np.ndarray]) -> str:
 def tokenizer_fingerprint(model_dir: str | Path) -> dict:
     """{'vocab_sha256', 'vocab_size'}: sha256 of the tokenizer's vocabulary (token -> id, added tokens included,
     sorted), so a re-saved tokenizer with the same vocabulary matches and a different one does not."""
-    from expertcache.telemetry.corpus import load_tokenizer
+    from expertcache.telemetry.hf import load_tokenizer
 
     vocab = load_tokenizer(model_dir).get_vocab()
     blob = json.dumps(sorted(vocab.items()), ensure_ascii=False, separators=(",", ":")).encode()
@@ -99,7 +99,7 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
         res["lm_eval_samples"] = {t: {k: int(v) for k, v in n.items() if isinstance(v, (int, float))}
                                   for t, n in (r.get("n-samples") or {}).items() if isinstance(n, dict)}
         if out:
-            Path(out).with_suffix(".lm_eval.json").write_text(json.dumps(r, indent=2, default=str))
+            write_json(Path(out).with_suffix(".lm_eval.json"), r)
     res["seconds"] = round(time.time() - t0, 1)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

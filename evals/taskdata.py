@@ -8,7 +8,6 @@ places of the same domain), `math_em.jsonl` ({question, answer}: held-out genera
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from pathlib import Path
@@ -82,9 +81,9 @@ def build_task_data(corpus: str | Path, out_dir: str | Path, split: str = "test"
 
 
 def _write(path: Path, rows: list[dict]) -> None:
-    with open(path, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+    from expertcache.telemetry.atomic import write_jsonl
+
+    write_jsonl(path, rows)
 
 
 def lm_eval_tasks(names: list[str], data_dir: str | Path, include_path: str | Path | None = None):

@@ -107,9 +107,9 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineCon
                 configs[f"{p}+{miss}@{cap:g}"] = lambda cap=cap, p=p: attach(cap, p, policy, miss)
     plain_model = None
     if plain:
-        from transformers import AutoModelForCausalLM
+        from expertcache.telemetry.hf import load_causal_lm
 
-        plain_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt).eval().to(device)
+        plain_model = load_causal_lm(path, dtype=dt).eval().to(device)
     names = (["plain"] if plain else []) + list(configs)
     results = {name: {"tpot": [], "stats": [], "tokens_equal_plain": None} for name in names}
     plain_out = None

@@ -33,6 +33,7 @@ import torch
 from expertcache.telemetry.errors import InputError
 
 from .checkpoint import free_disk
+from expertcache.telemetry.atomic import atomic_open, open_log, write_json, write_text
 
 HIDDEN, INTER, EXPERTS, TOP_K, HEADS, KV_HEADS, HEAD_DIM = 2048, 768, 128, 8, 32, 4, 128
 ALIGN = 4096
@@ -68,16 +69,12 @@ def _write_shard(path: Path, tensors: list[tuple[str, list[int], object]]) -> No
     raw = json.dumps(header, separators=(",", ":")).encode()
     pad = (-(8 + len(raw))) % ALIGN
     raw += b" " * pad
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_open(path) as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         for _, shape, fill in tensors:
             t = fill() if callable(fill) else fill
             f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
 
 
 def write_checkpoint(out: str | Path, layers: int, vocab: int = 32768, layers_per_shard: int = 3,
@@ -130,10 +127,8 @@ def write_checkpoint(out: str | Path, layers: int, vocab: int = 32768, layers_pe
             ("lm_head.weight", [vocab, HIDDEN], lambda: rnd(vocab, HIDDEN))]
     _write_shard(out / name, rest)
     weight_map.update({t[0]: name for t in rest})
-    cfg.save_pretrained(out)
-    tmp = out / "index.tmp"
-    tmp.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
-    tmp.replace(out / "model.safetensors.index.json")
+    write_text(out / "config.json", cfg.to_json_string())
+    write_json(out / "model.safetensors.index.json", {"metadata": {}, "weight_map": weight_map})  # the marker: last
     return out
 
 
@@ -176,11 +171,11 @@ def _load_system(system: str, ckpt: Path, budget: int, ids, fit_end: int, worker
         m = load(ckpt, capacity=cap, tier="disk", predictor=pred, workers=workers)
         return m, m.expertcache, [L.router for L in m.expertcache.layers]
     if system == "accelerate":
-        from transformers import AutoModelForCausalLM
+        from expertcache.telemetry.hf import load_causal_lm
 
         off = ckpt.parent / (ckpt.name + "-accelerate-offload")
-        m = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.bfloat16, device_map="auto",
-                                                 max_memory={"cpu": budget}, offload_folder=str(off)).eval()
+        m = load_causal_lm(ckpt, dtype=torch.bfloat16, device_map="auto", max_memory={"cpu": budget},
+                           offload_folder=str(off)).eval()
         return m, None, [L.router for L in adapter_for(m).moe_layers(m)]
     if system == "mmap":
         m = _mmap_model(ckpt)
@@ -234,7 +229,7 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
     ckpt = Path(ckpt)
     cfg = json.loads((ckpt / "config.json").read_text())
     r = load_routing(trace)
-    ids, e = r.ids, r.num_experts
+    ids = r.ids
     ids = ids[:cfg["num_hidden_layers"]]
     budget = int(budget_gb * 2**30)
     io0 = _read_bytes()
@@ -318,12 +313,12 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
         for s in order:
             cold.append(drop_page_cache())
             slow = s == "accelerate"
-            cmd = [sys.executable, "-m", "expertcache.runtime.bigbench", "--system", s, "--ckpt", str(ckpt),
-                   "--trace", str(trace), "--budget-gb", str(budget_gb), "--tokens",
-                   str(slow_tokens if slow else tokens), "--warmup", str(slow_warmup if slow else warmup),
-                   "--prompt-len", str(prompt_len), "--start", str(start), "--workers", str(workers)]
+            job = {"system": s, "ckpt": str(ckpt), "trace": str(trace), "budget_gb": budget_gb,
+                   "tokens": slow_tokens if slow else tokens, "warmup": slow_warmup if slow else warmup,
+                   "prompt_len": prompt_len, "start": start, "workers": workers}
+            cmd = [sys.executable, "-m", "expertcache.runtime.bigbench", json.dumps(job)]
             log = out_dir / f"{s.replace(':', '-')}-round{r}.log"
-            with open(log, "w") as lf:
+            with open_log(log, fresh=True) as lf:
                 p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=lf, text=True, timeout=timeout_s)
             if p.returncode != 0:
                 runs[s].append({"error": f"exit {p.returncode}; see {log}"})
@@ -421,20 +416,16 @@ def plot(res: dict, png: str | Path) -> None:
 
 
 def main(argv=None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(description="one system of `expertcache bench big`, in its own process")
-    ap.add_argument("--system", required=True, choices=SYSTEMS)
-    ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--trace", required=True)
-    ap.add_argument("--budget-gb", type=float, required=True)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--warmup", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=8)
-    ap.add_argument("--start", type=int, default=2000)
-    ap.add_argument("--workers", type=int, default=4)
-    a = ap.parse_args(argv)
-    res = run_one(a.system, a.ckpt, a.trace, a.budget_gb, a.tokens, a.warmup, a.prompt_len, a.start, a.workers)
+    """One system of `expertcache bench big` in its own process (its memory measured alone): the job is one JSON
+    object of `run_one`'s arguments (written by `bench_big`; this is no user command); prints one JSON line."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m expertcache.runtime.bigbench JOB_JSON (run by `expertcache bench big`)",
+              file=sys.stderr)
+        return 2
+    job = json.loads(argv[0])
+    res = run_one(job["system"], job["ckpt"], job["trace"], job["budget_gb"], job["tokens"], job["warmup"],
+                  job["prompt_len"], job["start"], job["workers"])
     print(json.dumps(res))
     return 0
 

@@ -106,11 +106,11 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
             idx = np.linspace(0, len(blocks) - 1, prompts).astype(int)
             ids = torch.from_numpy(blocks[idx].astype(np.int64))
         else:  # a checkpoint of its own, no corpus here: fixed random token ids (timing does not need text)
-            from transformers import AutoConfig
+            from expertcache.telemetry.hf import load_config
 
             from .loader import resolve
 
-            vocab = AutoConfig.from_pretrained(str(resolve(model))).get_text_config().vocab_size
+            vocab = load_config(resolve(model)).get_text_config().vocab_size
             ids = torch.randint(0, vocab, (prompts, prompt_len), generator=torch.Generator().manual_seed(0))
         preds = predictors or ["probe:1"]
         with Progress() as prog:

@@ -274,18 +274,16 @@ def load_model(model: str | Path, capacity: float = 0.125, tier: str = "disk", d
     attached as `model.expertcache`; `capacity`, `tier`, `predictor` and the other `EngineConfig` fields), or with
     `plain` the unmodified `from_pretrained` model, every expert in memory. `aux(model)`: the checkpoint's
     auxiliary routers (predictor spatio, policy scored)."""
-    from transformers import AutoTokenizer
+    from expertcache.telemetry.hf import load_causal_lm, load_tokenizer
 
     from .loader import load, parse_device, parse_dtype, resolve
 
     path = resolve(model)
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise FileNotFoundError(f"{path} has no tokenizer (tokenizer.json)")
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer = load_tokenizer(path)
     if plain:
-        from transformers import AutoModelForCausalLM
-
-        m = AutoModelForCausalLM.from_pretrained(str(path), dtype=parse_dtype(dtype) or "auto").eval()
+        m = load_causal_lm(path, dtype=parse_dtype(dtype) or "auto").eval()
         return m.to(parse_device(device)), tokenizer
     # the one place the checkpoint is opened through the engine (experts stay on `tier`, read by byte range)
     return load(path, capacity, tier, device, dtype, predictor=predictor, aux=aux, **engine_options), tokenizer

@@ -86,15 +86,11 @@ def _meta_model(config, dtype: torch.dtype):
 def _skeleton(path: Path, dtype):
     """`(checkpoint, config, adapter, meta model, expert-module prefixes, expert params)` of the checkpoint at
     `path`: its config read, the model built on the meta device (no weight read)."""
-    from transformers import AutoConfig
-
     from expertcache.telemetry.adapters import adapter_for
+    from expertcache.telemetry.hf import load_config
 
     ckpt = Checkpoint(path)
-    try:
-        config = AutoConfig.from_pretrained(str(path))
-    except (OSError, ValueError, KeyError) as e:
-        raise InputError(f"{path}/config.json: {str(e).splitlines()[0]}") from None
+    config = load_config(path)
     adapter = adapter_for(config)
     model = _meta_model(config, dtype or torch.float32)
     layers = adapter.moe_layers(model)
@@ -163,13 +159,11 @@ def _tied(model, name: str) -> bool:
 
 
 def _generation_config(model, path: Path) -> None:
-    from transformers import GenerationConfig
+    from expertcache.telemetry.hf import load_generation_config
 
-    if (path / "generation_config.json").is_file():
-        try:
-            model.generation_config = GenerationConfig.from_pretrained(str(path))
-        except (OSError, ValueError) as e:
-            raise InputError(f"{path}/generation_config.json: {e}") from None
+    gc = load_generation_config(path)
+    if gc is not None:
+        model.generation_config = gc
 
 
 def load(model: str | Path, capacity: float = 0.125, tier: str = "disk", device: str = "cpu", dtype=None, *,

@@ -12,7 +12,6 @@ the same tokens (METRICS.md: speedups are ratios within one run).
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -409,7 +408,9 @@ def table(res: dict) -> str:
 
 
 def save(res: dict, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(res, indent=2))
+    from expertcache.telemetry.atomic import write_json
+
+    write_json(path, res)
 
 
 def plot_recall(res: dict, png: str | Path) -> None:

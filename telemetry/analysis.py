@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from .atomic import write_figure, write_json, write_text
-from .cachesim import POLICIES, capacity_count, global_steps, simulate
+from .cachesim import POLICIES, CacheResult, capacity_count, global_steps, simulate
 from .errors import InputError
 from .parquet_trace import Trace, read_trace
 
@@ -70,13 +70,13 @@ def hit_curves(ids: np.ndarray, num_experts: int, caps: list[int], policies=POLI
     g_fit = global_steps(fit_ids, num_experts)
     for cap in caps:
         for pol in policies:
-            hits = acc = 0
-            for layer in range(n_layers):
-                r = simulate(ids[layer], cap, pol, semantics, fit=fit_ids[layer] if pol == "static" else None)
-                hits, acc = hits + r.hits, acc + r.accesses
+            per_layer = CacheResult.total([simulate(ids[layer], cap, pol, semantics,
+                                                    fit=fit_ids[layer] if pol == "static" else None)
+                                           for layer in range(n_layers)])
             g = simulate(g_steps, cap * n_layers, pol, semantics, fit=g_fit if pol == "static" else None)
             out.append({"policy": pol, "capacity": cap, "capacity_frac": cap / num_experts, "semantics": semantics,
-                        "hit_rate_per_layer": hits / acc, "hit_rate_global": g.hit_rate, "accesses": acc})
+                        "hit_rate_per_layer": per_layer.hit_rate, "hit_rate_global": g.hit_rate,
+                        "accesses": per_layer.accesses})
             if progress:
                 progress()
     if learned is not None and semantics == "token":

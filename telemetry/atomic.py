@@ -27,6 +27,51 @@ def atomic_open(path: str | Path):
             tmp.unlink()
 
 
+@contextmanager
+def atomic_dir(path: str | Path):
+    """A folder written whole: the block fills a temporary folder beside `path` (yielded), which then replaces
+    `path` (the old one renamed away first, removed after). A failed block leaves the previous folder as it was,
+    so a half-written folder (a checkpoint, a tokenizer) never reads as complete."""
+    import shutil
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    old = path.with_name(f".{path.name}.old-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def write_npy(path: str | Path, array) -> Path:
+    """A NumPy array as .npy (never pickled)."""
+    import io
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return write_bytes(path, buf.getvalue())
+
+
+def write_jsonl(path: str | Path, rows) -> Path:
+    return write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def open_log(path: str | Path, fresh: bool = False):
+    """A log file written as a run goes (read while it grows; not a result): appended to, or started anew."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return open(path, "w" if fresh else "a")
+
+
 def write_bytes(path: str | Path, data: bytes) -> Path:
     with atomic_open(path) as f:
         f.write(data)

@@ -22,9 +22,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
+
 from .errors import InputError
 
 POLICIES = ("lru", "lfu", "static", "scored")
+
+
+def check_slots(slots: int) -> int:
+    """A cache's size in keys (what `cachesim.capacity_count` turns a user's capacity into): a whole number >= 1."""
+    if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 1:
+        raise InputError(f"cache capacity must be a whole number of experts >= 1, got {slots!r}")
+    return int(slots)
 
 
 class CacheState:
@@ -32,8 +41,7 @@ class CacheState:
                  slot_base: int = 0):
         if policy not in POLICIES:
             raise InputError(f"unknown cache policy {policy!r}; expected one of {', '.join(POLICIES)}")
-        if capacity < 1:
-            raise InputError(f"cache capacity must be at least 1 expert, got {capacity}")
+        check_slots(capacity)
         self.capacity, self.k, self.policy = capacity, k, policy
         self.res: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recent first
         self.free = list(range(slot_base, slot_base + capacity))  # resident slots not holding anything

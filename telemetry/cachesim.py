@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .cache import POLICIES as CACHE_POLICIES
-from .cache import CacheState
+from .cache import CacheState, check_slots
 from .errors import InputError
 
 # The one policy list is CacheState's; the simulator replaces `scored` (which needs a predictor's scores) by
@@ -66,6 +66,14 @@ class CacheResult:
         return CacheResult(self.policy, self.capacity, self.semantics, self.steps + other.steps,
                            self.accesses + other.accesses, self.hits + other.hits, self.loads + other.loads,
                            self.prefetches + other.prefetches)
+
+    @staticmethod
+    def total(results: "list[CacheResult]") -> "CacheResult":
+        """The counts of several caches (e.g. one per layer) together, under the first one's name and capacity."""
+        out = results[0]
+        for r in results[1:]:
+            out = out + r
+        return out
 
     def traffic_per_step(self, bytes_per_key: int, steps: int | None = None) -> float:
         """Bytes moved (every load, demand or prefetch) per step (per output token when `steps` is the token
@@ -107,8 +115,7 @@ def _check(steps: np.ndarray, capacity: int, policy: str, semantics: str) -> np.
         raise InputError(f"unknown cache policy {policy!r}; expected one of {POLICIES}")
     if semantics not in SEMANTICS:
         raise InputError(f"unknown semantics {semantics!r}; expected one of {SEMANTICS}")
-    if capacity < 1:
-        raise InputError(f"cache capacity must be at least 1 expert, got {capacity}")
+    check_slots(capacity)
     steps = np.asarray(steps)
     if steps.ndim != 2:
         raise InputError(f"steps must be [S, k], got shape {steps.shape}")
@@ -297,9 +304,7 @@ class ScoredCache:
     of a chunk may be dropped once `run` returns, so a learned policy's scores are computed in batches."""
 
     def __init__(self, capacity: int, blocks: int, num_experts: int):
-        if capacity < 1:
-            raise InputError(f"cache capacity must be at least 1 expert, got {capacity}")
-        self.capacity, self.e = capacity, num_experts
+        self.capacity, self.e = check_slots(capacity), num_experts
         self.res = np.zeros(blocks * num_experts, np.bool_)
         self.rank = np.zeros(blocks * num_experts, np.int64)
         self.bmin = np.full(blocks, -1, np.int64)

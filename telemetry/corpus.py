@@ -1,4 +1,4 @@
-"""The read side of our corpus, shared by every area: its domains, `load_corpus`, `load_tokenizer` and the packed
+"""The read side of our corpus, shared by every area: its domains, `load_corpus` and the packed
 token blocks of a split. The corpus is built by the trainer (`expertcache data build`, trainer/corpus.py);
 telemetry records on it, the runtime takes prompts from it, evals builds tasks from it."""
 
@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .atomic import write_npy
+from .hf import load_tokenizer
 from .errors import InputError
 
 DOMAINS = ("code", "prose", "math")
@@ -28,16 +30,6 @@ def load_corpus(path: str | Path):
         raise CorpusError(f"no corpus at {path} (expected {path / MANIFEST} and {path / 'arrow'}); "
                           f"build one with `expertcache data build --out {path}`")
     return datasets.load_from_disk(str(path / "arrow"))
-
-
-def load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer
-
-    path = Path(path)
-    if not (path / "tokenizer.json").is_file():
-        raise InputError(f"no tokenizer at {path} (expected {path / 'tokenizer.json'}); "
-                         f"build one with `expertcache data build`")
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 def _fingerprint(tokenizer_dir: Path) -> str:
@@ -61,7 +53,5 @@ def packed_blocks(corpus_dir: str | Path, tokenizer_dir: str | Path, split: str,
     n = len(ids) // seq_len
     blocks = np.asarray(ids[: n * seq_len], dtype=np.int32).reshape(n, seq_len)
     cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp.npy")
-    np.save(tmp, blocks, allow_pickle=False)
-    tmp.replace(cache)
+    write_npy(cache, blocks)
     return blocks

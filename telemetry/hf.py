@@ -7,6 +7,49 @@ from pathlib import Path
 from .errors import InputError
 
 
+def load_tokenizer(path: str | Path):
+    """The tokenizer of a checkpoint or tokenizer folder (`tokenizer.json` or `tokenizer_config.json`), or one
+    InputError."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        raise InputError(f"no tokenizer at {path} (expected {path / 'tokenizer.json'}); "
+                         f"build one with `expertcache data build`")
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise InputError(f"tokenizer {path} does not load ({type(e).__name__}: {str(e)[:120]})") from None
+
+
+def load_config(path: str | Path):
+    """A checkpoint's `config.json` as a transformers config, or one InputError naming the folder."""
+    import json
+
+    from transformers import AutoConfig
+
+    p = Path(path)
+    if p.exists() and not (p / "config.json").is_file():
+        raise InputError(f"no HF checkpoint at {p} (expected {p / 'config.json'})")
+    try:
+        return AutoConfig.from_pretrained(str(p))
+    except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+        raise InputError(f"checkpoint {p}: config.json does not load ({type(e).__name__}: {str(e)[:120]})") from None
+
+
+def load_generation_config(path: str | Path):
+    """The checkpoint's `generation_config.json` (sampling defaults), None where it has none; InputError if it does
+    not parse."""
+    from transformers import GenerationConfig
+
+    if not (Path(path) / "generation_config.json").is_file():
+        return None
+    try:
+        return GenerationConfig.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise InputError(f"{path}/generation_config.json: {str(e)[:160]}") from None
+
+
 def load_causal_lm(path: str | Path, **kwargs):
     """`AutoModelForCausalLM.from_pretrained` of a local checkpoint folder (or a cached hub id). Refused, as an
     InputError naming the folder: no config.json, a config that does not parse, weights that are truncated, not

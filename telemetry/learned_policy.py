@@ -406,8 +406,8 @@ def simulate_learned(policy: LearnedPolicy, ids: np.ndarray, capacities: list[in
     Every cache advances token by token together (`simkernels.bank_token`); each token's features are computed
     for every layer at once, and the MLP only for the keys some cache can read at that token (its resident keys
     and the token's own: `bank_needed`), in one matrix product: a small cache scores a fraction of E."""
-    from . import simkernels as sk
-    from .cachesim import _check
+    from .cache import check_slots
+    from .cachesim import LEARNED, CacheResult, _check
 
     budgets = (budget,) if isinstance(budget, str) else tuple(budget)
     for b in budgets:
@@ -427,8 +427,7 @@ def simulate_learned(policy: LearnedPolicy, ids: np.ndarray, capacities: list[in
     cfg = ([("layer", c, (l, l + 1), c) for c in capacities for l in range(n_l)] if "layer" in budgets else []) + \
           ([("global", c, (0, n_l), c * n_l) for c in capacities] if "global" in budgets else [])
     for *_, cap in cfg:
-        if cap < 1:
-            raise InputError(f"cache capacity must be at least 1 expert, got {cap}")
+        check_slots(cap)
     n_c = len(cfg)
     blocks = np.asarray([b for _, _, b, _ in cfg], np.int64).reshape(n_c, 2)
     caps = np.asarray([cap for *_, cap in cfg], np.int64)
@@ -443,15 +442,14 @@ def simulate_learned(policy: LearnedPolicy, ids: np.ndarray, capacities: list[in
     with _one_blas_thread():  # a few thousand rows per product: threads cost more than they give
         _bank_loop(policy, ids, probs, st, mlp, tie, feats, need, cur, prev, blocks, caps, res, rank, bmin, state,
                    progress)
+    results: dict = {}
+    for (b, c, blk, cap), (_, steps, h) in zip(cfg, state.tolist()):
+        acc = n_t * k * (blk[1] - blk[0])
+        results.setdefault((b, c), []).append(CacheResult(LEARNED, cap, "token", steps, acc, h, acc - h))
     out = {b: {} for b in budgets}
-    per_cache_acc = {"layer": n_t * k, "global": n_t * k * n_l}
-    for (b, c, _, _), (_, _, h) in zip(cfg, state.tolist()):
-        d = out[b].setdefault(c, {"hits": 0, "accesses": 0})
-        d["hits"] += h
-        d["accesses"] += per_cache_acc[b]
-    for d in out.values():
-        for v in d.values():
-            v["hit_rate"] = v["hits"] / v["accesses"] if v["accesses"] else 0.0
+    for (b, c), rs in results.items():
+        tot = CacheResult.total(rs)
+        out[b][c] = {"hits": tot.hits, "accesses": tot.accesses, "hit_rate": tot.hit_rate}
     return out[budget] if isinstance(budget, str) else out
 
 

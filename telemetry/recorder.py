@@ -154,7 +154,7 @@ def record_corpus(model_dir: str | Path, corpus: str, tokenizer: str | None, spl
         raise InputError(f"no HF checkpoint at {model_dir} (expected {model_dir / 'config.json'})")
     own = (model_dir / "tokenizer.json").is_file()
     if tokenizer and own and Path(tokenizer).resolve() != model_dir.resolve():
-        from .corpus import load_tokenizer
+        from .hf import load_tokenizer
 
         if load_tokenizer(str(tokenizer)).get_vocab() != load_tokenizer(str(model_dir)).get_vocab():
             raise InputError(f"--tokenizer {tokenizer} is not the tokenizer of {model_dir} (their vocabularies "

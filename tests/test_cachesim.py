@@ -138,7 +138,7 @@ def test_global_steps_are_token_major():
 
 
 def test_bad_arguments():
-    with pytest.raises(InputError, match="capacity must be at least 1"):
+    with pytest.raises(InputError, match="capacity must be a whole number of experts >= 1"):
         simulate(np.zeros((2, 2), int), 0)
     with pytest.raises(InputError, match="unknown cache policy 'fifo'"):
         simulate(np.zeros((2, 2), int), 2, "fifo")

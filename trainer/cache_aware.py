@@ -31,6 +31,7 @@ import torch
 from .config import RecipeError, apply_overrides, from_dict, opt, to_dict
 from .data import DataSpec
 from .lm_module import CausalLMModule, TrainSpec
+from expertcache.telemetry.atomic import write_figure, write_json, write_text
 
 MODES = ("joint", "aux-only", "locality-only")
 TRAINABLE = ("all", "routers", "moe")
@@ -400,7 +401,7 @@ def baseline_eval(recipe: CacheAwareRecipe) -> dict:
     e = recipe.eval
     res = evaluate_checkpoint(base, recipe.data.corpus, e.split, folder / f"trace-{key}.parquet", e.prompt_len,
                               e.decode_tokens, e.max_seqs, e.capacities, e.ppl_blocks, e.seq_len)
-    path.write_text(json.dumps(res, indent=2))
+    write_json(path, res)
     return res
 
 
@@ -434,8 +435,6 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     """Post-train, save, evaluate; returns (and writes) result.json. A sweep runs every point, then the table."""
     if recipe.sweep.key:
         return run_sweep(recipe, resume)
-    from transformers import AutoModelForCausalLM
-
     from expertcache.telemetry.errors import InputError
 
     from .aux_routers import AuxRouters, config_for
@@ -456,7 +455,7 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     model = load_causal_lm(base, dtype=torch.float32)
     check_vocab(tok, model.config)
     if (base / "tokenizer.json").is_file():
-        from expertcache.telemetry.corpus import load_tokenizer
+        from expertcache.telemetry.hf import load_tokenizer
 
         if load_tokenizer(str(base)).get_vocab() != tok.get_vocab():
             raise InputError(f"data.tokenizer {recipe.data.tokenizer} is not the tokenizer of the base {base} (their "
@@ -485,7 +484,7 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     model.train()  # from_pretrained returns eval mode
     teacher = None
     if recipe.quality.distill and recipe.mode != "aux-only":
-        teacher = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval().requires_grad_(False)
+        teacher = load_causal_lm(base, dtype=torch.float32).eval().requires_grad_(False)
     module = CacheAwareModule(model, recipe, dm.val_domains(), aux, allowed, teacher)
     start_step, train_s, trainer = fit_resumable(recipe, module, dm, out, resume)
     if trainer.global_rank != 0:  # data-parallel workers: rank 0 alone writes the checkpoint and the reports
@@ -510,7 +509,7 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     from expertcache.telemetry.atomic import write_json
 
     write_json(out / "result.json", result)
-    (out / "result.md").write_text(results_table([result]) + "\n")
+    write_text(out / "result.md", results_table([result]) + "\n")
     plot_cache(result, out / "cache.png")
     return result
 
@@ -527,8 +526,8 @@ def run_sweep(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
         point["name"] = f"{recipe.name}-{recipe.sweep.key}={v:g}"
         results.append(run_cache_aware(from_dict(CacheAwareRecipe, point), resume))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps([result_row(r) for r in results], indent=2))
-    (out / "sweep.md").write_text(results_table(results) + "\n")
+    write_json(out / "sweep.json", [result_row(r) for r in results])
+    write_text(out / "sweep.md", results_table(results) + "\n")
     return {"sweep": recipe.sweep.key, "values": recipe.sweep.values, "rows": [result_row(r) for r in results],
             "table": str(out / "sweep.md")}
 
@@ -627,5 +626,5 @@ def plot_cache(result: dict, out_png: Path) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(f"{result['name']}: decode cache figures ({result['mode']})")
     fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
+    write_figure(fig, out_png)
     plt.close(fig)

@@ -13,7 +13,6 @@ Splits are by *work*, not by file: the sdist carries two editions of most plays 
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import sysconfig
 import tarfile
@@ -23,6 +22,7 @@ from pathlib import Path
 from expertcache.telemetry.corpus import DOMAINS, MANIFEST, CorpusError
 
 from . import mathgen
+from expertcache.telemetry.atomic import write_json
 
 SPLITS = ("train", "validation", "test")
 
@@ -206,7 +206,7 @@ def build_corpus(cfg: CorpusConfig) -> CorpusStats:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     datasets.DatasetDict(dd).save_to_disk(str(out / "arrow"))
-    (out / MANIFEST).write_text(json.dumps({"config": asdict(cfg), **asdict(stats)}, indent=2))
+    write_json(out / MANIFEST, {"config": asdict(cfg), **asdict(stats)})  # the marker load_corpus trusts: last
     return stats
 
 

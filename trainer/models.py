@@ -119,22 +119,10 @@ def save_model_dir(model, tokenizer, model_dir, aux=None) -> None:
     """The HF checkpoint folder (weights, config, tokenizer and, if given, the auxiliary routers) written whole
     into a temporary folder beside it and swapped into place, so a half-written `model/` never reads as a
     checkpoint and a failed save leaves the previous one as it was."""
-    import os
-    import shutil
-    from pathlib import Path
+    from expertcache.telemetry.atomic import atomic_dir
 
-    model_dir = Path(model_dir)
-    tmp = model_dir.with_name(f".{model_dir.name}.tmp-{os.getpid()}")
-    old = model_dir.with_name(f".{model_dir.name}.old-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_dir(model_dir) as tmp:
         model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
         if aux is not None:
             aux.save(tmp, model)
-        if model_dir.exists():
-            model_dir.rename(old)
-        tmp.rename(model_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)

@@ -25,6 +25,7 @@ from .config import RecipeError, opt, to_dict
 from .data import CorpusDataModule, DataSpec
 from .lm_module import CausalLMModule, TrainSpec
 from .models import BaseModelSpec, count_parameters, save_model_dir
+from expertcache.telemetry.atomic import write_figure
 
 
 @dataclass
@@ -152,7 +153,7 @@ def plot_training_curve(log_dir: Path, out_png: Path) -> None:
     if b.get_legend_handles_labels()[0]:
         b.legend()
     fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
+    write_figure(fig, out_png)
     plt.close(fig)
 
 
@@ -251,7 +252,7 @@ def prepare_run(recipe, resume: bool = True, outputs: tuple[str, ...] = ("metric
 
     from expertcache.telemetry.atomic import write_text
     from expertcache.telemetry.corpus import load_corpus
-    from expertcache.telemetry.corpus import load_tokenizer
+    from expertcache.telemetry.hf import load_tokenizer
 
     load_corpus(recipe.data.corpus)
     tok = load_tokenizer(recipe.data.tokenizer)

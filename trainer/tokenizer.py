@@ -22,9 +22,10 @@ def train_tokenizer(texts, out_dir: str | Path, vocab_size: int = 8192):
                             show_progress=False)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token=EOS, bos_token=EOS, pad_token=PAD,
                                   unk_token=None, model_max_length=1 << 30)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok.save_pretrained(str(out_dir))
+    from expertcache.telemetry.atomic import atomic_dir
+
+    with atomic_dir(out_dir) as tmp:
+        tok.save_pretrained(str(tmp))
     return tok
 
 

@@ -1,0 +1,201 @@
+"""The rules docs/ARCHITECTURE.md states, checked against the code (so the document cannot drift from it).
+
+Each rule reads the package's source with `ast` (no imports, no execution) and names every place that breaks it.
+`test_rules_catch_a_violation` feeds each checker a snippet that breaks its rule, so none can pass vacuously.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+AREAS = ("telemetry", "runtime", "trainer", "evals", "recipes")
+# which areas each area may import (ARCHITECTURE.md: telemetry <- trainer <- recipes; telemetry <- runtime; evals
+# uses telemetry, trainer, runtime; recipes sits on top; nothing imports recipes)
+MAY_IMPORT = {"telemetry": set(), "runtime": {"telemetry"}, "trainer": {"telemetry"},
+              "evals": {"telemetry", "trainer", "runtime"}, "recipes": {"telemetry", "trainer", "runtime", "evals"}}
+# the one module allowed to write files by name (temporary name, fsync, rename)
+WRITERS = {"telemetry/atomic.py"}
+# where a HF checkpoint is loaded with transformers
+LOADERS = {"telemetry/hf.py"}
+CLI = {"recipes/cli.py"}
+
+
+def sources(areas=AREAS) -> dict[str, ast.Module]:
+    out = {}
+    for area in areas:
+        for p in sorted((ROOT / area).rglob("*.py")):
+            rel = p.relative_to(ROOT).as_posix()
+            out[rel] = ast.parse(p.read_text(), rel)
+    return out
+
+
+# --- the checkers: source tree -> list of "file:line: what" ----------------------------------------------------
+
+def import_violations(trees: dict[str, ast.Module]) -> list[str]:
+    bad = []
+    for rel, tree in trees.items():
+        area = rel.split("/")[0]
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                parts = name.split(".")
+                if parts[0] in AREAS or parts[0] == "scripts":
+                    bad.append(f"{rel}:{node.lineno}: imports {name} (bare area name; use expertcache.{name})")
+                elif parts[0] == "expertcache" and len(parts) > 1:
+                    target = parts[1]
+                    if target != area and target not in MAY_IMPORT[area]:
+                        bad.append(f"{rel}:{node.lineno}: {area} imports {name}")
+    return bad
+
+
+_WRITE_MODES = re.compile(r"[wax+]")
+_WRITE_CALLS = {"write_text", "write_bytes", "savez", "savez_compressed", "save_file", "to_parquet", "to_csv",
+                "write_table", "savefig", "save_pretrained"}
+
+
+# Writers that are not results written whole, each with the reason it may stream: the Parquet trace writer
+# appends row groups as a recording goes (so an interrupted recording keeps what it had).
+STREAMING = {("telemetry/parquet_trace.py", "write_table")}
+
+
+def write_violations(trees: dict[str, ast.Module]) -> list[str]:
+    """A file written by name outside atomic.py: open() in a writing mode, Path.write_*, np.save*, torch.save,
+    safetensors' save_file, pyarrow's write_table, savefig, save_pretrained. Allowed: the functions imported from
+    atomic.py, writes into the temporary folder of `with atomic_dir(...)`, the kernel's /proc knobs."""
+    bad = []
+    for rel, tree in trees.items():
+        if rel in WRITERS:
+            continue
+        from_atomic = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                       and (node.module or "").endswith("atomic") for a in node.names}
+        inside_atomic_dir = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.With) and any(isinstance(i.context_expr, ast.Call) and
+                                                  _name(i.context_expr.func) == "atomic_dir" for i in node.items):
+                inside_atomic_dir |= {id(n) for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or id(node) in inside_atomic_dir:
+                continue
+            f = node.func
+            name = _name(f) or ""
+            if isinstance(f, ast.Name) and name in from_atomic:
+                continue
+            if (rel, name) in STREAMING or _proc_path(f):
+                continue
+            if name == "open":
+                mode = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords
+                                                                     if k.arg == "mode"), None)
+                if isinstance(mode, ast.Constant) and isinstance(mode.value, str) and _WRITE_MODES.search(mode.value):
+                    bad.append(f"{rel}:{node.lineno}: open(..., {mode.value!r})")
+            elif name in _WRITE_CALLS:
+                bad.append(f"{rel}:{node.lineno}: {name}(...)")
+            elif name == "save" and isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) \
+                    and f.value.id in ("torch", "np", "numpy"):
+                bad.append(f"{rel}:{node.lineno}: {f.value.id}.save(...)")
+    return bad
+
+
+def _proc_path(f) -> bool:
+    """`Path("/proc/...").write_text(...)`: a kernel setting, not a file."""
+    return isinstance(f, ast.Attribute) and isinstance(f.value, ast.Call) and f.value.args and \
+        isinstance(f.value.args[0], ast.Constant) and str(f.value.args[0].value).startswith("/proc/")
+
+
+def from_pretrained_violations(trees: dict[str, ast.Module]) -> list[str]:
+    return [f"{rel}:{node.lineno}: from_pretrained outside {sorted(LOADERS)}"
+            for rel, tree in trees.items() if rel not in LOADERS for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr == "from_pretrained"]
+
+
+def argparse_violations(trees: dict[str, ast.Module]) -> list[str]:
+    bad = []
+    for rel, tree in trees.items():
+        if rel in CLI:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import) and any(a.name == "argparse" for a in node.names) or \
+                    isinstance(node, ast.ImportFrom) and node.module == "argparse":
+                bad.append(f"{rel}:{node.lineno}: argparse outside the generated CLI")
+    return bad
+
+
+def capacity_violations(trees: dict[str, ast.Module]) -> list[str]:
+    """The capacity rule (fraction of E or a count) is `cachesim.capacity_count`'s alone: no other code turns a
+    capacity into a count (`capacity * num_experts`, `round(capacity ...)`) or compares one with 1."""
+    bad = []
+    for rel, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.name == "capacity_count" and rel == "telemetry/cachesim.py":
+                node.body = []  # the rule's own home
+        for node in ast.walk(tree):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+                names = {_name(node.left), _name(node.right)}
+                if any(n and "capacity" in n for n in names) and any(n and "expert" in n for n in names):
+                    bad.append(f"{rel}:{node.lineno}: capacity times experts outside capacity_count")
+            elif isinstance(node, ast.Compare) and _name(node.left) and "capacity" in _name(node.left) and \
+                    any(isinstance(c, ast.Constant) and c.value == 1 for c in node.comparators):
+                bad.append(f"{rel}:{node.lineno}: capacity compared with 1 outside capacity_count")
+    return bad
+
+
+def _name(node) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+# --- the tests -----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trees():
+    return sources()
+
+
+@pytest.mark.parametrize("check", [import_violations, write_violations, from_pretrained_violations,
+                                   argparse_violations, capacity_violations], ids=lambda f: f.__name__)
+def test_rule_holds(trees, check):
+    assert check(trees) == []
+
+
+@pytest.mark.parametrize("check,snippet", [
+    (import_violations, "from expertcache.trainer.models import x"),
+    (import_violations, "import expertcache.recipes.cli"),
+    (write_violations, "open(p, 'w').write('x')"),
+    (write_violations, "Path(p).write_text('x')"),
+    (write_violations, "torch.save(obj, p)"),
+    (from_pretrained_violations, "AutoModelForCausalLM.from_pretrained(d)"),
+    (argparse_violations, "import argparse"),
+    (capacity_violations, "c = round(capacity * num_experts)"),
+    (capacity_violations, "ok = capacity < 1"),
+], ids=lambda x: x.__name__ if callable(x) else "")
+def test_rules_catch_a_violation(check, snippet):
+    """A stray write (or import, load, parser, capacity rule) in a runtime module is reported."""
+    assert check({"runtime/stray.py": ast.parse(snippet)}) != []
+
+
+def test_reading_is_not_writing():
+    assert write_violations({"runtime/stray.py": ast.parse("open(p).read(); open(p, 'rb').read()")}) == []
+
+
+def test_atomic_writes_are_not_violations():
+    ok = ("from expertcache.telemetry.atomic import write_text, atomic_dir\n"
+          "write_text(p, 'x')\n"
+          "with atomic_dir(d) as tmp:\n    model.save_pretrained(tmp)\n")
+    assert write_violations({"runtime/stray.py": ast.parse(ok)}) == []
+
+
+def test_the_document_states_these_rules():
+    doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    for phrase in ("test_architecture.py", "atomic.py", "capacity_count", "load_causal_lm"):
+        assert phrase in doc, phrase
