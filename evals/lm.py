@@ -33,9 +33,14 @@ def engine_from_args(args: dict) -> EngineConfig | None:
     out = {}
     for k, v in given.items():
         try:
-            out[k] = float(v) if types[k] == "float" else int(v) if types[k] == "int" else str(v)
+            if types[k] == "int | float":  # capacity: `16` is a count of experts, `0.25` and `1.0` fractions of E
+                out[k] = v if isinstance(v, (int, float)) else int(v) if str(v).strip().lstrip("+-").isdigit() \
+                    else float(v)
+            else:
+                out[k] = float(v) if types[k] == "float" else int(v) if types[k] == "int" else str(v)
         except ValueError:
-            raise InputError(f"engine option {k}={v!r}: expected a {types[k]}") from None
+            what = "a float or an integer" if types[k] == "int | float" else f"a {types[k]}"
+            raise InputError(f"engine option {k}={v!r}: expected {what}") from None
     cfg = EngineConfig(**out)
     cfg.check()
     return cfg
