@@ -128,6 +128,23 @@ def _same_file(a: Path, b: str | Path) -> bool:
         return False
 
 
+def check_distinct(ids, where: str) -> None:
+    """Every routing row names k distinct experts (a router's top-k never picks one twice): a row like [3, 3, 5, 7]
+    is refused where a trace enters (import, write, read), before any analysis or fit counts it."""
+    ids = np.asarray(ids)
+    if ids.ndim < 2 or ids.size == 0 or ids.shape[-1] < 2:
+        return
+    rows = ids.reshape(-1, ids.shape[-1])
+    s = np.sort(rows, axis=1)
+    dup = (s[:, 1:] == s[:, :-1]).any(axis=1)
+    if dup.any():
+        i = int(np.argmax(dup))
+        at = ", ".join(f"{n} {int(v)}" for n, v in zip(("layer", "token") if ids.ndim == 3 else ("row",),
+                                                          np.unravel_index(i, ids.shape[:-1])))
+        raise InputError(f"{where}: the routing of {at} repeats an expert ({rows[i].tolist()[:16]}); each row's "
+                         f"top-{ids.shape[-1]} experts must be distinct ({int(dup.sum())} such row(s))")
+
+
 class TraceWriter:
     """Append batches of rows as row groups. Use as a context manager; SIGTERM is turned into KeyboardInterrupt
     while it is open, so the footer is written on either signal. Rows go to a temporary name beside `path`,
@@ -173,6 +190,7 @@ class TraceWriter:
         if n and (int(ids.min()) < 0 or int(ids.max()) >= e):
             raise InputError(f"expert ids span [{int(ids.min())}, {int(ids.max())}], outside [0, {e}) "
                              f"(num_experts={e}); refusing to store them (int16 would wrap)")
+        check_distinct(ids, f"trace {self.path}")
         if np.shape(weights) != (n, k):
             raise InputError(f"weights have shape {np.shape(weights)}, expected ({n}, {k})")
         cols = [pa.array(np.asarray(seq_id, np.int32)), pa.array(np.asarray(pos, np.int32)),
@@ -329,6 +347,7 @@ def _check_table(path, meta: TraceMeta, table: pa.Table, columns) -> None:
             bad = mm["max"] if mm["max"] >= meta.num_experts else mm["min"]
             raise InputError(f"trace {path}: expert id {bad} outside [0, {meta.num_experts}) "
                              f"(num_experts={meta.num_experts})")
+        check_distinct(flat.to_numpy(zero_copy_only=False).reshape(-1, meta.top_k), f"trace {path}")
     if "layer" in table.column_names and table.num_rows:
         seen = set(pc.unique(table["layer"]).to_pylist()) - set(meta.moe_layers)
         if seen:

@@ -71,3 +71,58 @@ def test_capacity_on_the_command_line_and_in_recipes_keeps_its_type():
         load_recipe(CacheAwareRecipe, loc, ["serving.capacity=16.0"])
     with pytest.raises(RecipeError, match="eval.capacities has capacity 2.5"):
         load_recipe(CacheAwareRecipe, loc, ["eval.capacities=[2.5]"])
+
+
+def _dup_routing(rng=None):
+    from helpers import distinct_ids
+
+    ids = distinct_ids(rng or np.random.default_rng(0), 16, (2, 20, 4)).astype(np.int16)
+    ids[1, 5] = [3, 3, 5, 7]
+    return ids
+
+
+def test_a_routing_row_repeating_an_expert_is_refused_at_every_entry(tmp_path):
+    import json
+    import struct
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from expertcache.runtime.replay import load_routing
+    from expertcache.telemetry.learned_policy import load_routing as policy_routing
+    from expertcache.telemetry.llamacpp import import_trace, read_npz
+    from expertcache.telemetry.parquet_trace import TraceMeta, TraceWriter, read_trace
+
+    ids = _dup_routing()
+    np.savez(tmp_path / "t.npz", experts=ids, meta=json.dumps({"num_experts": 16}))
+    for call in (lambda: import_trace(tmp_path / "t.npz", tmp_path / "t.parquet"), lambda: read_npz(tmp_path / "t.npz"),
+                 lambda: load_routing(tmp_path / "t.npz"), lambda: policy_routing(tmp_path / "t.npz")):
+        with pytest.raises(InputError, match=r"layer 1, token 5 repeats an expert \(\[3, 3, 5, 7\]\)"):
+            call()
+    with open(tmp_path / "s.bin", "wb") as f:
+        for layer in range(2):
+            f.write(struct.pack("<iii", layer, 20, 4) + ids[layer].astype("<i4").tobytes())
+    with pytest.raises(InputError, match="repeats an expert"):
+        import_trace(tmp_path / "s.bin", tmp_path / "t.parquet", num_experts=16)
+    assert not (tmp_path / "t.parquet").exists()
+    meta = TraceMeta(model="m", family="qwen3_moe", num_layers=2, moe_layers=[0, 1], num_experts=16, top_k=4)
+    rows = ids.transpose(1, 0, 2).reshape(-1, 4)
+    n = len(rows)
+    cols = dict(seq_id=np.zeros(n, np.int32), pos=np.arange(n, dtype=np.int32) // 2,
+                layer=np.tile(np.asarray([0, 1], np.int16), n // 2), phase="decode", domain="code",
+                token=np.zeros(n, np.int32), weights=np.ones((n, 4), np.float16))
+    with pytest.raises(InputError, match="repeats an expert"):
+        with TraceWriter(tmp_path / "w.parquet", meta) as w:
+            w.write(ids=rows, **cols)
+    ok = rows.copy()
+    ok[11] = [3, 4, 5, 7]
+    with TraceWriter(tmp_path / "w.parquet", meta) as w:
+        w.write(ids=ok, **cols)
+    t = pq.read_table(tmp_path / "w.parquet")  # written by another tool: the same file, one row repeating
+    t = t.set_column(t.column_names.index("ids"), "ids",
+                     pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1).astype(np.int16)), 4))
+    pq.write_table(t, tmp_path / "other.parquet")
+    with pytest.raises(InputError, match="row 11 repeats an expert"):
+        read_trace(tmp_path / "other.parquet")
+    with pytest.raises(InputError, match="repeats an expert"):
+        load_routing(tmp_path / "other.parquet")

@@ -12,6 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from helpers import distinct_ids
+
 from expertcache.telemetry.adapters import adapter_for
 from expertcache.telemetry.errors import InputError
 from expertcache.telemetry.llamacpp import import_trace, read_stream
@@ -168,7 +170,7 @@ def write_stream(path, ids_by_layer, chunk):
 
 
 def test_llamacpp_stream_import_round_trips(tmp_path):
-    ids = np.random.default_rng(0).integers(0, 64, (3, 50, 4)).astype(np.int16)
+    ids = distinct_ids(np.random.default_rng(0), 64, (3, 50, 4)).astype(np.int16)
     write_stream(tmp_path / "s.bin", ids, chunk=7)
     got, layers = read_stream(tmp_path / "s.bin")
     assert layers == [0, 1, 2] and np.array_equal(got, ids)
@@ -209,13 +211,13 @@ def test_a_clean_trace_says_complete_and_an_interrupted_one_says_partial(tmp_pat
 
     good = tmp_path / "good.parquet"
     with TraceWriter(good, _meta()) as w:
-        _rows(w, np.random.default_rng(0).integers(0, 16, (40, 2)))
+        _rows(w, distinct_ids(np.random.default_rng(0), 16, (40, 2)))
     assert read_meta(good).partial is False and info(good)["partial"] is False
     part = tmp_path / "part.parquet"
     with pytest.raises(RuntimeError, match="boom"):
         with TraceWriter(part, _meta()) as w:
-            _rows(w, np.random.default_rng(0).integers(0, 16, (40, 2)))
-            _rows(w, np.random.default_rng(1).integers(0, 16, (40, 2)), seq=1)
+            _rows(w, distinct_ids(np.random.default_rng(0), 16, (40, 2)))
+            _rows(w, distinct_ids(np.random.default_rng(1), 16, (40, 2)), seq=1)
             raise RuntimeError("boom")
     assert read_meta(part).partial is True
     assert info(part)["rows"] == 80 and info(part)["partial"] is True
@@ -230,7 +232,7 @@ def test_a_clean_trace_says_complete_and_an_interrupted_one_says_partial(tmp_pat
 def test_a_run_failing_before_its_first_rows_leaves_the_old_file(tmp_path):
     path = tmp_path / "t.parquet"
     with TraceWriter(path, _meta()) as w:
-        _rows(w, np.random.default_rng(0).integers(0, 16, (40, 2)))
+        _rows(w, distinct_ids(np.random.default_rng(0), 16, (40, 2)))
     before = path.read_bytes()
     with pytest.raises(KeyboardInterrupt):
         with TraceWriter(path, _meta()):
@@ -253,7 +255,7 @@ def test_expert_ids_outside_the_range_are_refused_when_written(tmp_path, bad):
 
 
 def test_imports_refuse_ids_that_int16_would_wrap(tmp_path):
-    ids = np.random.default_rng(0).integers(0, 16, (2, 10, 2)).astype(np.int32)
+    ids = distinct_ids(np.random.default_rng(0), 16, (2, 10, 2)).astype(np.int32)
     ids[1, 3, 0] = 65539  # 65539 % 65536 = 3: it used to be stored as expert 3
     write_stream(tmp_path / "s.bin", ids, chunk=4)
     with pytest.raises(InputError, match="outside 0..15"):
@@ -288,7 +290,7 @@ def test_a_trace_holding_an_id_outside_its_experts_is_refused_on_read(tmp_path):
 
 
 def test_an_output_that_is_an_input_is_refused(tmp_path):
-    ids = np.random.default_rng(0).integers(0, 16, (2, 10, 2)).astype(np.int32)
+    ids = distinct_ids(np.random.default_rng(0), 16, (2, 10, 2)).astype(np.int32)
     np.savez(tmp_path / "t.npz", experts=ids, meta=json.dumps({"num_experts": 16}))
     before = (tmp_path / "t.npz").read_bytes()
     with pytest.raises(InputError, match="is also an input"):
