@@ -126,3 +126,36 @@ def test_a_routing_row_repeating_an_expert_is_refused_at_every_entry(tmp_path):
         read_trace(tmp_path / "other.parquet")
     with pytest.raises(InputError, match="repeats an expert"):
         load_routing(tmp_path / "other.parquet")
+
+
+def test_a_non_finite_estimator_policy_or_router_file_is_refused(tmp_path):
+    import json
+
+    from safetensors.numpy import save_file as save_np
+    from safetensors.torch import save_file
+
+    from expertcache.runtime.predictors import EstimatorPredictor, make_predictor
+    from expertcache.telemetry.learned_policy import KIND, LearnedPolicy
+    from expertcache.trainer.models import build_model, tiny_config
+
+    model = build_model(tiny_config("qwen3_moe"), seed=1).eval()
+    h, e, n_l = model.config.hidden_size, model.config.num_experts, model.config.num_hidden_layers
+    meta = {"kind": "expertcache-estimator", "trace": "{}"}
+    good = {"weights": torch.zeros(n_l - 1, h, e), "bias": torch.zeros(n_l - 1, e)}
+    save_file(good, str(tmp_path / "ok.safetensors"), metadata=meta)
+    assert make_predictor(f"estimator:{tmp_path / 'ok.safetensors'}", model, None, e, h).name == "estimator"
+    for name in ("weights", "bias"):
+        t = dict(good)
+        t[name] = torch.full_like(good[name], float("nan"))
+        save_file(t, str(tmp_path / f"{name}.safetensors"), metadata=meta)
+        with pytest.raises(InputError, match=f"{name} holds .* non-finite"):
+            make_predictor(f"estimator:{tmp_path / f'{name}.safetensors'}", model, None, e, h)
+        with pytest.raises(InputError, match="non-finite"):
+            EstimatorPredictor.load(tmp_path / f"{name}.safetensors", e, h)
+    save_np({"w0": np.full((3, 3), np.inf)}, str(tmp_path / "p.safetensors"),
+            metadata={"kind": KIND, "policy": json.dumps({})})
+    with pytest.raises(InputError, match="w0 holds non-finite"):
+        LearnedPolicy.load(tmp_path / "p.safetensors")
+    for spec in ("probe:x", "probe:0", "probex", "probe:-1"):  # a malformed spec: one line, not a ValueError
+        with pytest.raises(InputError, match="expected probe:D"):
+            make_predictor(spec, model)
