@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -77,13 +78,17 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
     blocks = stepwise_blocks(corpus, str(model_dir), split, seq_len, ppl_blocks)
     step = stepwise_perplexity(model, blocks, progress)
     step["blocks_sha256"] = blocks_sha256(blocks)
+    integrity = None
     if engine is not None:
         step["engine"] = engine.stats.to_dict(engine.meta.expert_bytes)
+        integrity = engine.integrity()
+        if integrity.startswith("unverified"):
+            print(f"eval: the served checkpoint is {integrity}", file=sys.stderr)
         engine.close()
     from .gate import EVAL_FORMAT_VERSION
 
     res = {"format_version": EVAL_FORMAT_VERSION, "model": str(model_dir), "policy": label(serve),
-           "engine": None if serve is None else asdict(serve), "split": split, "dtype": dtype, "device": device,
+           "engine": None if serve is None else asdict(serve), "integrity": integrity, "split": split, "dtype": dtype, "device": device,
            "tokenizer": tokenizer_fingerprint(model_dir), "tasks": list(tasks or []), "limit": limit,
            "stepwise": step, "stepwise_blocks": {d: list(b.shape) for d, b in blocks.items()}}
     if tasks:

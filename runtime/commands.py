@@ -348,24 +348,37 @@ def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(capac
     if not 0 < port < 65536:
         raise InputError(f"--port {port}: expected 1..65535")
     m, tok, path = _talk_model(model, engine, dtype, plain)
+    eng = getattr(m, "expertcache", None)
+    if eng is not None and eng.integrity().startswith("unverified"):  # also in /health
+        print(f"serve: {path} is {eng.integrity()}", file=sys.stderr)
     run(m, tok, served_model_name or str(path), host, port, log_level)
     return 0
 
 
 
 
-def verify(model: str, write_index: bool = True) -> dict:
-    """Check every routed expert's bytes against its checksum, and every weight's finiteness; exit 2 on damage.
+def verify(model: str, write_index: bool = True, rebless: bool = False) -> dict:
+    """Check every routed expert's bytes against its checksum reference, every weight's finiteness and each
+    tensor's magnitude against its siblings; the verdict on stderr, the report as JSON; exit 0 when ok (or
+    unverified: no reference existed and the checks that need none passed), 1 on damage or an index that cannot
+    be used without --rebless, 2 on bad input.
 
     Args:
         model: a checkpoint directory (safetensors) or an expert store file
-        write_index: record the checkpoint's checksum index (<dir>/.expertcache-checksums.json) when it has none;
-            reads through `load` then check against it
+        write_index: record the checkpoint's first checksum index (<dir>/.expertcache-checksums.json, or in the
+            user cache folder when <dir> is not writable) when it has none and nothing failed; reads through
+            `load` then check against it
+        rebless: record the current bytes as the reference in place of an index that disagrees with them, is
+            unreadable or was made for another layout (only when the change is yours: a re-saved checkpoint)
     """
     from rich.progress import Progress
 
+    from .verify import verdict_line
     from .verify import verify as run
 
     with Progress(transient=True) as prog:
         task = prog.add_task("experts checked", total=None)
-        return run(model, write_index=write_index, progress=lambda n=1: prog.advance(task, n))
+        rep = run(model, write_index=write_index, rebless=rebless,
+                  progress=lambda n=1: prog.advance(task, n))
+    print(verdict_line(rep), file=sys.stderr)
+    return rep

@@ -574,7 +574,15 @@ class OffloadEngine:
                 "tau": self.cfg.tau if self.cfg.miss == "reroute" else None, **self.tier.describe(),
                 **self.predictor.describe(), "expert_bytes": self.meta.expert_bytes,
                 "expert_dtype": self.meta.tensors[0].dtype, "budget": self.cfg.budget, "device": self.cfg.slot_device,
-                "fast_tier_bytes": self.fast_bytes, "tier_host_bytes": self.host_bytes}
+                "fast_tier_bytes": self.fast_bytes, "tier_host_bytes": self.host_bytes,
+                "integrity": self.integrity()}
+
+    def integrity(self) -> str:
+        """Whether the experts served are checked against a reference: `verified (...)` or `unverified (why)`."""
+        fn = getattr(self.source, "integrity", None)
+        if self.meta.source == "random":
+            return "random experts (a replay store)"
+        return fn() if fn is not None else "unverified"
 
     def detach(self) -> None:
         """Stop serving: hooks removed, loads finished (the tier stays open for a next engine)."""

@@ -254,6 +254,8 @@ def summary_line(summary: dict, engine=None) -> str:
         d = engine.describe()
         parts.append(f"tier {d.get('tier', engine.cfg.tier)}, {engine.capacity}/{engine.adapter.num_experts} "
                      f"experts resident per layer")
+        if str(d.get("integrity", "")).startswith("unverified"):
+            parts.append(d["integrity"])
     return "[" + ", ".join(parts) + "]"
 
 
