@@ -61,8 +61,11 @@ class ExpertCacheLM(HFLM):
         tok = AutoTokenizer.from_pretrained(str(path))
         self.lossy = self.serve is not None and self.serve.lossy
         bs = 1 if self.lossy else int(batch_size)
+        from expertcache.telemetry.hf import context_length
+
+        ctx = context_length(model)  # lm-eval truncates each request to max_length: never past the positions
         super().__init__(pretrained=model, tokenizer=tok, device=parse_device(device), batch_size=bs,
-                         max_length=int(max_length), **kwargs)
+                         max_length=min(int(max_length), ctx) if ctx else int(max_length), **kwargs)
 
     def _model_call(self, inps, attn_mask=None, labels=None):
         if not self.lossy:

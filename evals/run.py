@@ -14,6 +14,7 @@ import numpy as np
 
 from expertcache.runtime.engine import EngineConfig
 from expertcache.telemetry.atomic import write_json
+from expertcache.telemetry.errors import InputError
 
 from .policy import label, open_model
 from .taskdata import DEFAULT_TASKS, DOMAINS, build_task_data, lm_eval_tasks
@@ -75,6 +76,13 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
     task_list, manager = lm_eval_tasks(list(tasks), task_dir, include_path) if tasks else (None, None)
     # step-wise token perplexity (the gate's Δppl), the engine attached, tokens in order
     model, engine = open_model(model_dir, serve, dtype, device)
+    from expertcache.telemetry.hf import context_length
+
+    ctx = context_length(model)  # every block is decoded in order, one position per token
+    if ctx is not None and seq_len > ctx:
+        if engine is not None:
+            engine.close()
+        raise InputError(f"--seq_len {seq_len}: this model's context is {ctx} positions")
     blocks = stepwise_blocks(corpus, str(model_dir), split, seq_len, ppl_blocks)
     step = stepwise_perplexity(model, blocks, progress)
     step["blocks_sha256"] = blocks_sha256(blocks)

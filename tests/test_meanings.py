@@ -159,3 +159,28 @@ def test_a_non_finite_estimator_policy_or_router_file_is_refused(tmp_path):
     for spec in ("probe:x", "probe:0", "probex", "probe:-1"):  # a malformed spec: one line, not a ValueError
         with pytest.raises(InputError, match="expected probe:D"):
             make_predictor(spec, model)
+
+
+def test_every_decode_path_checks_prompt_and_new_tokens_against_the_models_positions(tmp_path, capsys):
+    """#24 finding 6: `generate --max_tokens 100000` decoded past a 1,024-position model; serve refused it."""
+    from tiny_lm import make_tiny_checkpoint
+
+    from expertcache.recipes.cli import main
+    from expertcache.runtime.generate import Generation, SamplingParams, load_model
+    from expertcache.telemetry.recorder import record_blocks
+
+    ckpt = make_tiny_checkpoint(tmp_path / "m", max_positions=64)
+    capsys.readouterr()
+    rc = main(["generate", "--model", str(ckpt), "--prompt", "thou art", "--max_tokens", "100000",
+               "--engine.tier", "host"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "this model's context is 64 positions" in err[0], err
+    assert main(["generate", "--model", str(ckpt), "--prompt", "thou " * 80, "--max_tokens", "1", "--plain",
+                 "true"]) == 2
+    assert "shorten the prompt" in capsys.readouterr().err
+    model, tok = load_model(ckpt, plain=True)
+    with pytest.raises(InputError, match="at most 54 new tokens fit"):
+        Generation(model, tok, list(range(10)), SamplingParams(max_tokens=55))
+    Generation(model, tok, list(range(10)), SamplingParams(max_tokens=54))  # exactly the context: fine
+    with pytest.raises(InputError, match="prompt_len has 60 tokens and decode_tokens=8"):
+        record_blocks(model, np.zeros((1, 60), np.int64), None, "code", 60, 8, 1)
