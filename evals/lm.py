@@ -33,9 +33,14 @@ def engine_from_args(args: dict) -> EngineConfig | None:
     out = {}
     for k, v in given.items():
         try:
-            out[k] = float(v) if types[k] == "float" else int(v) if types[k] == "int" else str(v)
+            if types[k] == "int | float":  # capacity: `16` is a count of experts, `0.25` and `1.0` fractions of E
+                out[k] = v if isinstance(v, (int, float)) else int(v) if str(v).strip().lstrip("+-").isdigit() \
+                    else float(v)
+            else:
+                out[k] = float(v) if types[k] == "float" else int(v) if types[k] == "int" else str(v)
         except ValueError:
-            raise InputError(f"engine option {k}={v!r}: expected a {types[k]}") from None
+            what = "a float or an integer" if types[k] == "int | float" else f"a {types[k]}"
+            raise InputError(f"engine option {k}={v!r}: expected {what}") from None
     cfg = EngineConfig(**out)
     cfg.check()
     return cfg
@@ -55,8 +60,11 @@ class ExpertCacheLM(HFLM):
         tok = load_tokenizer(path)
         self.lossy = self.serve is not None and self.serve.lossy
         bs = 1 if self.lossy else int(batch_size)
+        from expertcache.telemetry.hf import context_length
+
+        ctx = context_length(model)  # lm-eval truncates each request to max_length: never past the positions
         super().__init__(pretrained=model, tokenizer=tok, device=parse_device(device), batch_size=bs,
-                         max_length=int(max_length), **kwargs)
+                         max_length=min(int(max_length), ctx) if ctx else int(max_length), **kwargs)
 
     def _model_call(self, inps, attn_mask=None, labels=None):
         if not self.lossy:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -13,6 +14,7 @@ import numpy as np
 
 from expertcache.runtime.engine import EngineConfig
 from expertcache.telemetry.atomic import write_json
+from expertcache.telemetry.errors import InputError
 
 from .policy import label, open_model
 from .taskdata import DEFAULT_TASKS, DOMAINS, build_task_data, lm_eval_tasks
@@ -74,16 +76,27 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
     task_list, manager = lm_eval_tasks(list(tasks), task_dir, include_path) if tasks else (None, None)
     # step-wise token perplexity (the gate's Δppl), the engine attached, tokens in order
     model, engine = open_model(model_dir, serve, dtype, device)
+    from expertcache.telemetry.hf import context_length
+
+    ctx = context_length(model)  # every block is decoded in order, one position per token
+    if ctx is not None and seq_len > ctx:
+        if engine is not None:
+            engine.close()
+        raise InputError(f"--seq_len {seq_len}: this model's context is {ctx} positions")
     blocks = stepwise_blocks(corpus, str(model_dir), split, seq_len, ppl_blocks)
     step = stepwise_perplexity(model, blocks, progress)
     step["blocks_sha256"] = blocks_sha256(blocks)
+    integrity = None
     if engine is not None:
         step["engine"] = engine.stats.to_dict(engine.meta.expert_bytes)
+        integrity = engine.integrity()
+        if integrity.startswith("unverified"):
+            print(f"eval: the served checkpoint is {integrity}", file=sys.stderr)
         engine.close()
     from .gate import EVAL_FORMAT_VERSION
 
     res = {"format_version": EVAL_FORMAT_VERSION, "model": str(model_dir), "policy": label(serve),
-           "engine": None if serve is None else asdict(serve), "split": split, "dtype": dtype, "device": device,
+           "engine": None if serve is None else asdict(serve), "integrity": integrity, "split": split, "dtype": dtype, "device": device,
            "tokenizer": tokenizer_fingerprint(model_dir), "tasks": list(tasks or []), "limit": limit,
            "stepwise": step, "stepwise_blocks": {d: list(b.shape) for d, b in blocks.items()}}
     if tasks:

@@ -88,6 +88,9 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineCon
     rss_loaded = peak_rss_bytes()
     dt = parse_dtype(dtype) or getattr(torch, eng0.meta.tensors[0].dtype)
     n_new = warmup + tokens + 1
+    from expertcache.telemetry.hf import check_context
+
+    check_context(m, int(prompts.shape[1]), n_new - 1, "--prompt_len", "--warmup + --tokens")
 
     def attach(cap, pred="none", pol=policy, ms="blocking", tr=tier):
         aux = load_aux(m) if load_aux is not None and (pred == "spatio" or pol == "scored") else None

@@ -16,9 +16,13 @@ expert each, at aligned offsets).
 
 Integrity: an expert's checksum is the xxh3_64 digest of its spans' bytes as they lie in the files, in (file,
 offset) order (`expert_order`). A repacked store carries one per block; a safetensors checkpoint gets them from
-`expertcache verify`, which writes `<checkpoint>/.expertcache-checksums.json` (keyed by each file's name, size and
-mtime, so a re-saved file invalidates its entries). When a source has checksums, the disk tier checks every expert
-it reads against them (`tiers.DiskTier.read`) and refuses a mismatch naming the layer, expert and file.
+`expertcache verify`, which writes `<checkpoint>/.expertcache-checksums.json` (or, when the checkpoint's folder is
+not writable, the same file under the user cache folder: `index_locations`). The index stays the reference when
+a file changes: a changed file (size or mtime) is checked against it like any other, so damage written in place
+is reported as damage, never silently re-hashed; only `expertcache verify --rebless true` records new bytes as
+the reference. When a source has checksums, the disk tier checks every expert it reads against them
+(`tiers.DiskTier.read`) and refuses a mismatch naming the layer, expert and file; without any, the engine says
+the model is unverified (`integrity`).
 """
 
 from __future__ import annotations
@@ -276,7 +280,16 @@ class CheckpointExperts:
     # --- checksums -------------------------------------------------------------------------------------------
     @property
     def index_path(self) -> Path:
-        return self.ckpt.dir / CHECKSUM_INDEX
+        """The index that is read: beside the checkpoint, else the user cache's copy, else where one is written."""
+        beside, cached = index_locations(self.ckpt.dir)
+        if beside.is_file() or not cached.is_file():
+            return beside if beside.is_file() or _writable(self.ckpt.dir) else cached
+        return cached
+
+    def index_write_path(self) -> Path:
+        """Where `verify` writes the index: beside the checkpoint when its folder is writable, else the user cache."""
+        beside, cached = index_locations(self.ckpt.dir)
+        return beside if _writable(self.ckpt.dir) else cached
 
     def layout_sha256(self) -> str:
         """sha256 of where every expert's bytes lie (file names, offsets, lengths in checksum order): an index
@@ -303,21 +316,23 @@ class CheckpointExperts:
         try:
             d = json.loads(p.read_text())
         except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise InputError(f"{p}: unreadable checksum index ({str(e).splitlines()[0][:100]}); delete it and re-run "
-                             f"`expertcache verify {self.ckpt.dir}`") from None
+            raise InputError(f"{p}: unreadable checksum index ({str(e).splitlines()[0][:100]}); the reference is "
+                             f"lost: `expertcache verify --model {self.ckpt.dir} --rebless true` records the current bytes "
+                             f"as the new one") from None
         ok = (isinstance(d, dict) and d.get("format") == INDEX_FORMAT and isinstance(d.get("files"), dict)
               and isinstance(d.get("experts"), list) and all(isinstance(x, list) for x in d["experts"]))
         if not ok:
-            raise InputError(f"{p} is not an expertcache checksum index; delete it and re-run "
-                             f"`expertcache verify {self.ckpt.dir}`")
+            raise InputError(f"{p} is not an expertcache checksum index; `expertcache verify --model {self.ckpt.dir} "
+                             f"--rebless true` records the current bytes as the reference")
         if d.get("version") != INDEX_VERSION or d.get("algorithm") != CHECKSUM:
             raise InputError(f"{p}: checksum index version {d.get('version')!r} / {d.get('algorithm')!r}, this build "
-                             f"reads {INDEX_VERSION} / {CHECKSUM}; re-run `expertcache verify {self.ckpt.dir}`")
+                             f"reads {INDEX_VERSION} / {CHECKSUM}; re-run `expertcache verify --model {self.ckpt.dir}`")
         return d
 
     def indexed_checksums(self, index: dict) -> tuple[list[list[int | None]] | None, list[str]]:
-        """`(expected, stale)`: each expert's indexed checksum, None where one of its files changed since the
-        index was made (`stale` names those files); `expected` is None when the index is for another layout."""
+        """`(expected, changed)`: each expert's indexed checksum, the reference for every expert even where its file
+        changed since the index was made (`changed` names those files: size or mtime differ; a changed file is
+        checked, not trusted); `expected` is None when the index is for another layout."""
         if index.get("layout_sha256") != self.layout_sha256():
             return None, [p.name for p in self.files]
         now = self.file_stamps()
@@ -330,9 +345,6 @@ class CheckpointExperts:
         for i, row in enumerate(rows):
             r = []
             for e, hx in enumerate(row):
-                if any(s.file in stale for s in self._spans[i][e]):
-                    r.append(None)
-                    continue
                 try:
                     r.append(int(hx, 16))
                 except (TypeError, ValueError):
@@ -344,7 +356,8 @@ class CheckpointExperts:
     def use_index(self, verify: bool | None = None) -> str:
         """Check every expert read against the checksum index from now on, when there is one (`verify`: None =
         `VERIFY_DEFAULT`, False = never, True = always, with a warning when there is nothing to check against).
-        Returns and records the state: off, none, stale, other layout, on."""
+        Returns and records the state: off, none, changed (files changed since the index: still checked against
+        it, a mismatch refused), other layout, on. `integrity` says it in words."""
         self.expected = None
         if verify is False or (verify is None and not VERIFY_DEFAULT):
             self.index_state = "off"
@@ -354,20 +367,31 @@ class CheckpointExperts:
             self.index_state = "none"
             if verify:
                 warnings.warn(f"no checksum index in {self.ckpt.dir}: experts are read unchecked; build one with "
-                              f"`expertcache verify {self.ckpt.dir}`", stacklevel=2)
+                              f"`expertcache verify --model {self.ckpt.dir}`", stacklevel=2)
             return self.index_state
         expected, stale = self.indexed_checksums(index)
         if expected is None:
             self.index_state = "other layout"
             warnings.warn(f"{self.index_path} was made for another layout of this checkpoint: experts are read "
-                          f"unchecked; re-run `expertcache verify {self.ckpt.dir}`", stacklevel=2)
+                          f"unchecked (unverified); `expertcache verify --model {self.ckpt.dir}` says why", stacklevel=2)
             return self.index_state
         if stale:
             warnings.warn(f"{', '.join(stale)} changed since {self.index_path} was made (size or mtime): its experts "
-                          f"are read unchecked; re-run `expertcache verify {self.ckpt.dir}`", stacklevel=2)
+                          f"are still checked against the index (a mismatch is refused); `expertcache verify --model "
+                          f"{self.ckpt.dir}` says whether the bytes changed", stacklevel=2)
         self.expected = expected
-        self.index_state = "stale" if stale else "on"
+        self.index_state = "changed" if stale else "on"
         return self.index_state
+
+    def integrity(self) -> str:
+        """The engine's word on this checkpoint's bytes: verified, or unverified and why."""
+        return {"on": "verified (every expert read is checked against the checksum index)",
+                "changed": "verified (files changed since the checksum index; every expert read is checked "
+                           "against it)",
+                "none": f"unverified (no checksum index: `expertcache verify --model {self.ckpt.dir}` records one)",
+                "other layout": f"unverified (the checksum index is for another layout; see `expertcache verify --model "
+                                f"{self.ckpt.dir}`)",
+                "off": "unverified (checksum checks turned off)"}.get(self.index_state, "unverified")
 
     def expected_checksum(self, layer: int, expert: int) -> int | None:
         return None if self.expected is None else self.expected[layer][expert]
@@ -401,8 +425,41 @@ class StoreExperts:
     def expected_checksum(self, layer: int, expert: int) -> int | None:
         return None if self.expected is None else int(self.expected[layer, expert])
 
+    def integrity(self) -> str:
+        if self.expected is not None:
+            return "verified (every expert read is checked against the store's checksum table)"
+        return "unverified (" + ("a store without checksums: rewrite it" if self.meta.checksums is None else
+                                 "checksum checks turned off") + ")"
+
     def where(self, layer: int, expert: int) -> str:
         return f"MoE layer {layer} expert {expert} in {self.files[0]}"
+
+
+def user_cache_dir() -> Path:
+    """expertcache's folder in the user cache: $EXPERTCACHE_CACHE, else $XDG_CACHE_HOME/expertcache, else
+    ~/.cache/expertcache."""
+    if os.environ.get("EXPERTCACHE_CACHE"):
+        return Path(os.environ["EXPERTCACHE_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "expertcache"
+
+
+def index_locations(folder: str | Path) -> tuple[Path, Path]:
+    """(beside the checkpoint, in the user cache) for a checkpoint folder's checksum index. The cached one is
+    keyed by the folder's absolute path and its inode, so a folder saved anew in the same place (a new inode) never
+    meets the old reference."""
+    folder = Path(folder).absolute()
+    try:
+        st = folder.stat()
+        ident = f"{folder}|{st.st_dev}|{st.st_ino}"
+    except OSError:
+        ident = str(folder)
+    key = hashlib.sha256(ident.encode()).hexdigest()[:24]
+    return folder / CHECKSUM_INDEX, user_cache_dir() / "checksums" / f"{folder.name[:40]}-{key}.json"
+
+
+def _writable(folder: Path) -> bool:
+    return os.access(folder, os.W_OK | os.X_OK)
 
 
 def expert_order(spans: list[Span]) -> list[Span]:

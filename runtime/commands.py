@@ -38,7 +38,7 @@ def _git_commit() -> str:
 
 
 def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
-                 engine: EngineConfig = EngineConfig(tier="disk"), capacities: list[float] = [0.125, 0.25],
+                 engine: EngineConfig = EngineConfig(tier="disk"), capacities: list[int | float] = [0.125, 0.25],
                  predictors: Optional[list[str]] = None, dtype: Optional[str] = None, tokens: int = 64,
                  warmup: int = 8, rounds: int = 2, prompts: int = 2, prompt_len: int = 64,
                  corpus: str = "data/corpus", domain: str = "prose", plain: Optional[bool] = None,
@@ -52,7 +52,8 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
         replay: replay a trace (.npz or Parquet; 'reference': the Qwen3-30B-A3B code trace shipped in
             telemetry/reference) with random experts of --expert_shape instead of a live model
         engine: the engine options; each of --capacities and --predictors is run on top of them
-        capacities: resident experts per layer to compare (fractions of E, or counts)
+        capacities: resident experts per layer to compare: fractions of E as floats in (0, 1] (1.0 = all), counts
+            as integers (16)
         predictors: live: none, probe:1, probe:2, persistence, estimator:FILE, spatio (default probe:1);
             replay: persistence, cooccurrence, oracle[:recall] (default: those and the oracle at recall 0.25-1)
         dtype: live: compute dtype (default: the checkpoint's own); replay: the store's dtype (default bf16)
@@ -75,6 +76,10 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
     engine.check()
     if min(tokens, rounds, prompts, prompt_len) < 1 or warmup < 0 or not capacities:
         raise InputError("tokens, rounds, prompts and prompt_len must be >= 1, warmup >= 0, capacities non-empty")
+    from expertcache.telemetry.cachesim import capacity_count
+
+    for c in capacities:  # each a fraction or a count, before any pass runs
+        capacity_count(c, None)
     if (model is None) == (replay is None):
         raise InputError("bench decode needs exactly one of --model CKPT or --replay TRACE")
     if replay is not None:
@@ -189,8 +194,9 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
     return res
 
 
-def simulate(trace: str, hardware: str, model_shape: str = "qwen3-30b-a3b", capacities: list[float] = [0.125, 0.25],
-             policy: str = "lru", layers: Optional[str] = None, tokens: Optional[str] = None,
+def simulate(trace: str, hardware: str, model_shape: str = "qwen3-30b-a3b",
+             capacities: list[int | float] = [0.125, 0.25], policy: str = "lru", layers: Optional[str] = None,
+             tokens: Optional[str] = None,
              moe_layers: Optional[int] = None, link_gbps: Optional[float] = None,
              compute_ms: Optional[float] = None) -> list[dict]:
     """Project TPOT on named hardware from a trace's hit rates and a bandwidth model.
@@ -199,7 +205,8 @@ def simulate(trace: str, hardware: str, model_shape: str = "qwen3-30b-a3b", capa
         trace: .npz reference trace or Parquet trace
         hardware: h100-pcie5 | 4gpu-cxl3 | consumer-8gb-nvme | this-machine (needs --link_gbps)
         model_shape: qwen3-30b-a3b | base-tiny
-        capacities: resident experts per layer (fractions of E, or counts)
+        capacities: resident experts per layer: fractions of E as floats in (0, 1] (1.0 = all), counts as
+            integers (16)
         policy: cache policy of the simulated cache (lru | lfu | static | belady)
         layers: LO:HI trace layers to use (default: all)
         tokens: LO:HI trace tokens to use (default: all)
@@ -342,24 +349,37 @@ def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(capac
     if not 0 < port < 65536:
         raise InputError(f"--port {port}: expected 1..65535")
     m, tok, path = _talk_model(model, engine, dtype, plain)
+    eng = getattr(m, "expertcache", None)
+    if eng is not None and eng.integrity().startswith("unverified"):  # also in /health
+        print(f"serve: {path} is {eng.integrity()}", file=sys.stderr)
     run(m, tok, served_model_name or str(path), host, port, log_level)
     return 0
 
 
 
 
-def verify(model: str, write_index: bool = True) -> dict:
-    """Check every routed expert's bytes against its checksum, and every weight's finiteness; exit 2 on damage.
+def verify(model: str, write_index: bool = True, rebless: bool = False) -> dict:
+    """Check every routed expert's bytes against its checksum reference, every weight's finiteness and each
+    tensor's magnitude against its siblings; the verdict on stderr, the report as JSON; exit 0 when ok (or
+    unverified: no reference existed and the checks that need none passed), 1 on damage or an index that cannot
+    be used without --rebless, 2 on bad input.
 
     Args:
         model: a checkpoint directory (safetensors) or an expert store file
-        write_index: record the checkpoint's checksum index (<dir>/.expertcache-checksums.json) when it has none;
-            reads through `load` then check against it
+        write_index: record the checkpoint's first checksum index (<dir>/.expertcache-checksums.json, or in the
+            user cache folder when <dir> is not writable) when it has none and nothing failed; reads through
+            `load` then check against it
+        rebless: record the current bytes as the reference in place of an index that disagrees with them, is
+            unreadable or was made for another layout (only when the change is yours: a re-saved checkpoint)
     """
     from rich.progress import Progress
 
+    from .verify import verdict_line
     from .verify import verify as run
 
     with Progress(transient=True) as prog:
         task = prog.add_task("experts checked", total=None)
-        return run(model, write_index=write_index, progress=lambda n=1: prog.advance(task, n))
+        rep = run(model, write_index=write_index, rebless=rebless,
+                  progress=lambda n=1: prog.advance(task, n))
+    print(verdict_line(rep), file=sys.stderr)
+    return rep

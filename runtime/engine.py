@@ -50,8 +50,9 @@ class EngineConfig:
     """How the offload engine serves a model: the one set of engine options of every command and API.
 
     Args:
-        capacity: resident experts per MoE layer: a fraction of E (0 < c < 1, or 1.0 for all) or a count (an integer
-            >= 1); see `expertcache.telemetry.cache.capacity_count`
+        capacity: resident experts per MoE layer: a fraction of E is a float in (0, 1] (0.25 = a quarter, 1.0 =
+            all E), a count of experts an integer >= 1 (16); a float above 1 is refused; see
+            `expertcache.telemetry.cachesim.capacity_count`
         tier: where the experts live: disk (O_DIRECT reads of the checkpoint's files) | host (a RAM copy) |
             throttled:<GB/s> (host, paced like a slower link) | cuda (host RAM pinned, slots on the GPU)
         policy: cache eviction: lru | lfu | static | scored (the checkpoint's Temporal router decides what stays) |
@@ -69,7 +70,7 @@ class EngineConfig:
         kernel: native (the family's own expert forward: bit-identical to plain) | triton (SwiGLU families on CUDA)
     """
 
-    capacity: float = 0.25
+    capacity: int | float = 0.25
     tier: str = "host"
     policy: str = "lru"
     miss: str = "blocking"
@@ -88,7 +89,8 @@ class EngineConfig:
         return self.miss in ("reroute", "speculative")
 
     def label(self) -> str:
-        s = f"C={self.capacity:g},{self.miss}"
+        c = self.capacity  # 1 (a count: one expert) and 1.0 (a fraction: all E) must not print alike
+        s = f"C={int(c) if isinstance(c, int) else float(c)},{self.miss}"
         return s + (f",tau={self.tau:g}" if self.miss == "reroute" else "")
 
     def slots(self, num_experts: int, top_k: int) -> int:
@@ -98,6 +100,8 @@ class EngineConfig:
 
     def check(self) -> None:
         """Every field in range, before anything is allocated."""
+        from expertcache.telemetry.cachesim import capacity_count
+
         TierSpec.parse(self.tier)
         if self.miss not in MISS_POLICIES:
             raise InputError(f"unknown miss policy {self.miss!r}; expected one of {', '.join(MISS_POLICIES)}")
@@ -115,8 +119,7 @@ class EngineConfig:
             raise InputError(f"device={self.device!r}; expected cpu or cuda")
         if not (math.isfinite(self.tau) and self.tau >= 0):
             raise InputError(f"tau={self.tau}; expected a finite margin >= 0")
-        if not (math.isfinite(self.capacity) and self.capacity > 0):
-            raise InputError(f"capacity={self.capacity}; expected a fraction of E in (0, 1] or a count >= 1")
+        capacity_count(self.capacity, None)  # the form (a fraction or a count); the range needs the model's E
         for name in ("prefetch_budget", "max_inflight_bytes"):
             if getattr(self, name) < 0:
                 raise InputError(f"{name}={getattr(self, name)}; expected >= 0")
@@ -249,15 +252,17 @@ class OffloadEngine:
             need = self.fast_bytes
             if self.host_bytes > 0.9 * available_memory():
                 raise InputError(f"tier {cfg.tier} holds every expert in host RAM ({self.host_bytes / 2**30:.2f} "
-                                 f"GiB); only {available_memory() / 2**30:.2f} GiB is available (use --tier disk)")
+                                 f"GiB); only {available_memory() / 2**30:.2f} GiB is available (use "
+                                 f"--engine.tier disk)")
         else:
             avail, need = available_memory(), self.fast_bytes + self.host_bytes
         if need > 0.9 * avail:
+            big_host = self.host_bytes > 2**26
             raise InputError(f"a cache of {self.capacity} experts per layer (+{k} staging) x {n_l} layers needs "
-                             f"{self.fast_bytes / 2**30:.2f} GiB" + (f" and tier {cfg.tier} {self.host_bytes / 2**30:.2f}"
-                             f" GiB" if self.host_bytes > 2**26 else "") + f"; only {avail / 2**30:.2f} GiB is "
-                             f"available on the {fast} (lower --capacity" + (" or use --tier disk" if self.host_bytes
-                                                                             > 2**26 else "") + ")")
+                             f"{self.fast_bytes / 2**30:.2f} GiB"
+                             + (f" and tier {cfg.tier} {self.host_bytes / 2**30:.2f} GiB" if big_host else "")
+                             + f"; only {avail / 2**30:.2f} GiB is available on the {fast} (lower --engine.capacity"
+                             + (" or use --engine.tier disk" if big_host else "") + ")")
         self.tier = tier or make_tier(cfg.tier, self.source, fast)
         self.predictor = predictor or Predictor()
         self.cache_policy = cfg.policy
@@ -569,7 +574,15 @@ class OffloadEngine:
                 "tau": self.cfg.tau if self.cfg.miss == "reroute" else None, **self.tier.describe(),
                 **self.predictor.describe(), "expert_bytes": self.meta.expert_bytes,
                 "expert_dtype": self.meta.tensors[0].dtype, "budget": self.cfg.budget, "device": self.cfg.slot_device,
-                "fast_tier_bytes": self.fast_bytes, "tier_host_bytes": self.host_bytes}
+                "fast_tier_bytes": self.fast_bytes, "tier_host_bytes": self.host_bytes,
+                "integrity": self.integrity()}
+
+    def integrity(self) -> str:
+        """Whether the experts served are checked against a reference: `verified (...)` or `unverified (why)`."""
+        fn = getattr(self.source, "integrity", None)
+        if self.meta.source == "random":
+            return "random experts (a replay store)"
+        return fn() if fn is not None else "unverified"
 
     def detach(self) -> None:
         """Stop serving: hooks removed, loads finished (the tier stays open for a next engine)."""

@@ -125,6 +125,9 @@ class Generation:
     def __init__(self, model, tokenizer, prompt_ids: list[int], params: SamplingParams,
                  cancel: threading.Event | None = None):
         params.check()
+        from expertcache.telemetry.hf import check_context
+
+        check_context(model, len(prompt_ids), params.max_tokens)  # the one decode loop of generate and serve
         self.model, self.tokenizer, self.params = model, tokenizer, params
         self.prompt_ids = list(prompt_ids)
         self.cancel = cancel or threading.Event()
@@ -254,6 +257,8 @@ def summary_line(summary: dict, engine=None) -> str:
         d = engine.describe()
         parts.append(f"tier {d.get('tier', engine.cfg.tier)}, {engine.capacity}/{engine.adapter.num_experts} "
                      f"experts resident per layer")
+        if str(d.get("integrity", "")).startswith("unverified"):
+            parts.append(d["integrity"])
     return "[" + ", ".join(parts) + "]"
 
 

@@ -138,7 +138,11 @@ class EstimatorPredictor(Predictor):
             sol = np.linalg.solve(a, x.T @ y)  # [H+1, E]
             ws.append(sol[:-1])
             bs.append(sol[-1])
-        return cls(torch.tensor(np.stack(ws), dtype=torch.float32), torch.tensor(np.stack(bs), dtype=torch.float32))
+        w, b = np.stack(ws), np.stack(bs)
+        if not (np.isfinite(w).all() and np.isfinite(b).all()):
+            raise InputError(f"trace {trace_path}: the fitted estimator is not finite (non-finite hidden states in "
+                             f"the trace, or --ridge too small); nothing written")
+        return cls(torch.tensor(w, dtype=torch.float32), torch.tensor(b, dtype=torch.float32))
 
     def save(self, path: str | Path, trace_meta: dict) -> None:
         from safetensors.torch import save
@@ -171,6 +175,14 @@ class EstimatorPredictor(Predictor):
         if t["weights"].shape[1:] != (hidden_size, num_experts):
             raise InputError(f"estimator {path} maps {tuple(t['weights'].shape[1:])} (hidden, experts); the model "
                              f"has ({hidden_size}, {num_experts})")
+        bad = [name for name in ("weights", "bias") if not torch.isfinite(t[name].float()).all()]
+        if bad:
+            n = int((~torch.isfinite(t[bad[0]].float())).sum())
+            raise InputError(f"estimator {path}: {bad[0]} holds {n} non-finite value(s) (NaN/inf); its scores would "
+                             f"be meaningless (refit it with `expertcache fit-predictor`)")
+        if t["bias"].shape != (t["weights"].shape[0], num_experts):
+            raise InputError(f"estimator {path}: bias of shape {tuple(t['bias'].shape)}, expected "
+                             f"{(t['weights'].shape[0], num_experts)}")
         return cls(t["weights"], t["bias"])
 
 
@@ -197,7 +209,10 @@ def make_predictor(spec: str, model=None, aux=None, num_experts: int | None = No
     if spec in ("none", ""):
         return Predictor()
     if spec.startswith("probe"):
-        d = int(spec.split(":", 1)[1]) if ":" in spec else 1
+        arg = spec.split(":", 1)[1] if ":" in spec else "1"
+        if spec.split(":", 1)[0] != "probe" or not arg.isdigit() or not 1 <= int(arg) <= 64:
+            raise InputError(f"predictor {spec!r}: expected probe:D with a lookahead distance D >= 1 (probe:1)")
+        d = int(arg)
         if model is None:
             raise InputError("the lookahead probe needs the model's routers")
         return ProbePredictor(model, d)

@@ -44,7 +44,7 @@ def parse_shape(s: str) -> tuple[int, int]:
 
 
 def check_replay_fits(store_dir, layers: int, num_experts: int, hidden: int, inter: int, dtype: str,
-                      per_expert: int, tier: str, capacity: float) -> None:
+                      per_expert: int, tier: str, capacity: int | float) -> None:
     """Before a store is written: it fits on the disk (unless already there), and what the tier and the cache hold
     in RAM fits in the memory available."""
     import shutil
@@ -308,7 +308,7 @@ def _summary(runs: list[dict], warmup: int, expert_bytes: int) -> dict:
 
 
 def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2048x768", dtype: str = "bfloat16",
-                     tier: str = "disk", capacity: float = 0.25,
+                     tier: str = "disk", capacity: int | float = 0.25,
                      predictors=("persistence", "cooccurrence", "oracle:0.25", "oracle:0.5", "oracle:0.75", "oracle"),
                      tokens: int = 64, warmup: int = 8, rounds: int = 2, disk_budget_gb: float = 8.0,
                      store_dir: str | Path = STORE_DIR, first_layer: int | None = None,

@@ -1,15 +1,22 @@
 """`expertcache verify`: every routed expert's bytes against its checksum, and every weight's finiteness.
 
 - A safetensors checkpoint directory: each expert's spans (`checkpoint.CheckpointExperts`) are hashed (xxh3_64,
-  in `checkpoint.expert_order`) and compared with `<checkpoint>/.expertcache-checksums.json` where its entries are
-  still valid (the file's name, size and mtime unchanged); the index is written (atomically) when there was none,
-  when it was made for another layout, unreadable, or when files changed since. An index whose experts no longer
-  match is kept: it is the reference that shows the corruption.
+  in `checkpoint.expert_order`) and compared with the checkpoint's checksum index (`.expertcache-checksums.json`
+  beside it, or in the user cache folder when the checkpoint's folder is not writable: read-only storage works).
+  The index is the reference: a file that changed since (size, mtime) is compared with it like any other, so
+  damage written in place is reported as damage and the index is left as it was. The index is written only
+  when there was none and the checks below found nothing, or on `rebless=True` (the user says the current bytes
+  are the new reference: a re-saved checkpoint, another layout, a lost index).
+- Checks that need no reference, on every run: every floating-point weight finite, and each tensor's largest
+  magnitude against its siblings' (the same tensor of the other experts and layers): an exponent flip makes a
+  weight 10^4-10^5 times its siblings, so a tensor above `OUTLIER_RATIO` times its group's lower quartile is
+  reported as an outlier. A fresh checkpoint with no index is thus still checked.
 - A repacked store file (`store.write_store`): each block against the store's checksum table.
 
-Either way every floating-point weight (experts and the rest) must be finite. The report says what was checked
-and what failed; `ok` is False on any mismatch or non-finite weight. The same checksums are checked on every
-read of an expert by the disk tier (`tiers.DiskTier.read`) when the source has them.
+The report says what was checked, what failed, and a `verdict`: ok (checked against the reference), unverified
+(no usable reference; the reference-free checks passed), damaged. `ok` is False on any mismatch, non-finite
+weight or outlier, or when an index exists that cannot be used without `rebless`. The same checksums are checked
+on every read of an expert by the disk tier (`tiers.DiskTier.read`) when the source has them.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from .checkpoint import (CHECKSUM_INDEX, INDEX_FORMAT, INDEX_VERSION, Checkpoint
 from .store import CHECKSUM, checksum, hasher, read_store_meta
 
 LIST_MAX = 100  # entries of each problem list in the report (the counts are complete)
+OUTLIER_RATIO = 1000.0  # a tensor's max |w| above this many times its siblings' lower quartile is an outlier
 
 
 def _finite(raw: bytearray, dtype: torch.dtype) -> bool:
@@ -43,22 +51,86 @@ def _pread(fd: int, offset: int, n: int, what: str) -> bytearray:
     return data
 
 
-def _expert(fds: list[int], spans: list[Span], what: str) -> tuple[int, bool]:
-    """(checksum, every float span finite) of one expert's bytes, read in checksum order."""
+def _max_abs(raw: bytearray, dtype: torch.dtype) -> float | None:
+    """Largest |w| of a finite float span (None: not floats, empty, or not finite)."""
+    if not dtype.is_floating_point or not len(raw):
+        return None
+    t = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
+    m = float(t.abs().max())
+    return m if m == m and m != float("inf") else None
+
+
+def _expert(fds: list[int], spans: list[Span], what: str) -> tuple[int, bool, list[float | None]]:
+    """(checksum, every float span finite, each span's max |w| in `spans` order) of one expert's bytes, read in
+    checksum order."""
     h, finite = hasher(), True
+    mags: dict[int, float | None] = {}
     for s in expert_order(spans):
         data = _pread(fds[s.file], s.offset, s.nbytes, what)
         h.update(data)
-        finite = finite and _finite(data, s.src_dtype)
-    return h.intdigest(), finite
+        ok = _finite(data, s.src_dtype)
+        finite = finite and ok
+        mags[id(s)] = _max_abs(data, s.src_dtype) if ok else None
+    return h.intdigest(), finite, [mags[id(s)] for s in spans]
+
+
+def outliers(groups: dict, ratio: float = OUTLIER_RATIO) -> list[dict]:
+    """`groups`: {group: [(max |w|, where-dict)]} of sibling tensors. Each member above `ratio` times the group's
+    lower quartile (a robust reference while fewer than 3/4 of a group are damaged) is returned, with its
+    ratio. Groups of one, or whose lower quartile is 0, say nothing."""
+    import numpy as np
+
+    out = []
+    for group, members in groups.items():
+        vals = np.array([m for m, _ in members if m is not None], dtype=np.float64)
+        if len(vals) < 2:
+            continue
+        ref = float(np.quantile(vals, 0.25, method="lower"))
+        if ref <= 0:
+            continue
+        for m, where in members:
+            if m is not None and m > ratio * ref:
+                out.append({**where, "max_abs": float(f"{m:.4g}"), "siblings_q25_max_abs": float(f"{ref:.4g}"),
+                            "ratio": float(f"{m / ref:.3g}"), "group": group})
+    return out
 
 
 def _report(kind: str, path: Path, n: int, nbytes: int, mismatches: list, non_finite: list, t0: float,
+            outlier_list: list = (), reference: bool = True, blocked: str = "", accepted: bool = False,
             **extra) -> dict:
+    """`reference`: something to compare with existed; `blocked`: why an existing index could not be used (ok is
+    False until `rebless`); `accepted`: mismatches were re-blessed as the new reference."""
+    damaged = bool(non_finite or outlier_list or (mismatches and not accepted))
+    ok = not damaged and not blocked
+    verdict = "damaged" if damaged else ("unverified" if blocked or not reference else "ok")
     return {"model": str(path), "kind": kind, "algorithm": CHECKSUM, "experts": n, "expert_bytes_checked": nbytes,
             **extra, "mismatches": len(mismatches), "mismatch_list": mismatches[:LIST_MAX],
             "non_finite": len(non_finite), "non_finite_list": non_finite[:LIST_MAX],
-            "ok": not mismatches and not non_finite, "seconds": round(time.perf_counter() - t0, 3)}
+            "outliers": len(outlier_list), "outlier_list": list(outlier_list)[:LIST_MAX],
+            "verdict": verdict, "ok": ok, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def verdict_line(rep: dict) -> str:
+    """One line for people (stderr): the verdict and why."""
+    idx = rep.get("index", {})
+    if rep["verdict"] == "damaged":
+        parts = []
+        if rep["mismatches"] and rep["verdict"] == "damaged":
+            m = rep["mismatch_list"][0]
+            parts.append(f"{rep['mismatches']} expert(s) differ from the checksum reference (first: {m['where']})")
+        if rep["non_finite"]:
+            parts.append(f"{rep['non_finite']} tensor(s) hold NaN/inf (first: {rep['non_finite_list'][0]['where']})")
+        if rep["outliers"]:
+            o = rep["outlier_list"][0]
+            parts.append(f"{rep['outliers']} tensor(s) {o['ratio']:g}x larger than their siblings (first: "
+                         f"{o['where']}: an exponent flip?)")
+        return f"verify: DAMAGED: {'; '.join(parts)}; index {idx.get('after', 'unchanged')}"
+    if rep["verdict"] == "unverified":
+        why = idx.get("blocked") or "no checksum reference existed"
+        return (f"verify: UNVERIFIED: {why}; finiteness and magnitude checks passed; index "
+                f"{idx.get('after', 'unchanged')}")
+    return (f"verify: OK: {rep['experts']} experts match the checksum reference, every weight finite, no "
+            f"magnitude outliers" + (f"; index {idx['after']}" if idx.get("after", "unchanged") != "unchanged" else ""))
 
 
 def verify_store(path: str | Path, progress=None) -> dict:
@@ -87,38 +159,52 @@ def verify_store(path: str | Path, progress=None) -> dict:
     finally:
         os.close(fd)
     return _report("store", path, meta.num_layers * meta.num_experts, nbytes, mismatches, non_finite, t0,
-                   store_version=meta.version, checksums=meta.checksums is not None,
+                   reference=meta.checksums is not None, store_version=meta.version, checksums=meta.checksums is not None,
                    index={"path": str(path), "before": "table" if meta.checksums is not None else
                           "none (version 1 store: rewrite it to get checksums)", "after": "unchanged"})
 
 
-def verify_checkpoint(path: str | Path, write_index: bool = True, progress=None) -> dict:
-    """Every expert of a safetensors checkpoint against its checksum index (where valid), every weight finite;
-    the index written or refreshed when it had nothing to say about some experts and nothing failed."""
+def _group(name: str) -> str:
+    """A tensor's sibling group: its name with every layer or expert number as `#`."""
+    import re
+
+    return re.sub(r"\.\d+(?=\.|$)", ".#", name)
+
+
+def verify_checkpoint(path: str | Path, write_index: bool = True, progress=None, rebless: bool = False) -> dict:
+    """Every expert of a safetensors checkpoint against its checksum index, every weight finite and no tensor a
+    magnitude outlier among its siblings. The index is written when there was none and nothing failed, or on
+    `rebless` (the current bytes become the reference; non-finite weights and outliers are still refused); a
+    changed file never rewrites it silently."""
     from .loader import expert_source
 
     t0 = time.perf_counter()
     path = Path(path)
     src: CheckpointExperts = expert_source(path)
-    stamps = src.file_stamps()  # before reading: a file changed during the pass is stale next time
-    before, problem, expected, stale = "none", None, None, []
+    stamps = src.file_stamps()  # before reading: a file changed during the pass is seen next time
+    read_from = src.index_path
+    before, problem, expected, changed = "none", None, None, []
     try:
         index = src.read_index()
     except InputError as e:
         index, before, problem = None, "unreadable", str(e)
     if index is not None:
-        expected, stale = src.indexed_checksums(index)
-        before = "other layout" if expected is None else ("stale" if stale else "valid")
+        expected, changed = src.indexed_checksums(index)
+        before = "other layout" if expected is None else ("changed" if changed else "valid")
     n_layers, n_exp = len(src.prefixes), src.num_experts
     sums = [[0] * n_exp for _ in range(n_layers)]
     mismatches, non_finite, nbytes, compared = [], [], 0, 0
+    groups: dict[str, list] = {}
     fds = [os.open(str(p), os.O_RDONLY) for p in src.files]
     try:
         for i in range(n_layers):
             for e in range(n_exp):
                 spans = src.spans(i, e)
                 where = src.where(i, e)
-                got, finite = _expert(fds, spans, where)
+                got, finite, mags = _expert(fds, spans, where)
+                for j, m in enumerate(mags):  # span j of every expert is the same tensor: siblings
+                    groups.setdefault(f"expert part {j}", []).append(
+                        (m, {"layer": i, "expert": e, "where": where}))
                 sums[i][e] = got
                 nbytes += sum(s.nbytes for s in spans)
                 want = None if expected is None else expected[i][e]
@@ -137,40 +223,73 @@ def verify_checkpoint(path: str | Path, write_index: bool = True, progress=None)
                 continue
             others += 1
             raw = _pread(fds[info.file], info.start, info.nbytes, name)
+            where = f"{name} in {src.files[info.file].name} of {path}"
             if not _finite(raw, info.dtype):
-                non_finite.append({"tensor": name, "where": f"{name} in {src.files[info.file].name} of {path}"})
+                non_finite.append({"tensor": name, "where": where})
+            else:
+                groups.setdefault(_group(name), []).append((_max_abs(raw, info.dtype), {"tensor": name,
+                                                                                          "where": where}))
     finally:
         for fd in fds:
             os.close(fd)
+    outlier_list = outliers(groups)
+    blocked = {"unreadable": "the checksum index is unreadable (the reference is lost)",
+               "other layout": "the checksum index was made for another layout of this checkpoint"}.get(before, "")
+    if blocked:
+        blocked += "; `--rebless true` records the current bytes as the new reference"
     after = "unchanged"
-    if before != "valid":
-        if not write_index:
-            after = "not written (write_index=False)"
-        elif mismatches or non_finite:
-            after = "not written (problems found: fix the checkpoint first)"
-        else:
-            write_json(src.index_path, {"format": INDEX_FORMAT, "version": INDEX_VERSION, "algorithm": CHECKSUM,
-                                        "layout_sha256": src.layout_sha256(), "files": stamps,
-                                        "layers": src.prefixes, "experts": [[f"{x:016x}" for x in row]
-                                                                             for row in sums]})
-            after = "written"
-    index_info = {"path": str(src.index_path), "before": before, "after": after, "stale_files": stale}
+    target = src.index_write_path()
+    found = bool(mismatches or non_finite or outlier_list)
+    if before in ("valid", "changed") and not rebless:
+        if before == "changed" and not found and write_index:  # same bytes, new stamps (a copy, a touch)
+            after = _write_index(src, target, stamps, sums, "stamps refreshed (the bytes match the reference)")
+    elif not write_index:
+        after = "not written (write_index=False)"
+    elif non_finite or outlier_list:
+        after = "not written (problems found: fix the checkpoint first)"
+    elif before == "none" or rebless:
+        after = _write_index(src, target, stamps, sums, "re-blessed: the current bytes are the reference"
+                             if rebless and before != "none" else "written")
+    else:
+        after = "not written (" + blocked.split(";")[0] + ")"
+    if mismatches and not rebless:
+        after = "unchanged (it is the reference that shows the damage; `--rebless true` only if the change is yours)"
+    index_info = {"path": str(read_from if before != "none" else target), "before": before, "after": after,
+                  "changed_files": changed}
+    if blocked and not rebless:
+        index_info["blocked"] = blocked
     if problem:
         index_info["problem"] = problem
-    return _report("checkpoint", path, n_layers * n_exp, nbytes, mismatches, non_finite, t0,
-                   checked_against_index=compared, non_expert_tensors=others, index=index_info)
+    return _report("checkpoint", path, n_layers * n_exp, nbytes, mismatches, non_finite, t0, outlier_list,
+                   reference=expected is not None, blocked="" if rebless else blocked,
+                   accepted=rebless and after.startswith("re-blessed"), checked_against_index=compared,
+                   non_expert_tensors=others, index=index_info)
 
 
-def verify(model: str | Path, *, write_index: bool = True, progress=None) -> dict:
+def _write_index(src: CheckpointExperts, target: Path, stamps: dict, sums: list, done: str) -> str:
+    try:
+        write_json(target, {"format": INDEX_FORMAT, "version": INDEX_VERSION, "algorithm": CHECKSUM,
+                            "layout_sha256": src.layout_sha256(), "files": stamps, "layers": src.prefixes,
+                            "checkpoint": str(src.ckpt.dir.absolute()),
+                            "experts": [[f"{x:016x}" for x in row] for row in sums]})
+    except OSError as e:
+        return f"not written ({target}: {e.strerror or e})"
+    beside = target.parent == src.ckpt.dir
+    return done + ("" if beside else f" to {target} (the checkpoint's folder is not writable)")
+
+
+def verify(model: str | Path, *, write_index: bool = True, progress=None, rebless: bool = False) -> dict:
     """Check a checkpoint directory (safetensors, read in place) or a repacked store file: every routed expert
-    against its checksum and every floating-point weight finite. Returns the report (`ok`: nothing failed);
-    `write_index`: build/refresh `<checkpoint>/.expertcache-checksums.json` when it was missing or out of date.
-    Unreadable input is an `InputError`; corruption is reported (ok False), not raised."""
+    against its checksum, every floating-point weight finite, no tensor a magnitude outlier among its siblings.
+    Returns the report (`ok`: nothing failed; `verdict`: ok | unverified | damaged); `write_index`: record the
+    checkpoint's first checksum index when it has none; `rebless`: record the current bytes as the reference
+    in place of an index that disagrees, is unreadable or is for another layout. Unreadable input is an
+    `InputError`; corruption is reported (ok False), not raised."""
     p = Path(model).expanduser()
     if p.is_file():
         return verify_store(p, progress)
     if p.is_dir():
-        return verify_checkpoint(p, write_index, progress)
+        return verify_checkpoint(p, write_index, progress, rebless)
     raise InputError(f"{p}: no such checkpoint directory or store file")
 
 

@@ -104,7 +104,7 @@ def build(root: Path, env: dict) -> dict:
     must(cli(["trace", "record", "--model", P["other"], "--corpus", P["corpus"], "--out", P["trace_other"],
               *small], env), "trace record (other)")
     rng = np.random.default_rng(0)
-    ids = rng.integers(0, 16, size=(4, 64, 4)).astype(np.int16)
+    ids = np.argsort(rng.random((4, 64, 16)), axis=-1)[..., :4].astype(np.int16)  # distinct experts per row
     P["npz"] = root / "routing.npz"
     np.savez(P["npz"], experts=ids, meta=np.array(json.dumps({"num_experts": 16, "model": "x"})))
     P["npz_range"] = root / "routing-range.npz"

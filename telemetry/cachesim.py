@@ -92,21 +92,31 @@ class CacheResult:
                 "misses_per_step": round(self.misses_per_step, 6)}
 
 
-def capacity_count(capacity: float, num_experts: int) -> int:
+def capacity_count(capacity: int | float, num_experts: int | None) -> int | None:
     """The one capacity rule (every command, the engine, the simulator, the trainer's figures): resident experts
-    per layer. A value below 1 is a fraction of E, rounded, at least 1 expert; a value of 1 or more is a count and
-    must be a whole number (so 1.0 is one expert; all of them is E). Out of range: InputError."""
+    per layer. A float in (0, 1] is a fraction of E, rounded, at least 1 expert (so 1.0 is all E); an integer >= 1
+    is a count of experts, at most E. Anything else is an InputError: a float above 1 (16.0 is neither: write 16
+    for a count), zero, a negative or non-finite number, a bool, a string. `num_experts` None checks the form only
+    (before a model is known) and returns None. Command lines and recipes give `16` as an int, `0.25`/`1.0` as
+    floats."""
     import math
+    import numbers
 
-    if not (isinstance(capacity, (int, float)) and math.isfinite(capacity) and capacity > 0):
-        raise InputError(f"capacity {capacity!r}: expected a fraction of E in (0, 1) or a count of experts >= 1")
-    if capacity < 1:
-        return max(1, round(capacity * num_experts))
-    if capacity != int(capacity):
-        raise InputError(f"capacity {capacity}: a count of experts must be a whole number (a fraction is < 1)")
-    if capacity > num_experts:
-        raise InputError(f"capacity {int(capacity)} experts, but a layer has only {num_experts}")
-    return int(capacity)
+    form = "a fraction of E is a float in (0, 1] (1.0 = all experts), a count of experts an integer >= 1"
+    if isinstance(capacity, bool) or not isinstance(capacity, numbers.Real):
+        raise InputError(f"capacity {capacity!r}: {form}")
+    if isinstance(capacity, numbers.Integral):
+        if capacity < 1:
+            raise InputError(f"capacity {int(capacity)}: {form}")
+        if num_experts is not None and capacity > num_experts:
+            raise InputError(f"capacity {int(capacity)} experts, but a layer has only {num_experts}")
+        return None if num_experts is None else int(capacity)
+    c = float(capacity)
+    if not (math.isfinite(c) and 0 < c <= 1):
+        hint = f" (for a count of {int(c)} experts write {int(c)})" if math.isfinite(c) and c > 1 and c == int(c) \
+            else ""
+        raise InputError(f"capacity {c!r}: {form}{hint}")
+    return None if num_experts is None else max(1, round(c * num_experts))
 
 
 def _check(steps: np.ndarray, capacity: int, policy: str, semantics: str) -> np.ndarray:
@@ -128,17 +138,14 @@ def _check(steps: np.ndarray, capacity: int, policy: str, semantics: str) -> np.
 
 def check_rows(ids: np.ndarray, num_experts: int | None = None, what: str = "steps") -> None:
     """Routing rows (`[..., k]`) hold distinct experts in [0, E): else one InputError naming the first bad row."""
+    from .parquet_trace import check_distinct
+
     if not ids.size:
         return
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or (num_experts is not None and hi >= num_experts):
         raise InputError(f"{what}: expert id {lo if lo < 0 else hi} outside [0, {num_experts or 'E'})")
-    flat = ids.reshape(-1, ids.shape[-1])
-    srt = np.sort(flat, axis=1)
-    dup = np.flatnonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))
-    if dup.size:
-        raise InputError(f"{what}: row {int(dup[0])} chooses {flat[dup[0]].tolist()}, an expert more than once "
-                         f"(a token's experts at one layer are distinct; {dup.size} such rows)")
+    check_distinct(ids, what)
 
 
 def _n_keys(steps: np.ndarray) -> int:

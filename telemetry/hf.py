@@ -87,3 +87,23 @@ def load_causal_lm(path: str | Path, **kwargs):
         raise InputError(f"checkpoint {p}: its config says {a.num_experts} experts per layer, its router weights "
                          f"have {sorted(rows)}")
     return model
+
+
+def context_length(model_or_config) -> int | None:
+    """The positions a model knows (`max_position_embeddings` of its text config), or None when it says none."""
+    cfg = getattr(model_or_config, "config", model_or_config)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    n = getattr(cfg, "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+def check_context(model_or_config, prompt_tokens: int, new_tokens: int, prompt_what: str = "the prompt",
+                  new_what: str = "max_tokens") -> None:
+    """Every decode path, before any work: the prompt and the tokens to generate within the model's positions
+    (past them RoPE tables and caches run on positions the model never saw)."""
+    ctx = context_length(model_or_config)
+    if ctx is not None and prompt_tokens + new_tokens > ctx:
+        left = max(0, ctx - prompt_tokens)
+        raise InputError(f"this model's context is {ctx} positions: {prompt_what} has {prompt_tokens} tokens and "
+                         f"{new_what}={new_tokens} asks for {prompt_tokens + new_tokens} (at most {left} new tokens "
+                         f"fit{'' if left else '; shorten the prompt'})")

@@ -284,6 +284,9 @@ class LearnedPolicy:
         except SafetensorError as e:
             raise InputError(f"{path} is not a readable safetensors file ({e})") from e
         meta = json.loads(md["policy"])
+        bad = [k for k, v in weights.items() if not np.isfinite(np.asarray(v, dtype=np.float64)).all()]
+        if bad:
+            raise InputError(f"{path}: tensor {bad[0]} holds non-finite values (NaN/inf); refit the policy")
         if meta.get("version") != FORMAT_VERSION or tuple(meta.get("features", ())) != FEATURES:
             raise InputError(f"{path}: policy format {meta.get('version')} with features {meta.get('features')} is "
                              f"not the one this version reads ({FORMAT_VERSION}, {list(FEATURES)})")

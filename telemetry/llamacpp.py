@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import InputError
-from .parquet_trace import TraceMeta, TraceWriter
+from .parquet_trace import TraceMeta, TraceWriter, check_distinct
 
 _HEADER = struct.Struct("<iii")
 MAX_LAYERS = 1 << 15
@@ -51,6 +51,9 @@ def read_stream(path: str | Path) -> tuple[np.ndarray, list[int]]:
         off += size
     if not per_layer:
         raise InputError(f"{path}: no records")
+    for i, mats in per_layer.items():
+        for m in mats:
+            check_distinct(m, f"{path} (layer {i})")
     layers = sorted(per_layer)
     mats = [np.concatenate(per_layer[i]) for i in layers]
     counts = {i: len(m) for i, m in zip(layers, mats)}
@@ -98,6 +101,7 @@ def read_npz(path: str | Path) -> tuple[np.ndarray, dict]:
     if experts.size and isinstance(e, int) and not isinstance(e, bool) and int(experts.max()) >= e:
         raise InputError(f"{path}: expert ids span [{int(experts.min())}, {int(experts.max())}], outside 0..{e - 1} "
                          f"(meta num_experts={e})")
+    check_distinct(experts, str(path))
     return experts, meta
 
 

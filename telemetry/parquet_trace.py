@@ -13,8 +13,9 @@ footer when the file is closed) says whether the trace is complete: `{"partial":
 
 Rows are written a row group at a time, to a temporary name beside the target; `TraceWriter` closes the file
 (footer included) on Ctrl-C or SIGTERM, so an interrupted recording leaves a valid file holding every finished
-row group, marked partial. The file is renamed into place only then (complete, or partial with rows): a run that
-fails before its first row group leaves an existing file untouched. Expert ids outside [0, num_experts) are
+row group, marked partial, under its own name (`t.partial.parquet`, `partial_path`): only a complete recording
+is renamed onto the target, so an interrupted one never replaces a complete trace, and a run that fails before
+its first row group leaves nothing. Expert ids outside [0, num_experts) and rows that repeat an expert are
 refused when written and when read.
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -128,12 +130,30 @@ def _same_file(a: Path, b: str | Path) -> bool:
         return False
 
 
+def check_distinct(ids, where: str) -> None:
+    """Every routing row names k distinct experts (a router's top-k never picks one twice): a row like [3, 3, 5, 7]
+    is refused where a trace enters (import, write, read), before any analysis or fit counts it."""
+    ids = np.asarray(ids)
+    if ids.ndim < 2 or ids.size == 0 or ids.shape[-1] < 2:
+        return
+    rows = ids.reshape(-1, ids.shape[-1])
+    s = np.sort(rows, axis=1)
+    dup = (s[:, 1:] == s[:, :-1]).any(axis=1)
+    if dup.any():
+        i = int(np.argmax(dup))
+        at = ", ".join(f"{n} {int(v)}" for n, v in zip(("layer", "token") if ids.ndim == 3 else ("row",),
+                                                          np.unravel_index(i, ids.shape[:-1])))
+        raise InputError(f"{where}: the routing of {at} repeats an expert ({rows[i].tolist()[:16]}); each row's "
+                         f"top-{ids.shape[-1]} experts must be distinct ({int(dup.sum())} such row(s))")
+
+
 class TraceWriter:
     """Append batches of rows as row groups. Use as a context manager; SIGTERM is turned into KeyboardInterrupt
     while it is open, so the footer is written on either signal. Rows go to a temporary name beside `path`,
-    renamed into place on close (complete), or on an exception when at least one row group was written (marked
-    partial); otherwise the temporary file is removed and an existing `path` is left as it was. `inputs`: the
-    files the trace is made from; `path` may not be one of them."""
+    renamed into place on close (complete). An interrupted or failed recording never replaces `path` (a complete
+    trace there stays as it was): when at least one row group was written, it is kept under its own name,
+    `partial_path(path)` (`t.partial.parquet`), marked partial in its footer; otherwise the temporary file is
+    removed. `inputs`: the files the trace is made from; `path` may not be one of them."""
 
     def __init__(self, path: str | Path, meta: TraceMeta, with_logits: bool = False, with_hidden: bool = False,
                  inputs=()):
@@ -173,6 +193,7 @@ class TraceWriter:
         if n and (int(ids.min()) < 0 or int(ids.max()) >= e):
             raise InputError(f"expert ids span [{int(ids.min())}, {int(ids.max())}], outside [0, {e}) "
                              f"(num_experts={e}); refusing to store them (int16 would wrap)")
+        check_distinct(ids, f"trace {self.path}")
         if np.shape(weights) != (n, k):
             raise InputError(f"weights have shape {np.shape(weights)}, expected ({n}, {k})")
         cols = [pa.array(np.asarray(seq_id, np.int32)), pa.array(np.asarray(pos, np.int32)),
@@ -197,14 +218,26 @@ class TraceWriter:
                     self._writer.add_key_value_metadata({STATUS_KEY.decode(): json.dumps(status)})
                 self._writer.close()
                 self._writer = None
-                if keep:
+                if exc_type is None:
                     self.tmp.replace(self.path)
+                elif keep:
+                    part = partial_path(self.path)
+                    self.tmp.replace(part)
+                    print(f"trace: stopped after {self.rows} rows ({status['reason']}); the partial trace is kept "
+                          f"as {part}" + (f", {self.path} is left as it was" if self.path.exists() else ""),
+                          file=sys.stderr)
         finally:
             if self.tmp.exists():
                 self.tmp.unlink()
             if self._old_term is not None:
                 signal.signal(signal.SIGTERM, self._old_term)
                 self._old_term = None
+
+
+def partial_path(path: str | Path) -> Path:
+    """Where an interrupted recording of `path` is kept: `t.parquet` -> `t.partial.parquet`."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.partial{path.suffix or '.parquet'}")
 
 
 def _raise_interrupt(signum, frame):
@@ -372,6 +405,7 @@ def _check_table(path, meta: TraceMeta, table: pa.Table, columns) -> None:
             bad = mm["max"] if mm["max"] >= meta.num_experts else mm["min"]
             raise InputError(f"trace {path}: expert id {bad} outside [0, {meta.num_experts}) "
                              f"(num_experts={meta.num_experts})")
+        check_distinct(flat.to_numpy(zero_copy_only=False).reshape(-1, meta.top_k), f"trace {path}")
     if "layer" in table.column_names and table.num_rows:
         seen = set(pc.unique(table["layer"]).to_pylist()) - set(meta.moe_layers)
         if seen:

@@ -109,6 +109,9 @@ def record_blocks(model, blocks: np.ndarray, writer: TraceWriter, domain: str, p
     recording both phases. One row group per batch. Returns the number of sequences recorded."""
     if blocks.shape[1] < prompt_len:
         raise InputError(f"blocks have {blocks.shape[1]} tokens, prompt_len is {prompt_len}")
+    from .hf import check_context
+
+    check_context(model, prompt_len, decode_tokens, "prompt_len", "decode_tokens")
     model.eval()
     with Recorder(model, hidden=writer.with_hidden, logits=writer.with_logits) as rec:
         for start in range(0, len(blocks), batch_size):
@@ -163,6 +166,9 @@ def record_corpus(model_dir: str | Path, corpus: str, tokenizer: str | None, spl
     from .hf import load_causal_lm
 
     model = load_causal_lm(model_dir, dtype=torch.float32)
+    from .hf import check_context
+
+    check_context(model, prompt_len, decode_tokens, "--prompt_len", "--decode_tokens")  # before any block is read
     domains = list(domains or DOMAINS)
     picked = {}
     for dom in domains:

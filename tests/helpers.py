@@ -38,3 +38,11 @@ def smoke_overrides(tiny_data, out_dir, **extra) -> list[str]:
             "train.ckpt_every": 5, "train.val_every": 15, "train.wandb": False, "eval_blocks": 4}
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+def distinct_ids(rng, num_experts: int, shape) -> "np.ndarray":
+    """Random routing of `shape` (..., k): each row's k experts distinct, as a router's top-k always is."""
+    import numpy as np
+
+    *lead, k = shape
+    return np.argsort(rng.random((*lead, num_experts)), axis=-1)[..., :k].astype(np.int64)

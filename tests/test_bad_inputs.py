@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import distinct_ids
 
 
 def _cli(*args, cwd=None):
@@ -32,7 +33,7 @@ def _digest(p: Path) -> str:
 @pytest.fixture
 def npz(tmp_path):
     p = tmp_path / "routing.npz"
-    ids = np.random.default_rng(0).integers(0, 16, size=(4, 64, 4)).astype(np.int16)
+    ids = distinct_ids(np.random.default_rng(0), 16, (4, 64, 4)).astype(np.int16)
     np.savez(p, experts=ids, meta=np.array(json.dumps({"num_experts": 16})))
     return p
 

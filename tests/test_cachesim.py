@@ -256,7 +256,7 @@ def test_scored_chunks_carry_their_state():
 
 
 def test_repeated_or_negative_keys_are_refused():
-    with pytest.raises(InputError, match="more than once"):
+    with pytest.raises(InputError, match="repeats an expert"):
         simulate(np.array([[3, 3, 5, 7]]), 2)
     with pytest.raises(InputError, match="outside"):
         simulate(np.array([[-1, 2]]), 2)

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from expertcache.telemetry.errors import InputError  # noqa: E402
-from helpers import REPO  # noqa: E402
+from helpers import REPO, distinct_ids  # noqa: E402
 
 # examples per property; EXPERTCACHE_FUZZ_SCALE=20 runs twenty times as many (a longer hunt, not for CI)
 _SCALE = max(1, int(os.environ.get("EXPERTCACHE_FUZZ_SCALE", "1") or 1))
@@ -84,8 +84,8 @@ def files(tmp_path_factory):
         n = 16
         w.write(seq_id=np.zeros(n, np.int32), pos=np.arange(n, dtype=np.int32) // 2,
                 layer=np.tile(np.asarray([0, 1], np.int16), n // 2), phase="decode", domain="code",
-                token=np.zeros(n, np.int32), ids=rng.integers(0, 8, (n, 2)), weights=np.ones((n, 2), np.float16))
-    ids = rng.integers(0, 8, (2, 6, 2)).astype(np.int32)
+                token=np.zeros(n, np.int32), ids=distinct_ids(rng, 8, (n, 2)), weights=np.ones((n, 2), np.float16))
+    ids = distinct_ids(rng, 8, (2, 6, 2)).astype(np.int32)
     with open(root / "s.bin", "wb") as f:
         for t0 in range(0, 6, 3):
             for layer in range(2):

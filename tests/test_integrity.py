@@ -102,7 +102,8 @@ def test_verify_indexes_a_checkpoint_then_finds_a_flipped_byte_and_load_refuses_
     s = expert_order(src.spans(1, 3))[-1]
     _flip(src.files[s.file], s.offset + s.nbytes // 2)
     rep = verify(ckpt)
-    assert not rep["ok"] and rep["mismatches"] == 1 and rep["index"]["after"] == "unchanged"
+    assert not rep["ok"] and rep["mismatches"] == 1 and rep["index"]["after"].startswith("unchanged")
+    assert rep["verdict"] == "damaged"
     m = rep["mismatch_list"][0]
     assert (m["layer"], m["expert"]) == (1, 3) and src.files[s.file].name in m["where"]
     # load reads every expert into host memory: the damaged one is refused, named
@@ -122,19 +123,48 @@ def test_verify_indexes_a_checkpoint_then_finds_a_flipped_byte_and_load_refuses_
     load(ckpt, capacity=8, tier="host", verify=False).expertcache.close()  # opted out: loads as is
 
 
-def test_a_changed_file_invalidates_its_index_entries(ckpt):
+def test_an_in_place_edit_after_verify_is_damage_not_a_new_reference(ckpt, capsys):
+    """#24 finding 1: the mtime moves with an in-place write; verify used to re-hash the file, write that as the
+    reference and say ok. Now the index stays the reference: verify reports the damage (exit 1, the verdict on
+    stderr), the engine refuses the expert, and only --rebless records the new bytes."""
+    from expertcache.recipes.cli import main
+
     verify(ckpt)
+    index_before = (ckpt / CHECKSUM_INDEX).read_bytes()
     src = expert_source(ckpt)
     s = src.spans(0, 0)[0]
-    _flip(src.files[s.file], s.offset, keep_mtime=False)  # a deliberate edit: the mtime moves
+    _flip(src.files[s.file], s.offset + 2, keep_mtime=False)  # a deliberate edit: the mtime moves
+    rep = verify(ckpt)
+    assert not rep["ok"] and rep["verdict"] == "damaged" and rep["index"]["before"] == "changed"
+    assert rep["mismatches"] == 1 and (rep["mismatch_list"][0]["layer"], rep["mismatch_list"][0]["expert"]) == (0, 0)
+    assert (ckpt / CHECKSUM_INDEX).read_bytes() == index_before  # never silently re-hashed
+    assert not verify(ckpt)["ok"]  # and so not on the second run either
+    capsys.readouterr()
+    assert main(["verify", "--model", str(ckpt)]) == 1
+    err = capsys.readouterr().err
+    assert "verify: DAMAGED: 1 expert(s) differ from the checksum reference" in err and "expert 0" in err
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        m = load(ckpt, capacity=8, tier="host")  # not refused: the index no longer speaks for this file
-        m.expertcache.close()
+        with pytest.raises(InputError, match=r"checksum mismatch: MoE layer 0 \(.*\) expert 0"):
+            load(ckpt, capacity=8, tier="host")  # refused, not served
     assert any("changed since" in str(x.message) for x in w)
-    assert m.expertcache.source.index_state == "stale"
+    rep = verify(ckpt, rebless=True)  # the change is ours: recorded as the reference on request
+    assert rep["ok"] and rep["index"]["after"].startswith("re-blessed")
+    again = verify(ckpt)
+    assert again["ok"] and again["verdict"] == "ok" and again["index"]["before"] == "valid"
+    m = load(ckpt, capacity=8, tier="host")
+    assert m.expertcache.source.index_state == "on" and m.expertcache.integrity().startswith("verified")
+    m.expertcache.close()
+
+
+def test_a_copy_with_new_mtimes_matches_its_reference_and_only_refreshes_stamps(ckpt):
+    verify(ckpt)
+    src = expert_source(ckpt)
+    for f in src.files:
+        os.utime(f, ns=(1, 10**18))  # touched (or copied without -p): same bytes
     rep = verify(ckpt)
-    assert rep["ok"] and rep["index"]["before"] == "stale" and rep["index"]["after"] == "written"
+    assert rep["ok"] and rep["verdict"] == "ok" and rep["index"]["before"] == "changed"
+    assert rep["index"]["after"].startswith("stamps refreshed")
     assert verify(ckpt)["index"]["before"] == "valid"
 
 
@@ -152,13 +182,16 @@ def test_verify_finds_non_finite_weights_and_does_not_index_them(ckpt):
     assert rep["index"]["after"].startswith("not written") and not (ckpt / CHECKSUM_INDEX).exists()
 
 
-def test_a_damaged_index_is_one_line_and_verify_rebuilds_it(ckpt):
+def test_a_damaged_index_is_one_line_and_only_rebless_rebuilds_it(ckpt):
     verify(ckpt)
     (ckpt / CHECKSUM_INDEX).write_text("{oops")
-    with pytest.raises(InputError, match="unreadable checksum index"):
+    with pytest.raises(InputError, match="unreadable checksum index.*--rebless true"):
         load(ckpt, capacity=2)
-    rep = verify(ckpt)
-    assert rep["ok"] and rep["index"]["before"] == "unreadable" and rep["index"]["after"] == "written"
+    rep = verify(ckpt)  # the reference is lost: the current bytes are not blessed without being asked
+    assert not rep["ok"] and rep["verdict"] == "unverified" and rep["index"]["before"] == "unreadable"
+    assert rep["index"]["after"].startswith("not written") and "--rebless true" in rep["index"]["blocked"]
+    rep = verify(ckpt, rebless=True)
+    assert rep["ok"] and rep["index"]["after"].startswith("re-blessed")
     load(ckpt, capacity=2).expertcache.close()
 
 
@@ -168,3 +201,82 @@ def test_verify_refuses_what_is_not_a_model(tmp_path):
     (tmp_path / "x.store").write_bytes(b"\0" * 100)
     with pytest.raises(InputError, match="not an expertcache expert store"):
         verify(tmp_path / "x.store")
+
+
+def _scale_layer_experts(ckpt, layer: int, factor: float):
+    """Every expert of MoE `layer` multiplied by `factor` in place (bf16): what an exponent flip does to them."""
+    src = expert_source(ckpt)
+    for e in range(src.num_experts):
+        for s in src.spans(layer, e):
+            with open(src.files[s.file], "rb") as f:
+                f.seek(s.offset)
+                raw = bytearray(f.read(s.nbytes))
+            t = torch.frombuffer(raw, dtype=torch.uint8).view(s.src_dtype) * factor
+            _write_at(src.files[s.file], s.offset, t.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def test_an_exponent_flip_in_an_unverified_checkpoint_is_flagged_and_served_as_unverified(ckpt, capsys):
+    """#24 finding 2: a fresh checkpoint has no reference; layer 0's experts 2^14 times larger (still finite)
+    used to pass the first verify, which then wrote its index from the damaged bytes."""
+    from expertcache.recipes.cli import main
+    from expertcache.runtime.generate import summary_line
+
+    m = load(ckpt, capacity=2, tier="disk")  # served without a reference: it says so
+    try:
+        assert m.expertcache.integrity().startswith("unverified (no checksum index")
+        assert m.expertcache.describe()["integrity"].startswith("unverified")
+        line = summary_line({"completion_tokens": 1, "hit_rate": 0.5, "adjusted_hit_rate": 0.5}, m.expertcache)
+        assert "unverified (no checksum index" in line
+    finally:
+        m.expertcache.close()
+    _scale_layer_experts(ckpt, 0, 2.0 ** 14)
+    rep = verify(ckpt)
+    assert not rep["ok"] and rep["verdict"] == "damaged" and rep["non_finite"] == 0 and rep["mismatches"] == 0
+    flagged = {(o["layer"], o["expert"]) for o in rep["outlier_list"]}
+    assert flagged == {(0, e) for e in range(8)} and all(o["ratio"] > 1000 for o in rep["outlier_list"])
+    assert rep["index"]["after"].startswith("not written") and not (ckpt / CHECKSUM_INDEX).exists()
+    capsys.readouterr()
+    assert main(["verify", "--model", str(ckpt)]) == 1
+    assert "verify: DAMAGED: " in capsys.readouterr().err
+
+
+def test_a_healthy_fresh_checkpoint_is_unverified_then_ok(ckpt, capsys):
+    from expertcache.recipes.cli import main
+
+    assert main(["verify", "--model", str(ckpt)]) == 0
+    err = capsys.readouterr().err
+    assert "verify: UNVERIFIED: no checksum reference existed" in err and "index written" in err
+    rep = verify(ckpt)
+    assert rep["ok"] and rep["verdict"] == "ok" and rep["outliers"] == 0
+
+
+def test_verify_on_read_only_storage_keeps_its_index_in_the_user_cache(ckpt, tmp_path, monkeypatch):
+    """#24 finding 9: a shared, read-only model folder: verify used to die writing its index beside it."""
+    import expertcache.runtime.checkpoint as ck
+
+    monkeypatch.setenv("EXPERTCACHE_CACHE", str(tmp_path / "cache"))
+    mode = ckpt.stat().st_mode
+    os.chmod(ckpt, 0o555)
+    try:
+        if os.access(ckpt, os.W_OK):  # root ignores the mode bits: say the folder is read-only
+            monkeypatch.setattr(ck, "_writable", lambda folder: False)
+        rep = verify(ckpt)
+        assert rep["ok"] and "not writable" in rep["index"]["after"] and not (ckpt / CHECKSUM_INDEX).exists()
+        cached = list((tmp_path / "cache" / "checksums").glob("*.json"))
+        assert len(cached) == 1 and rep["index"]["path"] == str(cached[0])
+        again = verify(ckpt)
+        assert again["verdict"] == "ok" and again["checked_against_index"] == 16
+        m = load(ckpt, capacity=2, tier="disk")  # the engine finds the cached index too
+        assert m.expertcache.source.index_state == "on"
+        m.expertcache.close()
+    finally:
+        os.chmod(ckpt, mode)
+    src = expert_source(ckpt)
+    s = src.spans(1, 1)[0]
+    _flip(src.files[s.file], s.offset + 4)
+    os.chmod(ckpt, 0o555)
+    try:
+        rep = verify(ckpt)
+        assert not rep["ok"] and rep["mismatches"] == 1
+    finally:
+        os.chmod(ckpt, mode)

@@ -141,7 +141,7 @@ def test_bad_checkpoints_are_one_line_errors(saved, tmp_path, monkeypatch, capsy
     os.truncate(trunc / "model.safetensors", (trunc / "model.safetensors").stat().st_size - 100)
     with pytest.raises(InputError, match="truncated"):
         load(trunc)
-    with pytest.raises(InputError, match="capacity=0; expected a fraction of E"):
+    with pytest.raises(InputError, match="capacity 0: a fraction of E"):
         load(d, capacity=0)
     import expertcache.runtime.engine as engine_mod
 

@@ -12,6 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from helpers import distinct_ids
+
 from expertcache.telemetry.adapters import adapter_for
 from expertcache.telemetry.errors import InputError
 from expertcache.telemetry.llamacpp import import_trace, read_stream
@@ -135,24 +137,32 @@ with TraceWriter(sys.argv[1], Recorder(m).meta("tiny")) as w:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_interrupted_recording_leaves_a_valid_file(sig, tmp_path):
+def test_interrupted_recording_keeps_the_complete_trace_and_a_valid_partial_one(sig, tmp_path):
+    """#24 finding 3: an interrupted recording to the path of a complete trace used to replace it."""
+    from expertcache.telemetry.parquet_trace import partial_path
+
     path = tmp_path / "t.parquet"
-    p = subprocess.Popen([sys.executable, "-c", RECORD_FOREVER, str(path)], stderr=subprocess.DEVNULL)
+    with TraceWriter(path, _meta()) as w:  # an earlier, complete trace at the same path
+        _rows(w, distinct_ids(np.random.default_rng(0), 16, (40, 2)))
+    complete = path.read_bytes()
+    p = subprocess.Popen([sys.executable, "-c", RECORD_FOREVER, str(path)], stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
 
     def tmp_size():  # rows go to a temporary name beside the target until the file is closed
         return sum(f.stat().st_size for f in tmp_path.glob(".t.parquet.tmp-*"))
     while tmp_size() < 20_000 and time.time() < deadline and p.poll() is None:
         time.sleep(0.05)
-    assert not path.exists()
     p.send_signal(sig)
     assert p.wait(timeout=60) != 0
-    f = pq.ParquetFile(path)  # footer present, renamed into place
+    part = partial_path(path)
+    assert part.name == "t.partial.parquet" and f"the partial trace is kept as {part}" in p.stderr.read()
+    assert path.read_bytes() == complete and read_trace(path).meta.partial is False  # left as it was
+    f = pq.ParquetFile(part)  # footer present, kept under its own name
     assert f.metadata.num_row_groups >= 2
     t = f.read()
     assert t.num_rows == f.metadata.num_row_groups * 2 * 12 * 2  # whole row groups: 2 seqs x 12 tokens x 2 layers
-    assert read_trace(path).routing()[0].shape[0] == 2
-    assert read_trace(path).meta.partial is True and info(path)["partial"] is True
+    assert read_trace(part).routing()[0].shape[0] == 2
+    assert read_trace(part).meta.partial is True and info(part)["partial"] is True
     assert not list(tmp_path.glob(".t.parquet.tmp-*"))
 
 
@@ -168,7 +178,7 @@ def write_stream(path, ids_by_layer, chunk):
 
 
 def test_llamacpp_stream_import_round_trips(tmp_path):
-    ids = np.random.default_rng(0).integers(0, 64, (3, 50, 4)).astype(np.int16)
+    ids = distinct_ids(np.random.default_rng(0), 64, (3, 50, 4)).astype(np.int16)
     write_stream(tmp_path / "s.bin", ids, chunk=7)
     got, layers = read_stream(tmp_path / "s.bin")
     assert layers == [0, 1, 2] and np.array_equal(got, ids)
@@ -209,14 +219,15 @@ def test_a_clean_trace_says_complete_and_an_interrupted_one_says_partial(tmp_pat
 
     good = tmp_path / "good.parquet"
     with TraceWriter(good, _meta()) as w:
-        _rows(w, np.random.default_rng(0).integers(0, 16, (40, 2)))
+        _rows(w, distinct_ids(np.random.default_rng(0), 16, (40, 2)))
     assert read_meta(good).partial is False and info(good)["partial"] is False
-    part = tmp_path / "part.parquet"
     with pytest.raises(RuntimeError, match="boom"):
-        with TraceWriter(part, _meta()) as w:
-            _rows(w, np.random.default_rng(0).integers(0, 16, (40, 2)))
-            _rows(w, np.random.default_rng(1).integers(0, 16, (40, 2)), seq=1)
+        with TraceWriter(tmp_path / "part.parquet", _meta()) as w:
+            _rows(w, distinct_ids(np.random.default_rng(0), 16, (40, 2)))
+            _rows(w, distinct_ids(np.random.default_rng(1), 16, (40, 2)), seq=1)
             raise RuntimeError("boom")
+    assert not (tmp_path / "part.parquet").exists()  # a partial recording never takes the trace's own name
+    part = tmp_path / "part.partial.parquet"
     assert read_meta(part).partial is True
     assert info(part)["rows"] == 80 and info(part)["partial"] is True
     s = analyze(part, tmp_path / "an", by_domain=False)
@@ -230,7 +241,7 @@ def test_a_clean_trace_says_complete_and_an_interrupted_one_says_partial(tmp_pat
 def test_a_run_failing_before_its_first_rows_leaves_the_old_file(tmp_path):
     path = tmp_path / "t.parquet"
     with TraceWriter(path, _meta()) as w:
-        _rows(w, np.random.default_rng(0).integers(0, 16, (40, 2)))
+        _rows(w, distinct_ids(np.random.default_rng(0), 16, (40, 2)))
     before = path.read_bytes()
     with pytest.raises(KeyboardInterrupt):
         with TraceWriter(path, _meta()):
@@ -253,7 +264,7 @@ def test_expert_ids_outside_the_range_are_refused_when_written(tmp_path, bad):
 
 
 def test_imports_refuse_ids_that_int16_would_wrap(tmp_path):
-    ids = np.random.default_rng(0).integers(0, 16, (2, 10, 2)).astype(np.int32)
+    ids = distinct_ids(np.random.default_rng(0), 16, (2, 10, 2)).astype(np.int32)
     ids[1, 3, 0] = 65539  # 65539 % 65536 = 3: it used to be stored as expert 3
     write_stream(tmp_path / "s.bin", ids, chunk=4)
     with pytest.raises(InputError, match="outside 0..15"):
@@ -288,7 +299,7 @@ def test_a_trace_holding_an_id_outside_its_experts_is_refused_on_read(tmp_path):
 
 
 def test_an_output_that_is_an_input_is_refused(tmp_path):
-    ids = np.random.default_rng(0).integers(0, 16, (2, 10, 2)).astype(np.int32)
+    ids = distinct_ids(np.random.default_rng(0), 16, (2, 10, 2)).astype(np.int32)
     np.savez(tmp_path / "t.npz", experts=ids, meta=json.dumps({"num_experts": 16}))
     before = (tmp_path / "t.npz").read_bytes()
     with pytest.raises(InputError, match="is also an input"):

@@ -205,5 +205,10 @@ def load_aux_routers(model_dir: str | Path, model) -> AuxRouters:
         raise InputError(f"{path} was trained for another checkpoint (router fingerprint "
                          f"{meta.get('routers_fingerprint')}, this model's is {want})")
     aux = AuxRouters(cfg)
-    aux.load_state_dict(load_file(str(path)))
+    state = load_file(str(path))
+    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise InputError(f"{path}: router tensor {bad[0]} holds non-finite values (NaN/inf); its scores would be "
+                         f"meaningless")
+    aux.load_state_dict(state)
     return aux.eval()

@@ -28,6 +28,9 @@ from pathlib import Path
 
 import torch
 
+from expertcache.telemetry.cachesim import capacity_count
+from expertcache.telemetry.errors import InputError
+
 from .config import RecipeError, apply_overrides, from_dict, opt, to_dict
 from .data import DataSpec
 from .lm_module import CausalLMModule, TrainSpec
@@ -93,13 +96,16 @@ class ServingSpec:
     reroute: bool = opt(False, "serving-aware fine-tuning: the training forward computes with the experts the "
                         "reroute miss policy would serve (an LRU cache of `capacity` experts per layer, misses "
                         "swapped for resident experts within tau), replayed token by token")
-    capacity: float = opt(0.125, "the served cache per layer (a fraction of E below 1, else a count; at least "
-                          "top_k): for serving.reroute and for locality.kind=margin")
+    capacity: int | float = opt(0.125, "the served cache per layer: a fraction of E as a float in (0, 1] (1.0 = "
+                                "all), or a count of experts as an integer (at least top_k): for serving.reroute "
+                                "and for locality.kind=margin")
     tau: float = opt(0.1, "the reroute threshold on router probabilities, as the engine's --engine.tau")
 
     def __post_init__(self):
-        if not (math.isfinite(self.capacity) and self.capacity > 0):
-            raise RecipeError(f"serving.capacity={self.capacity}; expected a fraction of E or a count of experts")
+        try:
+            capacity_count(self.capacity, None)
+        except InputError as e:
+            raise RecipeError(f"serving.{e}") from None
         if not (math.isfinite(self.tau) and self.tau >= 0):
             raise RecipeError(f"serving.tau={self.tau}; expected a finite number >= 0")
 
@@ -136,7 +142,8 @@ class EvalSpec:
     prompt_len: int = opt(64, "prefill tokens per recorded sequence")
     decode_tokens: int = opt(64, "greedy decode tokens per recorded sequence (the cache is scored on these)")
     max_seqs: int = opt(16, "recorded sequences per domain")
-    capacities: list[float] = opt([0.125, 0.25], "cache capacities per layer, as fractions of E")
+    capacities: list[int | float] = opt([0.125, 0.25], "cache capacities per layer: fractions of E as floats in "
+                                        "(0, 1] (1.0 = all), counts of experts as integers")
     ppl_blocks: int = opt(64, "perplexity blocks per domain")
     seq_len: int = opt(256, "tokens per perplexity block")
     gate_ppl_overall: float = opt(1.0, "gate: largest allowed Δppl overall, in %")
@@ -152,8 +159,10 @@ class EvalSpec:
         if not self.capacities:
             raise RecipeError("eval.capacities is empty; expected fractions of E (e.g. [0.125, 0.25])")
         for c in self.capacities:
-            if not (math.isfinite(c) and c > 0 and (c < 1 or c == int(c))):
-                raise RecipeError(f"eval.capacities has {c}; expected fractions of E in (0, 1) or whole counts")
+            try:
+                capacity_count(c, None)
+            except InputError as e:
+                raise RecipeError(f"eval.capacities has {e}") from None
         for name in ("gate_ppl_overall", "gate_ppl_domain"):
             if not math.isfinite(getattr(self, name)):
                 raise RecipeError(f"eval.{name}={getattr(self, name)}; expected a finite number")
@@ -171,7 +180,8 @@ class FrontierSpec:
                              "out_dir/<name>/")
     control: str = opt("", "the variant that is the λ = 0 control (same steps, no locality); empty for none")
     reroute: list[str] = opt([], "variants also served with the reroute miss policy ('base': the base itself)")
-    capacity: float = opt(0.125, "served cache per layer, as a fraction of E, for the reroute rows")
+    capacity: float = opt(0.125, "served cache per layer, as a fraction of E in (0, 1] (1.0 = all), for the "
+                          "reroute rows")
     tau: float = opt(0.1, "reroute threshold: a miss is served by a resident expert within tau of its weight")
     split: str = opt("test", "held-out split of the evaluation (the documents of every lm-eval task and block)")
     tasks: list[str] = opt(["ec_ppl_code", "ec_ppl_prose", "ec_ppl_math", "ec_cloze_code", "ec_cloze_prose",

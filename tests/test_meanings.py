@@ -1,0 +1,186 @@
+"""One meaning per number (issue #24): capacity (a float in (0, 1] is a fraction of E, so 1.0 is all of them; an
+integer >= 1 is a count; nothing else), the model's context on every decode path, and routing rows whose experts
+are distinct at every entry."""
+
+import numpy as np
+import pytest
+import torch
+
+from expertcache.runtime.engine import EngineConfig
+from expertcache.telemetry.cachesim import capacity_count
+from expertcache.telemetry.errors import InputError
+
+
+def test_capacity_a_float_is_a_fraction_an_int_a_count_and_nothing_else():
+    assert capacity_count(1.0, 8) == 8  # all of E (it was one expert)
+    assert capacity_count(0.25, 8) == 2 and capacity_count(0.01, 8) == 1
+    assert capacity_count(1, 8) == 1 and capacity_count(8, 8) == 8 and capacity_count(np.int64(3), 8) == 3
+    assert capacity_count(np.float32(0.5), 8) == 4
+    for bad, why in ((16.0, "write 16"), (2.5, "a float in"), (0, "a float in"), (-1, "a float in"),
+                     (float("nan"), "a float in"), (True, "a float in"), ("0.25", "a float in"),
+                     (None, "a float in")):
+        with pytest.raises(InputError, match=why):
+            capacity_count(bad, 32)
+    with pytest.raises(InputError, match="capacity 9 experts, but a layer has only 8"):
+        capacity_count(9, 8)
+    assert capacity_count(16, None) is None  # the form alone, before a model is known
+    with pytest.raises(InputError, match="write 16"):
+        EngineConfig(capacity=16.0).check()
+    assert EngineConfig(capacity=1.0).slots(8, 2) == 8 and EngineConfig(capacity=1).slots(8, 2) == 1
+    assert EngineConfig(capacity=1.0).label() != EngineConfig(capacity=1).label()
+
+
+def test_capacity_one_point_zero_keeps_all_experts_resident(tmp_path):
+    from expertcache.runtime.engine import offload
+    from expertcache.runtime.store import write_store
+    from expertcache.trainer.models import build_model, tiny_config
+
+    model = build_model(tiny_config("qwen3_moe"), seed=1).eval()
+    write_store(model, tmp_path / "e.store")
+    eng = offload(model, tmp_path / "e.store", EngineConfig(capacity=1.0, tier="host"))
+    try:
+        assert eng.capacity == eng.adapter.num_experts
+    finally:
+        eng.close()
+
+
+def test_capacity_on_the_command_line_and_in_recipes_keeps_its_type():
+    from expertcache.evals.lm import engine_from_args
+    from expertcache.recipes.cli import build_parser
+    from expertcache.trainer.cache_aware import CacheAwareRecipe
+    from expertcache.trainer.config import RecipeError, load_recipe
+
+    parsers: dict = {}
+    build_parser(parsers, only="generate")
+    _, p = parsers["generate", None]
+    for text, want in (("16", 16), ("1", 1), ("1.0", 1.0), ("0.25", 0.25)):
+        got = p.instantiate(p.parse_args(["--engine.capacity", text]))["engine"].capacity
+        assert got == want and type(got) is type(want), (text, got)
+    parsers = {}
+    build_parser(parsers, only="bench")
+    _, p = parsers["bench", "decode"]
+    assert [type(c) for c in p.parse_args(["--capacities", "[16, 0.25, 1.0]"]).capacities] == [int, float, float]
+    assert engine_from_args({"capacity": "16"}).capacity == 16
+    assert type(engine_from_args({"capacity": "1.0"}).capacity) is float
+    from expertcache.recipes.cli import RECIPE_DIR, resolve_recipe
+
+    loc = resolve_recipe("locality", RECIPE_DIR / "cache-aware")
+    r = load_recipe(CacheAwareRecipe, loc, ["serving.capacity=2", "eval.capacities=[0.125, 4, 1.0]"])
+    assert type(r.serving.capacity) is int and [type(c) for c in r.eval.capacities] == [float, int, float]
+    with pytest.raises(RecipeError, match="write 16"):
+        load_recipe(CacheAwareRecipe, loc, ["serving.capacity=16.0"])
+    with pytest.raises(RecipeError, match="eval.capacities has capacity 2.5"):
+        load_recipe(CacheAwareRecipe, loc, ["eval.capacities=[2.5]"])
+
+
+def _dup_routing(rng=None):
+    from helpers import distinct_ids
+
+    ids = distinct_ids(rng or np.random.default_rng(0), 16, (2, 20, 4)).astype(np.int16)
+    ids[1, 5] = [3, 3, 5, 7]
+    return ids
+
+
+def test_a_routing_row_repeating_an_expert_is_refused_at_every_entry(tmp_path):
+    import json
+    import struct
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from expertcache.runtime.replay import load_routing
+    from expertcache.telemetry.learned_policy import load_routing as policy_routing
+    from expertcache.telemetry.llamacpp import import_trace, read_npz
+    from expertcache.telemetry.parquet_trace import TraceMeta, TraceWriter, read_trace
+
+    ids = _dup_routing()
+    np.savez(tmp_path / "t.npz", experts=ids, meta=json.dumps({"num_experts": 16}))
+    for call in (lambda: import_trace(tmp_path / "t.npz", tmp_path / "t.parquet"), lambda: read_npz(tmp_path / "t.npz"),
+                 lambda: load_routing(tmp_path / "t.npz"), lambda: policy_routing(tmp_path / "t.npz")):
+        with pytest.raises(InputError, match=r"layer 1, token 5 repeats an expert \(\[3, 3, 5, 7\]\)"):
+            call()
+    with open(tmp_path / "s.bin", "wb") as f:
+        for layer in range(2):
+            f.write(struct.pack("<iii", layer, 20, 4) + ids[layer].astype("<i4").tobytes())
+    with pytest.raises(InputError, match="repeats an expert"):
+        import_trace(tmp_path / "s.bin", tmp_path / "t.parquet", num_experts=16)
+    assert not (tmp_path / "t.parquet").exists()
+    meta = TraceMeta(model="m", family="qwen3_moe", num_layers=2, moe_layers=[0, 1], num_experts=16, top_k=4)
+    rows = ids.transpose(1, 0, 2).reshape(-1, 4)
+    n = len(rows)
+    cols = dict(seq_id=np.zeros(n, np.int32), pos=np.arange(n, dtype=np.int32) // 2,
+                layer=np.tile(np.asarray([0, 1], np.int16), n // 2), phase="decode", domain="code",
+                token=np.zeros(n, np.int32), weights=np.ones((n, 4), np.float16))
+    with pytest.raises(InputError, match="repeats an expert"):
+        with TraceWriter(tmp_path / "w.parquet", meta) as w:
+            w.write(ids=rows, **cols)
+    ok = rows.copy()
+    ok[11] = [3, 4, 5, 7]
+    with TraceWriter(tmp_path / "w.parquet", meta) as w:
+        w.write(ids=ok, **cols)
+    t = pq.read_table(tmp_path / "w.parquet")  # written by another tool: the same file, one row repeating
+    t = t.set_column(t.column_names.index("ids"), "ids",
+                     pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1).astype(np.int16)), 4))
+    pq.write_table(t, tmp_path / "other.parquet")
+    with pytest.raises(InputError, match="row 11 repeats an expert"):
+        read_trace(tmp_path / "other.parquet")
+    with pytest.raises(InputError, match="repeats an expert"):
+        load_routing(tmp_path / "other.parquet")
+
+
+def test_a_non_finite_estimator_policy_or_router_file_is_refused(tmp_path):
+    import json
+
+    from safetensors.numpy import save_file as save_np
+    from safetensors.torch import save_file
+
+    from expertcache.runtime.predictors import EstimatorPredictor, make_predictor
+    from expertcache.telemetry.learned_policy import KIND, LearnedPolicy
+    from expertcache.trainer.models import build_model, tiny_config
+
+    model = build_model(tiny_config("qwen3_moe"), seed=1).eval()
+    h, e, n_l = model.config.hidden_size, model.config.num_experts, model.config.num_hidden_layers
+    meta = {"kind": "expertcache-estimator", "trace": "{}"}
+    good = {"weights": torch.zeros(n_l - 1, h, e), "bias": torch.zeros(n_l - 1, e)}
+    save_file(good, str(tmp_path / "ok.safetensors"), metadata=meta)
+    assert make_predictor(f"estimator:{tmp_path / 'ok.safetensors'}", model, None, e, h).name == "estimator"
+    for name in ("weights", "bias"):
+        t = dict(good)
+        t[name] = torch.full_like(good[name], float("nan"))
+        save_file(t, str(tmp_path / f"{name}.safetensors"), metadata=meta)
+        with pytest.raises(InputError, match=f"{name} holds .* non-finite"):
+            make_predictor(f"estimator:{tmp_path / f'{name}.safetensors'}", model, None, e, h)
+        with pytest.raises(InputError, match="non-finite"):
+            EstimatorPredictor.load(tmp_path / f"{name}.safetensors", e, h)
+    save_np({"w0": np.full((3, 3), np.inf)}, str(tmp_path / "p.safetensors"),
+            metadata={"kind": KIND, "policy": json.dumps({})})
+    with pytest.raises(InputError, match="w0 holds non-finite"):
+        LearnedPolicy.load(tmp_path / "p.safetensors")
+    for spec in ("probe:x", "probe:0", "probex", "probe:-1"):  # a malformed spec: one line, not a ValueError
+        with pytest.raises(InputError, match="expected probe:D"):
+            make_predictor(spec, model)
+
+
+def test_every_decode_path_checks_prompt_and_new_tokens_against_the_models_positions(tmp_path, capsys):
+    """#24 finding 6: `generate --max_tokens 100000` decoded past a 1,024-position model; serve refused it."""
+    from tiny_lm import make_tiny_checkpoint
+
+    from expertcache.recipes.cli import main
+    from expertcache.runtime.generate import Generation, SamplingParams, load_model
+    from expertcache.telemetry.recorder import record_blocks
+
+    ckpt = make_tiny_checkpoint(tmp_path / "m", max_positions=64)
+    capsys.readouterr()
+    rc = main(["generate", "--model", str(ckpt), "--prompt", "thou art", "--max_tokens", "100000",
+               "--engine.tier", "host"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "this model's context is 64 positions" in err[0], err
+    assert main(["generate", "--model", str(ckpt), "--prompt", "thou " * 80, "--max_tokens", "1", "--plain",
+                 "true"]) == 2
+    assert "shorten the prompt" in capsys.readouterr().err
+    model, tok = load_model(ckpt, plain=True)
+    with pytest.raises(InputError, match="at most 54 new tokens fit"):
+        Generation(model, tok, list(range(10)), SamplingParams(max_tokens=55))
+    Generation(model, tok, list(range(10)), SamplingParams(max_tokens=54))  # exactly the context: fine
+    with pytest.raises(InputError, match="prompt_len has 60 tokens and decode_tokens=8"):
+        record_blocks(model, np.zeros((1, 60), np.int64), None, "code", 60, 8, 1)
