@@ -109,7 +109,10 @@ def _rewrite(argv: list[str]) -> list[str]:
             j = i + 1
             while j < len(rest) and not rest[j].startswith("-") and not _OVERRIDE.match(rest[j]):
                 j += 1
-            out.append("--table=" + json.dumps(rest[i + 1:j]))
+            folders = rest[i + 1:j]
+            if len(folders) == 1 and folders[0].startswith("[") and folders[0].endswith("]"):
+                folders = [f.strip().strip("'\"") for f in folders[0][1:-1].split(",") if f.strip()]  # [a,b]
+            out.append("--table=" + json.dumps(folders))
             i = j
             continue
         if a.startswith("--recipe="):

@@ -127,6 +127,15 @@ class EngineConfig:
             raise InputError(f"workers={self.workers}; expected >= 1")
         if self.kernel not in ("native", "triton"):
             raise InputError(f"kernel={self.kernel!r}; expected native or triton")
+        if self.kernel == "triton":  # where it cannot run, the native path would run without a word
+            if self.slot_device != "cuda":
+                raise InputError("kernel triton runs on CUDA slots only: add --engine.device cuda (or --engine.tier "
+                                 "cuda), or use --engine.kernel native")
+            from .kernels import HAVE_TRITON
+
+            if not HAVE_TRITON:
+                raise InputError("kernel triton: the triton package is not installed here; use --engine.kernel "
+                                 "native")
 
     @property
     def slot_device(self) -> str:

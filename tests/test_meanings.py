@@ -184,3 +184,68 @@ def test_every_decode_path_checks_prompt_and_new_tokens_against_the_models_posit
     Generation(model, tok, list(range(10)), SamplingParams(max_tokens=54))  # exactly the context: fine
     with pytest.raises(InputError, match="prompt_len has 60 tokens and decode_tokens=8"):
         record_blocks(model, np.zeros((1, 60), np.int64), None, "code", 60, 8, 1)
+
+
+def _cli_flags() -> set[str]:
+    from expertcache.recipes.cli import build_parser
+
+    parsers: dict = {}
+    build_parser(parsers)
+    flags: set[str] = set()
+    for _, p in parsers.values():
+        for a in p._actions:
+            flags.update(o for o in a.option_strings if o.startswith("--"))
+    return flags
+
+
+def test_every_flag_an_input_error_names_exists_in_the_cli():
+    """#24 finding 10: hints named --num-experts, --device, --include-path (the CLI's flags use underscores and
+    engine options are --engine.*). Every string of every InputError/RecipeError raised in the package is read."""
+    import ast
+    import re
+    from pathlib import Path
+
+    from helpers import REPO
+
+    flags = _cli_flags()
+    assert {"--engine.capacity", "--num_experts", "--include_path", "--resume", "--rebless"} <= flags
+    flag = re.compile(r"(?<![\w-])--[a-z][a-z0-9_.-]*[a-z0-9]")
+    bad = []
+    for area in ("telemetry", "runtime", "trainer", "evals", "recipes"):
+        for f in sorted((REPO / area).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+                fn = getattr(node, "func", None)
+                if not (isinstance(node, ast.Call) and getattr(fn, "id", getattr(fn, "attr", None)) in
+                        ("InputError", "RecipeError")):
+                    continue
+                for sub in ast.walk(node):
+                    if isinstance(sub, ast.Constant) and isinstance(sub.value, str):
+                        bad += [f"{Path(f).relative_to(REPO)}:{node.lineno}: {m}" for m in flag.findall(sub.value)
+                                if m not in flags]
+    assert not bad, bad
+
+
+def test_names_are_checked_before_work_and_the_cli_reads_what_it_documents(tmp_path, capsys):
+    from tiny_lm import make_tiny_checkpoint
+
+    from expertcache.recipes.cli import _rewrite, main
+    from expertcache.runtime.predictors import check_predictor_spec
+
+    with pytest.raises(InputError, match="kernel triton runs on CUDA slots only"):
+        EngineConfig(kernel="triton").check()  # on a CPU it used to run the native path without a word
+    for spec in ("probe:1", "persistence", "spatio", "none"):
+        check_predictor_spec(spec)
+    for spec, why in (("probe:x", "expected probe:D"), ("oracle", "a replay's predictor"),
+                      ("estimator:/nope.safetensors", "not found"), ("prob", "unknown predictor")):
+        with pytest.raises(InputError, match=why):
+            check_predictor_spec(spec)
+    ckpt = make_tiny_checkpoint(tmp_path / "m", max_positions=64)
+    capsys.readouterr()
+    rc = main(["bench", "decode", "--model", str(ckpt), "--corpus", str(tmp_path / "none"), "--prompt_len", "4",
+               "--tokens", "2", "--warmup", "0", "--rounds", "1", "--prompts", "1",
+               "--predictors", "[probe:1,persistence,bogus]"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "unknown predictor 'bogus'" in err and "decode passes" not in err  # before any pass
+    argv = _rewrite(["train-cache-aware", "--table", "[runs/a,runs/b]"])
+    assert '--table=["runs/a", "runs/b"]' in argv  # the brackets are a list, not part of a folder name
+    assert '--table=["runs/a", "runs/b"]' in _rewrite(["train-cache-aware", "--table", "runs/a", "runs/b"])
