@@ -234,6 +234,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"expertcache {name}: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # the machine, not the input: a full disk, a quota, read-only storage
+        import errno
+
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG) and \
+                "No space left on device" not in str(e):  # pyarrow's IO errors carry the text, not errno
+            raise
+        where = f": {e.filename}" if e.filename else ""
+        print(f"expertcache {name}: error: {e.strerror or e}{where} (outputs are written to a temporary name "
+              f"first: nothing complete was replaced)", file=sys.stderr)
+        return 2
     if isinstance(result, bool):
         return 0
     if isinstance(result, int):

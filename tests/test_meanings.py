@@ -249,3 +249,53 @@ def test_names_are_checked_before_work_and_the_cli_reads_what_it_documents(tmp_p
     argv = _rewrite(["train-cache-aware", "--table", "[runs/a,runs/b]"])
     assert '--table=["runs/a", "runs/b"]' in argv  # the brackets are a list, not part of a folder name
     assert '--table=["runs/a", "runs/b"]' in _rewrite(["train-cache-aware", "--table", "runs/a", "runs/b"])
+
+
+def test_the_last_raw_tracebacks_are_one_line(tmp_path, monkeypatch, capsys):
+    """#24 finding 11: trace metadata that disagrees with its data, a full disk, Python API arguments of the wrong
+    type: each one InputError (one line, exit 2 from the CLI), not a traceback."""
+    import errno
+    import json
+    import os
+
+    import pyarrow.parquet as pq
+    from helpers import distinct_ids
+
+    import expertcache.telemetry.atomic as atomic
+    from expertcache.recipes.cli import main
+    from expertcache.runtime import load
+    from expertcache.telemetry.llamacpp import import_trace
+    from expertcache.telemetry.parquet_trace import META_KEY, TraceWriter, read_trace
+
+    np.savez(tmp_path / "r.npz", experts=distinct_ids(np.random.default_rng(0), 16, (2, 30, 4)).astype(np.int16),
+             meta=json.dumps({"num_experts": 16}))
+    import_trace(tmp_path / "r.npz", tmp_path / "t.parquet")
+    t = pq.read_table(tmp_path / "t.parquet")
+    md = dict(t.schema.metadata)
+    for change, why in (({"moe_layers": [0, 1, 2], "num_layers": 3}, r"no row holds layer\(s\) \[2\]"),
+                        ({"num_layers": 1}, "at least the 2 MoE layers")):
+        meta = json.loads(md[META_KEY]) | change
+        pq.write_table(t.replace_schema_metadata(md | {META_KEY: json.dumps(meta).encode()}), tmp_path / "m.parquet")
+        with pytest.raises(InputError, match=why):  # analyze used to die with an IndexError
+            read_trace(tmp_path / "m.parquet")
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "out"))
+    monkeypatch.setattr(TraceWriter, "write", full)
+    capsys.readouterr()
+    assert main(["trace", "import", "--src", str(tmp_path / "r.npz"), "--out", str(tmp_path / "full.parquet")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "No space left on device" in err[0], err
+    assert not (tmp_path / "full.parquet").exists() and not list(tmp_path.glob(".full.parquet.tmp-*"))
+    monkeypatch.setattr(atomic, "write_bytes", full)
+    assert main(["analyze", "--trace", str(tmp_path / "t.parquet"), "--out", str(tmp_path / "an")]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    monkeypatch.undo()
+    for kw, why in ((dict(model=123), "expected a checkpoint folder"), (dict(predictor=5), "predictor name"),
+                    (dict(workers="4"), "workers='4'; expected an integer"), (dict(verify="yes"), "verify='yes'"),
+                    (dict(tier=None), "tier=None; expected a string"), (dict(tau="x"), "tau='x'")):
+        with pytest.raises(InputError, match=why):
+            load(**({"model": str(tmp_path / "nothing")} | kw))
+    for kw in (dict(policy=3), dict(max_inflight_bytes=None), dict(workers=2.5), dict(tau=True)):
+        with pytest.raises(InputError, match="expected"):
+            EngineConfig(**kw).check()
