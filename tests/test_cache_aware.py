@@ -339,6 +339,8 @@ def test_joint_run_resumes_and_writes_the_table(tiny_data, tiny_base, tmp_path):
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == stamps
     second = run_cache_aware(_ca_recipe(tiny_data, tiny_base, out, **{"train.max_steps": 6, "routers.rank": 4}))
     assert second["resumed_from_step"] == 3 and second["global_step"] == 6
+    # the resume keeps one `last.ckpt` and the newest step (no `last-v1.ckpt` beside a stale `last.ckpt`)
+    assert sorted(p.name for p in (out / "checkpoints").glob("*.ckpt")) == ["last.ckpt", "step6.ckpt"]
     s = second["summary"]
     for cap, c in s["capacities"].items():
         assert {"lru", "temporal", "spatio", "spatio_temporal", "base_lru"} <= set(c)
