@@ -43,7 +43,8 @@ def parse_device(device: str) -> str:
     if device not in ("cpu", "cuda"):
         raise InputError(f"device {device!r}; expected auto, cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
-        raise InputError("device cuda asked for, but torch sees no CUDA GPU here (use --engine.device cpu; for eval --device cpu or auto)")
+        raise InputError("device cuda asked for, but torch sees no CUDA GPU here (use --engine.device cpu; for eval "
+                         "--device cpu or auto)")
     return device
 
 

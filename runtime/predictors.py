@@ -250,8 +250,8 @@ def make_predictor(spec: str, model=None, aux=None, num_experts: int | None = No
                              "train-cache-aware run)")
         return SpatioPredictor(model, aux)
     if spec.startswith("oracle"):
-        raise InputError("the oracle knows routing before it is computed: only a replay has it "
-                         "(expertcache bench decode --replay TRACE --predictors [oracle:0.5]; oracle alone is recall 1)")
+        raise InputError("the oracle knows routing before it is computed: only a replay has it (expertcache bench "
+                         "decode --replay TRACE --predictors [oracle:0.5]; oracle alone is recall 1)")
     raise InputError(f"unknown predictor {spec!r}; expected none, probe:1, probe:2, persistence, estimator:<file> "
                      f"or spatio")
 
