@@ -299,3 +299,28 @@ def test_the_last_raw_tracebacks_are_one_line(tmp_path, monkeypatch, capsys):
     for kw in (dict(policy=3), dict(max_inflight_bytes=None), dict(workers=2.5), dict(tau=True)):
         with pytest.raises(InputError, match="expected"):
             EngineConfig(**kw).check()
+
+
+def test_an_analysis_that_fails_midway_leaves_the_previous_one_whole(tmp_path, monkeypatch):
+    """#24 'same for every command that writes': analyze writes its files into a folder of its own and moves them
+    in once all are written; a failure after summary.json used to leave it beside an older run's plots."""
+    import json
+
+    import expertcache.telemetry.analysis as analysis
+    from expertcache.recipes.cli import main
+    from expertcache.telemetry.llamacpp import import_trace
+    from helpers import distinct_ids
+
+    for seed in (0, 1):
+        np.savez(tmp_path / f"r{seed}.npz", experts=distinct_ids(np.random.default_rng(seed), 16, (2, 40, 2)),
+                 meta=json.dumps({"num_experts": 16}))
+        import_trace(tmp_path / f"r{seed}.npz", tmp_path / f"t{seed}.parquet")
+    out = tmp_path / "an"
+    assert main(["analyze", "--trace", str(tmp_path / "t0.parquet"), "--out", str(out), "--domains", "false"]) == 0
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+
+    def boom(*a, **k):
+        raise InputError("disk went away")
+    monkeypatch.setattr(analysis, "plot_summary", boom)  # after summary.json is written
+    assert main(["analyze", "--trace", str(tmp_path / "t1.parquet"), "--out", str(out), "--domains", "false"]) == 2
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before  # no temporary folder left either
