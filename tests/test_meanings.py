@@ -128,7 +128,7 @@ def test_a_routing_row_repeating_an_expert_is_refused_at_every_entry(tmp_path):
         load_routing(tmp_path / "other.parquet")
 
 
-def test_a_non_finite_estimator_policy_or_router_file_is_refused(tmp_path):
+def test_a_non_finite_estimator_or_policy_file_is_refused(tmp_path):
     import json
 
     from safetensors.numpy import save_file as save_np
