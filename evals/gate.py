@@ -100,7 +100,7 @@ def check_comparable(baseline: dict, candidate: dict) -> None:
     if sb["tokens"] != sc["tokens"]:
         raise InputError(f"baseline and candidate were measured on different step-wise tokens (token counts "
                          f"{sb['tokens']} vs {sc['tokens']}); evaluate both with the same corpus, split, "
-                         f"--ppl-blocks and --seq-len")
+                         f"--ppl_blocks and --seq_len")
     if sb["blocks_sha256"] != sc["blocks_sha256"]:
         raise InputError(f"baseline and candidate were measured on different step-wise token ids (blocks hash "
                          f"{sb['blocks_sha256'][:12]} vs {sc['blocks_sha256'][:12]}, same counts): a different "

@@ -96,7 +96,8 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
     from .gate import EVAL_FORMAT_VERSION
 
     res = {"format_version": EVAL_FORMAT_VERSION, "model": str(model_dir), "policy": label(serve),
-           "engine": None if serve is None else asdict(serve), "integrity": integrity, "split": split, "dtype": dtype, "device": device,
+           "engine": None if serve is None else asdict(serve), "integrity": integrity, "split": split,
+           "dtype": dtype, "device": device,
            "tokenizer": tokenizer_fingerprint(model_dir), "tasks": list(tasks or []), "limit": limit,
            "stepwise": step, "stepwise_blocks": {d: list(b.shape) for d, b in blocks.items()}}
     if tasks:

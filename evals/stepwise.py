@@ -38,7 +38,7 @@ def stepwise_nll(model, ids: torch.Tensor) -> tuple[float, int]:
 
 def _ppl(nll: float, n: int, dom: str) -> float:
     if not n:
-        raise InputError(f"no step-wise tokens in the {dom} blocks (blocks of one token): a larger --seq-len")
+        raise InputError(f"no step-wise tokens in the {dom} blocks (blocks of one token): a larger --seq_len")
     if nll / n > 700:  # exp overflows a double; a model this far off (uniform over 50k tokens is 10.8) is broken
         raise InputError(f"the model's mean step-wise NLL on {dom} is {nll / n:.3g} nats per token: perplexity "
                          f"overflows; corrupted weights?")
@@ -63,7 +63,7 @@ def stepwise_perplexity(model, blocks: dict[str, np.ndarray], progress=None) -> 
         res["tokens"][dom] = n
         tot_nll, tot_n = tot_nll + nll, tot_n + n
     if not tot_n:
-        raise InputError("no step-wise tokens to measure (every block empty): a larger split or a smaller --seq-len")
+        raise InputError("no step-wise tokens to measure (every block empty): a larger split or a smaller --seq_len")
     res["ppl"]["overall"] = _ppl(tot_nll, tot_n, "overall")
     res["tokens"]["overall"] = tot_n
     return res

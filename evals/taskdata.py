@@ -95,7 +95,7 @@ def lm_eval_tasks(names: list[str], data_dir: str | Path, include_path: str | Pa
     local = [n for n in names if (TASK_DIR / f"{n}.yaml").is_file()]
     other = [n for n in names if n not in local]
     if include_path is not None and not Path(include_path).is_dir():
-        raise InputError(f"--include-path {include_path} is not a directory of task YAMLs")
+        raise InputError(f"--include_path {include_path} is not a directory of task YAMLs")
     inc = str(include_path) if include_path is not None else None
     tm = TaskManager(include_defaults=False, include_path=inc)
     if any(n not in tm.all_tasks for n in other):
@@ -104,7 +104,7 @@ def lm_eval_tasks(names: list[str], data_dir: str | Path, include_path: str | Pa
     if missing:
         known = sorted(p.stem for p in TASK_DIR.glob("*.yaml"))
         raise InputError(f"unknown task(s) {', '.join(missing)}: not local ({', '.join(known)}), not in "
-                         f"{include_path or 'an --include-path'}, not an lm-eval task (`lm-eval ls tasks`)")
+                         f"{include_path or 'an --include_path'}, not an lm-eval task (`lm-eval ls tasks`)")
     return task_configs(local, data_dir) + other, tm
 
 

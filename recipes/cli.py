@@ -109,7 +109,10 @@ def _rewrite(argv: list[str]) -> list[str]:
             j = i + 1
             while j < len(rest) and not rest[j].startswith("-") and not _OVERRIDE.match(rest[j]):
                 j += 1
-            out.append("--table=" + json.dumps(rest[i + 1:j]))
+            folders = rest[i + 1:j]
+            if len(folders) == 1 and folders[0].startswith("[") and folders[0].endswith("]"):
+                folders = [f.strip().strip("'\"") for f in folders[0][1:-1].split(",") if f.strip()]  # [a,b]
+            out.append("--table=" + json.dumps(folders))
             i = j
             continue
         if a.startswith("--recipe="):
@@ -231,6 +234,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"expertcache {name}: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # the machine, not the input: a full disk, a quota, read-only storage
+        import errno
+
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG) and \
+                "No space left on device" not in str(e):  # pyarrow's IO errors carry the text, not errno
+            raise
+        where = f": {e.filename}" if e.filename else ""
+        print(f"expertcache {name}: error: {e.strerror or e}{where} (outputs are written to a temporary name "
+              f"first: nothing complete was replaced)", file=sys.stderr)
+        return 2
     if isinstance(result, bool):
         return 0
     if isinstance(result, int):

@@ -68,7 +68,8 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
     f = recipe.frontier
     points = {name: variant(recipe, name) for name in f.variants}  # every variant checked before anything runs
     for name, point in points.items():
-        if point.serving.reroute and name in f.reroute and point.serving.capacity != f.capacity:
+        c = point.serving.capacity  # a count (an int) never equals the fraction frontier.capacity, even 1 and 1.0
+        if point.serving.reroute and name in f.reroute and (isinstance(c, int) or c != f.capacity):
             raise RecipeError(f"frontier variant {name}: serving.capacity={point.serving.capacity} but its reroute "
                               f"row is compared with the base at frontier.capacity={f.capacity}")
     out = Path(recipe.out_dir)

@@ -317,8 +317,8 @@ class CheckpointExperts:
             d = json.loads(p.read_text())
         except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
             raise InputError(f"{p}: unreadable checksum index ({str(e).splitlines()[0][:100]}); the reference is "
-                             f"lost: `expertcache verify --model {self.ckpt.dir} --rebless true` records the current bytes "
-                             f"as the new one") from None
+                             f"lost: `expertcache verify --model {self.ckpt.dir} --rebless true` records the "
+                             f"current bytes as the new one") from None
         ok = (isinstance(d, dict) and d.get("format") == INDEX_FORMAT and isinstance(d.get("files"), dict)
               and isinstance(d.get("experts"), list) and all(isinstance(x, list) for x in d["experts"]))
         if not ok:
@@ -373,7 +373,8 @@ class CheckpointExperts:
         if expected is None:
             self.index_state = "other layout"
             warnings.warn(f"{self.index_path} was made for another layout of this checkpoint: experts are read "
-                          f"unchecked (unverified); `expertcache verify --model {self.ckpt.dir}` says why", stacklevel=2)
+                          f"unchecked (unverified); `expertcache verify --model {self.ckpt.dir}` says why",
+                          stacklevel=2)
             return self.index_state
         if stale:
             warnings.warn(f"{', '.join(stale)} changed since {self.index_path} was made (size or mtime): its experts "
@@ -389,8 +390,8 @@ class CheckpointExperts:
                 "changed": "verified (files changed since the checksum index; every expert read is checked "
                            "against it)",
                 "none": f"unverified (no checksum index: `expertcache verify --model {self.ckpt.dir}` records one)",
-                "other layout": f"unverified (the checksum index is for another layout; see `expertcache verify --model "
-                                f"{self.ckpt.dir}`)",
+                "other layout": f"unverified (the checksum index is for another layout; see `expertcache "
+                                f"verify --model {self.ckpt.dir}`)",
                 "off": "unverified (checksum checks turned off)"}.get(self.index_state, "unverified")
 
     def expected_checksum(self, layer: int, expert: int) -> int | None:

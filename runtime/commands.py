@@ -118,6 +118,10 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
             vocab = load_config(resolve(model)).get_text_config().vocab_size
             ids = torch.randint(0, vocab, (prompts, prompt_len), generator=torch.Generator().manual_seed(0))
         preds = predictors or ["probe:1"]
+        from .predictors import check_predictor_spec
+
+        for p in preds:  # every name before the first pass runs
+            check_predictor_spec(p)
         with Progress() as prog:
             task = prog.add_task("decode passes", total=rounds * (2 + len(capacities) * (1 + len(preds))))
             res = run(model, ids, engine, capacities, preds, tokens, warmup, rounds, load_aux=_aux(model),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
@@ -102,6 +103,15 @@ class EngineConfig:
         """Every field in range, before anything is allocated."""
         from expertcache.telemetry.cachesim import capacity_count
 
+        for name in ("tier", "policy", "miss", "predictor", "budget", "device", "kernel"):  # types first: the
+            if not isinstance(getattr(self, name), str):  # Python API takes anything
+                raise InputError(f"{name}={getattr(self, name)!r}; expected a string")
+        for name in ("prefetch_budget", "max_inflight_bytes", "workers"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise InputError(f"{name}={v!r}; expected an integer")
+        if isinstance(self.tau, bool) or not isinstance(self.tau, numbers.Real):
+            raise InputError(f"tau={self.tau!r}; expected a number")
         TierSpec.parse(self.tier)
         if self.miss not in MISS_POLICIES:
             raise InputError(f"unknown miss policy {self.miss!r}; expected one of {', '.join(MISS_POLICIES)}")
@@ -127,6 +137,15 @@ class EngineConfig:
             raise InputError(f"workers={self.workers}; expected >= 1")
         if self.kernel not in ("native", "triton"):
             raise InputError(f"kernel={self.kernel!r}; expected native or triton")
+        if self.kernel == "triton":  # where it cannot run, the native path would run without a word
+            if self.slot_device != "cuda":
+                raise InputError("kernel triton runs on CUDA slots only: add --engine.device cuda (or --engine.tier "
+                                 "cuda), or use --engine.kernel native")
+            from .kernels import HAVE_TRITON
+
+            if not HAVE_TRITON:
+                raise InputError("kernel triton: the triton package is not installed here; use --engine.kernel "
+                                 "native")
 
     @property
     def slot_device(self) -> str:

@@ -43,7 +43,8 @@ def parse_device(device: str) -> str:
     if device not in ("cpu", "cuda"):
         raise InputError(f"device {device!r}; expected auto, cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
-        raise InputError("device cuda asked for, but torch sees no CUDA GPU here (use --device cpu or auto)")
+        raise InputError("device cuda asked for, but torch sees no CUDA GPU here (use --engine.device cpu; for eval "
+                         "--device cpu or auto)")
     return device
 
 
@@ -180,8 +181,17 @@ def load(model: str | Path, capacity: float = 0.125, tier: str = "disk", device:
     A mismatch raises `InputError` naming the layer, expert and file. Other keyword arguments are `EngineConfig` fields
     (policy, miss, tau, budget, prefetch_budget, workers, max_inflight_bytes). The engine is `model.expertcache`.
     """
-    from .predictors import Predictor, TemporalKeep, make_predictor
+    from .predictors import Predictor, TemporalKeep, check_predictor_spec, make_predictor
 
+    if not isinstance(model, (str, os.PathLike)):
+        raise InputError(f"load(model={model!r}): expected a checkpoint folder or hub id (a str or a Path)")
+    if not (isinstance(predictor, (str, Predictor))):
+        raise InputError(f"load(predictor={predictor!r}): expected a predictor name (none, probe:1, persistence, "
+                         f"estimator:FILE, spatio) or a Predictor")
+    if isinstance(predictor, str):
+        check_predictor_spec(predictor)  # before anything is read
+    if verify not in (None, True, False):
+        raise InputError(f"load(verify={verify!r}): expected None, True or False")
     fields = set(EngineConfig.__dataclass_fields__) - {"capacity", "tier", "device", "predictor"}
     unknown = sorted(set(engine_options) - fields)
     if unknown:

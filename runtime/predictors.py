@@ -204,6 +204,30 @@ class SpatioPredictor(Predictor):
         return self.aux.spatio_scores(layer + 1, hidden.float(), self.routers[layer + 1]).sigmoid()
 
 
+def check_predictor_spec(spec: str) -> None:
+    """A live predictor's name, checked before any work (the model is not needed): none, probe:D, persistence,
+    estimator:FILE (the file exists) or spatio."""
+    if not isinstance(spec, str):
+        raise InputError(f"predictor {spec!r}: expected a name (none, probe:1, persistence, estimator:FILE, spatio)")
+    if spec in ("none", "", "persistence", "spatio"):
+        return
+    if spec.startswith("probe"):
+        arg = spec.split(":", 1)[1] if ":" in spec else "1"
+        if spec.split(":", 1)[0] == "probe" and arg.isdigit() and 1 <= int(arg) <= 64:
+            return
+        raise InputError(f"predictor {spec!r}: expected probe:D with a lookahead distance D >= 1 (probe:1)")
+    if spec.startswith("estimator:"):
+        if not Path(spec.split(":", 1)[1]).is_file():
+            raise InputError(f"estimator {spec.split(':', 1)[1]} not found (fit one with `expertcache "
+                             f"fit-predictor`)")
+        return
+    if spec.startswith(("oracle", "cooccurrence")):
+        raise InputError(f"predictor {spec}: a replay's predictor (it needs the trace): use it with "
+                         f"`expertcache bench decode --replay TRACE`")
+    raise InputError(f"unknown predictor {spec!r}; expected none, probe:1, probe:2, persistence, estimator:<file> "
+                     f"or spatio")
+
+
 def make_predictor(spec: str, model=None, aux=None, num_experts: int | None = None, hidden_size: int | None = None):
     """`none`, `probe:1`, `probe:2`, `persistence`, `estimator:<file>`, `spatio`."""
     if spec in ("none", ""):
@@ -226,8 +250,8 @@ def make_predictor(spec: str, model=None, aux=None, num_experts: int | None = No
                              "train-cache-aware run)")
         return SpatioPredictor(model, aux)
     if spec.startswith("oracle"):
-        raise InputError("the oracle knows routing before it is computed: only a replay has it "
-                         "(expertcache bench decode --replay TRACE --predictor oracle[:recall])")
+        raise InputError("the oracle knows routing before it is computed: only a replay has it (expertcache bench "
+                         "decode --replay TRACE --predictors [oracle:0.5]; oracle alone is recall 1)")
     raise InputError(f"unknown predictor {spec!r}; expected none, probe:1, probe:2, persistence, estimator:<file> "
                      f"or spatio")
 

@@ -40,7 +40,7 @@ def parse_shape(s: str) -> tuple[int, int]:
         h, i = (int(x) for x in s.lower().split("x"))
         return h, i
     except ValueError:
-        raise InputError(f"--expert-shape {s!r}: expected HIDDENxINTERMEDIATE, e.g. 2048x768") from None
+        raise InputError(f"--expert_shape {s!r}: expected HIDDENxINTERMEDIATE, e.g. 2048x768") from None
 
 
 def check_replay_fits(store_dir, layers: int, num_experts: int, hidden: int, inter: int, dtype: str,
@@ -75,7 +75,10 @@ def ensure_store(folder: str | Path, layers: int, num_experts: int, hidden: int,
         try:
             read_store_meta(path)
             return path
-        except InputError:
+        except InputError as e:  # a store of random experts: rebuilt, and said so
+            import sys
+
+            print(f"replay: {path} is damaged ({e}); writing it again", file=sys.stderr)
             path.unlink()
     write_random_store(path, layers, num_experts, [("gate_up_proj", [2 * inter, hidden], dtype),
                                                    ("down_proj", [hidden, inter], dtype)], progress=progress)

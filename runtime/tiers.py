@@ -292,7 +292,8 @@ class CudaTier(HostTier):
 
     def __init__(self, source):
         if not torch.cuda.is_available():
-            raise InputError("device cuda needs a CUDA GPU; this machine has none (use --device cpu)")
+            raise InputError("tier cuda needs a CUDA GPU; this machine has none (use --engine.tier host or disk "
+                             "and --engine.device cpu)")
         super().__init__(source, pin=True)
         self.stream = torch.cuda.Stream()
 

@@ -159,7 +159,8 @@ def verify_store(path: str | Path, progress=None) -> dict:
     finally:
         os.close(fd)
     return _report("store", path, meta.num_layers * meta.num_experts, nbytes, mismatches, non_finite, t0,
-                   reference=meta.checksums is not None, store_version=meta.version, checksums=meta.checksums is not None,
+                   reference=meta.checksums is not None, store_version=meta.version,
+                   checksums=meta.checksums is not None,
                    index={"path": str(path), "before": "table" if meta.checksums is not None else
                           "none (version 1 store: rewrite it to get checksums)", "after": "unchanged"})
 

@@ -107,6 +107,10 @@ def build(root: Path, env: dict) -> dict:
     ids = np.argsort(rng.random((4, 64, 16)), axis=-1)[..., :4].astype(np.int16)  # distinct experts per row
     P["npz"] = root / "routing.npz"
     np.savez(P["npz"], experts=ids, meta=np.array(json.dumps({"num_experts": 16, "model": "x"})))
+    P["npz_dup"] = root / "routing-dup.npz"  # one routing row names an expert twice ([a, a, c, d])
+    dup = ids.copy()
+    dup[1, 5, 1] = dup[1, 5, 0]
+    np.savez(P["npz_dup"], experts=dup, meta=np.array(json.dumps({"num_experts": 16, "model": "x"})))
     P["npz_range"] = root / "routing-range.npz"
     np.savez(P["npz_range"], experts=(ids + 40).astype(np.int16), meta=np.array(json.dumps({"num_experts": 16})))
     P["stream"] = root / "routing.bin"
@@ -249,6 +253,55 @@ def damaged(root: Path, P: dict) -> None:
     sd[k] = sd[k].clone()
     sd[k].view(-1)[0] = float("nan")
     save_file(sd, str(P["model_nan"] / "model.safetensors"), metadata={"format": "pt"})
+    # issue #24: results that look fine and are not
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    from expertcache.runtime.loader import expert_source
+    from expertcache.runtime.verify import verify as verify_now
+    from expertcache.telemetry.parquet_trace import META_KEY
+
+    t = pq.read_table(P["trace"])
+    k = t.schema.field("ids").type.list_size
+    rows = t["ids"].combine_chunks().values.to_numpy().reshape(-1, k).copy()
+    rows[3, 1] = rows[3, 0]
+    P["dup_parquet"] = bad / "trace-dup.parquet"  # written by another tool: one row repeats an expert
+    pq.write_table(t.set_column(t.column_names.index("ids"), "ids",
+                                pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), k)), P["dup_parquet"])
+    meta = json.loads(t.schema.metadata[META_KEY])
+    meta["moe_layers"] = meta["moe_layers"] + [max(meta["moe_layers"]) + 1]
+    meta["num_layers"] = max(meta["num_layers"], len(meta["moe_layers"]))
+    P["meta_parquet"] = bad / "trace-meta.parquet"  # its metadata names a MoE layer no row holds
+    pq.write_table(t.replace_schema_metadata(dict(t.schema.metadata) | {META_KEY: json.dumps(meta).encode()}),
+                   P["meta_parquet"])
+    est = load_file(str(P["estimator"]))
+    from safetensors import safe_open
+
+    with safe_open(str(P["estimator"]), "pt") as f:
+        est_meta = f.metadata()
+    P["estimator_nan"] = bad / "est-nan.safetensors"
+    save_file({n: torch.full_like(v, float("nan")) for n, v in est.items()}, str(P["estimator_nan"]),
+              metadata=est_meta)
+
+    def expert_bytes(d: Path, fn) -> None:
+        src = expert_source(d)
+        for e in range(src.num_experts):
+            for s in src.spans(0, e):
+                with open(src.files[s.file], "r+b") as f:
+                    f.seek(s.offset)
+                    raw = bytearray(f.read(s.nbytes))
+                    f.seek(s.offset)
+                    f.write(fn(torch.frombuffer(raw, dtype=torch.uint8).view(s.src_dtype)).view(torch.uint8)
+                            .numpy().tobytes())
+
+    P["model_edited"] = model_copy("model-edited")  # indexed by `verify`, then edited in place (the mtime moves)
+    verify_now(str(P["model_edited"]))
+    expert_bytes(P["model_edited"], lambda w: -w)
+    P["model_expflip"] = model_copy("model-expflip")  # no index; layer 0's experts 2^14 times larger, finite
+    expert_bytes(P["model_expflip"], lambda w: w * 2.0 ** 14)
+    P["model_ro"] = P["ro_dir"] / "model"  # a shared, read-only model folder
+    shutil.copytree(P["model"], P["model_ro"])
     P["scratch"] = root / "scratch"
     P["scratch"].mkdir()
     P["scratch"].chmod(0o777)
@@ -552,6 +605,27 @@ def cases(P: dict) -> list[dict]:
     add("verify-text-file", ["verify", "--model", P["text_file"]])
     add("verify-no-config", ["verify", "--model", P["model_nocfg"]], expect=(1, 2))
     add("verify-bin-only", ["verify", "--model", P["model_bin"]])
+    # issue #24: results that look fine and are not
+    add("verify-edited-after-index", ["verify", "--model", P["model_edited"]], expect=(1,),
+        note="damage is reported, the index (the reference) is not re-hashed")
+    add("generate-edited-after-index", [*gen, P["model_edited"], "--engine.tier", "host"],
+        note="the engine refuses the changed experts")
+    add("verify-exponent-flip-no-index", ["verify", "--model", P["model_expflip"]], expect=(1,),
+        note="no reference: the magnitude check against the siblings finds it")
+    add("verify-read-only-model", ["verify", "--model", P["model_ro"]], expect=(0,), nobody=True,
+        note="not bad input: the index goes to the user cache folder")
+    add("import-npz-repeated-expert", ["trace", "import", "--src", P["npz_dup"], "--out", S / "i11.parquet"])
+    add("analyze-trace-repeated-expert", [*an, S / "a9", "--trace", P["dup_parquet"]])
+    add("fitpolicy-trace-repeated-expert", [*fp, "--trace", f"[{P['dup_parquet']}]", "--out", S / "p8.safetensors"])
+    add("analyze-trace-meta-disagrees", [*an, S / "a10", "--trace", P["meta_parquet"]])
+    add("generate-estimator-nan", [*gen, M, "--engine.predictor", f"estimator:{P['estimator_nan']}"])
+    add("generate-max-tokens-past-context", [*gen, M, "--max_tokens", 100000])
+    add("generate-prompt-past-context", ["generate", "--prompt", "word " * 3000, "--max_tokens", 2, "--model", M])
+    add("generate-capacity-float-count", [*gen, M, "--engine.capacity", "16.0"])
+    add("generate-kernel-triton-on-cpu", [*gen, M, "--engine.kernel", "triton"])
+    add("bench-predictor-unknown-live", [*bd, "--model", M, "--predictors", "[probe:1,bogus]"])
+    add("pretrain-resume-lr", [*run, "train.lr=0.01"], note="a finished run under another learning rate")
+    add("ca-table-brackets", ["train-cache-aware", "--table", f"[{S}/no-run]"])
     # the whole tool
     add("unknown-command", ["frobnicate"])
     add("unknown-action", ["trace", "erase"])

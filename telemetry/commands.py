@@ -98,8 +98,22 @@ def analyze(trace: str, out: str, model: Optional[str] = None, phase: Phase = "d
     from .atomic import check_output
 
     check_output(out, trace, static_fit, policy_file, model, folder=True)
-    s = run(trace, out, model_dir=model, phase=None if phase == "all" else phase, semantics=semantics,
-            fit_trace=static_fit, by_domain=domains, policy_file=policy_file)
+    import os
+    import shutil
+    from pathlib import Path
+
+    # every file goes to a folder of its own first: an interrupted analysis never leaves a new summary.json beside
+    # an older run's plots in `out`; the files are moved in (one rename each) once all of them are written
+    dest = Path(out)
+    tmp = dest / f".analyze.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        s = run(trace, tmp, model_dir=model, phase=None if phase == "all" else phase, semantics=semantics,
+                fit_trace=static_fit, by_domain=domains, policy_file=policy_file)
+        for f in sorted(tmp.iterdir()):
+            f.replace(dest / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     print(text_summary(s), file=sys.stderr)
     return {k: s[k] for k in ("trace", "model", "num_experts", "top_k", "moe_layers", "phase", "capacities")} | \
         {"out": out, "files": ["summary.json", "summary.txt", "hit_rate.png", "reuse_coverage.png"]}

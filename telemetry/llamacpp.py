@@ -125,7 +125,7 @@ def import_trace(src: str | Path, out: str | Path, num_experts: int | None = Non
         raise InputError(f"{src}: {n_layers} layers of top-{k} routing is not a MoE trace")
     seen_max = int(experts.max()) + 1
     if num_experts is None:
-        raise InputError(f"{src}: the number of experts per layer is not recorded; pass --num-experts "
+        raise InputError(f"{src}: the number of experts per layer is not recorded; pass --num_experts "
                          f"(ids seen go up to {seen_max - 1})")
     if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
         raise InputError(f"{src}: num_experts = {str(num_experts)[:40]!r}, expected a positive integer")

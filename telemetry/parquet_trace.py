@@ -83,6 +83,8 @@ class TraceMeta:
                 or not all(is_int(x) and 0 <= x < MAX_EXPERTS for x in self.moe_layers)
                 or len(set(self.moe_layers)) != len(self.moe_layers)):
             bad("moe_layers", "a non-empty list of distinct layer indices")
+        if len(self.moe_layers) > self.num_layers:
+            bad("num_layers", f"at least the {len(self.moe_layers)} MoE layers of moe_layers")
         if not is_int(self.hidden_size) or not 0 <= self.hidden_size < 1 << 24:
             bad("hidden_size", "an integer >= 0")
         if not isinstance(self.extra, dict):
@@ -407,10 +409,15 @@ def _check_table(path, meta: TraceMeta, table: pa.Table, columns) -> None:
                              f"(num_experts={meta.num_experts})")
         check_distinct(flat.to_numpy(zero_copy_only=False).reshape(-1, meta.top_k), f"trace {path}")
     if "layer" in table.column_names and table.num_rows:
-        seen = set(pc.unique(table["layer"]).to_pylist()) - set(meta.moe_layers)
+        held = set(pc.unique(table["layer"]).to_pylist())
+        seen = held - set(meta.moe_layers)
         if seen:
             raise InputError(f"trace {path}: rows of layer(s) {sorted(seen)[:8]} not among its MoE layers "
                              f"{meta.moe_layers[:16]}")
+        if columns is None and held != set(meta.moe_layers):  # the metadata disagrees with the data
+            missing = sorted(set(meta.moe_layers) - held)
+            raise InputError(f"trace {path}: its metadata names MoE layers {meta.moe_layers[:16]}, but no row holds "
+                             f"layer(s) {missing[:8]}")
 
 
 def read_trace(path: str | Path, columns: list[str] | None = None) -> Trace:

@@ -323,8 +323,24 @@ def test_joint_run_resumes_and_writes_the_table(tiny_data, tiny_base, tmp_path):
     out = tmp_path / "joint"
     first = run_cache_aware(_ca_recipe(tiny_data, tiny_base, out, **{"train.max_steps": 3, "routers.rank": 4}))
     assert first["global_step"] == 3 and first["resumed_from_step"] == 0
+    # #24 finding 4: a resume under another recipe (a locality kind, a learning rate) is refused, naming the keys,
+    # before anything in the run folder changes
+    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    for change, named in (({"locality.kind": "l2"}, ["locality.kind: 'dot' in the checkpoint, 'l2' now"]),
+                          ({"train.lr": 0.01, "locality.weight": 0.5}, ["train.lr: 0.001 in the checkpoint, 0.01 now",
+                                                                       "locality.weight", "2 key(s) differ"])):
+        with pytest.raises(RecipeError) as e:
+            run_cache_aware(_ca_recipe(tiny_data, tiny_base, out, **{"train.max_steps": 6, "routers.rank": 4},
+                                       **change))
+        assert all(n in str(e.value) for n in named) and "--resume false" in str(e.value), str(e.value)
+        with pytest.raises(RecipeError):  # a finished run too: it would rewrite result.json under that recipe
+            run_cache_aware(_ca_recipe(tiny_data, tiny_base, out, **{"train.max_steps": 3, "routers.rank": 4},
+                                       **change))
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == stamps
     second = run_cache_aware(_ca_recipe(tiny_data, tiny_base, out, **{"train.max_steps": 6, "routers.rank": 4}))
     assert second["resumed_from_step"] == 3 and second["global_step"] == 6
+    # the resume keeps one `last.ckpt` and the newest step (no `last-v1.ckpt` beside a stale `last.ckpt`)
+    assert sorted(p.name for p in (out / "checkpoints").glob("*.ckpt")) == ["last.ckpt", "step6.ckpt"]
     s = second["summary"]
     for cap, c in s["capacities"].items():
         assert {"lru", "temporal", "spatio", "spatio_temporal", "base_lru"} <= set(c)

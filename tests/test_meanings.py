@@ -128,7 +128,7 @@ def test_a_routing_row_repeating_an_expert_is_refused_at_every_entry(tmp_path):
         load_routing(tmp_path / "other.parquet")
 
 
-def test_a_non_finite_estimator_policy_or_router_file_is_refused(tmp_path):
+def test_a_non_finite_estimator_or_policy_file_is_refused(tmp_path):
     import json
 
     from safetensors.numpy import save_file as save_np
@@ -184,3 +184,143 @@ def test_every_decode_path_checks_prompt_and_new_tokens_against_the_models_posit
     Generation(model, tok, list(range(10)), SamplingParams(max_tokens=54))  # exactly the context: fine
     with pytest.raises(InputError, match="prompt_len has 60 tokens and decode_tokens=8"):
         record_blocks(model, np.zeros((1, 60), np.int64), None, "code", 60, 8, 1)
+
+
+def _cli_flags() -> set[str]:
+    from expertcache.recipes.cli import build_parser
+
+    parsers: dict = {}
+    build_parser(parsers)
+    flags: set[str] = set()
+    for _, p in parsers.values():
+        for a in p._actions:
+            flags.update(o for o in a.option_strings if o.startswith("--"))
+    return flags
+
+
+def test_every_flag_an_input_error_names_exists_in_the_cli():
+    """#24 finding 10: hints named --num-experts, --device, --include-path (the CLI's flags use underscores and
+    engine options are --engine.*). Every string of every InputError/RecipeError raised in the package is read."""
+    import ast
+    import re
+    from pathlib import Path
+
+    from helpers import REPO
+
+    flags = _cli_flags()
+    assert {"--engine.capacity", "--num_experts", "--include_path", "--resume", "--rebless"} <= flags
+    flag = re.compile(r"(?<![\w-])--[a-z][a-z0-9_.-]*[a-z0-9]")
+    bad = []
+    for area in ("telemetry", "runtime", "trainer", "evals", "recipes"):
+        for f in sorted((REPO / area).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+                fn = getattr(node, "func", None)
+                if not (isinstance(node, ast.Call) and getattr(fn, "id", getattr(fn, "attr", None)) in
+                        ("InputError", "RecipeError")):
+                    continue
+                for sub in ast.walk(node):
+                    if isinstance(sub, ast.Constant) and isinstance(sub.value, str):
+                        bad += [f"{Path(f).relative_to(REPO)}:{node.lineno}: {m}" for m in flag.findall(sub.value)
+                                if m not in flags]
+    assert not bad, bad
+
+
+def test_names_are_checked_before_work_and_the_cli_reads_what_it_documents(tmp_path, capsys):
+    from tiny_lm import make_tiny_checkpoint
+
+    from expertcache.recipes.cli import _rewrite, main
+    from expertcache.runtime.predictors import check_predictor_spec
+
+    with pytest.raises(InputError, match="kernel triton runs on CUDA slots only"):
+        EngineConfig(kernel="triton").check()  # on a CPU it used to run the native path without a word
+    for spec in ("probe:1", "persistence", "spatio", "none"):
+        check_predictor_spec(spec)
+    for spec, why in (("probe:x", "expected probe:D"), ("oracle", "a replay's predictor"),
+                      ("estimator:/nope.safetensors", "not found"), ("prob", "unknown predictor")):
+        with pytest.raises(InputError, match=why):
+            check_predictor_spec(spec)
+    ckpt = make_tiny_checkpoint(tmp_path / "m", max_positions=64)
+    capsys.readouterr()
+    rc = main(["bench", "decode", "--model", str(ckpt), "--corpus", str(tmp_path / "none"), "--prompt_len", "4",
+               "--tokens", "2", "--warmup", "0", "--rounds", "1", "--prompts", "1",
+               "--predictors", "[probe:1,persistence,bogus]"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "unknown predictor 'bogus'" in err and "decode passes" not in err  # before any pass
+    argv = _rewrite(["train-cache-aware", "--table", "[runs/a,runs/b]"])
+    assert '--table=["runs/a", "runs/b"]' in argv  # the brackets are a list, not part of a folder name
+    assert '--table=["runs/a", "runs/b"]' in _rewrite(["train-cache-aware", "--table", "runs/a", "runs/b"])
+
+
+def test_the_last_raw_tracebacks_are_one_line(tmp_path, monkeypatch, capsys):
+    """#24 finding 11: trace metadata that disagrees with its data, a full disk, Python API arguments of the wrong
+    type: each one InputError (one line, exit 2 from the CLI), not a traceback."""
+    import errno
+    import json
+    import os
+
+    import pyarrow.parquet as pq
+    from helpers import distinct_ids
+
+    import expertcache.telemetry.atomic as atomic
+    from expertcache.recipes.cli import main
+    from expertcache.runtime import load
+    from expertcache.telemetry.llamacpp import import_trace
+    from expertcache.telemetry.parquet_trace import META_KEY, TraceWriter, read_trace
+
+    np.savez(tmp_path / "r.npz", experts=distinct_ids(np.random.default_rng(0), 16, (2, 30, 4)).astype(np.int16),
+             meta=json.dumps({"num_experts": 16}))
+    import_trace(tmp_path / "r.npz", tmp_path / "t.parquet")
+    t = pq.read_table(tmp_path / "t.parquet")
+    md = dict(t.schema.metadata)
+    for change, why in (({"moe_layers": [0, 1, 2], "num_layers": 3}, r"no row holds layer\(s\) \[2\]"),
+                        ({"num_layers": 1}, "at least the 2 MoE layers")):
+        meta = json.loads(md[META_KEY]) | change
+        pq.write_table(t.replace_schema_metadata(md | {META_KEY: json.dumps(meta).encode()}), tmp_path / "m.parquet")
+        with pytest.raises(InputError, match=why):  # analyze used to die with an IndexError
+            read_trace(tmp_path / "m.parquet")
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "out"))
+    monkeypatch.setattr(TraceWriter, "write", full)
+    capsys.readouterr()
+    assert main(["trace", "import", "--src", str(tmp_path / "r.npz"), "--out", str(tmp_path / "full.parquet")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "No space left on device" in err[0], err
+    assert not (tmp_path / "full.parquet").exists() and not list(tmp_path.glob(".full.parquet.tmp-*"))
+    monkeypatch.setattr(atomic, "write_bytes", full)
+    assert main(["analyze", "--trace", str(tmp_path / "t.parquet"), "--out", str(tmp_path / "an")]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    monkeypatch.undo()
+    for kw, why in ((dict(model=123), "expected a checkpoint folder"), (dict(predictor=5), "predictor name"),
+                    (dict(workers="4"), "workers='4'; expected an integer"), (dict(verify="yes"), "verify='yes'"),
+                    (dict(tier=None), "tier=None; expected a string"), (dict(tau="x"), "tau='x'")):
+        with pytest.raises(InputError, match=why):
+            load(**({"model": str(tmp_path / "nothing")} | kw))
+    for kw in (dict(policy=3), dict(max_inflight_bytes=None), dict(workers=2.5), dict(tau=True)):
+        with pytest.raises(InputError, match="expected"):
+            EngineConfig(**kw).check()
+
+
+def test_an_analysis_that_fails_midway_leaves_the_previous_one_whole(tmp_path, monkeypatch):
+    """#24 'same for every command that writes': analyze writes its files into a folder of its own and moves them
+    in once all are written; a failure after summary.json used to leave it beside an older run's plots."""
+    import json
+
+    import expertcache.telemetry.analysis as analysis
+    from expertcache.recipes.cli import main
+    from expertcache.telemetry.llamacpp import import_trace
+    from helpers import distinct_ids
+
+    for seed in (0, 1):
+        np.savez(tmp_path / f"r{seed}.npz", experts=distinct_ids(np.random.default_rng(seed), 16, (2, 40, 2)),
+                 meta=json.dumps({"num_experts": 16}))
+        import_trace(tmp_path / f"r{seed}.npz", tmp_path / f"t{seed}.parquet")
+    out = tmp_path / "an"
+    assert main(["analyze", "--trace", str(tmp_path / "t0.parquet"), "--out", str(out), "--domains", "false"]) == 0
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+
+    def boom(*a, **k):
+        raise InputError("disk went away")
+    monkeypatch.setattr(analysis, "plot_summary", boom)  # after summary.json is written
+    assert main(["analyze", "--trace", str(tmp_path / "t1.parquet"), "--out", str(out), "--domains", "false"]) == 2
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before  # no temporary folder left either

@@ -185,7 +185,7 @@ def test_llamacpp_stream_import_round_trips(tmp_path):
     r = import_trace(tmp_path / "s.bin", tmp_path / "s.parquet", num_experts=64, domain="code")
     assert r["tokens"] == 50
     assert np.array_equal(read_trace(tmp_path / "s.parquet").routing()[0], ids)
-    with pytest.raises(InputError, match="pass --num-experts"):
+    with pytest.raises(InputError, match="pass --num_experts"):
         import_trace(tmp_path / "s.bin", tmp_path / "x.parquet")
     data = (tmp_path / "s.bin").read_bytes()
     (tmp_path / "cut.bin").write_bytes(data[:-6])

@@ -118,7 +118,7 @@ def latest_checkpoint(ckpt_dir: Path) -> tuple[Path | None, int]:
             step = int(torch.load(f, map_location="cpu", weights_only=True, mmap=True)["global_step"])
         except (OSError, RuntimeError, KeyError, TypeError, ValueError) as e:
             raise InputError(f"checkpoint {f} is not readable ({' '.join(str(e).split())[:120]}); move it away "
-                             f"to resume from the others, or pass resume false to start over") from None
+                             f"to resume from the others, or pass --resume false to start over") from None
         if step > best_step:
             best, best_step = f, step
     return best, max(best_step, 0)
@@ -157,10 +157,13 @@ def plot_training_curve(log_dir: Path, out_png: Path) -> None:
     plt.close(fig)
 
 
-# Recipe keys a checkpoint cannot follow when they change on resume: its tensors' shapes, the data its step counts
-# and its optimizer's parameter groups. A key ending in "." covers its whole section.
-CONFLICTING = ("model.", "data.corpus", "data.tokenizer", "data.seq_len", "data.batch_size", "base", "mode",
-               "routers.temporal", "routers.spatio", "routers.rank", "routers.history", "quality.trainable")
+# Recipe keys a resume may change: where and how often it logs, checkpoints, validates and with how many threads
+# or devices it runs, how far it trains (max_steps, upward only) and what is measured once training is done
+# (eval). Every other key is what the model was trained under: a changed one is refused on resume, named with
+# its two values (the run would continue, and its recipe.yaml and result say, a recipe it was not trained with).
+RESUME_FREE = ("name", "train.max_steps", "train.threads", "train.wandb", "train.wandb_project", "train.log_every",
+               "train.val_every", "train.ckpt_every", "train.accelerator", "train.devices", "train.strategy",
+               "data.val_batches", "eval_blocks", "eval.", "sweep.", "frontier.")
 PATH_KEYS = ("data.corpus", "data.tokenizer", "base")
 # what a run writes into its folder (moved aside, not deleted, when a run starts over)
 RUN_FILES = ("recipe.yaml", "checkpoints", "logs", "model", "metrics.json", "result.json", "result.md",
@@ -178,6 +181,11 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def _matches(key: str, names) -> bool:
+    """`key` is one of `names` or inside one of their sections (a name ending in ".")."""
+    return any(key == c or (c.endswith(".") and key.startswith(c)) for c in names)
+
+
 def _same(key: str, a, b) -> bool:
     if key in PATH_KEYS and isinstance(a, str) and isinstance(b, str):
         return Path(a).resolve() == Path(b).resolve()
@@ -185,10 +193,11 @@ def _same(key: str, a, b) -> bool:
 
 
 def check_resume(recipe, out: Path, resume: bool, outputs: tuple[str, ...]) -> dict | None:
-    """Before anything is written into a run folder that holds a checkpoint: a resume with a recipe the
-    checkpoint cannot follow is refused (RecipeError naming each key, its saved and its new value), and a finished
-    run (checkpoint at max_steps, `outputs` present, the same recipe) returns its saved result (outputs[0]).
-    Returns None when the run is to go ahead."""
+    """Before anything is written into a run folder that holds a checkpoint: a resume with a recipe other than the
+    one the run was started with is refused (RecipeError naming each key, its saved and its new value; only the
+    `RESUME_FREE` keys may change), and a finished run (checkpoint at max_steps, `outputs` present, the same
+    recipe) returns its saved result (outputs[0]). Returns None when the run is to go ahead. Every training
+    command goes through it (`prepare_run`: pretrain, train-cache-aware, each frontier variant)."""
     import yaml
 
     ckpt_dir = out / "checkpoints"
@@ -202,20 +211,21 @@ def check_resume(recipe, out: Path, resume: bool, outputs: tuple[str, ...]) -> d
             saved = yaml.safe_load(saved_path.read_text(encoding="utf-8"))
         except (yaml.YAMLError, UnicodeDecodeError, OSError) as e:
             raise RecipeError(f"{saved_path}: the run's saved recipe is not readable ({type(e).__name__}); "
-                              f"restore it, or pass resume false to start over") from None
+                              f"restore it, or pass --resume false to start over") from None
         if not isinstance(saved, dict):
-            raise RecipeError(f"{saved_path}: the run's saved recipe is not a mapping; restore it, or pass resume "
-                              f"false to start over")
+            raise RecipeError(f"{saved_path}: the run's saved recipe is not a mapping; restore it, or pass "
+                              f"--resume false to start over")
         old, new = _flat(saved), _flat(to_dict(recipe))
         diffs = {k: (old[k], new[k]) for k in old if k in new and k != "out_dir" and not _same(k, old[k], new[k])}
-    conflicts = [k for k in diffs if any(k == c or (c.endswith(".") and k.startswith(c)) for c in CONFLICTING)]
+    conflicts = [k for k in diffs if not _matches(k, RESUME_FREE)]
     if conflicts:
         what = "; ".join(f"{k}: {diffs[k][0]!r} in the checkpoint, {diffs[k][1]!r} now" for k in conflicts)
-        raise RecipeError(f"{out} holds a checkpoint (step {step}) trained with another recipe ({what}); a resume "
-                          f"cannot change that: use another out_dir, or pass resume false to start over")
+        raise RecipeError(f"{out} holds a checkpoint (step {step}) trained with another recipe ({len(conflicts)} "
+                          f"key(s) differ: {what}); a resume continues the recipe the run was started with: use "
+                          f"another out_dir, or pass --resume false to start over")
     if recipe.train.max_steps < step:
         raise RecipeError(f"train.max_steps={recipe.train.max_steps} is below the step {step} of {ckpt}; a resume "
-                          f"cannot go back: use another out_dir, or pass resume false to start over")
+                          f"cannot go back: use another out_dir, or pass --resume false to start over")
     if step == recipe.train.max_steps and not diffs and all((out / o).exists() for o in outputs):
         try:
             return json.loads((out / outputs[0]).read_text())
@@ -262,7 +272,7 @@ def prepare_run(recipe, resume: bool = True, outputs: tuple[str, ...] = ("metric
     done = check_resume(recipe, out, resume, outputs)
     if done is not None:
         print(f"{out}: finished at step {recipe.train.max_steps} with this recipe; nothing to do (raise "
-              f"train.max_steps to train on, or pass resume false to start over)", file=sys.stderr)
+              f"train.max_steps to train on, or pass --resume false to start over)", file=sys.stderr)
         return tok, out, done
     try:
         out.mkdir(parents=True, exist_ok=True)
