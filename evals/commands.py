@@ -66,8 +66,13 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
          max_dppl_domain: float = 2.0, min_dacc: float = -1.0, tasks: list[str] = list(DEFAULT_TASKS),
          corpus: str = "data/corpus", task_dir: str = "runs/task-data", limit: Optional[int] = None,
          ppl_blocks: int = 8, seq_len: int = 128, include_path: Optional[str] = None, dtype: str = "fp32",
-         device: str = "cpu", out: Optional[str] = None) -> dict:
-    """PASS/FAIL of a candidate against a baseline (METRICS.md thresholds); exit status 1 on FAIL.
+         device: str = "cpu", out: Optional[str] = None, confidence: float = 0.95, resamples: int = 2000,
+         seed: int = 0) -> dict:
+    """PASS / FAIL / INCONCLUSIVE of a candidate against a baseline on paired bootstrap intervals (METRICS.md
+    thresholds and rule); exit status 0 PASS, 1 FAIL, 3 INCONCLUSIVE, 2 bad input.
+
+    PASS: every interval inside its threshold (upper bounds of Δppl, lower bounds of Δacc); FAIL: one outside;
+    INCONCLUSIVE: one across it, with the blocks per domain or documents per task that would resolve it.
 
     Args:
         baseline: checkpoint directory or an `expertcache eval` JSON
@@ -86,16 +91,22 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
         dtype: fp32 | bf16 | fp16 | auto
         device: cpu | cuda | auto
         out: write the gate's JSON here
+        confidence: interval level, in (0, 1)
+        resamples: paired bootstrap resamples (>= 1)
+        seed: the bootstrap's seed (the same inputs and seed give the same intervals)
     """
     from expertcache.telemetry.atomic import write_json
 
     from expertcache.telemetry.metrics import GateThresholds
+
+    from expertcache.telemetry.stats import check_bootstrap
 
     from .gate import format_gate, gate as judge, load_eval
     from .run import evaluate
 
     from expertcache.telemetry.atomic import check_output
 
+    check_bootstrap(confidence, resamples)
     _check(dtype, limit, ppl_blocks, seq_len, include_path)
     check_output(out, baseline, candidate)
 
@@ -105,7 +116,8 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
         return evaluate(x, corpus, served, tasks, None, task_dir, limit, ppl_blocks, seq_len,
                         include_path=include_path, dtype=dtype, device=device)
 
-    g = judge(load(baseline, None), load(candidate, engine), GateThresholds(max_dppl, max_dppl_domain, min_dacc))
+    g = judge(load(baseline, None), load(candidate, engine), GateThresholds(max_dppl, max_dppl_domain, min_dacc),
+              confidence, resamples, seed)
     if out:
         write_json(out, g)
     print(format_gate(g), file=sys.stderr)
