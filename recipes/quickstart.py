@@ -75,7 +75,7 @@ def run_quickstart(data: str, runs: str, prose_sdist: str, max_mb: float = 24.0)
     for name, baseline in (("post-trained", ev["base"]), ("post-trained+reroute", base_small)):
         out = rep / f"gate-{name}.json"
         step(f"gate {name}", ["gate", "--baseline", str(baseline), "--candidate", str(ev[name]), "--out", str(out)],
-             ok=(0, 1))
+             ok=(0, 1, 3))  # PASS, FAIL, INCONCLUSIVE: results, each reported
         gates[name] = json.loads(out.read_text())
     report = _report(rep, smoke, ca, bench, ev, gates, steps, time.time() - t_all)
     return report
@@ -102,8 +102,10 @@ def _report(rep: Path, smoke: Path, ca: Path, bench: Path, ev: dict, gates: dict
         acc = {t: m.get("acc,none", m.get("exact_match,answer")) for t, m in e.get("lm_eval", {}).items()
                if "acc,none" in m or "exact_match,answer" in m}
         summary_rows.append({"candidate": name, "dppl_overall_percent": g["dppl_percent"].get("overall"),
-                             "dacc_points": g["dacc_points"], "gate": "PASS" if g["pass"] else "FAIL",
-                             "failures": g["failures"], "accuracy": acc,
+                             "dppl_overall_ci95": g["dppl_overall_ci95"], "dacc_points": g["dacc_points"],
+                             "dacc_ci95": g["dacc_ci95"], "n_blocks": g["n_blocks"], "n_documents": g["n_documents"],
+                             "gate": g["gate"], "failures": g["failures"], "unresolved": g["unresolved"],
+                             "resolve": g["resolve"], "accuracy": acc,
                              "rerouted": e["stepwise"].get("engine", {}).get("rerouted")})
     cap8 = next(iter(ca_res["summary"]["capacities"].values()))
     report = {"total_seconds": round(total_s, 1), "steps": steps, "base": base_metrics["validation"],
@@ -133,11 +135,16 @@ def _report(rep: Path, smoke: Path, ca: Path, bench: Path, ev: dict, gates: dict
           "![cache](cache.png)", "",
           "## Decode benchmark (disk tier, capacity 1/4, lookahead probe)", "", bench_table(b), "",
           "## Gate (step-wise token Δppl; lm-eval accuracy tasks; bits/byte cross-check)", "",
-          "| candidate | Δppl overall | Δacc (points) | rerouted | gate |", "|---|---|---|---|---|"]
+          "95% paired bootstrap intervals in brackets; PASS: every interval inside its threshold, FAIL: one outside, "
+          "INCONCLUSIVE: one across it (the sample that would resolve it in the gate JSON).", "",
+          "| candidate | Δppl overall [95%] (blocks/domain) | Δacc points [95%] (documents) | rerouted | gate |",
+          "|---|---|---|---|---|"]
     for r in summary_rows:
-        dacc = ", ".join(f"{t} {v:+.1f}" for t, v in r["dacc_points"].items())
-        md.append(f"| {r['candidate']} | {r['dppl_overall_percent']:+.2f}% | {dacc} | {r['rerouted'] or 0} | "
-                  f"{r['gate']} |")
+        dacc = ", ".join(f"{t} {v:+.1f} [{r['dacc_ci95'][t][0]:+.1f}, {r['dacc_ci95'][t][1]:+.1f}] "
+                         f"({r['n_documents'][t]})" for t, v in r["dacc_points"].items())
+        lo, hi = r["dppl_overall_ci95"]
+        md.append(f"| {r['candidate']} | {r['dppl_overall_percent']:+.2f}% [{lo:+.2f}, {hi:+.2f}] ({r['n_blocks']}) | "
+                  f"{dacc} | {r['rerouted'] or 0} | {r['gate']} |")
     md += ["", "## Commands", "", "| step | seconds | command |", "|---|---|---|"]
     md += [f"| {s['step']} | {s['seconds']} | `{s['command']}` |" for s in steps]
     write_text(rep / "report.md", "\n".join(md) + "\n")

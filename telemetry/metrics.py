@@ -10,7 +10,9 @@ The decision rule on intervals (`gate_verdict`; the intervals come from `telemet
 - INCONCLUSIVE otherwise (an interval straddles its threshold), with the blocks per domain and documents per task
   that would resolve it at the observed variance: `n' = ceil(n * (w / |estimate - threshold|)^2)`, w the
   distance from the estimate to the interval's end on the threshold's side (`telemetry.stats.samples_to_resolve`).
-A point estimate is the degenerate interval [x, x]: `gate_failures` is the same rule without intervals.
+A difference measured on a single block per domain (or a single document) has no interval: INCONCLUSIVE unless it
+is exactly zero. A point estimate is the degenerate interval [x, x]: `gate_failures` is the same rule without
+intervals (kept for figures that have no per-item data).
 """
 
 from __future__ import annotations
@@ -53,7 +55,10 @@ def gate_verdict(dppl: dict[str, list[float]], dacc: dict[str, list[float]], n_b
         t = th.ppl_overall if d == "overall" else th.ppl_domain
         what = "Δppl overall" if d == "overall" else f"Δppl {d}"
         n = min(n_blocks.values()) if d == "overall" else n_blocks[d]
-        if lo > t:
+        if n < 2 and est != 0:  # one block per domain: a difference with no estimate of its spread
+            blocks.append(2)
+            open_.append(f"{what} {est:+.2f}% on one block per domain: no interval; >= 2 blocks per domain needed")
+        elif lo > t:
             fails.append(f"{what} {est:+.2f}% [{lo:+.2f}, {hi:+.2f}] > +{t:g}%")
         elif hi > t:
             need = samples_to_resolve(est, lo, hi, t, n)
@@ -63,7 +68,10 @@ def gate_verdict(dppl: dict[str, list[float]], dacc: dict[str, list[float]], n_b
                             f"~{need} blocks per domain (now {n}) would resolve it"))
     for task, (est, lo, hi) in dacc.items():
         t, n = th.acc_points, n_documents[task]
-        if hi < t:
+        if n < 2 and est != 0:
+            docs[task] = 2
+            open_.append(f"Δacc {task} {est:+.2f} pts on one document: no interval; >= 2 documents needed")
+        elif hi < t:
             fails.append(f"Δacc {task} {est:+.2f} pts [{lo:+.2f}, {hi:+.2f}] < {t:+g}")
         elif lo < t:
             need = samples_to_resolve(est, lo, hi, t, n)

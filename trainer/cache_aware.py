@@ -395,7 +395,9 @@ def baseline_eval(recipe: CacheAwareRecipe) -> dict:
     folder = base.parent / "cache-aware-baseline"
     path = folder / f"{key}.json"
     if path.is_file():
-        return json.loads(path.read_text())
+        res = json.loads(path.read_text())
+        if "block_nll" in res:  # one cached before the gate's intervals is measured again
+            return res
     folder.mkdir(parents=True, exist_ok=True)
     e = recipe.eval
     res = evaluate_checkpoint(base, recipe.data.corpus, e.split, folder / f"trace-{key}.parquet", e.prompt_len,
@@ -422,12 +424,19 @@ def summarize(recipe: CacheAwareRecipe, base: dict, cand: dict) -> dict:
             c["router_traffic_ratio"] = c[best]["traffic_bytes_per_token"] / c["lru"]["traffic_bytes_per_token"]
     dppl = {d: 100 * (cand["ppl"][d] / base["ppl"][d] - 1) for d in cand["ppl"]}
     e = recipe.eval
-    from expertcache.telemetry.metrics import GateThresholds, gate_failures
+    from expertcache.telemetry.metrics import GateThresholds, gate_verdict
+    from expertcache.telemetry.stats import dppl_intervals
 
-    fails = gate_failures(dppl, {}, GateThresholds(e.gate_ppl_overall, e.gate_ppl_domain))
-    return {"capacities": caps, "dppl_percent": dppl, "gate": {"pass": not fails, "failures": fails,
-                                                              "ppl_overall_max": e.gate_ppl_overall,
-                                                              "ppl_domain_max": e.gate_ppl_domain}}
+    th = GateThresholds(e.gate_ppl_overall, e.gate_ppl_domain)
+    # the same blocks for both (the same corpus, split, seq_len and ppl_blocks): paired intervals, the gate's rule
+    iv = dppl_intervals(base["block_nll"], cand["block_nll"], base["block_tokens"])
+    est = {"overall": [dppl["overall"], *iv["overall"][1:]], **{d: [dppl[d], *v[1:]] for d, v in iv["domains"].items()}}
+    v = gate_verdict(est, {}, iv["n_blocks"], {}, th)
+    return {"capacities": caps, "dppl_percent": dppl, "gate": {
+        "verdict": v["gate"], "pass": v["gate"] == "PASS", "failures": v["failures"], "unresolved": v["unresolved"],
+        "resolve": v["resolve"], "dppl_ci95": {d: x[1:] for d, x in est.items()},
+        "dppl_max_domain_ci95": iv["max_domain"][1:], "n_blocks": iv["n_blocks"],
+        "ppl_overall_max": e.gate_ppl_overall, "ppl_domain_max": e.gate_ppl_domain}}
 
 
 def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
@@ -539,7 +548,8 @@ def result_row(result: dict) -> dict:
     """The figures of one run that the table shows."""
     s = result["summary"]
     row = {"name": result["name"], "mode": result["mode"], "lambda": result["locality"]["weight"],
-           "dppl_percent": s["dppl_percent"], "gate": "PASS" if s["gate"]["pass"] else "FAIL"}
+           "dppl_percent": s["dppl_percent"],
+           "gate": s["gate"].get("verdict", "PASS" if s["gate"]["pass"] else "FAIL")}
     for cap, c in s["capacities"].items():
         row[f"C={cap}"] = {
             "capacity_frac": c["capacity_frac"], "lru_miss_reduction": c["lru_miss_reduction"],
