@@ -595,9 +595,19 @@ def results_table(results: list[dict]) -> str:
 
 def frontier_table(rows: list[dict]) -> str:
     """Markdown of the frontier's rows (expertcache.recipes.frontier): one line per (variant, serving); the
-    README's post-training table."""
+    README's post-training table. Gate figures carry their 95% paired intervals (and n: blocks per domain) where
+    the row has them."""
     def pct(v, sign=False):
         return "—" if v is None else (f"{v:+.2f}%" if sign else f"{100 * v:.1f}%")
+
+    def ci(iv, n=None):  # a 95% interval (rows gated before issue #23 have none)
+        return "" if not iv else f" [{iv[0]:+.2f}, {iv[1]:+.2f}]" + ("" if n is None else f" n={n}")
+
+    def worst_acc(r):
+        if not r.get("dacc_ci95") or not r.get("dacc_points"):
+            return None
+        t = min(r["dacc_points"], key=r["dacc_points"].get)
+        return r["dacc_ci95"][t]
 
     lines = ["| run | serving | LRU misses removed 1/8 E | 1/4 E | LRU hit 1/8 (Belady) | Δppl overall | worst domain | "
              "Δppl 64 blocks (vs λ=0 control) | Δacc worst (pts) | Temporal vs LRU 1/8 (traffic) | gate |",
@@ -612,8 +622,10 @@ def frontier_table(rows: list[dict]) -> str:
         tmp = "—" if tg is None else f"{tg:+.1f} pts ({r['temporal_traffic_ratio_1_8']:.2f}x)"
         serving = r["serving"] + (f" τ={r['tau']:g}" if r.get("tau") is not None else "")
         lines.append(f"| {r['name']} | {serving} | {pct(r['miss_reduction_1_8'])} | "
-                     f"{pct(r.get('miss_reduction_1_4'))} | {hit} | {pct(r['dppl_overall_pct'], True)} | "
-                     f"{pct(r['dppl_max_domain_pct'], True)} | {big} | {acc} | {tmp} | {r['gate']} |")
+                     f"{pct(r.get('miss_reduction_1_4'))} | {hit} | "
+                     f"{pct(r['dppl_overall_pct'], True)}{ci(r.get('dppl_overall_ci95'), r.get('n_blocks'))} | "
+                     f"{pct(r['dppl_max_domain_pct'], True)}{ci(r.get('dppl_max_domain_ci95'))} | {big} | "
+                     f"{acc}{ci(worst_acc(r))} | {tmp} | {r['gate']} |")
     return "\n".join(lines)
 
 
