@@ -185,8 +185,9 @@ def damaged(root: Path, P: dict) -> None:
     P["eval_zero"] = variant("eval-zero.json", lambda d: d["stepwise"]["ppl"].__setitem__("code", 0))
     P["eval_noppl"] = variant("eval-noppl.json", lambda d: d["stepwise"].pop("ppl"))
     P["eval_old"] = variant("eval-old.json", lambda d: d.pop("format_version", None))
-    P["eval_tasks"] = variant("eval-tasks.json", lambda d: d.__setitem__(
-        "lm_eval", {"ec_cloze_code": {"acc,none": 0.5, "acc_stderr,none": 0.1}}))
+    P["eval_tasks"] = variant("eval-tasks.json", lambda d: d.update(
+        lm_eval={"ec_cloze_code": {"acc,none": 0.5, "acc_stderr,none": 0.1}},
+        lm_eval_docs={"ec_cloze_code": {"doc_id": [0, 1], "docs_sha256": "0" * 64, "acc": [0.0, 1.0]}}))
     P["eval_blocks"] = variant("eval-blocks.json", lambda d: d["stepwise"].__setitem__("blocks_sha256", "0" * 64))
     def worse(d):  # +20% perplexity in every block: ln 1.2 more nats per token
         s = d["stepwise"]
