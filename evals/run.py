@@ -112,6 +112,8 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
         engine.close()
     from .gate import EVAL_FORMAT_VERSION
 
+    notes = [f"{d}: {len(b)} blocks of {seq_len} tokens in the {split} split, {ppl_blocks} asked"
+             for d, b in blocks.items() if len(b) < ppl_blocks]
     res = {"format_version": EVAL_FORMAT_VERSION, "model": str(model_dir), "policy": label(serve),
            "engine": None if serve is None else asdict(serve), "split": split, "dtype": dtype, "device": device,
            "tokenizer": tokenizer_fingerprint(model_dir), "tasks": list(tasks or []), "limit": limit,
@@ -129,8 +131,13 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
         res["lm_eval_samples"] = {t: {k: int(v) for k, v in n.items() if isinstance(v, (int, float))}
                                   for t, n in (r.get("n-samples") or {}).items() if isinstance(n, dict)}
         res["lm_eval_docs"] = per_document(r.pop("samples", None))
+        res["n_documents"] = {t: len(d["doc_id"]) for t, d in res["lm_eval_docs"].items()}
+        notes += [f"{t}: {n} documents, {limit} asked (the task data has no more)"
+                  for t, n in res["n_documents"].items() if limit and n < limit]
         if out:
             Path(out).with_suffix(".lm_eval.json").write_text(json.dumps(r, indent=2, default=str))
+    res["n_blocks"] = {d: len(b) for d, b in blocks.items()}  # the samples the gate's intervals rest on
+    res["sample_notes"] = notes  # where the held-out text gave fewer blocks or documents than asked
     res["seconds"] = round(time.time() - t0, 1)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -359,3 +359,27 @@ def test_gate_cli_refuses_bad_interval_options_with_exit_2(evals, capsys, args, 
     assert main(["gate", "--baseline", b, "--candidate", b, *args]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and needle in err[0] and err[0].startswith("expertcache gate: error:"), err
+
+
+def test_eval_reports_its_samples_and_sizes_them_from_an_inconclusive_gate(evals, tiny_data, tmp_path, capsys):
+    from expertcache.recipes.cli import main
+
+    r = evals["base"]
+    assert r["n_blocks"] == {"code": 2, "prose": 2, "math": 2} and r["sample_notes"] == []
+    assert r["n_documents"] == {"ec_ppl_prose": 4, "ec_cloze_prose": 4, "ec_math_em": 4}
+    g = gate(r, _scaled(r, {d: [1.0, 1.0032] for d in ("code", "prose", "math")}))
+    assert g["gate"] == "INCONCLUSIVE"
+    want = g["resolve"]["blocks_per_domain"]
+    (tmp_path / "g.json").write_text(json.dumps(g))
+    out = tmp_path / "sized.json"
+    assert main(["eval", "--model", str(evals["root"] / "base" / "model"), "--corpus", tiny_data["corpus"],
+                 "--tasks", "[]", "--seq_len", "32", "--ppl_blocks", "2", "--task_dir", str(evals["root"] / "tasks"),
+                 "--size_from", str(tmp_path / "g.json"), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["sizing"]["ppl_blocks"] == want > 2
+    for d, n in res["n_blocks"].items():  # as many as asked, or all the split has (and a note says so)
+        assert n == want or (n < want and any(x.startswith(f"{d}: {n} blocks") for x in res["sample_notes"]))
+    capsys.readouterr()
+    (tmp_path / "not-gate.json").write_text(json.dumps({"gate": "PASS"}))
+    assert main(["eval", "--model", "x", "--size_from", str(tmp_path / "not-gate.json")]) == 2
+    assert "not an `expertcache gate` JSON" in capsys.readouterr().err
