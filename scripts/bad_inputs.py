@@ -519,6 +519,8 @@ def cases(P: dict) -> list[dict]:
     add("eval-limit-0", [*ev, "--model", M, "--limit", 0, "--out", S / "v2.json"])
     add("eval-ppl-blocks-0", [*ev[:-4], "--ppl_blocks", 0, "--seq_len", 32, "--model", M, "--out", S / "v3.json"])
     add("eval-seq-len-1", [*ev[:-2], "--seq_len", 1, "--model", M, "--out", S / "v4.json"])
+    add("eval-size-from-not-gate", [*ev, "--model", M, "--size_from", P["list_json"], "--out", S / "v5.json"])
+    add("eval-size-from-bad-json", [*ev, "--model", M, "--size_from", P["bad_json"], "--out", S / "v6.json"])
     add("eval-task-unknown", ["eval", "--corpus", C, "--tasks", "[no_such_task]", "--limit", 1, "--ppl_blocks", 1,
                               "--seq_len", 32, "--model", M, "--out", S / "v5.json"])
     add("eval-out-readonly", [*ev, "--model", M, "--out", RO / "v.json"], nobody=True)
