@@ -175,6 +175,9 @@ def check_comparable(baseline: dict, candidate: dict) -> None:
     if set(sb["ppl"]) != set(sc["ppl"]):
         raise InputError(f"baseline and candidate have different perplexity domains: {sorted(sb['ppl'])} vs "
                          f"{sorted(sc['ppl'])}")
+    if sb["block_tokens"] != sc["block_tokens"]:
+        raise InputError("baseline and candidate list different step-wise blocks (stepwise.block_tokens differ, "
+                         "same hash): an edited or corrupted eval")
     for name, s in (("baseline", sb), ("candidate", sc)):
         for d, t in s["block_tokens"].items():
             if s["tokens"].get(d) != sum(t):

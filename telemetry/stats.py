@@ -37,6 +37,7 @@ from expertcache.telemetry.errors import InputError
 
 DEFAULT_CONFIDENCE = 0.95
 DEFAULT_RESAMPLES = 2000
+MAX_RESAMPLES = 200_000  # the counts are one [resamples, n] array per stratum: this bounds its memory
 
 
 def check_bootstrap(confidence: float, resamples: int) -> None:
@@ -44,9 +45,10 @@ def check_bootstrap(confidence: float, resamples: int) -> None:
     if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not math.isfinite(confidence) \
             or not 0 < confidence < 1:
         raise InputError(f"--confidence {confidence!r}: an interval level in (0, 1) expected, e.g. 0.95")
-    if isinstance(resamples, bool) or not isinstance(resamples, (int, np.integer)) or resamples < 1:
-        raise InputError(f"--resamples {resamples!r}: a whole number of bootstrap resamples >= 1 expected "
-                         f"(default {DEFAULT_RESAMPLES})")
+    if isinstance(resamples, bool) or not isinstance(resamples, (int, np.integer)) or not 1 <= resamples <= \
+            MAX_RESAMPLES:
+        raise InputError(f"--resamples {resamples!r}: a whole number of bootstrap resamples from 1 to "
+                         f"{MAX_RESAMPLES} expected (default {DEFAULT_RESAMPLES})")
 
 
 def resample_counts(sizes: dict[str, int], resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> dict[str, np.ndarray]:

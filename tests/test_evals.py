@@ -383,3 +383,13 @@ def test_eval_reports_its_samples_and_sizes_them_from_an_inconclusive_gate(evals
     (tmp_path / "not-gate.json").write_text(json.dumps({"gate": "PASS"}))
     assert main(["eval", "--model", "x", "--size_from", str(tmp_path / "not-gate.json")]) == 2
     assert "not an `expertcache gate` JSON" in capsys.readouterr().err
+
+
+def test_gate_refuses_the_same_tokens_split_into_other_blocks(evals):
+    import copy
+
+    other = copy.deepcopy(evals["base"])
+    t = other["stepwise"]["block_tokens"]["code"]
+    t[0], t[1] = t[0] - 1, t[1] + 1  # same total, same perplexity, other blocks
+    with pytest.raises(InputError, match="different step-wise blocks"):
+        gate(evals["base"], other)

@@ -195,6 +195,7 @@ def test_bits_per_byte_interval():
     (0.0, 100, "--confidence"), (1.0, 100, "--confidence"), (1.5, 100, "--confidence"),
     (float("nan"), 100, "--confidence"), (-0.95, 100, "--confidence"),
     (0.95, 0, "--resamples"), (0.95, -10, "--resamples"), (0.95, 2.5, "--resamples"),
+    (0.95, 10 ** 9, "--resamples"),
 ])
 def test_bad_interval_options_are_refused(confidence, resamples, needle):
     with pytest.raises(InputError, match=needle):
