@@ -393,3 +393,15 @@ def test_gate_refuses_the_same_tokens_split_into_other_blocks(evals):
     t[0], t[1] = t[0] - 1, t[1] + 1  # same total, same perplexity, other blocks
     with pytest.raises(InputError, match="different step-wise blocks"):
         gate(evals["base"], other)
+
+
+def test_quickstart_gate_table_shows_intervals_and_the_three_verdicts(evals):
+    from expertcache.recipes.quickstart import gate_summary, gate_table
+
+    straddle = _scaled(evals["base"], {d: [1.0, 1.0032] for d in ("code", "prose", "math")})
+    rows = [gate_summary(n, gate(evals["base"], c), c) for n, c in
+            (("same", evals["base"]), ("damaged", evals["damaged"]), ("straddle", straddle))]
+    assert [r["gate"] for r in rows] == ["PASS", "FAIL", "INCONCLUSIVE"]
+    md = gate_table(rows)
+    assert md[-3].startswith("| same | +0.00% [+0.00, +0.00] (2) |") and md[-3].endswith("| PASS |")
+    assert "ec_cloze_prose" in md[-2] and "(4)" in md[-2] and md[-1].endswith("| INCONCLUSIVE |")
