@@ -139,7 +139,7 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
         device: cpu | cuda | auto
         out: write the gate's JSON here
         confidence: interval level, in (0, 1)
-        resamples: paired bootstrap resamples (>= 1)
+        resamples: paired bootstrap resamples (1 to 200000)
         seed: the bootstrap's seed (the same inputs and seed give the same intervals)
     """
     from expertcache.telemetry.atomic import write_json

@@ -50,7 +50,7 @@ def tokenizer_fingerprint(model_dir: str | Path) -> dict:
     return {"vocab_sha256": hashlib.sha256(blob).hexdigest(), "vocab_size": len(vocab)}
 
 
-# per-document scores the gate pairs: lm-eval metric -> (its filter, the per-sample value's kind)
+# per-document scores the gate pairs: lm-eval metric -> the filter whose samples carry it
 DOC_METRICS = {"acc": "none", "exact_match": "answer", "bits_per_byte": "none"}
 
 

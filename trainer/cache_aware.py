@@ -430,7 +430,8 @@ def summarize(recipe: CacheAwareRecipe, base: dict, cand: dict) -> dict:
     th = GateThresholds(e.gate_ppl_overall, e.gate_ppl_domain)
     # the same blocks for both (the same corpus, split, seq_len and ppl_blocks): paired intervals, the gate's rule
     iv = dppl_intervals(base["block_nll"], cand["block_nll"], base["block_tokens"])
-    est = {"overall": [dppl["overall"], *iv["overall"][1:]], **{d: [dppl[d], *v[1:]] for d, v in iv["domains"].items()}}
+    est = {"overall": [dppl["overall"], *iv["overall"][1:]],
+           **{d: [dppl[d], *v[1:]] for d, v in iv["domains"].items()}}
     v = gate_verdict(est, {}, iv["n_blocks"], {}, th)
     return {"capacities": caps, "dppl_percent": dppl, "gate": {
         "verdict": v["gate"], "pass": v["gate"] == "PASS", "failures": v["failures"], "unresolved": v["unresolved"],

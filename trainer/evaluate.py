@@ -44,8 +44,8 @@ def evaluate_lm(model, corpus: str, tokenizer: str, split: str = "validation", s
             ids = torch.from_numpy(blocks[idx[i:i + batch_size]].astype(np.int64))
             # no labels: HF's MoE loss adds router_aux_loss_coef x the load-balancing loss to the token NLL
             out = model(input_ids=ids, output_router_logits=True, use_cache=False)
-            logp = out.logits[:, :-1].float().log_softmax(-1)
-            row = -logp.gather(-1, ids[:, 1:, None])[..., 0].double().sum(1)  # [B] summed NLL per block
+            row = torch.nn.functional.cross_entropy(out.logits[:, :-1].float().transpose(1, 2), ids[:, 1:],
+                                                    reduction="none").double().sum(1)  # [B] summed NLL per block
             result["block_nll"][dom] += [float(x) for x in row]
             result["block_tokens"][dom] += [ids.shape[1] - 1] * ids.shape[0]
             nll += float(row.sum())
