@@ -27,8 +27,13 @@ def _check(dtype: str, limit: Optional[int], ppl_blocks: int, seq_len: int, incl
 def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = list(DEFAULT_TASKS),
          corpus: str = "data/corpus", out: Optional[str] = None, task_dir: Optional[str] = None,
          limit: Optional[int] = None, ppl_blocks: int = 8, seq_len: int = 128, include_path: Optional[str] = None,
-         dtype: str = "fp32", device: str = "cpu") -> dict:
+         dtype: str = "fp32", device: str = "cpu", size_from: Optional[str] = None) -> dict:
     """lm-eval tasks and the step-wise token perplexity of a checkpoint, plain or served by the offload engine.
+
+    The JSON keeps every step-wise block's NLL and every document's score (the gate's paired intervals) and
+    reports the samples: `n_blocks` per domain, `n_documents` per task, and `sample_notes` where the held-out
+    text had fewer than asked. `--size_from GATE.json` sizes the sample from an INCONCLUSIVE gate: the blocks per
+    domain and documents per task that would resolve it at the variance it observed.
 
     Args:
         model: HF checkpoint: a local directory or a hub id (from the local cache while HF_HUB_OFFLINE=1)
@@ -44,6 +49,8 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = l
         include_path: a folder of your own lm-eval task YAMLs; their names then work in --tasks
         dtype: fp32 (the gates' figures) | bf16 | fp16 | auto (the checkpoint's own)
         device: cpu | cuda | auto (the GPU when there is one)
+        size_from: an `expertcache gate` JSON: take --ppl_blocks and --limit from the sample it says would resolve
+            it (never fewer than given here)
     """
     from rich.progress import Progress
 
@@ -51,6 +58,9 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = l
 
     from expertcache.telemetry.atomic import check_output
 
+    sizing = None
+    if size_from is not None:
+        ppl_blocks, limit, sizing = sample_from_gate(size_from, ppl_blocks, limit)
     _check(dtype, limit, ppl_blocks, seq_len, include_path)
     check_output(out, model)
     if engine is not None:
@@ -59,15 +69,57 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = l
         task = prog.add_task("step-wise perplexity", total=ppl_blocks * 3)
         res = evaluate(model, corpus, engine, tasks, out, task_dir, limit, ppl_blocks, seq_len,
                        include_path=include_path, dtype=dtype, device=device, progress=lambda: prog.advance(task))
+    if sizing is not None:
+        res["sizing"] = sizing
+        if out:
+            from expertcache.telemetry.atomic import write_json
+
+            write_json(out, res)
     return {k: v for k, v in res.items() if k != "lm_eval_versions"}
+
+
+def sample_from_gate(path: str, ppl_blocks: int, limit: Optional[int]) -> tuple[int, Optional[int], dict]:
+    """(ppl_blocks, limit, what was decided) from a gate JSON's `resolve`: the blocks per domain and the largest
+    documents per task that would resolve its INCONCLUSIVE intervals at the observed variance; a one-line
+    `InputError` for a file that is not a gate result."""
+    import json
+
+    p = Path(path)
+    try:
+        g = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise InputError(f"--size_from {path}: not a readable gate JSON ({str(e).splitlines()[0][:120]})") from None
+    r = g.get("resolve") if isinstance(g, dict) else None
+    if not isinstance(r, dict) or "blocks_per_domain" not in r or not isinstance(r.get("documents"), dict):
+        raise InputError(f"--size_from {path}: not an `expertcache gate` JSON with intervals (no 'resolve'); "
+                         f"gate with this version first")
+    notes = []
+    b = r["blocks_per_domain"]
+    if b == -1:
+        notes.append("a Δppl estimate sits on its threshold: no number of blocks resolves it")
+    elif isinstance(b, int) and b > ppl_blocks:
+        ppl_blocks = b
+    docs = [n for n in r["documents"].values() if isinstance(n, int)]
+    if -1 in docs:
+        notes.append("a Δacc estimate sits on its threshold: no number of documents resolves it")
+    if docs and limit is not None and max(docs) > limit:  # (no limit: every document already)
+        limit = max(docs)
+    if g.get("gate") != "INCONCLUSIVE":
+        notes.append(f"the gate was {g.get('gate')}: nothing to resolve, the sample is as given")
+    return ppl_blocks, limit, {"from": str(p), "ppl_blocks": ppl_blocks, "limit": limit, "notes": notes}
 
 
 def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, max_dppl: float = 1.0,
          max_dppl_domain: float = 2.0, min_dacc: float = -1.0, tasks: list[str] = list(DEFAULT_TASKS),
          corpus: str = "data/corpus", task_dir: str = "runs/task-data", limit: Optional[int] = None,
          ppl_blocks: int = 8, seq_len: int = 128, include_path: Optional[str] = None, dtype: str = "fp32",
-         device: str = "cpu", out: Optional[str] = None) -> dict:
-    """PASS/FAIL of a candidate against a baseline (METRICS.md thresholds); exit status 1 on FAIL.
+         device: str = "cpu", out: Optional[str] = None, confidence: float = 0.95, resamples: int = 2000,
+         seed: int = 0) -> dict:
+    """PASS / FAIL / INCONCLUSIVE of a candidate against a baseline on paired bootstrap intervals (METRICS.md
+    thresholds and rule); exit status 0 PASS, 1 FAIL, 3 INCONCLUSIVE, 2 bad input.
+
+    PASS: every interval inside its threshold (upper bounds of Δppl, lower bounds of Δacc); FAIL: one outside;
+    INCONCLUSIVE: one across it, with the blocks per domain or documents per task that would resolve it.
 
     Args:
         baseline: checkpoint directory or an `expertcache eval` JSON
@@ -86,16 +138,22 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
         dtype: fp32 | bf16 | fp16 | auto
         device: cpu | cuda | auto
         out: write the gate's JSON here
+        confidence: interval level, in (0, 1)
+        resamples: paired bootstrap resamples (1 to 200000)
+        seed: the bootstrap's seed (the same inputs and seed give the same intervals)
     """
     from expertcache.telemetry.atomic import write_json
 
     from expertcache.telemetry.metrics import GateThresholds
+
+    from expertcache.telemetry.stats import check_bootstrap
 
     from .gate import format_gate, gate as judge, load_eval
     from .run import evaluate
 
     from expertcache.telemetry.atomic import check_output
 
+    check_bootstrap(confidence, resamples)
     _check(dtype, limit, ppl_blocks, seq_len, include_path)
     check_output(out, baseline, candidate)
 
@@ -105,7 +163,8 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
         return evaluate(x, corpus, served, tasks, None, task_dir, limit, ppl_blocks, seq_len,
                         include_path=include_path, dtype=dtype, device=device)
 
-    g = judge(load(baseline, None), load(candidate, engine), GateThresholds(max_dppl, max_dppl_domain, min_dacc))
+    g = judge(load(baseline, None), load(candidate, engine), GateThresholds(max_dppl, max_dppl_domain, min_dacc),
+              confidence, resamples, seed)
     if out:
         write_json(out, g)
     print(format_gate(g), file=sys.stderr)

@@ -1,14 +1,19 @@
 """The pre-registered quality gate (METRICS.md): a candidate against its baseline, both `expertcache eval` JSON.
 
 Δppl: relative change of the step-wise token perplexity (same tokens, cache in order), overall and per domain.
-Δacc: change in points of every accuracy task both ran (cloze acc, math exact match). lm-eval's bits per byte
-is the cross-check: its change must have the sign of the token Δppl, overall (all ppl tasks pooled by mean).
+Δacc: change in points of every accuracy task both ran (cloze acc, math exact match). Each comes with a paired
+bootstrap interval (`telemetry.stats`: the same blocks and documents resampled for both runs, seeded), and the
+verdict is PASS / FAIL / INCONCLUSIVE by the rule in `telemetry.metrics.gate_verdict` (PASS: every interval
+inside its threshold; FAIL: one outside; INCONCLUSIVE: one across it, with the sample size that would resolve it).
+lm-eval's bits per byte is the cross-check: it fails the gate only when its interval and the token Δppl's
+interval exclude each other's sign (all ppl tasks pooled by mean).
 
 The gate cannot pass what it cannot compare: both inputs must come from this format of `expertcache eval`
 (`format_version`), measure finite, positive perplexities and finite accuracies in [0, 1], with the same
 tokenizer (vocabulary fingerprint), the same step-wise tokens (token counts per domain and a hash of the blocks'
-token ids) and the same lm-eval tasks with the same limits and sample counts. Anything else is an `InputError`
-(exit 2 at the CLI), never a PASS; FAIL is a normal result.
+token ids), the same lm-eval tasks with the same limits, sample counts and documents, and the per-block NLLs and
+per-document scores the intervals are computed on. Anything else is an `InputError` (exit 2 at the CLI), never
+a PASS; FAIL and INCONCLUSIVE are normal results (exit 1 and 3 at the CLI).
 """
 
 from __future__ import annotations
@@ -19,10 +24,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from expertcache.telemetry.errors import InputError
-from expertcache.telemetry.metrics import GateThresholds, gate_failures
+from expertcache.telemetry.metrics import PASS, GateThresholds, gate_verdict
+from expertcache.telemetry.stats import (DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, check_bootstrap, dacc_interval,
+                                         dbpb_interval, dppl_intervals)
 
 ACC_METRICS = {"acc": "acc,none", "exact_match": "exact_match,answer"}
-EVAL_FORMAT_VERSION = 2  # evals/run.py writes it; 1 (no field) lacks the tokenizer and token-set fingerprints
+# evals/run.py writes it; 1 (no field) lacks the tokenizer and token-set fingerprints, 2 the per-block NLLs and
+# per-document scores of the gate's intervals
+EVAL_FORMAT_VERSION = 3
 
 
 def _accs(res: dict) -> dict[str, float]:
@@ -56,6 +65,9 @@ def check_eval(res, name: str = "eval") -> dict:
     if v is None:
         raise InputError(f"{name}: written by an older `expertcache eval` (no format_version, no tokenizer or token-set "
                          f"fingerprint); re-run `expertcache eval` on it")
+    if v == 2:
+        raise InputError(f"{name}: written by `expertcache eval` format 2, which keeps no per-block NLLs or "
+                         f"per-document scores; the gate's paired intervals need them: re-run `expertcache eval`")
     if v != EVAL_FORMAT_VERSION:
         raise InputError(f"{name}: eval format_version {v!r}, this gate reads {EVAL_FORMAT_VERSION}; re-run "
                          f"`expertcache eval`")
@@ -72,6 +84,7 @@ def check_eval(res, name: str = "eval") -> dict:
         raise InputError(f"{name}: no step-wise token counts (stepwise.tokens)")
     if not isinstance(step.get("blocks_sha256"), str):
         raise InputError(f"{name}: no hash of the step-wise blocks (stepwise.blocks_sha256); re-run `expertcache eval`")
+    _check_blocks(res, name)
     tok = res.get("tokenizer")
     if not isinstance(tok, dict) or not isinstance(tok.get("vocab_sha256"), str):
         raise InputError(f"{name}: no tokenizer fingerprint (tokenizer.vocab_sha256); re-run `expertcache eval`")
@@ -87,7 +100,61 @@ def check_eval(res, name: str = "eval") -> dict:
         if "bits_per_byte,none" in r and (not _finite(r["bits_per_byte,none"]) or r["bits_per_byte,none"] <= 0):
             raise InputError(f"{name}: {task} bits_per_byte = {r['bits_per_byte,none']!r}: not a finite positive "
                              f"number")
+    _check_docs(res, name)
     return res
+
+
+def _numbers(x, n: int | None = None) -> bool:
+    return isinstance(x, list) and bool(x) and (n is None or len(x) == n) and all(_finite(v) for v in x)
+
+
+def _check_blocks(res: dict, name: str) -> None:
+    """The per-block NLLs and token counts of every domain: present, finite, adding up to stepwise.tokens."""
+    step = res["stepwise"]
+    nll, tok = step.get("block_nll"), step.get("block_tokens")
+    if not isinstance(nll, dict) or not isinstance(tok, dict):
+        raise InputError(f"{name}: no per-block step-wise NLLs (stepwise.block_nll, block_tokens); the gate's "
+                         f"intervals need them: re-run `expertcache eval`")
+    doms = set(step["ppl"]) - {"overall"}
+    if set(nll) != doms or set(tok) != doms:
+        raise InputError(f"{name}: stepwise.block_nll covers {sorted(nll)}, the perplexities {sorted(doms)}")
+    for d in sorted(doms):
+        if not _numbers(nll[d]) or not _numbers(tok[d], len(nll[d])) or any(t < 1 for t in tok[d]):
+            raise InputError(f"{name}: stepwise.block_nll/block_tokens of {d}: not one finite NLL and one token "
+                             f"count >= 1 per block")
+        ppl = math.exp(min(sum(nll[d]) / sum(tok[d]), 700))
+        if not math.isclose(ppl, step["ppl"][d], rel_tol=1e-6):
+            raise InputError(f"{name}: the {d} blocks' NLLs give perplexity {ppl:.6g}, stepwise.ppl says "
+                             f"{step['ppl'][d]:.6g}: an edited or corrupted eval")
+
+
+def _doc_metric(r: dict) -> str | None:
+    return next((m for m, key in ACC_METRICS.items() if key in r), None)
+
+
+def _check_docs(res: dict, name: str) -> None:
+    """Every gated lm-eval task has its per-document scores (lm_eval_docs): accuracy tasks one 0/1 score per
+    document, bits-per-byte tasks one log-likelihood and byte count per document."""
+    lm = res.get("lm_eval") or {}
+    docs = res.get("lm_eval_docs")
+    if lm and not isinstance(docs, dict):
+        raise InputError(f"{name}: no per-document lm-eval scores (lm_eval_docs); the gate's intervals need them: "
+                         f"re-run `expertcache eval`")
+    for task, r in lm.items():
+        metric = _doc_metric(r)
+        if metric is None and "bits_per_byte,none" not in r:
+            continue
+        t = docs.get(task)
+        if not isinstance(t, dict) or not isinstance(t.get("doc_id"), list) or not t["doc_id"]:
+            raise InputError(f"{name}: no per-document scores for {task} (lm_eval_docs[{task!r}]); re-run "
+                             f"`expertcache eval`")
+        n = len(t["doc_id"])
+        if metric is not None and (not _numbers(t.get(metric), n) or any(not 0 <= v <= 1 for v in t[metric])):
+            raise InputError(f"{name}: lm_eval_docs[{task!r}][{metric!r}]: not one score in [0, 1] per document")
+        if "bits_per_byte,none" in r and (not _numbers(t.get("bpb_ll"), n) or not _numbers(t.get("bpb_bytes"), n)
+                                          or any(b <= 0 for b in t["bpb_bytes"])):
+            raise InputError(f"{name}: lm_eval_docs[{task!r}]: not one log-likelihood and one positive byte count "
+                             f"per document")
 
 
 def check_comparable(baseline: dict, candidate: dict) -> None:
@@ -108,6 +175,14 @@ def check_comparable(baseline: dict, candidate: dict) -> None:
     if set(sb["ppl"]) != set(sc["ppl"]):
         raise InputError(f"baseline and candidate have different perplexity domains: {sorted(sb['ppl'])} vs "
                          f"{sorted(sc['ppl'])}")
+    if sb["block_tokens"] != sc["block_tokens"]:
+        raise InputError("baseline and candidate list different step-wise blocks (stepwise.block_tokens differ, "
+                         "same hash): an edited or corrupted eval")
+    for name, s in (("baseline", sb), ("candidate", sc)):
+        for d, t in s["block_tokens"].items():
+            if s["tokens"].get(d) != sum(t):
+                raise InputError(f"{name}: the {d} blocks' token counts add up to {sum(t)}, stepwise.tokens says "
+                                 f"{s['tokens'].get(d)!r}: an edited or corrupted eval")
     lb, lc = baseline.get("lm_eval") or {}, candidate.get("lm_eval") or {}
     if set(lb) != set(lc):
         raise InputError(f"baseline and candidate ran different lm-eval tasks: {sorted(lb)} vs {sorted(lc)}; the "
@@ -119,6 +194,11 @@ def check_comparable(baseline: dict, candidate: dict) -> None:
     for t in sorted(set(nb) & set(nc)):
         if nb[t] != nc[t]:
             raise InputError(f"baseline and candidate ran {t} on different documents ({nb[t]} vs {nc[t]} samples)")
+    db, dc = baseline.get("lm_eval_docs") or {}, candidate.get("lm_eval_docs") or {}
+    for t in sorted(set(db) & set(dc) & set(lb)):
+        if db[t]["doc_id"] != dc[t]["doc_id"] or db[t].get("docs_sha256") != dc[t].get("docs_sha256"):
+            raise InputError(f"baseline and candidate ran {t} on different documents (document ids or contents "
+                             f"differ); the paired intervals compare the same documents only")
 
 
 def load_eval(path: str | Path, name: str | None = None) -> dict:
@@ -134,41 +214,78 @@ def load_eval(path: str | Path, name: str | None = None) -> dict:
     return check_eval(res, name)
 
 
-def gate(baseline: dict, candidate: dict, th: GateThresholds = GateThresholds()) -> dict:
-    """PASS/FAIL of `candidate` against `baseline`; an `InputError` when the two cannot be compared (see above)."""
+def gate(baseline: dict, candidate: dict, th: GateThresholds = GateThresholds(),
+         confidence: float = DEFAULT_CONFIDENCE, resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> dict:
+    """PASS / FAIL / INCONCLUSIVE of `candidate` against `baseline` on paired bootstrap intervals at `confidence`
+    (`resamples` resamples, seeded); an `InputError` when the two cannot be compared (see above)."""
+    check_bootstrap(confidence, resamples)
     check_eval(baseline, "baseline")
     check_eval(candidate, "candidate")
     check_comparable(baseline, candidate)
-    bp, cp = baseline["stepwise"]["ppl"], candidate["stepwise"]["ppl"]
+    bs, cs = baseline["stepwise"], candidate["stepwise"]
+    bp, cp = bs["ppl"], cs["ppl"]
     dppl = {d: 100 * (cp[d] / bp[d] - 1) for d in bp if d in cp}
+    kw = dict(confidence=confidence, resamples=resamples, seed=seed)
+    iv = dppl_intervals(bs["block_nll"], cs["block_nll"], bs["block_tokens"], **kw)
+    dppl_iv = {"overall": [dppl["overall"], *iv["overall"][1:]]}
+    dppl_iv.update({d: [dppl[d], *v[1:]] for d, v in iv["domains"].items()})
     ba, ca = _accs(baseline), _accs(candidate)
     dacc = {t: ca[t] - ba[t] for t in ba if t in ca}
-    fails = gate_failures(dppl, dacc, th)
+    lm_b, docs_b, docs_c = baseline.get("lm_eval") or {}, baseline.get("lm_eval_docs") or {}, \
+        candidate.get("lm_eval_docs") or {}
+    dacc_iv, n_docs = {}, {}
+    for t in dacc:
+        m = _doc_metric(lm_b[t])
+        dacc_iv[t] = [dacc[t], *dacc_interval(docs_b[t][m], docs_c[t][m], name=t, **kw)[1:]]
+        n_docs[t] = len(docs_b[t]["doc_id"])
+    v = gate_verdict(dppl_iv, dacc_iv, iv["n_blocks"], n_docs, th)
+    fails = v["failures"]
     shared = _ppl_tasks(baseline) & _ppl_tasks(candidate)
     b0, b1 = _bpb(baseline, shared), _bpb(candidate, shared)
     cross = None
     if b0 is not None and b1 is not None:
         d_bpb = b1 - b0
-        cross = {"tasks": sorted(shared), "bits_per_byte_baseline": b0, "bits_per_byte_candidate": b1, "delta": d_bpb,
-                 "agrees_in_sign": (d_bpb >= 0) == (dppl.get("overall", 0) >= 0) or abs(d_bpb) < 1e-9
-                 or abs(dppl.get("overall", 0)) < 1e-9}
-        if not cross["agrees_in_sign"]:
-            fails.append(f"lm-eval bits/byte moved {d_bpb:+.4f} against the token Δppl "
-                         f"{dppl.get('overall', 0):+.2f}%: the two measures disagree in sign")
+        _, lo, hi = dbpb_interval({t: docs_b[t]["bpb_ll"] for t in shared}, {t: docs_c[t]["bpb_ll"] for t in shared},
+                                  {t: docs_b[t]["bpb_bytes"] for t in shared}, **kw)
+        _, plo, phi = dppl_iv["overall"]
+        disagree = (lo > 0 and phi < 0) or (hi < 0 and plo > 0)  # the intervals exclude each other's sign
+        cross = {"tasks": sorted(shared), "bits_per_byte_baseline": b0, "bits_per_byte_candidate": b1,
+                 "delta": d_bpb, "delta_ci95": [lo, hi], "agrees_in_sign": not disagree}
+        if disagree:
+            fails.append(f"lm-eval bits/byte moved {d_bpb:+.4f} [{lo:+.4f}, {hi:+.4f}] against the token Δppl "
+                         f"{dppl['overall']:+.2f}% [{plo:+.2f}, {phi:+.2f}]: the two measures' intervals exclude "
+                         f"each other's sign")
+    verdict = "FAIL" if fails else v["gate"]
+    worst = max((d for d in dppl if d != "overall"), key=lambda d: dppl[d])
     return {"baseline": {"model": baseline.get("model"), "policy": baseline.get("policy")},
             "candidate": {"model": candidate.get("model"), "policy": candidate.get("policy")},
-            "dppl_percent": dppl, "dacc_points": dacc, "bpb_crosscheck": cross, "thresholds": asdict(th),
-            "pass": not fails, "failures": fails}
+            "gate": verdict, "pass": verdict == PASS,
+            "dppl_percent": dppl, "dacc_points": dacc,
+            "dppl_overall_ci95": dppl_iv["overall"][1:], "dppl_max_domain_percent": dppl[worst],
+            "dppl_max_domain": worst, "dppl_max_domain_ci95": iv["max_domain"][1:],
+            "dppl_ci95": {d: x[1:] for d, x in dppl_iv.items()}, "dacc_ci95": {t: x[1:] for t, x in dacc_iv.items()},
+            "n_blocks": min(iv["n_blocks"].values()), "n_blocks_per_domain": iv["n_blocks"], "n_documents": n_docs,
+            "confidence": confidence, "resamples": resamples, "seed": seed,
+            "bpb_crosscheck": cross, "thresholds": asdict(th),
+            "failures": fails, "unresolved": v["unresolved"], "resolve": v["resolve"]}
 
 
 def format_gate(g: dict) -> str:
-    lines = [f"gate: {'PASS' if g['pass'] else 'FAIL'}  ({g['candidate']['model']} [{g['candidate']['policy']}] vs "
-             f"{g['baseline']['model']} [{g['baseline']['policy']}])"]
-    lines += [f"  Δppl {d:<8} {v:+7.2f}%" for d, v in g["dppl_percent"].items()]
-    lines += [f"  Δacc {t:<16} {v:+7.2f} pts" for t, v in g["dacc_points"].items()]
+    c = g.get("confidence", DEFAULT_CONFIDENCE)
+    lines = [f"gate: {g['gate']}  ({g['candidate']['model']} [{g['candidate']['policy']}] vs "
+             f"{g['baseline']['model']} [{g['baseline']['policy']}]; {100 * c:g}% paired bootstrap intervals, "
+             f"{g['resamples']} resamples, seed {g['seed']})"]
+    nb = {d: f"{n} blocks" for d, n in g["n_blocks_per_domain"].items()}
+    nb["overall"] = f"{g['n_blocks']} blocks per domain"
+    lines += [f"  Δppl {d:<16} {v:+7.2f}%  [{g['dppl_ci95'][d][0]:+.2f}, {g['dppl_ci95'][d][1]:+.2f}]  ({nb[d]})"
+              for d, v in g["dppl_percent"].items()]
+    lines += [f"  Δacc {t:<16} {v:+7.2f} pts [{g['dacc_ci95'][t][0]:+.2f}, {g['dacc_ci95'][t][1]:+.2f}]  "
+              f"({g['n_documents'][t]} documents)" for t, v in g["dacc_points"].items()]
     if g["bpb_crosscheck"]:
-        c = g["bpb_crosscheck"]
-        lines.append(f"  lm-eval bits/byte {c['bits_per_byte_baseline']:.4f} -> {c['bits_per_byte_candidate']:.4f} "
-                     f"(agrees in sign: {c['agrees_in_sign']})")
+        x = g["bpb_crosscheck"]
+        lines.append(f"  lm-eval bits/byte {x['bits_per_byte_baseline']:.4f} -> {x['bits_per_byte_candidate']:.4f} "
+                     f"(Δ {x['delta']:+.4f} [{x['delta_ci95'][0]:+.4f}, {x['delta_ci95'][1]:+.4f}]; consistent with "
+                     f"the token Δppl: {x['agrees_in_sign']})")
     lines += [f"  FAIL: {f}" for f in g["failures"]]
+    lines += [f"  unresolved: {u}" for u in g["unresolved"]]
     return "\n".join(lines)

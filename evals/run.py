@@ -52,6 +52,36 @@ def tokenizer_fingerprint(model_dir: str | Path) -> dict:
     return {"vocab_sha256": hashlib.sha256(blob).hexdigest(), "vocab_size": len(vocab)}
 
 
+# per-document scores the gate pairs: lm-eval metric -> the filter whose samples carry it
+DOC_METRICS = {"acc": "none", "exact_match": "answer", "bits_per_byte": "none"}
+
+
+def per_document(samples: dict) -> dict:
+    """lm-eval's logged samples -> {task: {'doc_id': [...], 'docs_sha256': hash of the documents in doc_id order,
+    'acc' | 'exact_match': [0/1 per document], 'bpb_ll': [nats], 'bpb_bytes': [bytes]}} (the gate's paired
+    intervals: both runs must list the same documents)."""
+    out = {}
+    for task, rows in (samples or {}).items():
+        by_doc: dict[int, dict] = {}
+        for s in rows:
+            for metric, filt in DOC_METRICS.items():
+                if metric in s and s.get("filter", "none") == filt:
+                    by_doc.setdefault(int(s["doc_id"]), {"hash": str(s.get("doc_hash", ""))})[metric] = s[metric]
+        if not by_doc:
+            continue
+        ids = sorted(by_doc)
+        t: dict = {"doc_id": ids, "docs_sha256": hashlib.sha256(
+            "\n".join(f"{i}:{by_doc[i]['hash']}" for i in ids).encode()).hexdigest()}
+        for metric in ("acc", "exact_match"):
+            if all(metric in by_doc[i] for i in ids):
+                t[metric] = [float(by_doc[i][metric]) for i in ids]
+        if all("bits_per_byte" in by_doc[i] for i in ids):
+            t["bpb_ll"] = [float(by_doc[i]["bits_per_byte"][0]) for i in ids]
+            t["bpb_bytes"] = [int(by_doc[i]["bits_per_byte"][1]) for i in ids]
+        out[task] = t
+    return out
+
+
 def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineConfig | None = None, tasks=DEFAULT_TASKS,
              out: str | Path | None = None, task_dir: str | Path | None = None, limit: int | None = None,
              ppl_blocks: int = 8, seq_len: int = 128, split: str = "test",
@@ -95,6 +125,8 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
         engine.close()
     from .gate import EVAL_FORMAT_VERSION
 
+    notes = [f"{d}: {len(b)} blocks of {seq_len} tokens in the {split} split, {ppl_blocks} asked"
+             for d, b in blocks.items() if len(b) < ppl_blocks]
     res = {"format_version": EVAL_FORMAT_VERSION, "model": str(model_dir), "policy": label(serve),
            "engine": None if serve is None else asdict(serve), "integrity": integrity, "split": split,
            "dtype": dtype, "device": device,
@@ -105,15 +137,21 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
         if serve is not None:
             args.update({k: v for k, v in asdict(serve).items() if k != "device"})
         r = lm_eval.simple_evaluate(model="expertcache", model_args=args,
-                                    tasks=task_list, limit=limit, log_samples=False, task_manager=manager,
+                                    tasks=task_list, limit=limit, log_samples=True, task_manager=manager,
                                     bootstrap_iters=0, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
         res["lm_eval"] = {t: {k: v for k, v in m.items() if isinstance(v, (int, float, str))}
                           for t, m in r["results"].items()}
         res["lm_eval_versions"] = r.get("versions", {})
         res["lm_eval_samples"] = {t: {k: int(v) for k, v in n.items() if isinstance(v, (int, float))}
                                   for t, n in (r.get("n-samples") or {}).items() if isinstance(n, dict)}
+        res["lm_eval_docs"] = per_document(r.pop("samples", None))
+        res["n_documents"] = {t: len(d["doc_id"]) for t, d in res["lm_eval_docs"].items()}
+        notes += [f"{t}: {n} documents, {limit} asked (the task data has no more)"
+                  for t, n in res["n_documents"].items() if limit and n < limit]
         if out:
             write_json(Path(out).with_suffix(".lm_eval.json"), r)
+    res["n_blocks"] = {d: len(b) for d, b in blocks.items()}  # the samples the gate's intervals rest on
+    res["sample_notes"] = notes  # where the held-out text gave fewer blocks or documents than asked
     res["seconds"] = round(time.time() - t0, 1)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -46,17 +46,21 @@ def _ppl(nll: float, n: int, dom: str) -> float:
 
 
 def stepwise_perplexity(model, blocks: dict[str, np.ndarray], progress=None) -> dict:
-    """Per-domain and overall token perplexity over `blocks[domain] [n, T]` (the engine, if any, attached)."""
+    """Per-domain and overall token perplexity over `blocks[domain] [n, T]` (the engine, if any, attached), and
+    each block's summed NLL (nats) and token count (`block_nll`, `block_tokens`: the gate's paired intervals)."""
     model.eval()
-    res, tot_nll, tot_n = {"ppl": {}, "tokens": {}}, 0.0, 0
+    res, tot_nll, tot_n = {"ppl": {}, "tokens": {}, "block_nll": {}, "block_tokens": {}}, 0.0, 0
     for dom, b in blocks.items():
         nll = n = 0
+        res["block_nll"][dom], res["block_tokens"][dom] = [], []
         for row in b:
             x, c = stepwise_nll(model, torch.from_numpy(row[None].astype(np.int64)).to(model.device))
             if not math.isfinite(x):
                 raise InputError(f"the model produced non-finite logits: corrupted weights? (step-wise NLL {x} on a "
                                  f"{dom} block)")
             nll, n = nll + x, n + c
+            res["block_nll"][dom].append(x)
+            res["block_tokens"][dom].append(c)
             if progress:
                 progress()
         res["ppl"][dom] = _ppl(nll, n, dom)

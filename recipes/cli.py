@@ -250,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         return result
     if result is not None:
         print(json.dumps(result, indent=2, default=str))
+    if isinstance(result, dict) and result.get("gate") == "INCONCLUSIVE":
+        return 3  # a gate whose intervals straddle a threshold: more blocks or documents would decide it
     if isinstance(result, dict) and (result.get("pass") is False or result.get("ok") is False):
         return 1  # a gate FAIL, a verify that found damage: a result, not bad input
     return 0

@@ -10,7 +10,9 @@ the frontier plot beside it (miss reduction at 1/8 of E against Δppl, with the 
 Row fields: `name`, `serving` (plain | reroute), `miss_reduction_1_8` (fraction of the base's LRU misses at 1/8 of
 E removed: plain from the run's decode-style cache figures, reroute from the demand loads of the served
 step-wise evaluation against the base served with LRU on the same tokens), `dppl_overall_pct`,
-`dppl_max_domain_pct`, `dacc_min_points` (gate figures against the base) and `gate` (PASS/FAIL), plus the run's
+`dppl_max_domain_pct`, `dacc_min_points` (gate figures against the base), their paired 95% intervals
+`dppl_overall_ci95`, `dppl_max_domain_ci95` ([low, high] in %), `dacc_ci95` (task -> [low, high] in points), the
+samples `n_blocks` (per domain) and `n_documents` (task -> n), and `gate` (PASS / FAIL / INCONCLUSIVE), plus the run's
 other figures (1/4 of E, Belady, the λ = 0 control, the Temporal router) where they exist.
 """
 
@@ -145,7 +147,10 @@ def frontier_row(name: str, serving: str, res: dict | None, g: dict, caps: dict 
            "dppl_overall_pct": d.get("overall"),
            "dppl_max_domain_pct": max(v for k, v in d.items() if k != "overall"),
            "dacc_min_points": min(g["dacc_points"].values()) if g["dacc_points"] else None,
-           "gate": "PASS" if g["pass"] else "FAIL", "failures": g["failures"],
+           # the gate's paired intervals (in %, in points), the samples they rest on, and the three-way verdict
+           "dppl_overall_ci95": g["dppl_overall_ci95"], "dppl_max_domain_ci95": g["dppl_max_domain_ci95"],
+           "dacc_ci95": g["dacc_ci95"], "n_blocks": g["n_blocks"], "n_documents": g["n_documents"],
+           "gate": g["gate"], "failures": g["failures"], "unresolved": g["unresolved"], "resolve": g["resolve"],
            "dppl_percent": d, "dacc_points": g["dacc_points"]}
     if res is None:
         return row
@@ -181,7 +186,7 @@ def plot_frontier(rows: list[dict], out_png: Path) -> None:
         xs = [min(r["dppl_overall_pct"], x_max) for r in pts]
         ax.scatter(xs, [100 * r["miss_reduction_1_8"] for r in pts],
                    marker=marker, label=f"expertcache ({serving})", zorder=3,
-                   c=["tab:green" if r["gate"] == "PASS" else "tab:red" for r in pts])
+                   c=[{"PASS": "tab:green", "INCONCLUSIVE": "tab:orange"}.get(r["gate"], "tab:red") for r in pts])
         for x, r in zip(xs, pts):
             label = r["name"] if x == r["dppl_overall_pct"] else f"{r['name']} (→ {r['dppl_overall_pct']:+.0f}%)"
             ax.annotate(label, (x, 100 * r["miss_reduction_1_8"]), fontsize=7, xytext=(3, 3),
@@ -193,7 +198,7 @@ def plot_frontier(rows: list[dict], out_png: Path) -> None:
     ax.axhline(50, ls=":", c="tab:blue", lw=1)
     ax.axhline(80, ls=":", c="tab:purple", lw=1)
     ax.set(xlabel="Δppl overall vs the base (%)", ylabel="LRU misses removed at 1/8 of E (%)",
-           title="Cache-aware post-training frontier (green: gate PASS)")
+           title="Cache-aware post-training frontier (gate: green PASS, orange INCONCLUSIVE, red FAIL)")
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     from expertcache.telemetry.atomic import write_figure

@@ -75,10 +75,36 @@ def run_quickstart(data: str, runs: str, prose_sdist: str, max_mb: float = 24.0)
     for name, baseline in (("post-trained", ev["base"]), ("post-trained+reroute", base_small)):
         out = rep / f"gate-{name}.json"
         step(f"gate {name}", ["gate", "--baseline", str(baseline), "--candidate", str(ev[name]), "--out", str(out)],
-             ok=(0, 1))
+             ok=(0, 1, 3))  # PASS, FAIL, INCONCLUSIVE: results, each reported
         gates[name] = json.loads(out.read_text())
     report = _report(rep, smoke, ca, bench, ev, gates, steps, time.time() - t_all)
     return report
+
+
+def gate_summary(name: str, g: dict, e: dict) -> dict:
+    """One row of the report's gate table: a gate JSON (`expertcache gate --out`) and the candidate's eval."""
+    acc = {t: m.get("acc,none", m.get("exact_match,answer")) for t, m in e.get("lm_eval", {}).items()
+           if "acc,none" in m or "exact_match,answer" in m}
+    return {"candidate": name, "dppl_overall_percent": g["dppl_percent"].get("overall"),
+            "dppl_overall_ci95": g["dppl_overall_ci95"], "dacc_points": g["dacc_points"],
+            "dacc_ci95": g["dacc_ci95"], "n_blocks": g["n_blocks"], "n_documents": g["n_documents"],
+            "gate": g["gate"], "failures": g["failures"], "unresolved": g["unresolved"],
+            "resolve": g["resolve"], "accuracy": acc, "rerouted": e["stepwise"].get("engine", {}).get("rerouted")}
+
+
+def gate_table(rows: list[dict]) -> list[str]:
+    """The report's gate table (Markdown lines): each figure with its 95% paired interval and its sample."""
+    md = ["95% paired bootstrap intervals in brackets; PASS: every interval inside its threshold, FAIL: one outside, "
+          "INCONCLUSIVE: one across it (the sample that would resolve it in the gate JSON).", "",
+          "| candidate | Δppl overall [95%] (blocks/domain) | Δacc points [95%] (documents) | rerouted | gate |",
+          "|---|---|---|---|---|"]
+    for r in rows:
+        dacc = ", ".join(f"{t} {v:+.1f} [{r['dacc_ci95'][t][0]:+.1f}, {r['dacc_ci95'][t][1]:+.1f}] "
+                         f"({r['n_documents'][t]})" for t, v in r["dacc_points"].items())
+        lo, hi = r["dppl_overall_ci95"]
+        md.append(f"| {r['candidate']} | {r['dppl_overall_percent']:+.2f}% [{lo:+.2f}, {hi:+.2f}] ({r['n_blocks']}) | "
+                  f"{dacc} | {r['rerouted'] or 0} | {r['gate']} |")
+    return md
 
 
 def _report(rep: Path, smoke: Path, ca: Path, bench: Path, ev: dict, gates: dict, steps: list, total_s: float) -> dict:
@@ -96,15 +122,7 @@ def _report(rep: Path, smoke: Path, ca: Path, bench: Path, ev: dict, gates: dict
     ca_res = json.loads((ca / "result.json").read_text())
     b = json.loads(bench.read_text())
     evals = {k: json.loads(Path(v).read_text()) for k, v in ev.items()}
-    summary_rows = []
-    for name, g in gates.items():
-        e = evals[name]
-        acc = {t: m.get("acc,none", m.get("exact_match,answer")) for t, m in e.get("lm_eval", {}).items()
-               if "acc,none" in m or "exact_match,answer" in m}
-        summary_rows.append({"candidate": name, "dppl_overall_percent": g["dppl_percent"].get("overall"),
-                             "dacc_points": g["dacc_points"], "gate": "PASS" if g["pass"] else "FAIL",
-                             "failures": g["failures"], "accuracy": acc,
-                             "rerouted": e["stepwise"].get("engine", {}).get("rerouted")})
+    summary_rows = [gate_summary(name, g, evals[name]) for name, g in gates.items()]
     cap8 = next(iter(ca_res["summary"]["capacities"].values()))
     report = {"total_seconds": round(total_s, 1), "steps": steps, "base": base_metrics["validation"],
               "routing": {"reuse_lag1": analysis["routing"]["reuse_lag1"],
@@ -133,11 +151,7 @@ def _report(rep: Path, smoke: Path, ca: Path, bench: Path, ev: dict, gates: dict
           "![cache](cache.png)", "",
           "## Decode benchmark (disk tier, capacity 1/4, lookahead probe)", "", bench_table(b), "",
           "## Gate (step-wise token Δppl; lm-eval accuracy tasks; bits/byte cross-check)", "",
-          "| candidate | Δppl overall | Δacc (points) | rerouted | gate |", "|---|---|---|---|---|"]
-    for r in summary_rows:
-        dacc = ", ".join(f"{t} {v:+.1f}" for t, v in r["dacc_points"].items())
-        md.append(f"| {r['candidate']} | {r['dppl_overall_percent']:+.2f}% | {dacc} | {r['rerouted'] or 0} | "
-                  f"{r['gate']} |")
+          *gate_table(summary_rows)]
     md += ["", "## Commands", "", "| step | seconds | command |", "|---|---|---|"]
     md += [f"| {s['step']} | {s['seconds']} | `{s['command']}` |" for s in steps]
     write_text(rep / "report.md", "\n".join(md) + "\n")

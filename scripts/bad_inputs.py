@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -188,11 +189,19 @@ def damaged(root: Path, P: dict) -> None:
     P["eval_zero"] = variant("eval-zero.json", lambda d: d["stepwise"]["ppl"].__setitem__("code", 0))
     P["eval_noppl"] = variant("eval-noppl.json", lambda d: d["stepwise"].pop("ppl"))
     P["eval_old"] = variant("eval-old.json", lambda d: d.pop("format_version", None))
-    P["eval_tasks"] = variant("eval-tasks.json", lambda d: d.__setitem__(
-        "lm_eval", {"ec_cloze_code": {"acc,none": 0.5, "acc_stderr,none": 0.1}}))
+    P["eval_tasks"] = variant("eval-tasks.json", lambda d: d.update(
+        lm_eval={"ec_cloze_code": {"acc,none": 0.5, "acc_stderr,none": 0.1}},
+        lm_eval_docs={"ec_cloze_code": {"doc_id": [0, 1], "docs_sha256": "0" * 64, "acc": [0.0, 1.0]}}))
     P["eval_blocks"] = variant("eval-blocks.json", lambda d: d["stepwise"].__setitem__("blocks_sha256", "0" * 64))
-    P["eval_worse"] = variant("eval-worse.json", lambda d: d["stepwise"]["ppl"].update(
-        {k: v * 1.2 for k, v in d["stepwise"]["ppl"].items()}))
+    def worse(d):  # +20% perplexity in every block: ln 1.2 more nats per token
+        s = d["stepwise"]
+        s["ppl"].update({k: v * 1.2 for k, v in s["ppl"].items()})
+        for dom, nll in s["block_nll"].items():
+            s["block_nll"][dom] = [x + math.log(1.2) * t for x, t in zip(nll, s["block_tokens"][dom])]
+
+    P["eval_worse"] = variant("eval-worse.json", worse)
+    P["eval_v2"] = variant("eval-v2.json", lambda d: d.__setitem__("format_version", 2))
+    P["eval_noblocks"] = variant("eval-noblocks.json", lambda d: d["stepwise"].pop("block_nll"))
     P["bad_yaml"] = put("bad.yaml", "train:\n  max_steps: [1, 2\n  lr: }\n")
     P["pyobj_yaml"] = put("pyobj.yaml", f"!!python/object/apply:os.system ['touch {root}/PWNED']\n")
     P["pyobj_config"] = put("pyobj-config.yaml", f"trace: !!python/object/apply:os.system ['touch {root}/PWNED']\n")
@@ -563,6 +572,8 @@ def cases(P: dict) -> list[dict]:
     add("eval-limit-0", [*ev, "--model", M, "--limit", 0, "--out", S / "v2.json"])
     add("eval-ppl-blocks-0", [*ev[:-4], "--ppl_blocks", 0, "--seq_len", 32, "--model", M, "--out", S / "v3.json"])
     add("eval-seq-len-1", [*ev[:-2], "--seq_len", 1, "--model", M, "--out", S / "v4.json"])
+    add("eval-size-from-not-gate", [*ev, "--model", M, "--size_from", P["list_json"], "--out", S / "v5.json"])
+    add("eval-size-from-bad-json", [*ev, "--model", M, "--size_from", P["bad_json"], "--out", S / "v6.json"])
     add("eval-task-unknown", ["eval", "--corpus", C, "--tasks", "[no_such_task]", "--limit", 1, "--ppl_blocks", 1,
                               "--seq_len", 32, "--model", M, "--out", S / "v5.json"])
     add("eval-out-readonly", [*ev, "--model", M, "--out", RO / "v.json"], nobody=True)
@@ -593,6 +604,14 @@ def cases(P: dict) -> list[dict]:
     add("gate-out-readonly", ["gate", "--baseline", EB, "--candidate", EB, "--out", RO / "g.json"], nobody=True)
     add("gate-unreadable", ["gate", "--baseline", P["unreadable_json"], "--candidate", EB], nobody=True)
     add("gate-dir-named-json", ["gate", "--baseline", P["dir_json"], "--candidate", EB])
+    add("gate-format-2", ["gate", "--baseline", P["eval_v2"], "--candidate", EB],
+        note="an eval from before the gate's intervals: no per-block NLLs")
+    add("gate-no-block-nll", ["gate", "--baseline", EB, "--candidate", P["eval_noblocks"]])
+    add("gate-confidence-1", ["gate", "--baseline", EB, "--candidate", EB, "--confidence", 1])
+    add("gate-confidence-0", ["gate", "--baseline", EB, "--candidate", EB, "--confidence", 0])
+    add("gate-confidence-nan", ["gate", "--baseline", EB, "--candidate", EB, "--confidence", "nan"])
+    add("gate-resamples-0", ["gate", "--baseline", EB, "--candidate", EB, "--resamples", 0])
+    add("gate-resamples-negative", ["gate", "--baseline", EB, "--candidate", EB, "--resamples", -5])
     add("gate-worse-candidate", ["gate", "--baseline", EB, "--candidate", P["eval_worse"]], expect=(1,),
         note="a FAIL is the right answer")
     add("gate-yaml-as-eval", ["gate", "--baseline", P["pyobj_yaml"], "--candidate", EB],

@@ -72,9 +72,12 @@ def main() -> None:
             g = gate(base if label == "plain" else base_small, r)
             rows.append({"checkpoint": name, "serving": label, "dppl_percent": g["dppl_percent"],
                          "dacc_points": g["dacc_points"], "bpb_crosscheck": g["bpb_crosscheck"],
+                         "dppl_overall_ci95": g["dppl_overall_ci95"], "dppl_max_domain_ci95": g["dppl_max_domain_ci95"],
+                         "dacc_ci95": g["dacc_ci95"], "n_blocks": g["n_blocks"], "n_documents": g["n_documents"],
+                         "unresolved": g["unresolved"], "resolve": g["resolve"],
                          "miss_reduction_vs_base_lru": 1 - misses / base_misses, "demand_loads": misses,
                          "rerouted": r["stepwise"].get("engine", {}).get("rerouted", 0),
-                         "gate": "PASS" if g["pass"] else "FAIL", "failures": g["failures"]})
+                         "gate": g["gate"], "failures": g["failures"]})
     res = {"base": a.base, "capacity": a.capacity, "tau": a.tau, "base_lru_demand_loads": base_misses,
            "stepwise_tokens": base["stepwise"]["tokens"], "rows": rows}
     (out / "gates.json").write_text(json.dumps(res, indent=2))
@@ -87,9 +90,10 @@ def main() -> None:
     for r in rows:
         d = r["dppl_percent"]
         acc = ", ".join(f"{t.removeprefix('ec_')} {v:+.1f}" for t, v in r["dacc_points"].items())
+        lo, hi = r["dppl_overall_ci95"]
         md.append(f"| {r['checkpoint']} | {r['serving']} | {100 * r['miss_reduction_vs_base_lru']:+.1f}% | "
-                  f"{d['overall']:+.2f}% | {d['code']:+.2f}% | {d['prose']:+.2f}% | {d['math']:+.2f}% | {acc} | "
-                  f"{r['gate']} |")
+                  f"{d['overall']:+.2f}% [{lo:+.2f}, {hi:+.2f}] | {d['code']:+.2f}% | {d['prose']:+.2f}% | "
+                  f"{d['math']:+.2f}% | {acc} | {r['gate']} |")
     (out / "gates.md").write_text("\n".join(md) + "\n")
     print(json.dumps(res, indent=2))
     print("\n" + "\n".join(md))

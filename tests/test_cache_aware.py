@@ -350,9 +350,14 @@ def test_joint_run_resumes_and_writes_the_table(tiny_data, tiny_base, tmp_path):
             assert row["hit_rate"] <= row["belady_hit_rate"] + 1e-12 or p in ("spatio", "spatio_temporal")
         assert c["temporal"]["prefetch_loads"] == 0 and c["lru"]["prefetch_loads"] == 0
     assert set(s["dppl_percent"]) == {"code", "prose", "math", "overall"}
-    assert s["gate"]["pass"] == (not s["gate"]["failures"])
+    g = s["gate"]
+    assert g["verdict"] in ("PASS", "FAIL", "INCONCLUSIVE") and g["pass"] == (g["verdict"] == "PASS")
+    assert (g["verdict"] == "FAIL") == bool(g["failures"]) and (g["verdict"] == "INCONCLUSIVE") <= bool(g["unresolved"])
+    for d, (lo, hi) in g["dppl_ci95"].items():  # the end-of-run gate's paired intervals hold their estimates
+        assert lo - 1e-9 <= s["dppl_percent"][d] <= hi + 1e-9
+    assert set(second["candidate"]["block_nll"]) == {"code", "prose", "math"}
     table = (out / "result.md").read_text()
-    assert "| smoke |" in table.replace("ca-smoke", "smoke") and ("PASS" in table or "FAIL" in table)
+    assert "| smoke |" in table.replace("ca-smoke", "smoke") and any(v in table for v in ("PASS", "FAIL", "INCONCL"))
     assert (out / "cache.png").stat().st_size > 5000
     assert json.loads((out / "result.json").read_text())["global_step"] == 6
     assert main(["train-cache-aware", "--table", str(out)]) == 0
@@ -500,7 +505,16 @@ def test_frontier_trains_each_variant_once_gates_it_and_writes_rows(tiny_data, t
     assert [(r["name"], r["serving"]) for r in rows] == [("base", "reroute"), ("control", "plain"),
                                                          ("miss", "plain"), ("miss", "reroute")]
     for r in rows:
-        assert r["gate"] in ("PASS", "FAIL") and (r["gate"] == "PASS") == (not r["failures"])
+        assert r["gate"] in ("PASS", "FAIL", "INCONCLUSIVE") and (r["gate"] == "FAIL") == bool(r["failures"])
+        # the JSON contract of results/frontier.json (issue #23)
+        for key in ("dppl_overall_ci95", "dppl_max_domain_ci95"):
+            lo, hi = r[key]
+            assert math.isfinite(lo) and lo <= hi
+        assert r["dppl_overall_ci95"][0] - 1e-9 <= r["dppl_overall_pct"] <= r["dppl_overall_ci95"][1] + 1e-9
+        assert set(r["dacc_ci95"]) == set(r["n_documents"]) == {"ec_cloze_prose"}
+        assert all(lo <= hi for lo, hi in r["dacc_ci95"].values())
+        assert isinstance(r["n_blocks"], int) and r["n_blocks"] >= 1
+        assert r["n_documents"]["ec_cloze_prose"] == (1 if r["serving"] == "reroute" else 2)
         assert math.isfinite(r["dppl_overall_pct"]) and r["dppl_max_domain_pct"] >= r["dppl_overall_pct"] - 1e-9 \
             or len(r["dppl_percent"]) == 2
         assert r["miss_reduction_1_8"] is not None and r["miss_reduction_1_8"] <= 1

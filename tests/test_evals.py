@@ -133,7 +133,7 @@ def test_a_users_own_task_yaml_is_evaluated_and_gated(evals, tiny_data, tmp_path
 
 def test_eval_records_what_makes_two_evals_comparable(evals):
     r = evals["base"]
-    assert r["format_version"] == 2
+    assert r["format_version"] == 3
     assert len(r["tokenizer"]["vocab_sha256"]) == 64 and r["tokenizer"]["vocab_size"] == 512
     assert len(r["stepwise"]["blocks_sha256"]) == 64
     assert r["stepwise"]["tokens"]["overall"] > 0
@@ -175,6 +175,15 @@ _DEL = object()
     (("lm_eval", "ec_math_em", "exact_match,answer"), float("-inf"), "not a finite accuracy"),
     (("format_version",), _DEL, "older `expertcache eval`.*re-run"),
     (("format_version",), 99, "format_version 99"),
+    (("format_version",), 2, "format 2, which keeps no per-block NLLs.*re-run"),
+    (("stepwise", "block_nll"), _DEL, "no per-block step-wise NLLs"),
+    (("stepwise", "block_nll", "prose"), [1.0], "one finite NLL and one token count"),
+    (("stepwise", "block_nll", "code", 0), float("nan"), "one finite NLL"),
+    (("stepwise", "block_nll", "code", 0), 0.0, "an edited or corrupted eval"),
+    (("lm_eval_docs",), _DEL, "no per-document lm-eval scores"),
+    (("lm_eval_docs", "ec_cloze_prose"), _DEL, "no per-document scores for ec_cloze_prose"),
+    (("lm_eval_docs", "ec_cloze_prose", "acc", 0), 2.0, "not one score in \\[0, 1\\] per document"),
+    (("lm_eval_docs", "ec_ppl_prose", "bpb_bytes", 0), 0, "positive byte count"),
     (("tokenizer",), _DEL, "no tokenizer fingerprint"),
     (("stepwise", "blocks_sha256"), _DEL, "no hash of the step-wise blocks"),
 ])
@@ -194,6 +203,7 @@ def test_gate_refuses_a_broken_or_old_input_on_either_side(evals, path, value, m
     (("lm_eval_samples", "ec_cloze_prose"), {"original": 9, "effective": 3}, "different documents"),
     (("lm_eval", "ec_math_em"), _DEL, "different lm-eval tasks"),
     (("lm_eval",), _DEL, "different lm-eval tasks"),
+    (("lm_eval_docs", "ec_math_em", "docs_sha256"), "0" * 64, "ec_math_em on different documents"),
 ])
 def test_gate_refuses_incomparable_inputs(evals, path, value, match):
     other = _broken(evals["base"], path, value)
@@ -242,3 +252,156 @@ def test_eval_refuses_a_checkpoint_that_produces_nan(evals, tiny_data):
     with pytest.raises(InputError, match="non-finite logits: corrupted weights"):
         evaluate(nan, corpus=tiny_data["corpus"], tasks=[], task_dir=evals["root"] / "tasks", ppl_blocks=1,
                  seq_len=16, split="validation")
+
+
+def _scaled(res, factors):
+    """`res` with each domain's block NLLs multiplied by `factors[domain]` (one per block), perplexities recomputed:
+    a candidate whose degradation varies from block to block."""
+    import copy
+    import math
+
+    r = copy.deepcopy(res)
+    s = r["stepwise"]
+    tot = 0.0
+    for d, f in factors.items():
+        s["block_nll"][d] = [x * k for x, k in zip(s["block_nll"][d], f)]
+        s["ppl"][d] = math.exp(sum(s["block_nll"][d]) / sum(s["block_tokens"][d]))
+        tot += sum(s["block_nll"][d])
+    s["ppl"]["overall"] = math.exp(tot / s["tokens"]["overall"])
+    return r
+
+
+def test_eval_keeps_the_per_item_scores_the_intervals_need(evals):
+    import math
+
+    r = evals["base"]
+    s = r["stepwise"]
+    for d in ("code", "prose", "math"):
+        assert len(s["block_nll"][d]) == len(s["block_tokens"][d]) == 2
+        assert math.isclose(math.exp(sum(s["block_nll"][d]) / sum(s["block_tokens"][d])), s["ppl"][d], rel_tol=1e-9)
+    docs = r["lm_eval_docs"]
+    for task, key, metric in (("ec_cloze_prose", "acc,none", "acc"), ("ec_math_em", "exact_match,answer",
+                                                                        "exact_match")):
+        assert docs[task]["doc_id"] == [0, 1, 2, 3]  # --limit 4
+        assert math.isclose(sum(docs[task][metric]) / 4, r["lm_eval"][task][key])
+    d = docs["ec_ppl_prose"]
+    bpb = -sum(d["bpb_ll"]) / sum(d["bpb_bytes"]) / math.log(2)
+    assert math.isclose(bpb, r["lm_eval"]["ec_ppl_prose"]["bits_per_byte,none"], rel_tol=1e-9)
+
+
+def test_gate_json_carries_intervals_sample_sizes_and_a_verdict(evals):
+    g = gate(evals["base"], evals["damaged"], resamples=500, seed=3)
+    assert g["gate"] == "FAIL" and not g["pass"]
+    lo, hi = g["dppl_overall_ci95"]
+    assert 1.0 < lo <= g["dppl_percent"]["overall"] <= hi
+    assert g["dppl_max_domain_ci95"][0] > 2.0
+    assert set(g["dacc_ci95"]) == set(g["n_documents"]) == {"ec_cloze_prose", "ec_math_em"}
+    assert all(lo <= g["dacc_points"][t] <= hi for t, (lo, hi) in g["dacc_ci95"].items())
+    assert g["n_blocks"] == 2 and g["n_documents"] == {"ec_cloze_prose": 4, "ec_math_em": 4}
+    assert g == gate(evals["base"], evals["damaged"], resamples=500, seed=3)  # seeded: reproducible
+    same = gate(evals["base"], evals["base"])
+    assert same["gate"] == "PASS" and same["dppl_overall_ci95"] == [0.0, 0.0]
+    assert all(v == [0.0, 0.0] for v in same["dacc_ci95"].values())
+
+
+def test_gate_inconclusive_exits_3_and_says_what_would_resolve_it(evals, capsys):
+    from expertcache.recipes.cli import main
+
+    root = evals["root"]
+    # about +0.8% overall, every domain's two blocks far apart: the interval straddles +1%
+    worse = _scaled(evals["base"], {d: [1.0, 1.0032] for d in ("code", "prose", "math")})
+    g = gate(evals["base"], worse)
+    assert g["gate"] == "INCONCLUSIVE", g
+    lo, hi = g["dppl_overall_ci95"]
+    assert lo < 1.0 < hi
+    assert g["resolve"]["blocks_per_domain"] > 2 and any("blocks per domain" in u for u in g["unresolved"])
+    (root / "straddle.json").write_text(json.dumps(worse))
+    out = root / "gate-straddle.json"
+    assert main(["gate", "--baseline", str(root / "base.json"), "--candidate", str(root / "straddle.json"),
+                 "--out", str(out)]) == 3
+    assert "gate: INCONCLUSIVE" in capsys.readouterr().err
+    assert json.loads(out.read_text())["gate"] == "INCONCLUSIVE"
+    # far above the threshold on every block: FAIL; far below: PASS
+    assert gate(evals["base"], _scaled(evals["base"], {d: [1.05, 1.06] for d in ("code", "prose", "math")}))[
+        "gate"] == "FAIL"
+    assert gate(evals["base"], _scaled(evals["base"], {d: [0.99, 0.995] for d in ("code", "prose", "math")}))[
+        "gate"] == "PASS"
+
+
+def test_bits_per_byte_noise_does_not_fail_a_better_model(evals):
+    """The quickstart's case: bits per byte up by noise, the token Δppl down; the intervals overlap zero."""
+    import copy
+    import math
+
+    better = _scaled(evals["base"], {d: [0.99, 0.985] for d in ("code", "prose", "math")})
+    cand = copy.deepcopy(better)
+    d = cand["lm_eval_docs"]["ec_ppl_prose"]
+    noise = [(-1) ** i * 0.01 * abs(x) for i, x in enumerate(d["bpb_ll"])]  # ± 1% per document
+    noise[0] -= 1e-3 * abs(d["bpb_ll"][0])  # net: slightly worse
+    d["bpb_ll"] = [x + e for x, e in zip(d["bpb_ll"], noise)]
+    cand["lm_eval"]["ec_ppl_prose"]["bits_per_byte,none"] = -sum(d["bpb_ll"]) / sum(d["bpb_bytes"]) / math.log(2)
+    g = gate(evals["base"], cand)
+    x = g["bpb_crosscheck"]
+    assert x["delta"] > 0 and g["dppl_percent"]["overall"] < 0
+    assert x["agrees_in_sign"] and x["delta_ci95"][0] < 0 < x["delta_ci95"][1]
+    assert g["gate"] == "PASS", g["failures"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--confidence", "1"], "--confidence"), (["--confidence", "0"], "--confidence"),
+    (["--confidence", "-0.5"], "--confidence"), (["--confidence", "nan"], "confidence"),
+    (["--resamples", "0"], "--resamples"), (["--resamples", "-3"], "--resamples"),
+])
+def test_gate_cli_refuses_bad_interval_options_with_exit_2(evals, capsys, args, needle):
+    from expertcache.recipes.cli import main
+
+    b = str(evals["root"] / "base.json")
+    assert main(["gate", "--baseline", b, "--candidate", b, *args]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and needle in err[0] and err[0].startswith("expertcache gate: error:"), err
+
+
+def test_eval_reports_its_samples_and_sizes_them_from_an_inconclusive_gate(evals, tiny_data, tmp_path, capsys):
+    from expertcache.recipes.cli import main
+
+    r = evals["base"]
+    assert r["n_blocks"] == {"code": 2, "prose": 2, "math": 2} and r["sample_notes"] == []
+    assert r["n_documents"] == {"ec_ppl_prose": 4, "ec_cloze_prose": 4, "ec_math_em": 4}
+    g = gate(r, _scaled(r, {d: [1.0, 1.0032] for d in ("code", "prose", "math")}))
+    assert g["gate"] == "INCONCLUSIVE"
+    want = g["resolve"]["blocks_per_domain"]
+    (tmp_path / "g.json").write_text(json.dumps(g))
+    out = tmp_path / "sized.json"
+    assert main(["eval", "--model", str(evals["root"] / "base" / "model"), "--corpus", tiny_data["corpus"],
+                 "--tasks", "[]", "--seq_len", "32", "--ppl_blocks", "2", "--task_dir", str(evals["root"] / "tasks"),
+                 "--size_from", str(tmp_path / "g.json"), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["sizing"]["ppl_blocks"] == want > 2
+    for d, n in res["n_blocks"].items():  # as many as asked, or all the split has (and a note says so)
+        assert n == want or (n < want and any(x.startswith(f"{d}: {n} blocks") for x in res["sample_notes"]))
+    capsys.readouterr()
+    (tmp_path / "not-gate.json").write_text(json.dumps({"gate": "PASS"}))
+    assert main(["eval", "--model", "x", "--size_from", str(tmp_path / "not-gate.json")]) == 2
+    assert "not an `expertcache gate` JSON" in capsys.readouterr().err
+
+
+def test_gate_refuses_the_same_tokens_split_into_other_blocks(evals):
+    import copy
+
+    other = copy.deepcopy(evals["base"])
+    t = other["stepwise"]["block_tokens"]["code"]
+    t[0], t[1] = t[0] - 1, t[1] + 1  # same total, same perplexity, other blocks
+    with pytest.raises(InputError, match="different step-wise blocks"):
+        gate(evals["base"], other)
+
+
+def test_quickstart_gate_table_shows_intervals_and_the_three_verdicts(evals):
+    from expertcache.recipes.quickstart import gate_summary, gate_table
+
+    straddle = _scaled(evals["base"], {d: [1.0, 1.0032] for d in ("code", "prose", "math")})
+    rows = [gate_summary(n, gate(evals["base"], c), c) for n, c in
+            (("same", evals["base"]), ("damaged", evals["damaged"]), ("straddle", straddle))]
+    assert [r["gate"] for r in rows] == ["PASS", "FAIL", "INCONCLUSIVE"]
+    md = gate_table(rows)
+    assert md[-3].startswith("| same | +0.00% [+0.00, +0.00] (2) |") and md[-3].endswith("| PASS |")
+    assert "ec_cloze_prose" in md[-2] and "(4)" in md[-2] and md[-1].endswith("| INCONCLUSIVE |")

@@ -406,7 +406,9 @@ def baseline_eval(recipe: CacheAwareRecipe) -> dict:
     folder = base.parent / "cache-aware-baseline"
     path = folder / f"{key}.json"
     if path.is_file():
-        return json.loads(path.read_text())
+        res = json.loads(path.read_text())
+        if "block_nll" in res:  # one cached before the gate's intervals is measured again
+            return res
     folder.mkdir(parents=True, exist_ok=True)
     e = recipe.eval
     res = evaluate_checkpoint(base, recipe.data.corpus, e.split, folder / f"trace-{key}.parquet", e.prompt_len,
@@ -433,12 +435,20 @@ def summarize(recipe: CacheAwareRecipe, base: dict, cand: dict) -> dict:
             c["router_traffic_ratio"] = c[best]["traffic_bytes_per_token"] / c["lru"]["traffic_bytes_per_token"]
     dppl = {d: 100 * (cand["ppl"][d] / base["ppl"][d] - 1) for d in cand["ppl"]}
     e = recipe.eval
-    from expertcache.telemetry.metrics import GateThresholds, gate_failures
+    from expertcache.telemetry.metrics import GateThresholds, gate_verdict
+    from expertcache.telemetry.stats import dppl_intervals
 
-    fails = gate_failures(dppl, {}, GateThresholds(e.gate_ppl_overall, e.gate_ppl_domain))
-    return {"capacities": caps, "dppl_percent": dppl, "gate": {"pass": not fails, "failures": fails,
-                                                              "ppl_overall_max": e.gate_ppl_overall,
-                                                              "ppl_domain_max": e.gate_ppl_domain}}
+    th = GateThresholds(e.gate_ppl_overall, e.gate_ppl_domain)
+    # the same blocks for both (the same corpus, split, seq_len and ppl_blocks): paired intervals, the gate's rule
+    iv = dppl_intervals(base["block_nll"], cand["block_nll"], base["block_tokens"])
+    est = {"overall": [dppl["overall"], *iv["overall"][1:]],
+           **{d: [dppl[d], *v[1:]] for d, v in iv["domains"].items()}}
+    v = gate_verdict(est, {}, iv["n_blocks"], {}, th)
+    return {"capacities": caps, "dppl_percent": dppl, "gate": {
+        "verdict": v["gate"], "pass": v["gate"] == "PASS", "failures": v["failures"], "unresolved": v["unresolved"],
+        "resolve": v["resolve"], "dppl_ci95": {d: x[1:] for d, x in est.items()},
+        "dppl_max_domain_ci95": iv["max_domain"][1:], "n_blocks": iv["n_blocks"],
+        "ppl_overall_max": e.gate_ppl_overall, "ppl_domain_max": e.gate_ppl_domain}}
 
 
 def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
@@ -548,7 +558,8 @@ def result_row(result: dict) -> dict:
     """The figures of one run that the table shows."""
     s = result["summary"]
     row = {"name": result["name"], "mode": result["mode"], "lambda": result["locality"]["weight"],
-           "dppl_percent": s["dppl_percent"], "gate": "PASS" if s["gate"]["pass"] else "FAIL"}
+           "dppl_percent": s["dppl_percent"],
+           "gate": s["gate"].get("verdict", "PASS" if s["gate"]["pass"] else "FAIL")}
     for cap, c in s["capacities"].items():
         row[f"C={cap}"] = {
             "capacity_frac": c["capacity_frac"], "lru_miss_reduction": c["lru_miss_reduction"],
@@ -594,9 +605,19 @@ def results_table(results: list[dict]) -> str:
 
 def frontier_table(rows: list[dict]) -> str:
     """Markdown of the frontier's rows (expertcache.recipes.frontier): one line per (variant, serving); the
-    README's post-training table."""
+    README's post-training table. Gate figures carry their 95% paired intervals (and n: blocks per domain) where
+    the row has them."""
     def pct(v, sign=False):
         return "—" if v is None else (f"{v:+.2f}%" if sign else f"{100 * v:.1f}%")
+
+    def ci(iv, n=None):  # a 95% interval (rows gated before issue #23 have none)
+        return "" if not iv else f" [{iv[0]:+.2f}, {iv[1]:+.2f}]" + ("" if n is None else f" n={n}")
+
+    def worst_acc(r):
+        if not r.get("dacc_ci95") or not r.get("dacc_points"):
+            return None
+        t = min(r["dacc_points"], key=r["dacc_points"].get)
+        return r["dacc_ci95"][t]
 
     lines = ["| run | serving | LRU misses removed 1/8 E | 1/4 E | LRU hit 1/8 (Belady) | Δppl overall | worst domain | "
              "Δppl 64 blocks (vs λ=0 control) | Δacc worst (pts) | Temporal vs LRU 1/8 (traffic) | gate |",
@@ -611,8 +632,10 @@ def frontier_table(rows: list[dict]) -> str:
         tmp = "—" if tg is None else f"{tg:+.1f} pts ({r['temporal_traffic_ratio_1_8']:.2f}x)"
         serving = r["serving"] + (f" τ={r['tau']:g}" if r.get("tau") is not None else "")
         lines.append(f"| {r['name']} | {serving} | {pct(r['miss_reduction_1_8'])} | "
-                     f"{pct(r.get('miss_reduction_1_4'))} | {hit} | {pct(r['dppl_overall_pct'], True)} | "
-                     f"{pct(r['dppl_max_domain_pct'], True)} | {big} | {acc} | {tmp} | {r['gate']} |")
+                     f"{pct(r.get('miss_reduction_1_4'))} | {hit} | "
+                     f"{pct(r['dppl_overall_pct'], True)}{ci(r.get('dppl_overall_ci95'), r.get('n_blocks'))} | "
+                     f"{pct(r['dppl_max_domain_pct'], True)}{ci(r.get('dppl_max_domain_ci95'))} | {big} | "
+                     f"{acc}{ci(worst_acc(r))} | {tmp} | {r['gate']} |")
     return "\n".join(lines)
 
 

@@ -109,4 +109,5 @@ def evaluate_checkpoint(model_dir: str | Path, corpus: str, split: str, trace_pa
     ppl = evaluate_lm(model, corpus, str(model_dir), split, seq_len, ppl_blocks)
     return {"decode_tokens": int(ids.shape[1]), "expert_bytes": expert_bytes(model),
             "cache": cache_table(ids, caps, a.num_experts, expert_bytes(model), keep, pre), "ppl": ppl["ppl"],
-            "ppl_tokens": ppl["tokens"], "expert_entropy_frac_of_max": ppl["expert_entropy_frac_of_max"]}
+            "ppl_tokens": ppl["tokens"], "block_nll": ppl["block_nll"], "block_tokens": ppl["block_tokens"],
+            "expert_entropy_frac_of_max": ppl["expert_entropy_frac_of_max"]}

@@ -1,0 +1,206 @@
+"""The gate's statistics on synthetic paired data (no model): interval coverage, the sample-size suggestion, the
+three verdicts, calibration (a model against itself never FAILs) and the refusals."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+
+from expertcache.telemetry.errors import InputError
+from expertcache.telemetry.metrics import GateThresholds, gate_verdict
+from expertcache.telemetry.stats import (check_bootstrap, dacc_interval, dbpb_interval, dppl_intervals,
+                                         resample_counts, samples_to_resolve)
+
+DOMS = ("code", "prose", "math")
+T = 127  # tokens per block
+
+
+def _blocks(rng, n, delta, spread=0.4, base_nll=4.0, sd=0.15):
+    """Per-block summed NLLs of a baseline and a candidate whose true mean NLL per token is `delta[d]` nats higher:
+    the true Δppl of domain d is 100 * (exp(delta[d]) - 1)."""
+    b, c, t = {}, {}, {}
+    for d in DOMS:
+        b[d] = T * rng.normal(base_nll, sd, n)
+        c[d] = b[d] + T * rng.normal(delta[d], spread * 0.01, n)  # paired: the same block, a per-block change
+        t[d] = np.full(n, T)
+    return b, c, t
+
+
+def _pct(x):
+    return 100 * math.expm1(x)
+
+
+def test_dppl_interval_covers_the_true_difference_at_about_the_stated_rate():
+    rng = np.random.default_rng(0)
+    delta = {"code": 0.004, "prose": 0.0, "math": 0.012}
+    true_overall = _pct(np.mean(list(delta.values())))
+    true_dom = {d: _pct(v) for d, v in delta.items()}
+    hits_overall, hits_dom, trials = 0, {d: 0 for d in DOMS}, 200
+    for i in range(trials):
+        b, c, t = _blocks(rng, 64, delta)
+        iv = dppl_intervals(b, c, t, resamples=1000, seed=i)
+        hits_overall += iv["overall"][1] <= true_overall <= iv["overall"][2]
+        for d in DOMS:
+            hits_dom[d] += iv["domains"][d][1] <= true_dom[d] <= iv["domains"][d][2]
+    assert hits_overall / trials >= 0.90, hits_overall
+    assert sum(hits_dom.values()) / (3 * trials) >= 0.90, hits_dom  # the three domains' intervals pooled
+
+
+def test_dacc_interval_covers_the_true_difference_at_about_the_stated_rate():
+    rng = np.random.default_rng(1)
+    hits, trials, n = 0, 200, 200
+    p_gain, p_loss = 0.08, 0.12  # a document flips to correct / to wrong: true Δacc = -4 points
+    for i in range(trials):
+        base = (rng.random(n) < 0.6).astype(float)
+        u = rng.random(n)
+        cand = np.where((base == 0) & (u < p_gain / 0.4), 1.0, np.where((base == 1) & (u < p_loss / 0.6), 0.0, base))
+        _, lo, hi = dacc_interval(base, cand, resamples=1000, seed=i)
+        hits += lo <= -4.0 <= hi
+    assert hits / trials >= 0.90, hits
+
+
+def test_bootstrap_is_seeded_vectorised_and_fast():
+    rng = np.random.default_rng(2)
+    b, c, t = _blocks(rng, 64, {d: 0.005 for d in DOMS})
+    t0 = time.perf_counter()
+    iv = dppl_intervals(b, c, t, resamples=2000, seed=7)
+    assert time.perf_counter() - t0 < 2.0  # one multinomial draw and one product per domain, no loop per resample
+    assert iv == dppl_intervals(b, c, t, resamples=2000, seed=7)
+    assert iv != dppl_intervals(b, c, t, resamples=2000, seed=8)
+    w = resample_counts({"a": 5, "b": 9}, 100, seed=1)
+    assert w["a"].shape == (100, 5) and (w["b"].sum(axis=1) == 9).all()
+    # adding a stratum changes no other stratum's counts
+    assert (resample_counts({"a": 5}, 100, seed=1)["a"] == w["a"]).all()
+
+
+def test_identical_runs_give_a_zero_width_interval_and_pass():
+    rng = np.random.default_rng(3)
+    b, _, t = _blocks(rng, 8, {d: 0.0 for d in DOMS})
+    iv = dppl_intervals(b, b, t)
+    assert iv["overall"] == [0.0, 0.0, 0.0] and iv["max_domain"] == [0.0, 0.0, 0.0]
+    acc = np.array([1, 0, 1, 1.0])
+    assert dacc_interval(acc, acc) == [0.0, 0.0, 0.0]
+    v = gate_verdict({"overall": iv["overall"], **iv["domains"]}, {"t": [0.0, 0.0, 0.0]}, iv["n_blocks"], {"t": 4})
+    assert v["gate"] == "PASS" and not v["failures"] and not v["unresolved"]
+
+
+@pytest.mark.parametrize("iv,acc,verdict", [
+    ([0.5, 0.1, 0.9], [0.0, -0.5, 0.5], "PASS"),  # every interval inside
+    ([0.5, 0.1, 1.0], [0.0, -1.0, 0.5], "PASS"),  # a bound on the threshold is inside
+    ([1.5, 1.1, 1.9], [0.0, -0.5, 0.5], "FAIL"),  # the lower bound of Δppl above +1%
+    ([0.5, 0.1, 0.9], [-3.0, -4.0, -2.0], "FAIL"),  # the upper bound of Δacc below -1 point
+    ([0.8, 0.2, 1.4], [0.0, -0.5, 0.5], "INCONCLUSIVE"),  # Δppl straddles +1%
+    ([0.5, 0.1, 0.9], [0.0, -3.0, 3.0], "INCONCLUSIVE"),  # Δacc straddles -1
+    ([1.5, 1.1, 1.9], [0.0, -3.0, 3.0], "FAIL"),  # one outside decides, another straddling or not
+])
+def test_the_three_verdicts(iv, acc, verdict):
+    dppl = {"overall": iv, "code": [0.0, -0.1, 0.1], "prose": [0.0, -0.1, 0.1], "math": [0.0, -0.1, 0.1]}
+    v = gate_verdict(dppl, {"ec_cloze_prose": acc}, {d: 64 for d in DOMS}, {"ec_cloze_prose": 24})
+    assert v["gate"] == verdict, v
+    if verdict == "INCONCLUSIVE":
+        need = v["resolve"]["blocks_per_domain"] or v["resolve"]["documents"]["ec_cloze_prose"]
+        assert need > 24 and v["unresolved"]
+
+
+def test_a_domain_interval_across_its_threshold_names_the_blocks_that_resolve_it():
+    dppl = {"overall": [0.2, 0.0, 0.4], "code": [1.6, 1.0, 2.6], "prose": [0.0, -0.1, 0.1], "math": [0.0, -0.1, 0.1]}
+    v = gate_verdict(dppl, {}, {d: 16 for d in DOMS}, {}, GateThresholds())
+    assert v["gate"] == "INCONCLUSIVE"
+    # n' = ceil(16 * (w / |est - th|)^2), w = 2.6 - 1.6 on the threshold's side, |est - th| = 0.4
+    assert v["resolve"]["blocks_per_domain"] == math.ceil(16 * (1.0 / 0.4) ** 2) == 100
+    assert "Δppl code" in v["unresolved"][0] and "100 blocks per domain" in v["unresolved"][0]
+
+
+def test_samples_to_resolve():
+    assert samples_to_resolve(0.5, -0.2, 1.2, 1.0, 64) == math.ceil(64 * (0.7 / 0.5) ** 2)  # below: the upper side
+    assert samples_to_resolve(1.4, 0.8, 2.0, 1.0, 64) == math.ceil(64 * (0.6 / 0.4) ** 2)  # above: the lower side
+    assert samples_to_resolve(0.5, 0.1, 0.9, 1.0, 64) is None  # already resolved
+    assert samples_to_resolve(1.0, 0.5, 1.5, 1.0, 64) == -1  # on the threshold: no sample size resolves it
+
+
+def test_following_the_sample_size_suggestion_shrinks_the_interval_as_promised():
+    """At n' blocks per domain (from n = 12) the interval's end on the threshold side should sit about where the
+    threshold is now measured from the estimate: half-width(n') ~ |est - threshold| at n. Synthetic, same
+    variance; the ratio of the half-width reached to the one promised is ~1 (median over trials)."""
+    rng = np.random.default_rng(4)
+    delta = {d: math.log1p(0.007) for d in DOMS}  # true Δppl +0.7% in every domain, threshold +1% overall
+    ratios, suggested = [], []
+    for i in range(60):
+        b, c, t = _blocks(rng, 12, delta, spread=1.0)
+        iv = dppl_intervals(b, c, t, resamples=1000, seed=i)
+        est, lo, hi = iv["overall"]
+        n_new = samples_to_resolve(est, lo, hi, 1.0, 12)
+        if n_new is None or n_new < 0 or n_new > 5000:
+            continue
+        promised = abs(est - 1.0)  # the half-width on that side at n_new
+        b2, c2, t2 = _blocks(rng, n_new, delta, spread=1.0)
+        e2, lo2, hi2 = dppl_intervals(b2, c2, t2, resamples=1000, seed=1000 + i)["overall"]
+        reached = (hi2 - e2) if est < 1.0 else (e2 - lo2)
+        ratios.append(reached / promised)
+        suggested.append(n_new)
+    assert len(ratios) >= 20, len(ratios)
+    med = float(np.median(ratios))
+    assert 0.75 <= med <= 1.33, (med, ratios)
+    assert min(suggested) > 12
+
+
+def test_a_model_against_a_second_evaluation_of_itself_never_fails():
+    """Calibration: the candidate is the baseline plus zero-mean per-block noise (a second evaluation with other
+    sampling), over 50 seeds and both sample sizes: PASS or INCONCLUSIVE, never FAIL."""
+    verdicts, ppl_only = {4: [], 64: []}, []
+    for seed in range(50):
+        rng = np.random.default_rng(100 + seed)
+        for n in (4, 64):
+            b, c, t = _blocks(rng, n, {d: 0.0 for d in DOMS}, spread=1.0)
+            iv = dppl_intervals(b, c, t, resamples=1000, seed=seed)
+            acc = (rng.random(24) < 0.5).astype(float)
+            flip = rng.random(24) < 0.1  # a second evaluation flips about 2 of 24 documents either way
+            cand = np.where(flip, 1 - acc, acc)
+            dacc = {"ec_cloze_prose": dacc_interval(acc, cand, resamples=1000, seed=seed)}
+            dppl = {"overall": iv["overall"], **iv["domains"]}
+            verdicts[n].append(gate_verdict(dppl, dacc, iv["n_blocks"], {"ec_cloze_prose": 24})["gate"])
+            if n == 64:
+                ppl_only.append(gate_verdict(dppl, {}, iv["n_blocks"], {})["gate"])
+    assert "FAIL" not in verdicts[4] + verdicts[64]
+    # 24 documents cannot tell ±2 flips from a 1-point loss (INCONCLUSIVE, as it should); 64 blocks resolve Δppl
+    assert ppl_only.count("PASS") == 50, ppl_only
+
+
+def test_a_known_3_percent_degradation_fails_on_64_blocks():
+    fails = 0
+    for seed in range(20):
+        rng = np.random.default_rng(200 + seed)
+        b, c, t = _blocks(rng, 64, {d: math.log1p(0.03) for d in DOMS}, spread=1.0)
+        iv = dppl_intervals(b, c, t, resamples=1000, seed=seed)
+        v = gate_verdict({"overall": iv["overall"], **iv["domains"]}, {}, iv["n_blocks"], {})
+        fails += v["gate"] == "FAIL"
+    assert fails == 20
+
+
+def test_bits_per_byte_interval():
+    rng = np.random.default_rng(5)
+    nbytes = {"p": rng.integers(1000, 2000, 24).astype(float)}
+    base = {"p": -nbytes["p"] * rng.normal(1.2, 0.05, 24)}
+    est, lo, hi = dbpb_interval(base, base, nbytes)
+    assert est == lo == hi == 0.0
+    cand = {"p": base["p"] * 1.01}  # 1% more nats on every document: bits per byte up
+    est, lo, hi = dbpb_interval(base, cand, nbytes)
+    assert 0 < lo <= est <= hi
+
+
+@pytest.mark.parametrize("confidence,resamples,needle", [
+    (0.0, 100, "--confidence"), (1.0, 100, "--confidence"), (1.5, 100, "--confidence"),
+    (float("nan"), 100, "--confidence"), (-0.95, 100, "--confidence"),
+    (0.95, 0, "--resamples"), (0.95, -10, "--resamples"), (0.95, 2.5, "--resamples"),
+    (0.95, 10 ** 9, "--resamples"),
+])
+def test_bad_interval_options_are_refused(confidence, resamples, needle):
+    with pytest.raises(InputError, match=needle):
+        check_bootstrap(confidence, resamples)
+    rng = np.random.default_rng(6)
+    b, c, t = _blocks(rng, 4, {d: 0.0 for d in DOMS})
+    with pytest.raises(InputError, match=needle):
+        dppl_intervals(b, c, t, confidence=confidence, resamples=resamples)
