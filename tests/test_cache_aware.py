@@ -18,6 +18,8 @@ from expertcache.trainer.locality import (domain_loss, layer_weights, locality_l
                                           served_routing)
 from helpers import REPO, smoke_overrides
 
+pytestmark = pytest.mark.slow  # end-to-end: trains, evaluates or runs the CLI in subprocesses (`make test-fast` skips)
+
 CA_RECIPES = REPO / "recipes" / "cache-aware"
 
 
@@ -407,8 +409,6 @@ def test_runtime_reloads_the_routers_and_serves_losslessly_with_them(tiny_data, 
         eng.close()
     assert torch.equal(want, got)
 
-
-@pytest.mark.slow
 def test_joint_recipe_on_two_ddp_processes_matches_one_process(tiny_data, tiny_base, tmp_path):
     """`train.devices=2 train.strategy=ddp` (gloo: two CPU processes) at the same global batch as one process:
     each rank takes its half of every global batch, gradients are averaged, so the logged (rank-averaged) losses
@@ -433,7 +433,8 @@ def test_joint_recipe_on_two_ddp_processes_matches_one_process(tiny_data, tiny_b
         args = [f"{k}={v}" for k, v in dict(o, out_dir=str(out), **extra).items()]
         p = subprocess.run([str(exe), "--recipe", "smoke", *args], env=env, capture_output=True, text=True,
                            timeout=900)
-        assert p.returncode == 0, p.stderr[-3000:]
+        # 0 PASS or 3 INCONCLUSIVE: a 4-step smoke run's end-of-run gate rests on a handful of blocks
+        assert p.returncode in (0, 3) and "Traceback" not in p.stderr, p.stderr[-3000:]
         rows = [r for f in sorted((out / "logs").glob("version_*/metrics.csv")) for r in csv.DictReader(f.open())]
         return [float(r["train/loss"]) for r in rows if r.get("train/loss")]
 

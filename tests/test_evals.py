@@ -12,6 +12,8 @@ from expertcache.telemetry.errors import InputError
 from expertcache.trainer.config import load_recipe
 from helpers import REPO, smoke_overrides
 
+pytestmark = pytest.mark.slow  # end-to-end: trains, evaluates or runs the CLI in subprocesses (`make test-fast` skips)
+
 TASKS = ["ec_ppl_prose", "ec_cloze_prose", "ec_math_em"]
 
 

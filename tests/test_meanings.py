@@ -88,15 +88,13 @@ def test_a_routing_row_repeating_an_expert_is_refused_at_every_entry(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from expertcache.runtime.replay import load_routing
-    from expertcache.telemetry.learned_policy import load_routing as policy_routing
     from expertcache.telemetry.llamacpp import import_trace, read_npz
-    from expertcache.telemetry.parquet_trace import TraceMeta, TraceWriter, read_trace
+    from expertcache.telemetry.parquet_trace import TraceMeta, TraceWriter, load_routing, read_trace
 
     ids = _dup_routing()
     np.savez(tmp_path / "t.npz", experts=ids, meta=json.dumps({"num_experts": 16}))
     for call in (lambda: import_trace(tmp_path / "t.npz", tmp_path / "t.parquet"), lambda: read_npz(tmp_path / "t.npz"),
-                 lambda: load_routing(tmp_path / "t.npz"), lambda: policy_routing(tmp_path / "t.npz")):
+                 lambda: load_routing(tmp_path / "t.npz")):
         with pytest.raises(InputError, match=r"layer 1, token 5 repeats an expert \(\[3, 3, 5, 7\]\)"):
             call()
     with open(tmp_path / "s.bin", "wb") as f:

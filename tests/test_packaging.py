@@ -4,7 +4,11 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
 from helpers import REPO
+
+pytestmark = pytest.mark.slow  # builds a wheel and starts the CLI in subprocesses (`make test-fast` skips)
 
 
 def test_bare_area_names_are_not_importable_outside_the_repo(tmp_path):

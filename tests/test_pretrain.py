@@ -15,6 +15,8 @@ from expertcache.trainer.config import load_recipe
 from expertcache.trainer.pretrain import PretrainRecipe, read_metrics, run_pretrain
 from helpers import smoke_overrides
 
+pytestmark = pytest.mark.slow  # end-to-end: trains, evaluates or runs the CLI in subprocesses (`make test-fast` skips)
+
 
 def _recipe(tiny_data, out, **extra):
     return load_recipe(PretrainRecipe, "recipes/smoke.yaml" if Path("recipes/smoke.yaml").is_file() else None,
