@@ -409,6 +409,7 @@ def test_runtime_reloads_the_routers_and_serves_losslessly_with_them(tiny_data, 
         eng.close()
     assert torch.equal(want, got)
 
+
 def test_joint_recipe_on_two_ddp_processes_matches_one_process(tiny_data, tiny_base, tmp_path):
     """`train.devices=2 train.strategy=ddp` (gloo: two CPU processes) at the same global batch as one process:
     each rank takes its half of every global batch, gradients are averaged, so the logged (rank-averaged) losses
