@@ -13,6 +13,30 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 TABLES = [("bench_big.json", bigbench.table), ("bench_big_16gb.json", bigbench.table),
           ("bench_decode_0.87gb.json", bench.table), ("replay_bf16.json", replay.table)]
 
+
+
+def cachesim_table(d: dict) -> str:
+    """results/bench_cachesim.json -> the simulator's speed on the reference trace, against the targets."""
+    t = d["targets"]
+    rows = ["| figure | measured | target |", "|---|---|---|"]
+    for pol, v in d["accesses_per_s"].items():
+        tgt = t["accesses_per_s"].get(pol)
+        rows.append(f"| {pol}: accesses/s | {v / 1e6:.2f} M | {f'>= {tgt / 1e6:g} M' if tgt else '—'} |")
+    rows.append(f"| learned, amortised over analyze's 10 caches: accesses/s | "
+                f"{d['learned_amortized_accesses_per_s'] / 1e6:.2f} M | — |")
+    rows.append(f"| Belady: s per 1 M accesses | {d['belady_s_per_million']} | <= {t['belady_s_per_million']} |")
+    rows.append(f"| `analyze` of the reference trace (48 x 8,000 tokens) | {d['analyze_reference_s']} s | "
+                f"<= {t['analyze_reference_s']} s |")
+    rows.append(f"| the same with `--policy_file` | {d['analyze_reference_learned_s']} s | "
+                f"<= {t['analyze_reference_learned_s']} s |")
+    return "\n".join(rows)
+
+
+if (RESULTS / "bench_cachesim.json").is_file():
+    d = json.loads((RESULTS / "bench_cachesim.json").read_text())
+    print(f"<!-- results/bench_cachesim.json (python scripts/bench_cachesim.py; git {d.get('commit', '?')[:7]}) -->")
+    print(cachesim_table(d), end="\n\n")
+
 for name, fn in TABLES:
     p = RESULTS / name
     if p.is_file():
