@@ -37,6 +37,7 @@ from expertcache.telemetry.cache import reroute_choice
 from expertcache.telemetry.cachesim import CacheResult
 from expertcache.telemetry.errors import InputError
 
+from . import cpu_kernels
 from .cache import CacheState, LayerView
 from .checkpoint import StoreExperts
 from .predictors import Predictor
@@ -44,6 +45,7 @@ from .store import check_store, read_store_meta
 from .tiers import SlotPool, TierSpec, available_memory, make_tier, tier_host_bytes
 
 MISS_POLICIES = ("blocking", "reroute", "speculative", "host")
+KERNELS = ("native", "cpu", "auto", "triton")
 
 
 @dataclass
@@ -68,7 +70,10 @@ class EngineConfig:
         workers: transfer threads
         budget: layer (C slots per layer) | global (one cache of C x layers slots shared by every layer)
         device: where the slots and the non-expert model live: cpu | cuda
-        kernel: native (the family's own expert forward: bit-identical to plain) | triton (SwiGLU families on CUDA)
+        kernel: native (the family's own expert forward: bit-identical to plain) | cpu (the AVX-512 expert
+            kernels of `runtime.cpu_kernels`: bf16 slots of SwiGLU families on CPU, fp32 accumulation, each weight
+            read once; equal to plain up to rounding) | auto (cpu where it applies, else native) | triton (SwiGLU
+            families on CUDA)
     """
 
     capacity: int | float = 0.25
@@ -135,8 +140,11 @@ class EngineConfig:
                 raise InputError(f"{name}={getattr(self, name)}; expected >= 0")
         if self.workers < 1:
             raise InputError(f"workers={self.workers}; expected >= 1")
-        if self.kernel not in ("native", "triton"):
-            raise InputError(f"kernel={self.kernel!r}; expected native or triton")
+        if self.kernel not in KERNELS:
+            raise InputError(f"kernel={self.kernel!r}; expected one of {', '.join(KERNELS)}")
+        if self.kernel == "cpu" and self.slot_device != "cpu":
+            raise InputError("kernel cpu computes on CPU slots: drop --engine.device cuda / --engine.tier cuda, or use "
+                             "--engine.kernel triton")
         if self.kernel == "triton":  # where it cannot run, the native path would run without a word
             if self.slot_device != "cuda":
                 raise InputError("kernel triton runs on CUDA slots only: add --engine.device cuda (or --engine.tier "
@@ -209,14 +217,34 @@ class OffloadedExperts(nn.Module):
     def forward(self, hidden_states, top_k_index, top_k_weights):
         return self._engine[0].run_layer(self, hidden_states, top_k_index, top_k_weights)
 
+    def fast_kernel(self, x: torch.Tensor) -> bool:
+        """Whether the CPU expert kernel computes this layer: asked for (`cpu`, or `auto`), a SwiGLU family without
+        biases whose slots are bf16 `gate_up_proj [S, 2I, H]` / `down_proj [S, H, I]` on the CPU, and the extension
+        built here. `cpu` where it cannot apply was refused by `EngineConfig.check` or at load (`_check_kernel`)."""
+        if self._engine[0].cfg.kernel not in ("cpu", "auto") or x.is_cuda:
+            return False
+        return self.swiglu_ok and cpu_kernels.available()
+
+    @property
+    def swiglu_ok(self) -> bool:
+        v = self._tmpl
+        gu, dn = getattr(v, "gate_up_proj", None), getattr(v, "down_proj", None)
+        act = getattr(getattr(v, "config", None), "hidden_act", None)
+        return (isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dtype == torch.bfloat16
+                and dn.dtype == torch.bfloat16 and gu.dim() == 3 and dn.dim() == 3
+                and gu.shape[1] == 2 * dn.shape[2] and not getattr(v, "has_bias", False) and act == "silu")
+
     def compute(self, hidden, slot_index, weights):
         """All (token, choice) pairs at once over the slot pool: the family's own forward, as plain generate (or
-        the triton SwiGLU kernel, when the engine is configured for it and the tensors are on a GPU)."""
+        the CPU kernel / the triton SwiGLU kernel, when the engine is configured for them)."""
         if self._engine[0].cfg.kernel == "triton" and hidden.is_cuda and not getattr(self._tmpl, "has_bias", False):
             from .kernels import swiglu_experts
 
             v = self._tmpl
             return swiglu_experts(hidden, v.gate_up_proj, v.down_proj, slot_index, weights)
+        if self.fast_kernel(hidden):
+            v = self._tmpl
+            return cpu_kernels.swiglu_bf16(hidden, v.gate_up_proj, v.down_proj, slot_index, weights)
         return self._forward(self._tmpl, hidden, slot_index, weights)
 
     def rows(self, x, slots, weights, tensors: dict[str, torch.Tensor] | None = None):
@@ -229,7 +257,20 @@ class OffloadedExperts(nn.Module):
             for n, v in tensors.items():
                 setattr(t, n, v)
             t.num_experts = next(iter(tensors.values())).shape[0]
+        if self.fast_kernel(x):
+            return cpu_kernels.swiglu_bf16(x, t.gate_up_proj, t.down_proj, slots[:, None], weights[:, None])
         return self._forward(t, x, slots[:, None], weights[:, None])
+
+
+def _check_cpu_kernel(mod: OffloadedExperts) -> None:
+    if not mod.swiglu_ok:
+        v = mod._tmpl
+        dt = getattr(getattr(v, "down_proj", None), "dtype", None)
+        raise InputError(f"kernel cpu computes bf16 SwiGLU experts without biases; this model's experts are "
+                         f"{type(mod._proto[0]).__name__} in {dt}: use --engine.kernel auto or native")
+    if not cpu_kernels.available():
+        raise InputError(f"kernel cpu: the CPU expert kernels are unavailable here ({cpu_kernels.why_unavailable()});"
+                         f" use --engine.kernel auto or native")
 
 
 def _as_source(source):
@@ -305,9 +346,15 @@ class OffloadEngine:
             pool = shared or SlotPool(self.meta, n_slots, fast)
             self.pools.append(pool)
             mod = OffloadedExperts(self, i, layer.experts, pool)
+            if i == 0 and cfg.kernel == "cpu":  # before the model is touched
+                _check_cpu_kernel(mod)
             layer.block.experts = mod  # the original expert tensors (or meta placeholders) go with the old module
             self.modules.append(mod)
         self._new_states()
+        # decode-sized projections (attention, lm head) through the same kernels as the experts
+        self._linears = []
+        if cfg.kernel in ("cpu", "auto") and cfg.slot_device == "cpu" and cpu_kernels.available():
+            self._linears = cpu_kernels.patch_linears(model) + cpu_kernels.patch_calls([L.router for L in self.layers])
         self.pool_exec = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="expert-load")
         self._load_pins()
         self.inflight = 0
@@ -608,6 +655,8 @@ class OffloadEngine:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        cpu_kernels.unpatch_linears(self._linears)
+        self._linears = []
         self.pool_exec.shutdown(wait=True)
         for mod in self.modules:  # break the engine <-> module cycle: the slot pools go when the engine does
             mod._engine = [None]

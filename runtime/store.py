@@ -272,8 +272,15 @@ def check_store(meta: StoreMeta, model) -> None:
 
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:
-    """Page-aligned anonymous memory (what O_DIRECT reads need)."""
-    return mmap.mmap(-1, _align(max(nbytes, 1)))
+    """Page-aligned anonymous memory (what O_DIRECT reads need), in transparent huge pages where the kernel gives
+    them (`madvise`: the kernels stream hundreds of MB per token; 4 KiB pages cost TLB misses on every one)."""
+    m = mmap.mmap(-1, _align(max(nbytes, 1)), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if nbytes >= 1 << 21 and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # not offered here: 4 KiB pages
+            pass
+    return m
 
 
 def open_direct(path: str | Path) -> tuple[int, str]:

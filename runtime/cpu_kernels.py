@@ -1,0 +1,190 @@
+"""The CPU expert kernels (`runtime/csrc/experts_cpu.cpp`): one or a few tokens through k experts' SwiGLU MLPs in
+bf16, int8 or int4, reading each weight once, with AVX-512 BF16 / VNNI.
+
+The extension is compiled on first use with `torch.utils.cpp_extension` (a C++ compiler and ninja are needed; `make
+install` builds it once) into a cache folder keyed by the source's hash and torch's version. Where it cannot be built
+or loaded (no compiler, a CPU without AVX-512 BF16 and VNNI, a failed build), `available()` is False, one warning line
+says why, and every caller keeps the torch path: nothing here ever raises on import.
+
+Threads: the kernels split their work over torch's intra-op threads (`torch.set_num_threads`; `--threads` in the
+benchmarks). Set `EXPERTCACHE_NO_EXT=1` to skip the extension.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+_SRC = Path(__file__).parent / "csrc" / "experts_cpu.cpp"
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma",
+          "-mf16c", "-std=c++17"]
+_NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("EXPERTCACHE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "expertcache")
+    digest = hashlib.sha256(_SRC.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    return Path(base) / "ext" / f"torch{torch.__version__.replace('+', '_')}-{digest}"
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _why_not() -> str | None:
+    if os.environ.get("EXPERTCACHE_NO_EXT"):
+        return "EXPERTCACHE_NO_EXT is set"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"the kernels are written for x86-64 with AVX-512, not {platform.machine()}"
+    missing = [f for f in _NEEDS if f not in cpu_flags()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    return None
+
+
+def load(verbose: bool = False) -> bool:
+    """Build (once, cached) and load the extension; True when its ops are usable. Never raises."""
+    with _lock:
+        if "ok" in _state:
+            return _state["ok"]
+        why = _why_not()
+        if why is None:
+            try:
+                from torch.utils import cpp_extension
+
+                d = cache_dir()
+                d.mkdir(parents=True, exist_ok=True)
+                cpp_extension.load(name="expertcache_cpu", sources=[str(_SRC)], extra_cflags=_FLAGS,
+                                   build_directory=str(d), is_python_module=False, verbose=verbose)
+                torch.ops.expertcache_cpu.read_bytes  # noqa: B018 - registered?
+            except Exception as e:  # noqa: BLE001 - any failure falls back; the line says what it was
+                msg = str(e).strip().splitlines()
+                why = f"the build failed ({type(e).__name__}: {msg[-1] if msg else ''})"
+        _state["ok"] = why is None
+        _state["why"] = why
+        if why is not None:
+            warnings.warn(f"expertcache: CPU expert kernels unavailable ({why}); experts compute with torch",
+                          RuntimeWarning, stacklevel=2)
+        return _state["ok"]
+
+
+def available() -> bool:
+    return load()
+
+
+def why_unavailable() -> str | None:
+    load()
+    return _state.get("why")
+
+
+def swiglu_bf16(x, gate_up, down, slots, weights) -> torch.Tensor:
+    """x [T, H], gate_up [S, 2I, H] bf16, down [S, H, I] bf16, slots [T, k], weights [T, k] -> y [T, H] in x's
+    dtype (fp32 accumulation)."""
+    return torch.ops.expertcache_cpu.swiglu_bf16(x, gate_up, down, slots, weights).to(x.dtype)
+
+
+def linear_bf16(x, weight, bias=None) -> torch.Tensor:
+    """`F.linear` for a few rows of bf16 weights: x [..., in] -> [..., out] in x's dtype (fp32 accumulation)."""
+    lead = x.shape[:-1]
+    y = torch.ops.expertcache_cpu.linear_bf16(x.reshape(-1, x.shape[-1]), weight, bias)
+    return y.to(x.dtype).reshape(*lead, weight.shape[0])
+
+
+MAX_ROWS = 8  # decode-sized calls take the kernels; a prefill's GEMM stays with torch (oneDNN)
+
+
+def _fast_linear(self, x):
+    if (x.dtype == torch.bfloat16 and not x.is_cuda and x.numel() // x.shape[-1] <= MAX_ROWS
+            and self.weight.dtype == torch.bfloat16 and not self.weight.is_cuda and not torch.is_grad_enabled()):
+        return linear_bf16(x, self.weight, self.bias)
+    return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def patch_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every bf16 `nn.Linear` of `model` computes decode-sized inputs (at most `MAX_ROWS` rows, no grad) with
+    `linear_bf16`; larger inputs, other dtypes and training keep `F.linear`. Returns the patched modules for
+    `unpatch_linears`."""
+    import types
+
+    done = []
+    for mod in model.modules():
+        if type(mod) is torch.nn.Linear and mod.weight.dtype == torch.bfloat16 and "forward" not in mod.__dict__:
+            mod.forward = types.MethodType(_fast_linear, mod)
+            done.append(mod)
+    return done
+
+
+def unpatch_linears(mods) -> None:
+    for mod in mods:
+        mod.__dict__.pop("forward", None)
+
+
+class _Linears(torch.overrides.TorchFunctionMode):
+    """Inside: `F.linear` of decode-sized bf16 inputs runs `linear_bf16` (for modules that call `F.linear` on their
+    own weight, as the families' routers do)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear and not torch.is_grad_enabled():
+            x, w = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            if (isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and not x.is_cuda and x.dim() >= 1
+                    and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and w.dtype == torch.bfloat16 and w.dim() == 2
+                    and not w.is_cuda and w.stride(-1) == 1):
+                return linear_bf16(x, w, b)
+        return func(*args, **kwargs)
+
+
+def patch_calls(mods) -> list[torch.nn.Module]:
+    """Each module's forward runs inside `_Linears` (its few torch calls pay the mode's dispatch; the routers')."""
+    import types
+
+    done = []
+    for mod in mods:
+        if "forward" in mod.__dict__:
+            continue
+        orig = type(mod).forward
+
+        def fwd(self, *a, _orig=orig, **kw):
+            with _Linears():
+                return _orig(self, *a, **kw)
+
+        mod.forward = types.MethodType(fwd, mod)
+        done.append(mod)
+    return done
+
+
+def swiglu_q(x, gu: dict, dn: dict, bits: int, group: int, slots, weights) -> torch.Tensor:
+    """The integer path: `gu`/`dn` hold `q`, `scales` (and `mins` for int4) as written by `runtime.quant`."""
+    return torch.ops.expertcache_cpu.swiglu_q(x, gu["q"], gu["scales"], gu.get("mins"), dn["q"], dn["scales"],
+                                              dn.get("mins"), bits, group, slots, weights).to(x.dtype)
+
+
+def read_bandwidth(nbytes: int = 1 << 30, rounds: int = 5) -> float:
+    """This machine's memory read bandwidth in bytes/s at torch's current thread count: the median of `rounds`
+    passes over a buffer far larger than the caches (the extension's streaming read)."""
+    import statistics
+    import time
+
+    buf = torch.ones(nbytes, dtype=torch.uint8)
+    torch.ops.expertcache_cpu.read_bytes(buf)  # first touch
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        torch.ops.expertcache_cpu.read_bytes(buf)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times)

@@ -1,0 +1,454 @@
+// Routed-expert SwiGLU MLPs for a few tokens on x86 CPUs with AVX-512 (BF16 and VNNI), reading each weight once.
+//
+//   y[t] = sum_j w[t, j] * down[s] @ (silu(gate[s] @ x[t]) * (up[s] @ x[t])),   s = slots[t, j]
+//
+// Formats (runtime/quant.py writes them and documents the layouts):
+//   bf16: gate_up [S, 2I, H] (gate rows first), down [S, H, I]; activations rounded to bf16, fp32 accumulation
+//         (_mm512_dpbf16_ps), as torch's bf16 linear does.
+//   int8: weights q (int8, symmetric) with one fp16 scale per group of G inputs: w = s * q.
+//   int4: weights q (0..15, two per byte: byte b of each 64-input chunk holds input b in its low nibble and input
+//         32 + b in its high nibble) with an fp16 scale and an fp16 minimum per group: w = s * q + m.
+//   Quantized formats multiply in integers (_mm512_dpbusd_epi32): the activations are quantized to int8 with one
+//   scale per 32 inputs (as llama.cpp's Q8_0 activations), so a result differs from the dequantized reference
+//   by that rounding (the tests state the tolerance).
+// Work is split with at::parallel_for (torch's intra-op threads): the up projection over (expert, row block), the
+// down projection over output row blocks (each thread owns its outputs: no atomics).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t UP_ROWS = 16;    // rows of gate (and of up) per work item
+constexpr int64_t DOWN_ROWS = 32;  // output rows per work item
+constexpr int64_t PF_BYTES = 1024;  // software prefetch distance along a row (and on into the next rows)
+
+inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+inline uint16_t to_bf16(float f) {  // round to nearest even (no NaNs reach here)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFF + ((u >> 16) & 1);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float dot_bf16(const uint16_t* w, const uint16_t* x, int64_t n) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + i), (__m512bh)_mm512_loadu_si512(x + i));
+    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + i + 32), (__m512bh)_mm512_loadu_si512(x + i + 32));
+  }
+  for (; i < n; i += 32) {
+    const int64_t left = n - i;
+    const __mmask32 m = left >= 32 ? 0xFFFFFFFFu : ((1u << left) - 1u);
+    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(m, w + i), (__m512bh)_mm512_maskz_loadu_epi16(m, x + i));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+
+// (pair index p = t * k + j) grouped by slot: slot u's pairs are order[start[u] .. start[u + 1])
+struct Groups {
+  std::vector<int64_t> slot, start, order;
+};
+
+Groups group_pairs(const at::Tensor& slots) {
+  auto s = slots.contiguous().to(at::kLong);
+  const int64_t* p = s.data_ptr<int64_t>();
+  const int64_t n = s.numel();
+  std::vector<int64_t> idx(n);
+  for (int64_t i = 0; i < n; ++i) idx[i] = i;
+  std::stable_sort(idx.begin(), idx.end(), [p](int64_t a, int64_t b) { return p[a] < p[b]; });
+  Groups g;
+  for (int64_t i = 0; i < n; ++i) {
+    if (i == 0 || p[idx[i]] != p[idx[i - 1]]) {
+      g.slot.push_back(p[idx[i]]);
+      g.start.push_back(i);
+    }
+    g.order.push_back(idx[i]);
+  }
+  g.start.push_back(n);
+  return g;
+}
+
+void check_common(const at::Tensor& x, const at::Tensor& slots, const at::Tensor& weights, int64_t n_slots) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "x must be a [T, H] CPU tensor");
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == x.size(0), "slots must be [T, k]");
+  TORCH_CHECK(weights.sizes() == slots.sizes(), "weights must be [T, k] like slots");
+  if (slots.numel()) {
+    auto mn = slots.min().item<int64_t>(), mx = slots.max().item<int64_t>();
+    TORCH_CHECK(mn >= 0 && mx < n_slots, "slot index out of range [0, ", n_slots, "): ", mn, "..", mx);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------- bf16 ----------
+
+at::Tensor swiglu_bf16(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down, const at::Tensor& slots,
+                       const at::Tensor& weights) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16 && down.scalar_type() == at::kBFloat16, "bf16 weights expected");
+  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3, "gate_up [S, 2I, H] and down [S, H, I] expected");
+  const int64_t T = x.size(0), H = x.size(1), K = slots.size(1), I = down.size(2);
+  TORCH_CHECK(gate_up.size(1) == 2 * I && gate_up.size(2) == H && down.size(1) == H && down.size(0) == gate_up.size(0),
+              "gate_up [S, 2I, H] and down [S, H, I] disagree with x [T, H]");
+  TORCH_CHECK(gate_up.stride(2) == 1 && gate_up.stride(1) == H && down.stride(2) == 1 && down.stride(1) == I,
+              "each slot's matrices must be contiguous");
+  check_common(x, slots, weights, gate_up.size(0));
+  auto xb = x.to(at::kBFloat16).contiguous();
+  auto wf = weights.to(at::kFloat).contiguous();
+  const Groups g = group_pairs(slots);
+  const int64_t U = static_cast<int64_t>(g.slot.size()), P = T * K;
+  auto a = at::empty({std::max<int64_t>(P, 1), I}, at::kBFloat16);
+  auto y = at::zeros({T, H}, at::kFloat);
+  if (P == 0) return y;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+  const uint16_t* gu = reinterpret_cast<const uint16_t*>(gate_up.data_ptr());
+  const uint16_t* dn = reinterpret_cast<const uint16_t*>(down.data_ptr());
+  uint16_t* ap = reinterpret_cast<uint16_t*>(a.data_ptr());
+  const float* wp = wf.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t gus = gate_up.stride(0), dns = down.stride(0);
+  const int64_t nb = (I + UP_ROWS - 1) / UP_ROWS;
+  at::parallel_for(0, U * nb, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t it = b0; it < b1; ++it) {
+      const int64_t u = it / nb, r0 = (it % nb) * UP_ROWS, r1 = std::min(I, r0 + UP_ROWS);
+      const uint16_t* base = gu + g.slot[u] * gus;
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t q = g.start[u]; q < g.start[u + 1]; ++q) {
+          const int64_t p = g.order[q], t = p / K;
+          const float gv = dot_bf16(base + r * H, xp + t * H, H);
+          const float uv = dot_bf16(base + (r + I) * H, xp + t * H, H);
+          ap[p * I + r] = to_bf16(silu(gv) * uv);
+        }
+      }
+    }
+  });
+  const int64_t no = (H + DOWN_ROWS - 1) / DOWN_ROWS;
+  at::parallel_for(0, no, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t it = b0; it < b1; ++it) {
+      const int64_t o0 = it * DOWN_ROWS, o1 = std::min(H, o0 + DOWN_ROWS);
+      for (int64_t u = 0; u < U; ++u) {
+        const uint16_t* base = dn + g.slot[u] * dns;
+        for (int64_t o = o0; o < o1; ++o) {
+          for (int64_t q = g.start[u]; q < g.start[u + 1]; ++q) {
+            const int64_t p = g.order[q];
+            yp[(p / K) * H + o] += wp[p] * dot_bf16(base + o * I, ap + p * I, I);
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
+
+// y [T, out] = x [T, in] @ w[out, in]^T (+ bias): the non-expert projections and the lm head of a decode step, bf16
+// weights read once for all T tokens, fp32 accumulation.
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_bf16: x [T, in], w [out, in] expected");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.stride(1) == 1, "linear_bf16: bf16 weights with contiguous rows");
+  const int64_t T = x.size(0), N = w.size(1), O = w.size(0), ws = w.stride(0);
+  auto xb = x.to(at::kBFloat16).contiguous();
+  auto y = at::empty({T, O}, at::kFloat);
+  at::Tensor bf;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == O, "linear_bf16: bias of the wrong size");
+    bf = bias->to(at::kFloat).contiguous();
+    bp = bf.data_ptr<float>();
+  }
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t ROWS = 16;
+  at::parallel_for(0, (O + ROWS - 1) / ROWS, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t r = b * ROWS; r < std::min(O, (b + 1) * ROWS); ++r)
+        for (int64_t t = 0; t < T; ++t) yp[t * O + r] = dot_bf16(wp + r * ws, xp + t * N, N) + (bp ? bp[r] : 0.0f);
+  });
+  return y;
+}
+
+// ------------------------------------------------------------------------------------------ int8 / int4 ----------
+
+// One activation vector quantized for the integer dot: xq[n] int8 with one scale per 32 inputs, spread over the
+// lanes of each 64-input step (lanes 0-7: block 2c, 8-15: block 2c + 1), and per weight group (G inputs) the sum of
+// the quantized activations times their scales, so that
+//   sum_i w_i x_i = sum_g s_g * sum_{b in g} xs_b * isum_b + sum_g m_g * gsum_g      (int8: m_g = -128 s_g).
+struct QAct {
+  const int8_t* q;
+  const float* lanes;  // [n / 64, 16]
+  const float* gsum;   // [n / G]
+};
+
+constexpr int64_t qact_floats(int64_t n) { return n / 64 * 16 + n / 32; }
+
+QAct quantize_act(const float* x, int64_t n, int64_t G, int8_t* q, float* f) {
+  float* lanes = f;
+  float* gsum = f + n / 64 * 16;
+  const int64_t bpg = G / 32;
+  std::fill(gsum, gsum + n / G, 0.0f);
+  for (int64_t b = 0; b < n / 32; ++b) {
+    const float* xb = x + b * 32;
+    __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+    const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(v0)), _mm512_reduce_max_ps(_mm512_abs_ps(v1)));
+    const float d = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+    __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));  // nearest even
+    __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * 32), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * 32 + 16), _mm512_cvtsepi32_epi8(q1));
+    for (int l = 0; l < 8; ++l) lanes[(b >> 1) * 16 + (b & 1) * 8 + l] = d;
+    gsum[b / bpg] += d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+  }
+  return QAct{q, lanes, gsum};
+}
+
+template <int BITS>
+inline __m512i load_q(const uint8_t* w, int64_t c) {
+  if constexpr (BITS == 8) {
+    return _mm512_xor_si512(_mm512_loadu_si512(w + c * 64), _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
+    const __m256i lo = _mm256_and_si256(p, low);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  }
+}
+
+inline float vdot(const float* a, const float* b, int64_t n) {
+  __m512 s = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s);
+  if (i < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    s = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), s);
+  }
+  return _mm512_reduce_add_ps(s);
+}
+
+// R rows at once (sharing each activation load): n inputs (n % 64 == 0) of BITS-bit weights w[r] with per-group
+// (G inputs, G % 32 == 0) fp32 scales sf[r] and (int4) minimums mf[r]; int8 weights are stored signed and read as
+// unsigned (q + 128), their minimum being -128 * s.
+template <int BITS, int R>
+inline void dot_q(const uint8_t* const* w, const float* const* sf, const float* const* mf, int64_t n, int64_t G,
+                  const QAct& x, float* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t steps = n / 64, groups = n / G;
+  if (G == 32) {  // two groups per step: the weight scales of the step's two groups spread over the lanes
+    const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int64_t c = 0; c < steps; ++c) {
+      const __m512i xv = _mm512_loadu_si512(x.q + c * 64);
+      const __m512 xl = _mm512_loadu_ps(x.lanes + c * 16);
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + c * BITS * 8 + PF_BYTES), _MM_HINT_T0);
+        const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), load_q<BITS>(w[r], c), xv);
+        const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sf[r] + 2 * c)));
+        const __m512 ws = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(two));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(ws, xl), acc[r]);
+      }
+    }
+  } else {  // G / 64 steps per group: activation scales per lane inside the group, the weight scale once per group
+    const int64_t spg = G / 64;
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      __m512 ga[R];
+      for (int r = 0; r < R; ++r) ga[r] = _mm512_setzero_ps();
+      for (int64_t c = gi * spg; c < (gi + 1) * spg; ++c) {
+        const __m512i xv = _mm512_loadu_si512(x.q + c * 64);
+        const __m512 xl = _mm512_loadu_ps(x.lanes + c * 16);
+        for (int r = 0; r < R; ++r) {
+          _mm_prefetch(reinterpret_cast<const char*>(w[r] + c * BITS * 8 + PF_BYTES), _MM_HINT_T0);
+          ga[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), load_q<BITS>(w[r], c), xv)),
+                                  xl, ga[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(ga[r], _mm512_set1_ps(sf[r][gi]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float mins = BITS == 8 ? -128.0f * vdot(sf[r], x.gsum, groups) : vdot(mf[r], x.gsum, groups);
+    out[r] = _mm512_reduce_add_ps(acc[r]) + mins;
+  }
+}
+
+inline void half_row(const at::Half* h, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+  for (; i < n; ++i) out[i] = static_cast<float>(h[i]);
+}
+
+// A quantized [S, R, n] matrix stack: q bytes [S, R, n * BITS / 8], scales (and int4 minimums) fp16 [S, R, n / G].
+struct QMat {
+  const uint8_t* q;
+  const at::Half* s;
+  const at::Half* m;
+  int64_t qs0, qs1, ss0, ss1;  // slot and row strides (elements)
+};
+
+QMat qmat(const at::Tensor& q, const at::Tensor& s, const c10::optional<at::Tensor>& m, int bits, int64_t rows,
+          int64_t n, int64_t G, const char* what) {
+  TORCH_CHECK(q.dim() == 3 && s.dim() == 3, what, ": q and scales must be [S, rows, ...]");
+  TORCH_CHECK(q.scalar_type() == (bits == 8 ? at::kChar : at::kByte), what, ": q must be ", bits == 8 ? "int8" : "uint8");
+  TORCH_CHECK(s.scalar_type() == at::kHalf, what, ": scales must be fp16");
+  TORCH_CHECK(q.size(1) == rows && q.size(2) == n * bits / 8 && q.stride(2) == 1, what, ": q has the wrong shape");
+  TORCH_CHECK(s.size(0) == q.size(0) && s.size(1) == rows && s.size(2) == n / G && s.stride(2) == 1, what,
+              ": scales have the wrong shape");
+  QMat r{reinterpret_cast<const uint8_t*>(q.data_ptr()), s.data_ptr<at::Half>(), nullptr, q.stride(0), q.stride(1),
+         s.stride(0), s.stride(1)};
+  if (bits == 4) {
+    TORCH_CHECK(m.has_value() && m->sizes() == s.sizes() && m->scalar_type() == at::kHalf && m->strides() == s.strides(),
+                what, ": int4 needs fp16 minimums shaped and strided like the scales");
+    r.m = m->data_ptr<at::Half>();
+  }
+  return r;
+}
+
+template <int BITS>
+at::Tensor swiglu_q_impl(const at::Tensor& x, const QMat& gu, const QMat& dn, int64_t I, int64_t G,
+                         const at::Tensor& slots, const at::Tensor& weights) {
+  const int64_t T = x.size(0), H = x.size(1), K = slots.size(1), P = T * K;
+  auto y = at::zeros({T, H}, at::kFloat);
+  if (P == 0) return y;
+  auto xf = x.to(at::kFloat).contiguous();
+  auto wf = weights.to(at::kFloat).contiguous();
+  const Groups g = group_pairs(slots);
+  const int64_t U = static_cast<int64_t>(g.slot.size());
+  std::vector<int8_t> xq(T * H);  // the up projection's activations: one per token
+  std::vector<float> xfl(T * qact_floats(H));
+  std::vector<QAct> xa(T);
+  for (int64_t t = 0; t < T; ++t)
+    xa[t] = quantize_act(xf.data_ptr<float>() + t * H, H, G, xq.data() + t * H, xfl.data() + t * qact_floats(H));
+  std::vector<float> a(P * I);
+  const int64_t nb = I / UP_ROWS;  // I % 64 == 0
+  const int64_t gH = H / G, gI = I / G;
+  at::parallel_for(0, U * nb, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> sc(4 * gH), mn(4 * gH);
+    for (int64_t it = b0; it < b1; ++it) {
+      const int64_t u = it / nb, r0 = (it % nb) * UP_ROWS, s = g.slot[u];
+      for (int64_t r = r0; r < r0 + UP_ROWS; r += 2) {
+        const int64_t rows[4] = {r, r + 1, r + I, r + I + 1};  // gate r, r + 1; up r, r + 1
+        const uint8_t* wr[4];
+        const float* sr[4];
+        const float* mr[4];
+        for (int j = 0; j < 4; ++j) {
+          wr[j] = gu.q + s * gu.qs0 + rows[j] * gu.qs1;
+          half_row(gu.s + s * gu.ss0 + rows[j] * gu.ss1, gH, sc.data() + j * gH);
+          if constexpr (BITS == 4) half_row(gu.m + s * gu.ss0 + rows[j] * gu.ss1, gH, mn.data() + j * gH);
+          sr[j] = sc.data() + j * gH;
+          mr[j] = mn.data() + j * gH;
+        }
+        for (int64_t q = g.start[u]; q < g.start[u + 1]; ++q) {
+          const int64_t p = g.order[q];
+          float o[4];
+          dot_q<BITS, 4>(wr, sr, mr, H, G, xa[p / K], o);
+          a[p * I + r] = silu(o[0]) * o[2];
+          a[p * I + r + 1] = silu(o[1]) * o[3];
+        }
+      }
+    }
+  });
+  std::vector<int8_t> aq(P * I);  // the down projection's activations: one per (token, choice)
+  std::vector<float> afl(P * qact_floats(I));
+  std::vector<QAct> aa(P);
+  for (int64_t p = 0; p < P; ++p)
+    aa[p] = quantize_act(a.data() + p * I, I, G, aq.data() + p * I, afl.data() + p * qact_floats(I));
+  const float* wp = wf.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t no = H / DOWN_ROWS;  // H % 64 == 0
+  at::parallel_for(0, no, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> sc(4 * gI), mn(4 * gI);
+    for (int64_t it = b0; it < b1; ++it) {
+      const int64_t o0 = it * DOWN_ROWS;
+      for (int64_t u = 0; u < U; ++u) {
+        const int64_t s = g.slot[u];
+        for (int64_t o = o0; o < o0 + DOWN_ROWS; o += 4) {
+          const uint8_t* wr[4];
+          const float* sr[4];
+          const float* mr[4];
+          for (int j = 0; j < 4; ++j) {
+            wr[j] = dn.q + s * dn.qs0 + (o + j) * dn.qs1;
+            half_row(dn.s + s * dn.ss0 + (o + j) * dn.ss1, gI, sc.data() + j * gI);
+            if constexpr (BITS == 4) half_row(dn.m + s * dn.ss0 + (o + j) * dn.ss1, gI, mn.data() + j * gI);
+            sr[j] = sc.data() + j * gI;
+            mr[j] = mn.data() + j * gI;
+          }
+          for (int64_t q = g.start[u]; q < g.start[u + 1]; ++q) {
+            const int64_t p = g.order[q];
+            float r4[4];
+            dot_q<BITS, 4>(wr, sr, mr, I, G, aa[p], r4);
+            float* yt = yp + (p / K) * H + o;
+            for (int j = 0; j < 4; ++j) yt[j] += wp[p] * r4[j];
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
+
+at::Tensor swiglu_q(const at::Tensor& x, const at::Tensor& gu_q, const at::Tensor& gu_s,
+                    const c10::optional<at::Tensor>& gu_m, const at::Tensor& dn_q, const at::Tensor& dn_s,
+                    const c10::optional<at::Tensor>& dn_m, int64_t bits, int64_t group, const at::Tensor& slots,
+                    const at::Tensor& weights) {
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, not ", bits);
+  const int64_t H = x.size(1), I = dn_s.size(2) * group;
+  TORCH_CHECK(group >= 32 && group % 32 == 0, "group size must be a multiple of 32, not ", group);
+  TORCH_CHECK(H % 64 == 0 && I % 64 == 0 && H % group == 0 && I % group == 0,
+              "the integer kernels need hidden and intermediate sizes that are multiples of 64 and of the group size");
+  check_common(x, slots, weights, gu_q.size(0));
+  const QMat gu = qmat(gu_q, gu_s, gu_m, static_cast<int>(bits), 2 * I, H, group, "gate_up");
+  const QMat dn = qmat(dn_q, dn_s, dn_m, static_cast<int>(bits), H, I, group, "down");
+  TORCH_CHECK(dn_q.size(0) == gu_q.size(0), "gate_up and down have different slot counts");
+  return bits == 8 ? swiglu_q_impl<8>(x, gu, dn, I, group, slots, weights)
+                   : swiglu_q_impl<4>(x, gu, dn, I, group, slots, weights);
+}
+
+// Reads every byte of `buf` (one pass, split over torch's threads) and returns a checksum, so the read cannot be
+// optimised away: the memory read bandwidth the kernels are measured against.
+double read_bytes(const at::Tensor& buf) {
+  TORCH_CHECK(buf.is_contiguous() && buf.scalar_type() == at::kByte, "a contiguous uint8 buffer expected");
+  const uint8_t* p = buf.data_ptr<uint8_t>();
+  const int64_t n = buf.numel() / 256;
+  std::vector<uint64_t> parts(at::get_num_threads() + 1, 0);
+  at::parallel_for(0, n, 4096, [&](int64_t b0, int64_t b1) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t i = b0; i < b1; ++i) {
+      const uint8_t* q = p + i * 256;
+      a0 = _mm512_add_epi64(a0, _mm512_loadu_si512(q));
+      a1 = _mm512_add_epi64(a1, _mm512_loadu_si512(q + 64));
+      a2 = _mm512_add_epi64(a2, _mm512_loadu_si512(q + 128));
+      a3 = _mm512_add_epi64(a3, _mm512_loadu_si512(q + 192));
+    }
+    const uint64_t s = _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3)));
+    parts[at::get_thread_num()] += s;
+  });
+  uint64_t s = 0;
+  for (auto v : parts) s += v;
+  return static_cast<double>(s & 0xFFFFFFFF);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(expertcache_cpu, m) {
+  m.def("swiglu_bf16(Tensor x, Tensor gate_up, Tensor down, Tensor slots, Tensor weights) -> Tensor");
+  m.def("swiglu_q(Tensor x, Tensor gu_q, Tensor gu_s, Tensor? gu_m, Tensor dn_q, Tensor dn_s, Tensor? dn_m, "
+        "int bits, int group, Tensor slots, Tensor weights) -> Tensor");
+  m.def("read_bytes(Tensor buf) -> float");
+  m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(expertcache_cpu, CPU, m) {
+  m.impl("swiglu_bf16", &swiglu_bf16);
+  m.impl("swiglu_q", &swiglu_q);
+  m.impl("read_bytes", &read_bytes);
+  m.impl("linear_bf16", &linear_bf16);
+}
