@@ -41,6 +41,7 @@ COMMANDS = {
     "generate": "expertcache.runtime.commands:generate",
     "serve": "expertcache.runtime.commands:serve",
     "verify": "expertcache.runtime.commands:verify",
+    "quantize": "expertcache.runtime.commands:quantize",
     "eval": "expertcache.evals.commands:eval",
     "gate": "expertcache.evals.commands:gate",
 }

@@ -387,3 +387,33 @@ def verify(model: str, write_index: bool = True, rebless: bool = False) -> dict:
                   progress=lambda n=1: prog.advance(task, n))
     print(verdict_line(rep), file=sys.stderr)
     return rep
+
+
+def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "") -> dict:
+    """Write a checkpoint whose routed experts are packed integers with fp16 group scales (int8: symmetric; int4:
+    min-max with a minimum per group), each expert one contiguous 4 KiB-aligned block of an expert store beside
+    the unchanged non-expert weights; `load`, `generate`, `serve`, `eval` and `bench` read it as they read any
+    checkpoint, and the engine's slots hold the packed bytes (a byte budget holds 2-4x more experts). Prints the
+    report as JSON: bytes against the original and each MoE layer's relative weight error.
+
+    Args:
+        model: the checkpoint directory to quantize (bf16/fp16/fp32 SwiGLU experts)
+        bits: 8 or 4
+        group_size: inputs sharing one scale: a multiple of 32 dividing the experts' input sizes (32 is the most
+            accurate; 128 the smallest)
+        out: the folder to write (written whole, or not at all)
+    """
+    from rich.progress import Progress
+
+    from .quant import write_quantized
+
+    if not out:
+        raise InputError("--out is required: the folder the quantized checkpoint is written to")
+    with Progress(transient=True) as prog:
+        task = prog.add_task("MoE layers quantized", total=None)
+        rep = write_quantized(model, out, bits, group_size, progress=lambda: prog.advance(task))
+    worst = max(max(v) for v in rep["relative_error"].values())
+    print(f"quantize: {rep['experts']} experts to int{bits} (group {group_size}): {rep['expert_bytes'] / 2**30:.2f} "
+          f"GiB, {rep['bytes_ratio']:.3f}x the original's expert bytes; worst layer relative error {worst:.4f}; "
+          f"-> {out}", file=sys.stderr)
+    return rep

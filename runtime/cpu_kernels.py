@@ -23,7 +23,7 @@ import torch
 
 _SRC = Path(__file__).parent / "csrc" / "experts_cpu.cpp"
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma",
-          "-mf16c", "-std=c++17"]
+          "-mf16c", "-std=c++17", "-fopenmp"]  # at::parallel_for is OpenMP in torch's CPU wheels
 _NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
 _lock = threading.Lock()
 _state: dict = {}
@@ -69,6 +69,7 @@ def load(verbose: bool = False) -> bool:
                 d = cache_dir()
                 d.mkdir(parents=True, exist_ok=True)
                 cpp_extension.load(name="expertcache_cpu", sources=[str(_SRC)], extra_cflags=_FLAGS,
+                                   extra_ldflags=["-fopenmp"],
                                    build_directory=str(d), is_python_module=False, verbose=verbose)
                 torch.ops.expertcache_cpu.read_bytes  # noqa: B018 - registered?
             except Exception as e:  # noqa: BLE001 - any failure falls back; the line says what it was

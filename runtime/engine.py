@@ -210,6 +210,10 @@ class OffloadedExperts(nn.Module):
             setattr(tmpl, name, view)
         tmpl.num_experts = pool.n_slots
         self._tmpl = tmpl
+        from . import quant
+
+        self.quant = quant.format_of(pool.views)  # (bits, group) of an `expertcache quantize` checkpoint, else None
+        self._views = pool.views
         self._forward = type(original).forward
         impl = getattr(getattr(original, "config", None), "_experts_implementation", None)
         self.eager = impl in (None, "eager")  # eager adds experts one by one in expert order; the others sum over k
@@ -228,6 +232,8 @@ class OffloadedExperts(nn.Module):
     @property
     def swiglu_ok(self) -> bool:
         v = self._tmpl
+        if self.quant is not None:
+            return False  # the integer path (`quant.swiglu`) computes these; kernel cpu is the bf16 one
         gu, dn = getattr(v, "gate_up_proj", None), getattr(v, "down_proj", None)
         act = getattr(getattr(v, "config", None), "hidden_act", None)
         return (isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dtype == torch.bfloat16
@@ -242,6 +248,10 @@ class OffloadedExperts(nn.Module):
 
             v = self._tmpl
             return swiglu_experts(hidden, v.gate_up_proj, v.down_proj, slot_index, weights)
+        if self.quant is not None:
+            from .quant import swiglu
+
+            return swiglu(hidden, self._views, slot_index, weights)
         if self.fast_kernel(hidden):
             v = self._tmpl
             return cpu_kernels.swiglu_bf16(hidden, v.gate_up_proj, v.down_proj, slot_index, weights)
@@ -251,6 +261,10 @@ class OffloadedExperts(nn.Module):
         """`x [S, H]`, `slots [S]`, `weights [S]` -> each (token, choice) row's weighted expert output `[S, H]`,
         through the family's own forward with k = 1 (the same kernels and roundings as the full call), over the
         slot pool or over `tensors` (`[n, ...]` views, e.g. the host copy of a layer)."""
+        if self.quant is not None:
+            from .quant import swiglu
+
+            return swiglu(x, tensors if tensors is not None else self._views, slots[:, None], weights[:, None])
         t = self._tmpl
         if tensors is not None:
             t = copy.copy(self._tmpl)
@@ -263,7 +277,7 @@ class OffloadedExperts(nn.Module):
 
 
 def _check_cpu_kernel(mod: OffloadedExperts) -> None:
-    if not mod.swiglu_ok:
+    if mod.quant is None and not mod.swiglu_ok:
         v = mod._tmpl
         dt = getattr(getattr(v, "down_proj", None), "dtype", None)
         raise InputError(f"kernel cpu computes bf16 SwiGLU experts without biases; this model's experts are "

@@ -114,8 +114,17 @@ def build_offloaded(path: str | Path, dtype=None, verify: bool | None = None):
     each expert read against the checkpoint's checksum index (`CheckpointExperts.use_index`)."""
     from expertcache.telemetry.adapters import router_fingerprint
 
+    from . import quant
+
     path = Path(path)
     dtype = parse_dtype(dtype)
+    qc = quant.read_config(path)  # a checkpoint of `expertcache quantize`: experts in its store file
+    if qc is not None and dtype is None:
+        from expertcache.telemetry.hf import load_config
+
+        cfg = load_config(path)
+        dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.bfloat16
+        dtype = parse_dtype(str(dtype).removeprefix("torch.")) if not isinstance(dtype, torch.dtype) else dtype
     ckpt, config, adapter, model, prefixes, params = _skeleton(path, dtype)
     if dtype is None:  # the checkpoint's own dtype (of its experts), for the whole model, as from_pretrained(auto)
         probe = CheckpointExperts(ckpt, adapter.family, prefixes[:1], adapter.num_experts, params, "")
@@ -142,9 +151,21 @@ def build_offloaded(path: str | Path, dtype=None, verify: bool | None = None):
             mod._buffers[attr] = t
     if getattr(config.get_text_config(), "tie_word_embeddings", False):
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
-    source = CheckpointExperts(ckpt, adapter.family, prefixes, adapter.num_experts,
-                               {n: (s, dtype) for n, (s, _) in params.items()}, router_fingerprint(model), dtype)
-    source.use_index(verify)
+    if qc is not None:
+        from .checkpoint import StoreExperts
+        from .store import check_store, read_store_meta
+
+        store = path / qc["experts_file"]
+        source = StoreExperts(store, read_store_meta(store), verify)
+        check_store(source.meta, model)
+        if quant.format_of({t.name: torch.empty(t.shape, dtype=t.torch_dtype, device="meta") for t in source.meta.tensors}) \
+                != (qc["bits"], qc["group_size"]):
+            raise InputError(f"{store} does not hold the {qc['bits']}-bit, group {qc['group_size']} experts "
+                             f"config.json describes (damaged checkpoint: quantize again)")
+    else:
+        source = CheckpointExperts(ckpt, adapter.family, prefixes, adapter.num_experts,
+                                   {n: (s, dtype) for n, (s, _) in params.items()}, router_fingerprint(model), dtype)
+        source.use_index(verify)
     left = [n for n, p in model.named_parameters() if p.is_meta and not n.startswith(expert_prefixes)]
     if left:
         raise InputError(f"checkpoint {path} leaves {len(left)} parameters unset (first: {left[0]})")
@@ -208,7 +229,7 @@ def load(model: str | Path, capacity: float = 0.125, tier: str = "disk", device:
     if cfg.policy == "scored" and keep_scores is None and aux_routers is not None:
         keep_scores = TemporalKeep(m, aux_routers)
     pred = predictor if isinstance(predictor, Predictor) else make_predictor(
-        predictor, m, aux_routers, num_experts=source.num_experts, hidden_size=m.config.hidden_size)
+        predictor, m, aux_routers, num_experts=source.meta.num_experts, hidden_size=m.config.hidden_size)
     engine = OffloadEngine(m, source, cfg, predictor=pred, pinned=pinned, keep_scores=keep_scores)
     m.expertcache = engine
     return m

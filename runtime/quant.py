@@ -77,3 +77,167 @@ def relative_error(w: torch.Tensor, t: dict[str, torch.Tensor], bits: int, group
     """||w - dequantize(q)|| / ||w|| (Frobenius)."""
     d = dequantize(t, bits, group)
     return float((w.float() - d).norm() / w.float().norm().clamp_min(1e-30))
+
+
+# --- quantized experts: the store's tensors, the checkpoint, the engine's compute --------------------------------
+
+QUANT_METHOD = "expertcache"
+EXPERTS_FILE = "experts.ecstore"
+PARTS = {8: ("q", "scales"), 4: ("q", "scales", "mins")}
+
+
+def quantized_specs(specs, bits: int, group: int) -> list[tuple[str, list[int], str]]:
+    """The store tensors `(name, shape, dtype)` standing for bf16 expert tensors `specs` (`gate_up_proj [2I, H]`,
+    `down_proj [H, I]`): `gate_up_proj.q`, `gate_up_proj.scales` (and `.mins` for int4), ..."""
+    out = []
+    for name, shape, _ in specs:
+        *rows, n = shape
+        check_group(bits, group, n, f"{name} input")
+        out.append((f"{name}.q", [*rows, n if bits == 8 else n // 2], "int8" if bits == 8 else "uint8"))
+        out.append((f"{name}.scales", [*rows, n // group], "float16"))
+        if bits == 4:
+            out.append((f"{name}.mins", [*rows, n // group], "float16"))
+    return out
+
+
+def quantize_expert(tensors: dict[str, torch.Tensor], bits: int, group: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, w in tensors.items():
+        for part, v in quantize(w, bits, group).items():
+            out[f"{name}.{part}"] = v
+    return out
+
+
+def format_of(views: dict[str, torch.Tensor]) -> tuple[int, int] | None:
+    """`(bits, group)` of a slot pool's (or store's) quantized views, None for plain ones."""
+    q, s = views.get("down_proj.q"), views.get("down_proj.scales")
+    if q is None or s is None:
+        return None
+    bits = 8 if q.dtype == torch.int8 else 4
+    n = q.shape[-1] * (1 if bits == 8 else 2)
+    return bits, n // s.shape[-1]
+
+
+def parts(views: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    return {p: views[f"{name}.{p}"] for p in ("q", "scales", "mins") if f"{name}.{p}" in views}
+
+
+def swiglu(x, views: dict[str, torch.Tensor], slots, weights) -> torch.Tensor:
+    """Routed SwiGLU experts over quantized views (`[S, ...]` each): the integer kernel where the extension is
+    built, else the slots that are used dequantized and computed in float (the same weights, exact activations)."""
+    from . import cpu_kernels
+    from .kernels import swiglu_reference
+
+    bits, group = format_of(views)
+    gu, dn = parts(views, "gate_up_proj"), parts(views, "down_proj")
+    if cpu_kernels.available() and not x.is_cuda:
+        return cpu_kernels.swiglu_q(x, gu, dn, bits, group, slots, weights)
+    used, inv = slots.unique(return_inverse=True)
+    g = dequantize({k: v[used] for k, v in gu.items()}, bits, group)
+    d = dequantize({k: v[used] for k, v in dn.items()}, bits, group)
+    return swiglu_reference(x.float(), g, d, inv.view_as(slots), weights).to(x.dtype)
+
+
+def read_config(path) -> dict | None:
+    """A checkpoint's `quantization_config` when it is ours, checked; None when it has none. Another method, or
+    ours with fields out of range, is one line."""
+    import json
+    from pathlib import Path
+
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # the loader's own checks say what is wrong with config.json
+    qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    if qc is None:
+        return None
+    if not isinstance(qc, dict) or qc.get("quant_method") != QUANT_METHOD:
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        raise InputError(f"{path}: quantization_config quant_method {method!r} is not one this runtime reads (it "
+                         f"reads {QUANT_METHOD!r}, written by `expertcache quantize`); serve the unquantized checkpoint")
+    bits, group, f = qc.get("bits"), qc.get("group_size"), qc.get("experts_file")
+    if bits not in BITS or not isinstance(group, int) or isinstance(group, bool) or group < 32 or group % 32:
+        raise InputError(f"{path}: quantization_config bits={bits!r} group_size={group!r}: expected bits 8 or 4 and a "
+                         f"group size that is a multiple of 32 (damaged config.json)")
+    if not isinstance(f, str) or "/" in f or f.startswith(".") or not (Path(path) / f).is_file():
+        raise InputError(f"{path}: quantization_config names experts_file {f!r}, which is not a file beside config.json")
+    return qc
+
+
+def write_quantized(model, out, bits: int, group: int, progress=None) -> dict:
+    """`expertcache quantize`: a checkpoint at `out` whose routed experts are `bits`-bit integers with fp16 group
+    scales, in one expert store file (each expert one contiguous 4 KiB-aligned block with its checksum), beside the
+    non-expert tensors unchanged (`model.safetensors`) and `config.json` with a `quantization_config`. Returns the
+    report: bytes, and each MoE layer's relative weight error per tensor."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from expertcache.telemetry.atomic import atomic_dir
+
+    from .loader import build_offloaded, resolve
+    from .store import StoreMeta, _write, layout
+    from .tiers import DiskTier, SlotPool
+
+    if bits not in BITS:
+        raise InputError(f"--bits {bits}: expected 8 or 4")
+    path = resolve(model)
+    if read_config(path) is not None or "quantization_config" in json.loads((path / "config.json").read_text()):
+        raise InputError(f"{path} is already quantized: quantize its unquantized original")
+    out = Path(out)
+    if out.resolve() == path.resolve():
+        raise InputError(f"--out {out} is the model's own folder; write the quantized checkpoint elsewhere")
+    m, source = build_offloaded(path, verify=False)
+    meta = source.meta
+    names = [t.name for t in meta.tensors]
+    if sorted(names) != ["down_proj", "gate_up_proj"]:
+        raise InputError(f"quantize handles SwiGLU experts without biases (gate_up_proj, down_proj); this model's "
+                         f"experts hold {', '.join(names)}")
+    if meta.tensors[0].dtype not in ("bfloat16", "float16", "float32"):
+        raise InputError(f"{path}: experts in {meta.tensors[0].dtype}; expected float weights")
+    specs, block = layout(quantized_specs([(t.name, t.shape, t.dtype) for t in meta.tensors], bits, group))
+    qmeta = StoreMeta(meta.fingerprint, meta.num_layers, meta.num_experts, specs, block, str(path))
+    disk, pool = DiskTier(source), SlotPool(meta, 1)
+    err = {n: [[0.0, 0.0] for _ in range(meta.num_layers)] for n in names}  # per layer: sum d^2, sum w^2
+
+    def expert(i, e):
+        disk.read(i, e, pool, 0)
+        q = {}
+        for n in names:
+            w = pool.views[n][0].float()
+            t = quantize(w, bits, group)
+            d = dequantize(t, bits, group)
+            err[n][i][0] += float((w - d).pow(2).sum())
+            err[n][i][1] += float(w.pow(2).sum())
+            q.update({f"{n}.{p}": v for p, v in t.items()})
+        return q
+
+    ckpt = source.ckpt
+    keep = sorted(set(ckpt.tensors) - source.names)
+    with atomic_dir(out) as tmp:
+        try:
+            _write(tmp / EXPERTS_FILE, qmeta, expert, progress)
+        finally:
+            disk.close()
+        save_file({n: ckpt.read(n).contiguous() for n in keep}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        cfg = json.loads((path / "config.json").read_text())
+        layer_err = {n: [round((a / b) ** 0.5, 6) if b else 0.0 for a, b in err[n]] for n in names}
+        cfg["quantization_config"] = {
+            "quant_method": QUANT_METHOD, "bits": bits, "group_size": group, "experts_file": EXPERTS_FILE,
+            "scheme": "int8 symmetric, fp16 scale per group" if bits == 8 else
+                      "int4 min-max, fp16 scale and minimum per group",
+            "source_dtype": meta.tensors[0].dtype, "relative_error": layer_err}
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        for f in path.iterdir():  # tokenizer, generation config, chat template
+            if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json" and not f.name.startswith(".") \
+                    and f.name != "model.safetensors.index.json":
+                shutil.copy2(f, tmp / f.name)
+    del m
+    expert_bytes = qmeta.expert_bytes * meta.num_layers * meta.num_experts
+    return {"out": str(out), "bits": bits, "group_size": group, "experts": meta.num_layers * meta.num_experts,
+            "expert_bytes": expert_bytes, "source_expert_bytes": meta.expert_bytes * meta.num_layers * meta.num_experts,
+            "bytes_ratio": expert_bytes / (meta.expert_bytes * meta.num_layers * meta.num_experts),
+            "relative_error": layer_err}

@@ -179,7 +179,8 @@ def saved(tmp_path_factory):
 
 
 def _logits(m, steps=4):
-    """Prefill 8 tokens, then `steps` greedy decode steps: every step's logits."""
+    """Prefill 8 tokens, then `steps` decode steps of fixed tokens (not argmax: a near-tie flipped by rounding
+    would feed the two models different inputs): every step's logits."""
     from transformers import DynamicCache
 
     ids = torch.tensor([[5, 9, 33, 2, 71, 100, 7, 12]])
@@ -188,8 +189,8 @@ def _logits(m, steps=4):
         cache = DynamicCache(config=m.config)
         r = m(input_ids=ids, past_key_values=cache, use_cache=True)
         out.append(r.logits[0, -1].float())
-        for _ in range(steps):
-            r = m(input_ids=r.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+        for t in (3, 14, 15, 92)[:steps]:
+            r = m(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True)
             out.append(r.logits[0, -1].float())
     return torch.stack(out)
 
@@ -265,3 +266,91 @@ def test_an_unbuildable_extension_falls_back_with_one_warning_line(saved, tmp_pa
     assert len(warn) == 1, r.stderr
     assert ("EXPERTCACHE_NO_EXT" in warn[0]) if how == "disabled" else ("the build failed" in warn[0])
     assert "Traceback" not in r.stderr
+
+
+# --- quantized checkpoints ---------------------------------------------------------------------------------------
+
+def _dequantized_reference(src, qdir, bits, group):
+    """The original model with every routed expert replaced by what the quantized store's integers stand for."""
+    from transformers import AutoModelForCausalLM
+
+    from expertcache.runtime.checkpoint import StoreExperts
+    from expertcache.runtime.store import read_store_meta
+    from expertcache.runtime.tiers import HostTier
+    from expertcache.telemetry.adapters import adapter_for
+
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    store = qdir / quant.EXPERTS_FILE
+    tier = HostTier(StoreExperts(store, read_store_meta(store)))
+    for i, L in enumerate(adapter_for(ref).moe_layers(ref)):
+        v = tier.layer_views(i)
+        for name in ("gate_up_proj", "down_proj"):
+            getattr(L.experts, name).data.copy_(quant.dequantize(quant.parts(v, name), bits, group))
+    return ref
+
+
+@pytest.mark.parametrize("fam", SWIGLU)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_checkpoint_decodes_like_its_dequantized_reference(saved, tmp_path, fam, bits):
+    """`expertcache quantize`, then `load`: every step's logits within 5% of the original model whose experts hold
+    the dequantized integers (the integer kernels also round activations to int8; without the extension the
+    dequantized path runs and the bound still holds). The slots hold packed bytes: a quarter or an eighth of the
+    float block, padding aside."""
+    from transformers import AutoModelForCausalLM
+
+    from expertcache.runtime import load
+    from expertcache.trainer.models import build_model, tiny_config
+
+    src = tmp_path / "src"  # inputs that are multiples of 64 (the int4 chunk): hidden 64, expert 64
+    build_model(tiny_config(fam, hidden_size=64, moe_intermediate_size=64, intermediate_size=64),
+                seed=7, dtype=torch.bfloat16).save_pretrained(src)
+    q = tmp_path / "q"
+    rep = quant.write_quantized(src, q, bits, 32)
+    assert rep["bytes_ratio"] < (0.6 if bits == 8 else 0.35)
+    assert all(0 < e < (0.02 if bits == 8 else 0.15) for v in rep["relative_error"].values() for e in v)
+    ref = _logits(_dequantized_reference(src, q, bits, 32))
+    m = load(q, capacity=0.5, tier="disk", kernel="auto")
+    eng = m.expertcache
+    assert eng.modules[0].quant == (bits, 32)
+    assert {t.name for t in eng.meta.tensors} >= {"gate_up_proj.q", "down_proj.scales"}
+    got = _logits(m)
+    assert _rel(got, ref) < 5e-2, (fam, bits)
+    assert eng.stats.demand_loads > 0 and eng.stats.hits > 0  # misses were read from the store and computed
+    assert eng.stats.bytes_moved == eng.stats.demand_loads * eng.meta.expert_bytes  # packed bytes moved
+    plain = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    e0 = plain.model.layers[0].mlp.experts
+    fbytes = (e0.gate_up_proj[0].numel() + e0.down_proj[0].numel()) * 2
+    assert eng.meta.expert_bytes == fbytes * (1 if bits == 8 else 0.5) / 2 + fbytes // 2 // 32 * 2 * (
+        1 if bits == 8 else 2)
+    eng.close()
+
+
+def test_quantize_refuses_what_it_cannot_write_in_one_line(saved, tmp_path, capsys):
+    from expertcache.recipes.cli import main
+    from expertcache.trainer.models import build_model, tiny_config
+
+    src = tmp_path / "src"
+    build_model(tiny_config("qwen3_moe", hidden_size=64, moe_intermediate_size=64, intermediate_size=64),
+                seed=7, dtype=torch.bfloat16).save_pretrained(src)
+    capsys.readouterr()
+    cases = [(["--bits", "3"], "--bits 3: expected 8 or 4"),
+             (["--bits", "8", "--group_size", "48"], "multiple of 32"),
+             (["--bits", "8", "--group_size", "128"], "does not divide"),
+             (["--bits", "4", "--model", str(saved / "gpt_oss")], "SwiGLU experts without biases")]
+    for extra, msg in cases:
+        argv = ["quantize", "--model", str(src), "--out", str(tmp_path / "o")] + extra
+        assert main(argv) == 2, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0], (extra, err)
+        assert not (tmp_path / "o").exists()  # nothing half-written
+    assert main(["quantize", "--model", str(src), "--out", str(tmp_path / "q8"), "--bits", "8"]) == 0
+    capsys.readouterr()
+    assert main(["quantize", "--model", str(tmp_path / "q8"), "--out", str(tmp_path / "qq"), "--bits", "4"]) == 2
+    assert "already quantized" in capsys.readouterr().err
+    cfg = (tmp_path / "q8" / "config.json")
+    raw = cfg.read_text()
+    cfg.write_text(raw.replace('"quant_method": "expertcache"', '"quant_method": "gptq"'))
+    from expertcache.runtime import load
+
+    with pytest.raises(InputError, match="quant_method 'gptq' is not one this runtime reads"):
+        load(tmp_path / "q8")
