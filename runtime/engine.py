@@ -15,7 +15,10 @@ are untouched). When layer i runs:
    ``host`` computes a missing expert where its weights live instead of moving it (host/throttled tiers);
 4. each expert computes with the model's own experts implementation over its slots, one (token, choice) row at a
    time in the same kernels, and the rows are combined as that implementation combines them (a sum over k, or
-   eager's index_add in expert order): greedy tokens are bit-identical to plain `model.generate`;
+   eager's index_add in expert order): greedy tokens are bit-identical to plain `model.generate`. With
+   ``kernel="cpu"`` the AVX-512 kernels of `cpu_kernels` compute instead (and the decode-sized linears too):
+   equal up to rounding, several times faster on CPU. Experts of an `expertcache quantize` checkpoint always
+   compute with the integer kernels (`quant.swiglu`);
 5. the cache policy decides what stays (`cache.CacheState`).
 """
 

@@ -1,0 +1,193 @@
+#!/usr/bin/env python
+"""Expert compute at memory speed, against llama.cpp on the same weights. Prints JSON and writes
+`results/kernels.json` (`--out`).
+
+    python scripts/bench_kernels.py --model /work/ckpt/q30-4l --threads 1,2 --rounds 3
+
+- `kernels`: one token through 8 experts of 2048x768 (Qwen3-30B-A3B's expert shape), drawn at random from 32 per
+  call so the weights come from memory, not cache: bytes of the 8 experts / median time, per format (bf16, int8,
+  int4; group 32) and thread count, beside this machine's memory read bandwidth at that thread count (the
+  extension's streaming read of 1 GiB, median of 5). Target: >= 0.7 of it at one thread.
+- `pairs` (with `--model`, a bf16 Hugging Face checkpoint with its tokenizer): the model decoded with every
+  expert resident (`load(capacity=1.0, tier="host", kernel="cpu")`, greedy `generate`, time per output token
+  = (t(generate 1 + N) - t(generate 1)) / N), against `llama-bench -p 0 -n N` on the GGUF conversion of the same
+  weights (`scripts/llamacpp_peer.py`): bf16 vs BF16, int8 vs Q8_0, int4 vs Q4_0. Our int8/int4 checkpoints come
+  from `expertcache quantize` (routed experts only: attention and the lm head stay bf16, where llama-quantize
+  quantizes every matrix). Each round runs every (format, threads) pair, ours then theirs, in fresh processes;
+  the figure is the median over rounds. Target: ours <= 1.25x theirs in each pair.
+Run it alone: a second busy process moves these figures by 2-5x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+FORMATS = {"bf16": None, "int8": (8, 32), "int4": (4, 32)}
+PEER = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}
+
+
+def kernel_figures(threads: int, pool: int = 32, k: int = 8, rounds: int = 30) -> list[dict]:
+    import torch
+
+    from expertcache.runtime import cpu_kernels as ck
+    from expertcache.runtime import quant
+
+    if not ck.available():
+        raise SystemExit(f"bench_kernels: the CPU kernels are unavailable here ({ck.why_unavailable()})")
+    torch.set_num_threads(threads)
+    H, I = 2048, 768
+    g = torch.Generator().manual_seed(0)
+    gu = (torch.randn(pool, 2 * I, H, generator=g) * 0.02).bfloat16()
+    dn = (torch.randn(pool, H, I, generator=g) * 0.02).bfloat16()
+    x = torch.randn(1, H, generator=g).bfloat16()
+    w = torch.rand(1, k, generator=g)
+    bw = ck.read_bandwidth(1 << 30)
+    out = []
+    for fmt, spec in FORMATS.items():
+        if spec is None:
+            nbytes = k * 3 * H * I * 2
+            call = lambda s: ck.swiglu_bf16(x, gu, dn, s, w)  # noqa: E731
+        else:
+            bits, group = spec
+            qg, qd = quant.quantize(gu, bits, group), quant.quantize(dn, bits, group)
+            nbytes = k * (quant.nbytes(qg) + quant.nbytes(qd)) // pool
+            call = lambda s, qg=qg, qd=qd, b=bits, gr=group: ck.swiglu_q(x, qg, qd, b, gr, s, w)  # noqa: E731
+        times = []
+        for r in range(rounds + 3):
+            s = torch.randperm(pool, generator=g)[:k][None]
+            t0 = time.perf_counter()
+            call(s)
+            if r >= 3:
+                times.append(time.perf_counter() - t0)
+        t = statistics.median(times)
+        out.append({"format": fmt, "group": None if spec is None else spec[1], "threads": threads,
+                    "bytes": nbytes, "ms": t * 1e3, "gbps": nbytes / t / 1e9, "read_bandwidth_gbps": bw / 1e9,
+                    "fraction_of_read_bandwidth": nbytes / t / bw})
+    return out
+
+
+def worker(model: str, threads: int, tokens: int, reps: int) -> dict:
+    """One process: load, warm up, time greedy decode `reps` times (fresh prompts)."""
+    import torch
+
+    from expertcache.runtime import load
+
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    m = load(model, capacity=1.0, tier="host", kernel="cpu", verify=False)
+    load_s = time.perf_counter() - t0
+
+    def gen(n, seed):
+        ids = torch.randint(2, 4000, (1, 8), generator=torch.Generator().manual_seed(seed))
+        t = time.perf_counter()
+        m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids),
+                   pad_token_id=1)
+        return time.perf_counter() - t
+
+    gen(4, 0)  # warm-up
+    tp = []
+    for r in range(reps):
+        tp.append((gen(1 + tokens, r + 1) - gen(1, r + 1)) / tokens)
+    return {"tpot_s": statistics.median(tp), "tpot_runs_s": tp, "load_s": load_s}
+
+
+def ours(model: str, threads: int, tokens: int, reps: int = 3) -> dict:
+    r = subprocess.run([sys.executable, __file__, "--worker", model, "--threads", str(threads), "--tokens",
+                        str(tokens), "--reps", str(reps)], capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"bench_kernels: the decode worker failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def quantized(model: Path, fmt: str, work: Path) -> Path:
+    if FORMATS[fmt] is None:
+        return model
+    bits, group = FORMATS[fmt]
+    out = work / f"{model.name}-{fmt}-g{group}"
+    if not (out / "config.json").exists():
+        from expertcache.runtime.quant import write_quantized
+
+        write_quantized(model, out, bits, group)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="bf16 checkpoint (with tokenizer) for the decode pairs; none: kernels only")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--work", default="runs/bench-kernels", help="where quantized copies of --model are kept")
+    ap.add_argument("--out", default=str(ROOT / "results" / "kernels.json"))
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    threads = [int(t) for t in a.threads.split(",")]
+    if a.worker:
+        print(json.dumps(worker(a.worker, threads[0], a.tokens, a.reps)))
+        return
+    t_start = time.time()
+    kernels = [row for t in threads for row in kernel_figures(t)]
+    for row in kernels:
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    pairs = []
+    model_info = None
+    if a.model:
+        import llamacpp_peer
+
+        model = Path(a.model).resolve()
+        work = Path(a.work)
+        paths = {f: quantized(model, f, work) for f in FORMATS}
+        runs: dict[tuple[str, int], dict] = {}
+        for r in range(a.rounds):
+            for t in threads:
+                for f in FORMATS:
+                    mine = ours(str(paths[f]), t, a.tokens, a.reps)
+                    peer = llamacpp_peer.decode(model, PEER[f], t, a.tokens, a.reps)
+                    d = runs.setdefault((f, t), {"ours": [], "peer": [], "peer_stddev_tok_s": []})
+                    d["ours"].append(mine["tpot_s"])
+                    d["peer"].append(peer["tpot_s"])
+                    d["peer_stddev_tok_s"].append(peer["tok_s_stddev"])
+                    d["peer_build"], d["peer_gguf_bytes"] = peer["build"], peer["gguf_bytes"]
+                    print(json.dumps({"round": r, "format": f, "threads": t, "expertcache_tpot_s": mine["tpot_s"],
+                                      "llamacpp_tpot_s": peer["tpot_s"]}), file=sys.stderr, flush=True)
+        for (f, t), d in runs.items():
+            e, p = statistics.median(d["ours"]), statistics.median(d["peer"])
+            pairs.append({"format": f, "llamacpp_format": PEER[f].upper(), "threads": t, "expertcache_tpot_s": e,
+                          "llamacpp_tpot_s": p, "ratio": e / p, "expertcache_rounds_s": d["ours"],
+                          "llamacpp_rounds_s": d["peer"], "llamacpp_build": d["peer_build"],
+                          "llamacpp_gguf_bytes": d["peer_gguf_bytes"],
+                          "expertcache_checkpoint": str(paths[f].name)})
+        cfg = json.loads((model / "config.json").read_text())
+        model_info = {k: cfg.get(k) for k in ("model_type", "num_hidden_layers", "hidden_size", "num_experts",
+                                              "moe_intermediate_size", "num_experts_per_tok", "vocab_size",
+                                              "num_attention_heads", "num_key_value_heads", "head_dim")}
+    one = [k for k in kernels if k["threads"] == 1]
+    res = {
+        "command": "python scripts/bench_kernels.py " + " ".join(sys.argv[1:]),
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        "model": model_info, "tokens": a.tokens, "rounds": a.rounds, "seconds": round(time.time() - t_start, 1),
+        "kernels": kernels, "pairs": pairs,
+        "targets": {"kernel_fraction_one_thread": 0.7, "tpot_ratio": 1.25},
+        "pass": {"kernels": {k["format"]: k["fraction_of_read_bandwidth"] >= 0.7 for k in one},
+                 "pairs": {f"{p['format']}@{p['threads']}": p["ratio"] <= 1.25 for p in pairs}},
+    }
+    from expertcache.telemetry.atomic import write_json
+
+    write_json(a.out, res)
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
