@@ -15,9 +15,9 @@ are untouched). When layer i runs:
    ``host`` computes a missing expert where its weights live instead of moving it (host/throttled tiers);
 4. each expert computes with the model's own experts implementation over its slots, one (token, choice) row at a
    time in the same kernels, and the rows are combined as that implementation combines them (a sum over k, or
-   eager's index_add in expert order): greedy tokens are bit-identical to plain `model.generate`. With
-   ``kernel="cpu"`` the AVX-512 kernels of `cpu_kernels` compute instead (and the decode-sized linears too):
-   equal up to rounding, several times faster on CPU. Experts of an `expertcache quantize` checkpoint always
+   eager's index_add in expert order): with ``kernel="native"`` greedy tokens are bit-identical to plain
+   `model.generate`. By default (``auto``) the AVX-512 kernels of `cpu_kernels` compute bf16 SwiGLU experts on
+   CPU instead (and the decode-sized linears too): equal up to rounding, several times faster. Experts of an `expertcache quantize` checkpoint always
    compute with the integer kernels (`quant.swiglu`);
 5. the cache policy decides what stays (`cache.CacheState`).
 """
@@ -73,10 +73,10 @@ class EngineConfig:
         workers: transfer threads
         budget: layer (C slots per layer) | global (one cache of C x layers slots shared by every layer)
         device: where the slots and the non-expert model live: cpu | cuda
-        kernel: native (the family's own expert forward: bit-identical to plain) | cpu (the AVX-512 expert
-            kernels of `runtime.cpu_kernels`: bf16 slots of SwiGLU families on CPU, fp32 accumulation, each weight
-            read once; equal to plain up to rounding) | auto (cpu where it applies, else native) | triton (SwiGLU
-            families on CUDA)
+        kernel: auto (the default: cpu where it applies, else native) | native (the family's own expert forward:
+            greedy tokens bit-identical to plain generate) | cpu (the AVX-512 kernels of `runtime.cpu_kernels`:
+            bf16 SwiGLU experts on CPU slots and the decode-sized linears, fp32 accumulation, each weight read
+            once; equal to plain up to rounding, refused where it cannot run) | triton (SwiGLU families on CUDA)
     """
 
     capacity: int | float = 0.25
@@ -90,7 +90,7 @@ class EngineConfig:
     workers: int = 4
     budget: str = "layer"
     device: str = "cpu"
-    kernel: str = "native"
+    kernel: str = "auto"
 
     @property
     def lossy(self) -> bool:

@@ -30,7 +30,7 @@ namespace {
 
 constexpr int64_t UP_ROWS = 16;    // rows of gate (and of up) per work item
 constexpr int64_t DOWN_ROWS = 32;  // output rows per work item
-constexpr int64_t PF_BYTES = 1024;  // software prefetch distance along a row (and on into the next rows)
+constexpr int64_t PF_BYTES = 8192;  // software prefetch distance along a row (and on into the next rows)
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
@@ -215,11 +215,9 @@ inline __m512i load_q(const uint8_t* w, int64_t c) {
   if constexpr (BITS == 8) {
     return _mm512_xor_si512(_mm512_loadu_si512(w + c * 64), _mm512_set1_epi8(static_cast<char>(0x80)));
   } else {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
-    const __m256i lo = _mm256_and_si256(p, low);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    // the 32 bytes in both halves, the upper half shifted down a nibble, then the low nibbles: inputs 0-31, 32-63
+    const __m512i p = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32)));
+    return _mm512_and_si512(_mm512_mask_srli_epi16(p, 0xFFFF0000u, p, 4), _mm512_set1_epi8(0x0F));
   }
 }
 
@@ -249,7 +247,7 @@ inline void dot_q(const uint8_t* const* w, const float* const* sf, const float* 
       const __m512i xv = _mm512_loadu_si512(x.q + c * 64);
       const __m512 xl = _mm512_loadu_ps(x.lanes + c * 16);
       for (int r = 0; r < R; ++r) {
-        _mm_prefetch(reinterpret_cast<const char*>(w[r] + c * BITS * 8 + PF_BYTES), _MM_HINT_T0);
+        if (BITS == 8 || !(c & 1)) _mm_prefetch(reinterpret_cast<const char*>(w[r] + c * BITS * 8 + PF_BYTES), _MM_HINT_T0);
         const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), load_q<BITS>(w[r], c), xv);
         const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sf[r] + 2 * c)));
         const __m512 ws = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(two));
@@ -265,7 +263,7 @@ inline void dot_q(const uint8_t* const* w, const float* const* sf, const float* 
         const __m512i xv = _mm512_loadu_si512(x.q + c * 64);
         const __m512 xl = _mm512_loadu_ps(x.lanes + c * 16);
         for (int r = 0; r < R; ++r) {
-          _mm_prefetch(reinterpret_cast<const char*>(w[r] + c * BITS * 8 + PF_BYTES), _MM_HINT_T0);
+          if (BITS == 8 || !(c & 1)) _mm_prefetch(reinterpret_cast<const char*>(w[r] + c * BITS * 8 + PF_BYTES), _MM_HINT_T0);
           ga[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), load_q<BITS>(w[r], c), xv)),
                                   xl, ga[r]);
         }
