@@ -5,8 +5,9 @@ For a weight matrix `[rows, n]` and a group size G (a multiple of 32 dividing n)
 groups of G:
 - **int8** (symmetric): `q = round(w / s)` in [-127, 127], `s = max|w| / 127` per group; `w ~ s * q`.
   Stored: `q` int8 `[rows, n]`, `scales` fp16 `[rows, n / G]`.
-- **int4** (asymmetric, min-max): `q = round((w - m) / s)` in [0, 15], `s = (max - min) / 15`, `m = min` per group;
-  `w ~ s * q + m`. Stored: `q` uint8 `[rows, n / 2]`, two inputs per byte (in each 64-input chunk, byte b holds
+- **int4** (asymmetric): `q = round((w - m) / s)` in [0, 15], starting from min-max (`s = (max - min) / 15`,
+  `m = min` per group), then `REFINE` rounds of least squares for `s` and `m` given the codes (each group keeps
+  whichever has the smaller error; a few percent less error than min-max); `w ~ s * q + m`. Stored: `q` uint8 `[rows, n / 2]`, two inputs per byte (in each 64-input chunk, byte b holds
   input b in its low nibble and input 32 + b in its high nibble, so one 32-byte load unpacks into 64 inputs in
   order), `scales` and `mins` fp16 `[rows, n / G]`. n must be a multiple of 64.
 Scales are rounded to fp16 before the integers are computed from them, so dequantizing is exact to what is stored.
@@ -46,13 +47,33 @@ def quantize(w: torch.Tensor, bits: int, group: int) -> dict[str, torch.Tensor]:
         q = q.clamp(-127, 127).to(torch.int8).reshape(w.shape)
         return {"q": q.contiguous(), "scales": s.contiguous()}
     lo, hi = g.amin(-1), g.amax(-1)
-    s = ((hi - lo) / 15).half()
-    m = lo.half()
-    sf, mf = s.float().unsqueeze(-1), m.float().unsqueeze(-1)
-    q = torch.where(sf > 0, torch.round((g - mf) / sf.clamp_min(torch.finfo(torch.float32).tiny)), torch.zeros(()))
-    q = q.clamp(0, 15).to(torch.uint8).reshape(*w.shape[:-1], n // 64, 2, 32)
+    s, m = ((hi - lo) / 15).half(), lo.half()
+    q, err = _codes4(g, s, m)
+    for _ in range(REFINE):  # least-squares scale and minimum for the codes, re-rounded; a group keeps the better
+        qm = q.mean(-1, keepdim=True)
+        var = (q - qm).pow(2).sum(-1)
+        s2 = torch.where(var > 0, ((q - qm) * (g - g.mean(-1, keepdim=True))).sum(-1) / var.clamp_min(1e-30),
+                         s.float())
+        m2 = (g.mean(-1) - s2 * qm.squeeze(-1))
+        s2, m2 = s2.clamp_min(0).half(), m2.half()
+        q2, err2 = _codes4(g, s2, m2)
+        better = err2 < err
+        s, m = torch.where(better, s2, s), torch.where(better, m2, m)
+        q, err = torch.where(better.unsqueeze(-1), q2, q), torch.where(better, err2, err)
+    q = q.to(torch.uint8).reshape(*w.shape[:-1], n // 64, 2, 32)
     packed = q[..., 0, :] | (q[..., 1, :] << 4)
     return {"q": packed.reshape(*w.shape[:-1], n // 2).contiguous(), "scales": s.contiguous(), "mins": m.contiguous()}
+
+
+REFINE = 3  # int4: rounds of least-squares refinement of each group's scale and minimum (0: plain min-max)
+
+
+def _codes4(g: torch.Tensor, s: torch.Tensor, m: torch.Tensor):
+    """Codes in [0, 15] for groups `g [..., G]` under fp16 scale/minimum `[...]`, and each group's squared error."""
+    sf, mf = s.float().unsqueeze(-1), m.float().unsqueeze(-1)
+    q = torch.where(sf > 0, torch.round((g - mf) / sf.clamp_min(torch.finfo(torch.float32).tiny)), torch.zeros(()))
+    q = q.clamp(0, 15)
+    return q, (q * sf + mf - g).pow(2).sum(-1)
 
 
 def unpack4(q: torch.Tensor) -> torch.Tensor:

@@ -314,6 +314,15 @@ def damaged(root: Path, P: dict) -> None:
     P["scratch"] = root / "scratch"
     P["scratch"].mkdir()
     P["scratch"].chmod(0o777)
+    from expertcache.runtime.quant import write_quantized  # an int8 copy (`expertcache quantize`), and one whose
+
+    P["model_q8"] = root / "model-q8"  # quantization_config names a method this runtime does not read
+    write_quantized(P["model"], P["model_q8"], 8, 32)
+    P["model_gptq"] = bad / "model-gptq"
+    shutil.copytree(P["model_q8"], P["model_gptq"])
+    cfg = json.loads((P["model_gptq"] / "config.json").read_text())
+    cfg["quantization_config"]["quant_method"] = "gptq"
+    (P["model_gptq"] / "config.json").write_text(json.dumps(cfg))
 
 
 # --- the cases -------------------------------------------------------------------------------------------------
@@ -642,6 +651,18 @@ def cases(P: dict) -> list[dict]:
     add("generate-prompt-past-context", ["generate", "--prompt", "word " * 3000, "--max_tokens", 2, "--model", M])
     add("generate-capacity-float-count", [*gen, M, "--engine.capacity", "16.0"])
     add("generate-kernel-triton-on-cpu", [*gen, M, "--engine.kernel", "triton"])
+    add("generate-kernel-cpu-fp32", [*gen, M, "--engine.kernel", "cpu"], note="the smoke model is fp32")
+    add("generate-threads-negative", [*gen, M, "--engine.threads", -1])
+    add("generate-quant-method-unknown", [*gen, P["model_gptq"]])
+    q = ["quantize", "--model", M, "--out"]
+    add("quantize-bits-3", [*q, S / "q1", "--bits", 3])
+    add("quantize-group-48", [*q, S / "q2", "--bits", 8, "--group_size", 48])
+    add("quantize-group-not-dividing", [*q, S / "q3", "--bits", 8, "--group_size", 128])
+    add("quantize-int4-odd-dim", [*q, S / "q4", "--bits", 4, "--group_size", 32],
+        note="the smoke model's experts are 32 wide; int4 packs 64 inputs per chunk")
+    add("quantize-already-quantized", ["quantize", "--model", P["model_q8"], "--out", S / "q5", "--bits", 4])
+    add("quantize-out-is-model", [*q, M, "--bits", 8])
+    add("quantize-no-out", ["quantize", "--model", M, "--bits", 8])
     add("bench-predictor-unknown-live", [*bd, "--model", M, "--predictors", "[probe:1,bogus]"])
     add("pretrain-resume-lr", [*run, "train.lr=0.01"], note="a finished run under another learning rate")
     add("ca-table-brackets", ["train-cache-aware", "--table", f"[{S}/no-run]"])
