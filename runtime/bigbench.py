@@ -153,21 +153,30 @@ class TraceRouting:
         return hook
 
 
+def _slot_bytes(ckpt: Path) -> int:
+    """Bytes one cached expert takes: a quantized checkpoint's store block, else the bf16 expert (+ alignment)."""
+    from .quant import read_config
+    from .store import read_store_meta
+
+    qc = read_config(ckpt)
+    return read_store_meta(ckpt / qc["experts_file"]).block_bytes if qc else expert_bytes() + ALIGN
+
+
 def _load_system(system: str, ckpt: Path, budget: int, ids, fit_end: int, workers: int):
     """`(model, engine or None, routers)` for one system."""
     from expertcache.telemetry.adapters import adapter_for
 
-    if system.startswith("expertcache"):
+    if system.startswith("expertcache"):  # expertcache:on-demand | :prefetch, then :int8 / :int4 for quantized
         from .loader import load
         from .replay import CooccurrenceEstimator, CooccurrencePredictor
 
         layers = ids.shape[0]
         ram_other = 2 << 30  # non-expert weights (~1.3 GB at this shape), interpreter, activations, staging
-        cap = int((budget - ram_other) // ((expert_bytes() + ALIGN) * layers)) - TOP_K
+        cap = min(EXPERTS, int((budget - ram_other) // (_slot_bytes(ckpt) * layers)) - TOP_K)  # packed: more slots
         if cap < 1:
             raise InputError(f"a budget of {budget / 2**30:.1f} GiB leaves no cache slots after the non-expert weights")
-        pred = CooccurrencePredictor(CooccurrenceEstimator(ids[:, :fit_end], EXPERTS)) if system.endswith(
-            "prefetch") else "none"
+        pred = CooccurrencePredictor(CooccurrenceEstimator(ids[:, :fit_end], EXPERTS)) if ":prefetch" in system \
+            else "none"
         m = load(ckpt, capacity=cap, tier="disk", predictor=pred, workers=workers)
         return m, m.expertcache, [L.router for L in m.expertcache.layers]
     if system == "accelerate":
@@ -223,10 +232,14 @@ def _rss_peak() -> int:
 
 def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, tokens: int, warmup: int,
             prompt_len: int, start: int, workers: int = 4) -> dict:
-    """One system's decode in this process: TPOT per token (prefill excluded), hits, bytes read, peak RSS."""
+    """One system's decode in this process: TPOT per token (prefill excluded), hits, bytes read, peak RSS.
+    `ckpt`: the bf16 checkpoint; an expertcache system named `...:int8`/`...:int4` reads its quantized copy."""
     from expertcache.telemetry.parquet_trace import load_routing
 
     ckpt = Path(ckpt)
+    fmt = system.rsplit(":", 1)[-1] if system.startswith("expertcache") else "bf16"
+    if fmt in ("int8", "int4"):
+        ckpt = quantized_path(ckpt, fmt)
     cfg = json.loads((ckpt / "config.json").read_text())
     r = load_routing(trace)
     ids = r.ids
@@ -284,12 +297,32 @@ def drop_page_cache() -> bool:
         return False
 
 
+QUANT_GROUP = 32
+
+
+def quantized_path(ckpt: Path, fmt: str) -> Path:
+    return ckpt.parent / f"{ckpt.name}-{fmt}-g{QUANT_GROUP}"
+
+
+def system_names(systems, experts=("bf16",)) -> list[str]:
+    """Each expertcache system once per experts format (`expertcache:on-demand:int4`; bf16 keeps the plain name);
+    the peers once (they read the bf16 checkpoint)."""
+    out = []
+    for s in systems:
+        if s.startswith("expertcache"):
+            out += [s if f == "bf16" else f"{s}:{f}" for f in experts]
+        else:
+            out.append(s)
+    return out
+
+
 def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None = None, budget_gb: float = 8.0,
               tokens: int = 64, warmup: int = 8, prompt_len: int = 8, rounds: int = 2, systems=SYSTEMS,
               ram_factor: float = 1.25, layers: int | None = None, slow_tokens: int = 8, slow_warmup: int = 2,
-              workers: int = 4, timeout_s: int = 3600, progress=None) -> dict:
+              workers: int = 4, timeout_s: int = 3600, progress=None, experts=("bf16",)) -> dict:
     """Write (or reuse) the checkpoint, then run every system `rounds` times, alternated, each in its own process.
-    `slow_tokens`/`slow_warmup`: the token counts for accelerate, whose per-token time is minutes-scale here."""
+    `slow_tokens`/`slow_warmup`: the token counts for accelerate, whose per-token time is minutes-scale here.
+    `experts`: the formats expertcache serves (int8/int4: `expertcache quantize` copies, group 32, reused)."""
     from .replay import REFERENCE_TRACE
 
     trace = trace or REFERENCE_TRACE
@@ -305,6 +338,13 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
     if n_layers < 2:
         raise InputError(f"not enough free disk for even 2 layers of experts ({per_layer / 1e9:.1f} GB each)")
     write_checkpoint(ckpt, n_layers, progress=progress)
+    for f in experts:
+        q = quantized_path(ckpt, f)
+        if f != "bf16" and not (q / "config.json").is_file():
+            from .quant import write_quantized
+
+            write_quantized(ckpt, q, 8 if f == "int8" else 4, QUANT_GROUP, progress=lambda: progress and progress(1))
+    systems = system_names(systems, experts)
     start = 2000  # decode window of the trace; the predictor is fitted on tokens before it
     runs: dict[str, list] = {s: [] for s in systems}
     cold = []
@@ -327,6 +367,8 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
             if progress:
                 progress(0)
     disk_used = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+    quant_used = {f: sum(p.stat().st_size for p in quantized_path(ckpt, f).iterdir() if p.is_file())
+                  for f in experts if f != "bf16"}
     off = ckpt.parent / (ckpt.name + "-accelerate-offload")
     res = {"inputs": {"shape": {"hidden": HIDDEN, "experts": EXPERTS, "expert": [HIDDEN, INTER], "top_k": TOP_K,
                                 "heads": [HEADS, KV_HEADS, HEAD_DIM], "vocab": 32768, "dtype": "bfloat16"},
@@ -335,8 +377,9 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                       "budget_gb": budget_gb, "tokens": tokens, "warmup": warmup,
                       "accelerate_tokens": slow_tokens, "accelerate_warmup": slow_warmup, "prompt_len": prompt_len,
                       "trace": str(trace), "trace_start": start, "rounds": rounds, "workers": workers,
+                      "experts": list(experts), "quant_group": QUANT_GROUP,
                       "torch_threads": torch.get_num_threads(), "page_cache_dropped_before_each": all(cold)},
-           "disk_used_bytes": {"checkpoint": disk_used,
+           "disk_used_bytes": {"checkpoint": disk_used, **{f"checkpoint_{f}": b for f, b in quant_used.items()},
                                "accelerate_offload": sum(p.stat().st_size for p in off.rglob("*") if p.is_file())
                                if off.is_dir() else 0},
            "systems": {}}

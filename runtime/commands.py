@@ -142,7 +142,7 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
               prompt_len: int = 8, rounds: int = 2,
               systems: list[str] = ["expertcache:on-demand", "expertcache:prefetch", "accelerate", "mmap"],
               layers: Optional[int] = None, ram_factor: float = 1.25, workers: int = 4,
-              out: Optional[str] = "results/bench_big.json") -> dict:
+              experts: list[str] = ["bf16"], out: Optional[str] = "results/bench_big.json") -> dict:
     """A Qwen3-30B-A3B-shaped checkpoint larger than RAM, decoded by expertcache (disk tier, cache within the
     budget), transformers + accelerate disk offload and the page cache (mmap), on the same routing, alternated.
 
@@ -160,11 +160,16 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
         layers: MoE layers (default: experts >= ram_factor x RAM)
         ram_factor: size of the experts against this machine's RAM
         workers: expertcache transfer threads
+        experts: the formats expertcache serves, each against the same budget: bf16 (the checkpoint) | int8 |
+            int4 (`expertcache quantize` copies, group 32, written beside the checkpoint once); e.g. [bf16,int4]
         out: the JSON (a PNG beside it)
     """
     from rich.progress import Progress
 
     from .bigbench import SYSTEMS, bench_big as run, plot, table
+
+    if not experts or any(f not in ("bf16", "int8", "int4") for f in experts) or len(set(experts)) < len(experts):
+        raise InputError(f"--experts {experts}: expected distinct formats among bf16, int8, int4")
 
     check_output(out)
     bad = [x for x in systems if x not in SYSTEMS]
@@ -187,7 +192,8 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
     with Progress() as prog:
         task = prog.add_task("checkpoint layers, then runs", total=None)
         res = run(out_dir, trace, budget_gb, tokens, warmup, prompt_len, rounds, systems, ram_factor, layers,
-                  accelerate_tokens, accelerate_warmup, workers, progress=lambda n: prog.advance(task, n or 1))
+                  accelerate_tokens, accelerate_warmup, workers, progress=lambda n: prog.advance(task, n or 1),
+                  experts=tuple(experts))
     res["git_commit"] = _git_commit()
     if out:
         from expertcache.telemetry.atomic import write_json

@@ -354,3 +354,22 @@ def test_quantize_refuses_what_it_cannot_write_in_one_line(saved, tmp_path, caps
 
     with pytest.raises(InputError, match="quant_method 'gptq' is not one this runtime reads"):
         load(tmp_path / "q8")
+
+
+def test_bench_big_serves_each_format_against_the_same_byte_budget(tmp_path):
+    """`bench big --experts [bf16,int4]`: one expertcache system per format, the peers once; a quantized copy's
+    slot is its store block (packed bytes), so the same budget buys about 3x the int4 slots."""
+    from expertcache.runtime import bigbench
+    from expertcache.trainer.models import build_model, tiny_config
+
+    assert bigbench.system_names(["expertcache:on-demand", "mmap"], ("bf16", "int4")) == [
+        "expertcache:on-demand", "expertcache:on-demand:int4", "mmap"]
+    src = tmp_path / "src"
+    build_model(tiny_config("qwen3_moe", hidden_size=64, moe_intermediate_size=64, intermediate_size=64),
+                seed=7, dtype=torch.bfloat16).save_pretrained(src)
+    q = bigbench.quantized_path(src, "int4")
+    quant.write_quantized(src, q, 4, bigbench.QUANT_GROUP)
+    from expertcache.runtime.store import read_store_meta
+
+    assert bigbench._slot_bytes(q) == read_store_meta(q / quant.EXPERTS_FILE).block_bytes
+    assert bigbench._slot_bytes(src) == bigbench.expert_bytes() + bigbench.ALIGN  # the bf16 checkpoint's
