@@ -114,7 +114,7 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineCon
 
         plain_model = load_causal_lm(path, dtype=dt).eval().to(device)
     names = (["plain"] if plain else []) + list(configs)
-    results = {name: {"tpot": [], "stats": [], "tokens_equal_plain": None} for name in names}
+    results = {name: {"tpot": [], "stats": [], "wall": [], "tokens_equal_plain": None} for name in names}
     plain_out = None
     bw = None
     try:
@@ -133,6 +133,7 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineCon
                     results[name]["tpot"].extend(tpot[warmup:])
                     if stats is not None:
                         results[name]["stats"].append(stats)
+                        results[name]["wall"].append(float(sum(tpot)))  # the decode steps the stats cover
                     if name == "plain":
                         plain_out = out if b == 0 and r == 0 else plain_out
                     elif b == 0 and plain_out is not None:
@@ -170,6 +171,7 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineCon
             tot.tokens = n_tok
             d = tot.to_dict(eb)
             d["stall_per_token_s"] = tot.stall_s / n_tok
+            d["time_budget_s"] = tot.time_budget(sum(res["wall"]), n_tok)
             if bw and t_res:
                 t_transfer = d["traffic_bytes_per_token"] / bw
                 d["t_transfer_s"] = t_transfer

@@ -272,6 +272,7 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
         st.tokens = n_dec
         d = st.to_dict(eng.meta.expert_bytes)
         res.update({"hit_rate": d["hit_rate"], "stall_per_token_s": st.stall_s / n_dec,
+                    "time_budget_s": st.time_budget(clock.times[-1] - clock.times[0], n_dec),
                     "traffic_bytes_per_token": d["traffic_bytes_per_token"], "engine": eng.describe()})
         eng.close()
     return res
@@ -400,6 +401,9 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                     row[k] = float(np.mean([x[k] for x in ok]))
             if "engine" in ok[0]:
                 row["engine"] = ok[0]["engine"]
+            if "time_budget_s" in ok[0]:  # seconds per token, averaged over the runs
+                row["time_budget_s"] = {k: float(np.mean([x["time_budget_s"][k] for x in ok]))
+                                        for k in ok[0]["time_budget_s"]}
         res["systems"][s] = row
     ec = [res["systems"][s]["tpot_median_s"] for s in systems if s.startswith("expertcache")
           and "tpot_median_s" in res["systems"][s]]
@@ -419,15 +423,18 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
 
 def table(res: dict) -> str:
     rows = ["| system | TPOT med (s) | p90 (s) | mean (s) | tok/s | peak RSS (GiB) | disk read MB/tok | hit | "
-            "stall s/tok |", "|---|---|---|---|---|---|---|---|---|"]
+            "stall s/tok | s/tok: experts / stall / other / overhead |", "|---|---|---|---|---|---|---|---|---|---|"]
     for s, r in res["systems"].items():
         if "tpot_median_s" not in r:
-            rows.append(f"| {s} | failed: {'; '.join(r['errors'])} | | | | | | | |")
+            rows.append(f"| {s} | failed: {'; '.join(r['errors'])} | | | | | | | | |")
             continue
         rows.append(f"| {s} | {r['tpot_median_s']:.3f} | {r['tpot_p90_s']:.3f} | {r.get('tpot_mean_s', float('nan')):.3f} | "
                     f"{r['tokens_per_s']:.2f} | "
                     f"{r['peak_rss_bytes'] / 2**30:.2f} | {r['disk_read_bytes_per_token'] / 1e6:.0f} | "
-                    f"{r.get('hit_rate', float('nan')):.3f} | {r.get('stall_per_token_s', float('nan')):.3f} |")
+                    f"{r.get('hit_rate', float('nan')):.3f} | {r.get('stall_per_token_s', float('nan')):.3f} | "
+                    + (" / ".join(f"{r['time_budget_s'][k]:.3f}" for k in ("expert_compute", "stall", "other_compute",
+                                                                           "overhead")) if "time_budget_s" in r
+                       else "—") + " |")
     return "\n".join(rows)
 
 

@@ -183,12 +183,30 @@ class Stats:
     host_computed: int = 0  # misses computed where their weights live (miss policy host): no bytes moved
     stall_s: float = 0.0
     bytes_moved: int = 0
+    # the time budget (seconds, cumulative): expert compute (the kernels over the slots), all of
+    # run_layer (compute + stall + the engine's bookkeeping), and the model's whole forward (a hook on the model)
+    compute_s: float = 0.0
+    layer_s: float = 0.0
+    forward_s: float = 0.0
 
     def __sub__(self, other: "Stats") -> "Stats":
         return Stats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
 
     def __add__(self, other: "Stats") -> "Stats":
         return Stats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def time_budget(self, wall_s: float, tokens: int) -> dict:
+        """Seconds per token of the steps these stats cover, measured by the engine's clocks: `expert_compute`,
+        `stall` (waiting on reads), `other_compute` (the model's forward outside the expert layers: attention,
+        norms, routers, lm head, and the model's own Python), `overhead` (the engine's bookkeeping, and `wall_s`
+        outside the model's forward: generate's loop, sampling, streamer). They sum to `wall_s / tokens`;
+        `unaccounted` is the forward time the clocks did not see (0 when they are consistent)."""
+        n = max(tokens, 1)
+        outside = wall_s - self.forward_s
+        parts = {"expert_compute": self.compute_s / n, "stall": self.stall_s / n,
+                 "other_compute": (self.forward_s - self.layer_s) / n,
+                 "overhead": (self.layer_s - self.compute_s - self.stall_s + outside) / n}
+        return {**parts, "tpot": wall_s / n, "sum": sum(parts.values())}
 
     def counters(self) -> CacheResult:
         """The cache's counts in the one counters type every area reports through (one step per token)."""
@@ -389,8 +407,19 @@ class OffloadEngine:
         self.history: dict[int, list[int]] = {}
         self._router_logits: dict[int, torch.Tensor] = {}
         self._hooks = [L.router.register_forward_hook(self._keep_logits(i)) for i, L in enumerate(self.layers)]
+        self._fwd_t0: list[float] = []  # the model's forward, timed (nested calls counted once)
+        self._hooks += [model.register_forward_pre_hook(self._forward_start),
+                        model.register_forward_hook(self._forward_end, always_call=True)]
 
     # --- bookkeeping helpers ---------------------------------------------------------------------------------
+
+    def _forward_start(self, module, args):
+        self._fwd_t0.append(time.perf_counter())
+
+    def _forward_end(self, module, args, output):
+        t0 = self._fwd_t0.pop()
+        if not self._fwd_t0:
+            self.stats.forward_s += time.perf_counter() - t0
 
     def _keep_logits(self, pos):
         def hook(module, args, output):
@@ -481,6 +510,21 @@ class OffloadEngine:
     # --- the decode step -------------------------------------------------------------------------------------
 
     def run_layer(self, mod: OffloadedExperts, hidden, top_k_index, top_k_weights):
+        t_layer = time.perf_counter()
+        try:
+            return self._run_layer(mod, hidden, top_k_index, top_k_weights)
+        finally:
+            self.stats.layer_s += time.perf_counter() - t_layer
+
+    def _compute(self, fn, *args):
+        """Expert compute, timed (the time budget's `expert_compute`)."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.stats.compute_s += time.perf_counter() - t0
+
+    def _run_layer(self, mod: OffloadedExperts, hidden, top_k_index, top_k_weights):
         pos = mod.pos
         st = self.states[pos]
         k = top_k_index.shape[-1]
@@ -514,7 +558,7 @@ class OffloadEngine:
         # 3. compute: everything resident -> one call of the family's forward over the slots (plain's own path)
         if not misses and not mod.eager:
             slots = torch.tensor([st.lookup(e) for e in flat], dtype=torch.long).view_as(top_k_index)
-            out = mod.compute(hidden, slots.to(hidden.device), top_k_weights)
+            out = self._compute(mod.compute, hidden, slots.to(hidden.device), top_k_weights)
             st.retain(needed, {}, scores_keep)
         elif self.cfg.miss == "host":  # computed where the weights live: nothing moved, nothing admitted
             self.stats.host_computed += len(misses)
@@ -549,7 +593,7 @@ class OffloadEngine:
             r = torch.tensor([i for e in experts for i in rows[e]], dtype=torch.long)
             s = torch.tensor([slot_of[e] for e in experts for _ in rows[e]], dtype=torch.long)
             rd = r.to(dev)
-            y = mod.rows(x_all[rd // k], s.to(dev), w_flat[rd], tensors)
+            y = self._compute(mod.rows, x_all[rd // k], s.to(dev), w_flat[rd], tensors)
             n = 0
             for e in experts:
                 m = len(rows[e])
