@@ -314,7 +314,8 @@ def _talk_model(model: Optional[str], engine: EngineConfig, dtype: Optional[str]
 def generate(prompt: Optional[str] = None, model: Optional[str] = None,
              engine: EngineConfig = EngineConfig(capacity=0.125, tier="disk"), dtype: Optional[str] = None,
              plain: bool = False, chat: bool = False, raw: bool = False, max_tokens: int = 128,
-             temperature: float = 0.8, top_p: float = 0.95, stop: list[str] = [], seed: Optional[int] = None) -> int:
+             temperature: float = 0.8, top_p: float = 0.95, stop: list[str] = [], seed: Optional[int] = None,
+             top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0) -> int:
     """Stream a completion to the terminal through the offload engine, then tokens/s, hit rate and bytes moved.
 
     Args:
@@ -330,10 +331,14 @@ def generate(prompt: Optional[str] = None, model: Optional[str] = None,
         top_p: nucleus sampling mass
         stop: stop strings
         seed: sampling seed
+        top_k: sample from the k most likely tokens only (0: off)
+        min_p: drop tokens under min_p x the most likely one's probability (0: off)
+        repetition_penalty: > 1 discourages tokens already in the prompt or the output (1: off)
     """
     from .generate import SamplingParams, generate_text
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed,
+                            top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty)
     params.check()
     m, tok, _ = _talk_model(model, engine, dtype, plain)
     return generate_text(m, tok, prompt, params, chat=chat, raw=raw)

@@ -37,8 +37,14 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # the text ends before the first occurrence of any of these
     seed: int | None = None
     ignore_eos: bool = False  # decode max_tokens even past an end-of-sequence token (benchmarks, tests)
+    top_k: int = 0  # keep the k most likely tokens (0: off)
+    min_p: float = 0.0  # keep tokens at least min_p x the most likely one's probability (0: off)
+    repetition_penalty: float = 1.0  # > 1: logits of tokens in the prompt or output divided (positive) or multiplied
+    presence_penalty: float = 0.0  # subtracted once from each token already in the output (OpenAI's)
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output (OpenAI's)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (-100..100)
 
-    def check(self) -> None:
+    def check(self, vocab_size: int | None = None) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InputError(f"max_tokens={self.max_tokens!r}; expected an integer >= 1")
         if not 0 <= self.temperature <= 2:
@@ -47,6 +53,26 @@ class SamplingParams:
             raise InputError(f"top_p={self.top_p}; expected 0 < top_p <= 1")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InputError(f"stop={self.stop!r}; expected non-empty strings")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InputError(f"top_k={self.top_k!r}; expected an integer >= 0 (0: off)")
+        if not 0 <= self.min_p <= 1:
+            raise InputError(f"min_p={self.min_p}; expected 0..1")
+        if not 0 < self.repetition_penalty <= 10:
+            raise InputError(f"repetition_penalty={self.repetition_penalty}; expected 0 < r <= 10 (1: off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InputError(f"{name}={getattr(self, name)}; expected -2..2")
+        for tok, b in self.logit_bias.items():
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0 or (vocab_size and tok >= vocab_size):
+                raise InputError(f"logit_bias names token {tok!r}; expected token ids in [0, {vocab_size or 'vocab'})")
+            if not -100 <= b <= 100:
+                raise InputError(f"logit_bias[{tok}]={b}; expected -100..100")
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether anything changes the logits before the choice (penalties, biases)."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1 or bool(self.presence_penalty) \
+            or bool(self.frequency_penalty)
 
 
 # --- prompts ---------------------------------------------------------------------------------------------------
@@ -124,7 +150,7 @@ class Generation:
 
     def __init__(self, model, tokenizer, prompt_ids: list[int], params: SamplingParams,
                  cancel: threading.Event | None = None):
-        params.check()
+        params.check(model.get_input_embeddings().num_embeddings)
         from expertcache.telemetry.hf import check_context
 
         check_context(model, len(prompt_ids), params.max_tokens)  # the one decode loop of generate and serve
@@ -145,12 +171,39 @@ class Generation:
     def completion_tokens(self) -> int:
         return len(self.completion_ids)
 
-    def _next_token(self, logits: torch.Tensor, gen: torch.Generator | None) -> int:
-        """`logits [V]` -> one token id: argmax at temperature 0, else nucleus sampling."""
+    def _adjusted(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits after the repetition penalty (prompt and output tokens, as transformers and vLLM apply it),
+        the presence and frequency penalties (output tokens, as OpenAI defines them) and `logit_bias`."""
         p = self.params
+        x = logits.float().clone()
+        if p.repetition_penalty != 1:
+            seen = torch.tensor(sorted(set(self.prompt_ids) | set(self.completion_ids)), dtype=torch.long,
+                                device=x.device)
+            if seen.numel():
+                v = x[seen]
+                x[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and self.completion_ids:
+            ids, counts = torch.tensor(self.completion_ids, dtype=torch.long).unique(return_counts=True)
+            x[ids.to(x.device)] -= (p.frequency_penalty * counts + p.presence_penalty).to(x.device, x.dtype)
+        for tok, b in p.logit_bias.items():
+            x[tok] += b
+        return x
+
+    def _next_token(self, logits: torch.Tensor, gen: torch.Generator | None) -> int:
+        """`logits [V]` -> one token id: argmax at temperature 0, else sampling (top-k, min-p, then nucleus)."""
+        p = self.params
+        if p.adjusts:
+            logits = self._adjusted(logits)
         if p.temperature == 0:
             return int(logits.argmax())
         probs = torch.softmax(logits.float() / p.temperature, dim=-1)  # [V]
+        if 0 < p.top_k < probs.shape[-1]:
+            kth = probs.topk(p.top_k).values[-1]
+            probs = torch.where(probs >= kth, probs, torch.zeros(()))
+        if p.min_p > 0:
+            probs = torch.where(probs >= p.min_p * probs.max(), probs, torch.zeros(()))
+        if p.top_k > 0 or p.min_p > 0:
+            probs = probs / probs.sum()
         if p.top_p < 1:
             sorted_p, order = probs.sort(descending=True)
             keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # the smallest prefix whose mass reaches top_p

@@ -188,8 +188,13 @@ class Decoder:
 
 # --- request bodies -----------------------------------------------------------------------------------------------
 
+# fields a client may send that change nothing here: OpenAI's end-user id. Any other field this server does not
+# implement is a 400 naming it (`_params`), never a silent no-op.
+IGNORED_FIELDS = frozenset({"user"})
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")  # clients send fields we do not use (user, logit_bias, ...)
+    model_config = ConfigDict(extra="allow")  # kept, so that `_params` can name what is not supported
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
@@ -200,6 +205,12 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     ignore_eos: bool = False  # vLLM's extension: decode max_tokens regardless of EOS
+    top_k: int = Field(0, ge=-1, description="keep the k most likely tokens (0 or -1: off)")
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(_Common):
@@ -217,12 +228,30 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
 
 
-def _params(req, default_max: int | None) -> SamplingParams:
+SUPPORTED = ("model, prompt/messages, max_tokens, max_completion_tokens, temperature, top_p, top_k, min_p, n (1), "
+             "stop, seed, stream, stream_options, repetition_penalty, presence_penalty, frequency_penalty, logit_bias, "
+             "ignore_eos, user")
+
+
+def _params(req, default_max: int | None, vocab_size: int | None = None) -> SamplingParams:
+    unsupported = sorted(set(req.model_extra or {}) - IGNORED_FIELDS)
+    if unsupported:
+        raise InputError(f"{unsupported[0]} is not supported by this server"
+                         + (f" (nor {', '.join(unsupported[1:])})" if len(unsupported) > 1 else "")
+                         + f"; it takes {SUPPORTED}")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or default_max
+    bias = {}
+    for k, v in (req.logit_bias or {}).items():
+        try:
+            bias[int(k)] = float(v)
+        except ValueError:
+            raise InputError(f"logit_bias key {k!r} is not a token id") from None
     p = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, stop=stop,
-                       seed=req.seed, ignore_eos=req.ignore_eos)
-    p.check()
+                       seed=req.seed, ignore_eos=req.ignore_eos, top_k=max(req.top_k, 0), min_p=req.min_p,
+                       repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+                       frequency_penalty=req.frequency_penalty, logit_bias=bias)
+    p.check(vocab_size)
     return p
 
 
@@ -309,6 +338,8 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
     @app.get("/metrics")
     async def prometheus():
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    vocab = model.get_input_embeddings().num_embeddings
 
     def check_model(req) -> None:
         if req.model not in (None, "", model_name):
@@ -420,7 +451,7 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
                                  f"per request")
             prompt = prompt[0]
         ids = encode(tokenizer, prompt)
-        params = _params(req, DEFAULT_MAX_TOKENS)
+        params = _params(req, DEFAULT_MAX_TOKENS, vocab)
         fit_context(ids, params)
         return await respond(request, "/v1/completions", req, ids, params, chat=False)
 
@@ -430,7 +461,7 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
         msgs = [{"role": m.role, "content": _text_content(m.content)} for m in req.messages]
         templated = bool(getattr(tokenizer, "chat_template", None))
         ids = encode(tokenizer, chat_prompt(tokenizer, msgs), templated=templated)
-        params = _params(req, default_max(ids, max_tokens_default))
+        params = _params(req, default_max(ids, max_tokens_default), vocab)
         fit_context(ids, params)
         if not templated:  # the plain transcript: stop before the model writes the user's next turn
             params.stop = [*params.stop, "\nuser:"]

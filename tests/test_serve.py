@@ -214,3 +214,49 @@ def test_concurrent_requests_decode_one_at_a_time_with_the_same_answers(server, 
         together = [f.result() for f in futs]
     assert together == alone  # no state leaks between requests sharing the model, its cache and the engine
     assert all(r <= 1 for r, _ in seen) and max(q for _, q in seen) >= 1
+
+
+def test_unsupported_openai_fields_are_a_400_naming_them(server):
+    """What this server does not implement is refused by name (never a 200 with nothing done); `user` (OpenAI's
+    end-user id) changes nothing and is accepted."""
+    url = server["url"]
+    for field, value in (("logprobs", 1), ("echo", True), ("best_of", 2), ("suffix", "x"), ("tools", []),
+                         ("response_format", {"type": "json_object"}), ("frobnicate", 1)):
+        r = httpx.post(url + "/v1/completions", json={"prompt": "thou", "max_tokens": 2, field: value})
+        assert r.status_code == 400, (field, r.text)
+        assert r.json()["error"]["message"].startswith(f"{field} is not supported by this server"), r.text
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                                                        "tool_choice": "auto"})
+    assert r.status_code == 400 and "tool_choice is not supported" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", json={"prompt": "thou", "max_tokens": 2, "user": "someone"})
+    assert r.status_code == 200, r.text
+    for body, word in (({"logit_bias": {"x": 1}}, "not a token id"), ({"logit_bias": {"999999": 1}}, "token ids in"),
+                       ({"logit_bias": {"5": 101}}, "-100..100"), ({"top_k": -2}, "top_k"),
+                       ({"presence_penalty": 3}, "presence_penalty"), ({"n": 2}, "n")):
+        r = httpx.post(url + "/v1/completions", json={"prompt": "thou", "max_tokens": 2, **body})
+        assert r.status_code == 400 and word in r.json()["error"]["message"], (body, r.text)
+    _idle(url)
+
+
+def test_logit_bias_and_penalties_change_what_is_chosen(server):
+    """At temperature 0: a +100 bias makes that token every token; a -100 bias on the greedy first token changes
+    it; a strong frequency penalty stops a token repeating; top_k = 1 at temperature 1 is greedy."""
+    url = server["url"]
+
+    def ids(**kw):
+        r = httpx.post(url + "/v1/completions", json={"prompt": "thou shalt", "max_tokens": 6, "temperature": 0,
+                                                      "ignore_eos": True, **kw})
+        assert r.status_code == 200, r.text
+        return server["tok"](r.json()["choices"][0]["text"], add_special_tokens=False)["input_ids"]
+
+    plain = ids()
+    target = (plain[0] + 7) % 100 + 10
+    forced = ids(logit_bias={str(target): 100})
+    assert forced and set(forced) == {target}
+    assert ids(logit_bias={str(plain[0]): -100})[0] != plain[0]
+    biased = ids(logit_bias={str(target): 5})
+    penalised = ids(frequency_penalty=2.0, presence_penalty=2.0, logit_bias={str(target): 5})
+    assert biased.count(target) >= 4 and penalised.count(target) < biased.count(target), (biased, penalised)
+    sampled = ids(temperature=1.0, top_k=1, seed=3)
+    assert sampled == plain
+    _idle(url)
