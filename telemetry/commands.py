@@ -15,8 +15,10 @@ Phase = Literal["decode", "prefill", "all"]
 def trace_record(model: str, out: str, corpus: str = "data/corpus", tokenizer: Optional[str] = None,
                  split: Split = "test", prompt_len: int = 128, decode_tokens: int = 64, batch_size: int = 8,
                  max_seqs: int = 16, domains: Optional[list[str]] = None, hidden: bool = False,
-                 logits: bool = False) -> dict:
-    """Record every MoE layer's routing of a checkpoint on held-out corpus blocks (prefill, then greedy decode).
+                 logits: bool = False, prompts: Optional[str] = None, field: str = "text", domain: str = "prompts",
+                 max_prompts: int = 0, dtype: str = "auto") -> dict:
+    """Record every MoE layer's routing of a checkpoint (prefill, then greedy decode) on held-out corpus blocks,
+    or on your own prompts (--prompts FILE).
 
     Args:
         model: HF checkpoint directory (e.g. runs/base-tiny/model)
@@ -31,11 +33,29 @@ def trace_record(model: str, out: str, corpus: str = "data/corpus", tokenizer: O
         domains: corpus domains to record (default: every domain)
         hidden: also record the hidden state entering each MoE layer (lookahead recall, router training)
         logits: also record the router logits
+        prompts: a file of your own prompts, recorded instead of the corpus: .jsonl (the prompt under --field) or
+            text (one prompt per non-empty line); each is cut to --prompt_len tokens and decoded --decode_tokens
+        field: with a .jsonl --prompts: the field holding the prompt
+        domain: with --prompts: the domain label of every row
+        max_prompts: with --prompts: the first N prompts only (0: all)
+        dtype: the dtype the model runs in while recording: auto (the checkpoint's own, as it is served) | fp32 |
+            bf16 | fp16; the trace's metadata names it
     """
     from .atomic import check_output
-    from .recorder import record_corpus
+    from .recorder import DTYPES, read_prompts, record_corpus, record_prompts
 
     check_output(out, model)
+    if dtype not in DTYPES:
+        raise InputError(f"--dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+    if prompts is not None:
+        for name, v in (("prompt_len", prompt_len), ("decode_tokens", decode_tokens)):
+            if v < 1:
+                raise InputError(f"{name}={v}; expected >= 1")
+        if max_prompts < 0:
+            raise InputError(f"max_prompts={max_prompts}; expected >= 0 (0: all)")
+        texts = read_prompts(prompts, field, max_prompts)
+        return record_prompts(model, texts, out, prompt_len, decode_tokens, domain, hidden, logits, dtype,
+                              source=str(prompts))
     from .corpus import DOMAINS
 
     unknown = [d for d in domains or [] if d not in DOMAINS]
@@ -46,7 +66,7 @@ def trace_record(model: str, out: str, corpus: str = "data/corpus", tokenizer: O
         if v < 1:
             raise InputError(f"{name}={v}; expected >= 1")
     return record_corpus(model, corpus, tokenizer, split, out, prompt_len, decode_tokens, batch_size, max_seqs,
-                         domains, hidden, logits)
+                         domains, hidden, logits, dtype)
 
 
 def trace_import(src: str, out: str, num_experts: Optional[int] = None, domain: str = "",

@@ -144,9 +144,90 @@ def record_blocks(model, blocks: np.ndarray, writer: TraceWriter, domain: str, p
     return len(blocks)
 
 
+DTYPES = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _dtype(name: str):
+    """The dtype the recording runs in: `auto` is the checkpoint's own (the routing it is served with); the
+    trace's metadata names it."""
+    if name not in DTYPES:
+        raise InputError(f"--dtype {name!r}; expected one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def read_prompts(path: str | Path, field: str = "text", limit: int = 0) -> list[str]:
+    """A prompts file: `.jsonl` (one JSON object per line, the prompt under `field`) or plain text (one prompt
+    per non-empty line). `limit` > 0 keeps the first ones."""
+    import json
+
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"--prompts {path}: no such file")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise InputError(f"--prompts {path} is not UTF-8 text") from None
+    out = []
+    if path.suffix == ".jsonl":
+        for i, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"--prompts {path}:{i}: not JSON ({e.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get(field), str):
+                raise InputError(f"--prompts {path}:{i}: no string field {field!r} (choose it with --field)")
+            if row[field].strip():
+                out.append(row[field])
+    else:
+        out = [ln for ln in lines if ln.strip()]
+    if not out:
+        raise InputError(f"--prompts {path} holds no prompt text")
+    return out[:limit] if limit > 0 else out
+
+
+def record_prompts(model_dir: str | Path, prompts: list[str], out: str | Path, prompt_len: int = 128,
+                   decode_tokens: int = 64, domain: str = "prompts", hidden: bool = False, logits: bool = False,
+                   dtype: str = "auto", source: str = "") -> dict:
+    """Record a HF checkpoint's routing on the user's own prompts (each: at most `prompt_len` tokens, prefill and
+    `decode_tokens` greedy steps; one sequence each) into a Parquet trace that analyze and fit-policy read."""
+    from rich.progress import Progress
+
+    from .hf import check_context, load_causal_lm, load_tokenizer
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise InputError(f"no HF checkpoint at {model_dir} (expected {model_dir / 'config.json'})")
+    tok = load_tokenizer(str(model_dir))
+    model = load_causal_lm(model_dir, dtype=_dtype(dtype))
+    ids = [tok(p, add_special_tokens=False)["input_ids"][:prompt_len] for p in prompts]
+    ids = [x for x in ids if x]
+    if not ids:
+        raise InputError("no prompt has a token after tokenization")
+    vocab = model.get_input_embeddings().num_embeddings
+    if max(max(x) for x in ids) >= vocab:
+        raise InputError(f"the tokenizer of {model_dir} gives ids beyond the model's vocabulary ({vocab})")
+    check_context(model, max(len(x) for x in ids), decode_tokens, "--prompt_len", "--decode_tokens")
+    meta = Recorder(model).meta(str(model_dir), tokenizer=str(model_dir), corpus=source, split="",
+                                extra={"prompt_len": prompt_len, "decode_tokens": decode_tokens, "greedy": True,
+                                       "prompts": len(ids)})
+    with TraceWriter(out, meta, with_logits=logits, with_hidden=hidden, inputs=(model_dir,)) as w, Progress() as prog:
+        task = prog.add_task("recording prompts", total=len(ids))
+        for i, x in enumerate(ids):
+            record_blocks(model, np.asarray([x], dtype=np.int64), w, domain, len(x), decode_tokens, 1, seq_offset=i,
+                          progress=lambda b: prog.advance(task, b))
+        rows = w.rows
+    from .parquet_trace import read_meta
+
+    return {"trace": str(out), "sequences": len(ids), "rows": rows, "domains": [domain],
+            "meta": read_meta(out).__dict__}
+
+
 def record_corpus(model_dir: str | Path, corpus: str, tokenizer: str | None, split: str, out: str | Path,
                   prompt_len: int = 128, decode_tokens: int = 64, batch_size: int = 8, max_seqs: int = 16,
-                  domains: list[str] | None = None, hidden: bool = False, logits: bool = False) -> dict:
+                  domains: list[str] | None = None, hidden: bool = False, logits: bool = False,
+                  dtype: str = "auto") -> dict:
     """Record a HF checkpoint on `max_seqs` held-out blocks per domain of our corpus into a Parquet trace."""
     from rich.progress import Progress
 
@@ -165,7 +246,7 @@ def record_corpus(model_dir: str | Path, corpus: str, tokenizer: str | None, spl
     tokenizer = tokenizer or str(model_dir)
     from .hf import load_causal_lm
 
-    model = load_causal_lm(model_dir, dtype=torch.float32)
+    model = load_causal_lm(model_dir, dtype=_dtype(dtype))
     from .hf import check_context
 
     check_context(model, prompt_len, decode_tokens, "--prompt_len", "--decode_tokens")  # before any block is read
