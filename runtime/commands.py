@@ -195,12 +195,17 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
                   accelerate_tokens, accelerate_warmup, workers, progress=lambda n: prog.advance(task, n or 1),
                   experts=tuple(experts))
     res["git_commit"] = _git_commit()
+    failed = {sys_: r["errors"] for sys_, r in res["systems"].items() if r.get("errors")}
+    res["ok"] = not failed  # a system asked for that failed makes the run exit 1 (its reason stays in the JSON)
     if out:
         from expertcache.telemetry.atomic import write_json
 
         write_json(out, res)
         plot(res, Path(out).with_suffix(".png"))
     _table(table(res))
+    if failed:
+        print(f"bench big: {len(failed)} system(s) failed: " + "; ".join(f"{k}: {v[0]}" for k, v in failed.items()),
+              file=sys.stderr)
     return res
 
 

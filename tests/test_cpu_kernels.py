@@ -2,6 +2,7 @@
 round trips, every kernel against a float reference for odd shapes and k = 1..8 (tolerances stated per test), the
 engine's `kernel` option on every SwiGLU family, and the fallback when the extension cannot be built."""
 
+import json
 import os
 import subprocess
 import sys
@@ -373,3 +374,23 @@ def test_bench_big_serves_each_format_against_the_same_byte_budget(tmp_path):
 
     assert bigbench._slot_bytes(q) == read_store_meta(q / quant.EXPERTS_FILE).block_bytes
     assert bigbench._slot_bytes(src) == bigbench.expert_bytes() + bigbench.ALIGN  # the bf16 checkpoint's
+
+
+def test_bench_big_exits_1_when_a_system_it_ran_failed(tmp_path, monkeypatch, capsys):
+    """A system asked for that failed is not a success: exit 1, one stderr line naming it, the reason in the JSON."""
+    from expertcache.recipes.cli import main
+    from expertcache.runtime import bigbench
+
+    def fake(*a, **kw):
+        return {"inputs": {}, "systems": {"expertcache:on-demand": {"runs": 1, "errors": ["exit 1; see x.log"]},
+                                          "mmap": {"runs": 1, "errors": [], "tpot_median_s": 0.3, "tpot_p90_s": 0.4,
+                                                   "tpot_mean_s": 0.3, "tokens_per_s": 3.3, "peak_rss_bytes": 1,
+                                                   "disk_read_bytes_per_token": 1.0}}}
+
+    monkeypatch.setattr(bigbench, "bench_big", fake)
+    monkeypatch.setattr(bigbench, "plot", lambda res, png: None)
+    out = tmp_path / "b.json"
+    assert main(["bench", "big", "--out_dir", str(tmp_path / "d"), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "1 system(s) failed: expertcache:on-demand: exit 1; see x.log" in err
+    assert json.loads(out.read_text())["ok"] is False
