@@ -390,7 +390,9 @@ def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2
         t_transfer = s["traffic_bytes_per_token"] / bw
         s["t_transfer_s"] = t_transfer
         s["roofline_s"] = max(t_compute, t_transfer)
-        s["overlap_efficiency"] = max(t_compute, t_transfer) / s["tpot_median_s"]
+        from .bench import overlap
+
+        s.update(overlap(max(t_compute, t_transfer), s["tpot_median_s"]))
         if c.name != "on-demand":
             s["tpot_vs_on_demand"] = ratios[c.name]
             s["tpot_ratio_median"] = float(np.median(ratios[c.name]))
