@@ -77,6 +77,9 @@ class EngineConfig:
             greedy tokens bit-identical to plain generate) | cpu (the AVX-512 kernels of `runtime.cpu_kernels`:
             bf16 SwiGLU experts on CPU slots and the decode-sized linears, fp32 accumulation, each weight read
             once; equal to plain up to rounding, refused where it cannot run) | triton (SwiGLU families on CUDA)
+        budget_gb: the cache's size in GiB of slots instead of a capacity in experts (0: use capacity): as many
+            experts per layer as fit (staging slots included; a quantized checkpoint's packed experts take their
+            packed size, so the same GiB holds 2-3x more), at most E
         threads: compute threads (torch's intra-op pool, which the CPU kernels share; set process-wide when the
             engine starts): 0 keeps torch's default, one per core. Measured here (results/kernels.json): 2 threads
             decode 1.1-1.5x faster than 1 on this 2-core machine, so the default uses every core
@@ -94,6 +97,7 @@ class EngineConfig:
     budget: str = "layer"
     device: str = "cpu"
     kernel: str = "auto"
+    budget_gb: float = 0.0
     threads: int = 0
 
     @property
@@ -103,7 +107,8 @@ class EngineConfig:
 
     def label(self) -> str:
         c = self.capacity  # 1 (a count: one expert) and 1.0 (a fraction: all E) must not print alike
-        s = f"C={int(c) if isinstance(c, int) else float(c)},{self.miss}"
+        s = f"C={int(c) if isinstance(c, int) else float(c)},{self.miss}" if not self.budget_gb else \
+            f"{self.budget_gb:g}GiB,{self.miss}"
         return s + (f",tau={self.tau:g}" if self.miss == "reroute" else "")
 
     def slots(self, num_experts: int, top_k: int) -> int:
@@ -124,6 +129,9 @@ class EngineConfig:
                 raise InputError(f"{name}={v!r}; expected an integer")
         if isinstance(self.tau, bool) or not isinstance(self.tau, numbers.Real):
             raise InputError(f"tau={self.tau!r}; expected a number")
+        if isinstance(self.budget_gb, bool) or not isinstance(self.budget_gb, numbers.Real) \
+                or not math.isfinite(self.budget_gb) or self.budget_gb < 0:
+            raise InputError(f"budget_gb={self.budget_gb!r}; expected GiB >= 0 (0: use capacity)")
         TierSpec.parse(self.tier)
         if self.miss not in MISS_POLICIES:
             raise InputError(f"unknown miss policy {self.miss!r}; expected one of {', '.join(MISS_POLICIES)}")
@@ -344,8 +352,8 @@ class OffloadEngine:
         if self.meta.num_experts != e or self.meta.num_layers != len(self.layers):
             raise InputError(f"expert source has {self.meta.num_layers} layers x {self.meta.num_experts} experts; "
                              f"the model has {len(self.layers)} x {e}")
-        self.capacity = cfg.slots(e, k)
         n_l = len(self.layers)
+        self.capacity = cfg.slots(e, k) if not cfg.budget_gb else self._fit_budget(cfg, e, k, n_l)
         n_slots = self.capacity + k if cfg.budget == "layer" else self.capacity * n_l + k
         self.fast_bytes = n_slots * self.meta.block_bytes * (n_l if cfg.budget == "layer" else 1)
         self.host_bytes = 0 if tier is not None else tier_host_bytes(cfg.tier, self.meta, cfg.workers)
@@ -410,6 +418,16 @@ class OffloadEngine:
         self._fwd_t0: list[float] = []  # the model's forward, timed (nested calls counted once)
         self._hooks += [model.register_forward_pre_hook(self._forward_start),
                         model.register_forward_hook(self._forward_end, always_call=True)]
+
+    def _fit_budget(self, cfg: EngineConfig, e: int, k: int, n_l: int) -> int:
+        """Experts per layer that `budget_gb` of slots holds (k staging slots per pool included), at most E."""
+        slots = int(cfg.budget_gb * 2**30 // self.meta.block_bytes)
+        cap = slots // n_l - k if cfg.budget == "layer" else (slots - k) // n_l
+        if cap < 1:
+            raise InputError(f"budget_gb={cfg.budget_gb:g} holds {slots} slots of {self.meta.block_bytes / 2**20:.2f} "
+                             f"MiB; {n_l} layers need at least {n_l * (k + 1) if cfg.budget == 'layer' else n_l + k} "
+                             f"(raise --engine.budget_gb, or give --engine.capacity)")
+        return min(cap, e)
 
     # --- bookkeeping helpers ---------------------------------------------------------------------------------
 

@@ -262,3 +262,28 @@ def test_the_time_budget_adds_up_and_puts_the_time_where_it_went(family_models):
             assert b["stall"] > 0.5 * b["tpot"] and b["stall"] > b["expert_compute"], b
         else:
             assert b["stall"] < 0.05 * b["tpot"], b
+
+
+def test_a_budget_in_gib_buys_as_many_slots_as_fit(family_models):
+    """`budget_gb`: the slots (k staging per pool included) fit the GiB given, per layer or in one global cache;
+    a budget too small for one expert per layer is one line; decoding under it stays lossless."""
+    model, path = family_models["qwen3_moe"]
+    meta = read_store_meta(path)
+    k, n_l = 2, meta.num_layers
+    gib = (n_l * (3 + k) * meta.block_bytes + meta.block_bytes // 2) / 2**30  # 3 experts + 2 staging per layer
+    m = _fresh("qwen3_moe")
+    eng = offload(m, path, EngineConfig(budget_gb=gib, tier="host", kernel="native"))
+    prompt = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(2))
+    try:
+        assert eng.capacity == 3 and eng.fast_bytes <= gib * 2**30
+        assert torch.equal(_greedy(m, prompt), _greedy(model, prompt))
+    finally:
+        eng.close()
+    m = _fresh("qwen3_moe")
+    eng = offload(m, path, EngineConfig(budget_gb=gib, budget="global", tier="host"))
+    assert eng.capacity == (n_l * (3 + k) - k) // n_l and eng.fast_bytes <= gib * 2**30
+    eng.close()
+    with pytest.raises(InputError, match="budget_gb=.* holds 1 slots"):
+        offload(_fresh("qwen3_moe"), path, EngineConfig(budget_gb=meta.block_bytes * 1.5 / 2**30, tier="host"))
+    with pytest.raises(InputError, match="budget_gb=-1"):
+        EngineConfig(budget_gb=-1).check()
