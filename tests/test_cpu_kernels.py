@@ -132,10 +132,13 @@ def test_bf16_kernel_reads_strided_slot_views():
 @needs_ext
 @pytest.mark.parametrize("bits,group", [(8, 32), (8, 64), (8, 128), (4, 32), (4, 64), (4, 128)])
 @pytest.mark.parametrize("K", [1, 3, 8])
-def test_integer_kernels_equal_their_arithmetic_and_stay_near_the_dequantized_weights(bits, group, K):
+@pytest.mark.parametrize("H,I", [(256, 128), (768, 512)])
+def test_integer_kernels_equal_their_arithmetic_and_stay_near_the_dequantized_weights(bits, group, K, H, I):
     """Against the same arithmetic in float (dequantized weights, activations rounded as the kernel rounds them):
-    1e-5 relative; against the dequantized weights with exact activations: 4% (the int8 activations' rounding)."""
-    S, H, I, T = 10, 256, 128, 3
+    5e-4 relative (an activation at a rounding tie may round the other way in float32: ~1e-4 per flip; a wrong
+    layout or scale is ~1); against the dequantized weights with exact activations: 4% (the int8 activations'
+    rounding)."""
+    S, T = 10, 3
     gu, dn, g = _experts(S, H, I, seed=bits * group + K)
     x = torch.randn(T, H, generator=g)
     slots = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(T)])
@@ -143,7 +146,7 @@ def test_integer_kernels_equal_their_arithmetic_and_stay_near_the_dequantized_we
     qg, qd = quant.quantize(gu, bits, group), quant.quantize(dn, bits, group)
     dg, dd = quant.dequantize(qg, bits, group), quant.dequantize(qd, bits, group)
     got = ck.swiglu_q(x, qg, qd, bits, group, slots, w)
-    assert _rel(got, _emulated(x, dg, dd, slots, w)) < 1e-5
+    assert _rel(got, _emulated(x, dg, dd, slots, w)) < 5e-4
     assert _rel(got, swiglu_reference(x, dg, dd, slots, w)) < 4e-2
 
 
