@@ -68,6 +68,11 @@ def load(verbose: bool = False) -> bool:
 
                 d = cache_dir()
                 d.mkdir(parents=True, exist_ok=True)
+                if not (d / "expertcache_cpu.so").is_file():  # the first use on this machine: say why it waits
+                    import sys
+
+                    print(f"expertcache: building the CPU expert kernels once (about 10 s; cached in {d})",
+                          file=sys.stderr, flush=True)
                 cpp_extension.load(name="expertcache_cpu", sources=[str(_SRC)], extra_cflags=_FLAGS,
                                    extra_ldflags=["-fopenmp"],
                                    build_directory=str(d), is_python_module=False, verbose=verbose)

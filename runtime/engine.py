@@ -404,7 +404,9 @@ class OffloadEngine:
         self._new_states()
         # decode-sized projections (attention, lm head) through the same kernels as the experts
         self._linears = []
-        if cfg.kernel in ("cpu", "auto") and cfg.slot_device == "cpu" and cpu_kernels.available():
+        m0 = self.modules[0]
+        if cfg.kernel in ("cpu", "auto") and cfg.slot_device == "cpu" and (m0.swiglu_ok or m0.quant is not None) \
+                and cpu_kernels.available():  # built (once, cached) only for a model the kernels can compute
             self._linears = cpu_kernels.patch_linears(model) + cpu_kernels.patch_calls([L.router for L in self.layers])
         self.pool_exec = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="expert-load")
         self._load_pins()
