@@ -318,6 +318,12 @@ def damaged(root: Path, P: dict) -> None:
 
     P["model_q8"] = root / "model-q8"  # quantization_config names a method this runtime does not read
     write_quantized(P["model"], P["model_q8"], 8, 32)
+    P["prompts_blank"] = bad / "prompts-blank.txt"  # `trace record --prompts` inputs with nothing to record
+    P["prompts_blank"].write_text("\n  \n\n")
+    P["prompts_nofield"] = bad / "prompts-nofield.jsonl"
+    P["prompts_nofield"].write_text('{"prompt": "thou art"}\n')
+    P["prompts_notjson"] = bad / "prompts-notjson.jsonl"
+    P["prompts_notjson"].write_text('{"text": "thou art"}\nthou art\n')
     P["model_gptq"] = bad / "model-gptq"
     shutil.copytree(P["model_q8"], P["model_gptq"])
     cfg = json.loads((P["model_gptq"] / "config.json").read_text())
@@ -417,6 +423,13 @@ def cases(P: dict) -> list[dict]:
     add("record-model-truncated", [*rec, "--model", P["model_trunc"], "--out", S / "r3.parquet"])
     add("record-model-no-config", [*rec, "--model", P["model_nocfg"], "--out", S / "r4.parquet"])
     add("record-model-bad-config", [*rec, "--model", P["model_badcfg"], "--out", S / "r5.parquet"])
+    rp = ["trace", "record", "--model", M, "--decode_tokens", 2, "--prompts"]
+    add("record-prompts-missing", [*rp, S / "no-prompts.txt", "--out", S / "rp1.parquet"])
+    add("record-prompts-blank", [*rp, P["prompts_blank"], "--out", S / "rp2.parquet"])
+    add("record-prompts-no-field", [*rp, P["prompts_nofield"], "--out", S / "rp3.parquet"])
+    add("record-prompts-not-json", [*rp, P["prompts_notjson"], "--out", S / "rp4.parquet"])
+    add("record-prompts-dtype", [*rp, P["prompts_nofield"], "--field", "prompt", "--dtype", "int3", "--out",
+                                 S / "rp5.parquet"])
     add("record-model-wrong-config", [*rec, "--model", P["model_wrongcfg"], "--out", S / "r5b.parquet"])
     add("record-model-bin-only", [*rec, "--model", P["model_bin"], "--out", S / "r6.parquet"])
     add("record-model-unreadable", [*rec, "--model", P["unreadable_model"], "--out", S / "r6b.parquet"],
