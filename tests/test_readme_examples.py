@@ -1,4 +1,4 @@
-"""Every `expertcache ...` example in README.md and docs/*.md names a command that exists and only flags that
+"""Every `expertcache ...` example in README.md, docs/*.md and the reference traces' README names a command that exists and only flags that
 command accepts (checked against the generated `--help`), so an example cannot rot silently. Running each one
 for real needs the trained base or a GPU for some; what this checks is what goes stale first: names."""
 
@@ -11,7 +11,7 @@ import pytest
 from expertcache.recipes.cli import COMMANDS, main
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "telemetry" / "reference" / "README.md"]
 
 
 def examples() -> list[tuple[str, int, list[str]]]:
