@@ -1,6 +1,7 @@
-"""Every `expertcache ...` example in README.md, docs/*.md and the reference traces' README names a command that exists and only flags that
-command accepts (checked against the generated `--help`), so an example cannot rot silently. Running each one
-for real needs the trained base or a GPU for some; what this checks is what goes stale first: names."""
+"""Every `expertcache ...` example in README.md, docs/*.md and the reference traces' README names a command that
+exists and only flags that command accepts (checked against the generated `--help`), so an example cannot rot
+silently. Running each one for real needs the trained base or a GPU for some; what this checks is what goes stale
+first: names."""
 
 import re
 import shlex
