@@ -319,8 +319,9 @@ def _talk_model(model: Optional[str], engine: EngineConfig, dtype: Optional[str]
 def generate(prompt: Optional[str] = None, model: Optional[str] = None,
              engine: EngineConfig = EngineConfig(capacity=0.125, tier="disk"), dtype: Optional[str] = None,
              plain: bool = False, chat: bool = False, raw: bool = False, max_tokens: int = 128,
-             temperature: float = 0.8, top_p: float = 0.95, stop: list[str] = [], seed: Optional[int] = None,
-             top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0) -> int:
+             temperature: Optional[float] = None, top_p: Optional[float] = None, stop: list[str] = [],
+             seed: Optional[int] = None, top_k: Optional[int] = None, min_p: float = 0.0,
+             repetition_penalty: Optional[float] = None) -> int:
     """Stream a completion to the terminal through the offload engine, then tokens/s, hit rate and bytes moved.
 
     Args:
@@ -332,20 +333,27 @@ def generate(prompt: Optional[str] = None, model: Optional[str] = None,
         chat: interactive chat loop (an empty line or /exit ends it)
         raw: the prompt as is, without the tokenizer's chat template
         max_tokens: new tokens at most
-        temperature: sampling temperature (0: greedy)
-        top_p: nucleus sampling mass
+        temperature: sampling temperature (0: greedy; default: the checkpoint's generation_config, else 0.8)
+        top_p: nucleus sampling mass (default: the checkpoint's, else 0.95)
         stop: stop strings
         seed: sampling seed
-        top_k: sample from the k most likely tokens only (0: off)
+        top_k: sample from the k most likely tokens only (0: off; default: the checkpoint's, else off)
         min_p: drop tokens under min_p x the most likely one's probability (0: off)
-        repetition_penalty: > 1 discourages tokens already in the prompt or the output (1: off)
+        repetition_penalty: > 1 discourages tokens already in the prompt or the output (default: the
+            checkpoint's, else 1: off)
     """
-    from .generate import SamplingParams, generate_text
+    from .generate import SamplingParams, checkpoint_sampling, generate_text
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed,
-                            top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty)
-    params.check()
+    given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty}
+    fallback = {"temperature": 0.8, "top_p": 0.95, "top_k": 0, "repetition_penalty": 1.0}
+    SamplingParams(max_tokens=max_tokens, stop=stop, seed=seed, min_p=min_p,  # flags checked before the load
+                   **{k: v if v is not None else fallback[k] for k, v in given.items()}).check()
     m, tok, _ = _talk_model(model, engine, dtype, plain)
+    ck = checkpoint_sampling(m)
+    params = SamplingParams(max_tokens=max_tokens, stop=stop, seed=seed, min_p=min_p,
+                            **{k: v if v is not None else ck.get(k, fallback[k]) for k, v in given.items()})
+    params.top_k = int(params.top_k)
+    params.check()
     return generate_text(m, tok, prompt, params, chat=chat, raw=raw)
 
 

@@ -75,6 +75,26 @@ class SamplingParams:
             or bool(self.frequency_penalty)
 
 
+def checkpoint_sampling(model) -> dict:
+    """The sampling defaults the checkpoint's `generation_config.json` sets (only what it sets, not transformers'
+    own defaults): `do_sample: false` -> temperature 0 (greedy); else its temperature, top_p, top_k and
+    repetition_penalty. Requests and flags that name a value override these."""
+    gc = getattr(model, "generation_config", None)
+    if gc is None:
+        return {}
+    try:
+        d = gc.to_diff_dict()
+    except Exception:  # noqa: BLE001 - an odd config gives no defaults rather than no answer
+        return {}
+    if d.get("do_sample") is False:
+        return {"temperature": 0.0}
+    out = {k: d[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty")
+           if isinstance(d.get(k), (int, float)) and not isinstance(d.get(k), bool)}
+    if d.get("do_sample") is not True:  # transformers decodes greedily unless do_sample is set
+        out = {"temperature": 0.0} if out else {}
+    return out
+
+
 # --- prompts ---------------------------------------------------------------------------------------------------
 
 def chat_prompt(tokenizer, messages: list[dict]) -> str:

@@ -197,17 +197,17 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")  # kept, so that `_params` can name what is not supported
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float | None = Field(None, ge=0, le=2, description="default: the checkpoint's, else 1")
+    top_p: float | None = Field(None, gt=0, le=1, description="default: the checkpoint's, else 1")
     n: int = Field(1, ge=1, le=1, description="one choice per request")
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: dict | None = None
     ignore_eos: bool = False  # vLLM's extension: decode max_tokens regardless of EOS
-    top_k: int = Field(0, ge=-1, description="keep the k most likely tokens (0 or -1: off)")
+    top_k: int | None = Field(None, ge=-1, description="keep the k most likely tokens (0 or -1: off)")
     min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
@@ -233,7 +233,13 @@ SUPPORTED = ("model, prompt/messages, max_tokens, max_completion_tokens, tempera
              "ignore_eos, user")
 
 
-def _params(req, default_max: int | None, vocab_size: int | None = None) -> SamplingParams:
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
+
+
+def _params(req, default_max: int | None, vocab_size: int | None = None, defaults: dict | None = None
+            ) -> SamplingParams:
+    """The request's sampling; a field it leaves out takes the checkpoint's `generation_config` value (`defaults`),
+    else OpenAI's default."""
     unsupported = sorted(set(req.model_extra or {}) - IGNORED_FIELDS)
     if unsupported:
         raise InputError(f"{unsupported[0]} is not supported by this server"
@@ -247,9 +253,11 @@ def _params(req, default_max: int | None, vocab_size: int | None = None) -> Samp
             bias[int(k)] = float(v)
         except ValueError:
             raise InputError(f"logit_bias key {k!r} is not a token id") from None
-    p = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, stop=stop,
-                       seed=req.seed, ignore_eos=req.ignore_eos, top_k=max(req.top_k, 0), min_p=req.min_p,
-                       repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+    pick = {k: getattr(req, k) if getattr(req, k) is not None else (defaults or {}).get(k, v)
+            for k, v in OPENAI_DEFAULTS.items()}
+    p = SamplingParams(max_tokens=max_tokens, temperature=pick["temperature"], top_p=pick["top_p"], stop=stop,
+                       seed=req.seed, ignore_eos=req.ignore_eos, top_k=max(int(pick["top_k"]), 0), min_p=req.min_p,
+                       repetition_penalty=pick["repetition_penalty"], presence_penalty=req.presence_penalty,
                        frequency_penalty=req.frequency_penalty, logit_bias=bias)
     p.check(vocab_size)
     return p
@@ -286,6 +294,9 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
     decoder = Decoder(model, tokenizer, metrics, torch_threads)
     created = int(time.time())
     context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    from .generate import checkpoint_sampling
+
+    sampling = checkpoint_sampling(model)  # the checkpoint's generation_config: defaults for what a request omits
 
     from contextlib import asynccontextmanager
 
@@ -451,7 +462,7 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
                                  f"per request")
             prompt = prompt[0]
         ids = encode(tokenizer, prompt)
-        params = _params(req, DEFAULT_MAX_TOKENS, vocab)
+        params = _params(req, DEFAULT_MAX_TOKENS, vocab, sampling)
         fit_context(ids, params)
         return await respond(request, "/v1/completions", req, ids, params, chat=False)
 
@@ -461,7 +472,7 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
         msgs = [{"role": m.role, "content": _text_content(m.content)} for m in req.messages]
         templated = bool(getattr(tokenizer, "chat_template", None))
         ids = encode(tokenizer, chat_prompt(tokenizer, msgs), templated=templated)
-        params = _params(req, default_max(ids, max_tokens_default), vocab)
+        params = _params(req, default_max(ids, max_tokens_default), vocab, sampling)
         fit_context(ids, params)
         if not templated:  # the plain transcript: stop before the model writes the user's next turn
             params.stop = [*params.stop, "\nuser:"]

@@ -156,3 +156,31 @@ def test_cli_generate_streams_then_one_line_of_figures(ckpt, capsys, tmp_path, m
     monkeypatch.chdir(tmp_path)  # no runs/ca-smoke/model here
     assert main(["generate", "--prompt", "hello"]) == 2
     assert "make quickstart" in capsys.readouterr().err
+
+
+def test_the_checkpoint_generation_config_gives_the_sampling_defaults():
+    """What `generation_config.json` sets (only that) fills what a request or flag leaves out: Qwen3's sampling
+    values as they are; do_sample false, or sampling values without do_sample (transformers then decodes
+    greedily), mean temperature 0; a config that sets none keeps OpenAI's defaults."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from expertcache.runtime.generate import checkpoint_sampling
+    from expertcache.runtime.serve import CompletionRequest, _params
+
+    def ck(**kw):
+        return checkpoint_sampling(SimpleNamespace(generation_config=GenerationConfig(**kw)))
+
+    assert ck(do_sample=True, temperature=0.6, top_p=0.95, top_k=20) == {"temperature": 0.6, "top_p": 0.95,
+                                                                         "top_k": 20}
+    assert ck(do_sample=False, temperature=0.6) == {"temperature": 0.0}
+    assert ck(temperature=0.7) == {"temperature": 0.0}
+    assert ck(eos_token_id=1, pad_token_id=0) == {}
+    req = CompletionRequest(prompt="x")
+    p = _params(req, 8, 100, {"temperature": 0.6, "top_p": 0.9, "top_k": 20})
+    assert (p.temperature, p.top_p, p.top_k) == (0.6, 0.9, 20)
+    p = _params(CompletionRequest(prompt="x", temperature=0.2, top_k=0), 8, 100, {"temperature": 0.6, "top_k": 20})
+    assert (p.temperature, p.top_k) == (0.2, 0)  # what the request names wins
+    p = _params(CompletionRequest(prompt="x"), 8, 100, {})
+    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (1.0, 1.0, 0, 1.0)  # OpenAI's
