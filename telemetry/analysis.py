@@ -245,17 +245,28 @@ def plot_summary(s: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import MaxNLocator
+
     pl = s["routing"]["per_layer"]
     layers = [p["layer"] for p in pl]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
+    k_over_e = s["top_k"] / s["num_experts"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.4))
     a.plot(layers, [p["reuse"] for p in pl], marker="o", label="reuse@lag1")
-    a.plot(layers, [p["chance"] for p in pl], ls="--", label="chance")
-    a.set(xlabel="layer", ylabel="fraction of accesses", title="reuse of the previous token's experts")
-    a.legend()
+    a.plot(layers, [p["chance"] for p in pl], ls="--", marker="." if len(layers) == 1 else None,
+           label="chance (independent tokens)")
+    a.set(xlabel="MoE layer", ylabel="fraction of accesses", title="reuse of the previous token's experts",
+          ylim=(0, 1.02))
+    a.legend(loc="center right")
     for x in pl[0]["coverage"]:
         b.plot(layers, [p["coverage"][x] for p in pl], marker=".", label=f"{float(x):.0%} of accesses")
-    b.set(xlabel="layer", ylabel="fraction of experts", title="experts needed for coverage", ylim=(0, 1))
+    b.axhline(k_over_e, color="grey", ls=":", label=f"k/E = {k_over_e:.1%} (the floor)")
+    b.set(xlabel="MoE layer", ylabel="fraction of experts", title="experts needed for coverage", ylim=(0, 1.02))
     b.legend()
+    for ax in (a, b):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if len(layers) == 1:
+            ax.set_xlim(layers[0] - 1, layers[0] + 1)
+    fig.suptitle(_figure_title(s), fontsize=9)
     fig.tight_layout()
     write_figure(fig, out / "reuse_coverage.png")
     plt.close(fig)
@@ -274,18 +285,34 @@ def plot_summary(s: dict, out: Path) -> None:
         ax.minorticks_off()
         ax.legend()
     axes[0].set_ylabel(f"hit rate ({s['semantics']} semantics)")
+    fig.suptitle(_figure_title(s), fontsize=9)
     fig.tight_layout()
     write_figure(fig, out / "hit_rate.png")
     plt.close(fig)
 
     if "lookahead_recall" in s:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ds = sorted(s["lookahead_recall"], key=int)
-        ax.bar([f"d={d}" for d in ds], [s["lookahead_recall"][d]["mean"] for d in ds])
-        ax.set(ylim=(0, 1), ylabel="top-k recall", title="lookahead probe recall")
+        fig, ax = plt.subplots(figsize=(6.5, 4.4))
+        ds = [d for d in sorted(s["lookahead_recall"], key=int)
+              if not math.isnan(s["lookahead_recall"][d]["mean"])]
+        vals = [s["lookahead_recall"][d]["mean"] for d in ds]
+        bars = ax.bar([f"{d} layer{'s' if int(d) > 1 else ''} ahead" for d in ds], vals, color="tab:blue")
+        ax.bar_label(bars, fmt="%.2f")
+        ax.axhline(k_over_e, color="grey", ls=":", label=f"chance: k/E = {k_over_e:.1%}")
+        ax.set(ylim=(0, 1), ylabel="recall of the true top-k",
+               title="lookahead probe: layer L's hidden state through layer L+d's router")
+        ax.legend()
+        fig.suptitle(_figure_title(s), fontsize=9)
         fig.tight_layout()
         write_figure(fig, out / "lookahead_recall.png")
         plt.close(fig)
+
+
+def _figure_title(s: dict) -> str:
+    """Which model, trace and how many tokens a figure shows."""
+    m = Path(str(s.get("model") or "?"))
+    return (f"{'/'.join(m.parts[-2:])} · {Path(str(s['trace'])).name} · "
+            f"{s['routing']['tokens']} {s['phase']} tokens · {s['moe_layers']} MoE layers, E={s['num_experts']}, "
+            f"top-{s['top_k']}")
 
 
 def _policies(s: dict) -> tuple:
@@ -315,8 +342,11 @@ def text_summary(s: dict) -> str:
         lines.append(f"  {cap:>4} ({cap / s['num_experts']:6.1%}) " + " ".join(f"{c:>16}" for c in cells))
     lines.append("  (each cell: per-layer budget / global budget)")
     if "lookahead_recall" in s:
-        lines.append("lookahead probe recall: " + ", ".join(
-            f"d={d}: {v['mean']:.3f}" for d, v in sorted(s["lookahead_recall"].items(), key=lambda kv: int(kv[0]))))
+        shown = [(d, v) for d, v in sorted(s["lookahead_recall"].items(), key=lambda kv: int(kv[0]))
+                 if not math.isnan(v["mean"])]  # d beyond the model's layers has nothing to measure
+        if shown:
+            lines.append("lookahead probe recall: " + ", ".join(f"d={d}: {v['mean']:.3f}" for d, v in shown)
+                         + f" (chance k/E = {s['top_k'] / s['num_experts']:.3f})")
     if math.isnan(r["reuse_lag1"]["reuse"]):
         lines.append("(no consecutive tokens in this selection: reuse is undefined)")
     return "\n".join(lines)

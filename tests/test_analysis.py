@@ -87,3 +87,24 @@ def test_analyze_cli_writes_summary_and_plots(tmp_path):
     r = subprocess.run(cli + ["analyze", "--trace", str(tmp_path / "missing.parquet"), "--out", str(tmp_path / "b")],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "not found" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_text_summary_leaves_out_lookahead_distances_a_model_cannot_have(tmp_path):
+    """A 2-layer model has no lookahead at d=2: its NaN is left out of the text (it printed `d=2: nan`), and the
+    recall is read against the k/E chance line; the plots still render."""
+    from expertcache.telemetry.analysis import plot_summary, text_summary
+
+    s = {"trace": "t.parquet", "model": "runs/x/model", "family": "qwen3_moe", "moe_layers": 2, "num_experts": 8,
+         "top_k": 2, "phase": "decode", "semantics": "token", "static_fit": "held out", "capacities": [1, 2],
+         "routing": {"tokens": 10, "reuse_lag1": {"reuse": 0.5, "chance": 0.25, "ratio": 2.0},
+                     "coverage_mean": {"0.5": 0.25},
+                     "per_layer": [{"layer": 0, "reuse": 0.5, "chance": 0.25, "coverage": {"0.5": 0.25}},
+                                   {"layer": 1, "reuse": 0.6, "chance": 0.25, "coverage": {"0.5": 0.3}}]},
+         "hit_curves": [{"policy": p, "capacity": c, "capacity_frac": c / 8, "hit_rate_per_layer": 0.5,
+                         "hit_rate_global": 0.5} for p in ("lru", "lfu", "static", "belady") for c in (1, 2)],
+         "lookahead_recall": {"1": {"mean": 0.7}, "2": {"mean": float("nan")}}}
+    text = text_summary(s)
+    assert "d=1: 0.700" in text and "d=2" not in text and "chance k/E = 0.250" in text
+    plot_summary(s, tmp_path)
+    assert all((tmp_path / f).stat().st_size > 10_000 for f in ("reuse_coverage.png", "hit_rate.png",
+                                                                  "lookahead_recall.png"))
