@@ -46,3 +46,16 @@ def distinct_ids(rng, num_experts: int, shape) -> "np.ndarray":
 
     *lead, k = shape
     return np.argsort(rng.random((*lead, num_experts)), axis=-1)[..., :k].astype(np.int64)
+
+
+def plotted_pixels(png) -> int:
+    """Pixels of a PNG in matplotlib's first four cycle colours (blue, orange, green, red): what a figure holds
+    when its lines or bars were drawn. Axes, ticks and labels alone (an empty figure) give 0; file size does not
+    tell the two apart."""
+    import matplotlib.image as mpimg
+    import numpy as np
+
+    img = mpimg.imread(str(png))[..., :3].astype(float)
+    cycle = np.array([[0x1f, 0x77, 0xb4], [0xff, 0x7f, 0x0e], [0x2c, 0xa0, 0x2c], [0xd6, 0x27, 0x28]]) / 255
+    d = np.abs(img[:, :, None, :] - cycle[None, None]).max(-1)
+    return int((d < 0.06).any(-1).sum())

@@ -46,7 +46,9 @@ def test_smoke_run_writes_a_plain_hf_checkpoint(straight_run):
     assert val["ppl"]["overall"] < 0.5 * len(tok), val["ppl"]
     assert len(val["expert_entropy"]) == model.config.num_hidden_layers
     assert all(0 < e <= val["max_entropy"] + 1e-6 for e in val["expert_entropy"])
-    assert (out / "training_curve.png").stat().st_size > 5000
+    from helpers import plotted_pixels
+
+    assert plotted_pixels(out / "training_curve.png") > 200  # the loss curves were drawn, not just axes
     assert (out / "recipe.yaml").is_file() and (out / "logs" / "version_0" / "metrics.csv").is_file()
 
 
