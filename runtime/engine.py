@@ -36,13 +36,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from expertcache.telemetry.cache import reroute_choice
+from expertcache.telemetry.cache import CacheState, reroute_choice
 from expertcache.telemetry.cachesim import CacheResult
 from expertcache.telemetry.errors import InputError
 
 from . import cpu_kernels
-from .cache import CacheState, LayerView
 from .checkpoint import StoreExperts
+from .layer_view import LayerView
 from .predictors import Predictor
 from .store import check_store, read_store_meta
 from .tiers import SlotPool, TierSpec, available_memory, make_tier, tier_host_bytes

@@ -3,7 +3,7 @@ expert stays changes; nothing is rerouted).
 
 After each MoE layer runs for a token, the policy scores every expert of that layer from what a serving engine
 knows at that moment (the *online features*, below), and the cache keeps the top C of (resident ∪ the step's
-experts) by score: the ``scored`` policy of `runtime.cache.CacheState` and of `cachesim.simulate_scored`.
+experts) by score: the ``scored`` policy of `telemetry.cache.CacheState` and of `cachesim.simulate_scored`.
 
 Online features, per layer and expert, updated from the ids each step chose (router probabilities optional):
 - recency: used now, log steps since the last use, never used yet; log of the gap between the last two uses;

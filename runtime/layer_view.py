@@ -1,4 +1,5 @@
-"""The engine's per-layer window on the one cache state machine (`expertcache.telemetry.cache.CacheState`)."""
+"""The engine's per-layer window on the one cache state machine (`expertcache.telemetry.cache.CacheState`): the only
+cache module of the runtime (there is one `cache.py`, in telemetry)."""
 
 from __future__ import annotations
 
