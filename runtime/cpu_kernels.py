@@ -58,6 +58,8 @@ def _why_not() -> str | None:
 
 def load(verbose: bool = False) -> bool:
     """Build (once, cached) and load the extension; True when its ops are usable. Never raises."""
+    if "ok" in _state:  # decided: no lock on the per-call path (`quant.swiglu` asks on every layer)
+        return _state["ok"]
     with _lock:
         if "ok" in _state:
             return _state["ok"]

@@ -17,8 +17,8 @@ are untouched). When layer i runs:
    time in the same kernels, and the rows are combined as that implementation combines them (a sum over k, or
    eager's index_add in expert order): with ``kernel="native"`` greedy tokens are bit-identical to plain
    `model.generate`. By default (``auto``) the AVX-512 kernels of `cpu_kernels` compute bf16 SwiGLU experts on
-   CPU instead (and the decode-sized linears too): equal up to rounding, several times faster. Experts of an `expertcache quantize` checkpoint always
-   compute with the integer kernels (`quant.swiglu`);
+   CPU instead (and the decode-sized linears too): equal up to rounding, several times faster. Experts of an
+   `expertcache quantize` checkpoint always compute with the integer kernels (`quant.swiglu`);
 5. the cache policy decides what stays (`cache.CacheState`).
 """
 
@@ -207,8 +207,8 @@ class Stats:
         """Seconds per token of the steps these stats cover, measured by the engine's clocks: `expert_compute`,
         `stall` (waiting on reads), `other_compute` (the model's forward outside the expert layers: attention,
         norms, routers, lm head, and the model's own Python), `overhead` (the engine's bookkeeping, and `wall_s`
-        outside the model's forward: generate's loop, sampling, streamer). They sum to `wall_s / tokens`;
-        `unaccounted` is the forward time the clocks did not see (0 when they are consistent)."""
+        outside the model's forward: generate's loop, sampling, streamer). They sum to `wall_s / tokens`
+        (`tpot`; `sum` is their sum, for the check)."""
         n = max(tokens, 1)
         outside = wall_s - self.forward_s
         parts = {"expert_compute": self.compute_s / n, "stall": self.stall_s / n,
@@ -249,6 +249,8 @@ class OffloadedExperts(nn.Module):
 
         self.quant = quant.format_of(pool.views)  # (bits, group) of an `expertcache quantize` checkpoint, else None
         self._views = pool.views
+        self.swiglu_ok = self._swiglu_ok()  # fixed by the family and the slots' dtype: decided once
+        self.cpu_kernel = False  # set by the engine: whether the CPU expert kernel computes this layer
         self._forward = type(original).forward
         impl = getattr(getattr(original, "config", None), "_experts_implementation", None)
         self.eager = impl in (None, "eager")  # eager adds experts one by one in expert order; the others sum over k
@@ -257,15 +259,13 @@ class OffloadedExperts(nn.Module):
         return self._engine[0].run_layer(self, hidden_states, top_k_index, top_k_weights)
 
     def fast_kernel(self, x: torch.Tensor) -> bool:
-        """Whether the CPU expert kernel computes this layer: asked for (`cpu`, or `auto`), a SwiGLU family without
-        biases whose slots are bf16 `gate_up_proj [S, 2I, H]` / `down_proj [S, H, I]` on the CPU, and the extension
-        built here. `cpu` where it cannot apply was refused by `EngineConfig.check` or at load (`_check_kernel`)."""
-        if self._engine[0].cfg.kernel not in ("cpu", "auto") or x.is_cuda:
-            return False
-        return self.swiglu_ok and cpu_kernels.available()
+        """Whether the CPU expert kernel computes this call: the engine chose it for this layer (`cpu` or `auto`, a
+        SwiGLU family without biases whose slots are bf16 on the CPU, the extension built here: `OffloadEngine`
+        decides once; `cpu` where it cannot apply was refused by `EngineConfig.check` or `_check_cpu_kernel`)."""
+        return self.cpu_kernel and not x.is_cuda
 
-    @property
-    def swiglu_ok(self) -> bool:
+    def _swiglu_ok(self) -> bool:
+        """bf16 `gate_up_proj [S, 2I, H]` / `down_proj [S, H, I]` slots of a SwiGLU family without biases."""
         v = self._tmpl
         if self.quant is not None:
             return False  # the integer path (`quant.swiglu`) computes these; kernel cpu is the bf16 one
@@ -407,6 +407,8 @@ class OffloadEngine:
         m0 = self.modules[0]
         if cfg.kernel in ("cpu", "auto") and cfg.slot_device == "cpu" and (m0.swiglu_ok or m0.quant is not None) \
                 and cpu_kernels.available():  # built (once, cached) only for a model the kernels can compute
+            for mod in self.modules:
+                mod.cpu_kernel = mod.swiglu_ok
             self._linears = cpu_kernels.patch_linears(model) + cpu_kernels.patch_calls([L.router for L in self.layers])
         self.pool_exec = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="expert-load")
         self._load_pins()
