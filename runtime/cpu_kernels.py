@@ -115,9 +115,17 @@ def linear_bf16(x, weight, bias=None) -> torch.Tensor:
 MAX_ROWS = 8  # decode-sized calls take the kernels; a prefill's GEMM stays with torch (oneDNN)
 
 
+def decode_sized(x, w) -> bool:
+    """Whether `F.linear(x, w)` is one `linear_bf16` takes: bf16 on the CPU, at most `MAX_ROWS` rows, a 2-D weight
+    with contiguous rows, no grad (training keeps torch's autograd path)."""
+    return (isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and not x.is_cuda and x.dim() >= 1
+            and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and isinstance(w, torch.Tensor)
+            and w.dtype == torch.bfloat16 and w.dim() == 2 and not w.is_cuda and w.stride(-1) == 1
+            and not torch.is_grad_enabled())
+
+
 def _fast_linear(self, x):
-    if (x.dtype == torch.bfloat16 and not x.is_cuda and x.numel() // x.shape[-1] <= MAX_ROWS
-            and self.weight.dtype == torch.bfloat16 and not self.weight.is_cuda and not torch.is_grad_enabled()):
+    if decode_sized(x, self.weight):
         return linear_bf16(x, self.weight, self.bias)
     return torch.nn.functional.linear(x, self.weight, self.bias)
 
@@ -147,13 +155,10 @@ class _Linears(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.nn.functional.linear and not torch.is_grad_enabled():
+        if func is torch.nn.functional.linear:
             x, w = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
-            b = args[2] if len(args) > 2 else kwargs.get("bias")
-            if (isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and not x.is_cuda and x.dim() >= 1
-                    and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and w.dtype == torch.bfloat16 and w.dim() == 2
-                    and not w.is_cuda and w.stride(-1) == 1):
-                return linear_bf16(x, w, b)
+            if decode_sized(x, w):
+                return linear_bf16(x, w, args[2] if len(args) > 2 else kwargs.get("bias"))
         return func(*args, **kwargs)
 
 
