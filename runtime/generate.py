@@ -15,7 +15,6 @@ token (the server sets it when a client disconnects).
 from __future__ import annotations
 
 import copy
-import inspect
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,6 +26,9 @@ from expertcache.telemetry.errors import InputError
 
 # `make quickstart` (recipes/quickstart.py) leaves its cache-aware post-trained checkpoint here.
 QUICKSTART_MODEL = Path("runs/ca-smoke/model")
+
+
+MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (vLLM's default limit)
 
 
 @dataclass
@@ -43,10 +45,16 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once from each token already in the output (OpenAI's)
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output (OpenAI's)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (-100..100)
+    logprobs: int | None = None  # the chosen token's logprob and the n most likely (0: the chosen one only)
+    echo: bool = False  # the prompt is part of the output (its logprobs too, when logprobs is set)
 
     def check(self, vocab_size: int | None = None) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InputError(f"max_tokens={self.max_tokens!r}; expected an integer >= 1")
+        least = 0 if self.echo else 1  # echo with max_tokens 0 scores the prompt alone
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < least:
+            raise InputError(f"max_tokens={self.max_tokens!r}; expected an integer >= {least}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InputError(f"logprobs={self.logprobs!r}; expected an integer 0..{MAX_LOGPROBS}")
         if not 0 <= self.temperature <= 2:
             raise InputError(f"temperature={self.temperature}; expected 0..2")
         if not 0 < self.top_p <= 1:
@@ -180,6 +188,10 @@ class Generation:
         self.engine = getattr(model, "expertcache", None)
         self.finish_reason: str | None = None
         self.text, self.completion_ids, self.token_times = "", [], []
+        self.completion_next: int | None = None  # the token the next step feeds
+        self.token_scores: list = []  # with logprobs: (token, logprob, [(token, logprob) top n]) per decoded token
+        self.prompt_scores: list = []  # with echo and logprobs: the same for the prompt (the first has none)
+        self.shared = False  # decoded in a batch with other requests: the engine's counters are theirs too
         self.t_start = self.t_first = None
         self._stats0 = self._stats1 = None
 
@@ -230,49 +242,85 @@ class Generation:
             probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
         return int(torch.multinomial(probs, 1, generator=gen))
 
-    def __iter__(self):
-        p, model = self.params, self.model
-        stops, eos = list(p.stop), set() if p.ignore_eos else eos_ids(model, self.tokenizer)
-        device = model.get_input_embeddings().weight.device
-        gen = None
+    # --- one sequence's part of the decode loop (decode.Batch calls these) ---------------------------------
+
+    @property
+    def prompt_logprobs(self) -> bool:
+        """Whether the prompt's own tokens are scored (echo with logprobs): the prefill then keeps every position."""
+        return self.params.echo and self.params.logprobs is not None
+
+    def _begin(self) -> None:
+        p = self.params
+        self._stops, self._eos = list(p.stop), set() if p.ignore_eos else eos_ids(self.model, self.tokenizer)
+        self._gen = None
         if p.temperature > 0:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(p.seed if p.seed is not None else int(torch.randint(0, 2**62, ()).item()))
-        detok, self._shown, self._cut = _Detok(self.tokenizer), 0, False
-        ids = torch.tensor([self.prompt_ids], dtype=torch.long, device=device)  # [1, prompt]
-        # transformers 5.x renamed the KV-cache argument `past_key_values` -> `cache` (the old name is deprecated)
-        cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        past = None
+            device = self.model.get_input_embeddings().weight.device
+            self._gen = torch.Generator(device=device)
+            self._gen.manual_seed(p.seed if p.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        self._detok, self._shown, self._cut = _Detok(self.tokenizer), 0, False
         self.t_start = time.perf_counter()
-        with torch.no_grad():
-            while True:
-                if self.cancel.is_set():
-                    self.finish_reason = "cancelled"
-                    break
-                out = model(input_ids=ids, **{cache_kw: past}, use_cache=True, logits_to_keep=1)
-                past = getattr(out, cache_kw)
-                tok = self._next_token(out.logits[0, -1], gen)
-                self.token_times.append(time.perf_counter())
-                if self.engine is not None and self._stats0 is None:
-                    self._stats0 = copy.copy(self.engine.stats)
-                if tok in eos:
-                    self.finish_reason = "stop"
-                    break
-                self.completion_ids.append(tok)
-                piece = self._add(detok.push(tok), stops)
-                if piece:
-                    yield piece
-                if self.finish_reason is None and len(self.completion_ids) >= p.max_tokens:
-                    self.finish_reason = "length"
-                if self.finish_reason is not None:
-                    break
-                ids = torch.tensor([[tok]], dtype=torch.long, device=device)  # [1, 1]
-        if self.finish_reason != "cancelled" and not self._cut:  # the tail held back for UTF-8 or a stop prefix
-            piece = self._add(detok.push(None), stops, final=True)
-            if piece:
-                yield piece
+
+    def _score_prompt(self, logits: torch.Tensor) -> None:
+        """Logprobs of the prompt's tokens 1.. from the prefill's logits `[prompt, V]` (the first has none)."""
+        n = self.params.logprobs or 0
+        logp = logits[:-1].float().log_softmax(-1)  # [prompt-1, V]
+        ids = torch.tensor(self.prompt_ids[1:], dtype=torch.long, device=logp.device)
+        chosen = logp.gather(1, ids[:, None])[:, 0].tolist() if len(ids) else []
+        top = logp.topk(n, dim=-1) if n else None
+        self.prompt_scores = [(self.prompt_ids[0], None, None)] + [
+            (t, lp, list(zip(top.indices[j].tolist(), top.values[j].tolist())) if top is not None else [])
+            for j, (t, lp) in enumerate(zip(self.prompt_ids[1:], chosen))]
+
+    def _accept(self, logits: torch.Tensor) -> str:
+        """The next token from `logits [V]` (the model's, before any penalty); returns the text to show now and
+        sets `finish_reason` when this sequence is done."""
+        p = self.params
+        tok = self._next_token(logits, self._gen)
+        if p.logprobs is not None:  # of the model's distribution (before penalties and temperature), as vLLM
+            logp = logits.float().log_softmax(-1)
+            top = logp.topk(p.logprobs) if p.logprobs else None
+            self.token_scores.append((tok, float(logp[tok]), list(zip(top.indices.tolist(), top.values.tolist()))
+                                      if top is not None else []))
+        self.token_times.append(time.perf_counter())
+        if self.engine is not None and self._stats0 is None:
+            self._stats0 = copy.copy(self.engine.stats)
+        if tok in self._eos:
+            self.finish_reason = "stop"
+            return ""
+        self.completion_ids.append(tok)
+        self.completion_next = tok
+        piece = self._add(self._detok.push(tok), self._stops)
+        if self.finish_reason is None and len(self.completion_ids) >= p.max_tokens:
+            self.finish_reason = "length"
+        return piece
+
+    def _end(self) -> str:
+        """The tail held back for UTF-8 or a stop prefix (nothing when cancelled); the engine's counters closed."""
+        piece = ""
+        if self.finish_reason != "cancelled" and not self._cut:
+            piece = self._add(self._detok.push(None), self._stops, final=True)
         if self.engine is not None:
             self._stats1 = copy.copy(self.engine.stats)
+        return piece
+
+    def __iter__(self):
+        """Decode alone (a batch of one), yielding text as it comes; the `cancel` event stops it at the next token."""
+        from .decode import Batch
+
+        batch = Batch(self.model)
+        if self.cancel.is_set():
+            self._begin()
+            self.finish_reason = "cancelled"
+            self._end()
+            return
+        yield from batch.admit(self)
+        while self.finish_reason is None:
+            if self.cancel.is_set():
+                batch.cancel([self])
+                break
+            for _, piece in batch.step():
+                if piece:
+                    yield piece
 
     def _add(self, new: str, stops: list[str], final: bool = False) -> str:
         """Append decoded text; cut it at the first stop string; return what may be shown now (not a suffix
@@ -291,8 +339,9 @@ class Generation:
 
     @property
     def stats(self):
-        """The engine's counters over the decode steps (None without an engine or before the first token)."""
-        if self._stats0 is None or self._stats1 is None:
+        """The engine's counters over the decode steps (None without an engine, before the first token, or when
+        other requests shared the batch: the counters then belong to all of them; /metrics has the totals)."""
+        if self._stats0 is None or self._stats1 is None or self.shared:
             return None
         return self._stats1 - self._stats0
 

@@ -7,20 +7,28 @@ Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (`stream: true` f
 every non-streamed answer and, with `stream_options.include_usage`, in a last streamed chunk), `GET /v1/models`,
 `GET /health`, `GET /metrics` (Prometheus text: the engine's cache counters, a TPOT histogram, requests).
 
-Scheduling: one decode at a time, no batching. Every request's decode runs on one worker thread, in arrival
-order (a FIFO queue); `/health` reports the queue. A client that disconnects stops its decode at the next token
-(or before it starts, if it was still queued). Bad input gets a 400 with an OpenAI-style error body, and the
-server goes on serving.
+Scheduling: continuous batching. One worker thread runs the decode loop (`decode.Batch`): a request's prompt is
+prefilled alone, then it joins the running batch, and every step decodes one token for every sequence in one
+forward (the engine serves the union of their experts, each expert's weights read once per step); a sequence
+leaves the batch when it finishes. Requests wait in a FIFO queue while the batch is full (`--max_batch`) or its KV
+cache would outgrow `--kv_cache_gb`; `/health` and `/metrics` report the queue and the batch. `n` choices and
+lists of prompts are sequences of the same batch. A client that disconnects stops its sequences at the next token
+(or before they start, if still queued). Bad input gets a 400 with an OpenAI-style error body naming the field,
+and the server goes on serving. With `api_key`, the /v1 endpoints need `Authorization: Bearer <key>`.
+
+Logprobs are those of the model's distribution (before penalties, bias and temperature), as vLLM reports them;
+completions with `echo` and `logprobs` also score the prompt (`logprobs.token_logprobs[0]` is null), which is how
+lm-eval's `local-completions` model computes log-likelihoods against this server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import Request
@@ -28,11 +36,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from expertcache.telemetry.errors import InputError
 
-from .generate import Generation, SamplingParams, chat_prompt, encode
+from .generate import MAX_LOGPROBS, Generation, SamplingParams, chat_prompt, encode
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_N = 8  # choices per prompt
+MAX_SEQUENCES = 64  # prompts x n in one request
 TPOT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
-SCHEDULING = "one decode at a time (FIFO queue, no batching)"
+SCHEDULING = "continuous batching (FIFO admission, one forward per step for the whole batch)"
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
@@ -59,7 +69,11 @@ class _Metrics:
         self.prompt_tokens = Counter("expertcache_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generated = Counter("expertcache_generated_tokens", "Tokens generated", registry=r)
         self.queued = Gauge("expertcache_queue_depth", "Requests waiting for the decode worker", registry=r)
-        self.running = Gauge("expertcache_running", "Requests decoding now (0 or 1)", registry=r)
+        self.running = Gauge("expertcache_running", "Sequences decoding now (the batch)", registry=r)
+        self.batch = Histogram("expertcache_batch_size", "Sequences in the batch, per decode step",
+                               buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
+        self.request_tpot = Histogram("expertcache_request_tpot_seconds", "Mean time per output token of each "
+                                      "sequence (prefill excluded)", buckets=TPOT_BUCKETS, registry=r)
         if engine is not None:
             r.register(_EngineCollector(engine))
 
@@ -71,6 +85,8 @@ class _Metrics:
             self.prefill.observe(t[0] - g.t_start)
         for a, b in zip(t, t[1:]):
             self.tpot.observe(b - a)
+        if len(t) > 1:
+            self.request_tpot.observe((t[-1] - t[0]) / (len(t) - 1))
 
 
 class _EngineCollector:
@@ -105,50 +121,141 @@ class _EngineCollector:
 
 
 class Decoder:
-    """Runs `Generation`s one at a time on a single worker thread; yields their events to the event loop."""
+    """The scheduler: one worker thread runs the decode loop (`decode.Batch`); requests join the running batch
+    between steps and leave it when done, so every step decodes one token for each of them in one forward.
 
-    def __init__(self, model, tokenizer, metrics: _Metrics, torch_threads: int | None = None):
+    Admission: FIFO, while the batch has fewer than `max_batch` rows and the KV cache it would need at its longest
+    stays within `kv_cache_bytes`; otherwise a request waits in the queue (`/health`, `/metrics`)."""
+
+    def __init__(self, model, tokenizer, metrics: _Metrics, torch_threads: int | None = None, max_batch: int = 8,
+                 kv_cache_gb: float = 1.0):
+        import collections
+
         import torch
 
-        n = torch_threads or torch.get_num_threads()
-        # torch's intra-op thread count is per thread: the worker takes the server's setting
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="expertcache-decode",
-                                       initializer=torch.set_num_threads, initargs=(n,))
+        from .decode import Batch
+
         self.model, self.tokenizer, self.metrics = model, tokenizer, metrics
+        self.batch = Batch(model, max_batch)
+        self.kv_cache_bytes = int(kv_cache_gb * 2**30)
+        self.threads = torch_threads or torch.get_num_threads()  # torch's intra-op setting is per thread
+        self.pending: collections.deque = collections.deque()
+        self.cond = threading.Condition()
+        self.stopped = False
         self.queued = self.running = 0  # changed by the event loop and the worker: under `_count`
         self._count = threading.Lock()
         self.live: set[threading.Event] = set()
+        self.worker = threading.Thread(target=self._loop, name="expertcache-decode", daemon=True)
+        self.worker.start()
 
-    async def run(self, prompt_ids: list[int], params: SamplingParams, request):
-        """Async iterator of ("text", str) events, then ("done", Generation). Cancelled (closed, or the client
-        gone) -> the decode stops at its next token."""
+    # --- the worker thread ---
+    def _loop(self) -> None:
+        import torch
+
+        torch.set_num_threads(self.threads)
+        while True:
+            with self.cond:
+                while not self.stopped and not self.pending and not len(self.batch):
+                    self.cond.wait()
+                if self.stopped:
+                    break
+            gone = [g for g in self.batch.rows if g.cancel.is_set()]
+            if gone:
+                for g, _ in self.batch.cancel(gone):
+                    self._finish(g)
+            self._admit()
+            if not len(self.batch):
+                continue
+            if len(self.batch) > 1:
+                for g in self.batch.rows:
+                    g.shared = True
+            self.metrics.batch.observe(len(self.batch))
+            try:
+                events = self.batch.step()
+            except BaseException as e:  # noqa: BLE001 - every row of the failed step gets the error
+                for g in self.batch.fail():
+                    self._finish(g, e)
+                continue
+            for g, piece in events:
+                if piece:
+                    g._put("text", piece, len(g.token_scores))
+                if g.finish_reason is not None:
+                    self._finish(g)
+        with self.cond:  # shutting down: whoever is still decoding or waiting is cancelled
+            waiting, self.pending = list(self.pending), type(self.pending)()
+        for g in self.batch.fail():
+            g.finish_reason = "cancelled"
+            self._finish(g)
+        for g in waiting:
+            g.finish_reason = "cancelled"
+            self._move(queued=-1, running=+1)
+            self._finish(g)
+
+    def _fits(self, g) -> bool:
+        """Whether `g` may join: a free row, and the batch's KV cache at its longest within the budget."""
+        b = self.batch
+        if not len(b):
+            return True
+        if not b.can_join():
+            return False
+        cols = b.columns()
+        per = sum(layer.keys.numel() + layer.values.numel() for layer in b.cache.layers) \
+            * b.cache.layers[0].keys.element_size() / max(1, len(b) * cols)  # bytes per row and column
+        left = max([r.params.max_tokens - r.completion_tokens for r in b.rows] + [g.params.max_tokens])
+        return (len(b) + 1) * (max(cols, g.prompt_tokens) + left) * per <= self.kv_cache_bytes
+
+    def _admit(self) -> None:
+        while True:
+            with self.cond:
+                if self.stopped or not self.pending or not self._fits(self.pending[0]):
+                    return
+                g = self.pending.popleft()
+            self._move(queued=-1, running=+1)
+            if g.cancel.is_set():
+                g._begin()
+                g.finish_reason = "cancelled"
+                g._end()
+                self._finish(g)
+                continue
+            try:
+                pieces = self.batch.admit(g)
+            except BaseException as e:  # noqa: BLE001 - this request's prefill failed; the batch goes on
+                self._finish(g, e)
+                continue
+            for piece in pieces:
+                g._put("text", piece, len(g.token_scores))
+            if g.finish_reason is not None:
+                self._finish(g)
+
+    def _finish(self, g, err: BaseException | None = None) -> None:
+        if g.t_start is not None:  # what the decode did, whether or not its client stayed to the end
+            self.metrics.observe(g)
+        self._move(running=-1)
+        if err is not None:
+            g._put("error", err, 0)
+        else:
+            g._put("done", g, len(g.token_scores))
+
+    # --- the event loop's side ---
+    async def run(self, gens: list[Generation], request):
+        """Async iterator of (index, kind, value, n_scores) over `gens` decoding together: ("text", str),
+        then ("done", Generation) for each. The client gone or the iterator closed -> all of them stop at their
+        next token (or before they start, if still queued)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
         self.live.add(cancel)
 
-        def put(*ev):
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, ev)
-            except RuntimeError:  # the event loop is gone (server shutting down): nobody to tell
-                cancel.set()
+        for i, g in enumerate(gens):
+            g.cancel = cancel
 
-        def work():
-            self._move(queued=-1, running=+1)
-            g, err = None, None
-            try:
-                g = Generation(self.model, self.tokenizer, prompt_ids, params, cancel)
-                for text in g:
-                    put("text", text)
-            except BaseException as e:  # noqa: BLE001 - handed to the request's task, which raises it
-                err = e
-            if g is not None:  # what the decode did, whether or not its client stayed to the end
-                self.metrics.observe(g)
-            self._move(running=-1)
-            if err is not None:
-                put("error", err)
-            else:
-                put("done", g)
+            def put(kind, val, n, i=i):
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, (i, kind, val, n))
+                except RuntimeError:  # the event loop is gone (server shutting down): nobody to tell
+                    cancel.set()
+
+            g._put = put
 
         async def watch():
             while not cancel.is_set():
@@ -157,19 +264,21 @@ class Decoder:
                     return
                 await asyncio.sleep(0.05)
 
-        self._move(queued=+1)
-        self.pool.submit(work)
+        with self.cond:
+            self.pending.extend(gens)
+            self._move(queued=len(gens))
+            self.cond.notify()
         watcher = asyncio.create_task(watch())
+        left = len(gens)
         try:
-            while True:
-                kind, val = await events.get()
+            while left:
+                i, kind, val, n = await events.get()
                 if kind == "error":
                     raise val
-                yield kind, val
-                if kind == "done":
-                    return
+                yield i, kind, val, n
+                left -= kind == "done"
         finally:
-            cancel.set()  # normal end: a no-op; cancelled or closed early: the decode stops
+            cancel.set()  # normal end: a no-op; cancelled or closed early: the decodes stop
             watcher.cancel()
             self.live.discard(cancel)
 
@@ -183,7 +292,10 @@ class Decoder:
     def shutdown(self) -> None:
         for c in list(self.live):
             c.set()
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        with self.cond:
+            self.stopped = True
+            self.cond.notify()
+        self.worker.join(timeout=30)
 
 
 # --- request bodies -----------------------------------------------------------------------------------------------
@@ -196,10 +308,10 @@ IGNORED_FIELDS = frozenset({"user"})
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")  # kept, so that `_params` can name what is not supported
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0, description="0 only with echo: the prompt scored, nothing decoded")
     temperature: float | None = Field(None, ge=0, le=2, description="default: the checkpoint's, else 1")
     top_p: float | None = Field(None, gt=0, le=1, description="default: the checkpoint's, else 1")
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    n: int = Field(1, ge=1, le=MAX_N, description="choices per prompt, decoded together")
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
@@ -214,7 +326,10 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] = Field(..., description="one prompt (a list of one string is accepted)")
+    prompt: Any = Field(..., description="a string, a list of strings, a list of token ids or a list of lists of "
+                                         "token ids")
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class ChatMessage(BaseModel):
@@ -226,11 +341,13 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
-SUPPORTED = ("model, prompt/messages, max_tokens, max_completion_tokens, temperature, top_p, top_k, min_p, n (1), "
-             "stop, seed, stream, stream_options, repetition_penalty, presence_penalty, frequency_penalty, logit_bias, "
-             "ignore_eos, user")
+SUPPORTED = ("model, prompt/messages, max_tokens, max_completion_tokens, temperature, top_p, top_k, min_p, "
+             f"n (<= {MAX_N}), stop, seed, stream, stream_options, repetition_penalty, presence_penalty, "
+             "frequency_penalty, logit_bias, logprobs, top_logprobs (chat), echo (completions), ignore_eos, user")
 
 
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
@@ -246,7 +363,9 @@ def _params(req, default_max: int | None, vocab_size: int | None = None, default
                          + (f" (nor {', '.join(unsupported[1:])})" if len(unsupported) > 1 else "")
                          + f"; it takes {SUPPORTED}")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or default_max
+    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    if max_tokens is None:
+        max_tokens = default_max
     bias = {}
     for k, v in (req.logit_bias or {}).items():
         try:
@@ -258,9 +377,53 @@ def _params(req, default_max: int | None, vocab_size: int | None = None, default
     p = SamplingParams(max_tokens=max_tokens, temperature=pick["temperature"], top_p=pick["top_p"], stop=stop,
                        seed=req.seed, ignore_eos=req.ignore_eos, top_k=max(int(pick["top_k"]), 0), min_p=req.min_p,
                        repetition_penalty=pick["repetition_penalty"], presence_penalty=req.presence_penalty,
-                       frequency_penalty=req.frequency_penalty, logit_bias=bias)
+                       frequency_penalty=req.frequency_penalty, logit_bias=bias, logprobs=_logprobs(req),
+                       echo=bool(getattr(req, "echo", False)))
+    if max_tokens == 0 and not p.echo:
+        raise InputError("max_tokens=0 decodes nothing; it is only meaningful with echo (the prompt scored)")
     p.check(vocab_size)
     return p
+
+
+def _logprobs(req) -> int | None:
+    """How many alternatives per position the request asks for (None: no logprobs). Completions: `logprobs: n`;
+    chat: `logprobs: true` with `top_logprobs: n`."""
+    if isinstance(req, ChatRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise InputError("top_logprobs needs logprobs: true")
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
+
+
+def request_prompts(tokenizer, prompt, vocab_size: int) -> list[list[int]]:
+    """A completion request's prompts as token ids: a string, a list of strings, a list of token ids (one prompt)
+    or a list of lists of token ids, as OpenAI accepts them. Anything else is an InputError naming what is wrong."""
+    def ids_ok(ids: list, where: str) -> list[int]:
+        if not ids:
+            raise InputError(f"{where} is an empty list of token ids")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise InputError(f"{where} mixes token ids with {type(t).__name__} values; expected a string, a list "
+                                 f"of strings, a list of token ids or a list of lists of token ids")
+            if not 0 <= t < vocab_size:
+                raise InputError(f"{where} has token id {t}, outside this model's vocabulary [0, {vocab_size})")
+        return list(ids)
+
+    if isinstance(prompt, str):
+        return [encode(tokenizer, prompt)]
+    if not isinstance(prompt, list) or not prompt:
+        raise InputError("prompt must be a string, a list of strings, a list of token ids or a list of lists of token "
+                         f"ids (got {'an empty list' if prompt == [] else type(prompt).__name__})")
+    kinds = {"str" if isinstance(x, str) else "ids" if isinstance(x, list) else
+             "int" if isinstance(x, int) and not isinstance(x, bool) else type(x).__name__ for x in prompt}
+    if kinds == {"str"}:
+        return [encode(tokenizer, x) for x in prompt]
+    if kinds == {"int"}:
+        return [ids_ok(prompt, "prompt")]
+    if kinds == {"ids"}:
+        return [ids_ok(x, f"prompt[{i}]") for i, x in enumerate(prompt)]
+    raise InputError(f"prompt is a list mixing {', '.join(sorted(kinds))}; expected one kind: strings, token ids or "
+                     f"lists of token ids")
 
 
 def _text_content(content) -> str:
@@ -280,9 +443,11 @@ def _text_content(content) -> str:
 # --- the app ---------------------------------------------------------------------------------------------------
 
 def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_default: int | None = None,
-               torch_threads: int | None = None):
+               torch_threads: int | None = None, max_batch: int = 8, kv_cache_gb: float = 1.0,
+               api_key: str | None = None):
     """The ASGI app. `max_tokens_default`: chat requests without max_tokens decode up to this many tokens
-    (default: the model's context length less the prompt)."""
+    (default: the model's context length less the prompt). `max_batch`: sequences decoded together (1: one at a
+    time); `kv_cache_gb`: the batch's KV cache bound; `api_key`: required as a bearer token on /v1."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -291,7 +456,7 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
 
     engine = getattr(model, "expertcache", None)
     metrics = _Metrics(engine)
-    decoder = Decoder(model, tokenizer, metrics, torch_threads)
+    decoder = Decoder(model, tokenizer, metrics, torch_threads, max_batch, kv_cache_gb)
     created = int(time.time())
     context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     from .generate import checkpoint_sampling
@@ -307,6 +472,18 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
 
     app = FastAPI(title="expertcache", lifespan=lifespan)
     app.state.decoder, app.state.metrics = decoder, metrics
+
+    if api_key:
+        import hmac
+
+        @app.middleware("http")
+        async def _auth(request: Request, call_next):
+            if request.url.path.startswith("/v1/"):
+                got = request.headers.get("authorization", "")
+                if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+                    return _error(401, "a valid API key is required (Authorization: Bearer <key>)",
+                                  kind="authentication_error")
+            return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(request: Request, exc: RequestValidationError):
@@ -339,7 +516,8 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": model_name, "scheduling": SCHEDULING, "running": decoder.running,
-                "queued": decoder.queued, "engine": engine.describe() if engine is not None else None}
+                "queued": decoder.queued, "max_batch": decoder.batch.max_rows if decoder.batch.batchable is not False
+                else 1, "engine": engine.describe() if engine is not None else None}
 
     @app.get("/v1/models")
     async def models():
@@ -369,49 +547,86 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
             raise InputError(f"this model's context is {context} tokens: the prompt has {len(prompt_ids)} and "
                              f"max_tokens={params.max_tokens} asks for more than the {left} left")
 
-    async def respond(request: Request, endpoint: str, req, prompt_ids: list[int], params: SamplingParams,
-                      chat: bool):
+    def piece_of(t: int) -> str:
+        return tokenizer.decode([t])
+
+    def completion_logprobs(g: Generation, start: int, end: int, prompt_too: bool, offset: int) -> dict:
+        """OpenAI's completions `logprobs` for decoded positions [start, end) (and the prompt's first)."""
+        rows = (g.prompt_scores if prompt_too else []) + g.token_scores[start:end]
+        tokens = [piece_of(t) for t, _, _ in rows]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in rows],
+                "top_logprobs": [None if lp is None else {piece_of(a): v for a, v in top} for _, lp, top in rows],
+                "text_offset": offsets}
+
+    def chat_logprobs(g: Generation, start: int, end: int) -> dict:
+        def entry(t: int, lp: float) -> dict:
+            s = piece_of(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]}
+                            for t, lp, top in g.token_scores[start:end]]}
+
+    async def respond(request: Request, endpoint: str, req, gens: list[Generation], chat: bool):
         t0 = time.perf_counter()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         obj = "chat.completion" if chat else "text_completion"
+        want_lp = gens[0].params.logprobs is not None
+        echo = gens[0].params.echo
 
-        def usage(g: Generation) -> dict:
-            return {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens,
-                    "total_tokens": g.prompt_tokens + g.completion_tokens}
+        def usage() -> dict:
+            # a prompt decoded n times is counted once, as OpenAI counts it
+            prompt = sum(g.prompt_tokens for i, g in enumerate(gens) if i % req.n == 0)
+            done = sum(g.completion_tokens for g in gens)
+            return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
         def record(outcome: str) -> None:  # the decode's own figures are recorded by the decoder
             metrics.requests.labels(endpoint, outcome).inc()
             metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
 
-        def extra(g: Generation) -> dict:
-            s = g.summary()
-            return {k: s[k] for k in ("decode_tokens_per_s", "tpot_s", "hit_rate", "adjusted_hit_rate",
-                                      "bytes_moved_per_token") if k in s}
+        def extra() -> dict:
+            out = {"batched": any(g.shared for g in gens)}
+            if len(gens) == 1:
+                sm = gens[0].summary()
+                out.update({k: sm[k] for k in ("decode_tokens_per_s", "tpot_s", "hit_rate", "adjusted_hit_rate",
+                                               "bytes_moved_per_token") if k in sm})
+            return out
 
-        events = decoder.run(prompt_ids, params, request)
+        def prompt_text(g: Generation) -> str:
+            return tokenizer.decode(g.prompt_ids, skip_special_tokens=True) if echo else ""
+
+        events = decoder.run(gens, request)
         if not req.stream:
-            pieces, g = [], None
+            pieces = [[] for _ in gens]
             try:
-                async for kind, val in events:
+                async for i, kind, val, _ in events:
                     if kind == "text":
-                        pieces.append(val)
-                    else:
-                        g = val
+                        pieces[i].append(val)
             except BaseException:
                 record("error")
                 raise
             finally:
                 await events.aclose()
-            if g.finish_reason == "cancelled":
+            if any(g.finish_reason == "cancelled" for g in gens):
                 record("cancelled")
                 return _error(499, "client closed the request")
             record("ok")
-            text = "".join(pieces)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                       "finish_reason": g.finish_reason} if chat else
-                      {"index": 0, "text": text, "logprobs": None, "finish_reason": g.finish_reason})
+            choices = []
+            for i, g in enumerate(gens):
+                text = "".join(pieces[i])
+                if chat:
+                    choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                    "logprobs": chat_logprobs(g, 0, None) if want_lp else None,
+                                    "finish_reason": g.finish_reason})
+                else:
+                    head = prompt_text(g)
+                    lp = completion_logprobs(g, 0, None, g.prompt_logprobs, 0) if want_lp else None
+                    choices.append({"index": i, "text": head + text, "logprobs": lp,
+                                    "finish_reason": g.finish_reason})
             return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
-                                 "choices": [choice], "usage": usage(g), "expertcache": extra(g)})
+                                 "choices": choices, "usage": usage(), "expertcache": extra()})
 
         include_usage = bool((req.stream_options or {}).get("include_usage"))
 
@@ -421,27 +636,41 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
             return f"data: {json.dumps(body)}\n\n"
 
         async def sse():
-            g, outcome = None, "cancelled"  # until the last event arrives, an exit is the client going away
+            outcome = "cancelled"  # until the last event arrives, an exit is the client going away
+            sent = [0] * len(gens)  # token scores already sent, per choice
+            shown = [0] * len(gens)  # characters already sent (text_offset)
             try:
-                if chat:
-                    yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}])
-                async for kind, val in events:
+                for i, g in enumerate(gens):
+                    if chat:
+                        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                      "finish_reason": None}])
+                    elif echo:
+                        head = prompt_text(g)
+                        lp = completion_logprobs(g, 0, 0, g.prompt_logprobs, 0) if want_lp else None
+                        shown[i] = len(head)
+                        yield chunk([{"index": i, "text": head, "logprobs": lp, "finish_reason": None}])
+                finished = 0
+                async for i, kind, val, n in events:
+                    g = gens[i]
                     if kind == "text":
-                        yield chunk([{"index": 0, "delta": {"content": val}, "logprobs": None,
-                                      "finish_reason": None}] if chat else
-                                    [{"index": 0, "text": val, "logprobs": None, "finish_reason": None}])
+                        if chat:
+                            lp = chat_logprobs(g, sent[i], n) if want_lp else None
+                            yield chunk([{"index": i, "delta": {"content": val}, "logprobs": lp, "finish_reason": None}])
+                        else:
+                            lp = completion_logprobs(g, sent[i], n, False, shown[i]) if want_lp else None
+                            yield chunk([{"index": i, "text": val, "logprobs": lp, "finish_reason": None}])
+                        sent[i], shown[i] = n, shown[i] + len(val)
                         continue
-                    g = val
                     if g.finish_reason == "cancelled":
                         return
-                    outcome = "ok"
-                    yield chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": g.finish_reason}]
-                                if chat else [{"index": 0, "text": "", "logprobs": None,
+                    yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": g.finish_reason}]
+                                if chat else [{"index": i, "text": "", "logprobs": None,
                                                "finish_reason": g.finish_reason}])
-                    if include_usage:
-                        yield chunk([], usage=usage(g), expertcache=extra(g))
-                    yield "data: [DONE]\n\n"
+                    finished += 1
+                outcome = "ok"
+                if include_usage:
+                    yield chunk([], usage=usage(), expertcache=extra())
+                yield "data: [DONE]\n\n"
             except Exception as e:  # noqa: BLE001 - the headers are sent: the error goes in the stream
                 outcome = "error"
                 yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
@@ -452,19 +681,29 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
         return StreamingResponse(sse(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    def generations(prompts: list[list[int]], params: SamplingParams, n: int) -> list[Generation]:
+        """One Generation per prompt and choice (prompt-major, as OpenAI numbers the choices); choice j of a
+        seeded request samples with seed + j, so the n choices differ and each is reproducible."""
+        if len(prompts) * n > MAX_SEQUENCES:
+            raise InputError(f"{len(prompts)} prompts x n={n} is {len(prompts) * n} sequences; at most "
+                             f"{MAX_SEQUENCES} per request")
+        out = []
+        for ids in prompts:
+            fit_context(ids, params)
+            for j in range(n):
+                pj = copy.copy(params)
+                pj.stop = list(params.stop)
+                if params.seed is not None:
+                    pj.seed = params.seed + j
+                out.append(Generation(model, tokenizer, ids, pj))
+        return out
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_model(req)
-        prompt = req.prompt
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise InputError(f"prompt is a list of {len(prompt)} strings; this server takes one prompt "
-                                 f"per request")
-            prompt = prompt[0]
-        ids = encode(tokenizer, prompt)
+        prompts = request_prompts(tokenizer, req.prompt, vocab)
         params = _params(req, DEFAULT_MAX_TOKENS, vocab, sampling)
-        fit_context(ids, params)
-        return await respond(request, "/v1/completions", req, ids, params, chat=False)
+        return await respond(request, "/v1/completions", req, generations(prompts, params, req.n), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
@@ -473,16 +712,15 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
         templated = bool(getattr(tokenizer, "chat_template", None))
         ids = encode(tokenizer, chat_prompt(tokenizer, msgs), templated=templated)
         params = _params(req, default_max(ids, max_tokens_default), vocab, sampling)
-        fit_context(ids, params)
         if not templated:  # the plain transcript: stop before the model writes the user's next turn
             params.stop = [*params.stop, "\nuser:"]
-        return await respond(request, "/v1/chat/completions", req, ids, params, chat=True)
+        return await respond(request, "/v1/chat/completions", req, generations([ids], params, req.n), chat=True)
 
     return app
 
 
 def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info") -> None:
+          log_level: str = "info", **app_options) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(model, tokenizer, model_name), host=host, port=port, log_level=log_level)
+    uvicorn.run(create_app(model, tokenizer, model_name, **app_options), host=host, port=port, log_level=log_level)
