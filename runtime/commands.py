@@ -359,8 +359,14 @@ def generate(prompt: Optional[str] = None, model: Optional[str] = None,
 
 def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(capacity=0.125, tier="disk"),
           dtype: Optional[str] = None, plain: bool = False, host: str = "127.0.0.1", port: int = 8000,
-          served_model_name: Optional[str] = None, log_level: str = "info") -> int:
+          served_model_name: Optional[str] = None, log_level: str = "info", max_batch: int = 8,
+          kv_cache_gb: float = 1.0, api_key: Optional[str] = None, chat_template: Optional[str] = None) -> int:
     """OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
+
+    Concurrent requests are batched continuously: each joins the running batch after its prefill and leaves it
+    when done; every decode step is one forward for the whole batch. lm-eval scores against it with
+    `lm_eval --model local-completions --model_args base_url=http://127.0.0.1:8000/v1/completions,model=NAME,
+    tokenizer=MODEL_DIR,tokenizer_backend=huggingface`.
 
     Args:
         model: checkpoint directory or cached hub id (default: the quickstart's runs/ca-smoke/model)
@@ -371,16 +377,36 @@ def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(capac
         port: TCP port
         served_model_name: the model id clients send (default: --model)
         log_level: uvicorn log level
+        max_batch: the most sequences decoded together (1: one at a time); more wait in a FIFO queue
+        kv_cache_gb: the batch's KV cache bound (GiB): a request whose KV would pass it waits
+        api_key: require `Authorization: Bearer <key>` on /v1 (default: $EXPERTCACHE_API_KEY, else none)
+        chat_template: a Jinja chat template file for /v1/chat/completions, in place of the tokenizer's
     """
+    import os
+
     from .serve import serve as run
 
     if not 0 < port < 65536:
         raise InputError(f"--port {port}: expected 1..65535")
+    if max_batch < 1 or not kv_cache_gb > 0:
+        raise InputError(f"--max_batch {max_batch} / --kv_cache_gb {kv_cache_gb}: expected >= 1 and > 0")
+    template = None
+    if chat_template is not None:
+        try:
+            template = Path(chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"--chat_template {chat_template}: cannot read it ({e.__class__.__name__})") from None
+        if "{%" not in template and "{{" not in template:
+            raise InputError(f"--chat_template {chat_template} has no Jinja tags: not a chat template")
+    api_key = api_key or os.environ.get("EXPERTCACHE_API_KEY") or None
     m, tok, path = _talk_model(model, engine, dtype, plain)
     eng = getattr(m, "expertcache", None)
     if eng is not None and eng.integrity().startswith("unverified"):  # also in /health
         print(f"serve: {path} is {eng.integrity()}", file=sys.stderr)
-    run(m, tok, served_model_name or str(path), host, port, log_level)
+    if template is not None:
+        tok.chat_template = template
+    run(m, tok, served_model_name or str(path), host, port, log_level, max_batch=max_batch, kv_cache_gb=kv_cache_gb,
+        api_key=api_key)
     return 0
 
 

@@ -49,6 +49,14 @@ from .tiers import SlotPool, TierSpec, available_memory, make_tier, tier_host_by
 
 MISS_POLICIES = ("blocking", "reroute", "speculative", "host")
 KERNELS = ("native", "cpu", "auto", "triton")
+# shared stream slots per staging slot: a step that misses more than k experts (a batch of sequences, a prefill)
+# has up to (1 + this) x k loads in flight at once instead of waves of k (on the quickstart's model, 8 clients at
+# 1/4 capacity from disk: see results/serve_load.json)
+STREAM_SLOTS_PER_K = 3
+# experts at least this large compute as their weights arrive, overlapping the loads still in flight; smaller ones
+# compute in one call once all have arrived (per-arrival calls cost more than they hide: 56% of a batched step's
+# time on the quickstart's 24 KiB experts went to them)
+OVERLAP_MIN_BYTES = 1 << 20
 
 
 @dataclass
@@ -411,6 +419,12 @@ class OffloadEngine:
                 mod.cpu_kernel = mod.swiglu_ok
             self._linears = cpu_kernels.patch_linears(model) + cpu_kernels.patch_calls([L.router for L in self.layers])
         self.pool_exec = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="expert-load")
+        self._spool: SlotPool | None = None
+        # compute each miss as it arrives only when an expert's compute outweighs a call's fixed cost
+        self.overlap = self.meta.expert_bytes >= OVERLAP_MIN_BYTES
+        # and load them in the computing thread: a small expert's copy or read costs less than a thread's hand-off
+        # (1/4 of the quickstart's experts, 8 sequences: 5.7 -> 3.4 ms per step from host RAM, 6.1 -> 5.7 from disk)
+        self.inline_loads = not self.overlap
         self._load_pins()
         self.inflight = 0
         self._lock = threading.Lock()
@@ -596,10 +610,10 @@ class OffloadEngine:
         return out
 
     def _stream(self, mod, pos, hidden, top_k_index, top_k_weights, flat, hits, misses, host=False):
-        """Resident experts compute while the misses load into the k staging slots (in waves of k when a prefill
-        needs more); each miss computes when its weights arrive. Rows are combined as the family's
-        implementation combines them. Returns the output and `(staged, transient, seconds waited)`: the last
-        wave's `{expert: staging slot}` (what the policy may keep) and the earlier waves' experts."""
+        """The misses load (the last k into the staging slots, the rest through the stream slots) and compute with
+        the resident experts; rows are combined as the family's implementation combines them. Returns the output
+        and `(staged, transient, seconds waited)`: `{expert: staging slot}` (what the policy may keep) and the
+        streamed experts (used once, not kept)."""
         st = self.states[pos]
         k = top_k_index.shape[-1]
         rows: dict[int, list[int]] = {}
@@ -627,25 +641,64 @@ class OffloadEngine:
             run(hits, {e: st.lookup(e) for e in hits}) if hits else None
             run(misses, {e: e for e in misses}, self._host_views(pos))
         else:
-            waves = [misses[i:i + st.k] for i in range(0, len(misses), st.k)]
-            futs = {}
-            for w_i, wave in enumerate(waves):
-                staged = st.stage(wave)
-                futs = {self.pool_exec.submit(self._load, pos, e, s): e for e, s in staged.items()}
-                if w_i == 0 and hits:  # resident experts compute while the first wave loads
-                    run(hits, {e: st.lookup(e) for e in hits})
-                while futs:
-                    t0 = time.perf_counter()
-                    done, _ = wait(futs, return_when=FIRST_COMPLETED)
-                    waited += time.perf_counter() - t0
-                    arrived = [futs.pop(f) for f in done]
-                    for f in done:
-                        f.result()  # a failed read raises here
-                    run(sorted(arrived), staged)
-                if w_i < len(waves) - 1:
-                    transient += wave
-            if not waves:
-                run(hits, {e: st.lookup(e) for e in hits})
+            # the last k misses load into the layer's staging slots (the policy may keep them); the ones before
+            # them, when a step needs more than k (a batch, a prefill), stream through the engine's shared stream
+            # slots and are gone after computing. Every load is in flight at once, up to the stream slots and the
+            # transfer threads. Experts large enough to be worth it (`self.overlap`) compute as their weights
+            # arrive, the others once everything is there (one call over the layer's slots: a call costs more
+            # than a small expert's compute).
+            last = misses[-st.k:] if len(misses) > st.k else misses
+            queue = misses[:len(misses) - len(last)]
+            transient = list(queue)
+            spool = self._stream_pool() if queue else None
+            free = list(range(spool.n_slots - 1, -1, -1)) if spool is not None else []
+            staged = st.stage(last)
+
+            def submit(fn, *args):
+                nonlocal waited
+                if not self.inline_loads:
+                    return self.pool_exec.submit(fn, *args)
+                t0 = time.perf_counter()  # compute waits for an inline load as for one in flight: a stall
+                f = self._submit_inline(fn, *args)
+                waited += time.perf_counter() - t0
+                return f
+            futs = {submit(self._load, pos, e, s): (e, None) for e, s in staged.items()}
+            here = {e: st.lookup(e) for e in hits}  # experts in the layer's own slots, not computed yet
+            held: list[tuple[int, int]] = []  # streamed and arrived, not computed yet
+
+            def feed():
+                while queue and free:
+                    e, j = queue.pop(0), free.pop()
+                    futs[submit(self._load, pos, e, j, spool)] = (e, j)
+            feed()
+            if hits and self.overlap:  # resident experts compute while the misses load
+                run(hits, here)
+                here = {}
+            while futs:
+                t0 = time.perf_counter()
+                done, _ = wait(futs, return_when=FIRST_COMPLETED)
+                waited += time.perf_counter() - t0
+                arrived = [futs.pop(f) for f in done]
+                for f in done:
+                    f.result()  # a failed read raises here
+                here.update((e, staged[e]) for e, j in arrived if j is None)
+                held += [(e, j) for e, j in arrived if j is not None]
+                if self.overlap and here:
+                    run(sorted(here), here)
+                    here = {}
+                if held and (self.overlap or (queue and not free)):
+                    run([e for e, _ in sorted(held)], dict(held), spool.views)
+                    free.extend(j for _, j in held)  # computed: the slots take the next loads
+                    held = []
+                    feed()
+            if held:
+                run([e for e, _ in sorted(held)], dict(held), spool.views)
+            if here:
+                if not parts and not mod.eager:  # everything in the layer's slots: the family's one call
+                    slots = torch.tensor([here[e] for e in flat], dtype=torch.long).view_as(top_k_index)
+                    out = self._compute(mod.compute, hidden, slots.to(dev), top_k_weights)
+                    return out, (staged, transient, waited)
+                run(sorted(here), here)
         # combine
         if mod.eager:  # eager: index_add of each expert's rows, in expert order, into the hidden dtype
             out = torch.zeros_like(x_all)
@@ -658,6 +711,25 @@ class OffloadEngine:
                 buf[r] = y
             out = buf.view(-1, k, x_all.shape[-1]).sum(dim=1).to(hidden.dtype)
         return out.view_as(hidden), (staged, transient, waited)
+
+    @staticmethod
+    def _submit_inline(fn, *args) -> Future:
+        """A load done here and now (a memory copy of a small expert costs less than a thread's hand-off)."""
+        f = Future()
+        try:
+            f.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - raised where the result is read, as from the pool
+            f.set_exception(e)
+        return f
+
+    def _stream_pool(self) -> SlotPool:
+        """The stream slots (STREAM_SLOTS_PER_K x k, at most E), allocated on first use: a step that misses more
+        experts than the staging slots hold (a batch, a prefill) loads the rest here, all at once. One layer runs
+        at a time, so every layer shares them; `describe()` reports their bytes once allocated."""
+        if self._spool is None:
+            n = min(STREAM_SLOTS_PER_K * self.adapter.top_k, self.adapter.num_experts)
+            self._spool = SlotPool(self.meta, n, self.cfg.slot_device)
+        return self._spool
 
     def _host_views(self, pos: int) -> dict[str, torch.Tensor]:
         """`[E, ...]` views of layer `pos`'s experts inside the host tier's copy (no copy)."""
@@ -732,6 +804,7 @@ class OffloadEngine:
                 **self.predictor.describe(), "expert_bytes": self.meta.expert_bytes,
                 "expert_dtype": self.meta.tensors[0].dtype, "budget": self.cfg.budget, "device": self.cfg.slot_device,
                 "fast_tier_bytes": self.fast_bytes, "tier_host_bytes": self.host_bytes,
+                "stream_slot_bytes": self._spool.n_slots * self.meta.block_bytes if self._spool is not None else 0,
                 "integrity": self.integrity()}
 
     def integrity(self) -> str:

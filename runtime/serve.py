@@ -145,6 +145,8 @@ class Decoder:
         self.queued = self.running = 0  # changed by the event loop and the worker: under `_count`
         self._count = threading.Lock()
         self.live: set[threading.Event] = set()
+        self._event_loop = None  # the server's event loop (set by the first request)
+        self._outbox: list = []  # (queue, event) posted by the worker during a step, delivered in one hand-off
         self.worker = threading.Thread(target=self._loop, name="expertcache-decode", daemon=True)
         self.worker.start()
 
@@ -164,6 +166,7 @@ class Decoder:
                 for g, _ in self.batch.cancel(gone):
                     self._finish(g)
             self._admit()
+            self._flush()
             if not len(self.batch):
                 continue
             if len(self.batch) > 1:
@@ -175,12 +178,14 @@ class Decoder:
             except BaseException as e:  # noqa: BLE001 - every row of the failed step gets the error
                 for g in self.batch.fail():
                     self._finish(g, e)
+                self._flush()
                 continue
             for g, piece in events:
                 if piece:
                     g._put("text", piece, len(g.token_scores))
                 if g.finish_reason is not None:
                     self._finish(g)
+            self._flush()
         with self.cond:  # shutting down: whoever is still decoding or waiting is cancelled
             waiting, self.pending = list(self.pending), type(self.pending)()
         for g in self.batch.fail():
@@ -190,6 +195,18 @@ class Decoder:
             g.finish_reason = "cancelled"
             self._move(queued=-1, running=+1)
             self._finish(g)
+        self._flush()
+
+    def _flush(self) -> None:
+        """Hand the step's events to the event loop at once (one wake-up per step, not one per sequence)."""
+        if not self._outbox:
+            return
+        items, self._outbox = self._outbox, []
+        try:
+            self._event_loop.call_soon_threadsafe(_deliver, items)
+        except RuntimeError:  # the event loop is gone (server shutting down): nobody to tell
+            for q, ev, cancel in items:
+                cancel.set()
 
     def _fits(self, g) -> bool:
         """Whether `g` may join: a free row, and the batch's KV cache at its longest within the budget."""
@@ -246,14 +263,12 @@ class Decoder:
         cancel = threading.Event()
         self.live.add(cancel)
 
+        self._event_loop = loop
         for i, g in enumerate(gens):
             g.cancel = cancel
 
-            def put(kind, val, n, i=i):
-                try:
-                    loop.call_soon_threadsafe(events.put_nowait, (i, kind, val, n))
-                except RuntimeError:  # the event loop is gone (server shutting down): nobody to tell
-                    cancel.set()
+            def put(kind, val, n, i=i):  # called by the worker; delivered by its next `_flush`
+                self._outbox.append((events, (i, kind, val, n), cancel))
 
             g._put = put
 
@@ -296,6 +311,11 @@ class Decoder:
             self.stopped = True
             self.cond.notify()
         self.worker.join(timeout=30)
+
+
+def _deliver(items) -> None:
+    for q, ev, _ in items:
+        q.put_nowait(ev)
 
 
 # --- request bodies -----------------------------------------------------------------------------------------------

@@ -8,6 +8,14 @@ a repacked store), so its RSS and /proc/<pid>/fd are its own. Before: after a wa
 kind); after: once the load has stopped and the server is idle again.
 
     python scripts/load_test.py --seconds 40 --clients 6 --out results/load_test.json
+
+Throughput (`--throughput`): `expertcache serve` started by its own command line on a checkpoint (default: the
+quickstart's), at 1/4 of the experts and all resident; the same prompts sent by 1, 2, 4, 8 and 16 concurrent
+streaming clients (greedy, fixed length). Per round: total tokens/s, per-request TPOT and time to first token
+(p50/p99), the batch sizes the server ran, hit rate and bytes moved per token (from /metrics), and whether every
+request's text equals the text it got alone (the 1-client round).
+
+    python scripts/load_test.py --throughput --out results/serve_load.json
 """
 
 from __future__ import annotations
@@ -82,7 +90,7 @@ def _malformed(r: random.Random):
         ("wrong_types", chat, {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}),
         ("wrong_types", chat, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}),
         ("wrong_types", chat, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
-        ("wrong_types", comp, {"prompt": ["a", "b"]}),
+        ("wrong_types", comp, {"prompt": ["a", 1]}),
         ("wrong_types", chat, {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}),
         ("empty_messages", chat, {"messages": []}),
         ("empty_messages", chat, {}),
@@ -211,6 +219,171 @@ def _wait_idle(url: str, timeout: float = 120) -> dict:
     raise SystemExit(f"server not idle after {timeout}s: {h}")
 
 
+# --- throughput: batched serving against one client --------------------------------------------------------------
+
+TPUT_PROMPTS = ["def f(x):", "The king said", "import numpy as np", "for i in range(10):", "Once upon a time",
+                "class Node:", "What is 7 times 8?", "my lord, what say you", "if __name__ ==", "Thou art more",
+                "x = [1, 2, 3]", "Question: 12 + 30 =", "return sorted(", "Come hither, sweet", "while True:",
+                "The answer is"]
+
+
+def _scrape(url: str) -> dict[str, float]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for smp in fam.samples:
+            if not smp.labels or smp.name.endswith("_bucket"):
+                out[smp.name] = out.get(smp.name, 0.0) + smp.value if not smp.labels else smp.value
+    return out
+
+
+async def _timed_stream(client, prompt: str, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    times, text, usage = [], [], None
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise SystemExit(f"throughput request failed: HTTP {resp.status_code} {await resp.aread()!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("usage"):
+                usage = ev["usage"]
+            for ch in ev.get("choices") or []:
+                if ch.get("text"):
+                    times.append(time.perf_counter())
+                    text.append(ch["text"])
+    n = usage["completion_tokens"]
+    return {"prompt": prompt, "text": "".join(text), "tokens": n, "ttft_s": times[0] - t0 if times else None,
+            "tpot_s": (times[-1] - times[0]) / (n - 1) if len(times) > 1 and n > 1 else None,
+            "t0": t0, "t1": time.perf_counter()}
+
+
+async def _round(url: str, clients: int, prompts: list[str], max_tokens: int) -> tuple[list[dict], float]:
+    import httpx
+
+    queue = list(enumerate(prompts))
+    out: dict[int, dict] = {}
+
+    async def worker():
+        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+            while queue:
+                i, pr = queue.pop(0)
+                out[i] = await _timed_stream(client, pr, max_tokens)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    return [out[i] for i in range(len(prompts))], time.perf_counter() - t0
+
+
+def _start_server(model: str, engine_args: list[str], port: int, log_path: Path, max_batch: int):
+    import httpx
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "expertcache.recipes.cli", "serve", "--model", model, "--port", str(port),
+           "--log_level", "warning", "--max_batch", str(max_batch), "--engine.threads", "1", *engine_args]
+    log_f = open(log_path, "w")
+    p = subprocess.Popen(cmd, env=env, stderr=log_f, stdout=log_f)
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.time()
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return p, url, cmd, log_f
+        except httpx.TransportError:
+            pass
+        if p.poll() is not None or time.time() - t0 > 300:
+            raise SystemExit("server did not start:\n" + log_path.read_text()[-3000:])
+        time.sleep(0.2)
+
+
+def throughput(a) -> dict:
+    import httpx
+    import numpy as np
+
+    prompts = [TPUT_PROMPTS[i % len(TPUT_PROMPTS)] + (" " * (i // len(TPUT_PROMPTS))) for i in range(a.requests)]
+    extra = a.serve_args.split() if a.serve_args else []
+    systems = {"quarter": ["--engine.capacity", "0.25", *extra], "all_resident": ["--engine.capacity", "1.0", *extra]}
+    systems = {k: v for k, v in systems.items() if k in a.systems}
+    res = {"inputs": {"model": a.model, "requests_per_round": a.requests, "max_tokens": a.max_tokens,
+                      "clients": a.levels, "max_batch": a.max_batch, "server_threads": 1, "cpu_count": os.cpu_count(),
+                      "greedy": True, "stream": True}, "systems": {}}
+    with tempfile.TemporaryDirectory(prefix="expertcache-tput-") as d:
+        for name, eng in systems.items():
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            s.close()
+            p, url, cmd, log_f = _start_server(a.model, eng, port, Path(d) / f"{name}.log", a.max_batch)
+            rounds = []
+            try:
+                asyncio.run(_round(url, 4, prompts[:8], 8))  # warm-up: first-use allocations, the kernels' build
+                alone = None
+                for c in a.levels:
+                    _wait_idle(url)
+                    m0 = _scrape(url)
+                    rows, wall = asyncio.run(_round(url, c, prompts, a.max_tokens))
+                    m1 = _scrape(url)
+                    d_ = {k: m1.get(k, 0.0) - m0.get(k, 0.0) for k in m1}
+                    if alone is None:
+                        alone = [r["text"] for r in rows]
+                    tokens = sum(r["tokens"] for r in rows)
+                    tpot = [r["tpot_s"] for r in rows if r["tpot_s"] is not None]
+                    ttft = [r["ttft_s"] for r in rows if r["ttft_s"] is not None]
+                    steps = d_.get("expertcache_batch_size_count", 0)
+                    acc = d_.get("expertcache_cache_accesses_total", 0)
+                    gen_tok = d_.get("expertcache_generated_tokens_total", 0)
+                    rounds.append({
+                        "clients": c, "wall_s": round(wall, 3), "tokens": tokens,
+                        "tokens_per_s": tokens / wall,
+                        "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99),
+                        "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+                        "mean_batch": d_.get("expertcache_batch_size_sum", 0) / steps if steps else None,
+                        "decode_steps": int(steps),
+                        "hit_rate": d_.get("expertcache_cache_hits_total", 0) / acc if acc else None,
+                        "bytes_moved_per_token": d_.get("expertcache_cache_bytes_moved_total", 0) / gen_tok
+                        if gen_tok else None,
+                        "equal_to_alone": sum(r["text"] == t for r, t in zip(rows, alone)),
+                        "requests": len(rows)})
+                    r_ = rounds[-1]
+                    print(f"{name:>12} clients {c:>2}: {r_['tokens_per_s']:7.1f} tok/s, TPOT p50 "
+                          f"{r_['tpot_p50_s'] * 1e3:.2f} ms, TTFT p50 {r_['ttft_p50_s'] * 1e3:.1f} ms, batch "
+                          f"{r_['mean_batch'] or 0:.1f}, hit {r_['hit_rate'] if r_['hit_rate'] is not None else '-'}, "
+                          f"{r_['equal_to_alone']}/{len(rows)} equal to alone", file=sys.stderr, flush=True)
+                health = httpx.get(url + "/health", timeout=10).json()
+            finally:
+                p.terminate()
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                log_f.close()
+            one = rounds[0]["tokens_per_s"]
+            for r_ in rounds:
+                r_["speedup_vs_1"] = r_["tokens_per_s"] / one
+            res["systems"][name] = {"command": " ".join(cmd[2:]).replace(f"--port {port}", "--port PORT"),
+                                    "engine": health.get("engine"), "scheduling": health.get("scheduling"),
+                                    "rounds": rounds}
+    at8 = {k: next((r["speedup_vs_1"] for r in v["rounds"] if r["clients"] == 8), None)
+           for k, v in res["systems"].items()}
+    res["targets"] = {"all_resident_8_clients_speedup": at8.get("all_resident"), "all_resident_target": 3.0,
+                      "quarter_8_clients_speedup": at8.get("quarter"), "quarter_target": 2.0,
+                      "all_equal_to_alone": all(r["equal_to_alone"] == r["requests"]
+                                                for v in res["systems"].values() for r in v["rounds"])}
+    res["targets"]["met"] = bool((at8.get("all_resident") or 0) >= 3 and (at8.get("quarter") or 0) >= 2
+                                 and res["targets"]["all_equal_to_alone"])
+    try:
+        res["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                       cwd=REPO).stdout.strip()
+    except OSError:
+        pass
+    del np
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=40)
@@ -219,12 +392,31 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=30, help="per-request client timeout (s)")
     ap.add_argument("--max-positions", type=int, default=1024, help="the tiny model's context length")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--throughput", action="store_true", help="the batched-serving throughput rounds instead")
+    ap.add_argument("--model", default="runs/ca-smoke/model", help="--throughput: the checkpoint served")
+    ap.add_argument("--requests", type=int, default=48, help="--throughput: requests per round")
+    ap.add_argument("--max-tokens", type=int, default=32, help="--throughput: tokens per request")
+    ap.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="--throughput: client counts")
+    ap.add_argument("--max-batch", type=int, default=16, help="--throughput: the server's --max_batch")
+    ap.add_argument("--serve-args", default="", help="--throughput: more `expertcache serve` options for both")
+    ap.add_argument("--systems", nargs="+", default=["quarter", "all_resident"], help="--throughput: which")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         return child(a.dir, a.port, a.max_positions)
+    if a.throughput:
+        if not (Path(a.model) / "config.json").is_file():
+            raise SystemExit(f"--model {a.model}: no checkpoint there (run `make quickstart` first, or pass --model)")
+        out = throughput(a)
+        print(json.dumps(out, indent=2))
+        if a.out:
+            sys.path.insert(0, str(REPO))
+            from expertcache.telemetry.atomic import write_json
+
+            write_json(a.out, out)
+        return None
 
     import httpx
 
