@@ -360,7 +360,8 @@ def generate(prompt: Optional[str] = None, model: Optional[str] = None,
 def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(capacity=0.125, tier="disk"),
           dtype: Optional[str] = None, plain: bool = False, host: str = "127.0.0.1", port: int = 8000,
           served_model_name: Optional[str] = None, log_level: str = "info", max_batch: int = 8,
-          kv_cache_gb: float = 1.0, api_key: Optional[str] = None, chat_template: Optional[str] = None) -> int:
+          kv_cache_gb: float = 1.0, api_key: Optional[str] = None, chat_template: Optional[str] = None,
+          trace: Optional[str] = None, trace_rotate_tokens: int = 50_000) -> int:
     """OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
 
     Concurrent requests are batched continuously: each joins the running batch after its prefill and leaves it
@@ -381,6 +382,11 @@ def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(capac
         kv_cache_gb: the batch's KV cache bound (GiB): a request whose KV would pass it waits
         api_key: require `Authorization: Bearer <key>` on /v1 (default: $EXPERTCACHE_API_KEY, else none)
         chat_template: a Jinja chat template file for /v1/chat/completions, in place of the tokenizer's
+        trace: record the routing of every request (prefill and decode) into rotating Parquet traces in this
+            folder (trace-000001.parquet, ...; each with a .requests.json naming the requests), readable by
+            `analyze`, `fit-policy` and `train-cache-aware`; never holds a request (rows are dropped and counted
+            in /metrics when the writer falls behind)
+        trace_rotate_tokens: tokens per trace file
     """
     import os
 
@@ -399,6 +405,12 @@ def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(capac
         if "{%" not in template and "{{" not in template:
             raise InputError(f"--chat_template {chat_template} has no Jinja tags: not a chat template")
     api_key = api_key or os.environ.get("EXPERTCACHE_API_KEY") or None
+    if trace is not None:
+        from expertcache.telemetry.live_trace import check_trace_dir
+
+        check_trace_dir(trace)  # before the model loads: an unwritable place is a one-line error now
+        if trace_rotate_tokens < 1:
+            raise InputError(f"--trace_rotate_tokens {trace_rotate_tokens}: expected >= 1")
     m, tok, path = _talk_model(model, engine, dtype, plain)
     eng = getattr(m, "expertcache", None)
     if eng is not None and eng.integrity().startswith("unverified"):  # also in /health
@@ -406,7 +418,7 @@ def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(capac
     if template is not None:
         tok.chat_template = template
     run(m, tok, served_model_name or str(path), host, port, log_level, max_batch=max_batch, kv_cache_gb=kv_cache_gb,
-        api_key=api_key)
+        api_key=api_key, trace_dir=trace, trace_rotate_tokens=trace_rotate_tokens)
     return 0
 
 

@@ -77,6 +77,7 @@ class Batch:
         self.cache = None
         self.mask: torch.Tensor | None = None  # [B, L] 1 = a real token, 0 = left padding
         self.batchable: bool | None = None  # known after the first prefill
+        self.trace = None  # a `telemetry.live_trace.LiveTrace`: every forward's routing recorded
         self.device = model.get_input_embeddings().weight.device
 
     def __len__(self) -> int:
@@ -97,6 +98,8 @@ class Batch:
         g._begin()
         ids = torch.tensor([g.prompt_ids], dtype=torch.long, device=self.device)  # [1, prompt]
         out = forward(self.model, ids, None, logits_to_keep=0 if g.prompt_logprobs else 1)
+        if self.trace is not None:
+            self.trace.forward_done("prefill", [(g, range(len(g.prompt_ids)), g.prompt_ids)])
         if g.prompt_logprobs:
             g._score_prompt(out.logits[0])
         pieces = []
@@ -146,6 +149,9 @@ class Batch:
             self.mask = F.pad(self.mask, (0, 1), value=1)
             out = forward(self.model, ids, self.cache, logits_to_keep=1)
         self.cache = out.cache
+        if self.trace is not None:  # each row fed its last token, at position (its length - 1)
+            self.trace.forward_done("decode", [(g, [g.prompt_tokens + g.completion_tokens - 1], [g.completion_next])
+                                               for g in self.rows])
         events, keep = [], []
         for i, g in enumerate(self.rows):
             piece = g._accept(out.logits[i, -1])

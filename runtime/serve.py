@@ -120,6 +120,22 @@ class _EngineCollector:
                                 value=self.engine.capacity)
 
 
+class _TraceCollector:
+    """`serve --trace`: tokens recorded, dropped (the writer behind) and files completed."""
+
+    def __init__(self, trace):
+        self.trace = trace
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        d = self.trace.describe()
+        yield CounterMetricFamily("expertcache_trace_tokens", "Tokens whose routing was recorded", value=d["tokens"])
+        yield CounterMetricFamily("expertcache_trace_dropped_tokens", "Tokens not recorded (the trace writer was "
+                                  "behind, or failed)", value=d["dropped_tokens"])
+        yield CounterMetricFamily("expertcache_trace_files", "Trace files completed", value=d["files"])
+
+
 class Decoder:
     """The scheduler: one worker thread runs the decode loop (`decode.Batch`); requests join the running batch
     between steps and leave it when done, so every step decodes one token for each of them in one forward.
@@ -464,10 +480,11 @@ def _text_content(content) -> str:
 
 def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_default: int | None = None,
                torch_threads: int | None = None, max_batch: int = 8, kv_cache_gb: float = 1.0,
-               api_key: str | None = None):
+               api_key: str | None = None, trace_dir: str | None = None, trace_rotate_tokens: int = 50_000):
     """The ASGI app. `max_tokens_default`: chat requests without max_tokens decode up to this many tokens
     (default: the model's context length less the prompt). `max_batch`: sequences decoded together (1: one at a
-    time); `kv_cache_gb`: the batch's KV cache bound; `api_key`: required as a bearer token on /v1."""
+    time); `kv_cache_gb`: the batch's KV cache bound; `api_key`: required as a bearer token on /v1; `trace_dir`:
+    record the routing of every request into rotating Parquet traces there (`telemetry.live_trace`)."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -477,6 +494,13 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
     engine = getattr(model, "expertcache", None)
     metrics = _Metrics(engine)
     decoder = Decoder(model, tokenizer, metrics, torch_threads, max_batch, kv_cache_gb)
+    trace = None
+    if trace_dir is not None:
+        from expertcache.telemetry.live_trace import LiveTrace
+
+        trace = LiveTrace(model, trace_dir, model_name, rotate_tokens=trace_rotate_tokens)
+        decoder.batch.trace = trace
+        metrics.registry.register(_TraceCollector(trace))
     created = int(time.time())
     context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     from .generate import checkpoint_sampling
@@ -489,6 +513,8 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
     async def lifespan(app):
         yield
         decoder.shutdown()
+        if trace is not None:
+            trace.close()
 
     app = FastAPI(title="expertcache", lifespan=lifespan)
     app.state.decoder, app.state.metrics = decoder, metrics
@@ -536,7 +562,7 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": model_name, "scheduling": SCHEDULING, "running": decoder.running,
-                "queued": decoder.queued, "max_batch": decoder.batch.max_rows if decoder.batch.batchable is not False
+                "queued": decoder.queued, "trace": trace.describe() if trace is not None else None, "max_batch": decoder.batch.max_rows if decoder.batch.batchable is not False
                 else 1, "engine": engine.describe() if engine is not None else None}
 
     @app.get("/v1/models")
@@ -592,6 +618,8 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
     async def respond(request: Request, endpoint: str, req, gens: list[Generation], chat: bool):
         t0 = time.perf_counter()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        for i, g in enumerate(gens):
+            g.request_id = rid if len(gens) == 1 else f"{rid}/{i}"
         obj = "chat.completion" if chat else "text_completion"
         want_lp = gens[0].params.logprobs is not None
         echo = gens[0].params.echo

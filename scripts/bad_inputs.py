@@ -589,6 +589,12 @@ def cases(P: dict) -> list[dict]:
     add("serve-port-text", ["serve", "--model", M, "--port", "http"])
     add("serve-model-missing", ["serve", "--model", S / "nomodel", "--port", 18765])
     add("serve-tier-unknown", ["serve", "--model", M, "--engine.tier", "zzz", "--port", 18765])
+    add("serve-trace-is-a-file", ["serve", "--model", M, "--port", 18765, "--trace", P["prompts_blank"]])
+    add("serve-trace-read-only", ["serve", "--model", M, "--port", 18765, "--trace", RO / "traces"], nobody=True)
+    add("serve-max-batch-0", ["serve", "--model", M, "--port", 18765, "--max_batch", 0])
+    add("serve-chat-template-missing", ["serve", "--model", M, "--port", 18765, "--chat_template", S / "none.jinja"])
+    add("serve-chat-template-not-jinja", ["serve", "--model", M, "--port", 18765, "--chat_template",
+                                          P["prompts_blank"]])
     # eval
     add("eval-model-missing", [*ev, "--model", S / "nomodel", "--out", S / "v1.json"])
     add("eval-limit-0", [*ev, "--model", M, "--limit", 0, "--out", S / "v2.json"])

@@ -334,3 +334,45 @@ def test_api_key(tmp_path):
         assert c.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
         assert c.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert c.get("/health").status_code == 200
+
+
+def test_serve_trace_records_live_requests_that_analyze_reads(tmp_path):
+    """`serve --trace`: the routing of every request (prefill and decode, batched) in rotating Parquet traces,
+    each complete under its final name with the requests' ids beside it; `analyze` reads them; the metadata
+    names the dtype served; /metrics counts the tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastapi.testclient import TestClient
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from expertcache.telemetry.analysis import analyze
+    from expertcache.telemetry.parquet_trace import read_meta, read_trace
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt")
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt)).eval()
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    app = create_app(model, tok, NAME, torch_threads=1, trace_dir=str(tmp_path / "traces"), trace_rotate_tokens=40)
+    prompts = ["thou art", "my lord of the night", "come", "fair heaven and day"]
+    with TestClient(app) as c:
+        with ThreadPoolExecutor(4) as ex:
+            rs = list(ex.map(lambda p: c.post("/v1/completions", json={"prompt": p, "max_tokens": 12,
+                                                                       "ignore_eos": True}), prompts))
+        assert all(r.status_code == 200 for r in rs)
+        ids = {r.json()["id"] for r in rs}
+        h = c.get("/health").json()["trace"]
+    files = sorted((tmp_path / "traces").glob("trace-*.parquet"))
+    assert len(files) >= 2 and not list((tmp_path / "traces").glob(".*tmp*"))  # rotated; nothing half-written
+    total_tokens = sum(len(encode(tok, p)) + 12 - 1 for p in prompts)  # the last token is never fed back
+    rows = [read_trace(f).table for f in files]
+    n_layers = read_meta(files[0]).num_layers
+    assert sum(t.num_rows for t in rows) == total_tokens * len(read_meta(files[0]).moe_layers)
+    assert h["tokens"] == total_tokens and h["dropped_tokens"] == 0 and n_layers >= 1
+    assert read_meta(files[0]).dtype == "float32"
+    seen = {}
+    for f in files:
+        seen.update(json.loads(f.with_name(f.stem + ".requests.json").read_text())["requests"])
+    assert set(seen.values()) == ids and len(seen) == 4
+    phases = set(x for t in rows for x in t["phase"].to_pylist())
+    assert phases == {"prefill", "decode"}
+    s = analyze(str(files[0]), tmp_path / "analysis", phase=None)
+    assert s["routing"]["tokens"] > 0 and s["hit_curves"]
