@@ -15,11 +15,14 @@ from .taskdata import DEFAULT_TASKS
 DTYPES = ("fp32", "bf16", "fp16", "auto")
 
 
-def _check(dtype: str, limit: Optional[int], ppl_blocks: int, seq_len: int, include_path: Optional[str]) -> None:
+def _check(dtype: str, limit: Optional[int], ppl_blocks: int, seq_len: int, include_path: Optional[str],
+           tasks=None) -> None:
     if dtype not in DTYPES:
         raise InputError(f"--dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
-    if (limit is not None and limit < 1) or ppl_blocks < 1 or seq_len < 2:
-        raise InputError("--limit and --ppl_blocks must be >= 1 and --seq_len >= 2")
+    if (limit is not None and limit < 1) or ppl_blocks < 0 or seq_len < 2:
+        raise InputError("--limit must be >= 1, --ppl_blocks >= 0 (0: no step-wise perplexity) and --seq_len >= 2")
+    if ppl_blocks == 0 and tasks is not None and not tasks:
+        raise InputError("--ppl_blocks 0 and --tasks []: nothing to evaluate")
     if include_path is not None and not Path(include_path).is_dir():
         raise InputError(f"--include_path {include_path} is not a folder of task YAMLs")
 
@@ -27,7 +30,8 @@ def _check(dtype: str, limit: Optional[int], ppl_blocks: int, seq_len: int, incl
 def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = list(DEFAULT_TASKS),
          corpus: str = "data/corpus", out: Optional[str] = None, task_dir: Optional[str] = None,
          limit: Optional[int] = None, ppl_blocks: int = 8, seq_len: int = 128, include_path: Optional[str] = None,
-         dtype: str = "fp32", device: str = "cpu", size_from: Optional[str] = None) -> dict:
+         dtype: str = "fp32", device: str = "cpu", size_from: Optional[str] = None, ppl_file: Optional[str] = None,
+         ppl_field: str = "text") -> dict:
     """lm-eval tasks and the step-wise token perplexity of a checkpoint, plain or served by the offload engine.
 
     The JSON keeps every step-wise block's NLL and every document's score (the gate's paired intervals) and
@@ -40,15 +44,20 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = l
         engine: serve the model through the offload engine with these options (absent: the plain model);
             e.g. --engine.capacity 0.25 --engine.miss reroute --engine.tau 0.1
         tasks: local tasks (evals/tasks/), any lm-eval task (e.g. arc_easy), tasks in --include_path; [] for none
-        corpus: corpus whose held-out split gives the task documents and the perplexity blocks
+        corpus: corpus whose held-out split gives the local ec_* tasks' documents and the perplexity blocks (not
+            read when neither needs it: other tasks and --ppl_file or --ppl_blocks 0)
         out: JSON to write (lm-eval's own JSON beside it)
         task_dir: where the task files are built (default: beside --out)
         limit: documents per task (lm-eval's limit)
-        ppl_blocks: step-wise perplexity blocks per domain
+        ppl_blocks: step-wise perplexity blocks per domain (0: none; a gate on this eval then decides on accuracy
+            alone, and says so)
         seq_len: tokens per step-wise block
         include_path: a folder of your own lm-eval task YAMLs; their names then work in --tasks
         dtype: fp32 (the gates' figures) | bf16 | fp16 | auto (the checkpoint's own)
         device: cpu | cuda | auto (the GPU when there is one)
+        ppl_file: the step-wise perplexity on your own text instead of the corpus: plain text (documents separated
+            by blank lines) or JSONL (the text under --ppl_field); one domain, named after the file
+        ppl_field: the JSONL field holding the text
         size_from: an `expertcache gate` JSON: take --ppl_blocks and --limit from the sample it says would resolve
             it (never fewer than given here)
     """
@@ -61,14 +70,18 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = l
     sizing = None
     if size_from is not None:
         ppl_blocks, limit, sizing = sample_from_gate(size_from, ppl_blocks, limit)
-    _check(dtype, limit, ppl_blocks, seq_len, include_path)
-    check_output(out, model)
+    _check(dtype, limit, ppl_blocks, seq_len, include_path, tasks)
+    check_output(out, model, ppl_file)
     if engine is not None:
         engine.check()
     with Progress(transient=True) as prog:
-        task = prog.add_task("step-wise perplexity", total=ppl_blocks * 3)
+        task = prog.add_task("step-wise perplexity", total=ppl_blocks * (1 if ppl_file else 3))
         res = evaluate(model, corpus, engine, tasks, out, task_dir, limit, ppl_blocks, seq_len,
-                       include_path=include_path, dtype=dtype, device=device, progress=lambda: prog.advance(task))
+                       include_path=include_path, dtype=dtype, device=device, progress=lambda: prog.advance(task),
+                       ppl_file=ppl_file, ppl_field=ppl_field)
+    for note in res.get("sample_notes", []):
+        if note.startswith("no step-wise"):
+            print(f"eval: {note}", file=sys.stderr)
     if sizing is not None:
         res["sizing"] = sizing
         if out:

@@ -57,6 +57,22 @@ def _finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def _check_stepwise(res: dict, step, name: str) -> None:
+    if not isinstance(step, dict) or not isinstance(step.get("ppl"), dict) or not step["ppl"]:
+        raise InputError(f"{name}: no step-wise perplexity (stepwise.ppl); the gate's Δppl needs it")
+    if "overall" not in step["ppl"]:
+        raise InputError(f"{name}: stepwise.ppl has no 'overall' entry")
+    for d, p in step["ppl"].items():
+        if not _finite(p) or p <= 0:
+            raise InputError(f"{name}: step-wise perplexity {d} = {p!r}: not a finite positive number "
+                             f"(corrupted weights, or a broken eval)")
+    if not isinstance(step.get("tokens"), dict) or not step["tokens"]:
+        raise InputError(f"{name}: no step-wise token counts (stepwise.tokens)")
+    if not isinstance(step.get("blocks_sha256"), str):
+        raise InputError(f"{name}: no hash of the step-wise blocks (stepwise.blocks_sha256); re-run `expertcache eval`")
+    _check_blocks(res, name)
+
+
 def check_eval(res, name: str = "eval") -> dict:
     """`res` (an `expertcache eval` result) is complete and sane for the gate; an `InputError` naming what is not."""
     if not isinstance(res, dict):
@@ -72,19 +88,9 @@ def check_eval(res, name: str = "eval") -> dict:
         raise InputError(f"{name}: eval format_version {v!r}, this gate reads {EVAL_FORMAT_VERSION}; re-run "
                          f"`expertcache eval`")
     step = res.get("stepwise")
-    if not isinstance(step, dict) or not isinstance(step.get("ppl"), dict) or not step["ppl"]:
-        raise InputError(f"{name}: no step-wise perplexity (stepwise.ppl); the gate's Δppl needs it")
-    if "overall" not in step["ppl"]:
-        raise InputError(f"{name}: stepwise.ppl has no 'overall' entry")
-    for d, p in step["ppl"].items():
-        if not _finite(p) or p <= 0:
-            raise InputError(f"{name}: step-wise perplexity {d} = {p!r}: not a finite positive number "
-                             f"(corrupted weights, or a broken eval)")
-    if not isinstance(step.get("tokens"), dict) or not step["tokens"]:
-        raise InputError(f"{name}: no step-wise token counts (stepwise.tokens)")
-    if not isinstance(step.get("blocks_sha256"), str):
-        raise InputError(f"{name}: no hash of the step-wise blocks (stepwise.blocks_sha256); re-run `expertcache eval`")
-    _check_blocks(res, name)
+    accuracy_only = step is None and "stepwise" in res  # `eval --ppl_blocks 0`: the gate decides on accuracy
+    if not accuracy_only:
+        _check_stepwise(res, step, name)
     tok = res.get("tokenizer")
     if not isinstance(tok, dict) or not isinstance(tok.get("vocab_sha256"), str):
         raise InputError(f"{name}: no tokenizer fingerprint (tokenizer.vocab_sha256); re-run `expertcache eval`")
@@ -101,6 +107,8 @@ def check_eval(res, name: str = "eval") -> dict:
             raise InputError(f"{name}: {task} bits_per_byte = {r['bits_per_byte,none']!r}: not a finite positive "
                              f"number")
     _check_docs(res, name)
+    if accuracy_only and not _accs(res):
+        raise InputError(f"{name}: no step-wise perplexity (--ppl_blocks 0) and no accuracy task: nothing to gate on")
     return res
 
 
@@ -164,6 +172,16 @@ def check_comparable(baseline: dict, candidate: dict) -> None:
         raise InputError(f"baseline and candidate use different tokenizers (vocabulary {tb[:12]} vs {tc[:12]}): "
                          f"their perplexities are not comparable")
     sb, sc = baseline["stepwise"], candidate["stepwise"]
+    if (sb is None) != (sc is None):
+        which = "baseline" if sb is None else "candidate"
+        raise InputError(f"the {which} has no step-wise perplexity (--ppl_blocks 0) and the other has: evaluate both "
+                         f"the same way")
+    if sb is not None:
+        _comparable_stepwise(sb, sc)
+    _comparable_tasks(baseline, candidate)
+
+
+def _comparable_stepwise(sb: dict, sc: dict) -> None:
     if sb["tokens"] != sc["tokens"]:
         raise InputError(f"baseline and candidate were measured on different step-wise tokens (token counts "
                          f"{sb['tokens']} vs {sc['tokens']}); evaluate both with the same corpus, split, "
@@ -183,6 +201,9 @@ def check_comparable(baseline: dict, candidate: dict) -> None:
             if s["tokens"].get(d) != sum(t):
                 raise InputError(f"{name}: the {d} blocks' token counts add up to {sum(t)}, stepwise.tokens says "
                                  f"{s['tokens'].get(d)!r}: an edited or corrupted eval")
+
+
+def _comparable_tasks(baseline: dict, candidate: dict) -> None:
     lb, lc = baseline.get("lm_eval") or {}, candidate.get("lm_eval") or {}
     if set(lb) != set(lc):
         raise InputError(f"baseline and candidate ran different lm-eval tasks: {sorted(lb)} vs {sorted(lc)}; the "
@@ -223,12 +244,16 @@ def gate(baseline: dict, candidate: dict, th: GateThresholds = GateThresholds(),
     check_eval(candidate, "candidate")
     check_comparable(baseline, candidate)
     bs, cs = baseline["stepwise"], candidate["stepwise"]
-    bp, cp = bs["ppl"], cs["ppl"]
-    dppl = {d: 100 * (cp[d] / bp[d] - 1) for d in bp if d in cp}
     kw = dict(confidence=confidence, resamples=resamples, seed=seed)
-    iv = dppl_intervals(bs["block_nll"], cs["block_nll"], bs["block_tokens"], **kw)
-    dppl_iv = {"overall": [dppl["overall"], *iv["overall"][1:]]}
-    dppl_iv.update({d: [dppl[d], *v[1:]] for d, v in iv["domains"].items()})
+    accuracy_only = bs is None
+    if accuracy_only:  # both evals ran with --ppl_blocks 0
+        dppl, dppl_iv, iv = {}, {}, {"n_blocks": {}, "max_domain": [None, None, None]}
+    else:
+        bp, cp = bs["ppl"], cs["ppl"]
+        dppl = {d: 100 * (cp[d] / bp[d] - 1) for d in bp if d in cp}
+        iv = dppl_intervals(bs["block_nll"], cs["block_nll"], bs["block_tokens"], **kw)
+        dppl_iv = {"overall": [dppl["overall"], *iv["overall"][1:]]}
+        dppl_iv.update({d: [dppl[d], *v[1:]] for d, v in iv["domains"].items()})
     ba, ca = _accs(baseline), _accs(candidate)
     dacc = {t: ca[t] - ba[t] for t in ba if t in ca}
     lm_b, docs_b, docs_c = baseline.get("lm_eval") or {}, baseline.get("lm_eval_docs") or {}, \
@@ -243,7 +268,7 @@ def gate(baseline: dict, candidate: dict, th: GateThresholds = GateThresholds(),
     shared = _ppl_tasks(baseline) & _ppl_tasks(candidate)
     b0, b1 = _bpb(baseline, shared), _bpb(candidate, shared)
     cross = None
-    if b0 is not None and b1 is not None:
+    if b0 is not None and b1 is not None and not accuracy_only:
         d_bpb = b1 - b0
         _, lo, hi = dbpb_interval({t: docs_b[t]["bpb_ll"] for t in shared}, {t: docs_c[t]["bpb_ll"] for t in shared},
                                   {t: docs_b[t]["bpb_bytes"] for t in shared}, **kw)
@@ -256,15 +281,18 @@ def gate(baseline: dict, candidate: dict, th: GateThresholds = GateThresholds(),
                          f"{dppl['overall']:+.2f}% [{plo:+.2f}, {phi:+.2f}]: the two measures' intervals exclude "
                          f"each other's sign")
     verdict = "FAIL" if fails else v["gate"]
-    worst = max((d for d in dppl if d != "overall"), key=lambda d: dppl[d])
+    worst = max((d for d in dppl if d != "overall"), key=lambda d: dppl[d], default=None)
     return {"baseline": {"model": baseline.get("model"), "policy": baseline.get("policy")},
             "candidate": {"model": candidate.get("model"), "policy": candidate.get("policy")},
             "gate": verdict, "pass": verdict == PASS,
             "dppl_percent": dppl, "dacc_points": dacc,
-            "dppl_overall_ci95": dppl_iv["overall"][1:], "dppl_max_domain_percent": dppl[worst],
-            "dppl_max_domain": worst, "dppl_max_domain_ci95": iv["max_domain"][1:],
+            "dppl_overall_ci95": dppl_iv["overall"][1:] if dppl_iv else None,
+            "dppl_max_domain_percent": dppl[worst] if worst else None,
+            "dppl_max_domain": worst, "dppl_max_domain_ci95": iv["max_domain"][1:] if worst else None,
+            "accuracy_only": accuracy_only,
             "dppl_ci95": {d: x[1:] for d, x in dppl_iv.items()}, "dacc_ci95": {t: x[1:] for t, x in dacc_iv.items()},
-            "n_blocks": min(iv["n_blocks"].values()), "n_blocks_per_domain": iv["n_blocks"], "n_documents": n_docs,
+            "n_blocks": min(iv["n_blocks"].values(), default=0), "n_blocks_per_domain": iv["n_blocks"],
+            "n_documents": n_docs,
             "confidence": confidence, "resamples": resamples, "seed": seed,
             "bpb_crosscheck": cross, "thresholds": asdict(th),
             "failures": fails, "unresolved": v["unresolved"], "resolve": v["resolve"]}
@@ -275,6 +303,8 @@ def format_gate(g: dict) -> str:
     lines = [f"gate: {g['gate']}  ({g['candidate']['model']} [{g['candidate']['policy']}] vs "
              f"{g['baseline']['model']} [{g['baseline']['policy']}]; {100 * c:g}% paired bootstrap intervals, "
              f"{g['resamples']} resamples, seed {g['seed']})"]
+    if g.get("accuracy_only"):
+        lines.append("  no step-wise perplexity in either eval (--ppl_blocks 0): this verdict rests on accuracy alone")
     nb = {d: f"{n} blocks" for d, n in g["n_blocks_per_domain"].items()}
     nb["overall"] = f"{g['n_blocks']} blocks per domain"
     lines += [f"  Δppl {d:<16} {v:+7.2f}%  [{g['dppl_ci95'][d][0]:+.2f}, {g['dppl_ci95'][d][1]:+.2f}]  ({nb[d]})"

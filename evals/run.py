@@ -17,7 +17,7 @@ from expertcache.telemetry.atomic import write_json
 from expertcache.telemetry.errors import InputError
 
 from .policy import label, open_model
-from .taskdata import DEFAULT_TASKS, DOMAINS, build_task_data, lm_eval_tasks
+from .taskdata import DEFAULT_TASKS, DOMAINS, LOCAL_TASKS, build_task_data, lm_eval_tasks
 
 
 def stepwise_blocks(corpus: str, tokenizer: str, split: str, seq_len: int, per_domain: int) -> dict[str, np.ndarray]:
@@ -29,6 +29,51 @@ def stepwise_blocks(corpus: str, tokenizer: str, split: str, seq_len: int, per_d
         if len(b):
             out[d] = b[np.linspace(0, len(b) - 1, min(per_domain, len(b))).astype(int)]
     return out
+
+
+def file_blocks(path: str | Path, tokenizer: str, seq_len: int, n_blocks: int, field: str = "text"
+                ) -> dict[str, np.ndarray]:
+    """Step-wise blocks from the user's own text: `path` is plain text (documents separated by blank lines) or
+    JSONL (the text under `field`); each document tokenized with the model's tokenizer and ended with EOS, all
+    packed into blocks of `seq_len` tokens, `n_blocks` spread evenly over them (domain: the file's stem)."""
+    import json as _json
+
+    from expertcache.telemetry.hf import load_tokenizer
+
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"--ppl_file {p}: no such file")
+    try:
+        raw = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"--ppl_file {p}: not readable UTF-8 text ({e.__class__.__name__})") from None
+    if p.suffix == ".jsonl":
+        docs = []
+        for i, line in enumerate(raw.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = _json.loads(line)
+            except ValueError:
+                raise InputError(f"--ppl_file {p}:{i}: not JSON") from None
+            if not isinstance(row, dict) or not isinstance(row.get(field), str):
+                raise InputError(f"--ppl_file {p}:{i}: no string field {field!r} (choose it with --ppl_field)")
+            docs.append(row[field])
+    else:
+        docs = [d for d in raw.split("\n\n")]
+    docs = [d for d in docs if d.strip()]
+    tok = load_tokenizer(tokenizer)
+    ids: list[int] = []
+    for enc in tok(docs, add_special_tokens=False)["input_ids"] if docs else []:
+        ids.extend(enc)
+        if tok.eos_token_id is not None:
+            ids.append(tok.eos_token_id)
+    n = len(ids) // seq_len
+    if n == 0:
+        raise InputError(f"--ppl_file {p} holds {len(ids)} tokens: not one block of --seq_len {seq_len}")
+    blocks = np.asarray(ids[:n * seq_len], dtype=np.int32).reshape(n, seq_len)
+    name = "".join(c if c.isalnum() or c in "-_" else "_" for c in p.stem) or "user"
+    return {name: blocks[np.linspace(0, n - 1, min(n_blocks, n)).astype(int)]}
 
 
 def blocks_sha256(blocks: dict[str, np.ndarray]) -> str:
@@ -86,7 +131,7 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
              out: str | Path | None = None, task_dir: str | Path | None = None, limit: int | None = None,
              ppl_blocks: int = 8, seq_len: int = 128, split: str = "test",
              batch_size: int = 8, include_path: str | Path | None = None, dtype: str = "fp32",
-             device: str = "cpu", progress=None) -> dict:
+             device: str = "cpu", progress=None, ppl_file: str | Path | None = None, ppl_field: str = "text") -> dict:
     import lm_eval
 
     from .stepwise import stepwise_perplexity
@@ -101,8 +146,8 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
     serve = engine
     t0 = time.time()
     task_dir = Path(task_dir or Path(out or "runs/eval").parent / "task-data")
-    if not (task_dir / "math_em.jsonl").is_file():
-        build_task_data(corpus, task_dir, split)
+    if any(t in LOCAL_TASKS for t in tasks or ()) and not (task_dir / "math_em.jsonl").is_file():
+        build_task_data(corpus, task_dir, split)  # the local ec_* tasks' documents (only these need the corpus)
     task_list, manager = lm_eval_tasks(list(tasks), task_dir, include_path) if tasks else (None, None)
     # step-wise token perplexity (the gate's Δppl), the engine attached, tokens in order
     model, engine = open_model(model_dir, serve, dtype, device)
@@ -113,20 +158,32 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
         if engine is not None:
             engine.close()
         raise InputError(f"--seq_len {seq_len}: this model's context is {ctx} positions")
-    blocks = stepwise_blocks(corpus, str(model_dir), split, seq_len, ppl_blocks)
-    step = stepwise_perplexity(model, blocks, progress)
-    step["blocks_sha256"] = blocks_sha256(blocks)
+    step, blocks = None, {}
+    if ppl_blocks > 0:
+        try:
+            blocks = file_blocks(ppl_file, str(model_dir), seq_len, ppl_blocks, ppl_field) if ppl_file is not None \
+                else stepwise_blocks(corpus, str(model_dir), split, seq_len, ppl_blocks)
+        except InputError:
+            if engine is not None:
+                engine.close()
+            raise
+        step = stepwise_perplexity(model, blocks, progress)
+        step["blocks_sha256"] = blocks_sha256(blocks)
+        step["source"] = str(ppl_file) if ppl_file is not None else f"{corpus} ({split})"
     integrity = None
     if engine is not None:
-        step["engine"] = engine.stats.to_dict(engine.meta.expert_bytes)
+        if step is not None:
+            step["engine"] = engine.stats.to_dict(engine.meta.expert_bytes)
         integrity = engine.integrity()
         if integrity.startswith("unverified"):
             print(f"eval: the served checkpoint is {integrity}", file=sys.stderr)
         engine.close()
     from .gate import EVAL_FORMAT_VERSION
 
-    notes = [f"{d}: {len(b)} blocks of {seq_len} tokens in the {split} split, {ppl_blocks} asked"
-             for d, b in blocks.items() if len(b) < ppl_blocks]
+    notes = [f"{d}: {len(b)} blocks of {seq_len} tokens in " + (str(ppl_file) if ppl_file else f"the {split} split")
+             + f", {ppl_blocks} asked" for d, b in blocks.items() if len(b) < ppl_blocks]
+    if step is None:
+        notes.append("no step-wise perplexity (--ppl_blocks 0): a gate on this eval decides on accuracy alone")
     res = {"format_version": EVAL_FORMAT_VERSION, "model": str(model_dir), "policy": label(serve),
            "engine": None if serve is None else asdict(serve), "integrity": integrity, "split": split,
            "dtype": dtype, "device": device,

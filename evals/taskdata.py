@@ -19,6 +19,7 @@ from expertcache.telemetry.errors import InputError
 
 TASK_DIR = Path(__file__).resolve().parent / "tasks"
 DEFAULT_TASKS = tuple(f"ec_ppl_{d}" for d in DOMAINS) + tuple(f"ec_cloze_{d}" for d in DOMAINS) + ("ec_math_em",)
+LOCAL_TASKS = frozenset(p.stem for p in TASK_DIR.glob("*.yaml"))  # built from the project corpus's held-out split
 MATH_RE = re.compile(r"Question: (?P<q>.*?)\nSolution: .*?Answer: (?P<a>-?\d+)", re.S)
 
 

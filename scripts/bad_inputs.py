@@ -598,7 +598,16 @@ def cases(P: dict) -> list[dict]:
     # eval
     add("eval-model-missing", [*ev, "--model", S / "nomodel", "--out", S / "v1.json"])
     add("eval-limit-0", [*ev, "--model", M, "--limit", 0, "--out", S / "v2.json"])
-    add("eval-ppl-blocks-0", [*ev[:-4], "--ppl_blocks", 0, "--seq_len", 32, "--model", M, "--out", S / "v3.json"])
+    add("eval-ppl-blocks-negative", [*ev[:-4], "--ppl_blocks", -1, "--seq_len", 32, "--model", M, "--out",
+                                     S / "v3.json"])
+    add("eval-nothing-to-evaluate", ["eval", "--corpus", C, "--tasks", "[]", "--ppl_blocks", 0, "--model", M, "--out",
+                                     S / "v3b.json"])
+    add("eval-ppl-file-missing", ["eval", "--tasks", "[]", "--ppl_file", S / "nothing.txt", "--ppl_blocks", 1,
+                                  "--seq_len", 32, "--model", M, "--out", S / "v3c.json"])
+    add("eval-ppl-file-blank", ["eval", "--tasks", "[]", "--ppl_file", P["prompts_blank"], "--ppl_blocks", 1,
+                                "--seq_len", 32, "--model", M, "--out", S / "v3d.json"])
+    add("eval-ppl-file-no-field", ["eval", "--tasks", "[]", "--ppl_file", P["prompts_nofield"], "--ppl_blocks", 1,
+                                   "--seq_len", 32, "--model", M, "--out", S / "v3e.json"])
     add("eval-seq-len-1", [*ev[:-2], "--seq_len", 1, "--model", M, "--out", S / "v4.json"])
     add("eval-size-from-not-gate", [*ev, "--model", M, "--size_from", P["list_json"], "--out", S / "v5.json"])
     add("eval-size-from-bad-json", [*ev, "--model", M, "--size_from", P["bad_json"], "--out", S / "v6.json"])

@@ -28,7 +28,9 @@ def load_corpus(path: str | Path):
     path = Path(path)
     if not (path / MANIFEST).is_file() or not (path / "arrow").is_dir():
         raise CorpusError(f"no corpus at {path} (expected {path / MANIFEST} and {path / 'arrow'}); "
-                          f"build one with `expertcache data build --out {path}`")
+                          f"build one with `expertcache data build --out "
+                          f"{path.parent if path.name == 'corpus' else path}`"
+                          + (" (it writes corpus/ and tokenizer/ there)" if path.name == "corpus" else ""))
     return datasets.load_from_disk(str(path / "arrow"))
 
 

@@ -407,3 +407,30 @@ def test_quickstart_gate_table_shows_intervals_and_the_three_verdicts(evals):
     md = gate_table(rows)
     assert md[-3].startswith("| same | +0.00% [+0.00, +0.00] (2) |") and md[-3].endswith("| PASS |")
     assert "ec_cloze_prose" in md[-2] and "(4)" in md[-2] and md[-1].endswith("| INCONCLUSIVE |")
+
+
+def test_eval_on_the_users_own_text_and_on_accuracy_alone(evals, tiny_data, tmp_path):
+    """`--ppl_file`: the step-wise perplexity of the user's own text (no corpus read); `--ppl_blocks 0`: no
+    perplexity, and a gate of two such evals decides on accuracy alone and says so; mixing the two kinds is
+    refused."""
+    from expertcache.evals.gate import format_gate
+
+    base, damaged = evals["root"] / "base" / "model", evals["root"] / "damaged"
+    words = "thou art the king of night and day my lord what say you now come hither sweet love".split()
+    mine = tmp_path / "my notes.txt"
+    mine.write_text("\n\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(40)) for i in range(12)))
+    r = evaluate(base, corpus=str(tmp_path / "no-corpus-here"), tasks=[], ppl_file=mine, ppl_blocks=3, seq_len=16)
+    assert set(r["stepwise"]["ppl"]) == {"my_notes", "overall"} and r["stepwise"]["tokens"]["overall"] == 3 * 15
+    assert r["stepwise"]["source"] == str(mine) and r["stepwise"]["ppl"]["overall"] > 1
+    with pytest.raises(InputError, match="not one block"):
+        evaluate(base, corpus="nowhere", tasks=[], ppl_file=mine, ppl_blocks=3, seq_len=1000)
+    kw = dict(corpus=tiny_data["corpus"], tasks=["ec_cloze_prose"], task_dir=evals["root"] / "tasks", limit=4,
+              ppl_blocks=0, split="validation", batch_size=4)
+    a, b = evaluate(base, **kw), evaluate(damaged, **kw)
+    assert a["stepwise"] is None and any("accuracy alone" in n for n in a["sample_notes"])
+    g = gate(a, b)
+    assert g["accuracy_only"] and g["dppl_percent"] == {} and set(g["dacc_points"]) == {"ec_cloze_prose"}
+    assert "rests on accuracy alone" in format_gate(g)
+    assert gate(a, a)["gate"] in ("PASS", "INCONCLUSIVE")
+    with pytest.raises(InputError, match="evaluate both the same way"):
+        gate(a, evals["base"])
