@@ -317,7 +317,7 @@ def _talk_model(model: Optional[str], engine: EngineConfig, dtype: Optional[str]
 
 
 def generate(prompt: Optional[str] = None, model: Optional[str] = None,
-             engine: EngineConfig = EngineConfig(capacity=0.125, tier="disk"), dtype: Optional[str] = None,
+             engine: EngineConfig = EngineConfig(), dtype: Optional[str] = None,
              plain: bool = False, chat: bool = False, raw: bool = False, max_tokens: int = 128,
              temperature: Optional[float] = None, top_p: Optional[float] = None, stop: list[str] = [],
              seed: Optional[int] = None, top_k: Optional[int] = None, min_p: float = 0.0,
@@ -357,7 +357,7 @@ def generate(prompt: Optional[str] = None, model: Optional[str] = None,
     return generate_text(m, tok, prompt, params, chat=chat, raw=raw)
 
 
-def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(capacity=0.125, tier="disk"),
+def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(),
           dtype: Optional[str] = None, plain: bool = False, host: str = "127.0.0.1", port: int = 8000,
           served_model_name: Optional[str] = None, log_level: str = "info", max_batch: int = 8,
           kv_cache_gb: float = 1.0, api_key: Optional[str] = None, chat_template: Optional[str] = None,
@@ -413,6 +413,10 @@ def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(capac
             raise InputError(f"--trace_rotate_tokens {trace_rotate_tokens}: expected >= 1")
     m, tok, path = _talk_model(model, engine, dtype, plain)
     eng = getattr(m, "expertcache", None)
+    if eng is not None:
+        d = eng.describe()
+        print(f"serve: {eng.capacity}/{eng.adapter.num_experts} experts resident per layer, tier {d['tier']}"
+              + (f" ({d['tier_choice']})" if d.get("tier_choice") else ""), file=sys.stderr)
     if eng is not None and eng.integrity().startswith("unverified"):  # also in /health
         print(f"serve: {path} is {eng.integrity()}", file=sys.stderr)
     if template is not None:

@@ -45,7 +45,7 @@ from .checkpoint import StoreExperts
 from .layer_view import LayerView
 from .predictors import Predictor
 from .store import check_store, read_store_meta
-from .tiers import SlotPool, TierSpec, available_memory, make_tier, tier_host_bytes
+from .tiers import SlotPool, TierSpec, available_memory, choose_tier, make_tier, tier_host_bytes
 
 MISS_POLICIES = ("blocking", "reroute", "speculative", "host")
 KERNELS = ("native", "cpu", "auto", "triton")
@@ -67,8 +67,10 @@ class EngineConfig:
         capacity: resident experts per MoE layer: a fraction of E is a float in (0, 1] (0.25 = a quarter, 1.0 =
             all E), a count of experts an integer >= 1 (16); a float above 1 is refused; see
             `expertcache.telemetry.cachesim.capacity_count`
-        tier: where the experts live: disk (O_DIRECT reads of the checkpoint's files) | host (a RAM copy) |
-            throttled:<GB/s> (host, paced like a slower link) | cuda (host RAM pinned, slots on the GPU)
+        tier: where the experts live: auto (the default: host when a RAM copy of every expert fits in half the
+            memory available, else disk; the choice and why are in `describe()` and every command's output) | disk
+            (O_DIRECT reads of the checkpoint's files) | host (a RAM copy) | throttled:<GB/s> (host, paced like a
+            slower link) | cuda (host RAM pinned, slots on the GPU)
         policy: cache eviction: lru | lfu | static | scored (the checkpoint's Temporal router decides what stays) |
             learned:FILE (fitted with `expertcache fit-policy`)
         miss: blocking (lossless: wait for the expert) | reroute (lossy: a resident expert within tau of the
@@ -94,7 +96,7 @@ class EngineConfig:
     """
 
     capacity: int | float = 0.25
-    tier: str = "host"
+    tier: str = "auto"
     policy: str = "lru"
     miss: str = "blocking"
     tau: float = 0.1
@@ -143,7 +145,7 @@ class EngineConfig:
         TierSpec.parse(self.tier)
         if self.miss not in MISS_POLICIES:
             raise InputError(f"unknown miss policy {self.miss!r}; expected one of {', '.join(MISS_POLICIES)}")
-        if self.miss == "host" and TierSpec.parse(self.tier).kind not in ("host", "throttled"):
+        if self.miss == "host" and TierSpec.parse(self.tier).kind not in ("host", "throttled", "auto"):
             raise InputError(f"miss policy host computes experts where they live: it needs the host or a "
                              f"throttled tier, not {self.tier}")
         from expertcache.telemetry.cache import POLICIES
@@ -364,6 +366,16 @@ class OffloadEngine:
         self.capacity = cfg.slots(e, k) if not cfg.budget_gb else self._fit_budget(cfg, e, k, n_l)
         n_slots = self.capacity + k if cfg.budget == "layer" else self.capacity * n_l + k
         self.fast_bytes = n_slots * self.meta.block_bytes * (n_l if cfg.budget == "layer" else 1)
+        self.tier_choice = None
+        if cfg.tier == "auto":
+            from dataclasses import replace
+
+            chosen, self.tier_choice = (tier.name, "auto: the tier given") if tier is not None else \
+                choose_tier(self.meta, self.fast_bytes, cfg.workers)
+            cfg = self.cfg = replace(cfg, tier=chosen if chosen in ("disk", "host") else "host")
+            if cfg.miss == "host" and cfg.tier != "host":
+                raise InputError(f"miss policy host computes experts where they live, in RAM; {self.tier_choice} "
+                                 f"(give --engine.tier host to insist)")
         self.host_bytes = 0 if tier is not None else tier_host_bytes(cfg.tier, self.meta, cfg.workers)
         fast = cfg.slot_device
         if fast == "cuda":
@@ -804,6 +816,7 @@ class OffloadEngine:
                 **self.predictor.describe(), "expert_bytes": self.meta.expert_bytes,
                 "expert_dtype": self.meta.tensors[0].dtype, "budget": self.cfg.budget, "device": self.cfg.slot_device,
                 "fast_tier_bytes": self.fast_bytes, "tier_host_bytes": self.host_bytes,
+                "tier_choice": self.tier_choice,
                 "stream_slot_bytes": self._spool.n_slots * self.meta.block_bytes if self._spool is not None else 0,
                 "integrity": self.integrity()}
 

@@ -377,7 +377,8 @@ def summary_line(summary: dict, engine=None) -> str:
                      else "hit rate -")
         parts.append(f"{_human_bytes(summary.get('bytes_moved_per_token', 0))} moved/token")
         d = engine.describe()
-        parts.append(f"tier {d.get('tier', engine.cfg.tier)}, {engine.capacity}/{engine.adapter.num_experts} "
+        auto = " (auto)" if str(d.get("tier_choice") or "").startswith("auto") else ""
+        parts.append(f"tier {d.get('tier', engine.cfg.tier)}{auto}, {engine.capacity}/{engine.adapter.num_experts} "
                      f"experts resident per layer")
         if str(d.get("integrity", "")).startswith("unverified"):
             parts.append(d["integrity"])
@@ -394,7 +395,7 @@ def _human_bytes(n: float) -> str:
 
 # --- loading --------------------------------------------------------
 
-def load_model(model: str | Path, capacity: float = 0.125, tier: str = "disk", device: str = "cpu", dtype=None, *,
+def load_model(model: str | Path, capacity: float = 0.25, tier: str = "auto", device: str = "cpu", dtype=None, *,
                predictor: str = "none", aux=None, plain: bool = False,
                **engine_options):
     """(model, tokenizer) of a checkpoint directory or cached hub id: `expertcache.runtime.load` (the offload engine

@@ -1,7 +1,7 @@
 """`load`: a HF MoE checkpoint that need not fit in memory, ready to `generate` through the offload engine.
 
     from expertcache.runtime import load
-    model = load("Qwen/Qwen3-30B-A3B", capacity=0.125, tier="disk")   # or a local directory
+    model = load("Qwen/Qwen3-30B-A3B", capacity=0.125)   # or a local directory; the tier: what fits (auto)
     model.generate(...)                                                # through the engine
     model.expertcache.stats                                             # hit rate, traffic, stall
 
@@ -188,11 +188,12 @@ def _generation_config(model, path: Path) -> None:
         model.generation_config = gc
 
 
-def load(model: str | Path, capacity: float = 0.125, tier: str = "disk", device: str = "cpu", dtype=None, *,
+def load(model: str | Path, capacity: float = 0.25, tier: str = "auto", device: str = "cpu", dtype=None, *,
          predictor="none", keep_scores=None, aux=None, pinned=None, revision: str | None = None,
          verify: bool | None = None, **engine_options):
     """An HF causal LM whose routed experts stay on `tier` (read from the checkpoint's own safetensors files) and
-    pass through a cache of `capacity` experts per layer (a fraction of E, or a count) on `device`.
+    pass through a cache of `capacity` experts per layer (a fraction of E, or a count) on `device`. The defaults
+    are `EngineConfig`'s, as in every command: a quarter of the experts, the tier chosen by what fits (`auto`).
 
     `predictor`: a name for `predictors.make_predictor` (none, probe:1, persistence, estimator:FILE, spatio) or a
     `Predictor`; `aux(model)`: returns the checkpoint's auxiliary routers (spatio predictor, scored policy);
@@ -247,7 +248,7 @@ def reattach(model, cfg: EngineConfig, **kw) -> OffloadEngine:
     reuses its expert source and, when the tier kind is the same, its open tier (one host copy, not two)."""
     old: OffloadEngine = model.expertcache
     old.detach()
-    same = cfg.tier == old.cfg.tier and cfg.slot_device == old.cfg.slot_device
+    same = cfg.tier in (old.cfg.tier, "auto") and cfg.slot_device == old.cfg.slot_device  # (old's is resolved)
     if not same:
         old.tier.close()
     model_source, tier = old.source, old.tier if same else None

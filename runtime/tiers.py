@@ -314,7 +314,7 @@ class TierSpec:
 
     @classmethod
     def parse(cls, s: str) -> "TierSpec":
-        if s in ("disk", "host", "cuda"):
+        if s in ("disk", "host", "cuda", "auto"):
             return cls(s)
         if isinstance(s, str) and s.startswith("throttled:"):
             try:
@@ -323,7 +323,7 @@ class TierSpec:
                 g = float("nan")
             if g > 0 and g != float("inf"):
                 return cls("throttled", g)
-        raise InputError(f"unknown tier {s!r}; expected disk, host, cuda or throttled:<GB/s> (e.g. throttled:16)")
+        raise InputError(f"unknown tier {s!r}; expected auto, disk, host, cuda or throttled:<GB/s> (e.g. throttled:16)")
 
 
 def make_tier(spec: str, source, device: str = "cpu") -> Tier:
@@ -337,6 +337,19 @@ def make_tier(spec: str, source, device: str = "cpu") -> Tier:
     if t.kind == "host":
         return HostTier(source)
     return ThrottledTier(source, t.gbps)
+
+
+def choose_tier(meta: StoreMeta, fast_bytes: int, workers: int, share: float = 0.5) -> tuple[str, str]:
+    """`auto`: (tier, why). host when a RAM copy of every expert and the slots take at most `share` of the memory
+    available now (a copy is the fastest slow tier and leaves room for the rest), else disk."""
+    need = tier_host_bytes("host", meta, workers) + fast_bytes
+    avail = available_memory()
+    gib = 2**30
+    if need <= share * avail:
+        return "host", (f"auto: every expert in RAM ({need / gib:.2f} GiB with the slots) fits in {share:.0%} of the "
+                        f"{avail / gib:.1f} GiB available")
+    return "disk", (f"auto: every expert in RAM would take {need / gib:.2f} GiB, more than {share:.0%} of the "
+                    f"{avail / gib:.1f} GiB available: read from disk")
 
 
 def tier_host_bytes(spec: str, meta: StoreMeta, workers: int) -> int:
