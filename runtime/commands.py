@@ -321,8 +321,12 @@ def generate(prompt: Optional[str] = None, model: Optional[str] = None,
              plain: bool = False, chat: bool = False, raw: bool = False, max_tokens: int = 128,
              temperature: Optional[float] = None, top_p: Optional[float] = None, stop: list[str] = [],
              seed: Optional[int] = None, top_k: Optional[int] = None, min_p: float = 0.0,
-             repetition_penalty: Optional[float] = None) -> int:
+             repetition_penalty: Optional[float] = None, prompts: Optional[str] = None, field: str = "text",
+             max_batch: int = 8) -> int:
     """Stream a completion to the terminal through the offload engine, then tokens/s, hit rate and bytes moved.
+
+    With --prompts FILE, every prompt of the file is decoded, up to --max_batch together (continuous batching:
+    one forward per step for the whole batch), and each result printed as a JSON line as it finishes.
 
     Args:
         prompt: the prompt (with --chat: an optional system message)
@@ -341,6 +345,9 @@ def generate(prompt: Optional[str] = None, model: Optional[str] = None,
         min_p: drop tokens under min_p x the most likely one's probability (0: off)
         repetition_penalty: > 1 discourages tokens already in the prompt or the output (default: the
             checkpoint's, else 1: off)
+        prompts: a file of prompts (text: one per line; .jsonl: the string under --field), decoded as a batch
+        field: the JSONL field holding each prompt
+        max_batch: sequences decoded together with --prompts
     """
     from .generate import SamplingParams, checkpoint_sampling, generate_text
 
@@ -348,13 +355,47 @@ def generate(prompt: Optional[str] = None, model: Optional[str] = None,
     fallback = {"temperature": 0.8, "top_p": 0.95, "top_k": 0, "repetition_penalty": 1.0}
     SamplingParams(max_tokens=max_tokens, stop=stop, seed=seed, min_p=min_p,  # flags checked before the load
                    **{k: v if v is not None else fallback[k] for k, v in given.items()}).check()
+    batch_prompts = None
+    if prompts is not None:
+        from expertcache.telemetry.recorder import read_prompts
+
+        if prompt is not None or chat:
+            raise InputError("--prompts decodes a file of prompts: give it without a prompt and without --chat")
+        if max_batch < 1:
+            raise InputError(f"--max_batch {max_batch}: expected >= 1")
+        batch_prompts = read_prompts(prompts, field)
     m, tok, _ = _talk_model(model, engine, dtype, plain)
     ck = checkpoint_sampling(m)
     params = SamplingParams(max_tokens=max_tokens, stop=stop, seed=seed, min_p=min_p,
                             **{k: v if v is not None else ck.get(k, fallback[k]) for k, v in given.items()})
     params.top_k = int(params.top_k)
     params.check()
+    if batch_prompts is not None:
+        return _generate_file(m, tok, batch_prompts, params, max_batch, raw)
     return generate_text(m, tok, prompt, params, chat=chat, raw=raw)
+
+
+def _generate_file(m, tok, prompts: list[str], params, max_batch: int, raw: bool) -> int:
+    import json
+
+    from .generate import chat_prompt, generate_many
+
+    templated = bool(getattr(tok, "chat_template", None)) and not raw
+    texts = [chat_prompt(tok, [{"role": "user", "content": p}]) if templated else p for p in prompts]
+
+    def done(i, g):
+        print(json.dumps({"index": i, "prompt": prompts[i], "text": g.text, "finish_reason": g.finish_reason,
+                          "prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens}), flush=True)
+    gens, wall = generate_many(m, tok, texts, params, max_batch, templated, on_done=done)
+    n = sum(g.completion_tokens for g in gens)
+    eng = getattr(m, "expertcache", None)
+    extra = ""
+    if eng is not None:
+        s = eng.stats
+        extra = f", hit rate {s.hits / s.accesses:.2f}" if s.accesses else ""
+    print(f"[{len(gens)} prompts, {n} tokens in {wall:.2f} s: {n / wall:.1f} tok/s overall, up to {max_batch} "
+          f"decoded together{extra}]", file=sys.stderr)
+    return 0
 
 
 def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(),

@@ -474,3 +474,28 @@ def generate_text(model, tokenizer, prompt: str | None, params: SamplingParams, 
         g = print_stream(model, tokenizer, encode(tokenizer, text, templated=templated), params, out, err)
         messages.append({"role": "assistant", "content": g.text})
     return 0
+
+
+def generate_many(model, tokenizer, prompts: list[str], params: SamplingParams, max_batch: int = 8,
+                  templated: bool = False, on_done=None) -> tuple[list[Generation], float]:
+    """Decode every prompt through the one decode loop, up to `max_batch` sequences together: a finished one leaves
+    the batch and the next prompt joins it (continuous batching, as `serve`). `on_done(i, generation)` as each
+    finishes. Returns the generations in prompt order and the wall time."""
+    from .decode import Batch
+
+    gens = [Generation(model, tokenizer, encode(tokenizer, p, templated), copy.copy(params)) for p in prompts]
+    batch, queue, t0 = Batch(model, max_batch), list(range(len(gens))), time.perf_counter()
+    index = {id(g): i for i, g in enumerate(gens)}
+    while queue or len(batch):
+        while queue and batch.can_join():
+            g = gens[queue.pop(0)]
+            batch.admit(g)
+            if g.finish_reason is not None and on_done:
+                on_done(index[id(g)], g)
+        if len(batch) > 1:
+            for g in batch.rows:
+                g.shared = True
+        for g, _ in batch.step():
+            if g.finish_reason is not None and on_done:
+                on_done(index[id(g)], g)
+    return gens, time.perf_counter() - t0

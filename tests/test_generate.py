@@ -184,3 +184,43 @@ def test_the_checkpoint_generation_config_gives_the_sampling_defaults():
     assert (p.temperature, p.top_k) == (0.2, 0)  # what the request names wins
     p = _params(CompletionRequest(prompt="x"), 8, 100, {})
     assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (1.0, 1.0, 0, 1.0)  # OpenAI's
+
+
+def test_a_batch_of_prompts_decodes_as_each_alone_and_the_cli_prints_one_json_line_each(ckpt, plain, tmp_path,
+                                                                                      capsys):
+    """Continuous batching (prompts of different lengths joining and leaving a running batch of 3, the padded KV
+    cache trimmed as rows leave) gives each prompt the greedy tokens plain HF `generate` gives it alone; through
+    the engine at 1/4 capacity too."""
+    import json
+
+    from expertcache.runtime.generate import generate_many
+
+    model, tok = plain
+    prompts = ["thou", "thou art the king of night and day", "my lord", "come hither sweet love", "what say you now"]
+    lens = [5, 9, 3, 12, 7]
+    for m in (model, load_model(ckpt, capacity=0.25, tier="disk", kernel="native")[0]):
+        gens, _ = generate_many(m, tok, prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                                max_batch=3)
+        for p, g in zip(prompts, gens):
+            assert g.completion_ids == _hf_greedy(model, encode(tok, p), 12), p
+        assert any(g.shared for g in gens)
+    # different max_tokens per prompt: the batch shrinks and grows while it decodes
+    from expertcache.runtime.decode import Batch
+
+    b = Batch(model, 3)
+    gs = [Generation(model, tok, encode(tok, p), SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+          for p, n in zip(prompts, lens)]
+    pending = list(gs)
+    while pending or len(b):
+        while pending and b.can_join():
+            b.admit(pending.pop(0))
+        assert len(b) <= 3 and b.columns() <= max(len(g.prompt_ids) + n for g, n in zip(gs, lens))
+        b.step()
+    for g, p, n in zip(gs, prompts, lens):
+        assert g.completion_ids == _hf_greedy(model, encode(tok, p), n)
+    f = tmp_path / "prompts.txt"
+    f.write_text("\n".join(prompts) + "\n")
+    assert main(["generate", "--model", str(ckpt), "--prompts", str(f), "--max_tokens", "4", "--temperature", "0",
+                 "--raw", "true", "--max_batch", "2"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert sorted(x["index"] for x in lines) == list(range(5)) and all(x["completion_tokens"] <= 4 for x in lines)
