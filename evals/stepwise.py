@@ -13,12 +13,11 @@ from expertcache.telemetry.errors import InputError
 
 
 def step(model, token: torch.Tensor, cache):
-    """One forward of `token [B, 1]` through `cache` (a DynamicCache, updated in place); transformers >= 5.x
-    names the argument `cache` (`past_key_values` is deprecated there), older 5.x releases only know the latter."""
-    try:
-        return model(input_ids=token, cache=cache, use_cache=True)
-    except TypeError:
-        return model(input_ids=token, past_key_values=cache, use_cache=True)
+    """One forward of `token [B, 1]` through `cache` (a DynamicCache, updated in place): the decode loop's own
+    forward (`runtime.decode.forward`, where the KV-cache argument's name is handled once)."""
+    from expertcache.runtime.decode import forward
+
+    return forward(model, token, cache)
 
 
 @torch.no_grad()

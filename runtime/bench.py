@@ -10,7 +10,6 @@ TPOT comes from the time between successive generated tokens (a streamer timesta
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -23,36 +22,15 @@ from .predictors import TemporalKeep, make_predictor
 from .tiers import available_memory, measure_bandwidth
 
 
-class TokenClock:
-    """A `generate` streamer that records when each new token arrives, and the engine's counters at the first."""
-
-    def __init__(self, engine: OffloadEngine | None = None):
-        self.engine, self.times, self.first_stats = engine, [], None
-        self._prompt_seen = False
-
-    def put(self, value):
-        if not self._prompt_seen:  # generate passes the prompt first
-            self._prompt_seen = True
-            return
-        self.times.append(time.perf_counter())
-        if self.engine is not None and self.first_stats is None:
-            self.first_stats = copy.deepcopy(self.engine.stats)
-
-    def end(self):
-        pass
-
-
 def _pass(model, prompt, n_new, engine=None) -> tuple[list[float], Stats | None, torch.Tensor]:
+    """One timed greedy pass through the decode loop (`decode.timed_greedy`): the decode steps' TPOTs, the engine's
+    counters over them and the output ids."""
+    from .decode import timed_greedy
+
     if engine is not None:
         engine.reset()
-    clock = TokenClock(engine)
-    with torch.no_grad():
-        out = model.generate(prompt, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                             attention_mask=torch.ones_like(prompt), streamer=clock,
-                             pad_token_id=model.generation_config.pad_token_id or model.config.eos_token_id)
-    tpot = np.diff(clock.times).tolist()  # [n_new - 1]: decode steps only
-    stats = engine.stats - clock.first_stats if engine is not None else None
-    return tpot, stats, out
+    times, out, stats = timed_greedy(model, prompt, n_new, engine)
+    return np.diff(times).tolist(), stats, out  # [n_new - 1]: decode steps only
 
 
 def overlap(bound_s: float, tpot_s: float) -> dict:

@@ -251,28 +251,25 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
     load_s = time.perf_counter() - t0
     routing = TraceRouting(routers, ids, start)
     prompt = torch.randint(2, cfg["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(0))
-    from .bench import TokenClock
+    from .decode import timed_greedy
 
-    clock = TokenClock(eng)
     io1 = _read_bytes()
-    with torch.no_grad():
-        out = m.generate(prompt, max_new_tokens=warmup + tokens + 1, min_new_tokens=warmup + tokens + 1,
-                         do_sample=False, attention_mask=torch.ones_like(prompt), streamer=clock, pad_token_id=1)
+    times, out, dec_stats = timed_greedy(m, prompt, warmup + tokens + 1, eng)  # the decode loop of generate and serve
     io2 = _read_bytes()
-    tpot = np.diff(clock.times)[warmup:]
-    n_dec = len(clock.times) - 1
+    tpot = np.diff(times)[warmup:]
+    n_dec = len(times) - 1
     res = {"system": system, "load_s": load_s, "tokens_timed": int(len(tpot)),
            "tpot_median_s": float(np.median(tpot)), "tpot_p90_s": float(np.percentile(tpot, 90)),
            "tokens_per_s": float(1 / np.median(tpot)), "tpot_s": [float(x) for x in tpot],
            "peak_rss_bytes": _rss_peak(), "disk_read_bytes_load": io1 - io0,
-           "disk_read_bytes_per_token": (io2 - io1) / max(len(clock.times), 1),
+           "disk_read_bytes_per_token": (io2 - io1) / max(len(times), 1),
            "output_tokens_sha": hash(tuple(out[0].tolist())) & 0xFFFFFFFF, "routing_positions": routing.pos + routing.n}
     if eng is not None:
-        st = eng.stats - clock.first_stats
+        st = dec_stats
         st.tokens = n_dec
         d = st.to_dict(eng.meta.expert_bytes)
         res.update({"hit_rate": d["hit_rate"], "stall_per_token_s": st.stall_s / n_dec,
-                    "time_budget_s": st.time_budget(clock.times[-1] - clock.times[0], n_dec),
+                    "time_budget_s": st.time_budget(times[-1] - times[0], n_dec),
                     "traffic_bytes_per_token": d["traffic_bytes_per_token"], "engine": eng.describe()})
         eng.close()
     return res

@@ -194,3 +194,21 @@ class Batch:
         """Drop every row (an error in a step: the cache may be half-updated). Returns them."""
         rows, self.rows, self.cache, self.mask = self.rows, [], None, None
         return rows
+
+
+@torch.no_grad()
+def timed_greedy(model, prompt: torch.Tensor, n_new: int, engine=None):
+    """The benchmarks' pass: `prompt [1, L]` decoded greedily for exactly `n_new` tokens through the decode loop
+    (no detokenization). Returns (perf_counter at each new token, output ids `[1, L + n_new]`, the engine's
+    counters over the decode steps (None without an engine; `engine`: one not attached as `model.expertcache`))."""
+    from .generate import Generation, SamplingParams
+
+    g = Generation(model, None, prompt[0].tolist(), SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True))
+    if engine is not None:
+        g.engine = engine
+    batch = Batch(model)
+    batch.admit(g)
+    while g.finish_reason is None:
+        batch.step()
+    out = torch.tensor([g.prompt_ids + g.completion_ids], dtype=torch.long, device=prompt.device)
+    return g.token_times, out, g.stats

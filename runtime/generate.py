@@ -257,7 +257,9 @@ class Generation:
             device = self.model.get_input_embeddings().weight.device
             self._gen = torch.Generator(device=device)
             self._gen.manual_seed(p.seed if p.seed is not None else int(torch.randint(0, 2**62, ()).item()))
-        self._detok, self._shown, self._cut = _Detok(self.tokenizer), 0, False
+        # no tokenizer (the benchmarks' passes): token ids only, no text
+        self._detok = _Detok(self.tokenizer) if self.tokenizer is not None else None
+        self._shown, self._cut = 0, False
         self.t_start = time.perf_counter()
 
     def _score_prompt(self, logits: torch.Tensor) -> None:
@@ -289,7 +291,7 @@ class Generation:
             return ""
         self.completion_ids.append(tok)
         self.completion_next = tok
-        piece = self._add(self._detok.push(tok), self._stops)
+        piece = self._add(self._detok.push(tok), self._stops) if self._detok is not None else ""
         if self.finish_reason is None and len(self.completion_ids) >= p.max_tokens:
             self.finish_reason = "length"
         return piece
@@ -297,7 +299,7 @@ class Generation:
     def _end(self) -> str:
         """The tail held back for UTF-8 or a stop prefix (nothing when cancelled); the engine's counters closed."""
         piece = ""
-        if self.finish_reason != "cancelled" and not self._cut:
+        if self.finish_reason != "cancelled" and not self._cut and self._detok is not None:
             piece = self._add(self._detok.push(None), self._stops, final=True)
         if self.engine is not None:
             self._stats1 = copy.copy(self.engine.stats)

@@ -25,29 +25,11 @@ import numpy as np
 import torch
 
 
-class _Clock:
-    """A `generate` streamer timestamping each new token (the prompt comes first and is skipped)."""
-
-    def __init__(self):
-        self.times, self.prompt = [], False
-
-    def put(self, value):
-        if not self.prompt:
-            self.prompt = True
-            return
-        self.times.append(time.perf_counter())
-
-    def end(self):
-        pass
-
-
 def _decode(model, prompt, n_new: int, warmup: int) -> list[float]:
-    clock = _Clock()
-    with torch.no_grad():
-        model.generate(prompt, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, streamer=clock,
-                       attention_mask=torch.ones_like(prompt),
-                       pad_token_id=model.generation_config.pad_token_id or model.config.eos_token_id)
-    return np.diff(clock.times).tolist()[warmup:]
+    from expertcache.runtime.decode import timed_greedy
+
+    times, _, _ = timed_greedy(model, prompt, n_new)  # the decode loop of generate and serve, its clock
+    return np.diff(times).tolist()[warmup:]
 
 
 def _loads(stats) -> int:
