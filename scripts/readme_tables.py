@@ -50,6 +50,27 @@ def kernels_table(d: dict) -> str:
     return "\n".join(rows)
 
 
+def serve_load_table(d: dict) -> str:
+    """results/serve_load.json -> batched serving against one client, at 1/4 of the experts and all resident."""
+    rows = ["| experts resident | clients | tokens/s | x one client | TPOT p50 / p99 | TTFT p50 / p99 | mean batch | "
+            "hit rate | KiB moved/token | equal to alone |", "|---|---|---|---|---|---|---|---|---|---|"]
+    names = {"quarter": "1/4", "all_resident": "all"}
+    for sys_, v in d["systems"].items():
+        for r in v["rounds"]:
+            hr = "—" if r["hit_rate"] is None else f"{r['hit_rate']:.2f}"
+            kib = "—" if r["bytes_moved_per_token"] is None else f"{r['bytes_moved_per_token'] / 1024:.1f}"
+            rows.append(f"| {names.get(sys_, sys_)} | {r['clients']} | {r['tokens_per_s']:.0f} | "
+                        f"{r['speedup_vs_1']:.2f} | {r['tpot_p50_s'] * 1e3:.1f} / {r['tpot_p99_s'] * 1e3:.1f} ms | "
+                        f"{r['ttft_p50_s'] * 1e3:.0f} / {r['ttft_p99_s'] * 1e3:.0f} ms | {r['mean_batch']:.1f} | {hr} | "
+                        f"{kib} | {r['equal_to_alone']}/{r['requests']} |")
+    return "\n".join(rows)
+
+
+if (RESULTS / "serve_load.json").is_file():
+    d = json.loads((RESULTS / "serve_load.json").read_text())
+    print(f"<!-- results/serve_load.json (python scripts/load_test.py --throughput; git {d.get('commit', '?')}) -->")
+    print(serve_load_table(d), end="\n\n")
+
 if (RESULTS / "kernels.json").is_file():
     d = json.loads((RESULTS / "kernels.json").read_text())
     print(f"<!-- results/kernels.json ({d['command']}) -->")
