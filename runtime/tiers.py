@@ -344,12 +344,14 @@ def choose_tier(meta: StoreMeta, fast_bytes: int, workers: int, share: float = 0
     available now (a copy is the fastest slow tier and leaves room for the rest), else disk."""
     need = tier_host_bytes("host", meta, workers) + fast_bytes
     avail = available_memory()
-    gib = 2**30
+
+    def size(n: float) -> str:
+        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
     if need <= share * avail:
-        return "host", (f"auto: every expert in RAM ({need / gib:.2f} GiB with the slots) fits in {share:.0%} of the "
-                        f"{avail / gib:.1f} GiB available")
-    return "disk", (f"auto: every expert in RAM would take {need / gib:.2f} GiB, more than {share:.0%} of the "
-                    f"{avail / gib:.1f} GiB available: read from disk")
+        return "host", (f"auto: every expert in RAM ({size(need)} with the slots) fits in {share:.0%} of the "
+                        f"{size(avail)} available")
+    return "disk", (f"auto: every expert in RAM would take {size(need)}, more than {share:.0%} of the "
+                    f"{size(avail)} available: read from disk")
 
 
 def tier_host_bytes(spec: str, meta: StoreMeta, workers: int) -> int:

@@ -54,7 +54,7 @@ def serve_load_table(d: dict) -> str:
     """results/serve_load.json -> batched serving against one client, at 1/4 of the experts and all resident."""
     rows = ["| experts resident | clients | tokens/s | x one client | TPOT p50 / p99 | TTFT p50 / p99 | mean batch | "
             "hit rate | KiB moved/token | equal to alone |", "|---|---|---|---|---|---|---|---|---|---|"]
-    names = {"quarter": "1/4", "all_resident": "all"}
+    names = {"quarter": "1/4 (tier auto: host)", "quarter_disk": "1/4 (tier disk)", "all_resident": "all"}
     for sys_, v in d["systems"].items():
         for r in v["rounds"]:
             hr = "—" if r["hit_rate"] is None else f"{r['hit_rate']:.2f}"
