@@ -2,9 +2,12 @@
 as it will be served, not only its weights. Engine options are `EngineConfig` fields given as model args (lm-eval's
 own `key=value,...` convention); `served=True` is implied by any of them, and nothing given is the plain model.
 
+    import expertcache   # registers the model name with lm-eval
     lm_eval.simple_evaluate(model="expertcache", model_args={"pretrained": "runs/x/model", "capacity": 0.25,
                             "miss": "reroute", "tau": 0.1}, tasks=[...])
-    lm_eval --model expertcache --model_args pretrained=runs/x/model,capacity=0.25,miss=reroute --tasks ...
+
+From the command line: `expertcache eval --model runs/x/model --engine.capacity 0.25 --engine.miss reroute` (lm-eval's
+own `lm_eval` command does not import plugins), or `lm_eval --model local-completions` against `expertcache serve`.
 
 Under a lossy policy every forward lm-eval asks for runs one token at a time through the KV cache (batch 1),
 so the expert cache sees tokens in order; lossless policies and the plain model use lm-eval's batched path.

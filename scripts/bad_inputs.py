@@ -577,6 +577,10 @@ def cases(P: dict) -> list[dict]:
     add("generate-temperature-nan", [*gen, M, "--temperature", "nan"])
     add("generate-top-p-2", [*gen, M, "--top_p", 2])
     add("generate-capacity-0", [*gen, M, "--engine.capacity", 0])
+    add("generate-prompts-blank", ["generate", "--model", M, "--max_tokens", 2, "--prompts", P["prompts_blank"]])
+    add("generate-prompts-and-prompt", ["generate", "--model", M, "--prompt", "x", "--prompts", P["prompts_blank"]])
+    add("generate-prompts-max-batch-0", ["generate", "--model", M, "--prompts", P["prompts_nofield"], "--field",
+                                         "prompt", "--max_batch", 0])
     add("generate-dtype-unknown", [*gen, M, "--dtype", "fp7"])
     add("generate-miss-unknown", [*gen, M, "--engine.miss", "ignore"])
     add("generate-estimator-missing", [*gen, M, "--engine.predictor", f"estimator:{S}/none.safetensors"])
