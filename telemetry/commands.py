@@ -33,9 +33,10 @@ def trace_record(model: str, out: str, corpus: str = "data/corpus", tokenizer: O
         domains: corpus domains to record (default: every domain)
         hidden: also record the hidden state entering each MoE layer (lookahead recall, router training)
         logits: also record the router logits
-        prompts: a file of your own prompts, recorded instead of the corpus: .jsonl (the prompt under --field) or
-            text (one prompt per non-empty line); each is cut to --prompt_len tokens and decoded --decode_tokens
-        field: with a .jsonl --prompts: the field holding the prompt
+        prompts: your own prompts, recorded instead of the corpus: a folder of a local `datasets` dataset
+            (save_to_disk; FOLDER:SPLIT picks a split; the prompt in column --field), .jsonl (the prompt under
+            --field) or text (one prompt per non-empty line); each is cut to --prompt_len tokens and decoded --decode_tokens
+        field: with a .jsonl or dataset --prompts: the field (column) holding the prompt
         domain: with --prompts: the domain label of every row
         max_prompts: with --prompts: the first N prompts only (0: all)
         dtype: the dtype the model runs in while recording: auto (the checkpoint's own, as it is served) | fp32 |

@@ -157,10 +157,16 @@ def _dtype(name: str):
 
 def read_prompts(path: str | Path, field: str = "text", limit: int = 0) -> list[str]:
     """A prompts file: `.jsonl` (one JSON object per line, the prompt under `field`) or plain text (one prompt
-    per non-empty line). `limit` > 0 keeps the first ones."""
+    per non-empty line); or a folder holding a local `datasets` dataset (`save_to_disk`; a DatasetDict's first
+    split, or the one named `path:split`), the prompt in column `field`. `limit` > 0 keeps the first ones."""
     import json
 
+    split = None
+    if not Path(path).exists() and ":" in str(path):
+        path, split = str(path).rsplit(":", 1)
     path = Path(path)
+    if path.is_dir():
+        return _dataset_prompts(path, split, field, limit)
     if not path.is_file():
         raise InputError(f"--prompts {path}: no such file")
     try:
@@ -184,6 +190,30 @@ def read_prompts(path: str | Path, field: str = "text", limit: int = 0) -> list[
         out = [ln for ln in lines if ln.strip()]
     if not out:
         raise InputError(f"--prompts {path} holds no prompt text")
+    return out[:limit] if limit > 0 else out
+
+
+def _dataset_prompts(path: Path, split: str | None, field: str, limit: int) -> list[str]:
+    """Prompts from a local `datasets` dataset written by `save_to_disk` (Arrow files: nothing in it executes)."""
+    import datasets
+
+    if not any((path / f).is_file() for f in ("dataset_dict.json", "dataset_info.json", "state.json")):
+        raise InputError(f"--prompts {path} is a folder but not a saved `datasets` dataset (no dataset_dict.json or "
+                         f"state.json); give a .txt or .jsonl file, or a folder written by save_to_disk")
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:  # noqa: BLE001 - a damaged dataset folder is bad input, said in one line
+        raise InputError(f"--prompts {path}: not a readable `datasets` dataset ({type(e).__name__})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split is not None and split not in ds:
+            raise InputError(f"--prompts {path}: no split {split!r}; it has {', '.join(ds)}")
+        ds = ds[split or next(iter(ds))]
+    if field not in ds.column_names:
+        raise InputError(f"--prompts {path}: no column {field!r} (choose it with --field); it has "
+                         f"{', '.join(ds.column_names)}")
+    out = [x for x in ds[field] if isinstance(x, str) and x.strip()]
+    if not out:
+        raise InputError(f"--prompts {path} holds no prompt text in column {field!r}")
     return out[:limit] if limit > 0 else out
 
 

@@ -81,3 +81,23 @@ def test_bad_prompt_files_are_one_line(ckpts, tmp_path, capsys, content, extra, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and msg in err[0], err
     assert not out.exists()
+
+
+def test_prompts_from_a_local_datasets_dataset(ckpts, tmp_path):
+    """A `datasets` dataset saved with save_to_disk (a DatasetDict: FOLDER:SPLIT picks the split), the prompt in
+    the column --field names; a folder that is not one, a missing split or column: one line, exit 2."""
+    import datasets
+
+    rows = {"question": ["thou art a word", "to be or not to be", "  "], "id": [1, 2, 3]}
+    d = tmp_path / "ds"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows),
+                          "test": datasets.Dataset.from_dict({"question": ["my lord"], "id": [4]})}).save_to_disk(d)
+    out = tmp_path / "t.parquet"
+    args = ["trace", "record", "--model", str(ckpts["fp32"]), "--prompt_len", "8", "--decode_tokens", "2",
+            "--field", "question", "--out", str(out)]
+    assert main([*args, "--prompts", str(d)]) == 0
+    assert read_meta(out).extra["prompts"] == 2  # the blank one skipped
+    assert main([*args, "--prompts", f"{d}:test"]) == 0 and read_meta(out).extra["prompts"] == 1
+    for bad in (f"{d}:nosplit", str(tmp_path)):
+        assert main([*args, "--prompts", bad]) == 2
+    assert main([*args[:-4], "--field", "nothere", "--out", str(out), "--prompts", str(d)]) == 2
