@@ -12,7 +12,7 @@ from expertcache.telemetry.errors import InputError
 
 from .taskdata import DEFAULT_TASKS
 
-DTYPES = ("fp32", "bf16", "fp16", "auto")
+from expertcache.telemetry.hf import DTYPE_NAMES as DTYPES  # noqa: E402 - the one dtype map
 
 
 def _check(dtype: str, limit: Optional[int], ppl_blocks: int, seq_len: int, include_path: Optional[str],

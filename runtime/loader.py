@@ -25,16 +25,7 @@ from expertcache.telemetry.errors import InputError
 from .checkpoint import Checkpoint, CheckpointExperts, checkpoint_name
 from .engine import EngineConfig, OffloadEngine
 
-DTYPES = {"auto": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-          "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
-
-
-def parse_dtype(dtype) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise InputError(f"dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+from expertcache.telemetry.hf import DTYPE_NAMES as DTYPES, parse_dtype  # noqa: E402,F401 - the one dtype map
 
 
 def parse_device(device: str) -> str:

@@ -321,8 +321,11 @@ def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2
     r = load_routing(trace)
     ids_all, e, tmeta = r.ids, r.num_experts, r.meta
     hidden, inter = parse_shape(expert_shape)
-    dt = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype)
-    per_expert = 3 * hidden * inter * torch.empty((), dtype=getattr(torch, dt)).element_size()
+    from expertcache.telemetry.hf import parse_dtype
+
+    tdt = parse_dtype(dtype, "--dtype") or torch.bfloat16
+    dt = str(tdt).removeprefix("torch.")  # the store's name for it (bf16 -> bfloat16)
+    per_expert = 3 * hidden * inter * torch.empty((), dtype=tdt).element_size()
     n_layers = int(min(ids_all.shape[0], disk_budget_gb * 1e9 // (per_expert * e)))
     if n_layers < 2:
         raise InputError(f"a disk budget of {disk_budget_gb} GB holds {n_layers} layer(s) of {e} experts of "

@@ -7,6 +7,24 @@ from pathlib import Path
 from .errors import InputError
 
 
+# the one map of the compute dtypes a command takes (`--dtype`, `dtype=`): None = the checkpoint's own
+DTYPE_NAMES = {"auto": None, "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+               "fp32": "float32", "float32": "float32"}
+
+
+def parse_dtype(dtype, flag: str = "dtype"):
+    """A `torch.dtype` (None for auto: the checkpoint's own) from a name in `DTYPE_NAMES` or a torch.dtype; an
+    `InputError` naming `flag` and the names it takes for anything else."""
+    import torch
+
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if not isinstance(dtype, str) or dtype not in DTYPE_NAMES:
+        raise InputError(f"{flag} {dtype!r}; expected one of {', '.join(DTYPE_NAMES)}")
+    name = DTYPE_NAMES[dtype]
+    return None if name is None else getattr(torch, name)
+
+
 def load_tokenizer(path: str | Path):
     """The tokenizer of a checkpoint or tokenizer folder (`tokenizer.json` or `tokenizer_config.json`), or one
     InputError."""

@@ -144,15 +144,15 @@ def record_blocks(model, blocks: np.ndarray, writer: TraceWriter, domain: str, p
     return len(blocks)
 
 
-DTYPES = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from .hf import DTYPE_NAMES as DTYPES  # noqa: E402 - the one dtype map
 
 
 def _dtype(name: str):
     """The dtype the recording runs in: `auto` is the checkpoint's own (the routing it is served with); the
     trace's metadata names it."""
-    if name not in DTYPES:
-        raise InputError(f"--dtype {name!r}; expected one of {', '.join(DTYPES)}")
-    return DTYPES[name]
+    from .hf import parse_dtype
+
+    return parse_dtype(name, "--dtype") or "auto"
 
 
 def read_prompts(path: str | Path, field: str = "text", limit: int = 0) -> list[str]:
