@@ -17,7 +17,7 @@ from expertcache.telemetry.atomic import write_json
 from expertcache.telemetry.errors import InputError
 
 from .policy import label, open_model
-from .taskdata import DEFAULT_TASKS, DOMAINS, LOCAL_TASKS, build_task_data, lm_eval_tasks
+from .taskdata import DEFAULT_TASKS, DOMAINS, LOCAL_TASKS, build_task_data, lm_eval_tasks, write_task_yamls
 
 
 def stepwise_blocks(corpus: str, tokenizer: str, split: str, seq_len: int, per_domain: int) -> dict[str, np.ndarray]:
@@ -146,8 +146,11 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
     serve = engine
     t0 = time.time()
     task_dir = Path(task_dir or Path(out or "runs/eval").parent / "task-data")
-    if any(t in LOCAL_TASKS for t in tasks or ()) and not (task_dir / "math_em.jsonl").is_file():
-        build_task_data(corpus, task_dir, split)  # the local ec_* tasks' documents (only these need the corpus)
+    if any(t in LOCAL_TASKS for t in tasks or ()):
+        if not (task_dir / "math_em.jsonl").is_file():
+            build_task_data(corpus, task_dir, split)  # the local ec_* tasks' documents (only these need the corpus)
+        elif not (task_dir / "lm_eval_tasks").is_dir():
+            write_task_yamls(task_dir)
     task_list, manager = lm_eval_tasks(list(tasks), task_dir, include_path) if tasks else (None, None)
     # step-wise token perplexity (the gate's Δppl), the engine attached, tokens in order
     model, engine = open_model(model_dir, serve, dtype, device)

@@ -78,6 +78,7 @@ def build_task_data(corpus: str | Path, out_dir: str | Path, split: str = "test"
     pick = sorted(rng.sample(range(len(probs)), min(per_domain, len(probs))))
     _write(out / "math_em.jsonl", [{"question": probs[i]["q"], "answer": probs[i]["a"]} for i in pick])
     counts["math_em"] = len(pick)
+    write_task_yamls(out)
     return counts
 
 
@@ -107,6 +108,19 @@ def lm_eval_tasks(names: list[str], data_dir: str | Path, include_path: str | Pa
         raise InputError(f"unknown task(s) {', '.join(missing)}: not local ({', '.join(known)}), not in "
                          f"{include_path or 'an --include_path'}, not an lm-eval task (`lm-eval ls tasks`)")
     return task_configs(local, data_dir) + other, tm
+
+
+def write_task_yamls(data_dir: str | Path) -> Path:
+    """`data_dir/lm_eval_tasks/*.yaml`: the local tasks with their data files resolved, for lm-eval's own command
+    line (`lm_eval --include_path DATA_DIR/lm_eval_tasks --tasks ec_cloze_prose ...`, e.g. against `serve`)."""
+    from expertcache.telemetry.atomic import write_text
+
+    folder = Path(data_dir) / "lm_eval_tasks"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in sorted(LOCAL_TASKS):
+        (cfg,) = task_configs([name], data_dir)
+        write_text(folder / f"{name}.yaml", yaml.safe_dump(cfg, sort_keys=False))
+    return folder
 
 
 def task_configs(names: list[str], data_dir: str | Path) -> list[dict]:
