@@ -279,6 +279,15 @@ async def _round(url: str, clients: int, prompts: list[str], max_tokens: int) ->
     return [out[i] for i in range(len(prompts))], time.perf_counter() - t0
 
 
+def _stop(p, log_f) -> None:
+    p.terminate()
+    try:
+        p.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+    log_f.close()
+
+
 def _start_server(model: str, engine_args: list[str], port: int, log_path: Path, max_batch: int):
     import httpx
 
@@ -357,12 +366,7 @@ def throughput(a) -> dict:
                           f"{r_['equal_to_alone']}/{len(rows)} equal to alone", file=sys.stderr, flush=True)
                 health = httpx.get(url + "/health", timeout=10).json()
             finally:
-                p.terminate()
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                log_f.close()
+                _stop(p, log_f)
             one = rounds[0]["tokens_per_s"]
             for r_ in rounds:
                 r_["speedup_vs_1"] = r_["tokens_per_s"] / one
@@ -462,12 +466,7 @@ def main() -> None:
             metrics = httpx.get(url + "/metrics", timeout=10).text
             alive = p.poll() is None
         finally:
-            p.terminate()
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-            log_f.close()
+            _stop(p, log_f)
             log = (Path(d) / "server.log").read_text()
 
     counts: dict[str, dict[str, int]] = {}

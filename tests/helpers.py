@@ -59,3 +59,35 @@ def plotted_pixels(png) -> int:
     cycle = np.array([[0x1f, 0x77, 0xb4], [0xff, 0x7f, 0x0e], [0x2c, 0xa0, 0x2c], [0xd6, 0x27, 0x28]]) / 255
     d = np.abs(img[:, :, None, :] - cycle[None, None]).max(-1)
     return int((d < 0.06).any(-1).sum())
+
+
+class LiveServer:
+    """A real uvicorn server for `app` on a free 127.0.0.1 port, in a thread: `with LiveServer(app) as url:`.
+    Stops on exit and fails the test when it does not start or does not shut down."""
+
+    def __init__(self, app, start_timeout: float = 30.0):
+        self.app, self.start_timeout = app, start_timeout
+
+    def __enter__(self) -> str:
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.srv = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        self.th = threading.Thread(target=self.srv.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.th.start()
+        t0 = time.time()
+        while not self.srv.started:
+            assert self.th.is_alive() and time.time() - t0 < self.start_timeout, "server did not start"
+            time.sleep(0.02)
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def __exit__(self, *exc) -> None:
+        self.srv.should_exit = True
+        self.th.join(timeout=20)
+        self.sock.close()
+        assert not self.th.is_alive(), "server did not shut down"

@@ -3,13 +3,11 @@ log-likelihoods, stop strings for generate_until) scores `expertcache serve` wit
 as `expertcache eval` gives on the same checkpoint and documents; and `import expertcache` makes the lm-eval model
 name `expertcache` known to lm-eval's Python API."""
 
-import socket
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
+from helpers import LiveServer
 from tiny_lm import make_tiny_checkpoint, one_torch_thread  # noqa: F401 - autouse fixture
 
 pytestmark = pytest.mark.slow  # runs lm-eval twice over two tasks (`make test-fast` skips)
@@ -28,28 +26,15 @@ def test_import_expertcache_registers_the_lm_eval_model(tmp_path):
 
 @pytest.fixture(scope="module")
 def served(tiny_data, tmp_path_factory):
-    import uvicorn
-
     from expertcache.runtime.generate import load_model
     from expertcache.runtime.serve import create_app
 
     root = tmp_path_factory.mktemp("lm_eval_server")
     ckpt = make_tiny_checkpoint(root / "ckpt", max_positions=1024)
     model, tok = load_model(ckpt, capacity=0.25, tier="disk", kernel="native")  # the engine, lossless
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(create_app(model, tok, NAME, torch_threads=1), log_level="warning"))
-    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    t0 = time.time()
-    while not srv.started:
-        assert th.is_alive() and time.time() - t0 < 30, "server did not start"
-        time.sleep(0.02)
-    yield {"url": f"http://127.0.0.1:{sock.getsockname()[1]}", "ckpt": ckpt, "root": root, "data": tiny_data}
-    srv.should_exit = True
-    th.join(timeout=20)
+    with LiveServer(create_app(model, tok, NAME, torch_threads=1)) as url:
+        yield {"url": url, "ckpt": ckpt, "root": root, "data": tiny_data}
     model.expertcache.close()
-    sock.close()
 
 
 def test_local_completions_against_the_server_scores_as_expertcache_eval(served):

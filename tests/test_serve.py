@@ -3,12 +3,11 @@ engine attached, called with the official `openai` client, plain and streamed; /
 400 and the server goes on; a client that goes away mid-stream stops its decode."""
 
 import json
-import socket
-import threading
 import time
 
 import httpx
 import pytest
+from helpers import LiveServer
 from tiny_lm import make_tiny_checkpoint, one_torch_thread  # noqa: F401 - autouse fixture
 
 from expertcache.runtime.engine import EngineConfig, offload
@@ -23,7 +22,6 @@ NAME = "tiny-moe"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    import uvicorn
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     root = tmp_path_factory.mktemp("serve")
@@ -33,22 +31,9 @@ def server(tmp_path_factory):
     write_store(model, root / "experts.store")
     model.expertcache = offload(model, root / "experts.store", EngineConfig(capacity=0.25, tier="disk"))
     app = create_app(model, tok, NAME, max_tokens_default=32, torch_threads=1)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    t0 = time.time()
-    while not srv.started:
-        assert th.is_alive() and time.time() - t0 < 30, "server did not start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    yield {"url": url, "tok": tok, "model": model}
-    srv.should_exit = True
-    th.join(timeout=20)
-    assert not th.is_alive(), "server did not shut down"
+    with LiveServer(app) as url:
+        yield {"url": url, "tok": tok, "model": model}
     model.expertcache.close()
-    sock.close()
 
 
 @pytest.fixture
