@@ -19,6 +19,7 @@ from expertcache.telemetry.errors import InputError
 
 TASK_DIR = Path(__file__).resolve().parent / "tasks"
 DEFAULT_TASKS = tuple(f"ec_ppl_{d}" for d in DOMAINS) + tuple(f"ec_cloze_{d}" for d in DOMAINS) + ("ec_math_em",)
+SKIPPED = "skipped.json"  # the local tasks whose documents the corpus could not give, and why
 LOCAL_TASKS = frozenset(p.stem for p in TASK_DIR.glob("*.yaml"))  # built from the project corpus's held-out split
 MATH_RE = re.compile(r"Question: (?P<q>.*?)\nSolution: .*?Answer: (?P<a>-?\d+)", re.S)
 
@@ -48,6 +49,7 @@ def build_task_data(corpus: str | Path, out_dir: str | Path, split: str = "test"
     rng = random.Random(seed)
     counts = {}
     by_dom = {d: [t for t, dd in zip(ds["text"], ds["domain"]) if dd == d] for d in DOMAINS}
+    skipped: dict[str, str] = {}
     for dom, texts in by_dom.items():
         if not texts:
             raise InputError(f"split {split!r} of {corpus} has no {dom} text")
@@ -59,25 +61,37 @@ def build_task_data(corpus: str | Path, out_dir: str | Path, split: str = "test"
         _write(out / f"ppl_{dom}.jsonl", [{"text": p} for p in take])
         # cloze: context + the true continuation; distractors are continuations from other spots of the domain
         spans = [(c, c[ctx_chars:ctx_chars + cont_chars]) for c in pieces if len(c) >= ctx_chars + cont_chars]
-        if len(spans) < 4:
-            raise InputError(f"not enough held-out {dom} text for a 4-way cloze")
+        if len(spans) < 4:  # a task on this domain cannot be built; the others can (asked for, it is refused by name)
+            skipped[f"ec_cloze_{dom}"] = (f"not enough held-out {dom} text for a 4-way cloze ({len(joined)} "
+                                          f"characters in the {split!r} split of {corpus})")
+            (out / f"cloze_{dom}.jsonl").unlink(missing_ok=True)
+            counts[dom] = {"ppl_docs": len(take), "cloze_docs": 0}
+            continue
         docs = []
         for i in sorted(rng.sample(range(len(spans)), min(per_domain, len(spans)))):
             text, cont = spans[i]
             pool = [s[1] for j, s in enumerate(spans) if j != i and s[1] != cont]
             if len(pool) < 3:  # repetitive text: most spots continue the same way
-                raise InputError(f"held-out {dom} text repeats itself: fewer than 3 distinct continuations for "
-                                 f"a 4-way cloze")
+                break
             others = rng.sample(pool, 3)
             gold = rng.randrange(4)
             choices = others[:gold] + [cont] + others[gold:]
             docs.append({"context": text[:ctx_chars], "choices": choices, "gold": gold})
-        _write(out / f"cloze_{dom}.jsonl", docs)
-        counts[dom] = {"ppl_docs": len(take), "cloze_docs": len(docs)}
+        else:
+            _write(out / f"cloze_{dom}.jsonl", docs)
+            counts[dom] = {"ppl_docs": len(take), "cloze_docs": len(docs)}
+            continue
+        skipped[f"ec_cloze_{dom}"] = (f"held-out {dom} text repeats itself: fewer than 3 distinct continuations "
+                                      f"for a 4-way cloze (the {split!r} split of {corpus})")
+        (out / f"cloze_{dom}.jsonl").unlink(missing_ok=True)
+        counts[dom] = {"ppl_docs": len(take), "cloze_docs": 0}
     probs = [m for t in by_dom["math"] for m in MATH_RE.finditer(t)]
     pick = sorted(rng.sample(range(len(probs)), min(per_domain, len(probs))))
     _write(out / "math_em.jsonl", [{"question": probs[i]["q"], "answer": probs[i]["a"]} for i in pick])
     counts["math_em"] = len(pick)
+    from expertcache.telemetry.atomic import write_json
+
+    write_json(out / SKIPPED, skipped)
     write_task_yamls(out)
     return counts
 
@@ -110,6 +124,16 @@ def lm_eval_tasks(names: list[str], data_dir: str | Path, include_path: str | Pa
     return task_configs(local, data_dir) + other, tm
 
 
+def _skipped(data_dir: str | Path) -> dict[str, str]:
+    import json
+
+    f = Path(data_dir) / SKIPPED
+    try:
+        return json.loads(f.read_text()) if f.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+
+
 def write_task_yamls(data_dir: str | Path) -> Path:
     """`data_dir/lm_eval_tasks/*.yaml`: the local tasks with their data files resolved, for lm-eval's own command
     line (`lm_eval --include_path DATA_DIR/lm_eval_tasks --tasks ec_cloze_prose ...`, e.g. against `serve`)."""
@@ -117,7 +141,7 @@ def write_task_yamls(data_dir: str | Path) -> Path:
 
     folder = Path(data_dir) / "lm_eval_tasks"
     folder.mkdir(parents=True, exist_ok=True)
-    for name in sorted(LOCAL_TASKS):
+    for name in sorted(LOCAL_TASKS - set(_skipped(data_dir))):
         (cfg,) = task_configs([name], data_dir)
         write_text(folder / f"{name}.yaml", yaml.safe_dump(cfg, sort_keys=False))
     return folder
@@ -137,7 +161,9 @@ def task_configs(names: list[str], data_dir: str | Path) -> list[dict]:
         for split, rel in files.items():
             p = data_dir / rel
             if not p.is_file():
-                raise InputError(f"task data {p} missing; build it with build_task_data (expertcache eval does)")
+                why = _skipped(data_dir).get(name)
+                raise InputError(f"task {name}: {why}" if why else
+                                 f"task data {p} missing; build it with build_task_data (expertcache eval does)")
             files[split] = str(p)
         out.append(cfg)
     return out

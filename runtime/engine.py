@@ -330,6 +330,14 @@ def _check_cpu_kernel(mod: OffloadedExperts) -> None:
     if not cpu_kernels.available():
         raise InputError(f"kernel cpu: the CPU expert kernels are unavailable here ({cpu_kernels.why_unavailable()});"
                          f" use --engine.kernel auto or native")
+    if mod.quant is not None:
+        from .quant import kernel_fits
+
+        if not kernel_fits(mod._views):
+            sc = mod._views["down_proj.scales"]
+            raise InputError(f"kernel cpu: the integer kernels need hidden and intermediate sizes that are multiples "
+                             f"of 64 and of the group size ({mod.quant[1]}); this model's are {sc.shape[1]} and "
+                             f"{sc.shape[2] * mod.quant[1]}: use --engine.kernel auto (it dequantizes these)")
 
 
 def _as_source(source):

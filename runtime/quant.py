@@ -143,15 +143,25 @@ def parts(views: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
     return {p: views[f"{name}.{p}"] for p in ("q", "scales", "mins") if f"{name}.{p}" in views}
 
 
+def kernel_fits(views: dict[str, torch.Tensor]) -> bool:
+    """Whether the integer kernel takes these experts' shapes: hidden and intermediate sizes multiples of 64 and of
+    the group size (`I` from the down projection's scales: one per group of its input)."""
+    bits, group = format_of(views)
+    dn_s = views["down_proj.scales"]
+    h, i = dn_s.shape[1], dn_s.shape[2] * group
+    return h % 64 == 0 and i % 64 == 0 and h % group == 0 and i % group == 0
+
+
 def swiglu(x, views: dict[str, torch.Tensor], slots, weights) -> torch.Tensor:
     """Routed SwiGLU experts over quantized views (`[S, ...]` each): the integer kernel where the extension is
-    built, else the slots that are used dequantized and computed in float (the same weights, exact activations)."""
+    built and takes the shapes (`kernel_fits`), else the slots that are used dequantized and computed in float (the
+    same weights, exact activations)."""
     from . import cpu_kernels
     from .kernels import swiglu_reference
 
     bits, group = format_of(views)
     gu, dn = parts(views, "gate_up_proj"), parts(views, "down_proj")
-    if cpu_kernels.available() and not x.is_cuda:
+    if cpu_kernels.available() and not x.is_cuda and kernel_fits(views):
         return cpu_kernels.swiglu_q(x, gu, dn, bits, group, slots, weights)
     used, inv = slots.unique(return_inverse=True)
     g = dequantize({k: v[used] for k, v in gu.items()}, bits, group)

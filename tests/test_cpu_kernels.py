@@ -397,3 +397,23 @@ def test_bench_big_exits_1_when_a_system_it_ran_failed(tmp_path, monkeypatch, ca
     err = capsys.readouterr().err
     assert "1 system(s) failed: expertcache:on-demand: exit 1; see x.log" in err
     assert json.loads(out.read_text())["ok"] is False
+
+
+def test_shapes_the_integer_kernels_do_not_take_are_dequantized_or_refused(tmp_path):
+    """Hidden 32 (not a multiple of 64): `kernel auto` computes the quantized experts dequantized (it used to
+    raise the extension's RuntimeError from inside the forward); `kernel cpu` is refused in one line naming the
+    sizes, before anything decodes."""
+    from expertcache.runtime import load
+    from expertcache.trainer.models import build_model, tiny_config
+
+    src = tmp_path / "src"
+    build_model(tiny_config("qwen3_moe", moe_intermediate_size=32), seed=3, dtype=torch.bfloat16).save_pretrained(src)
+    q = tmp_path / "q"
+    quant.write_quantized(src, q, 8, 32)
+    ref = _logits(_dequantized_reference(src, q, 8, 32))
+    m = load(q, capacity=0.5, tier="disk", kernel="auto")
+    assert not quant.kernel_fits(m.expertcache.modules[0]._views)
+    assert _rel(_logits(m), ref) < 5e-2
+    m.expertcache.close()
+    with pytest.raises(InputError, match="multiples of 64 and of the group size .32.; this model's are 32 and 32"):
+        load(q, capacity=0.5, tier="disk", kernel="cpu")

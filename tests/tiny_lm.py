@@ -13,8 +13,10 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def make_tiny_checkpoint(out: Path, seed: int = 0, chat_template: bool = False, max_positions: int = 4096) -> Path:
-    """`out/` holds config.json + safetensors + tokenizer files that plain `from_pretrained` loads."""
+def make_tiny_checkpoint(out: Path, seed: int = 0, chat_template: bool = False, max_positions: int = 4096,
+                         **config) -> Path:
+    """`out/` holds config.json + safetensors + tokenizer files that plain `from_pretrained` loads; `config`
+    overrides fields of the tiny Qwen3-MoE config (e.g. moe_intermediate_size)."""
     import random
 
     from expertcache.trainer.models import build_model, tiny_config
@@ -27,7 +29,8 @@ def make_tiny_checkpoint(out: Path, seed: int = 0, chat_template: bool = False, 
         tok.chat_template = CHATML
         tok.save_pretrained(str(out))
     cfg = tiny_config("qwen3_moe", vocab_size=len(tok), max_position_embeddings=max_positions,
-                      bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+                      bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      **config)
     model = build_model(cfg, seed=seed)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
