@@ -39,7 +39,7 @@ def examples() -> list[tuple[str, int, list[str]]]:
                 toks = shlex.split(text, comments=True)
             except ValueError:
                 toks = text.split("#")[0].split()
-            out.append((path.name, start, toks))
+            out.append((str(path.relative_to(ROOT)), start, toks))
     return out
 
 
