@@ -95,7 +95,8 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
             res = replay_benchmark(REFERENCE_TRACE if replay == "reference" else replay, expert_shape,
                                    dtype or "bf16", engine.tier, capacities[0], preds, tokens, warmup, rounds,
                                    disk_budget_gb, store_dir, workers=engine.workers,
-                                   progress=lambda: prog.advance(task), policy_file=policy_file)
+                                   progress=lambda: prog.advance(task), policy_file=policy_file,
+                                   prefetch_guard=engine.prefetch_guard)
     else:
         import numpy as np
         import torch

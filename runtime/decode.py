@@ -141,13 +141,20 @@ class Batch:
             return []
         ids = torch.tensor([[g.completion_next] for g in self.rows], dtype=torch.long, device=self.device)
         padded = not bool(self.mask.all())
-        if padded:  # rows of different lengths: positions are each row's own length
-            positions = self.mask.sum(1, keepdim=True)  # [B, 1]
-            self.mask = F.pad(self.mask, (0, 1), value=1)
-            out = forward(self.model, ids, self.cache, self.mask, positions, logits_to_keep=1)
-        else:
-            self.mask = F.pad(self.mask, (0, 1), value=1)
-            out = forward(self.model, ids, self.cache, logits_to_keep=1)
+        engine = getattr(self.model, "expertcache", None)
+        if engine is not None:  # its prefetch guard tells a batch's decode step from a prefill
+            engine.decode_rows = len(self.rows)
+        try:
+            if padded:  # rows of different lengths: positions are each row's own length
+                positions = self.mask.sum(1, keepdim=True)  # [B, 1]
+                self.mask = F.pad(self.mask, (0, 1), value=1)
+                out = forward(self.model, ids, self.cache, self.mask, positions, logits_to_keep=1)
+            else:
+                self.mask = F.pad(self.mask, (0, 1), value=1)
+                out = forward(self.model, ids, self.cache, logits_to_keep=1)
+        finally:
+            if engine is not None:
+                engine.decode_rows = None
         self.cache = out.cache
         if self.trace is not None:  # each row fed its last token, at position (its length - 1)
             self.trace.forward_done("decode", [(g, [g.prompt_tokens + g.completion_tokens - 1], [g.completion_next])

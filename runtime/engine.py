@@ -79,6 +79,12 @@ class EngineConfig:
         predictor: what is prefetched for the next layer: none | probe:1 | probe:2 | persistence |
             estimator:FILE | spatio (the checkpoint's Spatio router)
         prefetch_budget: experts prefetched per layer per token (0: as many as the predictor names, up to k)
+        prefetch_guard: the least precision (experts predicted for a layer that it then used / predicted) a
+            predictor must show for prefetching to go on, measured online: it starts in shadow (predicting, reading
+            nothing) and prefetches once 32 scored experts reach this precision; a window of 32 prefetches under it
+            pauses prefetching and the predictor for 256 layer steps (doubling while it keeps failing, up to 16x),
+            then shadow again. A wrong prefetch reads an expert and evicts one the cache would have kept, a right
+            one saves one read: under about half right it costs more than it saves. 0: no guard, always prefetch
         max_inflight_bytes: bytes of transfers in flight at most
         workers: transfer threads
         budget: layer (C slots per layer) | global (one cache of C x layers slots shared by every layer)
@@ -102,6 +108,7 @@ class EngineConfig:
     tau: float = 0.1
     predictor: str = "none"
     prefetch_budget: int = 0
+    prefetch_guard: float = 0.5
     max_inflight_bytes: int = 1 << 30
     workers: int = 4
     budget: str = "layer"
@@ -157,6 +164,9 @@ class EngineConfig:
             raise InputError(f"budget={self.budget!r}; expected layer or global")
         if self.device not in ("cpu", "cuda"):
             raise InputError(f"device={self.device!r}; expected cpu or cuda")
+        if isinstance(self.prefetch_guard, bool) or not isinstance(self.prefetch_guard, numbers.Real) \
+                or not 0 <= self.prefetch_guard <= 1:
+            raise InputError(f"prefetch_guard={self.prefetch_guard!r}; expected a precision in [0, 1] (0: never pause)")
         if not (math.isfinite(self.tau) and self.tau >= 0):
             raise InputError(f"tau={self.tau}; expected a finite margin >= 0")
         capacity_count(self.capacity, None)  # the form (a fraction or a count); the range needs the model's E
@@ -197,6 +207,7 @@ class Stats:
     prefetch_loads: int = 0  # issued and executed (used or not)
     prefetch_dropped: int = 0
     prefetch_hits: int = 0  # hits on an expert that a prefetch brought in
+    prefetch_paused: int = 0  # layer steps the prefetch guard skipped (the predictor's precision did not pay)
     rerouted: int = 0
     host_computed: int = 0  # misses computed where their weights live (miss policy host): no bytes moved
     stall_s: float = 0.0
@@ -235,6 +246,50 @@ class Stats:
         c = self.counters()
         return {**asdict(self), "hit_rate": c.hit_rate, "adjusted_hit_rate": c.adjusted_hit_rate,
                 "traffic_bytes_per_token": c.traffic_per_step(expert_bytes)}
+
+
+class PrefetchGuard:
+    """Prefetch only while it pays (`EngineConfig.prefetch_guard`). A predictor starts in *shadow*: it predicts,
+    nothing is read, and each prediction is scored against what its layer then uses. After `first` scored
+    experts at a precision of at least `min_precision` it goes *on* (prefetches are issued, and scored the same
+    way over windows of `window`); under it, or when a window on falls under it, prefetching and the predictor
+    *pause* for `pause` layer steps (doubling while it keeps failing, up to 16x), then shadow again. So a predictor
+    that does not pay costs its own compute for a few steps now and then, and rarely a read (a shadow verdict on
+    8 experts was measured too optimistic: the first decode steps after a prefill are easy to predict)."""
+
+    def __init__(self, min_precision: float, window: int = 32, pause: int = 256, first: int = 32):
+        self.min_precision, self.window, self.pause, self.first = min_precision, window, pause, first
+        self.state = "shadow" if min_precision > 0 else "on"
+        self.used = self.judged = self.paused_for = self.pauses = 0
+        self.backoff, self.last_precision = 1, None
+
+    def step(self) -> str:
+        """The state for this layer step: shadow | on | paused."""
+        if self.state == "paused":
+            self.paused_for -= 1
+            if self.paused_for <= 0:
+                self.state = "shadow"
+            return "paused"
+        return self.state
+
+    def outcome(self, used: int, wasted: int) -> None:
+        if not self.min_precision or not used + wasted or self.state == "paused":
+            return
+        self.used, self.judged = self.used + used, self.judged + used + wasted
+        if self.judged < (self.first if self.state == "shadow" else self.window):
+            return
+        self.last_precision = self.used / self.judged
+        self.used = self.judged = 0
+        if self.last_precision < self.min_precision:
+            self.state, self.paused_for = "paused", self.pause * self.backoff
+            self.backoff = min(2 * self.backoff, 16)
+            self.pauses += 1
+        else:
+            self.state, self.backoff = "on", 1
+
+    def describe(self) -> dict:
+        return {"min_precision": self.min_precision, "state": self.state,
+                "last_window_precision": self.last_precision, "pauses": self.pauses}
 
 
 class OffloadedExperts(nn.Module):
@@ -420,6 +475,10 @@ class OffloadEngine:
         self.pools, self.modules = [], []
         self.pending: list[dict[int, Future]] = [{} for _ in self.layers]
         self.prefetched: list[set[int]] = [set() for _ in self.layers]
+        self.fresh: list[set[int]] = [set() for _ in self.layers]  # prefetched since the layer last ran
+        self.shadow: dict[int, set[int]] = {}  # layer -> what the predictor named for it while not prefetching
+        self.decode_rows: int | None = None  # set by the decode loop (decode.Batch) during a batched decode step
+        self.guard = PrefetchGuard(cfg.prefetch_guard)
         shared = SlotPool(self.meta, n_slots, fast) if cfg.budget == "global" else None
         for i, layer in enumerate(self.layers):
             pool = shared or SlotPool(self.meta, n_slots, fast)
@@ -520,6 +579,7 @@ class OffloadEngine:
             fut.add_done_callback(self._prefetch_done)
             self.pending[pos][e] = fut
             self.prefetched[pos].add(e)
+            self.fresh[pos].add(e)
 
     def _settle(self, pos: int, needed: set[int]) -> float:
         """Before layer `pos` computes: wait for the prefetches it needs (stall), drop the stale ones that have
@@ -595,11 +655,31 @@ class OffloadEngine:
         # 2. predict and prefetch the next layer(s) while this one loads and computes (history[pos] is now this
         # token's choice here; the later layers' entries are still the previous token's)
         self.history[pos] = needed
-        scores = self.predictor.predict(pos, hidden, self.history)
+        # the guard scores what was named for this layer (prefetched, or in shadow: nothing read) against what it
+        # uses now, on decode steps only (one token, or the decode loop's batch of rows): a prefill needs most
+        # experts, any prediction is used there and says nothing about decoding
+        judge = hidden.shape[0] == 1 or hidden.shape[0] == self.decode_rows
+        for named in (self.fresh[pos], self.shadow.pop(pos, set())):
+            if named and judge:
+                used = len(named.intersection(needed))
+                self.guard.outcome(used, len(named) - used)
+            named.clear()
+        scores, mode = None, None
+        if self.predictor.active:
+            mode = self.guard.step()
+            if mode == "paused":
+                self.stats.prefetch_paused += 1
+            else:
+                scores = self.predictor.predict(pos, hidden, self.history)
         if scores is not None:
             budget = self.cfg.prefetch_budget or k
             top = scores.float().sum(0).topk(min(budget, scores.shape[-1])).indices.tolist()
-            self.prefetch(pos + self.predictor.distance, top, busy=(pos, needed))
+            if mode == "on":
+                self.prefetch(pos + self.predictor.distance, top, busy=(pos, needed))
+            else:  # scored like a prefetch: only what would have been read (not resident now)
+                t = pos + self.predictor.distance
+                if t < len(self.states):
+                    self.shadow[t] = {e for e in top if self.states[t].lookup(e) is None}
         stall = self._settle(pos, set(needed))
         hits = [e for e in needed if st.lookup(e) is not None]
         misses = [e for e in needed if st.lookup(e) is None]
@@ -781,6 +861,10 @@ class OffloadEngine:
             fs.clear()
         for p in self.prefetched:
             p.clear()
+        for p in self.fresh:
+            p.clear()
+        self.shadow.clear()
+        # the guard's verdict is about the predictor on this model, not about the cache's contents: it carries over
         self._new_states()
         self._load_pins()
         self.history.clear()
@@ -821,7 +905,8 @@ class OffloadEngine:
         return {"capacity": self.capacity, "capacity_frac": self.capacity / self.adapter.num_experts,
                 "staging_slots": self.adapter.top_k, "policy": self.cfg.policy, "miss": self.cfg.miss,
                 "tau": self.cfg.tau if self.cfg.miss == "reroute" else None, **self.tier.describe(),
-                **self.predictor.describe(), "expert_bytes": self.meta.expert_bytes,
+                **self.predictor.describe(), "prefetch_guard": self.guard.describe(),
+                "expert_bytes": self.meta.expert_bytes,
                 "expert_dtype": self.meta.tensors[0].dtype, "budget": self.cfg.budget, "device": self.cfg.slot_device,
                 "fast_tier_bytes": self.fast_bytes, "tier_host_bytes": self.host_bytes,
                 "tier_choice": self.tier_choice,

@@ -68,6 +68,11 @@ class Predictor:
     name = "none"
     distance = 1
 
+    @property
+    def active(self) -> bool:
+        """Whether it predicts anything (the base class is the `none` predictor)."""
+        return type(self).predict is not Predictor.predict
+
     def predict(self, layer: int, hidden: torch.Tensor, history: dict) -> torch.Tensor | None:
         return None
 

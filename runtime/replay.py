@@ -225,7 +225,9 @@ class Replayer:
     trace's routing in place of a router's and a fixed random hidden state: the loads, the overlap, the cache
     and the compute are exactly serving's."""
 
-    def __init__(self, store: Path, ids: np.ndarray, capacity: int, tier: str, workers: int = 4, seed: int = 0):
+    def __init__(self, store: Path, ids: np.ndarray, capacity: int, tier: str, workers: int = 4, seed: int = 0,
+                 prefetch_guard: float | None = None):
+        self.prefetch_guard = EngineConfig.prefetch_guard if prefetch_guard is None else prefetch_guard
         self.source = StoreExperts(store, read_store_meta(store))
         self.meta = self.source.meta
         self.ids = ids
@@ -255,7 +257,7 @@ class Replayer:
         self.pred = TracePredictor(cfg, self.ids, est) if cfg.prefetch else Predictor()
         self.pred.t = 0
         ecfg = EngineConfig(capacity=self.capacity, tier=self.tier_name, workers=self.workers,
-                            policy=policy or ("scored" if cfg.belady else "lru"))
+                            policy=policy or ("scored" if cfg.belady else "lru"), prefetch_guard=self.prefetch_guard)
         self.engine = OffloadEngine(self.model, self.source, ecfg, predictor=self.pred, keep_scores=keep,
                                     tier=self.tier)
         return self.engine
@@ -316,8 +318,10 @@ def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2
                      tokens: int = 64, warmup: int = 8, rounds: int = 2, disk_budget_gb: float = 8.0,
                      store_dir: str | Path = STORE_DIR, first_layer: int | None = None,
                      workers: int = 4, fit_frac: float = 0.2, belady_bound: bool = True,
-                     policy_file: str | Path | None = None, progress=None) -> dict:
-    """On-demand vs each prefetching predictor, alternated pass by pass on the same tokens; JSON-ready."""
+                     policy_file: str | Path | None = None, progress=None,
+                     prefetch_guard: float | None = None) -> dict:
+    """On-demand vs each prefetching predictor, alternated pass by pass on the same tokens; JSON-ready.
+    `prefetch_guard`: the engine's (default: EngineConfig's); 0 prefetches whatever a predictor names."""
     r = load_routing(trace)
     ids_all, e, tmeta = r.ids, r.num_experts, r.meta
     hidden, inter = parse_shape(expert_shape)
@@ -340,7 +344,7 @@ def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2
     est = CooccurrenceEstimator(ids[:, :cut], e)
     store = ensure_store(store_dir, n_layers, e, hidden, inter, dt, progress=progress)
     cap = capacity_count(capacity, e)
-    rp = Replayer(store, ids, cap, tier, workers)
+    rp = Replayer(store, ids, cap, tier, workers, prefetch_guard=prefetch_guard)
     span = range(cut, cut + warmup + tokens)
     for p in predictors:
         check_replay_predictor(p)

@@ -30,6 +30,7 @@ def trace_npz(tmp_path_factory):
 def test_replay_runs_every_configuration_on_the_disk_tier(trace_npz, tmp_path):
     res = replay_benchmark(trace_npz, expert_shape="64x32", dtype="bf16", tier="disk", capacity=0.25,
                            predictors=("persistence", "cooccurrence", "oracle:0.5", "oracle"), tokens=16, warmup=4,
+                           prefetch_guard=0,  # every prediction prefetched: the mechanics are under test here
                            rounds=2, disk_budget_gb=3 * 64 * 32 * 2 * 16 * 3 / 1e9, store_dir=tmp_path)
     i = res["inputs"]
     assert i["layers"][1] - i["layers"][0] == 3  # the disk budget held three layers

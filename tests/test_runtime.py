@@ -112,7 +112,8 @@ def test_blocking_decode_is_bit_identical_to_generate(family_models, fam):
     prompt = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(3))
     want = _greedy(model, prompt)
     m = _fresh(fam)
-    eng = offload(m, path, EngineConfig(capacity=2, tier="disk"), predictor=make_predictor("probe:1", m))
+    eng = offload(m, path, EngineConfig(capacity=2, tier="disk", prefetch_guard=0),
+                  predictor=make_predictor("probe:1", m))  # guard off: the prefetch path itself is under test
     try:
         got = _greedy(m, prompt)
         s = eng.stats
@@ -187,7 +188,8 @@ def test_host_compute_moves_nothing_and_matches_plain(family_models):
     with torch.no_grad():
         want = model(prompt).logits
     m = _fresh("qwen3_moe")
-    eng = offload(m, path, EngineConfig(capacity=2, tier="host", miss="host"), predictor=make_predictor("probe:1", m))
+    eng = offload(m, path, EngineConfig(capacity=2, tier="host", miss="host", prefetch_guard=0),
+                 predictor=make_predictor("probe:1", m))
     try:
         with torch.no_grad():
             got = m(prompt).logits
@@ -209,7 +211,8 @@ def test_speculative_runs_the_prediction_in_place_of_a_miss(family_models):
     runs = {}
     for miss in ("blocking", "speculative"):
         m = _fresh("qwen3_moe")
-        eng = offload(m, path, EngineConfig(capacity=3, tier="host", miss=miss), predictor=make_predictor("probe:1", m))
+        eng = offload(m, path, EngineConfig(capacity=3, tier="host", miss=miss, prefetch_guard=0),
+                     predictor=make_predictor("probe:1", m))
         _greedy(m, prompt, 16)
         runs[miss] = eng.stats
         eng.close()
@@ -223,7 +226,7 @@ def test_global_budget_is_lossless_and_shares_one_pool(family_models, fam):
     prompt = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(8))
     want = _greedy(model, prompt, 16)
     m = _fresh(fam)
-    eng = offload(m, path, EngineConfig(capacity=2, tier="disk", budget="global"),
+    eng = offload(m, path, EngineConfig(capacity=2, tier="disk", budget="global", prefetch_guard=0),
                   predictor=make_predictor("probe:1", m))
     try:
         got = _greedy(m, prompt, 16)
@@ -283,3 +286,70 @@ def test_a_budget_in_gib_buys_as_many_slots_as_fit(family_models):
         offload(_fresh("qwen3_moe"), path, EngineConfig(budget_gb=meta.block_bytes * 1.5 / 2**30, tier="host"))
     with pytest.raises(InputError, match="budget_gb=-1"):
         EngineConfig(budget_gb=-1).check()
+
+
+def test_the_prefetch_guard_stops_a_predictor_that_does_not_pay_and_keeps_one_that_does(family_models):
+    """A predictor starts in shadow (predicting, reading nothing) and prefetches only once its measured precision
+    pays: a wrong one (it names experts the layer will not use) never reads an expert and ends paused; a right one
+    (an oracle of the next layer's true choice) goes on and prefetches. Tokens are the same either way."""
+    from expertcache.runtime.engine import PrefetchGuard
+    from expertcache.runtime.predictors import Predictor
+
+    g = PrefetchGuard(0.5, window=4, pause=3, first=4)
+    assert g.step() == "shadow"
+    g.outcome(1, 3)  # 25% in shadow: paused, then shadow again after the pause
+    assert [g.step() for _ in range(4)] == ["paused", "paused", "paused", "shadow"] and g.pauses == 1
+    g.outcome(4, 0)
+    assert g.step() == "on"
+    g.outcome(0, 4)
+    assert g.step() == "paused" and g.paused_for == 2 and g.backoff == 2  # (a verdict that paid reset the backoff)
+    g2 = PrefetchGuard(0.5, window=4, pause=3, first=4)
+    for _ in range(2):  # failing again and again: each pause longer
+        g2.outcome(0, 4)
+        while g2.step() == "paused":
+            pass
+    assert g2.pauses == 2 and g2.backoff == 4
+    assert PrefetchGuard(0).step() == "on"  # 0: no guard
+
+    model, path = family_models["qwen3_moe"]
+    prompt = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(5))
+
+    class Named(Predictor):  # names experts for layer + 1: the true ones (from a reference pass) or the others
+        name = "named"
+
+        def __init__(self, truth, right):
+            self.truth, self.right, self.t = truth, right, {}
+
+        def predict(self, layer, hidden, history):
+            t = layer + 1
+            if t not in self.truth or hidden.shape[0] != 1:
+                return None
+            i = self.t.get(t, 0)
+            self.t[t] = i + 1
+            true = self.truth[t][min(i, len(self.truth[t]) - 1)]
+            s = torch.zeros(1, 8)
+            s[0, [e for e in range(8) if (e in true) == self.right][:2]] = 1.0
+            return s
+
+    m = _fresh("qwen3_moe")
+    eng = offload(m, path, EngineConfig(capacity=2, tier="host", prefetch_guard=0))
+    truth = {}
+    hook = [L.router.register_forward_hook(lambda mod, a, out, i=i: truth.setdefault(i, []).append(
+        set(out[2][-1].tolist()))) for i, L in enumerate(eng.layers)]
+    from expertcache.runtime.decode import timed_greedy
+
+    _, ref, _ = timed_greedy(m, prompt, 40, eng)
+    for h in hook:
+        h.remove()
+    eng.close()
+    truth = {i: v[1:] for i, v in truth.items()}  # decode steps only (the first entry is the prefill)
+    for right in (False, True):
+        m = _fresh("qwen3_moe")
+        eng = offload(m, path, EngineConfig(capacity=2, tier="host"), predictor=Named(truth, right))
+        _, out, st = timed_greedy(m, prompt, 40, eng)
+        eng.close()
+        assert torch.equal(out, ref)
+        if right:
+            assert eng.guard.state == "on" and st.prefetch_loads > 0 and st.prefetch_hits > 0, eng.guard.describe()
+        else:
+            assert st.prefetch_loads == 0 and st.prefetch_paused > 0, eng.guard.describe()
