@@ -405,7 +405,8 @@ def test_runtime_reloads_the_routers_and_serves_losslessly_with_them(tiny_data, 
     plain = AutoModelForCausalLM.from_pretrained(ckpt).eval()
     kw = dict(max_new_tokens=10, do_sample=False, attention_mask=torch.ones_like(prompt), pad_token_id=0)
     want = plain.generate(prompt, **kw)
-    m, eng = open_model(ckpt, EngineConfig(capacity=0.25, tier="disk", policy="scored", predictor="spatio"))  # load()
+    m, eng = open_model(ckpt, EngineConfig(capacity=0.25, tier="disk", policy="scored", predictor="spatio",
+                                           prefetch_guard=0))  # load(); guard off: the Spatio prefetch path is tested
     try:
         got = m.generate(prompt, **kw)
         assert eng.stats.prefetch_loads + eng.stats.prefetch_dropped > 0 and eng.stats.demand_loads > 0
