@@ -27,3 +27,17 @@ def tiny_data(tmp_path_factory):
     build_corpus(cfg)
     train_tokenizer(load_corpus(cfg.out_dir)["train"]["text"], root / "tokenizer", vocab_size=512)
     return {"corpus": str(root / "corpus"), "tokenizer": str(root / "tokenizer"), "sdist": str(sdist), "cfg": cfg}
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tiny_data, tmp_path_factory):
+    """The tiny base pretrained once per run (smoke recipe, 20 steps): the evaluations and the cache-aware
+    post-training start from it. Read it, never write into it (a module that needs changes copies it)."""
+    from expertcache.trainer.config import load_recipe
+    from expertcache.trainer.pretrain import PretrainRecipe, run_pretrain
+    from helpers import REPO, smoke_overrides
+
+    out = tmp_path_factory.mktemp("tiny-base")
+    run_pretrain(load_recipe(PretrainRecipe, REPO / "recipes" / "smoke.yaml",
+                             smoke_overrides(tiny_data, out, **{"train.max_steps": 20})))
+    return out / "model"

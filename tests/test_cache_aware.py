@@ -271,16 +271,6 @@ def test_every_shipped_recipe_loads_and_bad_ones_are_refused():
         load_recipe(CacheAwareRecipe, CA_RECIPES / "locality.yaml", ["locality.kind=margin", "locality.margin=nan"])
 
 
-@pytest.fixture(scope="module")
-def tiny_base(tiny_data, tmp_path_factory):
-    from expertcache.trainer.pretrain import PretrainRecipe, run_pretrain
-
-    out = tmp_path_factory.mktemp("base")
-    run_pretrain(load_recipe(PretrainRecipe, REPO / "recipes" / "smoke.yaml",
-                             smoke_overrides(tiny_data, out, **{"train.max_steps": 10})))
-    return out / "model"
-
-
 def _ca_recipe(tiny_data, base, out, name="smoke", **extra):
     from expertcache.trainer.cache_aware import CacheAwareRecipe
 

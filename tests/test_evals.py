@@ -18,15 +18,11 @@ TASKS = ["ec_ppl_prose", "ec_cloze_prose", "ec_math_em"]
 
 
 @pytest.fixture(scope="module")
-def evals(tiny_data, tmp_path_factory):
+def evals(tiny_data, tiny_base, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from expertcache.trainer.pretrain import PretrainRecipe, run_pretrain
-
     root = tmp_path_factory.mktemp("evals")
-    run_pretrain(load_recipe(PretrainRecipe, REPO / "recipes" / "smoke.yaml",
-                             smoke_overrides(tiny_data, root / "base", **{"train.max_steps": 20})))
-    base = root / "base" / "model"
+    base = tiny_base
     damaged = root / "damaged"
     m = AutoModelForCausalLM.from_pretrained(base)
     with torch.no_grad():  # a really worse model: the token embeddings (tied to the output) shuffled
@@ -45,7 +41,7 @@ def evals(tiny_data, tmp_path_factory):
            # a lossy policy: lm-eval forwards go one token at a time through the engine
            "reroute": evaluate(base, engine=EngineConfig(capacity=0.25, miss="reroute", tau=1.0),
                                **dict(kw, tasks=["ec_cloze_prose"], limit=2)),
-           "root": root}
+           "root": root, "base_model": base}
     return out
 
 
@@ -122,7 +118,7 @@ def test_a_users_own_task_yaml_is_evaluated_and_gated(evals, tiny_data, tmp_path
         f"    test: {data}\ntest_split: test\noutput_type: multiple_choice\n"
         "doc_to_text: '{{question}} Answer:'\ndoc_to_choice: [' no', ' yes']\ndoc_to_target: '{{label}}'\n"
         "metric_list:\n  - metric: acc\n")
-    base = evals["root"] / "base" / "model"
+    base = evals["base_model"]
     kw = dict(corpus=tiny_data["corpus"], tasks=["ec_cloze_prose", "my_yesno"], task_dir=evals["root"] / "tasks",
               limit=6, ppl_blocks=1, seq_len=32, batch_size=4, split="validation", include_path=tasks)
     res = evaluate(base, **kw)
@@ -244,7 +240,7 @@ def test_eval_refuses_a_checkpoint_that_produces_nan(evals, tiny_data):
     """Corrupted weights that make NaN logits never reach a result (and so never a gate, never exit 0)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    base = evals["root"] / "base" / "model"
+    base = evals["base_model"]
     nan = evals["root"] / "nan-model"
     m = AutoModelForCausalLM.from_pretrained(base)
     with torch.no_grad():
@@ -374,7 +370,7 @@ def test_eval_reports_its_samples_and_sizes_them_from_an_inconclusive_gate(evals
     want = g["resolve"]["blocks_per_domain"]
     (tmp_path / "g.json").write_text(json.dumps(g))
     out = tmp_path / "sized.json"
-    assert main(["eval", "--model", str(evals["root"] / "base" / "model"), "--corpus", tiny_data["corpus"],
+    assert main(["eval", "--model", str(evals["base_model"]), "--corpus", tiny_data["corpus"],
                  "--tasks", "[]", "--seq_len", "32", "--ppl_blocks", "2", "--task_dir", str(evals["root"] / "tasks"),
                  "--size_from", str(tmp_path / "g.json"), "--out", str(out)]) == 0
     res = json.loads(out.read_text())
@@ -415,7 +411,7 @@ def test_eval_on_the_users_own_text_and_on_accuracy_alone(evals, tiny_data, tmp_
     refused."""
     from expertcache.evals.gate import format_gate
 
-    base, damaged = evals["root"] / "base" / "model", evals["root"] / "damaged"
+    base, damaged = evals["base_model"], evals["root"] / "damaged"
     words = "thou art the king of night and day my lord what say you now come hither sweet love".split()
     mine = tmp_path / "my notes.txt"
     mine.write_text("\n\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(40)) for i in range(12)))
