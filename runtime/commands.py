@@ -305,15 +305,11 @@ def fit_predictor(trace: str, out: str, ridge: float = 1.0) -> dict:
 
 def _talk_model(model: Optional[str], engine: EngineConfig, dtype: Optional[str], plain: bool):
     """(model, tokenizer, path) for generate/serve: --model or the quickstart's checkpoint."""
-    from dataclasses import asdict
-
     from .generate import load_model, resolve_model_arg
 
     path = resolve_model_arg(model)
     engine.check()
-    opts = {k: v for k, v in asdict(engine).items() if k not in ("capacity", "tier", "device", "predictor")}
-    m, tok = load_model(path, engine.capacity, engine.tier, engine.device, dtype, predictor=engine.predictor,
-                        aux=_aux(path), plain=plain, **opts)
+    m, tok = load_model(path, dtype=dtype, aux=_aux(path), plain=plain, engine=engine)
     return m, tok, path
 
 

@@ -398,7 +398,7 @@ def _human_bytes(n: float) -> str:
 # --- loading --------------------------------------------------------
 
 def load_model(model: str | Path, capacity: float = 0.25, tier: str = "auto", device: str = "cpu", dtype=None, *,
-               predictor: str = "none", aux=None, plain: bool = False,
+               predictor: str = "none", aux=None, plain: bool = False, engine=None,
                **engine_options):
     """(model, tokenizer) of a checkpoint directory or cached hub id: `expertcache.runtime.load` (the offload engine
     attached as `model.expertcache`; `capacity`, `tier`, `predictor` and the other `EngineConfig` fields), or with
@@ -414,8 +414,10 @@ def load_model(model: str | Path, capacity: float = 0.25, tier: str = "auto", de
     tokenizer = load_tokenizer(path)
     if plain:
         m = load_causal_lm(path, dtype=parse_dtype(dtype) or "auto").eval()
-        return m.to(parse_device(device)), tokenizer
+        return m.to(parse_device(engine.device if engine is not None else device)), tokenizer
     # the one place the checkpoint is opened through the engine (experts stay on `tier`, read by byte range)
+    if engine is not None:  # one EngineConfig carries every engine option (what the commands pass)
+        return load(path, dtype=dtype, aux=aux, engine=engine, **engine_options), tokenizer
     return load(path, capacity, tier, device, dtype, predictor=predictor, aux=aux, **engine_options), tokenizer
 
 

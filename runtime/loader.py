@@ -181,7 +181,7 @@ def _generation_config(model, path: Path) -> None:
 
 def load(model: str | Path, capacity: float = 0.25, tier: str = "auto", device: str = "cpu", dtype=None, *,
          predictor="none", keep_scores=None, aux=None, pinned=None, revision: str | None = None,
-         verify: bool | None = None, **engine_options):
+         verify: bool | None = None, engine: EngineConfig | None = None, **engine_options):
     """An HF causal LM whose routed experts stay on `tier` (read from the checkpoint's own safetensors files) and
     pass through a cache of `capacity` experts per layer (a fraction of E, or a count) on `device`. The defaults
     are `EngineConfig`'s, as in every command: a quarter of the experts, the tier chosen by what fits (`auto`).
@@ -192,10 +192,20 @@ def load(model: str | Path, capacity: float = 0.25, tier: str = "auto", device: 
     checkpoint's checksum index (`expertcache verify` writes it); None = `checkpoint.VERIFY_DEFAULT` (on: about 2%
     of TPOT, scripts/bench_checksum.py), False = off, True = on and warn when there is no index.
     A mismatch raises `InputError` naming the layer, expert and file. Other keyword arguments are `EngineConfig` fields
-    (policy, miss, tau, budget, prefetch_budget, workers, max_inflight_bytes). The engine is `model.expertcache`.
+    (policy, miss, tau, budget, prefetch_budget, workers, max_inflight_bytes); or give one `engine: EngineConfig`
+    (what the commands take) instead of them. The engine is `model.expertcache`.
     """
     from .predictors import Predictor, TemporalKeep, check_predictor_spec, make_predictor
 
+    if engine is not None:  # the one carrier of engine options: its fields, nothing given beside it
+        if engine_options:
+            raise InputError(f"load(engine=...) and engine options {sorted(engine_options)} both given; put them in the "
+                             f"EngineConfig")
+        from dataclasses import asdict
+
+        opts = asdict(engine)
+        capacity, tier, device, predictor = (opts.pop(k) for k in ("capacity", "tier", "device", "predictor"))
+        engine_options = opts
     if not isinstance(model, (str, os.PathLike)):
         raise InputError(f"load(model={model!r}): expected a checkpoint folder or hub id (a str or a Path)")
     if not (isinstance(predictor, (str, Predictor))):
@@ -229,9 +239,7 @@ def load(model: str | Path, capacity: float = 0.25, tier: str = "auto", device: 
 
 def load_served(model: str | Path, engine: EngineConfig, dtype=None, *, aux=None, **kw):
     """`load` with every engine option from one `EngineConfig` (what the commands take)."""
-    from dataclasses import asdict
-
-    return load(model, dtype=dtype, aux=aux, **asdict(engine), **kw)
+    return load(model, dtype=dtype, aux=aux, engine=engine, **kw)
 
 
 def reattach(model, cfg: EngineConfig, **kw) -> OffloadEngine:

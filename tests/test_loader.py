@@ -187,3 +187,18 @@ def test_large_reads_go_in_concurrent_pieces_and_land_intact(tmp_path, monkeypat
     assert len(pieces) == 4 and sum(pieces) == meta.block_bytes
     raw = path.read_bytes()[meta.offset(1, 1):meta.offset(1, 1) + meta.block_bytes]
     assert bytes(pool.slot_bytes(1)) == raw
+
+
+def test_one_engine_config_carries_every_option(saved):
+    """`load(engine=EngineConfig(...))` (what the commands pass) uses its fields, all of them; engine options given
+    beside it are refused in one line rather than one silently winning."""
+    from expertcache.telemetry.errors import InputError
+
+    d, _ = saved["qwen3_moe"]
+    m = load(d, engine=EngineConfig(capacity=3, tier="host", policy="lfu", workers=2, prefetch_guard=0.0))
+    eng = m.expertcache
+    assert (eng.capacity, eng.cfg.tier, eng.cfg.policy, eng.cfg.workers, eng.cfg.prefetch_guard) == \
+        (3, "host", "lfu", 2, 0.0)
+    eng.close()
+    with pytest.raises(InputError, match="both given"):
+        load(d, engine=EngineConfig(), policy="lru")
