@@ -140,18 +140,18 @@ class Batch:
         if not self.rows:
             return []
         ids = torch.tensor([[g.completion_next] for g in self.rows], dtype=torch.long, device=self.device)
+        if len(self.rows) > 1:  # the engine's counters over this step belong to every row
+            for g in self.rows:
+                g.shared = True
+        # rows of different lengths (padding): each row's position is its own length, and the mask goes in
         padded = not bool(self.mask.all())
+        positions = self.mask.sum(1, keepdim=True) if padded else None  # [B, 1]
+        self.mask = F.pad(self.mask, (0, 1), value=1)
         engine = getattr(self.model, "expertcache", None)
         if engine is not None:  # its prefetch guard tells a batch's decode step from a prefill
             engine.decode_rows = len(self.rows)
         try:
-            if padded:  # rows of different lengths: positions are each row's own length
-                positions = self.mask.sum(1, keepdim=True)  # [B, 1]
-                self.mask = F.pad(self.mask, (0, 1), value=1)
-                out = forward(self.model, ids, self.cache, self.mask, positions, logits_to_keep=1)
-            else:
-                self.mask = F.pad(self.mask, (0, 1), value=1)
-                out = forward(self.model, ids, self.cache, logits_to_keep=1)
+            out = forward(self.model, ids, self.cache, self.mask if padded else None, positions, logits_to_keep=1)
         finally:
             if engine is not None:
                 engine.decode_rows = None

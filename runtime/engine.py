@@ -499,11 +499,10 @@ class OffloadEngine:
             self._linears = cpu_kernels.patch_linears(model) + cpu_kernels.patch_calls([L.router for L in self.layers])
         self.pool_exec = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="expert-load")
         self._spool: SlotPool | None = None
-        # compute each miss as it arrives only when an expert's compute outweighs a call's fixed cost
+        # compute each miss as it arrives only when an expert's compute outweighs a call's fixed cost; smaller experts
+        # also load in the computing thread: their copy or read costs less than a thread's hand-off (1/4 of the
+        # quickstart's experts, 8 sequences: 5.7 -> 3.4 ms per step from host RAM, 6.1 -> 5.7 from disk)
         self.overlap = self.meta.expert_bytes >= OVERLAP_MIN_BYTES
-        # and load them in the computing thread: a small expert's copy or read costs less than a thread's hand-off
-        # (1/4 of the quickstart's experts, 8 sequences: 5.7 -> 3.4 ms per step from host RAM, 6.1 -> 5.7 from disk)
-        self.inline_loads = not self.overlap
         self._load_pins()
         self.inflight = 0
         self._lock = threading.Lock()
@@ -693,8 +692,7 @@ class OffloadEngine:
         scores_keep = self._scores(pos, hidden, needed)
         # 3. compute: everything resident -> one call of the family's forward over the slots (plain's own path)
         if not misses and not mod.eager:
-            slots = torch.tensor([st.lookup(e) for e in flat], dtype=torch.long).view_as(top_k_index)
-            out = self._compute(mod.compute, hidden, slots.to(hidden.device), top_k_weights)
+            out = self._compute_in_slots(mod, hidden, [st.lookup(e) for e in flat], top_k_index, top_k_weights)
             st.retain(needed, {}, scores_keep)
         elif self.cfg.miss == "host":  # computed where the weights live: nothing moved, nothing admitted
             self.stats.host_computed += len(misses)
@@ -756,7 +754,7 @@ class OffloadEngine:
 
             def submit(fn, *args):
                 nonlocal waited
-                if not self.inline_loads:
+                if self.overlap:
                     return self.pool_exec.submit(fn, *args)
                 t0 = time.perf_counter()  # compute waits for an inline load as for one in flight: a stall
                 f = self._submit_inline(fn, *args)
@@ -795,8 +793,7 @@ class OffloadEngine:
                 run([e for e, _ in sorted(held)], dict(held), spool.views)
             if here:
                 if not parts and not mod.eager:  # everything in the layer's slots: the family's one call
-                    slots = torch.tensor([here[e] for e in flat], dtype=torch.long).view_as(top_k_index)
-                    out = self._compute(mod.compute, hidden, slots.to(dev), top_k_weights)
+                    out = self._compute_in_slots(mod, hidden, [here[e] for e in flat], top_k_index, top_k_weights)
                     return out, (staged, transient, waited)
                 run(sorted(here), here)
         # combine
@@ -811,6 +808,12 @@ class OffloadEngine:
                 buf[r] = y
             out = buf.view(-1, k, x_all.shape[-1]).sum(dim=1).to(hidden.dtype)
         return out.view_as(hidden), (staged, transient, waited)
+
+    def _compute_in_slots(self, mod, hidden, slots: list[int], top_k_index, top_k_weights):
+        """Every (token, choice) of the layer at once over its own slot pool (`slots`: each row's slot, flat): the
+        family's own forward, as plain generate."""
+        s = torch.tensor(slots, dtype=torch.long).view_as(top_k_index)
+        return self._compute(mod.compute, hidden, s.to(hidden.device), top_k_weights)
 
     @staticmethod
     def _submit_inline(fn, *args) -> Future:

@@ -496,9 +496,6 @@ def generate_many(model, tokenizer, prompts: list[str], params: SamplingParams, 
             batch.admit(g)
             if g.finish_reason is not None and on_done:
                 on_done(index[id(g)], g)
-        if len(batch) > 1:
-            for g in batch.rows:
-                g.shared = True
         for g, _ in batch.step():
             if g.finish_reason is not None and on_done:
                 on_done(index[id(g)], g)

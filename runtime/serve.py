@@ -143,7 +143,7 @@ class Decoder:
     Admission: FIFO, while the batch has fewer than `max_batch` rows and the KV cache it would need at its longest
     stays within `kv_cache_bytes`; otherwise a request waits in the queue (`/health`, `/metrics`)."""
 
-    def __init__(self, model, tokenizer, metrics: _Metrics, torch_threads: int | None = None, max_batch: int = 8,
+    def __init__(self, model, metrics: _Metrics, torch_threads: int | None = None, max_batch: int = 8,
                  kv_cache_gb: float = 1.0):
         import collections
 
@@ -151,7 +151,7 @@ class Decoder:
 
         from .decode import Batch
 
-        self.model, self.tokenizer, self.metrics = model, tokenizer, metrics
+        self.metrics = metrics
         self.batch = Batch(model, max_batch)
         self.kv_cache_bytes = int(kv_cache_gb * 2**30)
         self.threads = torch_threads or torch.get_num_threads()  # torch's intra-op setting is per thread
@@ -185,9 +185,6 @@ class Decoder:
             self._flush()
             if not len(self.batch):
                 continue
-            if len(self.batch) > 1:
-                for g in self.batch.rows:
-                    g.shared = True
             self.metrics.batch.observe(len(self.batch))
             try:
                 events = self.batch.step()
@@ -493,7 +490,7 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
 
     engine = getattr(model, "expertcache", None)
     metrics = _Metrics(engine)
-    decoder = Decoder(model, tokenizer, metrics, torch_threads, max_batch, kv_cache_gb)
+    decoder = Decoder(model, metrics, torch_threads, max_batch, kv_cache_gb)
     trace = None
     if trace_dir is not None:
         from expertcache.telemetry.live_trace import LiveTrace

@@ -234,8 +234,8 @@ def _scrape(url: str) -> dict[str, float]:
     out = {}
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
         for smp in fam.samples:
-            if not smp.labels or smp.name.endswith("_bucket"):
-                out[smp.name] = out.get(smp.name, 0.0) + smp.value if not smp.labels else smp.value
+            if not smp.labels:  # the totals (counters, histogram sums and counts); per-label series are not used
+                out[smp.name] = smp.value
     return out
 
 
@@ -311,7 +311,6 @@ def _start_server(model: str, engine_args: list[str], port: int, log_path: Path,
 
 def throughput(a) -> dict:
     import httpx
-    import numpy as np
 
     prompts = [TPUT_PROMPTS[i % len(TPUT_PROMPTS)] + (" " * (i // len(TPUT_PROMPTS))) for i in range(a.requests)]
     extra = a.serve_args.split() if a.serve_args else []
@@ -387,7 +386,6 @@ def throughput(a) -> dict:
                                        cwd=REPO).stdout.strip()
     except OSError:
         pass
-    del np
     return res
 
 
