@@ -559,8 +559,9 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": model_name, "scheduling": SCHEDULING, "running": decoder.running,
-                "queued": decoder.queued, "trace": trace.describe() if trace is not None else None, "max_batch": decoder.batch.max_rows if decoder.batch.batchable is not False
-                else 1, "engine": engine.describe() if engine is not None else None}
+                "queued": decoder.queued, "trace": trace.describe() if trace is not None else None,
+                "max_batch": decoder.batch.max_rows if decoder.batch.batchable is not False else 1,
+                "engine": engine.describe() if engine is not None else None}
 
     @app.get("/v1/models")
     async def models():
@@ -700,7 +701,8 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
                     if kind == "text":
                         if chat:
                             lp = chat_logprobs(g, sent[i], n) if want_lp else None
-                            yield chunk([{"index": i, "delta": {"content": val}, "logprobs": lp, "finish_reason": None}])
+                            yield chunk([{"index": i, "delta": {"content": val}, "logprobs": lp,
+                                          "finish_reason": None}])
                         else:
                             lp = completion_logprobs(g, sent[i], n, False, shown[i]) if want_lp else None
                             yield chunk([{"index": i, "text": val, "logprobs": lp, "finish_reason": None}])

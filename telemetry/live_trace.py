@@ -55,7 +55,7 @@ class LiveTrace:
                                   extra={"source": "expertcache serve --trace", "rotate_tokens": rotate_tokens})
         self.n_layers = len(self.rec.layers)
         self.q: queue.Queue = queue.Queue(maxsize=queue_max)
-        self.tokens = self.dropped_tokens = self.files = 0
+        self.tokens = self.dropped_tokens = 0
         self.paths: list[Path] = []
         self.error: str | None = None
         self._next_seq = 0
@@ -135,11 +135,10 @@ class LiveTrace:
         w.__exit__(None, None, None)
         write_json(w.path.with_name(w.path.stem + ".requests.json"), {"requests": reqs})
         self.paths.append(w.path)
-        self.files += 1
 
     def describe(self) -> dict:
-        return {"dir": str(self.dir), "files": self.files, "tokens": self.tokens, "dropped_tokens": self.dropped_tokens,
-                "rotate_tokens": self.rotate_tokens, "error": self.error}
+        return {"dir": str(self.dir), "files": len(self.paths), "tokens": self.tokens,
+                "dropped_tokens": self.dropped_tokens, "rotate_tokens": self.rotate_tokens, "error": self.error}
 
     def close(self) -> None:
         """Finish the current file (renamed into place) and stop recording."""
