@@ -375,10 +375,10 @@ def generate(prompt: Optional[str] = None, model: Optional[str] = None,
 def _generate_file(m, tok, prompts: list[str], params, max_batch: int, raw: bool) -> int:
     import json
 
-    from .generate import chat_prompt, generate_many
+    from .generate import generate_many, user_prompt
 
-    templated = bool(getattr(tok, "chat_template", None)) and not raw
-    texts = [chat_prompt(tok, [{"role": "user", "content": p}]) if templated else p for p in prompts]
+    turns = [user_prompt(tok, p, raw) for p in prompts]  # (text, templated): the same templating for every prompt
+    texts, templated = [t for t, _ in turns], turns[0][1]
 
     def done(i, g):
         print(json.dumps({"index": i, "prompt": prompts[i], "text": g.text, "finish_reason": g.finish_reason,
@@ -386,10 +386,7 @@ def _generate_file(m, tok, prompts: list[str], params, max_batch: int, raw: bool
     gens, wall = generate_many(m, tok, texts, params, max_batch, templated, on_done=done)
     n = sum(g.completion_tokens for g in gens)
     eng = getattr(m, "expertcache", None)
-    extra = ""
-    if eng is not None:
-        s = eng.stats
-        extra = f", hit rate {s.hits / s.accesses:.2f}" if s.accesses else ""
+    extra = f", hit rate {eng.stats.counters().hit_rate:.2f}" if eng is not None and eng.stats.accesses else ""
     print(f"[{len(gens)} prompts, {n} tokens in {wall:.2f} s: {n / wall:.1f} tok/s overall, up to {max_batch} "
           f"decoded together{extra}]", file=sys.stderr)
     return 0

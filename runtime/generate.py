@@ -118,6 +118,13 @@ def chat_prompt(tokenizer, messages: list[dict]) -> str:
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
+def user_prompt(tokenizer, prompt: str, raw: bool = False) -> tuple[str, bool]:
+    """(the text to encode, whether it is templated): one user turn through the tokenizer's chat template when it
+    has one and `raw` is not asked for; the prompt as it is otherwise."""
+    templated = bool(getattr(tokenizer, "chat_template", None)) and not raw
+    return (chat_prompt(tokenizer, [{"role": "user", "content": prompt}]) if templated else prompt), templated
+
+
 def encode(tokenizer, text: str, templated: bool = False) -> list[int]:
     """Token ids of `text`; a chat template already holds its special tokens, so none are added to it."""
     ids = tokenizer(text, add_special_tokens=not templated)["input_ids"]
@@ -158,6 +165,17 @@ class _Detok:
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return after[len(before):]
+
+
+def _logprob_rows(logits: torch.Tensor, ids: list[int], n: int) -> list[tuple]:
+    """For each row of `logits [R, V]`: (the token `ids[r]`, its logprob, [(token, logprob)] of the n most likely)."""
+    if not ids:
+        return []
+    logp = logits.float().log_softmax(-1)
+    chosen = logp.gather(1, torch.tensor(ids, dtype=torch.long, device=logp.device)[:, None])[:, 0].tolist()
+    top = logp.topk(n, dim=-1) if n else None
+    return [(t, lp, list(zip(top.indices[j].tolist(), top.values[j].tolist())) if top is not None else [])
+            for j, (t, lp) in enumerate(zip(ids, chosen))]
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -264,14 +282,8 @@ class Generation:
 
     def _score_prompt(self, logits: torch.Tensor) -> None:
         """Logprobs of the prompt's tokens 1.. from the prefill's logits `[prompt, V]` (the first has none)."""
-        n = self.params.logprobs or 0
-        logp = logits[:-1].float().log_softmax(-1)  # [prompt-1, V]
-        ids = torch.tensor(self.prompt_ids[1:], dtype=torch.long, device=logp.device)
-        chosen = logp.gather(1, ids[:, None])[:, 0].tolist() if len(ids) else []
-        top = logp.topk(n, dim=-1) if n else None
-        self.prompt_scores = [(self.prompt_ids[0], None, None)] + [
-            (t, lp, list(zip(top.indices[j].tolist(), top.values[j].tolist())) if top is not None else [])
-            for j, (t, lp) in enumerate(zip(self.prompt_ids[1:], chosen))]
+        self.prompt_scores = [(self.prompt_ids[0], None, None)] + _logprob_rows(
+            logits[:-1], self.prompt_ids[1:], self.params.logprobs or 0)
 
     def _accept(self, logits: torch.Tensor) -> str:
         """The next token from `logits [V]` (the model's, before any penalty); returns the text to show now and
@@ -279,10 +291,7 @@ class Generation:
         p = self.params
         tok = self._next_token(logits, self._gen)
         if p.logprobs is not None:  # of the model's distribution (before penalties and temperature), as vLLM
-            logp = logits.float().log_softmax(-1)
-            top = logp.topk(p.logprobs) if p.logprobs else None
-            self.token_scores.append((tok, float(logp[tok]), list(zip(top.indices.tolist(), top.values.tolist()))
-                                      if top is not None else []))
+            self.token_scores += _logprob_rows(logits[None], [tok], p.logprobs)
         self.token_times.append(time.perf_counter())
         if self.engine is not None and self._stats0 is None:
             self._stats0 = copy.copy(self.engine.stats)
@@ -458,7 +467,7 @@ def generate_text(model, tokenizer, prompt: str | None, params: SamplingParams, 
     if not chat:
         if prompt is None:
             raise InputError("generate needs a prompt (or --chat for an interactive loop)")
-        text = chat_prompt(tokenizer, [{"role": "user", "content": prompt}]) if templated else prompt
+        text, _ = user_prompt(tokenizer, prompt, raw)
         print_stream(model, tokenizer, encode(tokenizer, text, templated), params, out, err)
         return 0
     if not templated:  # the plain transcript: a base model would go on to write the user's next turn
