@@ -22,7 +22,7 @@ from lm_eval.models.huggingface import HFLM
 from expertcache.runtime.engine import EngineConfig
 from expertcache.telemetry.errors import InputError
 
-from .policy import open_model
+from .served import open_model
 
 ENGINE_FIELDS = set(EngineConfig.__dataclass_fields__) - {"device"}
 
@@ -30,23 +30,7 @@ ENGINE_FIELDS = set(EngineConfig.__dataclass_fields__) - {"device"}
 def engine_from_args(args: dict) -> EngineConfig | None:
     """The `EngineConfig` named by lm-eval model args (strings from the command line), or None for plain."""
     given = {k: v for k, v in args.items() if k in ENGINE_FIELDS}
-    if not given:
-        return None
-    types = {f.name: f.type for f in EngineConfig.__dataclass_fields__.values()}
-    out = {}
-    for k, v in given.items():
-        try:
-            if types[k] == "int | float":  # capacity: `16` is a count of experts, `0.25` and `1.0` fractions of E
-                out[k] = v if isinstance(v, (int, float)) else int(v) if str(v).strip().lstrip("+-").isdigit() \
-                    else float(v)
-            else:
-                out[k] = float(v) if types[k] == "float" else int(v) if types[k] == "int" else str(v)
-        except ValueError:
-            what = "a float or an integer" if types[k] == "int | float" else f"a {types[k]}"
-            raise InputError(f"engine option {k}={v!r}: expected {what}") from None
-    cfg = EngineConfig(**out)
-    cfg.check()
-    return cfg
+    return EngineConfig.from_text(given) if given else None
 
 
 @register_model("expertcache")

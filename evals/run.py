@@ -16,7 +16,7 @@ from expertcache.runtime.engine import EngineConfig
 from expertcache.telemetry.atomic import write_json
 from expertcache.telemetry.errors import InputError
 
-from .policy import label, open_model
+from .served import label, open_model
 from .taskdata import DEFAULT_TASKS, DOMAINS, LOCAL_TASKS, build_task_data, lm_eval_tasks, write_task_yamls
 
 

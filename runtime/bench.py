@@ -67,8 +67,7 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineCon
     if plain is None:
         plain = ckpt_bytes < 0.5 * available_memory()
     rss_start = peak_rss_bytes()
-    m = load(path, capacity=capacities[0], tier=tier, dtype=dtype, budget=engine.budget, workers=engine.workers,
-             device=device, kernel=engine.kernel)
+    m = load(path, dtype=dtype, engine=replace(engine, capacity=capacities[0], device=device, predictor="none"))
     eng0 = m.expertcache
     e = eng0.adapter.num_experts
     rss_loaded = peak_rss_bytes()

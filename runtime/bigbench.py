@@ -25,6 +25,7 @@ import resource
 import subprocess
 import sys
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +33,10 @@ import torch
 
 from expertcache.telemetry.errors import InputError
 
-from .checkpoint import free_disk
 from expertcache.telemetry.atomic import atomic_open, open_log, write_json, write_text
+
+from .checkpoint import free_disk
+from .engine import EngineConfig
 
 HIDDEN, INTER, EXPERTS, TOP_K, HEADS, KV_HEADS, HEAD_DIM = 2048, 768, 128, 8, 32, 4, 128
 ALIGN = 4096
@@ -162,8 +165,9 @@ def _slot_bytes(ckpt: Path) -> int:
     return read_store_meta(ckpt / qc["experts_file"]).block_bytes if qc else expert_bytes() + ALIGN
 
 
-def _load_system(system: str, ckpt: Path, budget: int, ids, fit_end: int, workers: int):
-    """`(model, engine or None, routers)` for one system."""
+def _load_system(system: str, ckpt: Path, budget: int, ids, fit_end: int, engine: EngineConfig):
+    """`(model, engine or None, routers)` for one system; expertcache's under `engine` with the capacity the budget
+    leaves."""
     from expertcache.telemetry.adapters import adapter_for
 
     if system.startswith("expertcache"):  # expertcache:on-demand | :prefetch, then :int8 / :int4 for quantized
@@ -177,7 +181,7 @@ def _load_system(system: str, ckpt: Path, budget: int, ids, fit_end: int, worker
             raise InputError(f"a budget of {budget / 2**30:.1f} GiB leaves no cache slots after the non-expert weights")
         pred = CooccurrencePredictor(CooccurrenceEstimator(ids[:, :fit_end], EXPERTS)) if ":prefetch" in system \
             else "none"
-        m = load(ckpt, capacity=cap, tier="disk", predictor=pred, workers=workers)
+        m = load(ckpt, engine=replace(engine, capacity=cap, predictor="none"), predictor=pred)
         return m, m.expertcache, [L.router for L in m.expertcache.layers]
     if system == "accelerate":
         from expertcache.telemetry.hf import load_causal_lm
@@ -231,9 +235,10 @@ def _rss_peak() -> int:
 
 
 def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, tokens: int, warmup: int,
-            prompt_len: int, start: int, workers: int = 4) -> dict:
+            prompt_len: int, start: int, engine: dict | None = None) -> dict:
     """One system's decode in this process: TPOT per token (prefill excluded), hits, bytes read, peak RSS.
-    `ckpt`: the bf16 checkpoint; an expertcache system named `...:int8`/`...:int4` reads its quantized copy."""
+    `ckpt`: the bf16 checkpoint; an expertcache system named `...:int8`/`...:int4` reads its quantized copy.
+    `engine`: expertcache's `EngineConfig` fields (default: the disk tier)."""
     from expertcache.telemetry.parquet_trace import load_routing
 
     ckpt = Path(ckpt)
@@ -247,7 +252,8 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
     budget = int(budget_gb * 2**30)
     io0 = _read_bytes()
     t0 = time.perf_counter()
-    m, eng, routers = _load_system(system, ckpt, budget, ids, start - 1, workers)
+    cfg_engine = EngineConfig(**engine) if engine else EngineConfig(tier="disk")
+    m, eng, routers = _load_system(system, ckpt, budget, ids, start - 1, cfg_engine)
     load_s = time.perf_counter() - t0
     routing = TraceRouting(routers, ids, start)
     prompt = torch.randint(2, cfg["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(0))
@@ -317,10 +323,12 @@ def system_names(systems, experts=("bf16",)) -> list[str]:
 def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None = None, budget_gb: float = 8.0,
               tokens: int = 64, warmup: int = 8, prompt_len: int = 8, rounds: int = 2, systems=SYSTEMS,
               ram_factor: float = 1.25, layers: int | None = None, slow_tokens: int = 8, slow_warmup: int = 2,
-              workers: int = 4, timeout_s: int = 3600, progress=None, experts=("bf16",)) -> dict:
+              engine: EngineConfig = EngineConfig(tier="disk"), timeout_s: int = 3600, progress=None,
+              experts=("bf16",)) -> dict:
     """Write (or reuse) the checkpoint, then run every system `rounds` times, alternated, each in its own process.
     `slow_tokens`/`slow_warmup`: the token counts for accelerate, whose per-token time is minutes-scale here.
-    `experts`: the formats expertcache serves (int8/int4: `expertcache quantize` copies, group 32, reused)."""
+    `experts`: the formats expertcache serves (int8/int4: `expertcache quantize` copies, group 32, reused).
+    `engine`: how expertcache serves (its capacity is what the budget leaves)."""
     from .replay import REFERENCE_TRACE
 
     trace = trace or REFERENCE_TRACE
@@ -353,7 +361,7 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
             slow = s == "accelerate"
             job = {"system": s, "ckpt": str(ckpt), "trace": str(trace), "budget_gb": budget_gb,
                    "tokens": slow_tokens if slow else tokens, "warmup": slow_warmup if slow else warmup,
-                   "prompt_len": prompt_len, "start": start, "workers": workers}
+                   "prompt_len": prompt_len, "start": start, "engine": asdict(engine)}
             cmd = [sys.executable, "-m", "expertcache.runtime.bigbench", json.dumps(job)]
             log = out_dir / f"{s.replace(':', '-')}-round{r}.log"
             with open_log(log, fresh=True) as lf:
@@ -374,7 +382,7 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                       "experts_over_ram": n_layers * per_layer / physical_ram(), "note": note,
                       "budget_gb": budget_gb, "tokens": tokens, "warmup": warmup,
                       "accelerate_tokens": slow_tokens, "accelerate_warmup": slow_warmup, "prompt_len": prompt_len,
-                      "trace": str(trace), "trace_start": start, "rounds": rounds, "workers": workers,
+                      "trace": str(trace), "trace_start": start, "rounds": rounds, "engine": asdict(engine),
                       "experts": list(experts), "quant_group": QUANT_GROUP,
                       "torch_threads": torch.get_num_threads(), "page_cache_dropped_before_each": all(cold)},
            "disk_used_bytes": {"checkpoint": disk_used, **{f"checkpoint_{f}": b for f, b in quant_used.items()},
@@ -472,7 +480,7 @@ def main(argv=None) -> int:
         return 2
     job = json.loads(argv[0])
     res = run_one(job["system"], job["ckpt"], job["trace"], job["budget_gb"], job["tokens"], job["warmup"],
-                  job["prompt_len"], job["start"], job["workers"])
+                  job["prompt_len"], job["start"], job["engine"])
     print(json.dumps(res))
     return 0
 

@@ -142,7 +142,8 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
               tokens: int = 64, warmup: int = 8, accelerate_tokens: int = 8, accelerate_warmup: int = 2,
               prompt_len: int = 8, rounds: int = 2,
               systems: list[str] = ["expertcache:on-demand", "expertcache:prefetch", "accelerate", "mmap"],
-              layers: Optional[int] = None, ram_factor: float = 1.25, workers: int = 4,
+              layers: Optional[int] = None, ram_factor: float = 1.25,
+              engine: EngineConfig = EngineConfig(tier="disk"),
               experts: list[str] = ["bf16"], out: Optional[str] = "results/bench_big.json") -> dict:
     """A Qwen3-30B-A3B-shaped checkpoint larger than RAM, decoded by expertcache (disk tier, cache within the
     budget), transformers + accelerate disk offload and the page cache (mmap), on the same routing, alternated.
@@ -160,7 +161,8 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
         systems: which systems run
         layers: MoE layers (default: experts >= ram_factor x RAM)
         ram_factor: size of the experts against this machine's RAM
-        workers: expertcache transfer threads
+        engine: how expertcache serves (tier, workers, policy, prefetch guard, ...; its capacity is what
+            --budget_gb leaves after the non-expert weights)
         experts: the formats expertcache serves, each against the same budget: bf16 (the checkpoint) | int8 |
             int4 (`expertcache quantize` copies, group 32, written beside the checkpoint once); e.g. [bf16,int4]
         out: the JSON (a PNG beside it)
@@ -173,15 +175,16 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
         raise InputError(f"--experts {experts}: expected distinct formats among bf16, int8, int4")
 
     check_output(out)
+    engine.check()
     bad = [x for x in systems if x not in SYSTEMS]
     if bad:
         raise InputError(f"unknown system(s) {', '.join(bad)}; expected {', '.join(SYSTEMS)}")
     import math
 
     if not (math.isfinite(budget_gb) and budget_gb > 0 and math.isfinite(ram_factor) and ram_factor > 0) \
-            or min(tokens, rounds, prompt_len, workers, accelerate_tokens) < 1 or min(warmup, accelerate_warmup) < 0:
+            or min(tokens, rounds, prompt_len, accelerate_tokens) < 1 or min(warmup, accelerate_warmup) < 0:
         raise InputError("budget_gb and ram_factor must be finite and > 0; tokens, accelerate_tokens, rounds, "
-                         "prompt_len, workers >= 1; warmup, accelerate_warmup >= 0")
+                         "prompt_len >= 1; warmup, accelerate_warmup >= 0")
     if layers is not None and layers < 2:
         raise InputError(f"--layers {layers}: expected at least 2 MoE layers")
     if trace is not None:  # read before the (large) checkpoint is written, not after
@@ -193,7 +196,7 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
     with Progress() as prog:
         task = prog.add_task("checkpoint layers, then runs", total=None)
         res = run(out_dir, trace, budget_gb, tokens, warmup, prompt_len, rounds, systems, ram_factor, layers,
-                  accelerate_tokens, accelerate_warmup, workers, progress=lambda n: prog.advance(task, n or 1),
+                  accelerate_tokens, accelerate_warmup, engine, progress=lambda n: prog.advance(task, n or 1),
                   experts=tuple(experts))
     res["git_commit"] = _git_commit()
     failed = {sys_: r["errors"] for sys_, r in res["systems"].items() if r.get("errors")}

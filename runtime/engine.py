@@ -117,6 +117,32 @@ class EngineConfig:
     budget_gb: float = 0.0
     threads: int = 0
 
+    @classmethod
+    def from_text(cls, options: dict) -> "EngineConfig":
+        """The config named by options given as text (lm-eval's `key=value,...` model args): each value parsed by
+        its field's type, then checked. `capacity`: `16` is a count of experts, `0.25` and `1.0` fractions of E."""
+        types = {f.name: f.type for f in cls.__dataclass_fields__.values()}
+        unknown = sorted(set(options) - set(types))
+        if unknown:
+            raise InputError(f"unknown engine option(s) {', '.join(unknown)}; expected {', '.join(sorted(types))}")
+        out = {}
+        for k, v in options.items():
+            t = types[k]
+            try:
+                if isinstance(v, str):
+                    v = v.strip()
+                    if t == "int | float":
+                        v = int(v) if v.lstrip("+-").isdigit() else float(v)
+                    elif t in ("int", "float"):
+                        v = int(v) if t == "int" else float(v)
+                out[k] = v
+            except ValueError:
+                what = "a float or an integer" if t == "int | float" else f"a {t}"
+                raise InputError(f"engine option {k}={v!r}: expected {what}") from None
+        cfg = cls(**out)
+        cfg.check()
+        return cfg
+
     @property
     def lossy(self) -> bool:
         """Outputs depend on the cache state (evaluated one token at a time); `host` only reorders a sum."""

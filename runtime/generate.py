@@ -24,6 +24,9 @@ import torch
 
 from expertcache.telemetry.errors import InputError
 
+from .engine import EngineConfig
+
+
 # `make quickstart` (recipes/quickstart.py) leaves its cache-aware post-trained checkpoint here.
 QUICKSTART_MODEL = Path("runs/ca-smoke/model")
 
@@ -406,12 +409,10 @@ def _human_bytes(n: float) -> str:
 
 # --- loading --------------------------------------------------------
 
-def load_model(model: str | Path, capacity: float = 0.25, tier: str = "auto", device: str = "cpu", dtype=None, *,
-               predictor: str = "none", aux=None, plain: bool = False, engine=None,
-               **engine_options):
-    """(model, tokenizer) of a checkpoint directory or cached hub id: `expertcache.runtime.load` (the offload engine
-    attached as `model.expertcache`; `capacity`, `tier`, `predictor` and the other `EngineConfig` fields), or with
-    `plain` the unmodified `from_pretrained` model, every expert in memory. `aux(model)`: the checkpoint's
+def load_model(model: str | Path, engine: EngineConfig | None = None, dtype=None, *, aux=None, plain: bool = False):
+    """(model, tokenizer) of a checkpoint directory or cached hub id: `expertcache.runtime.load` under `engine` (the
+    offload engine attached as `model.expertcache`; None: `EngineConfig()`'s defaults), or with `plain` the
+    unmodified `from_pretrained` model, every expert in memory, on `engine.device`. `aux(model)`: the checkpoint's
     auxiliary routers (predictor spatio, policy scored)."""
     from expertcache.telemetry.hf import load_causal_lm, load_tokenizer
 
@@ -421,13 +422,12 @@ def load_model(model: str | Path, capacity: float = 0.25, tier: str = "auto", de
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise FileNotFoundError(f"{path} has no tokenizer (tokenizer.json)")
     tokenizer = load_tokenizer(path)
+    engine = engine if engine is not None else EngineConfig()
     if plain:
         m = load_causal_lm(path, dtype=parse_dtype(dtype) or "auto").eval()
-        return m.to(parse_device(engine.device if engine is not None else device)), tokenizer
+        return m.to(parse_device(engine.device)), tokenizer
     # the one place the checkpoint is opened through the engine (experts stay on `tier`, read by byte range)
-    if engine is not None:  # one EngineConfig carries every engine option (what the commands pass)
-        return load(path, dtype=dtype, aux=aux, engine=engine, **engine_options), tokenizer
-    return load(path, capacity, tier, device, dtype, predictor=predictor, aux=aux, **engine_options), tokenizer
+    return load(path, dtype=dtype, aux=aux, engine=engine), tokenizer
 
 
 def resolve_model_arg(model: str | None) -> Path:

@@ -193,18 +193,20 @@ def load(model: str | Path, capacity: float = 0.25, tier: str = "auto", device: 
     of TPOT, scripts/bench_checksum.py), False = off, True = on and warn when there is no index.
     A mismatch raises `InputError` naming the layer, expert and file. Other keyword arguments are `EngineConfig` fields
     (policy, miss, tau, budget, prefetch_budget, workers, max_inflight_bytes); or give one `engine: EngineConfig`
-    (what the commands take) instead of them. The engine is `model.expertcache`.
+    (what the commands take) instead of them (a `Predictor` object may go beside it). The engine is
+    `model.expertcache`.
     """
     from .predictors import Predictor, TemporalKeep, check_predictor_spec, make_predictor
 
     if engine is not None:  # the one carrier of engine options: its fields, nothing given beside it
-        if engine_options:
-            raise InputError(f"load(engine=...) and engine options {sorted(engine_options)} both given; put them in the "
-                             f"EngineConfig")
+        given = sorted(engine_options) + (["predictor"] if isinstance(predictor, str) and predictor != "none" else [])
+        if given:
+            raise InputError(f"load(engine=...) and engine options {given} both given; put them in the EngineConfig")
         from dataclasses import asdict
 
         opts = asdict(engine)
-        capacity, tier, device, predictor = (opts.pop(k) for k in ("capacity", "tier", "device", "predictor"))
+        capacity, tier, device, spec = (opts.pop(k) for k in ("capacity", "tier", "device", "predictor"))
+        predictor = predictor if isinstance(predictor, Predictor) else spec  # an object: the config names its type
         engine_options = opts
     if not isinstance(model, (str, os.PathLike)):
         raise InputError(f"load(model={model!r}): expected a checkpoint folder or hub id (a str or a Path)")
@@ -235,11 +237,6 @@ def load(model: str | Path, capacity: float = 0.25, tier: str = "auto", device: 
     engine = OffloadEngine(m, source, cfg, predictor=pred, pinned=pinned, keep_scores=keep_scores)
     m.expertcache = engine
     return m
-
-
-def load_served(model: str | Path, engine: EngineConfig, dtype=None, *, aux=None, **kw):
-    """`load` with every engine option from one `EngineConfig` (what the commands take)."""
-    return load(model, dtype=dtype, aux=aux, engine=engine, **kw)
 
 
 def reattach(model, cfg: EngineConfig, **kw) -> OffloadEngine:

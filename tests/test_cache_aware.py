@@ -384,7 +384,7 @@ def test_runtime_reloads_the_routers_and_serves_losslessly_with_them(tiny_data, 
     misses keep greedy decoding bit-identical to plain generate."""
     from transformers import AutoModelForCausalLM
 
-    from expertcache.evals.policy import open_model
+    from expertcache.evals.served import open_model
     from expertcache.runtime.engine import EngineConfig
     from expertcache.trainer.cache_aware import run_cache_aware
 

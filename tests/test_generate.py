@@ -198,7 +198,7 @@ def test_a_batch_of_prompts_decodes_as_each_alone_and_the_cli_prints_one_json_li
     model, tok = plain
     prompts = ["thou", "thou art the king of night and day", "my lord", "come hither sweet love", "what say you now"]
     lens = [5, 9, 3, 12, 7]
-    for m in (model, load_model(ckpt, capacity=0.25, tier="disk", kernel="native")[0]):
+    for m in (model, load_model(ckpt, EngineConfig(capacity=0.25, tier="disk", kernel="native"))[0]):
         gens, _ = generate_many(m, tok, prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
                                 max_batch=3)
         for p, g in zip(prompts, gens):

@@ -26,12 +26,13 @@ def test_import_expertcache_registers_the_lm_eval_model(tmp_path):
 
 @pytest.fixture(scope="module")
 def served(tiny_data, tmp_path_factory):
+    from expertcache.runtime.engine import EngineConfig
     from expertcache.runtime.generate import load_model
     from expertcache.runtime.serve import create_app
 
     root = tmp_path_factory.mktemp("lm_eval_server")
     ckpt = make_tiny_checkpoint(root / "ckpt", max_positions=1024)
-    model, tok = load_model(ckpt, capacity=0.25, tier="disk", kernel="native")  # the engine, lossless
+    model, tok = load_model(ckpt, EngineConfig(capacity=0.25, tier="disk", kernel="native"))  # the engine, lossless
     with LiveServer(create_app(model, tok, NAME, torch_threads=1)) as url:
         yield {"url": url, "ckpt": ckpt, "root": root, "data": tiny_data}
     model.expertcache.close()

@@ -15,7 +15,7 @@ def open_model(model_dir, engine: EngineConfig | None, dtype="fp32", device="cpu
     Offloaded, it goes through the runtime's loader (experts stay in the checkpoint's files, read by byte range);
     plain (`engine` None), through `from_pretrained` (engine None). fp32 by default: the figures the gates
     compare were measured in fp32 (`auto`: the checkpoint's own dtype)."""
-    from expertcache.runtime.loader import load_served, parse_device, parse_dtype, resolve
+    from expertcache.runtime.loader import load, parse_device, parse_dtype, resolve
 
     path = resolve(model_dir)
     device = parse_device(device)
@@ -33,5 +33,5 @@ def open_model(model_dir, engine: EngineConfig | None, dtype="fp32", device="cpu
     engine.check()
     from dataclasses import replace
 
-    model = load_served(path, replace(engine, device=device), dtype=dtype, aux=aux)
+    model = load(path, dtype=dtype, aux=aux, engine=replace(engine, device=device))
     return model, model.expertcache
