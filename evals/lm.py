@@ -20,7 +20,6 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from expertcache.runtime.engine import EngineConfig
-from expertcache.telemetry.errors import InputError
 
 from .served import open_model
 

@@ -10,14 +10,13 @@ TPOT comes from the time between successive generated tokens (a streamer timesta
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .engine import EngineConfig, OffloadEngine, Stats
+from .engine import EngineConfig, Stats
 from .predictors import TemporalKeep, make_predictor
 from .tiers import available_memory, measure_bandwidth
 
@@ -155,7 +154,6 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineCon
             n_tok = len(res["stats"]) * (n_new - 1)
             tot.tokens = n_tok
             d = tot.to_dict(eb)
-            d["stall_per_token_s"] = tot.stall_s / n_tok
             d["time_budget_s"] = tot.time_budget(sum(res["wall"]), n_tok)
             if bw and t_res:
                 t_transfer = d["traffic_bytes_per_token"] / bw

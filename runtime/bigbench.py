@@ -271,11 +271,9 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
            "disk_read_bytes_per_token": (io2 - io1) / max(len(times), 1),
            "output_tokens_sha": hash(tuple(out[0].tolist())) & 0xFFFFFFFF, "routing_positions": routing.pos + routing.n}
     if eng is not None:
-        st = dec_stats
-        st.tokens = n_dec
-        d = st.to_dict(eng.meta.expert_bytes)
-        res.update({"hit_rate": d["hit_rate"], "stall_per_token_s": st.stall_s / n_dec,
-                    "time_budget_s": st.time_budget(times[-1] - times[0], n_dec),
+        d = dec_stats.per_token(eng.meta.expert_bytes, n_dec)
+        res.update({"hit_rate": d["hit_rate"], "stall_per_token_s": d["stall_per_token_s"],
+                    "time_budget_s": dec_stats.time_budget(times[-1] - times[0], n_dec),
                     "traffic_bytes_per_token": d["traffic_bytes_per_token"], "engine": eng.describe()})
         eng.close()
     return res

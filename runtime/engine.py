@@ -263,15 +263,22 @@ class Stats:
                  "overhead": (self.layer_s - self.compute_s - self.stall_s + outside) / n}
         return {**parts, "tpot": wall_s / n, "sum": sum(parts.values())}
 
-    def counters(self) -> CacheResult:
-        """The cache's counts in the one counters type every area reports through (one step per token)."""
-        return CacheResult("engine", 0, "token", self.tokens, self.accesses, self.hits, self.demand_loads,
-                           self.prefetch_loads)
+    def counters(self, tokens: int | None = None) -> CacheResult:
+        """The cache's counts in the one counters type every area reports through (one step per token; `tokens`:
+        the decoded tokens they cover, default `self.tokens`)."""
+        return CacheResult("engine", 0, "token", self.tokens if tokens is None else tokens, self.accesses, self.hits,
+                           self.demand_loads, self.prefetch_loads)
 
-    def to_dict(self, expert_bytes: int) -> dict:
-        c = self.counters()
-        return {**asdict(self), "hit_rate": c.hit_rate, "adjusted_hit_rate": c.adjusted_hit_rate,
-                "traffic_bytes_per_token": c.traffic_per_step(expert_bytes)}
+    def per_token(self, expert_bytes: int, tokens: int | None = None) -> dict:
+        """The figures per decoded token that every command prints: the cache's (`CacheResult.per_step`), bytes
+        moved and seconds stalled."""
+        c = self.counters(tokens)
+        n = c.steps
+        return {**c.per_step(expert_bytes, "token"), "bytes_moved_per_token": self.bytes_moved / n if n else 0.0,
+                "stall_per_token_s": self.stall_s / n if n else 0.0}
+
+    def to_dict(self, expert_bytes: int, tokens: int | None = None) -> dict:
+        return {**asdict(self), **self.per_token(expert_bytes, tokens)}
 
 
 class PrefetchGuard:

@@ -370,11 +370,10 @@ class Generation:
                "tpot_s": decode_s / (len(t) - 1) if len(t) > 1 else None}
         s = self.stats
         if s is not None:
-            d = s.to_dict(self.engine.meta.expert_bytes)
+            d = s.per_token(self.engine.meta.expert_bytes, max(len(t) - 1, 1))
             out.update(hit_rate=d["hit_rate"] if s.accesses else None,
                        adjusted_hit_rate=d["adjusted_hit_rate"] if s.accesses else None,
-                       bytes_moved_per_token=s.bytes_moved / max(len(t) - 1, 1),
-                       stall_s_per_token=s.stall_s / max(len(t) - 1, 1))
+                       bytes_moved_per_token=d["bytes_moved_per_token"], stall_per_token_s=d["stall_per_token_s"])
         return out
 
 

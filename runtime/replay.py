@@ -303,12 +303,13 @@ def _summary(runs: list[dict], warmup: int, expert_bytes: int) -> dict:
     tokens = sum(len(r["times"]) for r in runs)
     c = CacheResult("replay", 0, "token", tokens, sum(r["acc"] for r in runs), sum(r["hits"] for r in runs),
                     sum(r["demand"] for r in runs), sum(r["prefetch"] for r in runs))
+    d = c.per_step(expert_bytes, "token")
     return {"tpot_median_s": float(np.median(t)), "tpot_p90_s": float(np.percentile(t, 90)),
-            "tokens_per_s": float(1 / np.median(t)), "hit_rate": c.hit_rate,
-            "adjusted_hit_rate": c.adjusted_hit_rate, "demand_loads_per_token": c.loads / tokens,
-            "prefetch_loads_per_token": c.prefetches / tokens,
+            "tokens_per_s": float(1 / np.median(t)),
+            **{k: d[k] for k in ("hit_rate", "adjusted_hit_rate", "demand_loads_per_token",
+                                 "prefetch_loads_per_token")},
             "prefetch_dropped": sum(r["dropped"] for r in runs),
-            "traffic_bytes_per_token": c.traffic_per_step(expert_bytes),
+            "traffic_bytes_per_token": d["traffic_bytes_per_token"],
             "stall_per_token_s": sum(r["stall"] for r in runs) / tokens}
 
 

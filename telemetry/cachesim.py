@@ -85,6 +85,16 @@ class CacheResult:
     def misses_per_step(self) -> float:
         return (self.accesses - self.hits) / self.steps if self.steps else 0.0
 
+    def per_step(self, bytes_per_key: int, unit: str = "step") -> dict:
+        """The per-step figures every command prints (METRICS.md), named per `unit` (`token` where a step is an
+        output token): hit rate, adjusted hit rate, demand loads, prefetch loads, misses and traffic in bytes."""
+        n = self.steps
+        return {"hit_rate": self.hit_rate, "adjusted_hit_rate": self.adjusted_hit_rate,
+                f"demand_loads_per_{unit}": self.loads / n if n else 0.0,
+                f"prefetch_loads_per_{unit}": self.prefetches / n if n else 0.0,
+                f"misses_per_{unit}": self.misses_per_step,
+                f"traffic_bytes_per_{unit}": self.traffic_per_step(bytes_per_key)}
+
     def to_dict(self) -> dict:
         return {"policy": self.policy, "capacity": self.capacity, "semantics": self.semantics, "steps": self.steps,
                 "accesses": self.accesses, "hits": self.hits, "loads": self.loads, "prefetches": self.prefetches,

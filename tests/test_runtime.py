@@ -353,3 +353,21 @@ def test_the_prefetch_guard_stops_a_predictor_that_does_not_pay_and_keeps_one_th
             assert eng.guard.state == "on" and st.prefetch_loads > 0 and st.prefetch_hits > 0, eng.guard.describe()
         else:
             assert st.prefetch_loads == 0 and st.prefetch_paused > 0, eng.guard.describe()
+
+
+def test_per_token_figures_come_from_one_place():
+    """`Stats.per_token` (what generate, serve, bench decode and bench big print) is `CacheResult.per_step` of
+    the engine's counters, plus bytes moved and stall, over the tokens given."""
+    from expertcache.runtime.engine import Stats
+
+    s = Stats(tokens=10, accesses=80, hits=60, demand_loads=20, prefetch_loads=5, stall_s=0.5, bytes_moved=2500)
+    d = s.per_token(expert_bytes=100)
+    assert d["hit_rate"] == 0.75 and d["adjusted_hit_rate"] == 1 - 25 / 80
+    assert d["demand_loads_per_token"] == 2.0 and d["prefetch_loads_per_token"] == 0.5
+    assert d["misses_per_token"] == 2.0 and d["traffic_bytes_per_token"] == 250.0
+    assert d["bytes_moved_per_token"] == 250.0 and d["stall_per_token_s"] == 0.05
+    half = s.per_token(expert_bytes=100, tokens=20)  # the same counts over twice the tokens
+    assert half["traffic_bytes_per_token"] == 125.0 and half["hit_rate"] == d["hit_rate"]
+    assert s.to_dict(100)["stall_per_token_s"] == 0.05 and s.counters().per_step(100, "token") == \
+        {k: d[k] for k in d if k not in ("bytes_moved_per_token", "stall_per_token_s")}
+    assert Stats().per_token(100)["traffic_bytes_per_token"] == 0.0  # no tokens: zeros, not a division error
