@@ -35,6 +35,7 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from expertcache.telemetry.errors import InputError
+from expertcache.telemetry.hf import check_context, context_length
 
 from .generate import MAX_LOGPROBS, Generation, SamplingParams, chat_prompt, encode
 
@@ -499,7 +500,7 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
         decoder.batch.trace = trace
         metrics.registry.register(_TraceCollector(trace))
     created = int(time.time())
-    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    context = context_length(model)
     from .generate import checkpoint_sampling
 
     sampling = checkpoint_sampling(model)  # the checkpoint's generation_config: defaults for what a request omits
@@ -585,11 +586,8 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
 
     def fit_context(prompt_ids: list[int], params: SamplingParams) -> None:
         """The prompt and max_tokens within the model's context (as OpenAI answers): a request for more would
-        hold the one decode slot past any position the model knows, until its client gives up."""
-        if context and len(prompt_ids) + params.max_tokens > context:
-            left = max(0, context - len(prompt_ids))
-            raise InputError(f"this model's context is {context} tokens: the prompt has {len(prompt_ids)} and "
-                             f"max_tokens={params.max_tokens} asks for more than the {left} left")
+        hold a decode slot past any position the model knows, until its client gives up."""
+        check_context(model, len(prompt_ids), params.max_tokens)
 
     def piece_of(t: int) -> str:
         return tokenizer.decode([t])

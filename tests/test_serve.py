@@ -175,7 +175,7 @@ def test_max_tokens_beyond_the_context_is_refused_and_the_server_goes_on(server)
                                                  "max_tokens": 10 ** 9, "ignore_eos": True, "stream": True}),
                        ("/v1/completions", {"prompt": "thou art", "max_tokens": 4096})):
         r = httpx.post(url + path, json=body, timeout=30)
-        assert r.status_code == 400 and "context is 4096 tokens" in r.json()["error"]["message"], r.text
+        assert r.status_code == 400 and "context is 4096 positions" in r.json()["error"]["message"], r.text
     r = httpx.post(url + "/v1/completions", json={"prompt": "thou", "max_tokens": 2}, timeout=30)
     assert r.status_code == 200
 
