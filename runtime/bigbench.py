@@ -1,11 +1,9 @@
 """`expertcache bench big`: a checkpoint larger than this machine's RAM, decoded by expertcache and by what a user
 runs today, side by side.
 
-1. `write_checkpoint` writes a Qwen3-30B-A3B-shaped checkpoint (hidden 2048, 128 experts of 2048x768, top-8,
-   32 query / 4 KV heads of 128, bf16, random weights) in the per-expert layout of the published checkpoint
-   (`model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`, each expert's three tensors back to back),
-   sharded with an index, with as many layers as make its experts >= `ram_factor` x physical RAM (fewer if the
-   disk cannot hold them: said in the JSON).
+1. `bigckpt.write_checkpoint` writes a Qwen3-30B-A3B-shaped checkpoint (random bf16 weights, the published
+   per-expert layout) with as many layers as make its experts >= `ram_factor` x physical RAM (fewer if the disk
+   cannot hold them: said in the JSON).
 2. Every system decodes the same prompt with the same routing: each router's choice is replaced by the reference
    Qwen3-30B-A3B trace's (a forward hook on the routers), so every cache sees real locality:
    - ``expertcache``: `load(..., tier="disk")`, a cache sized to the memory budget, on-demand and with prefetch
@@ -31,108 +29,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from expertcache.telemetry.atomic import open_log
 from expertcache.telemetry.errors import InputError
 
-from expertcache.telemetry.atomic import atomic_open, open_log, write_json, write_text
-
+from .bigckpt import ALIGN, EXPERTS, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, TOP_K, expert_bytes, physical_ram, \
+    write_checkpoint
 from .checkpoint import free_disk
 from .engine import EngineConfig
 
-HIDDEN, INTER, EXPERTS, TOP_K, HEADS, KV_HEADS, HEAD_DIM = 2048, 768, 128, 8, 32, 4, 128
-ALIGN = 4096
 SYSTEMS = ("expertcache:on-demand", "expertcache:prefetch", "accelerate", "mmap")
-
-
-def big_config(layers: int, vocab: int = 32768):
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=6144, moe_intermediate_size=INTER,
-                          num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                          head_dim=HEAD_DIM, num_experts=EXPERTS, num_experts_per_tok=TOP_K, decoder_sparse_step=1,
-                          norm_topk_prob=True, tie_word_embeddings=False, max_position_embeddings=4096,
-                          bos_token_id=0, eos_token_id=1, pad_token_id=1, dtype="bfloat16")
-
-
-def expert_bytes() -> int:
-    return 3 * HIDDEN * INTER * 2
-
-
-def physical_ram() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _write_shard(path: Path, tensors: list[tuple[str, list[int], object]]) -> None:
-    """A safetensors file streamed tensor by tensor (`fill` is a tensor or a callable making one), data aligned to
-    4 KiB, written to a temporary name and renamed when complete."""
-    header, off = {}, 0
-    for name, shape, _ in tensors:
-        n = int(np.prod(shape)) * 2
-        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [off, off + n]}
-        off += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    pad = (-(8 + len(raw))) % ALIGN
-    raw += b" " * pad
-    with atomic_open(path) as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for _, shape, fill in tensors:
-            t = fill() if callable(fill) else fill
-            f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
-
-
-def write_checkpoint(out: str | Path, layers: int, vocab: int = 32768, layers_per_shard: int = 3,
-                     progress=None) -> Path:
-    """The checkpoint (see the module doc); reused when it is already there and complete."""
-    out = Path(out)
-    cfg = big_config(layers, vocab)
-    if (out / "model.safetensors.index.json").is_file() and (out / "config.json").is_file():
-        from .checkpoint import Checkpoint
-
-        if json.loads((out / "config.json").read_text())["num_hidden_layers"] == layers:
-            Checkpoint(out)  # shards present and complete, or a clear error
-            return out
-    out.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(0)
-
-    def rnd(*shape, scale=0.02):
-        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
-
-    pool = {n: [rnd(*s) for _ in range(8)] for n, s in (("gate_proj", (INTER, HIDDEN)), ("up_proj", (INTER, HIDDEN)),
-                                                         ("down_proj", (HIDDEN, INTER)))}
-    weight_map = {}
-    shards = [list(range(i, min(i + layers_per_shard, layers))) for i in range(0, layers, layers_per_shard)]
-    n_sh = len(shards) + 1
-    for s_i, group in enumerate(shards):
-        name = f"model-{s_i + 1:05d}-of-{n_sh:05d}.safetensors"
-        tensors = []
-        for li in group:
-            p = f"model.layers.{li}"
-            tensors += [(f"{p}.input_layernorm.weight", [HIDDEN], torch.ones(HIDDEN, dtype=torch.bfloat16)),
-                        (f"{p}.post_attention_layernorm.weight", [HIDDEN], torch.ones(HIDDEN, dtype=torch.bfloat16)),
-                        (f"{p}.self_attn.q_proj.weight", [HEADS * HEAD_DIM, HIDDEN], lambda: rnd(HEADS * HEAD_DIM, HIDDEN)),
-                        (f"{p}.self_attn.k_proj.weight", [KV_HEADS * HEAD_DIM, HIDDEN], lambda: rnd(KV_HEADS * HEAD_DIM, HIDDEN)),
-                        (f"{p}.self_attn.v_proj.weight", [KV_HEADS * HEAD_DIM, HIDDEN], lambda: rnd(KV_HEADS * HEAD_DIM, HIDDEN)),
-                        (f"{p}.self_attn.o_proj.weight", [HIDDEN, HEADS * HEAD_DIM], lambda: rnd(HIDDEN, HEADS * HEAD_DIM)),
-                        (f"{p}.self_attn.q_norm.weight", [HEAD_DIM], torch.ones(HEAD_DIM, dtype=torch.bfloat16)),
-                        (f"{p}.self_attn.k_norm.weight", [HEAD_DIM], torch.ones(HEAD_DIM, dtype=torch.bfloat16)),
-                        (f"{p}.mlp.gate.weight", [EXPERTS, HIDDEN], lambda: rnd(EXPERTS, HIDDEN))]
-            for e in range(EXPERTS):  # each expert's three tensors back to back, as published checkpoints are
-                for proj in ("gate_proj", "up_proj", "down_proj"):
-                    w = pool[proj][(e + li) % 8]
-                    tensors.append((f"{p}.mlp.experts.{e}.{proj}.weight", list(w.shape), w))
-        _write_shard(out / name, tensors)
-        weight_map.update({t[0]: name for t in tensors})
-        if progress:
-            progress(len(group))
-    name = f"model-{n_sh:05d}-of-{n_sh:05d}.safetensors"
-    rest = [("model.embed_tokens.weight", [vocab, HIDDEN], lambda: rnd(vocab, HIDDEN)),
-            ("model.norm.weight", [HIDDEN], torch.ones(HIDDEN, dtype=torch.bfloat16)),
-            ("lm_head.weight", [vocab, HIDDEN], lambda: rnd(vocab, HIDDEN))]
-    _write_shard(out / name, rest)
-    weight_map.update({t[0]: name for t in rest})
-    write_text(out / "config.json", cfg.to_json_string())
-    write_json(out / "model.safetensors.index.json", {"metadata": {}, "weight_map": weight_map})  # the marker: last
-    return out
 
 
 class TraceRouting:
