@@ -308,7 +308,7 @@ def fit_predictor(trace: str, out: str, ridge: float = 1.0) -> dict:
 
 def _talk_model(model: Optional[str], engine: EngineConfig, dtype: Optional[str], plain: bool):
     """(model, tokenizer, path) for generate/serve: --model or the quickstart's checkpoint."""
-    from .generate import load_model, resolve_model_arg
+    from .loader import load_model, resolve_model_arg
 
     path = resolve_model_arg(model)
     engine.check()
@@ -349,7 +349,8 @@ def generate(prompt: Optional[str] = None, model: Optional[str] = None,
         field: the JSONL field holding each prompt
         max_batch: sequences decoded together with --prompts
     """
-    from .generate import SamplingParams, checkpoint_sampling, generate_text
+    from .generate import generate_text
+    from .request import SamplingParams, checkpoint_sampling
 
     given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty}
     fallback = {"temperature": 0.8, "top_p": 0.95, "top_k": 0, "repetition_penalty": 1.0}
@@ -378,7 +379,8 @@ def generate(prompt: Optional[str] = None, model: Optional[str] = None,
 def _generate_file(m, tok, prompts: list[str], params, max_batch: int, raw: bool) -> int:
     import json
 
-    from .generate import generate_many, user_prompt
+    from .generate import generate_many
+    from .request import user_prompt
 
     turns = [user_prompt(tok, p, raw) for p in prompts]  # (text, templated): the same templating for every prompt
     texts, templated = [t for t, _ in turns], turns[0][1]

@@ -208,7 +208,8 @@ def timed_greedy(model, prompt: torch.Tensor, n_new: int, engine=None):
     """The benchmarks' pass: `prompt [1, L]` decoded greedily for exactly `n_new` tokens through the decode loop
     (no detokenization). Returns (perf_counter at each new token, output ids `[1, L + n_new]`, the engine's
     counters over the decode steps (None without an engine; `engine`: one not attached as `model.expertcache`))."""
-    from .generate import Generation, SamplingParams
+    from .generate import Generation
+    from .request import SamplingParams
 
     g = Generation(model, None, prompt[0].tolist(), SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True))
     if engine is not None:

@@ -254,3 +254,36 @@ def reattach(model, cfg: EngineConfig, **kw) -> OffloadEngine:
     eng = OffloadEngine(model, model_source, cfg, tier=tier, **kw)
     model.expertcache = eng
     return eng
+
+
+# `make quickstart` (recipes/quickstart.py) leaves its cache-aware post-trained checkpoint here.
+QUICKSTART_MODEL = Path("runs/ca-smoke/model")
+
+
+def load_model(model: str | Path, engine: EngineConfig | None = None, dtype=None, *, aux=None, plain: bool = False):
+    """(model, tokenizer) of a checkpoint directory or cached hub id: `expertcache.runtime.load` under `engine` (the
+    offload engine attached as `model.expertcache`; None: `EngineConfig()`'s defaults), or with `plain` the
+    unmodified `from_pretrained` model, every expert in memory, on `engine.device`. `aux(model)`: the checkpoint's
+    auxiliary routers (predictor spatio, policy scored)."""
+    from expertcache.telemetry.hf import load_causal_lm, load_tokenizer
+
+    path = resolve(model)
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(f"{path} has no tokenizer (tokenizer.json)")
+    tokenizer = load_tokenizer(path)
+    engine = engine if engine is not None else EngineConfig()
+    if plain:
+        m = load_causal_lm(path, dtype=parse_dtype(dtype) or "auto").eval()
+        return m.to(parse_device(engine.device)), tokenizer
+    # the one place the checkpoint is opened through the engine (experts stay on `tier`, read by byte range)
+    return load(path, dtype=dtype, aux=aux, engine=engine), tokenizer
+
+
+def resolve_model_arg(model: str | None) -> Path:
+    """`--model`, or the quickstart's final checkpoint when none is given."""
+    if model:
+        return Path(model)
+    if not (QUICKSTART_MODEL / "config.json").is_file():
+        raise FileNotFoundError(f"no --model given and no quickstart model at {QUICKSTART_MODEL}: run "
+                                f"`make quickstart` first, or pass --model DIR")
+    return QUICKSTART_MODEL

@@ -37,7 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from expertcache.telemetry.errors import InputError
 from expertcache.telemetry.hf import check_context, context_length
 
-from .generate import MAX_LOGPROBS, Generation, SamplingParams, chat_prompt, encode
+from .generate import Generation
+from .request import MAX_LOGPROBS, SamplingParams, chat_prompt, encode
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 8  # choices per prompt
@@ -501,7 +502,7 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
         metrics.registry.register(_TraceCollector(trace))
     created = int(time.time())
     context = context_length(model)
-    from .generate import checkpoint_sampling
+    from .request import checkpoint_sampling
 
     sampling = checkpoint_sampling(model)  # the checkpoint's generation_config: defaults for what a request omits
 

@@ -55,7 +55,9 @@ class LiveTrace:
                                   extra={"source": "expertcache serve --trace", "rotate_tokens": rotate_tokens})
         self.n_layers = len(self.rec.layers)
         self.q: queue.Queue = queue.Queue(maxsize=queue_max)
-        self.tokens = self.dropped_tokens = 0
+        # each counter is written by one thread only: handed over and dropped on the way by the decode thread,
+        # written and dropped after a write error by the writer
+        self.tokens = self.handed_tokens = self._dropped_decode = self._dropped_writer = 0
         self.paths: list[Path] = []
         self.error: str | None = None
         self._next_seq = 0
@@ -88,14 +90,15 @@ class LiveTrace:
         try:
             out = rows_from_calls(calls, [(seq, pos)], False, False)
         except RuntimeError:  # a forward the hooks saw differently (e.g. an aborted one): not recorded
-            self.dropped_tokens += len(seq)
+            self._dropped_decode += len(seq)
             return
         order = np.lexsort((pos, seq))
         out["token"] = np.repeat(tok[order], self.n_layers)
         try:
             self.q.put_nowait((phase, out, reqs, len(seq)))
+            self.handed_tokens += len(seq)
         except queue.Full:
-            self.dropped_tokens += len(seq)
+            self._dropped_decode += len(seq)
 
     def _write_loop(self) -> None:
         w, idx, in_file, reqs = None, self._start, 0, {}
@@ -125,7 +128,7 @@ class LiveTrace:
                 item = self.q.get()
                 if item is None:
                     return
-                self.dropped_tokens += item[3]
+                self._dropped_writer += item[3]
         if w is not None:
             self._finish(w, reqs)
 
@@ -136,8 +139,15 @@ class LiveTrace:
         write_json(w.path.with_name(w.path.stem + ".requests.json"), {"requests": reqs})
         self.paths.append(w.path)
 
+    @property
+    def dropped_tokens(self) -> int:
+        return self._dropped_decode + self._dropped_writer
+
     def describe(self) -> dict:
-        return {"dir": str(self.dir), "files": len(self.paths), "tokens": self.tokens,
+        """`tokens`: written to trace files; `pending_tokens`: handed to the writer, not yet written (a moment
+        after a request ends, its last tokens may still be here); `dropped_tokens`: never recorded."""
+        pending = self.handed_tokens - self.tokens - self._dropped_writer
+        return {"dir": str(self.dir), "files": len(self.paths), "tokens": self.tokens, "pending_tokens": pending,
                 "dropped_tokens": self.dropped_tokens, "rotate_tokens": self.rotate_tokens, "error": self.error}
 
     def close(self) -> None:

@@ -9,8 +9,9 @@ from tiny_lm import make_tiny_checkpoint, one_torch_thread  # noqa: F401 - autou
 
 from expertcache.recipes.cli import main
 from expertcache.runtime.engine import EngineConfig, offload
-from expertcache.runtime.generate import (Generation, SamplingParams, chat_prompt, encode, generate_text,
-                                          load_model)
+from expertcache.runtime.generate import Generation, generate_text
+from expertcache.runtime.loader import load_model
+from expertcache.runtime.request import SamplingParams, chat_prompt, encode
 from expertcache.runtime.store import write_store
 
 PROMPT = "thou art the king"
@@ -166,7 +167,7 @@ def test_the_checkpoint_generation_config_gives_the_sampling_defaults():
 
     from transformers import GenerationConfig
 
-    from expertcache.runtime.generate import checkpoint_sampling
+    from expertcache.runtime.request import checkpoint_sampling
     from expertcache.runtime.serve import CompletionRequest, _params
 
     def ck(**kw):

@@ -27,7 +27,7 @@ def test_import_expertcache_registers_the_lm_eval_model(tmp_path):
 @pytest.fixture(scope="module")
 def served(tiny_data, tmp_path_factory):
     from expertcache.runtime.engine import EngineConfig
-    from expertcache.runtime.generate import load_model
+    from expertcache.runtime.loader import load_model
     from expertcache.runtime.serve import create_app
 
     root = tmp_path_factory.mktemp("lm_eval_server")

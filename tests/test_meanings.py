@@ -164,7 +164,9 @@ def test_every_decode_path_checks_prompt_and_new_tokens_against_the_models_posit
     from tiny_lm import make_tiny_checkpoint
 
     from expertcache.recipes.cli import main
-    from expertcache.runtime.generate import Generation, SamplingParams, load_model
+    from expertcache.runtime.generate import Generation
+    from expertcache.runtime.loader import load_model
+    from expertcache.runtime.request import SamplingParams
     from expertcache.telemetry.recorder import record_blocks
 
     ckpt = make_tiny_checkpoint(tmp_path / "m", max_positions=64)
