@@ -8,13 +8,14 @@
   call so the weights come from memory, not cache: bytes of the 8 experts / median time, per format (bf16, int8,
   int4; group 32) and thread count, beside this machine's memory read bandwidth at that thread count (the
   extension's streaming read of 1 GiB, median of 5). Target: >= 0.7 of it at one thread.
-- `pairs` (with `--model`, a bf16 Hugging Face checkpoint with its tokenizer): the model decoded with every
-  expert resident (`load(capacity=1.0, tier="host", kernel="cpu")`, greedy `generate`, time per output token
-  = (t(generate 1 + N) - t(generate 1)) / N), against `llama-bench -p 0 -n N` on the GGUF conversion of the same
-  weights (`scripts/llamacpp_peer.py`): bf16 vs BF16, int8 vs Q8_0, int4 vs Q4_0. Our int8/int4 checkpoints come
-  from `expertcache quantize` (routed experts only: attention and the lm head stay bf16, where llama-quantize
-  quantizes every matrix). Each round runs every (format, threads) pair, ours then theirs, in fresh processes;
-  the figure is the median over rounds. Target: ours <= 1.25x theirs in each pair.
+- `pairs` (with `--model`, a bf16 Hugging Face checkpoint with its tokenizer): the model decoded with every expert
+  resident (`load(capacity=1.0, tier="host", kernel="cpu")`, greedy decode through the decode loop of generate and
+  serve (`decode.timed_greedy`), time per output token = the N decode steps after the prefill / N), against
+  `llama-bench -p 0 -n N` on the GGUF conversion of the same weights (`scripts/llamacpp_peer.py`): bf16 vs BF16,
+  int8 vs Q8_0, int4 vs Q4_0. Our int8/int4 checkpoints come from `expertcache quantize` (routed experts only:
+  attention and the lm head stay bf16, where llama-quantize quantizes every matrix). Each round runs every (format,
+  threads) pair, ours then theirs, in fresh processes; the figure is the median over rounds. Target: ours <= 1.25x
+  theirs in each pair.
 Run it alone: a second busy process moves these figures by 2-5x.
 """
 
@@ -88,17 +89,15 @@ def worker(model: str, threads: int, tokens: int, reps: int) -> dict:
     m = load(model, capacity=1.0, tier="host", kernel="cpu", verify=False)
     load_s = time.perf_counter() - t0
 
-    def gen(n, seed):
-        ids = torch.randint(2, 4000, (1, 8), generator=torch.Generator().manual_seed(seed))
-        t = time.perf_counter()
-        m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids),
-                   pad_token_id=1)
-        return time.perf_counter() - t
+    from expertcache.runtime.decode import timed_greedy
 
-    gen(4, 0)  # warm-up
-    tp = []
-    for r in range(reps):
-        tp.append((gen(1 + tokens, r + 1) - gen(1, r + 1)) / tokens)
+    def tpot(n, seed):  # the decode loop of generate and serve; its clock excludes the prefill
+        ids = torch.randint(2, 4000, (1, 8), generator=torch.Generator().manual_seed(seed))
+        times, _, _ = timed_greedy(m, ids, n + 1)
+        return (times[-1] - times[0]) / n
+
+    tpot(4, 0)  # warm-up
+    tp = [tpot(tokens, r + 1) for r in range(reps)]
     return {"tpot_s": statistics.median(tp), "tpot_runs_s": tp, "load_s": load_s}
 
 

@@ -85,15 +85,16 @@ class CacheResult:
     def misses_per_step(self) -> float:
         return (self.accesses - self.hits) / self.steps if self.steps else 0.0
 
-    def per_step(self, bytes_per_key: int, unit: str = "step") -> dict:
+    def per_step(self, bytes_per_key: int, unit: str = "step", steps: int | None = None) -> dict:
         """The per-step figures every command prints (METRICS.md), named per `unit` (`token` where a step is an
-        output token): hit rate, adjusted hit rate, demand loads, prefetch loads, misses and traffic in bytes."""
-        n = self.steps
+        output token): hit rate, adjusted hit rate, demand loads, prefetch loads, misses and traffic in bytes.
+        `steps`: as in `traffic_per_step` (the token count of several layers' caches added together)."""
+        n = self.steps if steps is None else steps
         return {"hit_rate": self.hit_rate, "adjusted_hit_rate": self.adjusted_hit_rate,
                 f"demand_loads_per_{unit}": self.loads / n if n else 0.0,
                 f"prefetch_loads_per_{unit}": self.prefetches / n if n else 0.0,
-                f"misses_per_{unit}": self.misses_per_step,
-                f"traffic_bytes_per_{unit}": self.traffic_per_step(bytes_per_key)}
+                f"misses_per_{unit}": (self.accesses - self.hits) / n if n else 0.0,
+                f"traffic_bytes_per_{unit}": self.traffic_per_step(bytes_per_key, n)}
 
     def to_dict(self) -> dict:
         return {"policy": self.policy, "capacity": self.capacity, "semantics": self.semantics, "steps": self.steps,

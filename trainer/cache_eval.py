@@ -75,11 +75,12 @@ def cache_table(ids: np.ndarray, caps: list[int], num_experts: int, bytes_per_ex
             per_layer = [simulate_scored(ids[i], cap, keep[i] if k_on else None, prefetch[i] if p_on else None)
                          for i in range(n_layers)]
             r = sum(per_layer[1:], per_layer[0])  # every layer's cache together: one set of counters
+            d = r.per_step(bytes_per_expert, "token", n_tok)
             rows.append({"policy": name, "capacity": cap, "capacity_frac": cap / num_experts, "accesses": r.accesses,
                          "hit_rate": r.hit_rate, "adjusted_hit_rate": r.adjusted_hit_rate,
                          "demand_loads": r.loads, "prefetch_loads": r.prefetches,
-                         "misses_per_token": r.loads / n_tok,
-                         "traffic_bytes_per_token": r.traffic_per_step(bytes_per_expert, n_tok),
+                         "misses_per_token": d["misses_per_token"],
+                         "traffic_bytes_per_token": d["traffic_bytes_per_token"],
                          "belady_hit_rate": bel / r.accesses, "of_belady": r.hits / bel if bel else None})
     return rows
 
