@@ -83,13 +83,15 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
     if (model is None) == (replay is None):
         raise InputError("bench decode needs exactly one of --model CKPT or --replay TRACE")
     if replay is not None:
+        from .engine import ENGINE_POLICIES
         from .replay import REFERENCE_TRACE, check_replay_predictor, plot_recall, replay_benchmark, table
 
         preds = [p for p in (predictors or []) if p != "none"] or \
             ["persistence", "cooccurrence", "oracle:0.25", "oracle:0.5", "oracle:0.75", "oracle"]
         for p in preds:
             check_replay_predictor(p)
-        policy_file = engine.policy.split(":", 1)[1] if engine.policy.startswith("learned:") else None
+        policy = ENGINE_POLICIES.parse(engine.policy)
+        policy_file = policy.arg if policy.name == "learned" else None
         with Progress() as prog:
             task = prog.add_task("replay passes", total=rounds * (2 + len(preds)))
             res = replay_benchmark(REFERENCE_TRACE if replay == "reference" else replay, expert_shape,

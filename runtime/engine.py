@@ -36,9 +36,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from expertcache.telemetry.cache import CacheState, reroute_choice
+from expertcache.telemetry.cache import POLICY_REGISTRY, CacheState, reroute_choice
 from expertcache.telemetry.cachesim import CacheResult
 from expertcache.telemetry.errors import InputError
+from expertcache.telemetry.registry import Registry
 
 from . import cpu_kernels
 from .checkpoint import StoreExperts
@@ -47,7 +48,17 @@ from .predictors import Predictor
 from .store import check_store, read_store_meta
 from .tiers import SlotPool, TierSpec, available_memory, choose_tier, make_tier, tier_host_bytes
 
-MISS_POLICIES = ("blocking", "reroute", "speculative", "host")
+# What a step does about a missing expert (the module's docstring, step 1 and 3; `OffloadEngine.run_layer`):
+# wait for it, swap it for a resident one within tau, run the prediction instead, or compute it where it lives.
+# `lossy`: outputs depend on the cache state.
+MISS_REGISTRY = Registry("miss policy")
+MISS_REGISTRY.register("blocking")
+MISS_REGISTRY.register("reroute", tags=("lossy",))
+MISS_REGISTRY.register("speculative", tags=("lossy",))
+MISS_REGISTRY.register("host")
+MISS_POLICIES = MISS_REGISTRY.names()
+LOSSY_MISS = MISS_REGISTRY.view("lossy")
+ENGINE_POLICIES = POLICY_REGISTRY.view("engine")  # lru, lfu, static, scored, learned:FILE
 KERNELS = ("native", "cpu", "auto", "triton")
 # shared stream slots per staging slot: a step that misses more than k experts (a batch of sequences, a prefill)
 # has up to (1 + this) x k loads in flight at once instead of waves of k (on the quickstart's model, 8 clients at
@@ -146,7 +157,7 @@ class EngineConfig:
     @property
     def lossy(self) -> bool:
         """Outputs depend on the cache state (evaluated one token at a time); `host` only reorders a sum."""
-        return self.miss in ("reroute", "speculative")
+        return self.miss in LOSSY_MISS
 
     def label(self) -> str:
         c = self.capacity  # 1 (a count: one expert) and 1.0 (a fraction: all E) must not print alike
@@ -176,16 +187,11 @@ class EngineConfig:
                 or not math.isfinite(self.budget_gb) or self.budget_gb < 0:
             raise InputError(f"budget_gb={self.budget_gb!r}; expected GiB >= 0 (0: use capacity)")
         TierSpec.parse(self.tier)
-        if self.miss not in MISS_POLICIES:
-            raise InputError(f"unknown miss policy {self.miss!r}; expected one of {', '.join(MISS_POLICIES)}")
+        MISS_REGISTRY.parse(self.miss)
         if self.miss == "host" and TierSpec.parse(self.tier).kind not in ("host", "throttled", "auto"):
             raise InputError(f"miss policy host computes experts where they live: it needs the host or a "
                              f"throttled tier, not {self.tier}")
-        from expertcache.telemetry.cache import POLICIES
-
-        if self.policy not in POLICIES and not self.policy.startswith("learned:"):
-            raise InputError(f"unknown cache policy {self.policy!r}; expected one of {', '.join(POLICIES)} or "
-                             f"learned:FILE")
+        ENGINE_POLICIES.parse(self.policy)
         if self.budget not in ("layer", "global"):
             raise InputError(f"budget={self.budget!r}; expected layer or global")
         if self.device not in ("cpu", "cuda"):
@@ -492,13 +498,13 @@ class OffloadEngine:
                              + (" or use --engine.tier disk" if big_host else "") + ")")
         self.tier = tier or make_tier(cfg.tier, self.source, fast)
         self.predictor = predictor or Predictor()
-        self.cache_policy = cfg.policy
-        if cfg.policy.startswith("learned:"):  # a learned eviction policy (`expertcache fit-policy`): lossless
+        policy = ENGINE_POLICIES.parse(cfg.policy)
+        self.cache_policy = policy.name
+        if policy.name == "learned":  # a learned eviction policy (`expertcache fit-policy`): lossless
             from expertcache.telemetry.learned_policy import LearnedPolicy
 
             if keep_scores is None:
-                keep_scores = LearnedPolicy.load(cfg.policy.split(":", 1)[1], num_experts=e, top_k=k,
-                                                 num_layers=len(self.layers))
+                keep_scores = LearnedPolicy.load(policy.arg, num_experts=e, top_k=k, num_layers=len(self.layers))
             self.cache_policy = "scored"
         self.keep_scores = keep_scores
         if self.cache_policy == "scored" and keep_scores is None:

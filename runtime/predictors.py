@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from expertcache.telemetry.errors import InputError
+from expertcache.telemetry.registry import Registry
 
 
 class RouterHeadsConfig(Protocol):
@@ -209,56 +210,85 @@ class SpatioPredictor(Predictor):
         return self.aux.spatio_scores(layer + 1, hidden.float(), self.routers[layer + 1]).sigmoid()
 
 
+def _distance(s: str) -> int:
+    if not (s.isdigit() and 1 <= int(s) <= 64):
+        raise ValueError(s)
+    return int(s)
+
+
+def _recall(s: str) -> float:
+    r = float(s)
+    if not 0.0 <= r <= 1.0:
+        raise ValueError(s)
+    return r
+
+
+# Every predictor name, once. `live`: built for a model by `make_predictor` as `factory(arg, model, aux,
+# num_experts, hidden_size)`; `replay`: predicted from a trace by the replay (`runtime.replay.predicted`), which
+# alone knows the trace (cooccurrence, the oracle: no factory here).
+PREDICTOR_REGISTRY = Registry("predictor")
+
+
+@PREDICTOR_REGISTRY.register("none", tags=("live", "replay"), aliases=("",))
+def _none(arg, model, aux, num_experts, hidden_size):
+    return Predictor()
+
+
+@PREDICTOR_REGISTRY.register("probe", takes_arg="D", default="1", convert=_distance,
+                             arg_help="a lookahead distance D from 1 to 64, e.g. probe:1", tags=("live",))
+def _probe(d, model, aux, num_experts, hidden_size):
+    if model is None:
+        raise InputError("the lookahead probe needs the model's routers")
+    return ProbePredictor(model, d)
+
+
+@PREDICTOR_REGISTRY.register("persistence", tags=("live", "replay"))
+def _persistence(arg, model, aux, num_experts, hidden_size):
+    return PersistencePredictor(num_experts)
+
+
+@PREDICTOR_REGISTRY.register("estimator", takes_arg="FILE", arg_help="a file written by `expertcache fit-predictor`",
+                             tags=("live",))
+def _estimator(path, model, aux, num_experts, hidden_size):
+    return EstimatorPredictor.load(path, num_experts, hidden_size)
+
+
+@PREDICTOR_REGISTRY.register("spatio", tags=("live",))
+def _spatio(arg, model, aux, num_experts, hidden_size):
+    if aux is None:
+        raise InputError("predictor spatio needs a checkpoint with aux_routers.safetensors (a joint or aux-only "
+                         "train-cache-aware run)")
+    return SpatioPredictor(model, aux)
+
+
+PREDICTOR_REGISTRY.register("cooccurrence", tags=("replay",))
+PREDICTOR_REGISTRY.register("oracle", takes_arg="recall", default="1", convert=_recall,
+                            arg_help="the fraction of the true experts it names, in [0, 1]; oracle alone is 1",
+                            tags=("replay",))
+LIVE_PREDICTORS = PREDICTOR_REGISTRY.view("live")
+REPLAY_PREDICTORS = PREDICTOR_REGISTRY.view("replay", kind="replay predictor")  # what a trace itself can predict
+
+
+def _live(spec):
+    """A live predictor's spec parsed; a replay's predictor named here is told where it runs."""
+    if spec not in LIVE_PREDICTORS and spec in REPLAY_PREDICTORS:
+        raise InputError(f"predictor {spec!r}: a replay's predictor (it needs the trace): use it with "
+                         f"`expertcache bench decode --replay TRACE --predictors [{spec}]`")
+    return LIVE_PREDICTORS.parse(spec)
+
+
 def check_predictor_spec(spec: str) -> None:
     """A live predictor's name, checked before any work (the model is not needed): none, probe:D, persistence,
     estimator:FILE (the file exists) or spatio."""
-    if not isinstance(spec, str):
-        raise InputError(f"predictor {spec!r}: expected a name (none, probe:1, persistence, estimator:FILE, spatio)")
-    if spec in ("none", "", "persistence", "spatio"):
-        return
-    if spec.startswith("probe"):
-        arg = spec.split(":", 1)[1] if ":" in spec else "1"
-        if spec.split(":", 1)[0] == "probe" and arg.isdigit() and 1 <= int(arg) <= 64:
-            return
-        raise InputError(f"predictor {spec!r}: expected probe:D with a lookahead distance D >= 1 (probe:1)")
-    if spec.startswith("estimator:"):
-        if not Path(spec.split(":", 1)[1]).is_file():
-            raise InputError(f"estimator {spec.split(':', 1)[1]} not found (fit one with `expertcache "
-                             f"fit-predictor`)")
-        return
-    if spec.startswith(("oracle", "cooccurrence")):
-        raise InputError(f"predictor {spec}: a replay's predictor (it needs the trace): use it with "
-                         f"`expertcache bench decode --replay TRACE`")
-    raise InputError(f"unknown predictor {spec!r}; expected none, probe:1, probe:2, persistence, estimator:<file> "
-                     f"or spatio")
+    p = _live(spec)
+    if p.name == "estimator" and not Path(p.arg).is_file():
+        raise InputError(f"estimator {p.arg} not found (fit one with `expertcache fit-predictor`)")
 
 
 def make_predictor(spec: str, model=None, aux=None, num_experts: int | None = None, hidden_size: int | None = None):
-    """`none`, `probe:1`, `probe:2`, `persistence`, `estimator:<file>`, `spatio`."""
-    if spec in ("none", ""):
-        return Predictor()
-    if spec.startswith("probe"):
-        arg = spec.split(":", 1)[1] if ":" in spec else "1"
-        if spec.split(":", 1)[0] != "probe" or not arg.isdigit() or not 1 <= int(arg) <= 64:
-            raise InputError(f"predictor {spec!r}: expected probe:D with a lookahead distance D >= 1 (probe:1)")
-        d = int(arg)
-        if model is None:
-            raise InputError("the lookahead probe needs the model's routers")
-        return ProbePredictor(model, d)
-    if spec == "persistence":
-        return PersistencePredictor(num_experts)
-    if spec.startswith("estimator:"):
-        return EstimatorPredictor.load(spec.split(":", 1)[1], num_experts, hidden_size)
-    if spec == "spatio":
-        if aux is None:
-            raise InputError("predictor spatio needs a checkpoint with aux_routers.safetensors (a joint or aux-only "
-                             "train-cache-aware run)")
-        return SpatioPredictor(model, aux)
-    if spec.startswith("oracle"):
-        raise InputError("the oracle knows routing before it is computed: only a replay has it (expertcache bench "
-                         "decode --replay TRACE --predictors [oracle:0.5]; oracle alone is recall 1)")
-    raise InputError(f"unknown predictor {spec!r}; expected none, probe:1, probe:2, persistence, estimator:<file> "
-                     f"or spatio")
+    """A live predictor (`LIVE_PREDICTORS`): `none`, `probe[:D]`, `persistence`, `estimator:<file>`, `spatio`."""
+    p = _live(spec)
+    return p.obj(p.arg, model, aux, num_experts, hidden_size)
 
 
 class TemporalKeep:

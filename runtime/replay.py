@@ -12,6 +12,7 @@ the same tokens (METRICS.md: speedups are ratios within one run).
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from expertcache.telemetry.parquet_trace import load_routing
 
 from .checkpoint import StoreExperts
 from .engine import EngineConfig, OffloadEngine
-from .predictors import Predictor
+from .predictors import REPLAY_PREDICTORS, Predictor
 from .store import STORE_DIR, read_store_meta, write_random_store
 from .tiers import make_tier, measure_bandwidth
 
@@ -123,29 +124,17 @@ class CooccurrencePredictor(Predictor):
         return torch.from_numpy(s).float()[None, :]
 
 
-REPLAY_PREDICTORS = ("none", "persistence", "cooccurrence", "oracle")  # what a trace itself can predict
-
-
 def check_replay_predictor(p: str) -> None:
-    """Replay predictors come from the trace (`cooccurrence`: counts of which experts follow which, fitted on
-    the trace's earlier tokens; not the runtime's ridge `estimator:FILE`, which needs hidden states)."""
-    if p in REPLAY_PREDICTORS:
-        return
-    if p.startswith("oracle:"):
-        try:
-            r = float(p.split(":", 1)[1])
-        except ValueError:
-            r = -1.0
-        if 0.0 <= r <= 1.0:
-            return
-    raise InputError(f"replay predictor {p!r}; expected one of {', '.join(REPLAY_PREDICTORS)} or oracle:<recall "
-                     f"in [0, 1]>")
+    """Replay predictors (`predictors.REPLAY_PREDICTORS`) come from the trace (`cooccurrence`: counts of which
+    experts follow which, fitted on the trace's earlier tokens; not the runtime's ridge `estimator:FILE`, which
+    needs hidden states)."""
+    REPLAY_PREDICTORS.parse(p)
 
 
 @dataclass
 class ReplayConfig:
     name: str
-    predictor: str = "none"  # one of REPLAY_PREDICTORS, or oracle:<recall>
+    predictor: str = "none"  # one of predictors.REPLAY_PREDICTORS: none, persistence, cooccurrence, oracle[:<recall>]
     prefetch: bool = False
     belady: bool = False  # evict by the trace's next use (the offline bound), instead of LRU
     policy: str | None = None  # another cache policy (e.g. learned:FILE); default LRU (Belady when `belady`)
@@ -161,6 +150,9 @@ def next_use_scores(ids: np.ndarray, num_experts: int) -> np.ndarray:
     return -out
 
 
+_replay_spec = functools.lru_cache(maxsize=None)(REPLAY_PREDICTORS.parse)  # once per name, not per step
+
+
 def predicted(cfg: ReplayConfig, ids, est, rng, i: int, t: int, k: int, e: int) -> list[int]:
     """Layer i+1's experts at token t as `cfg.predictor` sees them when layer i starts (wrapping to layer 0
     of token t+1 after the last layer)."""
@@ -168,21 +160,19 @@ def predicted(cfg: ReplayConfig, ids, est, rng, i: int, t: int, k: int, e: int) 
     ni, nt = (i + 1, t) if i + 1 < n_l else (0, t + 1)
     if nt >= ids.shape[1]:
         return []
-    p = cfg.predictor
-    if p == "persistence":
+    p = _replay_spec(cfg.predictor)
+    if p.name == "persistence":
         return ids[ni, nt - 1].tolist() if nt >= 1 else []
-    if p == "cooccurrence":
+    if p.name == "cooccurrence":
         prev = ids[ni, nt - 1] if nt >= 1 else None
         if ni == 0:  # across tokens there is no layer-to-layer evidence: persistence
             return prev.tolist() if prev is not None else []
         return np.argsort(-est.scores(i, ids[i, t], prev))[:k].tolist()
-    if p.startswith("oracle"):
-        recall = float(p.split(":", 1)[1]) if ":" in p else 1.0
+    if p.name == "oracle":
         true = ids[ni, nt].tolist()
-        keep = [x for x in true if rng.random() < recall]
+        keep = [x for x in true if rng.random() < p.arg]  # p.arg: the recall
         wrong = [x for x in rng.permutation(e).tolist() if x not in true][:k - len(keep)]
         return keep + wrong
-    check_replay_predictor(p)
     return []  # none
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from expertcache.telemetry.errors import InputError
+from expertcache.telemetry.registry import Registry
 
 from .store import ALIGN, CHECKSUM, StoreMeta, aligned_buffer, hasher, open_direct
 
@@ -307,6 +308,44 @@ class CudaTier(HostTier):
         return self.meta.expert_bytes
 
 
+def _gbps(s: str) -> float:
+    g = float(s)
+    if not (g > 0 and g != float("inf")):
+        raise ValueError(s)
+    return g
+
+
+# Every tier name, once: each builds its tier as `factory(arg, source, device)` (`make_tier`).
+TIER_REGISTRY = Registry("tier")
+
+
+@TIER_REGISTRY.register("auto")
+def _auto(arg, source, device):
+    raise InputError("tier auto is the engine's choice, by the memory available (OffloadEngine); here name the tier: "
+                     "disk or host (or cuda, throttled:<GB/s>)")
+
+
+@TIER_REGISTRY.register("disk")
+def _disk(arg, source, device):
+    return DiskTier(source)
+
+
+@TIER_REGISTRY.register("host")
+def _host(arg, source, device):  # slots on a GPU: the host copy is pinned and copied on a side stream
+    return CudaTier(source) if device == "cuda" else HostTier(source)
+
+
+@TIER_REGISTRY.register("cuda")
+def _cuda(arg, source, device):
+    return CudaTier(source)
+
+
+@TIER_REGISTRY.register("throttled", takes_arg="GB/s", convert=_gbps, arg_help="a positive, finite GB/s, e.g. "
+                        "throttled:16")
+def _throttled(gbps, source, device):
+    return ThrottledTier(source, gbps)
+
+
 @dataclass
 class TierSpec:
     kind: str
@@ -314,29 +353,15 @@ class TierSpec:
 
     @classmethod
     def parse(cls, s: str) -> "TierSpec":
-        if s in ("disk", "host", "cuda", "auto"):
-            return cls(s)
-        if isinstance(s, str) and s.startswith("throttled:"):
-            try:
-                g = float(s.split(":", 1)[1])
-            except ValueError:
-                g = float("nan")
-            if g > 0 and g != float("inf"):
-                return cls("throttled", g)
-        raise InputError(f"unknown tier {s!r}; expected auto, disk, host, cuda or throttled:<GB/s> (e.g. throttled:16)")
+        t = TIER_REGISTRY.parse(s)
+        return cls(t.name, t.arg)
 
 
 def make_tier(spec: str, source, device: str = "cpu") -> Tier:
     """The slow tier for `source` (a `checkpoint.CheckpointExperts` or `StoreExperts`). With slots on a GPU the
     host tier holds pinned memory and copies on a side stream; the disk tier stages through host memory."""
-    t = TierSpec.parse(spec)
-    if t.kind == "cuda" or (t.kind == "host" and device == "cuda"):
-        return CudaTier(source)
-    if t.kind == "disk":
-        return DiskTier(source)
-    if t.kind == "host":
-        return HostTier(source)
-    return ThrottledTier(source, t.gbps)
+    t = TIER_REGISTRY.parse(spec)
+    return t.obj(t.arg, source, device)
 
 
 def choose_tier(meta: StoreMeta, fast_bytes: int, workers: int, share: float = 0.5) -> tuple[str, str]:

@@ -25,8 +25,21 @@ from collections import OrderedDict
 import numpy as np
 
 from .errors import InputError
+from .registry import Registry
 
-POLICIES = ("lru", "lfu", "static", "scored")
+# Every cache policy name, once. Tags say who takes it: `state` (CacheState itself), `sim` (`cachesim.simulate`),
+# `engine` (`EngineConfig.policy`). belady is the scored policy ranked by a trace's next use (the simulator's
+# offline optimum, `simkernels.belady`); learned:FILE is a fitted policy's keep scores through the scored path
+# (`learned_policy.LearnedPolicy`; the simulator takes its scores as `simulate(policy="learned", keep=...)`).
+POLICY_REGISTRY = Registry("cache policy")
+POLICY_REGISTRY.register("lru", tags=("state", "sim", "engine"))
+POLICY_REGISTRY.register("lfu", tags=("state", "sim", "engine"))
+POLICY_REGISTRY.register("static", tags=("state", "sim", "engine"))
+POLICY_REGISTRY.register("scored", tags=("state", "engine"))
+POLICY_REGISTRY.register("belady", tags=("sim",))
+POLICY_REGISTRY.register("learned", takes_arg="FILE", tags=("engine",))
+STATE_POLICIES = POLICY_REGISTRY.view("state")
+POLICIES = STATE_POLICIES.names()  # ("lru", "lfu", "static", "scored"): what CacheState takes
 
 
 def check_slots(slots: int) -> int:
@@ -39,8 +52,7 @@ def check_slots(slots: int) -> int:
 class CacheState:
     def __init__(self, capacity: int, k: int, policy: str = "lru", pinned: list[int] | None = None,
                  slot_base: int = 0):
-        if policy not in POLICIES:
-            raise InputError(f"unknown cache policy {policy!r}; expected one of {', '.join(POLICIES)}")
+        STATE_POLICIES.parse(policy)
         check_slots(capacity)
         self.capacity, self.k, self.policy = capacity, k, policy
         self.res: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recent first

@@ -29,13 +29,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cache import POLICIES as CACHE_POLICIES
-from .cache import CacheState, check_slots
+from .cache import POLICY_REGISTRY, CacheState, check_slots
 from .errors import InputError
 
-# The one policy list is CacheState's; the simulator replaces `scored` (which needs a predictor's scores) by
-# `belady`, the scored policy ranked by each key's next use in the trace: the offline optimum.
-POLICIES = tuple(p for p in CACHE_POLICIES if p != "scored") + ("belady",)
+# The simulator's view of the one policy registry (`cache.POLICY_REGISTRY`): CacheState's policies with `belady`,
+# the scored policy ranked by each key's next use in the trace (the offline optimum), in place of `scored`.
+SIM_POLICIES = POLICY_REGISTRY.view("sim")
+POLICIES = SIM_POLICIES.names()  # ("lru", "lfu", "static", "belady")
 LEARNED = "learned"  # a fitted policy file's keep scores through the scored path (not in POLICIES: needs a file)
 SEMANTICS = ("token", "reference")
 _INF = 1 << 60
@@ -132,8 +132,7 @@ def capacity_count(capacity: int | float, num_experts: int | None) -> int | None
 
 def _check(steps: np.ndarray, capacity: int, policy: str, semantics: str) -> np.ndarray:
     """`steps` as a C-contiguous int64 `[S, k]` array of distinct non-negative keys per row, or InputError."""
-    if policy not in POLICIES:
-        raise InputError(f"unknown cache policy {policy!r}; expected one of {POLICIES}")
+    SIM_POLICIES.parse(policy)
     if semantics not in SEMANTICS:
         raise InputError(f"unknown semantics {semantics!r}; expected one of {SEMANTICS}")
     check_slots(capacity)

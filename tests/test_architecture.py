@@ -147,6 +147,32 @@ def capacity_violations(trees: dict[str, ast.Module]) -> list[str]:
     return bad
 
 
+# names of a kind of name a user gives (cache and miss policies, predictors, tiers): each list is a registry
+# (`telemetry/registry.py`), and a constant by such a name is derived from it (`POLICIES = REGISTRY.names()`)
+_REGISTERED = re.compile(r"(POLICIES|PREDICTORS|TIERS)$")
+
+
+def name_list_violations(trees: dict[str, ast.Module]) -> list[str]:
+    """A module-level or class-level `*POLICIES`/`*PREDICTORS`/`*TIERS` bound to a literal tuple, list or set of
+    names: a second list beside its registry."""
+    bad = []
+    for rel, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign):
+                targets, value = node.targets, node.value
+            elif isinstance(node, ast.AnnAssign) and node.value is not None:
+                targets, value = [node.target], node.value
+            else:
+                continue
+            if not isinstance(value, (ast.Tuple, ast.List, ast.Set)):
+                continue
+            for t in targets:
+                if isinstance(t, ast.Name) and _REGISTERED.search(t.id):
+                    bad.append(f"{rel}:{node.lineno}: {t.id} is a literal list of names; register them in a "
+                               f"telemetry.registry.Registry and derive it")
+    return bad
+
+
 def _name(node) -> str | None:
     if isinstance(node, ast.Name):
         return node.id
@@ -163,7 +189,8 @@ def trees():
 
 
 @pytest.mark.parametrize("check", [import_violations, write_violations, from_pretrained_violations,
-                                   argparse_violations, capacity_violations], ids=lambda f: f.__name__)
+                                   argparse_violations, capacity_violations, name_list_violations],
+                         ids=lambda f: f.__name__)
 def test_rule_holds(trees, check):
     assert check(trees) == []
 
@@ -178,6 +205,9 @@ def test_rule_holds(trees, check):
     (argparse_violations, "import argparse"),
     (capacity_violations, "c = round(capacity * num_experts)"),
     (capacity_violations, "ok = capacity < 1"),
+    (name_list_violations, "POLICIES = ('lru', 'lfu')"),
+    (name_list_violations, "MISS_POLICIES: tuple = ['blocking', 'host']"),
+    (name_list_violations, "REPLAY_PREDICTORS = ('none', 'oracle')"),
 ], ids=lambda x: x.__name__ if callable(x) else "")
 def test_rules_catch_a_violation(check, snippet):
     """A stray write (or import, load, parser, capacity rule) in a runtime module is reported."""
@@ -195,7 +225,12 @@ def test_atomic_writes_are_not_violations():
     assert write_violations({"runtime/stray.py": ast.parse(ok)}) == []
 
 
+def test_names_derived_from_a_registry_are_not_violations():
+    ok = "POLICIES = POLICY_REGISTRY.view('sim').names()\nSYSTEMS = ('mmap', 'accelerate')\n"
+    assert name_list_violations({"runtime/stray.py": ast.parse(ok)}) == []
+
+
 def test_the_document_states_these_rules():
     doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
-    for phrase in ("test_architecture.py", "atomic.py", "capacity_count", "load_causal_lm"):
+    for phrase in ("test_architecture.py", "atomic.py", "capacity_count", "load_causal_lm", "registry.py"):
         assert phrase in doc, phrase

@@ -154,9 +154,11 @@ def test_a_non_finite_estimator_or_policy_file_is_refused(tmp_path):
             metadata={"kind": KIND, "policy": json.dumps({})})
     with pytest.raises(InputError, match="w0 holds non-finite"):
         LearnedPolicy.load(tmp_path / "p.safetensors")
-    for spec in ("probe:x", "probe:0", "probex", "probe:-1"):  # a malformed spec: one line, not a ValueError
-        with pytest.raises(InputError, match="expected probe:D"):
+    for spec in ("probe:x", "probe:0", "probe:-1"):  # a malformed spec: one line, not a ValueError
+        with pytest.raises(InputError, match="expected probe:<D>"):
             make_predictor(spec, model)
+    with pytest.raises(InputError, match="unknown predictor 'probex'; expected one of: none, probe"):
+        make_predictor("probex", model)
 
 
 def test_every_decode_path_checks_prompt_and_new_tokens_against_the_models_positions(tmp_path, capsys):
@@ -235,7 +237,7 @@ def test_names_are_checked_before_work_and_the_cli_reads_what_it_documents(tmp_p
         EngineConfig(kernel="triton").check()  # on a CPU it used to run the native path without a word
     for spec in ("probe:1", "persistence", "spatio", "none"):
         check_predictor_spec(spec)
-    for spec, why in (("probe:x", "expected probe:D"), ("oracle", "a replay's predictor"),
+    for spec, why in (("probe:x", "expected probe:<D>"), ("oracle", "a replay's predictor"),
                       ("estimator:/nope.safetensors", "not found"), ("prob", "unknown predictor")):
         with pytest.raises(InputError, match=why):
             check_predictor_spec(spec)
