@@ -25,13 +25,12 @@ def open_model(model_dir, engine: EngineConfig | None, dtype="fp32", device="cpu
         m = load_causal_lm(path, dtype=parse_dtype(dtype) or "auto")
         return m.eval().to(device), None
 
-    def aux(model):  # the routers saved beside the checkpoint (spatio predictor, scored policy)
-        from expertcache.trainer.aux_routers import load_aux_routers
+    from expertcache.runtime.predictors import set_aux_routers_loader
+    from expertcache.trainer.aux_routers import load_aux_routers
 
-        return load_aux_routers(model_dir, model)
-
+    set_aux_routers_loader(load_aux_routers)  # the routers saved beside the checkpoint (spatio, scored)
     engine.check()
     from dataclasses import replace
 
-    model = load(path, dtype=dtype, aux=aux, engine=replace(engine, device=device))
+    model = load(path, dtype=dtype, engine=replace(engine, device=device))
     return model, model.expertcache

@@ -196,11 +196,11 @@ def _write_config(parser, cfg) -> None:
 def _call(fn, sub_cfg, parser):
     import inspect
 
-    if fn.__module__.startswith("expertcache.runtime"):  # the trainer's router heads, for the runtime's commands
-        from expertcache.runtime.predictors import set_router_heads_loader
+    if fn.__module__.startswith("expertcache.runtime"):  # the trainer's aux routers, for the runtime's commands
+        from expertcache.runtime.predictors import set_aux_routers_loader
         from expertcache.trainer.aux_routers import load_aux_routers
 
-        set_router_heads_loader(load_aux_routers)
+        set_aux_routers_loader(load_aux_routers)
 
     init = parser.instantiate(sub_cfg)
     kwargs = {k: init[k] for k in inspect.signature(fn).parameters if k in init}

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .engine import EngineConfig, Stats
-from .predictors import TemporalKeep, make_predictor
+from .predictors import TemporalKeep, aux_routers_for, make_predictor
 from .tiers import available_memory, measure_bandwidth
 
 
@@ -50,13 +50,12 @@ def peak_rss_bytes() -> int:
 
 def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineConfig = EngineConfig(tier="disk"),
                  capacities=(0.125, 0.25), predictors=("probe:1",), tokens: int = 64, warmup: int = 8,
-                 rounds: int = 2, load_aux=None, dtype=None, plain: bool | None = None, progress=None) -> dict:
+                 rounds: int = 2, dtype=None, plain: bool | None = None, progress=None) -> dict:
     """The model is built once (`load`: experts stay in the checkpoint) and each configuration (`engine` at each
     of `capacities`: on demand, then with each of `predictors`) is attached to it in turn, pass by pass,
     alternated. `plain` (the unmodified model, every expert in memory, loaded with
     `from_pretrained`) is the reference when the checkpoint fits in half the available memory (None: decide so).
-    `load_aux(model) -> AuxRouters`: the checkpoint's auxiliary routers, for the `spatio` predictor and the
-    `scored` policy (passed in by the caller: the runtime does not depend on the trainer)."""
+    The `spatio` predictor and the `scored` policy read the checkpoint's aux routers (`predictors.aux_routers_for`)."""
     from .checkpoint import Checkpoint
     from .loader import load, parse_device, parse_dtype, reattach, resolve
 
@@ -77,7 +76,7 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineCon
     check_context(m, int(prompts.shape[1]), n_new - 1, "--prompt_len", "--warmup + --tokens")
 
     def attach(cap, pred="none", pol=policy, ms="blocking", tr=tier):
-        aux = load_aux(m) if load_aux is not None and (pred == "spatio" or pol == "scored") else None
+        aux = aux_routers_for(path, m) if pred == "spatio" or pol == "scored" else None
         keep = TemporalKeep(m, aux) if pol == "scored" and aux is not None else None
         cfg = replace(engine, capacity=cap, tier=tr, policy=pol, miss=ms, predictor=pred, device=device)
         return reattach(m, cfg, predictor=make_predictor(pred, m, aux, num_experts=e, hidden_size=m.config.hidden_size),

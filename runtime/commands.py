@@ -19,14 +19,6 @@ def _table(text: str) -> None:
     print("\n" + text, file=sys.stderr)
 
 
-def _aux(model_dir):
-    """The checkpoint's auxiliary routers, loaded on demand (spatio predictor, scored policy), through the loader
-    the entry point installed (`predictors.set_router_heads_loader`)."""
-    from .predictors import router_heads_loader
-
-    return router_heads_loader(model_dir)
-
-
 def _git_commit() -> str:
     import subprocess
 
@@ -127,8 +119,8 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
             check_predictor_spec(p)
         with Progress() as prog:
             task = prog.add_task("decode passes", total=rounds * (2 + len(capacities) * (1 + len(preds))))
-            res = run(model, ids, engine, capacities, preds, tokens, warmup, rounds, load_aux=_aux(model),
-                      dtype=dtype, plain=plain, progress=lambda: prog.advance(task))
+            res = run(model, ids, engine, capacities, preds, tokens, warmup, rounds, dtype=dtype,
+                      plain=plain, progress=lambda: prog.advance(task))
     res["git_commit"] = _git_commit()
     if out:
         from expertcache.telemetry.atomic import write_json
@@ -314,7 +306,7 @@ def _talk_model(model: Optional[str], engine: EngineConfig, dtype: Optional[str]
 
     path = resolve_model_arg(model)
     engine.check()
-    m, tok = load_model(path, dtype=dtype, aux=_aux(path), plain=plain, engine=engine)
+    m, tok = load_model(path, engine, dtype, plain=plain)
     return m, tok, path
 
 

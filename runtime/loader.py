@@ -180,23 +180,23 @@ def _generation_config(model, path: Path) -> None:
 
 
 def load(model: str | Path, capacity: float = 0.25, tier: str = "auto", device: str = "cpu", dtype=None, *,
-         predictor="none", keep_scores=None, aux=None, pinned=None, revision: str | None = None,
+         predictor="none", keep_scores=None, pinned=None, revision: str | None = None,
          verify: bool | None = None, engine: EngineConfig | None = None, **engine_options):
     """An HF causal LM whose routed experts stay on `tier` (read from the checkpoint's own safetensors files) and
     pass through a cache of `capacity` experts per layer (a fraction of E, or a count) on `device`. The defaults
     are `EngineConfig`'s, as in every command: a quarter of the experts, the tier chosen by what fits (`auto`).
 
     `predictor`: a name for `predictors.make_predictor` (none, probe:1, persistence, estimator:FILE, spatio) or a
-    `Predictor`; `aux(model)`: returns the checkpoint's auxiliary routers (spatio predictor, scored policy);
-    `keep_scores`: the scored policy's keep-score source. `verify`: check every expert read against the
-    checkpoint's checksum index (`expertcache verify` writes it); None = `checkpoint.VERIFY_DEFAULT` (on: about 2%
-    of TPOT, scripts/bench_checksum.py), False = off, True = on and warn when there is no index.
-    A mismatch raises `InputError` naming the layer, expert and file. Other keyword arguments are `EngineConfig` fields
-    (policy, miss, tau, budget, prefetch_budget, workers, max_inflight_bytes); or give one `engine: EngineConfig`
-    (what the commands take) instead of them (a `Predictor` object may go beside it). The engine is
-    `model.expertcache`.
+    `Predictor`; the spatio predictor and the scored policy read the checkpoint's aux routers through
+    `predictors.aux_routers_for` (the loader the entry point installed); `keep_scores`: the scored policy's
+    keep-score source. `verify`: check every expert read against the checkpoint's checksum index (`expertcache
+    verify` writes it); None = `checkpoint.VERIFY_DEFAULT` (on: about 2% of TPOT, scripts/bench_checksum.py), False
+    = off, True = on and warn when there is no index. A mismatch raises `InputError` naming the layer, expert and
+    file. Other keyword arguments are `EngineConfig` fields (policy, miss, tau, budget, prefetch_budget, workers,
+    max_inflight_bytes); or give one `engine: EngineConfig` (what the commands take) instead of them (a `Predictor`
+    object may go beside it). The engine is `model.expertcache`.
     """
-    from .predictors import Predictor, TemporalKeep, check_predictor_spec, make_predictor
+    from .predictors import Predictor, TemporalKeep, aux_routers_for, check_predictor_spec, make_predictor
 
     if engine is not None:  # the one carrier of engine options: its fields, nothing given beside it
         given = sorted(engine_options) + (["predictor"] if isinstance(predictor, str) and predictor != "none" else [])
@@ -229,7 +229,7 @@ def load(model: str | Path, capacity: float = 0.25, tier: str = "auto", device: 
     m, source = build_offloaded(path, dtype, verify)
     if dev == "cuda":
         m.to(dev)  # the non-expert model; the experts' modules are still meta and are replaced below
-    aux_routers = aux(m) if aux is not None and (predictor == "spatio" or cfg.policy == "scored") else None
+    aux_routers = aux_routers_for(path, m) if predictor == "spatio" or cfg.policy == "scored" else None
     if cfg.policy == "scored" and keep_scores is None and aux_routers is not None:
         keep_scores = TemporalKeep(m, aux_routers)
     pred = predictor if isinstance(predictor, Predictor) else make_predictor(
@@ -260,11 +260,10 @@ def reattach(model, cfg: EngineConfig, **kw) -> OffloadEngine:
 QUICKSTART_MODEL = Path("runs/ca-smoke/model")
 
 
-def load_model(model: str | Path, engine: EngineConfig | None = None, dtype=None, *, aux=None, plain: bool = False):
+def load_model(model: str | Path, engine: EngineConfig | None = None, dtype=None, *, plain: bool = False):
     """(model, tokenizer) of a checkpoint directory or cached hub id: `expertcache.runtime.load` under `engine` (the
     offload engine attached as `model.expertcache`; None: `EngineConfig()`'s defaults), or with `plain` the
-    unmodified `from_pretrained` model, every expert in memory, on `engine.device`. `aux(model)`: the checkpoint's
-    auxiliary routers (predictor spatio, policy scored)."""
+    unmodified `from_pretrained` model, every expert in memory, on `engine.device`."""
     from expertcache.telemetry.hf import load_causal_lm, load_tokenizer
 
     path = resolve(model)
@@ -276,7 +275,7 @@ def load_model(model: str | Path, engine: EngineConfig | None = None, dtype=None
         m = load_causal_lm(path, dtype=parse_dtype(dtype) or "auto").eval()
         return m.to(parse_device(engine.device)), tokenizer
     # the one place the checkpoint is opened through the engine (experts stay on `tier`, read by byte range)
-    return load(path, dtype=dtype, aux=aux, engine=engine), tokenizer
+    return load(path, dtype=dtype, engine=engine), tokenizer
 
 
 def resolve_model_arg(model: str | None) -> Path:

@@ -28,17 +28,18 @@ from expertcache.telemetry.errors import InputError
 from expertcache.telemetry.registry import Registry
 
 
-class RouterHeadsConfig(Protocol):
+class AuxRoutersConfig(Protocol):
     num_experts: int
     history: int
 
 
-class RouterHeads(Protocol):
-    """What the runtime needs of a checkpoint's auxiliary routers (the trainer's `AuxRouters` is one): a Spatio
-    head that scores layer L's experts from the state entering layer L-1, and a Temporal head that scores layer
-    L's experts for the tokens ahead from the hidden state and the last `history` tokens' routing."""
+class AuxRouters(Protocol):
+    """What the runtime needs of a checkpoint's auxiliary routers (the trainer's `AuxRouters`, saved beside the
+    checkpoint as aux_routers.safetensors): a Spatio head that scores layer L's experts from the state entering
+    layer L-1, and a Temporal head that scores layer L's experts for the tokens ahead from the hidden state and the
+    last `history` tokens' routing."""
 
-    cfg: RouterHeadsConfig
+    cfg: AuxRoutersConfig
     spatio: object | None
     temporal: object | None
 
@@ -48,21 +49,26 @@ class RouterHeads(Protocol):
                         history: torch.Tensor) -> torch.Tensor: ...
 
 
-# How a checkpoint's router heads are loaded: `(checkpoint_dir, model) -> RouterHeads`. The runtime does not import
-# the trainer that defines them; the entry point (expertcache.recipes.cli, or a user's code) installs the loader.
-_HEADS_LOADER: Optional[Callable] = None
+# The one way a checkpoint's aux routers reach the runtime: `(checkpoint_dir, model) -> AuxRouters`, installed by
+# the entry points (the `expertcache` CLI, the evaluation's model opener), since the runtime does not import the
+# trainer that defines them. `loader.load` asks for them when the predictor is spatio or the policy scored.
+_AUX_LOADER: Optional[Callable] = None
 
 
-def set_router_heads_loader(fn: Optional[Callable]) -> None:
-    global _HEADS_LOADER
-    _HEADS_LOADER = fn
+def set_aux_routers_loader(fn: Optional[Callable]) -> None:
+    """Install `fn(checkpoint_dir, model) -> AuxRouters` (in Python: `set_aux_routers_loader(
+    expertcache.trainer.aux_routers.load_aux_routers)`); None uninstalls it."""
+    global _AUX_LOADER
+    _AUX_LOADER = fn
 
 
-def router_heads_loader(checkpoint_dir) -> Optional[Callable]:
-    """`model -> RouterHeads` for `checkpoint_dir` (None when no loader is installed)."""
-    if _HEADS_LOADER is None:
-        return None
-    return lambda model: _HEADS_LOADER(checkpoint_dir, model)
+def aux_routers_for(checkpoint_dir, model) -> AuxRouters:
+    """The aux routers saved beside `checkpoint_dir`, checked against `model`, through the installed loader."""
+    if _AUX_LOADER is None:
+        raise InputError("the spatio predictor and the scored policy need the checkpoint's aux routers, and no "
+                         "loader is installed: call expertcache.runtime.predictors.set_aux_routers_loader("
+                         "expertcache.trainer.aux_routers.load_aux_routers) first (the expertcache CLI does)")
+    return _AUX_LOADER(checkpoint_dir, model)
 
 
 class Predictor:
@@ -195,7 +201,7 @@ class EstimatorPredictor(Predictor):
 class SpatioPredictor(Predictor):
     name = "spatio"
 
-    def __init__(self, model, aux: RouterHeads):
+    def __init__(self, model, aux: AuxRouters):
         from expertcache.telemetry.adapters import adapter_for
 
         if aux.spatio is None:
@@ -296,7 +302,7 @@ class TemporalKeep:
     for a token, its scores for the tokens ahead, from the hidden state entering layer L and the experts the
     layer used at the last `history` tokens (kept here)."""
 
-    def __init__(self, model, aux: RouterHeads):
+    def __init__(self, model, aux: AuxRouters):
         from collections import deque
 
         from expertcache.telemetry.adapters import adapter_for

@@ -202,3 +202,26 @@ def test_one_engine_config_carries_every_option(saved):
     eng.close()
     with pytest.raises(InputError, match="both given"):
         load(d, engine=EngineConfig(), policy="lru")
+
+
+def test_aux_routers_reach_the_runtime_one_way(saved, monkeypatch):
+    """The spatio predictor and the scored policy get the checkpoint's aux routers from the loader an entry point
+    installed (`set_aux_routers_loader`), asked by `load` itself; with none installed, one line says how."""
+    from expertcache.runtime import predictors
+
+    d = saved["qwen3_moe"][0]
+    monkeypatch.setattr(predictors, "_AUX_LOADER", None)
+    with pytest.raises(InputError, match="set_aux_routers_loader"):
+        load(d, capacity=2, tier="host", predictor="spatio")
+    asked = []
+
+    def loader(checkpoint_dir, model):
+        asked.append(checkpoint_dir)
+        raise InputError(f"no auxiliary routers at {checkpoint_dir}")
+
+    predictors.set_aux_routers_loader(loader)
+    with pytest.raises(InputError, match="no auxiliary routers"):
+        load(d, capacity=2, tier="host", policy="scored")
+    assert asked == [d]
+    load(d, capacity=2, tier="host").expertcache.close()  # nothing asks for them otherwise
+    assert asked == [d]
