@@ -77,7 +77,7 @@ def _load_system(system: str, ckpt: Path, budget: int, ids, fit_end: int, engine
 
     if system.startswith("expertcache"):  # expertcache:on-demand | :prefetch, then :int8 / :int4 for quantized
         from .loader import load
-        from .replay import CooccurrenceEstimator, CooccurrencePredictor
+        from .trace_predictors import CooccurrenceEstimator, CooccurrencePredictor
 
         layers = ids.shape[0]
         ram_other = 2 << 30  # non-expert weights (~1.3 GB at this shape), interpreter, activations, staging

@@ -4,6 +4,7 @@ docstrings (expertcache.recipes.cli). Engine options are one `EngineConfig` ever
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Optional
@@ -75,22 +76,17 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
     if (model is None) == (replay is None):
         raise InputError("bench decode needs exactly one of --model CKPT or --replay TRACE")
     if replay is not None:
-        from .engine import ENGINE_POLICIES
-        from .replay import REFERENCE_TRACE, check_replay_predictor, plot_recall, replay_benchmark, table
+        from .replay import REFERENCE_TRACE, plot_recall, replay_benchmark, table
+        from .trace_predictors import REPLAY_DEFAULTS, check_replay_predictor
 
-        preds = [p for p in (predictors or []) if p != "none"] or \
-            ["persistence", "cooccurrence", "oracle:0.25", "oracle:0.5", "oracle:0.75", "oracle"]
+        preds = [p for p in (predictors or []) if p != "none"] or list(REPLAY_DEFAULTS)
         for p in preds:
             check_replay_predictor(p)
-        policy = ENGINE_POLICIES.parse(engine.policy)
-        policy_file = policy.arg if policy.name == "learned" else None
         with Progress() as prog:
             task = prog.add_task("replay passes", total=rounds * (2 + len(preds)))
             res = replay_benchmark(REFERENCE_TRACE if replay == "reference" else replay, expert_shape,
-                                   dtype or "bf16", engine.tier, capacities[0], preds, tokens, warmup, rounds,
-                                   disk_budget_gb, store_dir, workers=engine.workers,
-                                   progress=lambda: prog.advance(task), policy_file=policy_file,
-                                   prefetch_guard=engine.prefetch_guard)
+                                   dtype or "bf16", dataclasses.replace(engine, capacity=capacities[0]), preds, tokens, warmup,
+                                   rounds, disk_budget_gb, store_dir, progress=lambda: prog.advance(task))
     else:
         import numpy as np
         import torch
@@ -227,7 +223,6 @@ def simulate(trace: str, hardware: str, model_shape: str = "qwen3-30b-a3b",
         link_gbps: this-machine: the measured tier bandwidth (GB/s)
         compute_ms: a measured T_compute per token (overrides the bandwidth model's)
     """
-    import dataclasses
     import math
 
     from .bandwidth import HARDWARE, MODEL_SHAPES, Hardware, project

@@ -12,9 +12,8 @@ the same tokens (METRICS.md: speedups are ratios within one run).
 
 from __future__ import annotations
 
-import functools
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +25,10 @@ from expertcache.telemetry.errors import InputError
 from expertcache.telemetry.parquet_trace import load_routing
 
 from .checkpoint import StoreExperts
-from .engine import EngineConfig, OffloadEngine
-from .predictors import REPLAY_PREDICTORS, Predictor
+from .engine import ENGINE_POLICIES, EngineConfig, OffloadEngine
+from .predictors import Predictor
+from .trace_predictors import (REPLAY_DEFAULTS, CooccurrenceEstimator, TracePredictor, check_replay_predictor,
+                               next_use_scores, predicted)
 from .store import STORE_DIR, read_store_meta, write_random_store
 from .tiers import make_tier, measure_bandwidth
 
@@ -86,51 +87,6 @@ def ensure_store(folder: str | Path, layers: int, num_experts: int, hidden: int,
     return path
 
 
-class CooccurrenceEstimator:
-    """P(expert b at layer i+1 | the experts layer i uses now), from counts over fit tokens, plus a
-    persistence prior (the experts layer i+1 used at the previous token)."""
-
-    def __init__(self, ids_fit: np.ndarray, num_experts: int, persistence: float = 1.0):
-        n_l = ids_fit.shape[0]
-        self.m = np.zeros((n_l, num_experts, num_experts))
-        for i in range(n_l - 1):
-            a, b = ids_fit[i], ids_fit[i + 1]  # [tokens, k]
-            np.add.at(self.m[i], (np.repeat(a, b.shape[1], axis=1).ravel(), np.tile(b, (1, a.shape[1])).ravel()), 1)
-        self.m /= np.maximum(self.m.sum(-1, keepdims=True), 1)
-        self.persistence = persistence
-
-    def scores(self, i: int, cur: np.ndarray, prev_next: np.ndarray | None) -> np.ndarray:
-        s = self.m[i][cur].sum(0)
-        if prev_next is not None:
-            s[prev_next] += self.persistence * s.max()
-        return s
-
-
-class CooccurrencePredictor(Predictor):
-    """The co-occurrence estimator as an engine predictor: layer L+1's experts from the experts layer L uses now
-    and those layer L+1 used at the previous token (both in the engine's history). Routing ids only: it serves a
-    model whose router is replaced by a trace's routing (`bench big`), fitted on other tokens of that trace."""
-
-    name = "cooccurrence"
-
-    def __init__(self, est: CooccurrenceEstimator):
-        self.est = est
-
-    def predict(self, layer, hidden, history):
-        if layer + 1 >= self.est.m.shape[0] or layer not in history:
-            return None
-        prev = history.get(layer + 1)
-        s = self.est.scores(layer, np.asarray(history[layer]), None if prev is None else np.asarray(prev))
-        return torch.from_numpy(s).float()[None, :]
-
-
-def check_replay_predictor(p: str) -> None:
-    """Replay predictors (`predictors.REPLAY_PREDICTORS`) come from the trace (`cooccurrence`: counts of which
-    experts follow which, fitted on the trace's earlier tokens; not the runtime's ridge `estimator:FILE`, which
-    needs hidden states)."""
-    REPLAY_PREDICTORS.parse(p)
-
-
 @dataclass
 class ReplayConfig:
     name: str
@@ -138,62 +94,6 @@ class ReplayConfig:
     prefetch: bool = False
     belady: bool = False  # evict by the trace's next use (the offline bound), instead of LRU
     policy: str | None = None  # another cache policy (e.g. learned:FILE); default LRU (Belady when `belady`)
-
-
-def next_use_scores(ids: np.ndarray, num_experts: int) -> np.ndarray:
-    """`[layers, tokens, E]`: minus the token index of each expert's next use after t (-inf: never again), the
-    keep scores under which the scored policy is Belady."""
-    from expertcache.telemetry.cachesim import NEVER, next_use_steps
-
-    out = np.stack([next_use_steps(layer, num_experts) for layer in ids]).astype(np.float64)
-    out[out >= NEVER] = np.inf
-    return -out
-
-
-_replay_spec = functools.lru_cache(maxsize=None)(REPLAY_PREDICTORS.parse)  # once per name, not per step
-
-
-def predicted(cfg: ReplayConfig, ids, est, rng, i: int, t: int, k: int, e: int) -> list[int]:
-    """Layer i+1's experts at token t as `cfg.predictor` sees them when layer i starts (wrapping to layer 0
-    of token t+1 after the last layer)."""
-    n_l = ids.shape[0]
-    ni, nt = (i + 1, t) if i + 1 < n_l else (0, t + 1)
-    if nt >= ids.shape[1]:
-        return []
-    p = _replay_spec(cfg.predictor)
-    if p.name == "persistence":
-        return ids[ni, nt - 1].tolist() if nt >= 1 else []
-    if p.name == "cooccurrence":
-        prev = ids[ni, nt - 1] if nt >= 1 else None
-        if ni == 0:  # across tokens there is no layer-to-layer evidence: persistence
-            return prev.tolist() if prev is not None else []
-        return np.argsort(-est.scores(i, ids[i, t], prev))[:k].tolist()
-    if p.name == "oracle":
-        true = ids[ni, nt].tolist()
-        keep = [x for x in true if rng.random() < p.arg]  # p.arg: the recall
-        wrong = [x for x in rng.permutation(e).tolist() if x not in true][:k - len(keep)]
-        return keep + wrong
-    return []  # none
-
-
-class TracePredictor(Predictor):
-    """`predicted(...)` as an engine predictor: the replay sets `t`, the token being decoded, before each one."""
-
-    def __init__(self, cfg: ReplayConfig, ids: np.ndarray, est, seed: int = 0):
-        self.cfg, self.ids, self.est = cfg, ids, est
-        self.name, self.t = cfg.predictor, 0
-        self.rng = np.random.default_rng(seed)
-        self.e = int(ids.max()) + 1 if est is None else est.m.shape[-1]
-
-    def predict(self, layer, hidden, history):
-        if layer + 1 >= self.ids.shape[0]:
-            return None
-        pred = predicted(self.cfg, self.ids, self.est, self.rng, layer, self.t, self.ids.shape[2], self.e)
-        if not pred:
-            return None
-        s = torch.zeros(1, self.e)
-        s[0, pred] = torch.arange(len(pred), 0, -1, dtype=torch.float32)  # in the predictor's order
-        return s
 
 
 def replay_model(layers: int, num_experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype):
@@ -215,9 +115,10 @@ class Replayer:
     trace's routing in place of a router's and a fixed random hidden state: the loads, the overlap, the cache
     and the compute are exactly serving's."""
 
-    def __init__(self, store: Path, ids: np.ndarray, capacity: int, tier: str, workers: int = 4, seed: int = 0,
-                 prefetch_guard: float | None = None):
-        self.prefetch_guard = EngineConfig.prefetch_guard if prefetch_guard is None else prefetch_guard
+    def __init__(self, store: Path, ids: np.ndarray, engine: EngineConfig = EngineConfig(tier="disk"), seed: int = 0):
+        """`engine`: the engine's options (capacity, tier, workers, prefetch guard, ...); each configuration
+        replayed sets its own predictor and, for the Belady bound or a learned policy, its policy."""
+        self.cfg = engine
         self.source = StoreExperts(store, read_store_meta(store))
         self.meta = self.source.meta
         self.ids = ids
@@ -225,12 +126,12 @@ class Replayer:
         self.e = self.meta.num_experts
         if ids.max() >= self.e:
             raise InputError(f"trace uses expert {ids.max()}, the store has {self.e} per layer")
-        self.capacity, self.tier_name, self.workers = capacity, tier, workers
+        self.capacity = capacity_count(engine.capacity, self.e)
         gu = self.meta.tensors[0]
         self.dtype = gu.torch_dtype
         hidden, inter = gu.shape[1], gu.shape[0] // 2
         self.model = replay_model(n_l, self.e, self.k, hidden, inter, self.dtype)
-        self.tier = make_tier(tier, self.source)
+        self.tier = make_tier(engine.tier, self.source)
         g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(1, hidden, generator=g).to(self.dtype)
         self.w = torch.full((1, self.k), 1.0 / self.k, dtype=self.dtype)
@@ -244,10 +145,10 @@ class Replayer:
             if not hasattr(self, "_nu"):
                 self._nu = next_use_scores(self.ids, self.e)
             keep = lambda pos, hidden, needed: self._nu[pos, self.pred.t].tolist()  # noqa: E731
-        self.pred = TracePredictor(cfg, self.ids, est) if cfg.prefetch else Predictor()
+        self.pred = TracePredictor(cfg.predictor, self.ids, est) if cfg.prefetch else Predictor()
         self.pred.t = 0
-        ecfg = EngineConfig(capacity=self.capacity, tier=self.tier_name, workers=self.workers,
-                            policy=policy or ("scored" if cfg.belady else "lru"), prefetch_guard=self.prefetch_guard)
+        ecfg = replace(self.cfg, capacity=self.capacity, predictor=self.pred.name,
+                       policy=policy or ("scored" if cfg.belady else self.cfg.policy))
         self.engine = OffloadEngine(self.model, self.source, ecfg, predictor=self.pred, keep_scores=keep,
                                     tier=self.tier)
         return self.engine
@@ -304,15 +205,23 @@ def _summary(runs: list[dict], warmup: int, expert_bytes: int) -> dict:
 
 
 def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2048x768", dtype: str = "bfloat16",
-                     tier: str = "disk", capacity: int | float = 0.25,
-                     predictors=("persistence", "cooccurrence", "oracle:0.25", "oracle:0.5", "oracle:0.75", "oracle"),
+                     engine: EngineConfig = EngineConfig(tier="disk"), predictors=REPLAY_DEFAULTS,
                      tokens: int = 64, warmup: int = 8, rounds: int = 2, disk_budget_gb: float = 8.0,
                      store_dir: str | Path = STORE_DIR, first_layer: int | None = None,
-                     workers: int = 4, fit_frac: float = 0.2, belady_bound: bool = True,
-                     policy_file: str | Path | None = None, progress=None,
-                     prefetch_guard: float | None = None) -> dict:
+                     fit_frac: float = 0.2, belady_bound: bool = True, progress=None) -> dict:
     """On-demand vs each prefetching predictor, alternated pass by pass on the same tokens; JSON-ready.
-    `prefetch_guard`: the engine's (default: EngineConfig's); 0 prefetches whatever a predictor names."""
+    `engine`: the engine's options (capacity, tier, workers, the prefetch guard: 0 prefetches whatever a
+    predictor names). Its policy is every row's eviction; a `learned:FILE` policy adds an on-demand row with it
+    beside on-demand LRU (the learned policy's comparison), and `scored` needs a Temporal router a replay has none
+    of (its Belady bound scores by the trace's next use)."""
+    engine.check()
+    policy = ENGINE_POLICIES.parse(engine.policy)
+    if policy.name == "scored":
+        raise InputError("a replay has no Temporal router for policy scored (its oracle+belady row is the scored "
+                         "policy under the trace's next use); use lru, lfu, static or learned:FILE")
+    policy_file = policy.arg if policy.name == "learned" else None
+    if policy_file is not None:
+        engine = replace(engine, policy="lru")
     r = load_routing(trace)
     ids_all, e, tmeta = r.ids, r.num_experts, r.meta
     hidden, inter = parse_shape(expert_shape)
@@ -331,11 +240,11 @@ def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2
     if cut + warmup + tokens > ids_all.shape[1]:
         raise InputError(f"trace has {ids_all.shape[1]} tokens; need {cut + warmup + tokens}")
     ids = ids_all[start:start + n_layers]
-    check_replay_fits(store_dir, n_layers, e, hidden, inter, dt, per_expert, tier, capacity)
+    check_replay_fits(store_dir, n_layers, e, hidden, inter, dt, per_expert, engine.tier, engine.capacity)
     est = CooccurrenceEstimator(ids[:, :cut], e)
     store = ensure_store(store_dir, n_layers, e, hidden, inter, dt, progress=progress)
-    cap = capacity_count(capacity, e)
-    rp = Replayer(store, ids, cap, tier, workers, prefetch_guard=prefetch_guard)
+    rp = Replayer(store, ids, engine)
+    cap = rp.capacity
     span = range(cut, cut + warmup + tokens)
     for p in predictors:
         check_replay_predictor(p)
@@ -372,9 +281,9 @@ def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2
     out = {"inputs": {"trace": str(trace), "trace_model": tmeta.get("model", ""), "layers": [start, start + n_layers],
                       "num_experts": e, "top_k": ids.shape[2], "expert_shape": [hidden, inter], "dtype": dt,
                       "compute_dtype": str(rp.dtype).removeprefix("torch."), "expert_bytes": rp.meta.expert_bytes,
-                      "tier": tier, "page_cache": rp.tier.describe().get("page_cache"), "capacity": cap,
+                      "tier": engine.tier, "page_cache": rp.tier.describe().get("page_cache"), "capacity": cap,
                       "capacity_frac": cap / e, "tokens": tokens, "warmup": warmup, "rounds": rounds,
-                      "workers": workers, "torch_threads": torch.get_num_threads(), "estimator_fit_tokens": cut,
+                      "workers": engine.workers, "engine": asdict(engine), "torch_threads": torch.get_num_threads(), "estimator_fit_tokens": cut,
                       "store": str(store)},
            "tier_bandwidth_GBps": bw / 1e9, "tier_bandwidth_per_round_GBps": [b / 1e9 for b in bws],
            "t_compute_s": t_compute, "configs": {}}
@@ -382,7 +291,7 @@ def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2
         s = _summary(runs[c.name], warmup, rp.meta.expert_bytes)
         if c.predictor in ("persistence", "cooccurrence"):  # recall of layer i+1's experts, as predicted at layer i
             rng = np.random.default_rng(0)
-            rec = [len(set(predicted(c, ids, est, rng, i, t, ids.shape[2], e)) & set(ids[i + 1, t].tolist()))
+            rec = [len(set(predicted(c.predictor, ids, est, rng, i, t, ids.shape[2], e)) & set(ids[i + 1, t].tolist()))
                    / ids.shape[2] for t in span for i in range(n_layers - 1)]
             s["recall"] = float(np.mean(rec))
         t_transfer = s["traffic_bytes_per_token"] / bw

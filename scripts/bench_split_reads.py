@@ -8,6 +8,7 @@ import json
 import numpy as np
 
 from expertcache.runtime import tiers
+from expertcache.runtime.engine import EngineConfig
 from expertcache.runtime.replay import REFERENCE_TRACE, ReplayConfig, Replayer, ensure_store
 from expertcache.telemetry.parquet_trace import load_routing
 
@@ -22,7 +23,7 @@ r = load_routing(REFERENCE_TRACE)
 ids, e = r.ids, r.num_experts
 ids = ids[21:27]
 store = ensure_store(a.store_dir, 6, e, 2048, 768, "bfloat16")
-rp = Replayer(store, ids, round(a.capacity * e), "disk")
+rp = Replayer(store, ids, EngineConfig(capacity=a.capacity, tier="disk"))
 span = range(2000, 2000 + a.warmup + a.tokens)
 res = {"whole": [], "split": []}
 stall = {"whole": [], "split": []}

@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 
 from expertcache.runtime.bandwidth import Hardware, ModelShape, project
-from expertcache.runtime.replay import CooccurrenceEstimator, replay_benchmark
+from expertcache.runtime.engine import EngineConfig
+from expertcache.runtime.replay import replay_benchmark
+from expertcache.runtime.trace_predictors import CooccurrenceEstimator
 from expertcache.telemetry.errors import InputError
 
 
@@ -28,9 +30,10 @@ def trace_npz(tmp_path_factory):
 
 
 def test_replay_runs_every_configuration_on_the_disk_tier(trace_npz, tmp_path):
-    res = replay_benchmark(trace_npz, expert_shape="64x32", dtype="bf16", tier="disk", capacity=0.25,
+    # every prediction prefetched (prefetch_guard 0): the mechanics are under test here
+    res = replay_benchmark(trace_npz, expert_shape="64x32", dtype="bf16",
+                           engine=EngineConfig(capacity=0.25, tier="disk", prefetch_guard=0),
                            predictors=("persistence", "cooccurrence", "oracle:0.5", "oracle"), tokens=16, warmup=4,
-                           prefetch_guard=0,  # every prediction prefetched: the mechanics are under test here
                            rounds=2, disk_budget_gb=3 * 64 * 32 * 2 * 16 * 3 / 1e9, store_dir=tmp_path)
     i = res["inputs"]
     assert i["layers"][1] - i["layers"][0] == 3  # the disk budget held three layers
@@ -83,7 +86,7 @@ def test_the_engine_keeps_what_the_simulator_keeps_under_a_learned_policy(trace_
     pol_path = tmp_path / "p.safetensors"
     fit([trace_npz], epochs=1, rows_per_step=4, max_rank=8).save(pol_path)
     store = ensure_store(tmp_path, ids.shape[0], e, 64, 32, "bfloat16")
-    rp = Replayer(store, ids, 4, "disk")
+    rp = Replayer(store, ids, EngineConfig(capacity=4, tier="disk"))
     try:
         lru = rp.run(ReplayConfig("on-demand"), range(ids.shape[1]))
         got = rp.run(ReplayConfig("learned", policy=f"learned:{pol_path}"), range(ids.shape[1]))
