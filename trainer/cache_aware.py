@@ -464,7 +464,7 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     from .data import CorpusDataModule
     from .evaluate import check_vocab
     from .models import count_parameters, save_model_dir
-    from .pretrain import fit_resumable, plot_training_curve, prepare_run
+    from .runfolder import fit_resumable, plot_training_curve, prepare_run
 
     base = _check_base(recipe.base)
     tok, out, done = prepare_run(recipe, resume, ("result.json", "model/config.json"))
