@@ -19,12 +19,14 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tiny_models: the tests' tiny models
+
 
 def lossless(root: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     from expertcache.runtime import load
-    from expertcache.trainer.models import FAMILIES, build_model, tiny_config
+    from tiny_models import FAMILIES, build_model, tiny_config
 
     out = {}
     prompt = torch.tensor([[5, 9, 33, 2, 71, 100, 7, 12]], device="cuda")
@@ -77,7 +79,7 @@ def tpot(root: Path) -> dict:
 
     from expertcache.runtime.bench import bench_decode
     from expertcache.runtime.engine import EngineConfig
-    from expertcache.trainer.models import build_model
+    from tiny_models import build_model
 
     d = root / "mid"
     cfg = Qwen3MoeConfig(vocab_size=32768, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,

@@ -6,12 +6,14 @@ published per-expert layout), for benchmarks on a real checkpoint of a known siz
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 from transformers import Qwen3MoeConfig
 
-from expertcache.trainer.models import build_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from tiny_models import build_model  # noqa: E402 (the tests' seeded random-weight builder)
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--out", required=True)

@@ -16,16 +16,25 @@ roles with the slot of the one it replaces (no copy). Policies:
   ranking, which makes it Belady), ties to the more recent.
 Prefetch: `prefetch_slot` gives an expert a resident slot ahead of its access, evicting the lowest-priority
 resident not itself predicted.
+
+The reroute miss policy's rule (`reroute_choice`) is here too, with the two batched torch replays of this cache
+that the trainer's losses and its serving-aware forward use: `lru_resident` (what an LRU cache holds before each
+token of a batch of sequences; its misses are the simulator's LRU demand loads) and `served_routing` (the reroute
+policy over an LRU cache, token by token). torch is imported by these functions only.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .errors import InputError
 from .registry import Registry
+
+if TYPE_CHECKING:  # annotations only: torch is imported by the functions that use it
+    import torch
 
 # Every cache policy name, once. Tags say who takes it: `state` (CacheState itself), `sim` (`cachesim.simulate`),
 # `engine` (`EngineConfig.policy`). belady is the scored policy ranked by a trace's next use (the simulator's
@@ -189,3 +198,53 @@ def reroute_choice(probs, idx, resident, tau: float):
         out[:, j] = torch.where(ok, r, out[:, j])
         changed[:, j] = ok
     return out, changed
+
+
+def lru_resident(logits: torch.Tensor, batch: int, top_k: int, cache: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(resident [B, T-1, E], chosen [B, T-1, E])` bool for tokens 1..T-1 of each sequence: the experts an LRU
+    cache of `cache` experts holds before the token (the `cache` most recently used distinct experts of the
+    sequence so far, a token's experts ordered by their top-k position) and the token's own top-k choice."""
+    import torch
+
+    with torch.no_grad():
+        z = logits.view(batch, -1, logits.shape[-1])  # [B, T, E]
+        b, t, e = z.shape
+        top = z.topk(top_k, dim=-1).indices  # [B, T, k], best first
+        chosen = torch.zeros_like(z, dtype=torch.bool).scatter_(-1, top, True)
+        # recency key of each use: token index, then position in the token's top-k (later = more recent, as the
+        # simulator's LRU orders one step's keys); the running max is each expert's most recent use so far
+        order = torch.arange(t, device=z.device).view(1, t, 1) * top_k + torch.arange(top_k, device=z.device)
+        key = torch.full(z.shape, -1, dtype=torch.long, device=z.device).scatter_(-1, top, order.expand(b, t, top_k))
+        last = key.cummax(dim=1).values
+        if cache >= e:
+            resident = last >= 0
+        else:
+            most = last.topk(cache, dim=-1)
+            resident = torch.zeros_like(chosen).scatter_(-1, most.indices, most.values >= 0)
+        return resident[:, :-1], chosen[:, 1:]
+
+
+def served_routing(probs: torch.Tensor, idx: torch.Tensor, batch: int, capacity: int, tau: float):
+    """What the engine serves with the reroute miss policy and an LRU cache of `capacity` experts per layer,
+    replayed over teacher-forced sequences: token by token, each sequence from an empty cache, the router's
+    choice `idx [B*T, k]` rerouted (`reroute_choice`, on `probs [B*T, E]`) against the
+    `capacity` most recently *served* experts. Exact for `capacity >= k` (a step's experts all stay).
+    Returns `(served [B*T, k], changed [B*T, k] bool)`."""
+    import torch
+
+    with torch.no_grad():
+        e, k = probs.shape[-1], idx.shape[-1]
+        p, ix = probs.view(batch, -1, e), idx.view(batch, -1, k)
+        t_len = p.shape[1]
+        last = torch.full((batch, e), -1, dtype=torch.long, device=p.device)  # most recent use of each expert
+        rank = torch.arange(k, device=p.device).expand(batch, k)
+        out, changed = torch.empty_like(ix), torch.zeros_like(ix, dtype=torch.bool)
+        for t in range(t_len):
+            if capacity >= e:
+                res = last >= 0
+            else:
+                most = last.topk(capacity, dim=-1)
+                res = torch.zeros_like(last, dtype=torch.bool).scatter_(-1, most.indices, most.values >= 0)
+            out[:, t], changed[:, t] = reroute_choice(p[:, t], ix[:, t], res, tau)
+            last.scatter_(1, out[:, t], t * k + rank)
+        return out.view(-1, k), changed.view(-1, k)

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from expertcache.telemetry.cache import lru_resident, served_routing
 from expertcache.telemetry.cachesim import next_use, simulate, simulate_scored
 from expertcache.telemetry.errors import InputError
 from expertcache.trainer.aux_routers import (AuxRouterConfig, AuxRouters, history_features, load_aux_routers,
                                              next_use_target)
 from expertcache.trainer.config import RecipeError, load_recipe
-from expertcache.trainer.locality import (domain_loss, layer_weights, locality_loss, lru_resident, served_margin_loss,
-                                          served_routing)
+from expertcache.trainer.locality import domain_loss, layer_weights, locality_loss, served_margin_loss
 from helpers import REPO, smoke_overrides
 
 pytestmark = pytest.mark.slow  # end-to-end: trains, evaluates or runs the CLI in subprocesses (`make test-fast` skips)

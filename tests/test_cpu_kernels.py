@@ -174,7 +174,7 @@ SWIGLU = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3")
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    from expertcache.trainer.models import FAMILIES, build_model, tiny_config
+    from tiny_models import FAMILIES, build_model, tiny_config
 
     root = tmp_path_factory.mktemp("ckpt")
     for fam in FAMILIES:
@@ -221,7 +221,7 @@ def test_engine_kernel_cpu_agrees_with_the_family_forward(saved, fam):
 @needs_ext
 def test_kernel_cpu_refuses_what_it_cannot_compute_and_auto_falls_back(saved, tmp_path):
     from expertcache.runtime import load
-    from expertcache.trainer.models import build_model, tiny_config
+    from tiny_models import build_model, tiny_config
 
     with pytest.raises(InputError, match="kernel cpu computes bf16 SwiGLU experts"):  # biases, another activation
         load(saved / "gpt_oss", capacity=1.0, tier="host", kernel="cpu")
@@ -303,7 +303,7 @@ def test_a_quantized_checkpoint_decodes_like_its_dequantized_reference(saved, tm
     from transformers import AutoModelForCausalLM
 
     from expertcache.runtime import load
-    from expertcache.trainer.models import build_model, tiny_config
+    from tiny_models import build_model, tiny_config
 
     src = tmp_path / "src"  # inputs that are multiples of 64 (the int4 chunk): hidden 64, expert 64
     build_model(tiny_config(fam, hidden_size=64, moe_intermediate_size=64, intermediate_size=64),
@@ -331,7 +331,7 @@ def test_a_quantized_checkpoint_decodes_like_its_dequantized_reference(saved, tm
 
 def test_quantize_refuses_what_it_cannot_write_in_one_line(saved, tmp_path, capsys):
     from expertcache.recipes.cli import main
-    from expertcache.trainer.models import build_model, tiny_config
+    from tiny_models import build_model, tiny_config
 
     src = tmp_path / "src"
     build_model(tiny_config("qwen3_moe", hidden_size=64, moe_intermediate_size=64, intermediate_size=64),
@@ -364,7 +364,7 @@ def test_bench_big_serves_each_format_against_the_same_byte_budget(tmp_path):
     """`bench big --experts [bf16,int4]`: one expertcache system per format, the peers once; a quantized copy's
     slot is its store block (packed bytes), so the same budget buys about 3x the int4 slots."""
     from expertcache.runtime import bigbench
-    from expertcache.trainer.models import build_model, tiny_config
+    from tiny_models import build_model, tiny_config
 
     assert bigbench.system_names(["expertcache:on-demand", "mmap"], ("bf16", "int4")) == [
         "expertcache:on-demand", "expertcache:on-demand:int4", "mmap"]
@@ -404,7 +404,7 @@ def test_shapes_the_integer_kernels_do_not_take_are_dequantized_or_refused(tmp_p
     raise the extension's RuntimeError from inside the forward); `kernel cpu` is refused in one line naming the
     sizes, before anything decodes."""
     from expertcache.runtime import load
-    from expertcache.trainer.models import build_model, tiny_config
+    from tiny_models import build_model, tiny_config
 
     src = tmp_path / "src"
     build_model(tiny_config("qwen3_moe", moe_intermediate_size=32), seed=3, dtype=torch.bfloat16).save_pretrained(src)

@@ -15,7 +15,7 @@ from expertcache.runtime.store import read_store_meta, write_store
 from expertcache.runtime.tiers import DiskTier, SlotPool
 from expertcache.runtime.verify import verify
 from expertcache.telemetry.errors import InputError
-from expertcache.trainer.models import FAMILIES, build_model, tiny_config
+from tiny_models import FAMILIES, build_model, tiny_config
 
 
 def _flip(path, offset, keep_mtime=True):

@@ -15,7 +15,7 @@ from expertcache.recipes.cli import main
 from expertcache.runtime import EngineConfig, load
 from expertcache.runtime.checkpoint import Checkpoint
 from expertcache.telemetry.errors import InputError
-from expertcache.trainer.models import FAMILIES, build_model, tiny_config
+from tiny_models import FAMILIES, build_model, tiny_config
 
 PROMPT = torch.tensor([[5, 9, 33, 2, 71, 100, 7, 12]])
 

@@ -33,7 +33,7 @@ def test_capacity_a_float_is_a_fraction_an_int_a_count_and_nothing_else():
 def test_capacity_one_point_zero_keeps_all_experts_resident(tmp_path):
     from expertcache.runtime.engine import offload
     from expertcache.runtime.store import write_store
-    from expertcache.trainer.models import build_model, tiny_config
+    from tiny_models import build_model, tiny_config
 
     model = build_model(tiny_config("qwen3_moe"), seed=1).eval()
     write_store(model, tmp_path / "e.store")
@@ -134,7 +134,7 @@ def test_a_non_finite_estimator_or_policy_file_is_refused(tmp_path):
 
     from expertcache.runtime.predictors import EstimatorPredictor, make_predictor
     from expertcache.telemetry.learned_policy import KIND, LearnedPolicy
-    from expertcache.trainer.models import build_model, tiny_config
+    from tiny_models import build_model, tiny_config
 
     model = build_model(tiny_config("qwen3_moe"), seed=1).eval()
     h, e, n_l = model.config.hidden_size, model.config.num_experts, model.config.num_hidden_layers

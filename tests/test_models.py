@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from expertcache.trainer.models import FAMILIES, BaseModelSpec, build_model, count_parameters, tiny_config
+from expertcache.trainer.models import BaseModelSpec, count_parameters
+from tiny_models import FAMILIES, build_model, tiny_config
 
 
 @pytest.mark.parametrize("family", FAMILIES)

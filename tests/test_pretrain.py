@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from expertcache.trainer.config import load_recipe
-from expertcache.trainer.pretrain import PretrainRecipe, read_metrics, run_pretrain
+from expertcache.trainer.pretrain import PretrainRecipe, run_pretrain
+from expertcache.trainer.runfolder import read_metrics
 from helpers import smoke_overrides
 
 pytestmark = pytest.mark.slow  # end-to-end: trains, evaluates or runs the CLI in subprocesses (`make test-fast` skips)
@@ -168,7 +169,7 @@ def test_finished_run_resumed_with_the_same_recipe_is_reported_not_rewritten(tin
 
 
 def test_harmless_changes_pass_the_resume_check(tiny_data, straight_run, tmp_path):
-    from expertcache.trainer.pretrain import check_resume
+    from expertcache.trainer.runfolder import check_resume
 
     out = _copy_run(straight_run[0], tmp_path / "run")
     r = _recipe(tiny_data, out, **{"train.max_steps": 40, "train.log_every": 2, "train.val_every": 7,
@@ -177,7 +178,7 @@ def test_harmless_changes_pass_the_resume_check(tiny_data, straight_run, tmp_pat
 
 
 def test_start_over_keeps_the_old_run_until_its_first_checkpoint(tiny_data, straight_run, tmp_path):
-    from expertcache.trainer.pretrain import PREVIOUS, prepare_run
+    from expertcache.trainer.runfolder import PREVIOUS, prepare_run
 
     out = _copy_run(straight_run[0], tmp_path / "run")
     old_metrics = (out / "metrics.json").read_bytes()

@@ -11,7 +11,7 @@ from expertcache.runtime.store import HEADER, read_store_meta, write_store
 from expertcache.telemetry.cache import CacheState
 from expertcache.telemetry.cachesim import simulate, simulate_scored
 from expertcache.telemetry.errors import InputError
-from expertcache.trainer.models import FAMILIES, build_model, tiny_config
+from tiny_models import FAMILIES, build_model, tiny_config
 
 
 def _drive(steps, cap, k, policy, pinned=None, keep=None):

@@ -12,14 +12,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from helpers import distinct_ids
+from helpers import REPO, distinct_ids
+from tiny_models import FAMILIES, build_model, tiny_config
 
 from expertcache.telemetry.adapters import adapter_for
 from expertcache.telemetry.errors import InputError
 from expertcache.telemetry.llamacpp import import_trace, read_stream
 from expertcache.telemetry.parquet_trace import TraceWriter, check_compatible, info, read_trace
 from expertcache.telemetry.recorder import Recorder, record_blocks
-from expertcache.trainer.models import FAMILIES, build_model, tiny_config
 
 
 def record_with_truth(family, tmp_path, hidden=False):
@@ -126,7 +126,8 @@ def test_trace_from_another_model_is_rejected(tmp_path):
 
 RECORD_FOREVER = """
 import sys, numpy as np
-from expertcache.trainer.models import build_model, tiny_config
+sys.path.insert(0, sys.argv[2])  # tests/, for tiny_models
+from tiny_models import build_model, tiny_config
 from expertcache.telemetry.parquet_trace import TraceWriter
 from expertcache.telemetry.recorder import Recorder, record_blocks
 m = build_model(tiny_config("qwen3_moe"))
@@ -145,7 +146,8 @@ def test_interrupted_recording_keeps_the_complete_trace_and_a_valid_partial_one(
     with TraceWriter(path, _meta()) as w:  # an earlier, complete trace at the same path
         _rows(w, distinct_ids(np.random.default_rng(0), 16, (40, 2)))
     complete = path.read_bytes()
-    p = subprocess.Popen([sys.executable, "-c", RECORD_FOREVER, str(path)], stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-c", RECORD_FOREVER, str(path), str(REPO / "tests")], stderr=subprocess.PIPE,
+                         text=True)
     deadline = time.time() + 120
 
     def tmp_size():  # rows go to a temporary name beside the target until the file is closed

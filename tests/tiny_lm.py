@@ -19,8 +19,8 @@ def make_tiny_checkpoint(out: Path, seed: int = 0, chat_template: bool = False, 
     overrides fields of the tiny Qwen3-MoE config (e.g. moe_intermediate_size)."""
     import random
 
-    from expertcache.trainer.models import build_model, tiny_config
     from expertcache.trainer.tokenizer import train_tokenizer
+    from tiny_models import build_model, tiny_config
 
     r = random.Random(seed)
     texts = [" ".join(r.choice(WORDS) for _ in range(12)) + " é ü 字" for _ in range(200)]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from expertcache.telemetry.cache import lru_resident, served_routing
 from expertcache.telemetry.errors import InputError
 
 LOCALITY_KINDS = ("dot", "l2", "resident", "miss", "margin")
@@ -31,28 +32,6 @@ LOCALITY_KINDS = ("dot", "l2", "resident", "miss", "margin")
 def _probs(logits: torch.Tensor, batch: int, temperature: float = 1.0) -> torch.Tensor:
     p = (logits.float() / temperature).softmax(dim=-1)  # [B*T, E]
     return p.view(batch, -1, p.shape[-1])  # [B, T, E]
-
-
-@torch.no_grad()
-def lru_resident(logits: torch.Tensor, batch: int, top_k: int, cache: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(resident [B, T-1, E], chosen [B, T-1, E])` bool for tokens 1..T-1 of each sequence: the experts an LRU
-    cache of `cache` experts holds before the token (the `cache` most recently used distinct experts of the
-    sequence so far, a token's experts ordered by their top-k position) and the token's own top-k choice."""
-    z = logits.view(batch, -1, logits.shape[-1])  # [B, T, E]
-    b, t, e = z.shape
-    top = z.topk(top_k, dim=-1).indices  # [B, T, k], best first
-    chosen = torch.zeros_like(z, dtype=torch.bool).scatter_(-1, top, True)
-    # recency key of each use: token index, then position in the token's top-k (later = more recent, as the
-    # simulator's LRU orders one step's keys); the running max is each expert's most recent use so far
-    order = torch.arange(t, device=z.device).view(1, t, 1) * top_k + torch.arange(top_k, device=z.device)
-    key = torch.full(z.shape, -1, dtype=torch.long, device=z.device).scatter_(-1, top, order.expand(b, t, top_k))
-    last = key.cummax(dim=1).values
-    if cache >= e:
-        resident = last >= 0
-    else:
-        most = last.topk(cache, dim=-1)
-        resident = torch.zeros_like(chosen).scatter_(-1, most.indices, most.values >= 0)
-    return resident[:, :-1], chosen[:, 1:]
 
 
 def layer_weights(spec: list[float], n_layers: int) -> torch.Tensor:
@@ -117,32 +96,6 @@ def served_margin_loss(router_logits, served: list[torch.Tensor], margin: float,
     if weights is not None:
         losses = losses * weights.to(losses.device)
     return losses.mean()
-
-
-@torch.no_grad()
-def served_routing(probs: torch.Tensor, idx: torch.Tensor, batch: int, capacity: int, tau: float):
-    """What the engine serves with the reroute miss policy and an LRU cache of `capacity` experts per layer,
-    replayed over teacher-forced sequences: token by token, each sequence from an empty cache, the router's
-    choice `idx [B*T, k]` rerouted (`telemetry.cache.reroute_choice`, on `probs [B*T, E]`) against the
-    `capacity` most recently *served* experts. Exact for `capacity >= k` (a step's experts all stay).
-    Returns `(served [B*T, k], changed [B*T, k] bool)`."""
-    from expertcache.telemetry.cache import reroute_choice
-
-    e, k = probs.shape[-1], idx.shape[-1]
-    p, ix = probs.view(batch, -1, e), idx.view(batch, -1, k)
-    t_len = p.shape[1]
-    last = torch.full((batch, e), -1, dtype=torch.long, device=p.device)  # most recent use of each expert
-    rank = torch.arange(k, device=p.device).expand(batch, k)
-    out, changed = torch.empty_like(ix), torch.zeros_like(ix, dtype=torch.bool)
-    for t in range(t_len):
-        if capacity >= e:
-            res = last >= 0
-        else:
-            most = last.topk(capacity, dim=-1)
-            res = torch.zeros_like(last, dtype=torch.bool).scatter_(-1, most.indices, most.values >= 0)
-        out[:, t], changed[:, t] = reroute_choice(p[:, t], ix[:, t], res, tau)
-        last.scatter_(1, out[:, t], t * k + rank)
-    return out.view(-1, k), changed.view(-1, k)
 
 
 class ServedRouting:

@@ -1,0 +1,141 @@
+"""The LightningModule of a cache-aware run: the backbone's LM and distillation losses, the locality, margin and
+domain losses on its routers, the served (rerouted) training forward and the auxiliary routers' cache loss."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import RecipeError
+from ..lm_module import CausalLMModule
+from .recipe import CacheAwareRecipe
+
+
+class CacheAwareModule(CausalLMModule):
+    def __init__(self, model, recipe: CacheAwareRecipe, val_domains: list[str], aux=None,
+                 allowed: torch.Tensor | None = None, teacher=None):
+        super().__init__(model, recipe.train, val_domains)
+        self._teacher = [teacher] if teacher is not None else []  # a list: not a submodule, never saved
+        from expertcache.telemetry.adapters import adapter_for
+
+        from ..locality import layer_weights
+
+        self.recipe, self.aux, self.allowed = recipe, aux, allowed
+        self.adapter = adapter_for(model)
+        self.moe = self.adapter.moe_layers(model)
+        self.layer_w = layer_weights(recipe.locality.layer_weights, len(self.moe))
+        self._hidden: dict[int, torch.Tensor] = {}
+        self._capture = False
+        self.served = None
+        sv = recipe.serving
+        if sv.reroute or (recipe.locality.kind == "margin" and recipe.locality.weight):  # the replay is paid per step
+            from expertcache.telemetry.cachesim import capacity_count
+
+            from ..locality import ServedRouting
+
+            c = capacity_count(sv.capacity, self.adapter.num_experts)
+            if c < self.adapter.top_k:
+                raise RecipeError(f"serving.capacity={sv.capacity} is {c} experts, fewer than top_k="
+                                  f"{self.adapter.top_k}: the served replay needs a step's experts to fit")
+            self.served = ServedRouting(self.moe, self.adapter, c, sv.tau, apply=sv.reroute)
+        if aux is not None:
+            for i, layer in enumerate(self.moe):
+                layer.router.register_forward_hook(self._keep_input(i))
+        if recipe.mode == "aux-only":
+            for p in model.parameters():
+                p.requires_grad_(False)
+        elif recipe.quality.trainable != "all":
+            keep = {id(p) for L in self.moe for p in L.router.parameters()}
+            if recipe.quality.trainable == "moe":
+                keep |= {id(p) for L in self.moe for p in L.experts.parameters()}
+            for p in model.parameters():
+                p.requires_grad_(id(p) in keep)
+
+    def optimizer_groups(self) -> list[dict]:
+        from ..lm_module import param_groups
+
+        groups = param_groups(self.model, self.spec.weight_decay)
+        if self.aux is not None:
+            lr = self.recipe.routers.lr or self.spec.lr
+            groups += [dict(g, lr=lr) for g in param_groups(self.aux, self.spec.weight_decay)]
+        return groups
+
+    def _keep_input(self, i: int):
+        def hook(module, args, output):
+            if self._capture:
+                self._hidden[i] = args[0].reshape(-1, args[0].shape[-1])  # [B*T, H] entering MoE layer i
+        return hook
+
+    def training_step(self, batch, batch_idx):
+        ids = batch["input_ids"]  # [B, T]
+        b = ids.shape[0]
+        loc, r = self.recipe.locality, self.recipe.routers
+        self._capture = self.aux is not None
+        if self.served is not None:
+            self.served.active, self.served.batch = True, b
+        try:
+            if self.recipe.mode == "aux-only":
+                with torch.no_grad():
+                    out = self.model(input_ids=ids, output_router_logits=True, use_cache=False)
+                total = torch.zeros((), device=ids.device)
+            else:
+                q = self.recipe.quality
+                out = self.model(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False)
+                total, lm, bal = self.lm_losses(out)
+                total = total + (q.lm_weight - 1.0) * lm
+                self.log("train/loss", lm.detach(), prog_bar=True, sync_dist=self.trainer.world_size > 1)
+                if bal is not None:
+                    self.log("train/aux_loss", bal.detach())
+                if q.distill:
+                    kl = self.distill_loss(ids, out.logits)
+                    total = total + q.distill * kl
+                    self.log("train/distill", kl.detach(), prog_bar=True)
+            if self.served is not None:
+                self.log("train/rerouted", self.served.rerouted_fraction())
+            if loc.weight:
+                from ..locality import locality_loss, served_margin_loss
+
+                if loc.kind == "margin":
+                    lo = served_margin_loss(out.router_logits, [self.served.served[i] for i in range(len(self.moe))],
+                                            loc.margin, self.layer_w)
+                else:
+                    lo = locality_loss(out.router_logits, b, loc.kind, self.layer_w, loc.temperature,
+                                       self.adapter.top_k, loc.cache)
+                ramp = min(1.0, (self.global_step + 1) / loc.warmup_steps) if loc.warmup_steps else 1.0
+                total = total + ramp * loc.weight * lo
+                self.log("train/locality", lo.detach(), prog_bar=True)
+            if loc.domain_weight:
+                from ..locality import domain_loss
+
+                do = domain_loss(out.router_logits, b, batch["domain"], self.allowed)
+                total = total + loc.domain_weight * do
+                self.log("train/domain", do.detach())
+            if self.aux is not None:
+                with torch.no_grad():
+                    native = [self.adapter.route(lg, self.adapter.router_bias(L.router))[0]
+                              for lg, L in zip(out.router_logits, self.moe)]
+                hidden = [self._hidden[i] for i in range(len(self.moe))]
+                losses = self.aux.loss(hidden, native, [L.router for L in self.moe], b)
+                w = 1.0 if self.recipe.mode == "aux-only" else r.weight
+                for name, v in losses.items():
+                    total = total + w * v
+                    self.log(f"train/{name}", v.detach(), prog_bar=True)
+        finally:
+            self._capture = False
+            self._hidden.clear()
+            if self.served is not None:
+                self.served.active = False
+                self.served.clear()
+        return total
+
+
+    def on_fit_start(self) -> None:
+        for t in self._teacher:
+            t.to(self.device)
+
+    def distill_loss(self, ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """KL(base || model) of the next-token distributions, summed over the vocabulary, mean over tokens."""
+        with torch.no_grad():
+            ref = self._teacher[0](input_ids=ids, use_cache=False).logits.float().log_softmax(-1)
+        own = logits.float().log_softmax(-1)
+        return torch.nn.functional.kl_div(own.flatten(0, 1), ref.flatten(0, 1), log_target=True,
+                                          reduction="batchmean")
