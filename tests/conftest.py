@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny real corpus + tokenizer built once per session."""
+"""Shared fixtures, built once per session: a tiny real corpus and tokenizer, the tiny base pretrained on it, and
+one tiny checkpoint of each model family saved by transformers."""
 
 from __future__ import annotations
 
@@ -41,3 +42,17 @@ def tiny_base(tiny_data, tmp_path_factory):
     run_pretrain(load_recipe(PretrainRecipe, REPO / "recipes" / "smoke.yaml",
                              smoke_overrides(tiny_data, out, **{"train.max_steps": 20})))
     return out / "model"
+
+
+@pytest.fixture(scope="session")
+def family_checkpoints(tmp_path_factory):
+    """Folder with one tiny random checkpoint per model family (`tiny_models.FAMILIES`), each saved by
+    transformers in bf16 (the per-expert layout, GPT-OSS fused) under its family's name. Read them, never write
+    into them."""
+    import torch
+    from tiny_models import FAMILIES, build_model, tiny_config
+
+    root = tmp_path_factory.mktemp("family-ckpts")
+    for fam in FAMILIES:
+        build_model(tiny_config(fam), seed=3, dtype=torch.bfloat16).save_pretrained(root / fam)
+    return root

@@ -173,13 +173,8 @@ SWIGLU = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3")
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    from tiny_models import FAMILIES, build_model, tiny_config
-
-    root = tmp_path_factory.mktemp("ckpt")
-    for fam in FAMILIES:
-        build_model(tiny_config(fam), seed=5, dtype=torch.bfloat16).save_pretrained(root / fam)
-    return root
+def saved(family_checkpoints):
+    return family_checkpoints
 
 
 def _logits(m, steps=4):
@@ -252,6 +247,7 @@ FALLBACK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a subprocess each (a killed recorder; a compiler run)
 @pytest.mark.parametrize("how", ["disabled", "broken"])
 def test_an_unbuildable_extension_falls_back_with_one_warning_line(saved, tmp_path, how):
     """No extension (switched off, or a source that does not compile): `auto` computes with torch, `cpu` is refused

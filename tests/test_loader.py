@@ -15,7 +15,7 @@ from expertcache.recipes.cli import main
 from expertcache.runtime import EngineConfig, load
 from expertcache.runtime.checkpoint import Checkpoint
 from expertcache.telemetry.errors import InputError
-from tiny_models import FAMILIES, build_model, tiny_config
+from tiny_models import FAMILIES
 
 PROMPT = torch.tensor([[5, 9, 33, 2, 71, 100, 7, 12]])
 
@@ -27,13 +27,11 @@ def _greedy(model, n=10):
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """Each family saved by transformers in bf16 (the per-expert layout, GPT-OSS fused), and its plain tokens."""
-    root = tmp_path_factory.mktemp("ckpt")
+def saved(family_checkpoints):
+    """Each family's checkpoint (the session's, bf16, the per-expert layout, GPT-OSS fused) and its plain tokens."""
     out = {}
     for fam in FAMILIES:
-        d = root / fam
-        build_model(tiny_config(fam), seed=3, dtype=torch.bfloat16).save_pretrained(d)
+        d = family_checkpoints / fam
         plain = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()
         out[fam] = (d, _greedy(plain))
     return out

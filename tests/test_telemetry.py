@@ -137,6 +137,7 @@ with TraceWriter(sys.argv[1], Recorder(m).meta("tiny")) as w:
 """
 
 
+@pytest.mark.slow  # a subprocess each (a killed recorder; a compiler run)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_interrupted_recording_keeps_the_complete_trace_and_a_valid_partial_one(sig, tmp_path):
     """#24 finding 3: an interrupted recording to the path of a complete trace used to replace it."""
