@@ -173,6 +173,43 @@ def name_list_violations(trees: dict[str, ast.Module]) -> list[str]:
     return bad
 
 
+# flags of other programs that an error message may quote (the corpus builder's pip hint)
+EXTERNAL_FLAGS = {"no-deps", "no-binary"}
+_FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9_-]*(?:\.[a-z0-9_]+)*)")
+_CLI_FLAGS: set[str] = set()
+
+
+def cli_flags() -> set[str]:
+    """Every `--flag` of every `expertcache` command, from the parser the CLI builds (the one rule that imports
+    the package: the flags exist only in the generated parser)."""
+    if not _CLI_FLAGS:
+        from expertcache.recipes.cli import build_parser
+
+        parsers: dict = {}
+        build_parser(parsers)
+        for _, p in parsers.values():
+            _CLI_FLAGS.update(o[2:] for a in p._actions for o in a.option_strings if o.startswith("--"))
+    return _CLI_FLAGS
+
+
+def flag_violations(trees: dict[str, ast.Module], flags: set[str] | None = None) -> list[str]:
+    """An error message (a string in a `raise`) naming a `--flag` no command has (`--recipe.KEY` overrides are the
+    recipe's keys, checked by its loader)."""
+    flags = cli_flags() if flags is None else flags
+    bad = []
+    for rel, tree in trees.items():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Raise) and node.exc is not None):
+                continue
+            for sub in ast.walk(node.exc):
+                if isinstance(sub, ast.Constant) and isinstance(sub.value, str):
+                    for m in _FLAG.finditer(sub.value):
+                        name = m.group(1)
+                        if name not in flags and name not in EXTERNAL_FLAGS and not name.startswith("recipe."):
+                            bad.append(f"{rel}:{sub.lineno}: an error message names --{name}, which no command has")
+    return bad
+
+
 def _name(node) -> str | None:
     if isinstance(node, ast.Name):
         return node.id
@@ -189,7 +226,8 @@ def trees():
 
 
 @pytest.mark.parametrize("check", [import_violations, write_violations, from_pretrained_violations,
-                                   argparse_violations, capacity_violations, name_list_violations],
+                                   argparse_violations, capacity_violations, name_list_violations,
+                                   flag_violations],
                          ids=lambda f: f.__name__)
 def test_rule_holds(trees, check):
     assert check(trees) == []
@@ -208,6 +246,8 @@ def test_rule_holds(trees, check):
     (name_list_violations, "POLICIES = ('lru', 'lfu')"),
     (name_list_violations, "MISS_POLICIES: tuple = ['blocking', 'host']"),
     (name_list_violations, "REPLAY_PREDICTORS = ('none', 'oracle')"),
+    (flag_violations, "raise InputError(f'{x}: pass --seq-len')"),
+    (flag_violations, "raise InputError('set --engine.no_such_option')"),
 ], ids=lambda x: x.__name__ if callable(x) else "")
 def test_rules_catch_a_violation(check, snippet):
     """A stray write (or import, load, parser, capacity rule) in a runtime module is reported."""
