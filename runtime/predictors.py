@@ -99,7 +99,7 @@ class ProbePredictor(Predictor):
         t = layer + self.distance
         if t >= len(self.routers):
             return None
-        return self.adapter.router_logits(self.routers[t], hidden).float().softmax(-1)
+        return self.adapter.scores(self.adapter.router_logits(self.routers[t], hidden))  # the family's own rule
 
 
 class PersistencePredictor(Predictor):

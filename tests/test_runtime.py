@@ -371,3 +371,17 @@ def test_per_token_figures_come_from_one_place():
     assert s.to_dict(100)["stall_per_token_s"] == 0.05 and s.counters().per_step(100, "token") == \
         {k: d[k] for k in d if k not in ("bytes_moved_per_token", "stall_per_token_s")}
     assert Stats().per_token(100)["traffic_bytes_per_token"] == 0.0  # no tokens: zeros, not a division error
+
+
+def test_probe_scores_by_the_familys_own_rule():
+    """The probe predictor scores the next layer's experts as that family's router does: DeepSeek-V3's sigmoid,
+    not a softmax (summed over a batch's rows, the two rank experts differently)."""
+    from expertcache.telemetry.adapters import adapter_for
+
+    m = _fresh("deepseek_v3")
+    p = make_predictor("probe:1", m)
+    a = adapter_for(m)
+    h = torch.randn(3, m.config.hidden_size)
+    layers = a.moe_layers(m)
+    want = a.router_logits(layers[1].router, h).float().sigmoid()
+    assert torch.allclose(p.predict(0, h, {}), want)

@@ -156,7 +156,7 @@ def allowed_experts(model, blocks_by_domain: list[torch.Tensor], frac: float) ->
     out = []
     for blocks in blocks_by_domain:
         res = model(input_ids=blocks, output_router_logits=True, use_cache=False)
-        mass = torch.stack([lg.float().softmax(-1).sum(0) for lg in res.router_logits])  # [layers, E]
+        mass = torch.stack([a.scores(lg).sum(0) for lg in res.router_logits])  # [layers, E], the family's rule
         keep = torch.zeros_like(mass, dtype=torch.bool)
         keep.scatter_(1, mass.topk(m, dim=-1).indices, True)
         out.append(keep)
