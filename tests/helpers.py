@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
 import random
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -91,3 +94,18 @@ class LiveServer:
         self.th.join(timeout=20)
         self.sock.close()
         assert not self.th.is_alive(), "server did not shut down"
+
+
+def cli(*args, cwd=None) -> subprocess.CompletedProcess:
+    """`expertcache ARGS` in a fresh process (one torch thread), as a user runs it: its exit code and output."""
+    return subprocess.run([sys.executable, "-m", "expertcache.recipes.cli", *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def greedy(model, prompt, n: int, pad_token_id: int):
+    """transformers' own greedy `generate` of `n` tokens: the reference every engine path must equal."""
+    import torch
+
+    with torch.no_grad():
+        return model.generate(prompt, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(prompt),
+                              pad_token_id=pad_token_id)

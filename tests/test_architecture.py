@@ -193,21 +193,27 @@ def cli_flags() -> set[str]:
 
 
 def flag_violations(trees: dict[str, ast.Module], flags: set[str] | None = None) -> list[str]:
-    """An error message (a string in a `raise`) naming a `--flag` no command has (`--recipe.KEY` overrides are the
-    recipe's keys, checked by its loader)."""
+    """An error message (a string in a `raise`, or in an `InputError`/`RecipeError` built to be raised later)
+    naming a `--flag` no command has (`--recipe.KEY` overrides are the recipe's keys, checked by its loader).
+    #24 found hints naming --num-experts, --device and --include-path; the flags use underscores, and engine
+    options are --engine.*."""
     flags = cli_flags() if flags is None else flags
     bad = []
     for rel, tree in trees.items():
         for node in ast.walk(tree):
-            if not (isinstance(node, ast.Raise) and node.exc is not None):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                msg = node.exc
+            elif isinstance(node, ast.Call) and _name(node.func) in ("InputError", "RecipeError"):
+                msg = node
+            else:
                 continue
-            for sub in ast.walk(node.exc):
+            for sub in ast.walk(msg):
                 if isinstance(sub, ast.Constant) and isinstance(sub.value, str):
                     for m in _FLAG.finditer(sub.value):
                         name = m.group(1)
                         if name not in flags and name not in EXTERNAL_FLAGS and not name.startswith("recipe."):
                             bad.append(f"{rel}:{sub.lineno}: an error message names --{name}, which no command has")
-    return bad
+    return sorted(set(bad))
 
 
 def _name(node) -> str | None:
@@ -248,6 +254,7 @@ def test_rule_holds(trees, check):
     (name_list_violations, "REPLAY_PREDICTORS = ('none', 'oracle')"),
     (flag_violations, "raise InputError(f'{x}: pass --seq-len')"),
     (flag_violations, "raise InputError('set --engine.no_such_option')"),
+    (flag_violations, "err = RecipeError('try --include-path')"),
 ], ids=lambda x: x.__name__ if callable(x) else "")
 def test_rules_catch_a_violation(check, snippet):
     """A stray write (or import, load, parser, capacity rule) in a runtime module is reported."""
@@ -268,6 +275,10 @@ def test_atomic_writes_are_not_violations():
 def test_names_derived_from_a_registry_are_not_violations():
     ok = "POLICIES = POLICY_REGISTRY.view('sim').names()\nSYSTEMS = ('mmap', 'accelerate')\n"
     assert name_list_violations({"runtime/stray.py": ast.parse(ok)}) == []
+
+
+def test_the_flags_are_read_from_the_cli():
+    assert {"engine.capacity", "num_experts", "include_path", "resume", "rebless"} <= cli_flags()
 
 
 def test_the_document_states_these_rules():

@@ -5,20 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import distinct_ids
+from helpers import cli, distinct_ids
 
 pytestmark = pytest.mark.slow  # end-to-end: trains, evaluates or runs the CLI in subprocesses (`make test-fast` skips)
-
-
-def _cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "expertcache.recipes.cli", *map(str, args)], capture_output=True,
-                          text=True, cwd=cwd, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
 
 
 def _one_line(r, *needles):
@@ -42,19 +35,19 @@ def npz(tmp_path):
 
 def test_an_output_equal_to_an_input_is_refused_before_any_work(npz, tmp_path):
     before = _digest(npz)
-    r = _cli("bench", "decode", "--replay", npz, "--out", npz, "--store_dir", tmp_path / "st", "--tokens", 2)
+    r = cli("bench", "decode", "--replay", npz, "--out", npz, "--store_dir", tmp_path / "st", "--tokens", 2)
     _one_line(r, "also an input")
-    r = _cli("fit-predictor", "--trace", npz, "--out", npz)
+    r = cli("fit-predictor", "--trace", npz, "--out", npz)
     _one_line(r, "also an input")
     assert _digest(npz) == before and not (tmp_path / "st").exists()
 
 
 def test_bench_big_reads_its_trace_before_writing_a_checkpoint(tmp_path):
-    r = _cli("bench", "big", "--out_dir", tmp_path / "big", "--trace", tmp_path / "none.npz",
+    r = cli("bench", "big", "--out_dir", tmp_path / "big", "--trace", tmp_path / "none.npz",
              "--out", tmp_path / "big.json")
     _one_line(r, "none.npz")
     assert not list((tmp_path / "big").glob("**/*.safetensors"))  # no checkpoint written (none, if no folder)
-    _one_line(_cli("bench", "big", "--out_dir", tmp_path / "big", "--layers", 0), "--layers 0")
+    _one_line(cli("bench", "big", "--out_dir", tmp_path / "big", "--layers", 0), "--layers 0")
 
 
 def test_a_replay_store_that_does_not_fit_is_refused_before_it_is_written(tmp_path):
@@ -74,23 +67,23 @@ def test_a_replay_store_that_does_not_fit_is_refused_before_it_is_written(tmp_pa
                                               ("routers.rank=0", "routers.rank=0")])
 def test_recipe_ranges_are_one_line(tmp_path, override, needle):
     cmd = "train-cache-aware" if override.startswith("routers") else "pretrain"
-    _one_line(_cli(cmd, "--recipe", "smoke", override, f"out_dir={tmp_path}/o"), needle)
+    _one_line(cli(cmd, "--recipe", "smoke", override, f"out_dir={tmp_path}/o"), needle)
     assert not (tmp_path / "o").exists()
 
 
 def test_a_yaml_tag_never_runs(tmp_path):
     bad = tmp_path / "r.yaml"
     bad.write_text(f"!!python/object/apply:os.system ['touch {tmp_path}/PWNED']\n")
-    _one_line(_cli("pretrain", "--recipe", bad), "r.yaml")
-    _one_line(_cli("trace-info", "--config", bad))
+    _one_line(cli("pretrain", "--recipe", bad), "r.yaml")
+    _one_line(cli("trace-info", "--config", bad))
     assert not (tmp_path / "PWNED").exists()
 
 
 def test_gate_inputs_that_are_not_eval_results(tmp_path):
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "bad.json").write_text('{"stepwise": ')
-    _one_line(_cli("gate", "--baseline", tmp_path / "list.json", "--candidate", tmp_path / "bad.json"), "list.json")
-    _one_line(_cli("gate", "--baseline", tmp_path / "none.json", "--candidate", tmp_path / "bad.json"), "none.json")
+    _one_line(cli("gate", "--baseline", tmp_path / "list.json", "--candidate", tmp_path / "bad.json"), "list.json")
+    _one_line(cli("gate", "--baseline", tmp_path / "none.json", "--candidate", tmp_path / "bad.json"), "none.json")
 
 
 def test_a_damaged_checkpoint_is_one_input_error(tmp_path):

@@ -16,7 +16,7 @@ from expertcache.trainer.aux_routers import (AuxRouterConfig, AuxRouters, histor
                                              next_use_target)
 from expertcache.trainer.config import RecipeError, load_recipe
 from expertcache.trainer.locality import domain_loss, layer_weights, locality_loss, served_margin_loss
-from helpers import REPO, smoke_overrides
+from helpers import REPO
 
 pytestmark = pytest.mark.slow  # end-to-end: trains, evaluates or runs the CLI in subprocesses (`make test-fast` skips)
 

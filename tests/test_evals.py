@@ -9,8 +9,6 @@ from expertcache.evals.gate import gate
 from expertcache.evals.run import evaluate
 from expertcache.runtime.engine import EngineConfig
 from expertcache.telemetry.errors import InputError
-from expertcache.trainer.config import load_recipe
-from helpers import REPO, smoke_overrides
 
 pytestmark = pytest.mark.slow  # end-to-end: trains, evaluates or runs the CLI in subprocesses (`make test-fast` skips)
 

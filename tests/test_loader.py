@@ -15,15 +15,14 @@ from expertcache.recipes.cli import main
 from expertcache.runtime import EngineConfig, load
 from expertcache.runtime.checkpoint import Checkpoint
 from expertcache.telemetry.errors import InputError
+from helpers import greedy
 from tiny_models import FAMILIES
 
 PROMPT = torch.tensor([[5, 9, 33, 2, 71, 100, 7, 12]])
 
 
 def _greedy(model, n=10):
-    with torch.no_grad():
-        return model.generate(PROMPT, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(PROMPT),
-                              pad_token_id=1)
+    return greedy(model, PROMPT, n, pad_token_id=1)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import torch
 from expertcache.trainer.config import load_recipe
 from expertcache.trainer.pretrain import PretrainRecipe, run_pretrain
 from expertcache.trainer.runfolder import read_metrics
-from helpers import smoke_overrides
+from helpers import cli, smoke_overrides
 
 pytestmark = pytest.mark.slow  # end-to-end: trains, evaluates or runs the CLI in subprocesses (`make test-fast` skips)
 
@@ -93,18 +93,14 @@ def test_killed_run_resumes_to_the_same_weights(tiny_data, straight_run, tmp_pat
     assert worst < 2e-3, f"resumed weights differ from the straight run by up to {worst}"
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "expertcache.recipes.cli", *args], capture_output=True, text=True)
-
-
 def test_cli_rejects_unknown_recipe_key_in_one_line(tiny_data, tmp_path):
-    r = _cli("pretrain", "--recipe", "smoke", "train.max_step=3", f"out_dir={tmp_path}")
+    r = cli("pretrain", "--recipe", "smoke", "train.max_step=3", f"out_dir={tmp_path}")
     assert r.returncode == 2
     assert "unknown recipe key train.max_step" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_cli_rejects_missing_data_dir(tmp_path):
-    r = _cli("pretrain", "--recipe", "smoke", f"data.corpus={tmp_path}/nodata", f"out_dir={tmp_path}/o")
+    r = cli("pretrain", "--recipe", "smoke", f"data.corpus={tmp_path}/nodata", f"out_dir={tmp_path}/o")
     assert r.returncode == 2
     assert f"no corpus at {tmp_path}/nodata" in r.stderr and "Traceback" not in r.stderr
 
@@ -124,7 +120,7 @@ def test_tokenizer_model_vocab_mismatch_is_rejected(tiny_data, straight_run):
 
 
 def test_cli_data_build_reports_missing_source(tmp_path):
-    r = _cli("data", "build", "--out", str(tmp_path), "--prose_sdist", str(tmp_path / "x.tar.gz"), "--tiny", "true")
+    r = cli("data", "build", "--out", str(tmp_path), "--prose_sdist", str(tmp_path / "x.tar.gz"), "--tiny", "true")
     assert r.returncode == 2 and "x.tar.gz not found" in r.stderr and "Traceback" not in r.stderr
 
 

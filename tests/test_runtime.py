@@ -11,6 +11,7 @@ from expertcache.runtime.store import HEADER, read_store_meta, write_store
 from expertcache.telemetry.cache import CacheState
 from expertcache.telemetry.cachesim import simulate, simulate_scored
 from expertcache.telemetry.errors import InputError
+from helpers import greedy
 from tiny_models import FAMILIES, build_model, tiny_config
 
 
@@ -85,9 +86,7 @@ def _fresh(fam):
 
 
 def _greedy(model, prompt, n=12):
-    with torch.no_grad():
-        return model.generate(prompt, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(prompt),
-                              pad_token_id=0)
+    return greedy(model, prompt, n, pad_token_id=0)
 
 
 def test_store_holds_each_expert_in_one_aligned_block(family_models):

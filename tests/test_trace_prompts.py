@@ -4,7 +4,6 @@ checkpoint is served in (named in the metadata), readable by `analyze`; bad prom
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
 from tiny_lm import make_tiny_checkpoint, one_torch_thread  # noqa: F401 - autouse fixture
