@@ -154,13 +154,14 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
     task_list, manager = lm_eval_tasks(list(tasks), task_dir, include_path) if tasks else (None, None)
     # step-wise token perplexity (the gate's Δppl), the engine attached, tokens in order
     model, engine = open_model(model_dir, serve, dtype, device)
-    from expertcache.telemetry.hf import context_length
+    from expertcache.telemetry.hf import check_context
 
-    ctx = context_length(model)  # every block is decoded in order, one position per token
-    if ctx is not None and seq_len > ctx:
+    try:  # every block is decoded in order, one position per token
+        check_context(model, seq_len, 0, f"--seq_len {seq_len}")
+    except InputError:
         if engine is not None:
             engine.close()
-        raise InputError(f"--seq_len {seq_len}: this model's context is {ctx} positions")
+        raise
     step, blocks = None, {}
     if ppl_blocks > 0:
         try:

@@ -161,6 +161,22 @@ def test_a_non_finite_estimator_or_policy_file_is_refused(tmp_path):
         make_predictor("probex", model)
 
 
+def test_eval_blocks_longer_than_the_models_positions_are_refused(tiny_data, tmp_path, capsys):
+    """The step-wise evaluation scores each block one position per token: a --seq_len past the model's context is
+    refused in check_context's words, before any block is read."""
+    from tiny_lm import make_tiny_checkpoint
+
+    from expertcache.recipes.cli import main
+
+    ckpt = make_tiny_checkpoint(tmp_path / "m", max_positions=64)
+    capsys.readouterr()
+    rc = main(["eval", "--model", str(ckpt), "--corpus", tiny_data["corpus"], "--tasks", "[]", "--ppl_blocks", "1",
+               "--seq_len", "100", "--out", str(tmp_path / "e.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "this model's context is 64 positions: --seq_len 100 has 100 tokens" in err[0]
+    assert not (tmp_path / "e.json").exists()
+
+
 def test_every_decode_path_checks_prompt_and_new_tokens_against_the_models_positions(tmp_path, capsys):
     """#24 finding 6: `generate --max_tokens 100000` decoded past a 1,024-position model; serve refused it."""
     from tiny_lm import make_tiny_checkpoint
