@@ -37,7 +37,10 @@ from .bigckpt import ALIGN, EXPERTS, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, T
 from .checkpoint import free_disk
 from .engine import EngineConfig
 
-SYSTEMS = ("expertcache:on-demand", "expertcache:prefetch", "accelerate", "mmap")
+# `mmap` (and every system but the `:unbounded` one) runs inside a memory cgroup of the budget when one can be made;
+# `mmap:unbounded` is the page cache a user gets by default (all the free RAM)
+SYSTEMS = ("expertcache:on-demand", "expertcache:prefetch", "accelerate", "mmap", "mmap:unbounded")
+ROUTINGS = ("trace", "native")
 
 
 class TraceRouting:
@@ -70,23 +73,27 @@ def _slot_bytes(ckpt: Path) -> int:
     return read_store_meta(ckpt / qc["experts_file"]).block_bytes if qc else expert_bytes() + ALIGN
 
 
-def _load_system(system: str, ckpt: Path, budget: int, ids, fit_end: int, engine: EngineConfig):
+def _load_system(system: str, ckpt: Path, budget: int, layers: int, ids_fit: np.ndarray | None,
+                 engine: EngineConfig):
     """`(model, engine or None, routers)` for one system; expertcache's under `engine` with the capacity the budget
-    leaves."""
+    leaves. `ids_fit`: the trace's routing to fit the prefetch predictor on (trace routing), or None (the
+    checkpoint's own routing: the prefetch row probes the next layer's router)."""
     from expertcache.telemetry.adapters import adapter_for
 
     if system.startswith("expertcache"):  # expertcache:on-demand | :prefetch, then :int8 / :int4 for quantized
         from .loader import load
         from .trace_predictors import CooccurrenceEstimator, CooccurrencePredictor
 
-        layers = ids.shape[0]
         ram_other = 2 << 30  # non-expert weights (~1.3 GB at this shape), interpreter, activations, staging
         cap = min(EXPERTS, int((budget - ram_other) // (_slot_bytes(ckpt) * layers)) - TOP_K)  # packed: more slots
         if cap < 1:
             raise InputError(f"a budget of {budget / 2**30:.1f} GiB leaves no cache slots after the non-expert weights")
-        pred = CooccurrencePredictor(CooccurrenceEstimator(ids[:, :fit_end], EXPERTS)) if ":prefetch" in system \
-            else "none"
-        m = load(ckpt, engine=replace(engine, capacity=cap, predictor="none"), predictor=pred)
+        cfg, pred = replace(engine, capacity=cap, predictor="none"), None
+        if ":prefetch" in system and ids_fit is None:
+            cfg = replace(cfg, predictor="probe:1")
+        elif ":prefetch" in system:
+            pred = CooccurrencePredictor(CooccurrenceEstimator(ids_fit, EXPERTS))
+        m = load(ckpt, engine=cfg, predictor=pred) if pred is not None else load(ckpt, engine=cfg)
         return m, m.expertcache, [L.router for L in m.expertcache.layers]
     if system == "accelerate":
         from expertcache.telemetry.hf import load_causal_lm
@@ -95,7 +102,7 @@ def _load_system(system: str, ckpt: Path, budget: int, ids, fit_end: int, engine
         m = load_causal_lm(ckpt, dtype=torch.bfloat16, device_map="auto", max_memory={"cpu": budget},
                            offload_folder=str(off)).eval()
         return m, None, [L.router for L in adapter_for(m).moe_layers(m)]
-    if system == "mmap":
+    if system in ("mmap", "mmap:unbounded"):  # the same process; the cgroup (or none) is the difference
         m = _mmap_model(ckpt)
         return m, None, [L.router for L in adapter_for(m).moe_layers(m)]
     raise InputError(f"unknown system {system!r}; expected one of {', '.join(SYSTEMS)}")
@@ -140,10 +147,11 @@ def _rss_peak() -> int:
 
 
 def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, tokens: int, warmup: int,
-            prompt_len: int, start: int, engine: dict | None = None) -> dict:
+            prompt_len: int, start: int, engine: dict | None = None, routing: str = "trace") -> dict:
     """One system's decode in this process: TPOT per token (prefill excluded), hits, bytes read, peak RSS.
     `ckpt`: the bf16 checkpoint; an expertcache system named `...:int8`/`...:int4` reads its quantized copy.
-    `engine`: expertcache's `EngineConfig` fields (default: the disk tier)."""
+    `engine`: expertcache's `EngineConfig` fields (default: the disk tier). `routing`: trace (every router's
+    choice replaced by the trace's) or native (the checkpoint's own routers)."""
     from expertcache.telemetry.parquet_trace import load_routing
 
     ckpt = Path(ckpt)
@@ -158,9 +166,11 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
     io0 = _read_bytes()
     t0 = time.perf_counter()
     cfg_engine = EngineConfig(**engine) if engine else EngineConfig(tier="disk")
-    m, eng, routers = _load_system(system, ckpt, budget, ids, start - 1, cfg_engine)
+    native = routing == "native"
+    m, eng, routers = _load_system(system, ckpt, budget, cfg["num_hidden_layers"],
+                                   None if native else ids[:, :start - 1], cfg_engine)
     load_s = time.perf_counter() - t0
-    routing = TraceRouting(routers, ids, start)
+    forced = None if native else TraceRouting(routers, ids, start)
     prompt = torch.randint(2, cfg["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(0))
     from .decode import timed_greedy
 
@@ -174,7 +184,8 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
            "tokens_per_s": float(1 / np.median(tpot)), "tpot_s": [float(x) for x in tpot],
            "peak_rss_bytes": _rss_peak(), "disk_read_bytes_load": io1 - io0,
            "disk_read_bytes_per_token": (io2 - io1) / max(len(times), 1),
-           "output_tokens_sha": hash(tuple(out[0].tolist())) & 0xFFFFFFFF, "routing_positions": routing.pos + routing.n}
+           "output_tokens_sha": hash(tuple(out[0].tolist())) & 0xFFFFFFFF,
+           "routing_positions": None if forced is None else forced.pos + forced.n}
     if eng is not None:
         d = dec_stats.per_token(eng.meta.expert_bytes, n_dec)
         res.update({"hit_rate": d["hit_rate"], "stall_per_token_s": d["stall_per_token_s"],
@@ -224,14 +235,17 @@ def system_names(systems, experts=("bf16",)) -> list[str]:
 
 
 def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None = None, budget_gb: float = 8.0,
-              tokens: int = 64, warmup: int = 8, prompt_len: int = 8, rounds: int = 2, systems=SYSTEMS,
+              tokens: int = 64, warmup: int = 8, prompt_len: int = 8, rounds: int = 3, systems=SYSTEMS,
               ram_factor: float = 1.25, layers: int | None = None, slow_tokens: int = 8, slow_warmup: int = 2,
               engine: EngineConfig = EngineConfig(tier="disk"), timeout_s: int = 3600, progress=None,
-              experts=("bf16",)) -> dict:
+              experts=("bf16",), routing: str = "trace", cgroup: bool = True) -> dict:
     """Write (or reuse) the checkpoint, then run every system `rounds` times, alternated, each in its own process.
     `slow_tokens`/`slow_warmup`: the token counts for accelerate, whose per-token time is minutes-scale here.
     `experts`: the formats expertcache serves (int8/int4: `expertcache quantize` copies, group 32, reused).
-    `engine`: how expertcache serves (its capacity is what the budget leaves)."""
+    `engine`: how expertcache serves (its capacity is what the budget leaves). `routing`: trace | native.
+    `cgroup`: run every system but `mmap:unbounded` inside one memory cgroup of `budget_gb` (resident memory and
+    page cache), when one can be made (root)."""
+    from .memcg import MemoryCgroup
     from .replay import REFERENCE_TRACE
 
     trace = trace or REFERENCE_TRACE
@@ -257,24 +271,35 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
     start = 2000  # decode window of the trace; the predictor is fitted on tokens before it
     runs: dict[str, list] = {s: [] for s in systems}
     cold = []
-    for r in range(rounds):
-        order = list(systems) if r % 2 == 0 else list(systems)[::-1]
-        for s in order:
-            cold.append(drop_page_cache())
-            slow = s == "accelerate"
-            job = {"system": s, "ckpt": str(ckpt), "trace": str(trace), "budget_gb": budget_gb,
-                   "tokens": slow_tokens if slow else tokens, "warmup": slow_warmup if slow else warmup,
-                   "prompt_len": prompt_len, "start": start, "engine": asdict(engine)}
-            cmd = [sys.executable, "-m", "expertcache.runtime.bigbench", json.dumps(job)]
-            log = out_dir / f"{s.replace(':', '-')}-round{r}.log"
-            with open_log(log, fresh=True) as lf:
-                p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=lf, text=True, timeout=timeout_s)
-            if p.returncode != 0:
-                runs[s].append({"error": f"exit {p.returncode}; see {log}"})
-            else:
-                runs[s].append(json.loads(p.stdout.strip().splitlines()[-1]))
-            if progress:
-                progress(0)
+    cg, cg_note = MemoryCgroup.create(int(budget_gb * 2**30)) if cgroup else (None, "--cgroup false")
+    try:
+        for r in range(rounds):
+            order = list(systems) if r % 2 == 0 else list(systems)[::-1]
+            for s in order:
+                cold.append(drop_page_cache())
+                bounded = cg is not None and not s.endswith(":unbounded")
+                if bounded:
+                    cg.reset_peak()
+                slow = s == "accelerate"
+                job = {"system": s, "ckpt": str(ckpt), "trace": str(trace), "budget_gb": budget_gb,
+                       "tokens": slow_tokens if slow else tokens, "warmup": slow_warmup if slow else warmup,
+                       "prompt_len": prompt_len, "start": start, "engine": asdict(engine), "routing": routing}
+                cmd = [sys.executable, "-m", "expertcache.runtime.bigbench", json.dumps(job)]
+                log = out_dir / f"{s.replace(':', '-')}-round{r}.log"
+                with open_log(log, fresh=True) as lf:
+                    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=lf, text=True, timeout=timeout_s,
+                                       preexec_fn=cg.preexec if bounded else None)
+                if p.returncode != 0:
+                    why = " (killed: out of memory in the cgroup?)" if bounded and p.returncode in (-9, 137) else ""
+                    runs[s].append({"error": f"exit {p.returncode}{why}; see {log}"})
+                else:
+                    runs[s].append({**json.loads(p.stdout.strip().splitlines()[-1]),
+                                    "cgroup_peak_bytes": cg.peak_bytes() if bounded else None})
+                if progress:
+                    progress(0)
+    finally:
+        if cg is not None:
+            cg.close()
     disk_used = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
     quant_used = {f: sum(p.stat().st_size for p in quantized_path(ckpt, f).iterdir() if p.is_file())
                   for f in experts if f != "bf16"}
@@ -285,12 +310,18 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                       "experts_over_ram": n_layers * per_layer / physical_ram(), "note": note,
                       "budget_gb": budget_gb, "tokens": tokens, "warmup": warmup,
                       "accelerate_tokens": slow_tokens, "accelerate_warmup": slow_warmup, "prompt_len": prompt_len,
-                      "trace": str(trace), "trace_start": start, "rounds": rounds, "engine": asdict(engine),
+                      "trace": str(trace) if routing == "trace" else None, "trace_start": start, "rounds": rounds,
+                      "engine": asdict(engine),
                       "experts": list(experts), "quant_group": QUANT_GROUP,
                       "torch_threads": torch.get_num_threads(), "page_cache_dropped_before_each": all(cold)},
            "disk_used_bytes": {"checkpoint": disk_used, **{f"checkpoint_{f}": b for f, b in quant_used.items()},
                                "accelerate_offload": sum(p.stat().st_size for p in off.rglob("*") if p.is_file())
                                if off.is_dir() else 0},
+           "rounds": rounds, "routing": routing,
+           "memory_cgroup_bytes": cg.limit_bytes if cg is not None else None,
+           "memory_cgroup_note": (f"every system but mmap:unbounded ran inside a {cg.limit_bytes / 2**30:g} GiB "
+                                  f"memory cgroup (v{2 if cg.v2 else 1}: resident memory and page cache)")
+           if cg is not None else f"no memory cgroup ({cg_note}): every system ran unbounded",
            "systems": {}}
     for s, rs in runs.items():
         ok = [x for x in rs if "error" not in x]
@@ -303,7 +334,11 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                         "peak_rss_bytes": max(x["peak_rss_bytes"] for x in ok),
                         "disk_read_bytes_per_token": float(np.mean([x["disk_read_bytes_per_token"] for x in ok])),
                         "load_s": float(np.mean([x["load_s"] for x in ok])),
-                        "same_output_tokens": len({x["output_tokens_sha"] for x in ok}) == 1})
+                        "same_output_tokens": len({x["output_tokens_sha"] for x in ok}) == 1,
+                        "tpot_round_medians_s": [x["tpot_median_s"] for x in ok],
+                        "in_memory_cgroup": ok[0]["cgroup_peak_bytes"] is not None,
+                        "cgroup_peak_bytes": max(x["cgroup_peak_bytes"] for x in ok)
+                        if ok[0]["cgroup_peak_bytes"] is not None else None})
             for k in ("hit_rate", "stall_per_token_s", "traffic_bytes_per_token"):
                 if k in ok[0]:
                     row[k] = float(np.mean([x[k] for x in ok]))
@@ -313,36 +348,60 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                 row["time_budget_s"] = {k: float(np.mean([x["time_budget_s"][k] for x in ok]))
                                         for k in ok[0]["time_budget_s"]}
         res["systems"][s] = row
-    ec = [res["systems"][s]["tpot_median_s"] for s in systems if s.startswith("expertcache")
-          and "tpot_median_s" in res["systems"][s]]
-    peers = {s: res["systems"][s]["tpot_median_s"] for s in systems if not s.startswith("expertcache")
-             and "tpot_median_s" in res["systems"][s]}
+    res["comparisons"] = comparisons(res["systems"])
+    ec = {s: r["tpot_median_s"] for s, r in res["systems"].items() if s.startswith("expertcache")
+          and "tpot_median_s" in r}
+    peers = {s: r["tpot_median_s"] for s, r in res["systems"].items() if not s.startswith("expertcache")
+             and "tpot_median_s" in r}
     if ec and peers:
-        best_peer = min(peers, key=peers.get)
-        res["best_expertcache_tpot_s"] = min(ec)
+        best_ec, best_peer = min(ec, key=ec.get), min(peers, key=peers.get)
+        res["best_expertcache"], res["best_expertcache_tpot_s"] = best_ec, ec[best_ec]
         res["best_peer"] = best_peer
-        res["tpot_ratio_vs_best_peer"] = min(ec) / peers[best_peer]
-        means = {s: res["systems"][s]["tpot_mean_s"] for s in systems if "tpot_mean_s" in res["systems"][s]}
-        ec_mean = min(v for s, v in means.items() if s.startswith("expertcache"))
-        res["mean_tpot_ratio_vs_best_peer"] = ec_mean / min(v for s, v in means.items()
-                                                             if not s.startswith("expertcache"))
+        res["tpot_ratio_vs_best_peer"] = ec[best_ec] / peers[best_peer]
     return res
 
 
+def comparisons(systems: dict) -> dict:
+    """Each expertcache system against each peer (and against expertcache:on-demand): the ratio of their median
+    TPOTs, the range of the per-round ratios' inputs, and whether the ratio is *claimed*: only when the two
+    systems' round medians do not overlap (every round of one faster than every round of the other)."""
+    out = {}
+    ok = {s: r for s, r in systems.items() if r.get("tpot_round_medians_s")}
+    for a, ra in ok.items():
+        if not a.startswith("expertcache"):
+            continue
+        others = [b for b in ok if not b.startswith("expertcache")]
+        if a != "expertcache:on-demand" and "expertcache:on-demand" in ok:
+            others.append("expertcache:on-demand")
+        for b in others:
+            xa, xb = ra["tpot_round_medians_s"], ok[b]["tpot_round_medians_s"]
+            apart = max(xa) < min(xb) or max(xb) < min(xa)
+            out[f"{a} vs {b}"] = {"ratio": float(np.median(xa) / np.median(xb)), "a_rounds_s": [min(xa), max(xa)],
+                                  "b_rounds_s": [min(xb), max(xb)], "rounds": [len(xa), len(xb)],
+                                  "claimed": bool(apart and min(len(xa), len(xb)) >= 3)}
+    return out
+
+
 def table(res: dict) -> str:
-    rows = ["| system | TPOT med (s) | p90 (s) | mean (s) | tok/s | peak RSS (GiB) | disk read MB/tok | hit | "
-            "stall s/tok | s/tok: experts / stall / other / overhead |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| system | TPOT med (s) | round medians (s) | p90 (s) | peak RSS (GiB) | cgroup peak (GiB) | "
+            "disk read MB/tok | hit | s/tok: experts / stall / other / overhead |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for s, r in res["systems"].items():
         if "tpot_median_s" not in r:
-            rows.append(f"| {s} | failed: {'; '.join(r['errors'])} | | | | | | | | |")
+            rows.append(f"| {s} | failed: {'; '.join(r['errors'])} | | | | | | | |")
             continue
-        rows.append(f"| {s} | {r['tpot_median_s']:.3f} | {r['tpot_p90_s']:.3f} | {r.get('tpot_mean_s', float('nan')):.3f} | "
-                    f"{r['tokens_per_s']:.2f} | "
-                    f"{r['peak_rss_bytes'] / 2**30:.2f} | {r['disk_read_bytes_per_token'] / 1e6:.0f} | "
-                    f"{r.get('hit_rate', float('nan')):.3f} | {r.get('stall_per_token_s', float('nan')):.3f} | "
-                    + (" / ".join(f"{r['time_budget_s'][k]:.3f}" for k in ("expert_compute", "stall", "other_compute",
-                                                                           "overhead")) if "time_budget_s" in r
-                       else "—") + " |")
+        budget = " / ".join(f"{r['time_budget_s'][k]:.3f}" for k in ("expert_compute", "stall", "other_compute",
+                                                                     "overhead")) if "time_budget_s" in r else "—"
+        peak = f"{r['cgroup_peak_bytes'] / 2**30:.2f}" if r.get("cgroup_peak_bytes") else "unbounded"
+        rows.append(f"| {s} | {r['tpot_median_s']:.3f} | "
+                    f"{', '.join(f'{x:.3f}' for x in r.get('tpot_round_medians_s', []))} | {r['tpot_p90_s']:.3f} | "
+                    f"{r['peak_rss_bytes'] / 2**30:.2f} | {peak} | {r['disk_read_bytes_per_token'] / 1e6:.0f} | "
+                    f"{r.get('hit_rate', float('nan')):.3f} | {budget} |")
+    comp = res.get("comparisons", {})
+    if comp:
+        rows += ["", "| comparison | TPOT ratio | claimed (rounds apart) |", "|---|---|---|"]
+        rows += [f"| {k} | {v['ratio']:.2f} | {'yes' if v['claimed'] else 'no: the rounds overlap'} |"
+                 for k, v in comp.items()]
     return "\n".join(rows)
 
 
@@ -383,7 +442,7 @@ def main(argv=None) -> int:
         return 2
     job = json.loads(argv[0])
     res = run_one(job["system"], job["ckpt"], job["trace"], job["budget_gb"], job["tokens"], job["warmup"],
-                  job["prompt_len"], job["start"], job["engine"])
+                  job["prompt_len"], job["start"], job["engine"], job.get("routing", "trace"))
     print(json.dumps(res))
     return 0
 

@@ -85,8 +85,9 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
         with Progress() as prog:
             task = prog.add_task("replay passes", total=rounds * (2 + len(preds)))
             res = replay_benchmark(REFERENCE_TRACE if replay == "reference" else replay, expert_shape,
-                                   dtype or "bf16", dataclasses.replace(engine, capacity=capacities[0]), preds, tokens, warmup,
-                                   rounds, disk_budget_gb, store_dir, progress=lambda: prog.advance(task))
+                                   dtype or "bf16", dataclasses.replace(engine, capacity=capacities[0]), preds,
+                                   tokens, warmup, rounds, disk_budget_gb, store_dir,
+                                   progress=lambda: prog.advance(task))
     else:
         import numpy as np
         import torch
@@ -130,13 +131,17 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
 
 def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budget_gb: float = 8.0,
               tokens: int = 64, warmup: int = 8, accelerate_tokens: int = 8, accelerate_warmup: int = 2,
-              prompt_len: int = 8, rounds: int = 2,
-              systems: list[str] = ["expertcache:on-demand", "expertcache:prefetch", "accelerate", "mmap"],
+              prompt_len: int = 8, rounds: int = 3,
+              systems: list[str] = ["expertcache:on-demand", "expertcache:prefetch", "accelerate", "mmap",
+                                    "mmap:unbounded"],
               layers: Optional[int] = None, ram_factor: float = 1.25,
               engine: EngineConfig = EngineConfig(tier="disk"),
-              experts: list[str] = ["bf16"], out: Optional[str] = "results/bench_big.json") -> dict:
+              experts: list[str] = ["bf16"], routing: str = "trace", cgroup: bool = True,
+              out: Optional[str] = "results/bench_big.json") -> dict:
     """A Qwen3-30B-A3B-shaped checkpoint larger than RAM, decoded by expertcache (disk tier, cache within the
-    budget), transformers + accelerate disk offload and the page cache (mmap), on the same routing, alternated.
+    budget), transformers + accelerate disk offload and the page cache (mmap), on the same routing, alternated,
+    each inside one memory cgroup of the budget (as root; `mmap:unbounded` outside it: the page cache a user gets
+    by default).
 
     Args:
         out_dir: where the checkpoint is written (reused) and the logs go
@@ -147,19 +152,27 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
         accelerate_tokens: accelerate reads every offloaded layer per token (seconds each): fewer timed tokens
         accelerate_warmup: untimed tokens for accelerate
         prompt_len: prompt tokens
-        rounds: alternated runs per system
-        systems: which systems run
+        rounds: alternated runs per system (a ratio is claimed only where the round medians do not overlap)
+        systems: which systems run: expertcache:on-demand, expertcache:prefetch, accelerate, mmap (in the
+            cgroup), mmap:unbounded
         layers: MoE layers (default: experts >= ram_factor x RAM)
         ram_factor: size of the experts against this machine's RAM
         engine: how expertcache serves (tier, workers, policy, prefetch guard, ...; its capacity is what
             --budget_gb leaves after the non-expert weights)
         experts: the formats expertcache serves, each against the same budget: bf16 (the checkpoint) | int8 |
             int4 (`expertcache quantize` copies, group 32, written beside the checkpoint once); e.g. [bf16,int4]
+        routing: trace (every router's choice replaced by --trace's, so every system sees real locality) |
+            native (the checkpoint's own random routers; expertcache:prefetch then probes the next router)
+        cgroup: run every system but mmap:unbounded inside one memory cgroup of --budget_gb (root only; without
+            root everything runs unbounded and the JSON says so)
         out: the JSON (a PNG beside it)
     """
     from rich.progress import Progress
 
-    from .bigbench import SYSTEMS, bench_big as run, plot, table
+    from .bigbench import ROUTINGS, SYSTEMS, bench_big as run, plot, table
+
+    if routing not in ROUTINGS:
+        raise InputError(f"--routing {routing!r}; expected one of: {', '.join(ROUTINGS)}")
 
     if not experts or any(f not in ("bf16", "int8", "int4") for f in experts) or len(set(experts)) < len(experts):
         raise InputError(f"--experts {experts}: expected distinct formats among bf16, int8, int4")
@@ -187,7 +200,7 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
         task = prog.add_task("checkpoint layers, then runs", total=None)
         res = run(out_dir, trace, budget_gb, tokens, warmup, prompt_len, rounds, systems, ram_factor, layers,
                   accelerate_tokens, accelerate_warmup, engine, progress=lambda n: prog.advance(task, n or 1),
-                  experts=tuple(experts))
+                  experts=tuple(experts), routing=routing, cgroup=cgroup)
     res["git_commit"] = _git_commit()
     failed = {sys_: r["errors"] for sys_, r in res["systems"].items() if r.get("errors")}
     res["ok"] = not failed  # a system asked for that failed makes the run exit 1 (its reason stays in the JSON)

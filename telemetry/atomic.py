@@ -95,6 +95,16 @@ def write_json(path: str | Path, obj) -> Path:
     return write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
+def write_setting(path: str | Path, value: str) -> None:
+    """A kernel setting (a file under /proc or /sys: drop_caches, a cgroup's limit or its member list), written
+    in place: it is not a file that can be half-written, and a temporary name beside it cannot exist."""
+    p = Path(path)
+    if not str(p).startswith(("/proc/", "/sys/")):
+        raise ValueError(f"{p} is not a kernel setting (under /proc or /sys); write files with write_text")
+    with open(p, "w") as f:
+        f.write(value)
+
+
 def check_output(out: str | Path | None, *inputs, folder: bool = False) -> None:
     """Before any work: refuse an output that cannot be written (a folder where a file goes, or the reverse; a
     parent folder that is not writable) or that is one of the command's inputs (its result would replace it)."""

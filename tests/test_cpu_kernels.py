@@ -395,6 +395,61 @@ def test_bench_big_exits_1_when_a_system_it_ran_failed(tmp_path, monkeypatch, ca
     assert json.loads(out.read_text())["ok"] is False
 
 
+def test_bench_big_claims_a_ratio_only_where_the_rounds_do_not_overlap():
+    from expertcache.runtime.bigbench import comparisons
+
+    rows = {"expertcache:on-demand": {"tpot_round_medians_s": [0.50, 0.52, 0.55]},
+            "expertcache:prefetch": {"tpot_round_medians_s": [0.49, 0.56, 0.51]},
+            "mmap": {"tpot_round_medians_s": [1.4, 1.5, 1.6]},
+            "mmap:unbounded": {"tpot_round_medians_s": [0.45, 0.60, 0.70]},
+            "accelerate": {"errors": ["exit 1"]}}  # a failed system is compared with nothing
+    c = comparisons(rows)
+    assert set(c) == {"expertcache:on-demand vs mmap", "expertcache:on-demand vs mmap:unbounded",
+                      "expertcache:prefetch vs mmap", "expertcache:prefetch vs mmap:unbounded",
+                      "expertcache:prefetch vs expertcache:on-demand"}
+    assert c["expertcache:on-demand vs mmap"]["claimed"] and abs(c["expertcache:on-demand vs mmap"]["ratio"] -
+                                                                 0.52 / 1.5) < 1e-12
+    assert not c["expertcache:on-demand vs mmap:unbounded"]["claimed"]  # 0.45..0.70 overlaps 0.50..0.55
+    assert not c["expertcache:prefetch vs expertcache:on-demand"]["claimed"]
+    two = comparisons({"expertcache:on-demand": {"tpot_round_medians_s": [0.5, 0.5]},
+                       "mmap": {"tpot_round_medians_s": [1.0, 1.0]}})
+    assert not two["expertcache:on-demand vs mmap"]["claimed"]  # apart, but 2 rounds claim nothing
+
+
+def test_bench_big_refuses_an_unknown_routing_before_writing_anything(tmp_path, capsys):
+    from expertcache.recipes.cli import main
+
+    assert main(["bench", "big", "--routing", "forced", "--out_dir", str(tmp_path / "d"),
+                 "--out", str(tmp_path / "b.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--routing 'forced'; expected one of: trace, native" in err[0]
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_memory_cgroup_bounds_a_childs_page_cache(tmp_path):
+    """What `bench big` relies on for equal memory: a child in the cgroup reads 3x the limit through mmap and the
+    cgroup's peak (its resident memory and page cache) stays at the limit. Needs root and a memory controller."""
+    from expertcache.runtime.memcg import MemoryCgroup
+
+    cg, why = MemoryCgroup.create(48 << 20, f"expertcache-test-{os.getpid()}")
+    if cg is None:
+        pytest.skip(why)
+    big = tmp_path / "big.bin"
+    with open(big, "wb") as f:
+        for _ in range(144):
+            f.write(os.urandom(1 << 20))
+    code = ("import mmap, sys; f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)\n"
+            "print(sum(m[i] for i in range(0, len(m), 4096)))")
+    try:
+        cg.reset_peak()
+        r = subprocess.run([sys.executable, "-c", code, str(big)], preexec_fn=cg.preexec, capture_output=True,
+                           text=True)
+        assert r.returncode == 0, r.stderr
+        assert 0 < cg.peak_bytes() <= (48 << 20) + (1 << 20)
+    finally:
+        cg.close()
+
+
 def test_shapes_the_integer_kernels_do_not_take_are_dequantized_or_refused(tmp_path):
     """Hidden 32 (not a multiple of 64): `kernel auto` computes the quantized experts dequantized (it used to
     raise the extension's RuntimeError from inside the forward); `kernel cpu` is refused in one line naming the
