@@ -20,6 +20,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from expertcache.runtime.engine import EngineConfig
+from expertcache.runtime.quant import QUANT_METHOD
 
 from .served import open_model
 
@@ -49,8 +50,18 @@ class ExpertCacheLM(HFLM):
         from expertcache.telemetry.hf import context_length
 
         ctx = context_length(model)  # lm-eval truncates each request to max_length: never past the positions
-        super().__init__(pretrained=model, tokenizer=tok, device=parse_device(device), batch_size=bs,
-                         max_length=min(int(max_length), ctx) if ctx else int(max_length), **kwargs)
+        # HFLM hands a config's quantization_config to transformers, which knows only its own methods: our
+        # packed experts are the engine's to read (already loaded here), so lm-eval does not see the entry
+        qc = getattr(model.config, "quantization_config", None)
+        ours = isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD
+        if ours:
+            model.config.quantization_config = None
+        try:
+            super().__init__(pretrained=model, tokenizer=tok, device=parse_device(device), batch_size=bs,
+                             max_length=min(int(max_length), ctx) if ctx else int(max_length), **kwargs)
+        finally:
+            if ours:
+                model.config.quantization_config = qc
 
     def _model_call(self, inps, attn_mask=None, labels=None):
         if not self.lossy:

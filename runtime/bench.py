@@ -1,11 +1,13 @@
-"""`expertcache bench decode` on a live checkpoint: plain `model.generate` against the offload engine.
+"""`expertcache bench decode` on a live checkpoint: the unmodified model against the offload engine.
 
 For every (capacity, predictor) configuration, on the same prompts, alternated pass by pass in one process:
-- ``plain``: the unmodified model, every expert in memory (the reference TPOT);
+- ``plain``: the unmodified model, every expert in memory (the reference TPOT; not for a quantized checkpoint,
+  whose packed experts have no plain form);
 - ``resident``: the engine with every expert resident (its overhead; the roofline's T_compute);
 - ``on-demand``: the engine at that capacity, no predictor, blocking loads;
 - the configuration itself (predictor + prefetch, the chosen miss policy).
-TPOT comes from the time between successive generated tokens (a streamer timestamps each), prefill excluded.
+Every pass is greedy through the decode loop of generate and serve (`decode.timed_greedy`); TPOT comes from the
+time between successive tokens by its clock, prefill excluded.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from expertcache.telemetry.errors import InputError
 
 from .engine import EngineConfig, Stats
 from .predictors import TemporalKeep, aux_routers_for, make_predictor
@@ -62,14 +66,20 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineCon
     tier, policy, miss, device = engine.tier, engine.policy, engine.miss, parse_device(engine.device)
     path = resolve(model_dir)
     ckpt_bytes = Checkpoint(path).bytes_on_disk()
+    from .quant import read_config
+
+    quantized = read_config(path) is not None  # packed experts: transformers has no plain form of them
+    if plain and quantized:
+        raise InputError(f"--plain true: {path} is a quantized checkpoint (its experts are packed), which has no "
+                         f"plain transformers form; its reference is the checkpoint it was quantized from")
     if plain is None:
-        plain = ckpt_bytes < 0.5 * available_memory()
+        plain = not quantized and ckpt_bytes < 0.5 * available_memory()
     rss_start = peak_rss_bytes()
     m = load(path, dtype=dtype, engine=replace(engine, capacity=capacities[0], device=device, predictor="none"))
     eng0 = m.expertcache
     e = eng0.adapter.num_experts
     rss_loaded = peak_rss_bytes()
-    dt = parse_dtype(dtype) or getattr(torch, eng0.meta.tensors[0].dtype)
+    dt = parse_dtype(dtype) or (next(m.parameters()).dtype if quantized else getattr(torch, eng0.meta.tensors[0].dtype))
     n_new = warmup + tokens + 1
     from expertcache.telemetry.hf import check_context
 

@@ -542,6 +542,8 @@ def cases(P: dict) -> list[dict]:
     add("big-trace-truncated", [*bb, "--trace", P["trunc_parquet"]])
     add("big-out-readonly", ["bench", "big", "--out_dir", S / "big2", "--out", RO / "b.json"], nobody=True)
     add("big-out-dir-is-file", ["bench", "big", "--out_dir", P["text_file"], "--out", S / "big3.json"])
+    add("big-routing-unknown", [*bb, "--routing", "forced"])
+    add("big-engine-tier-unknown", [*bb, "--engine.tier", "floppy"])
     # simulate
     sm = ["simulate", "--hardware", "consumer-8gb-nvme", "--model_shape", "base-tiny"]
     add("simulate-trace-missing", [*sm, "--trace", S / "none.parquet"])

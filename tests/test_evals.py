@@ -428,3 +428,27 @@ def test_eval_on_the_users_own_text_and_on_accuracy_alone(evals, tiny_data, tmp_
     assert gate(a, a)["gate"] in ("PASS", "INCONCLUSIVE")
     with pytest.raises(InputError, match="evaluate both the same way"):
         gate(a, evals["base"])
+
+
+def test_a_quantized_checkpoint_is_evaluated_and_benchmarked(tiny_data, tmp_path, capsys):
+    """`eval` of an `expertcache quantize` checkpoint: lm-eval's HF wrapper used to hand our quantization_config
+    to transformers, which refused it (ValueError: unknown quantization type); `bench decode` tried to load a
+    plain reference of packed experts. Both found by scripts/quantized_table.py."""
+    from tiny_lm import make_tiny_checkpoint
+
+    from expertcache.recipes.cli import main
+
+    src = make_tiny_checkpoint(tmp_path / "m", hidden_size=64, moe_intermediate_size=64)
+    q = tmp_path / "q8"
+    assert main(["quantize", "--model", str(src), "--bits", "8", "--group_size", "32", "--out", str(q)]) == 0
+    served = EngineConfig(capacity=1.0, tier="host")
+    kw = dict(corpus=tiny_data["corpus"], engine=served, tasks=["ec_cloze_prose"], limit=2, ppl_blocks=1,
+              seq_len=32, task_dir=tmp_path / "tasks", split="validation")  # the tiny test split is too small
+    a = evaluate(src, out=tmp_path / "a.json", **kw)
+    b = evaluate(q, out=tmp_path / "b.json", **kw)
+    pa, pb = a["stepwise"]["ppl"]["overall"], b["stepwise"]["ppl"]["overall"]
+    assert pa != pb and abs(pb / pa - 1) < 0.05  # int8 moves the perplexity a little, not a lot
+    capsys.readouterr()
+    assert main(["bench", "decode", "--model", str(q), "--corpus", tiny_data["corpus"], "--plain", "true",
+                 "--tokens", "2", "--rounds", "1"]) == 2
+    assert "quantized checkpoint" in capsys.readouterr().err
