@@ -272,14 +272,17 @@ def gate(baseline: dict, candidate: dict, th: GateThresholds = GateThresholds(),
         d_bpb = b1 - b0
         _, lo, hi = dbpb_interval({t: docs_b[t]["bpb_ll"] for t in shared}, {t: docs_c[t]["bpb_ll"] for t in shared},
                                   {t: docs_b[t]["bpb_bytes"] for t in shared}, **kw)
-        _, plo, phi = dppl_iv["overall"]
+        # like with like: bits per byte on one domain's text against that domain's token Δppl, else overall
+        domains = {t.removeprefix("ec_ppl_") for t in shared}
+        against = domains.pop() if len(domains) == 1 and next(iter(domains)) in dppl_iv else "overall"
+        _, plo, phi = dppl_iv[against]
         disagree = (lo > 0 and phi < 0) or (hi < 0 and plo > 0)  # the intervals exclude each other's sign
         cross = {"tasks": sorted(shared), "bits_per_byte_baseline": b0, "bits_per_byte_candidate": b1,
-                 "delta": d_bpb, "delta_ci95": [lo, hi], "agrees_in_sign": not disagree}
+                 "delta": d_bpb, "delta_ci95": [lo, hi], "against_dppl": against, "agrees_in_sign": not disagree}
         if disagree:
             fails.append(f"lm-eval bits/byte moved {d_bpb:+.4f} [{lo:+.4f}, {hi:+.4f}] against the token Δppl "
-                         f"{dppl['overall']:+.2f}% [{plo:+.2f}, {phi:+.2f}]: the two measures' intervals exclude "
-                         f"each other's sign")
+                         f"({against}) {dppl[against]:+.2f}% [{plo:+.2f}, {phi:+.2f}]: the two measures' intervals "
+                         f"exclude each other's sign")
     verdict = "FAIL" if fails else v["gate"]
     worst = max((d for d in dppl if d != "overall"), key=lambda d: dppl[d], default=None)
     return {"baseline": {"model": baseline.get("model"), "policy": baseline.get("policy")},

@@ -452,3 +452,29 @@ def test_a_quantized_checkpoint_is_evaluated_and_benchmarked(tiny_data, tmp_path
     assert main(["bench", "decode", "--model", str(q), "--corpus", tiny_data["corpus"], "--plain", "true",
                  "--tokens", "2", "--rounds", "1"]) == 2
     assert "quantized checkpoint" in capsys.readouterr().err
+
+
+def test_bits_per_byte_is_checked_against_its_own_domains_token_ppl(evals):
+    """lm-eval's bits per byte on prose text is a measure of prose: it is checked against the prose Δppl, not the
+    overall one (the quickstart's reroute row FAILed on prose bits per byte against an overall Δppl that code and
+    math had pulled down). Prose unchanged (its interval spans zero) while code and math improve: no clash. Prose
+    clearly better by tokens and clearly worse by bytes: a clash, FAIL."""
+    import copy
+    import math
+
+    def worse_bytes(res):
+        cand = copy.deepcopy(res)
+        d = cand["lm_eval_docs"]["ec_ppl_prose"]
+        d["bpb_ll"] = [x * 1.05 for x in d["bpb_ll"]]  # every document 5% less likely: clearly worse
+        cand["lm_eval"]["ec_ppl_prose"]["bits_per_byte,none"] = -sum(d["bpb_ll"]) / sum(d["bpb_bytes"]) / math.log(2)
+        return cand
+
+    mixed = worse_bytes(_scaled(evals["base"], {"code": [0.95, 0.96], "prose": [0.999, 1.001], "math": [0.95, 0.96]}))
+    g = gate(evals["base"], mixed)
+    x = g["bpb_crosscheck"]
+    assert x["against_dppl"] == "prose" and x["delta_ci95"][0] > 0 and g["dppl_overall_ci95"][1] < 0
+    assert x["agrees_in_sign"] and not any("bits/byte" in f for f in g["failures"])
+    clash = worse_bytes(_scaled(evals["base"], {d: [0.95, 0.96] for d in ("code", "prose", "math")}))
+    g = gate(evals["base"], clash)
+    assert not g["bpb_crosscheck"]["agrees_in_sign"] and g["gate"] == "FAIL"
+    assert any("token Δppl (prose)" in f for f in g["failures"])
