@@ -3,10 +3,11 @@
 
 For each variant, `expertcache quantize` writes the checkpoint (routed experts packed, everything else unchanged);
 `expertcache eval` scores it through the engine with every expert resident (capacity 1.0, host tier: the cache
-changes nothing, so only the weights differ) on the same blocks and documents as the base; `gate` decides on
-paired intervals against the base. The `bf16` row is the base's weights rounded to bf16 (what a bf16 checkpoint
-stores), computed in fp32 like the others. Bytes: the experts' bytes against the bf16 experts'. Decode: `bench
-decode` at 1/4 of the experts from disk (TPOT, bytes moved per token).
+changes nothing, so only the weights differ) on the same blocks and documents as the base; `gate` decides on paired
+intervals against the base. The `bf16` row is the base's expert weights rounded to bf16 (what a bf16 checkpoint
+stores; the other weights unchanged, as `quantize` leaves them), computed in fp32 like the others. Bytes: the
+experts' bytes against the bf16 experts'. Decode: `bench decode` at 1/4 of the experts from disk (TPOT, bytes moved
+per token).
 
     python scripts/quantized_table.py --base runs/base-tiny/model --work runs/quantized --out results/quantized.json
 
@@ -32,7 +33,8 @@ VARIANTS = {"int8-g32": (8, 32), "int4-g32": (4, 32), "int4-g64": (4, 64), "int4
 
 
 def bf16_copy(base: Path, out: Path) -> Path:
-    """The base with its weights rounded to bf16, saved as a bf16 checkpoint (tokenizer files copied)."""
+    """The base with its routed experts' weights rounded to bf16 (the other weights unchanged, as `quantize`
+    leaves them), saved in the base's dtype; tokenizer and generation config copied."""
     if (out / "config.json").is_file():
         return out
     import shutil
@@ -41,11 +43,25 @@ def bf16_copy(base: Path, out: Path) -> Path:
 
     from expertcache.telemetry.hf import load_causal_lm
 
-    load_causal_lm(base, dtype=torch.bfloat16).save_pretrained(out)
+    m = load_causal_lm(base)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if ".mlp.experts." in name:
+                p.copy_(p.to(torch.bfloat16).to(p.dtype))
+    m.save_pretrained(out)
     for f in base.iterdir():
         if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "generation_config.json"):
             shutil.copy2(f, out / f.name)
     return out
+
+
+def bf16_expert_bytes(model_dir: Path) -> int:
+    """What the checkpoint's routed experts take in bf16: 2 bytes a weight."""
+    import math
+
+    from expertcache.runtime.checkpoint import Checkpoint
+
+    return sum(2 * math.prod(t.shape) for k, t in Checkpoint(model_dir).tensors.items() if ".mlp.experts." in k)
 
 
 def main() -> None:
@@ -115,11 +131,7 @@ def main() -> None:
     for name, (bits, group, model) in models.items():
         g = gate(ref, ev(model, name))
         if name == "bf16":
-            from expertcache.runtime.checkpoint import Checkpoint
-
-            ck = Checkpoint(model)
-            bf16_bytes = sum(t.nbytes for k, t in ck.tensors.items() if ".mlp.experts." in k)
-            stored = bf16_bytes
+            bf16_bytes = stored = bf16_expert_bytes(base)
             err = None
         else:
             stored = reports[name]["expert_bytes"]

@@ -66,6 +66,28 @@ def serve_load_table(d: dict) -> str:
     return "\n".join(rows)
 
 
+def quantized_table(d: dict) -> str:
+    """results/quantized.json -> each expert format's quality cost (gate on paired intervals) beside its bytes."""
+    rows = ["| experts | Δppl overall [95%] | worst domain [95%] | Δacc (points) | gate | bytes vs bf16 | "
+            "worst layer rel. error | TPOT at 1/4 (ms) | KiB moved/token |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        lo, hi = r["dppl_overall_ci95"]
+        dlo, dhi = r["dppl_max_domain_ci95"]
+        acc = ", ".join(f"{t.removeprefix('ec_')} {v:+.1f}" for t, v in r["dacc_points"].items())
+        err = "—" if r["relative_error_max"] is None else f"{r['relative_error_max']:.4f}"
+        tpot = f"{r['tpot_s'] * 1e3:.2f}" if r.get("tpot_s") else "—"
+        kib = f"{r['traffic_bytes_per_token'] / 1024:.0f}" if r.get("traffic_bytes_per_token") is not None else "—"
+        rows.append(f"| {r['name']} | {r['dppl_overall_pct']:+.3f}% [{lo:+.3f}, {hi:+.3f}] | "
+                    f"{r['dppl_max_domain_pct']:+.3f}% [{dlo:+.3f}, {dhi:+.3f}] | {acc} | {r['gate']} | "
+                    f"{r['expert_bytes_ratio']:.3f} | {err} | {tpot} | {kib} |")
+    return "\n".join(rows)
+
+
+if (RESULTS / "quantized.json").is_file():
+    d = json.loads((RESULTS / "quantized.json").read_text())
+    print(f"<!-- results/quantized.json ({d['command']}) -->")
+    print(quantized_table(d), end="\n\n")
+
 if (RESULTS / "serve_load.json").is_file():
     d = json.loads((RESULTS / "serve_load.json").read_text())
     print(f"<!-- results/serve_load.json (python scripts/load_test.py --throughput; git {d.get('commit', '?')}) -->")
