@@ -26,6 +26,7 @@ def lossless(root: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     from expertcache.runtime import load
+    from expertcache.runtime.decode import timed_greedy
     from tiny_models import FAMILIES, build_model, tiny_config
 
     out = {}
@@ -33,12 +34,15 @@ def lossless(root: Path) -> dict:
     for fam in FAMILIES:
         d = root / fam
         build_model(tiny_config(fam), seed=3, dtype=torch.bfloat16).save_pretrained(d)
-        gen = dict(max_new_tokens=16, do_sample=False, attention_mask=torch.ones_like(prompt), pad_token_id=1)
+        # transformers' own greedy generate is the reference; the engine decodes through the decode loop of
+        # generate and serve (`decode.timed_greedy`, 16 tokens, end-of-sequence ignored as min_new_tokens does)
+        gen = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, attention_mask=torch.ones_like(prompt),
+                   pad_token_id=1)
         ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval().generate(prompt, **gen)
         row = {}
         for tier in ("host", "disk"):
             m = load(d, capacity=2, tier=tier, device="cuda")
-            row[tier] = bool(torch.equal(m.generate(prompt, **gen), ref))
+            row[tier] = bool(torch.equal(timed_greedy(m, prompt, 16)[1], ref))
             row[tier + "_hits_loads"] = [m.expertcache.stats.hits, m.expertcache.stats.demand_loads]
             m.expertcache.close()
         out[fam] = row
