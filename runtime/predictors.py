@@ -93,6 +93,9 @@ class ProbePredictor(Predictor):
 
         self.adapter = adapter_for(model)
         self.routers = [L.router for L in self.adapter.moe_layers(model)]
+        if distance >= len(self.routers):  # it would never name an expert: a no-op that looks like prefetching
+            raise InputError(f"predictor probe:{distance} looks {distance} MoE layers ahead; this model has "
+                             f"{len(self.routers)}, so at most probe:{max(1, len(self.routers) - 1)}")
         self.distance, self.name = distance, f"probe:{distance}"
 
     def predict(self, layer, hidden, history):

@@ -384,3 +384,11 @@ def test_probe_scores_by_the_familys_own_rule():
     layers = a.moe_layers(m)
     want = a.router_logits(layers[1].router, h).float().sigmoid()
     assert torch.allclose(p.predict(0, h, {}), want)
+
+
+def test_a_probe_past_the_last_moe_layer_is_refused():
+    """#21: a prefetch distance beyond the model's layers is one line, not a predictor that never predicts."""
+    m = _fresh("qwen3_moe")  # 2 MoE layers
+    assert make_predictor("probe:1", m).distance == 1
+    with pytest.raises(InputError, match=r"probe:2 looks 2 MoE layers ahead; this model has 2, so at most probe:1"):
+        make_predictor("probe:2", m)
