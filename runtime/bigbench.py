@@ -88,12 +88,12 @@ def _load_system(system: str, ckpt: Path, budget: int, layers: int, ids_fit: np.
         cap = min(EXPERTS, int((budget - ram_other) // (_slot_bytes(ckpt) * layers)) - TOP_K)  # packed: more slots
         if cap < 1:
             raise InputError(f"a budget of {budget / 2**30:.1f} GiB leaves no cache slots after the non-expert weights")
-        cfg, pred = replace(engine, capacity=cap, predictor="none"), None
+        cfg, pred = replace(engine, capacity=cap, predictor="none"), "none"  # "none": the config's predictor
         if ":prefetch" in system and ids_fit is None:
             cfg = replace(cfg, predictor="probe:1")
         elif ":prefetch" in system:
             pred = CooccurrencePredictor(CooccurrenceEstimator(ids_fit, EXPERTS))
-        m = load(ckpt, engine=cfg, predictor=pred) if pred is not None else load(ckpt, engine=cfg)
+        m = load(ckpt, engine=cfg, predictor=pred)
         return m, m.expertcache, [L.router for L in m.expertcache.layers]
     if system == "accelerate":
         from expertcache.telemetry.hf import load_causal_lm

@@ -186,9 +186,9 @@ class EngineConfig:
         if isinstance(self.budget_gb, bool) or not isinstance(self.budget_gb, numbers.Real) \
                 or not math.isfinite(self.budget_gb) or self.budget_gb < 0:
             raise InputError(f"budget_gb={self.budget_gb!r}; expected GiB >= 0 (0: use capacity)")
-        TierSpec.parse(self.tier)
+        tier = TierSpec.parse(self.tier)
         MISS_REGISTRY.parse(self.miss)
-        if self.miss == "host" and TierSpec.parse(self.tier).kind not in ("host", "throttled", "auto"):
+        if self.miss == "host" and tier.kind not in ("host", "throttled", "auto"):
             raise InputError(f"miss policy host computes experts where they live: it needs the host or a "
                              f"throttled tier, not {self.tier}")
         ENGINE_POLICIES.parse(self.policy)

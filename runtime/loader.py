@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -202,12 +203,8 @@ def load(model: str | Path, capacity: float = 0.25, tier: str = "auto", device: 
         given = sorted(engine_options) + (["predictor"] if isinstance(predictor, str) and predictor != "none" else [])
         if given:
             raise InputError(f"load(engine=...) and engine options {given} both given; put them in the EngineConfig")
-        from dataclasses import asdict
-
-        opts = asdict(engine)
-        capacity, tier, device, spec = (opts.pop(k) for k in ("capacity", "tier", "device", "predictor"))
-        predictor = predictor if isinstance(predictor, Predictor) else spec  # an object: the config names its type
-        engine_options = opts
+        if not isinstance(predictor, Predictor):  # an object may go beside the config, which then names its type
+            predictor = engine.predictor
     if not isinstance(model, (str, os.PathLike)):
         raise InputError(f"load(model={model!r}): expected a checkpoint folder or hub id (a str or a Path)")
     if not (isinstance(predictor, (str, Predictor))):
@@ -217,14 +214,16 @@ def load(model: str | Path, capacity: float = 0.25, tier: str = "auto", device: 
         check_predictor_spec(predictor)  # before anything is read
     if verify not in (None, True, False):
         raise InputError(f"load(verify={verify!r}): expected None, True or False")
-    fields = set(EngineConfig.__dataclass_fields__) - {"capacity", "tier", "device", "predictor"}
-    unknown = sorted(set(engine_options) - fields)
-    if unknown:
-        raise InputError(f"unknown engine option(s) {', '.join(unknown)}; expected {', '.join(sorted(fields))}")
-    dev = parse_device(device)
-    cfg = EngineConfig(capacity=capacity, tier=tier, device=dev, predictor=predictor if isinstance(predictor, str)
-                       else type(predictor).__name__, **engine_options)
+    if engine is None:  # the keyword form: its options become the one config, here
+        fields = set(EngineConfig.__dataclass_fields__) - {"capacity", "tier", "device", "predictor"}
+        unknown = sorted(set(engine_options) - fields)
+        if unknown:
+            raise InputError(f"unknown engine option(s) {', '.join(unknown)}; expected {', '.join(sorted(fields))}")
+        engine = EngineConfig(capacity=capacity, tier=tier, device=device, **engine_options)
+    cfg = replace(engine, device=parse_device(engine.device),
+                  predictor=predictor if isinstance(predictor, str) else type(predictor).__name__)
     cfg.check()
+    dev = cfg.device
     path = resolve(model, revision)
     m, source = build_offloaded(path, dtype, verify)
     if dev == "cuda":
@@ -234,8 +233,7 @@ def load(model: str | Path, capacity: float = 0.25, tier: str = "auto", device: 
         keep_scores = TemporalKeep(m, aux_routers)
     pred = predictor if isinstance(predictor, Predictor) else make_predictor(
         predictor, m, aux_routers, num_experts=source.meta.num_experts, hidden_size=m.config.hidden_size)
-    engine = OffloadEngine(m, source, cfg, predictor=pred, pinned=pinned, keep_scores=keep_scores)
-    m.expertcache = engine
+    m.expertcache = OffloadEngine(m, source, cfg, predictor=pred, pinned=pinned, keep_scores=keep_scores)
     return m
 
 
