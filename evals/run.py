@@ -153,15 +153,11 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
             write_task_yamls(task_dir)
     task_list, manager = lm_eval_tasks(list(tasks), task_dir, include_path) if tasks else (None, None)
     # step-wise token perplexity (the gate's Δppl), the engine attached, tokens in order
-    model, engine = open_model(model_dir, serve, dtype, device)
-    from expertcache.telemetry.hf import check_context
+    from expertcache.telemetry.hf import check_context, load_config
 
-    try:  # every block is decoded in order, one position per token
-        check_context(model, seq_len, 0, f"--seq_len {seq_len}")
-    except InputError:
-        if engine is not None:
-            engine.close()
-        raise
+    # every block is decoded in order, one position per token: checked on the config, before the model is opened
+    check_context(load_config(model_dir), seq_len, 0, f"--seq_len {seq_len}")
+    model, engine = open_model(model_dir, serve, dtype, device)
     step, blocks = None, {}
     if ppl_blocks > 0:
         try:

@@ -120,10 +120,11 @@ def check_context(model_or_config, prompt_tokens: int, new_tokens: int, prompt_w
     """Every decode path, before any work: the prompt and the tokens to generate within the model's positions
     (past them RoPE tables and caches run on positions the model never saw)."""
     ctx = context_length(model_or_config)
-    if ctx is not None and prompt_tokens + new_tokens > ctx and not new_tokens:  # a block scored, nothing decoded
+    if ctx is None or prompt_tokens + new_tokens <= ctx:
+        return
+    if not new_tokens:  # a block scored, nothing decoded
         raise InputError(f"this model's context is {ctx} positions: {prompt_what} has {prompt_tokens} tokens")
-    if ctx is not None and prompt_tokens + new_tokens > ctx:
-        left = max(0, ctx - prompt_tokens)
-        raise InputError(f"this model's context is {ctx} positions: {prompt_what} has {prompt_tokens} tokens and "
-                         f"{new_what}={new_tokens} asks for {prompt_tokens + new_tokens} (at most {left} new tokens "
-                         f"fit{'' if left else '; shorten the prompt'})")
+    left = max(0, ctx - prompt_tokens)
+    raise InputError(f"this model's context is {ctx} positions: {prompt_what} has {prompt_tokens} tokens and "
+                     f"{new_what}={new_tokens} asks for {prompt_tokens + new_tokens} (at most {left} new tokens "
+                     f"fit{'' if left else '; shorten the prompt'})")
