@@ -63,7 +63,7 @@ def train_cache_aware(recipe: CacheAwareRecipe, resume: bool = True,
 
     Args:
         recipe: the recipe: --recipe NAME (shipped in recipes/cache-aware: locality, temporal, spatio-temporal,
-            aux-only, sweep, frontier, smoke) or FILE.yaml, then any --recipe.KEY VALUE
+            aux-only, sweep, frontier, frontier-claims, smoke) or FILE.yaml, then any --recipe.KEY VALUE
         resume: continue from the run's last checkpoint (a finished frontier variant is not trained again)
         table: instead of training, print one table of these finished run folders (their result.json)
     """

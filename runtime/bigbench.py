@@ -10,7 +10,11 @@ runs today, side by side.
      (the co-occurrence predictor fitted on trace tokens outside the decoded window); lossless;
    - ``accelerate``: transformers + accelerate disk offload (`device_map="auto"`, `max_memory` = the budget);
    - ``mmap``: the page cache as the expert cache (the safetensors file mapped, experts computed in place, as
-     llama.cpp does by default); no memory limit can be put on it, which favours it.
+     llama.cpp does by default);
+   - ``llama.cpp``: llama.cpp itself (`llama-bench`, mmap) on a BF16 GGUF conversion of the same checkpoint
+     (`runtime/llamacpp.py`); it routes with the model's own routers, so it runs with `routing="native"` only.
+   Every system but the ``:unbounded`` ones runs inside one memory cgroup of the budget (resident memory and page
+   cache) when one can be made (root); ``mmap:unbounded``/``llama.cpp:unbounded`` are what a user gets by default.
    Each run is its own process (its peak RSS is its own); the page cache is dropped before each when this
    process may (root), so every system starts cold; rounds alternate the order.
 """
@@ -39,7 +43,9 @@ from .engine import EngineConfig
 
 # `mmap` (and every system but the `:unbounded` one) runs inside a memory cgroup of the budget when one can be made;
 # `mmap:unbounded` is the page cache a user gets by default (all the free RAM)
-SYSTEMS = ("expertcache:on-demand", "expertcache:prefetch", "accelerate", "mmap", "mmap:unbounded")
+SYSTEMS = ("expertcache:on-demand", "expertcache:prefetch", "accelerate", "mmap", "mmap:unbounded", "llama.cpp",
+           "llama.cpp:unbounded")
+NATIVE_ONLY = ("llama.cpp", "llama.cpp:unbounded")  # route with the checkpoint's own routers (no hook to force)
 ROUTINGS = ("trace", "native")
 
 
@@ -76,8 +82,9 @@ def _slot_bytes(ckpt: Path) -> int:
 def _load_system(system: str, ckpt: Path, budget: int, layers: int, ids_fit: np.ndarray | None,
                  engine: EngineConfig):
     """`(model, engine or None, routers)` for one system; expertcache's under `engine` with the capacity the budget
-    leaves. `ids_fit`: the trace's routing to fit the prefetch predictor on (trace routing), or None (the
-    checkpoint's own routing: the prefetch row probes the next layer's router)."""
+    leaves. The prefetch row predicts with `engine.predictor` when one is given; else with the co-occurrence
+    predictor fitted on `ids_fit`, the trace's routing (trace routing), or, with None (the checkpoint's own
+    routing), the probe of the next layer's router."""
     from expertcache.telemetry.adapters import adapter_for
 
     if system.startswith("expertcache"):  # expertcache:on-demand | :prefetch, then :int8 / :int4 for quantized
@@ -89,7 +96,9 @@ def _load_system(system: str, ckpt: Path, budget: int, layers: int, ids_fit: np.
         if cap < 1:
             raise InputError(f"a budget of {budget / 2**30:.1f} GiB leaves no cache slots after the non-expert weights")
         cfg, pred = replace(engine, capacity=cap, predictor="none"), "none"  # "none": the config's predictor
-        if ":prefetch" in system and ids_fit is None:
+        if ":prefetch" in system and engine.predictor != "none":  # the one asked for (--engine.predictor)
+            cfg = replace(cfg, predictor=engine.predictor)
+        elif ":prefetch" in system and ids_fit is None:
             cfg = replace(cfg, predictor="probe:1")
         elif ":prefetch" in system:
             pred = CooccurrencePredictor(CooccurrenceEstimator(ids_fit, EXPERTS))
@@ -195,6 +204,50 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
     return res
 
 
+def prepare_llamacpp(systems, routing: str, ckpt: Path, out_dir: Path, llamacpp_dir=None):
+    """For the llama.cpp systems asked for: `(bin dir, GGUF, {})` once llama.cpp is built and the checkpoint
+    converted (both reused), or `(None, None, {system: why})` when they cannot run (trace routing, or a step that
+    failed: its one line)."""
+    want = [s for s in systems if s in NATIVE_ONLY]
+    if not want:
+        return None, None, {}
+    if routing != "native":
+        return None, None, {s: "llama.cpp routes with the model's own routers: run with --routing native"
+                            for s in want}
+    from . import llamacpp
+
+    try:
+        src = llamacpp.source_dir(Path(llamacpp_dir) if llamacpp_dir else None)
+        bins = llamacpp.build(src)
+        return bins, llamacpp.gguf(ckpt, "bf16", src, bins, out_dir), {}
+    except llamacpp.LlamaCppError as e:
+        return None, None, {s: str(e) for s in want}
+
+
+def run_llamacpp(system: str, bins: Path, gguf: Path, tokens: int, warmup: int, prompt_len: int, threads: int,
+                 preexec=None, timeout_s: float = 3600, log: Path | None = None) -> dict:
+    """One round of llama.cpp (`llama-bench`, its own process, in the cgroup when `preexec` joins it): `prompt_len`
+    tokens of context, `warmup` untimed decoded tokens, then `tokens` timed; the same fields as `run_one`'s.
+    `tpot_s` holds one figure, llama-bench's mean over the timed tokens (it times the run, not each token); the
+    bytes read per token are the child's own during the timed test (with no warm-up: the whole run's, loading
+    included, and `disk_read_includes_load` says so)."""
+    from .llamacpp import bench
+
+    r = bench(bins, gguf, threads, tokens, warmup, prompt_len, 1, preexec, timeout_s, log)
+    if r["read_bytes_timed"] is not None:  # from the end of the warm-up test: the timed test (its context and
+        per_tok, with_load = r["read_bytes_timed"] / (tokens + 1), False  # one-token warm-up included)
+    else:
+        per_tok, with_load = r["read_bytes"] / (1 + tokens), True  # llama-bench warms each test up with one token
+    return {"system": system, "load_s": None, "tokens_timed": tokens, "tpot_median_s": float(r["tpot_s"][0]),
+            "tpot_p90_s": float(r["tpot_s"][0]), "tokens_per_s": float(1 / r["tpot_s"][0]),
+            "tpot_s": [float(x) for x in r["tpot_s"]], "tpot_is_run_mean": True,
+            "peak_rss_bytes": r["peak_rss_bytes"], "disk_read_bytes_load": None,
+            "disk_read_bytes_per_token": per_tok, "disk_read_includes_load": with_load,
+            "disk_read_bytes_run": r["read_bytes"],
+            "output_tokens_sha": None, "routing_positions": None, "llamacpp_build": r["build"],
+            "threads": r["threads"], "cmd": r["cmd"]}
+
+
 def _read_bytes() -> int:
     """Bytes this process has read from storage (/proc/self/io read_bytes): page-cache hits excluded."""
     try:
@@ -238,13 +291,17 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
               tokens: int = 64, warmup: int = 8, prompt_len: int = 8, rounds: int = 3, systems=SYSTEMS,
               ram_factor: float = 1.25, layers: int | None = None, slow_tokens: int = 8, slow_warmup: int = 2,
               engine: EngineConfig = EngineConfig(tier="disk"), timeout_s: int = 3600, progress=None,
-              experts=("bf16",), routing: str = "trace", cgroup: bool = True) -> dict:
+              experts=("bf16",), routing: str = "trace", cgroup: bool = True, keep_gguf: bool = False,
+              llamacpp_dir: str | Path | None = None) -> dict:
     """Write (or reuse) the checkpoint, then run every system `rounds` times, alternated, each in its own process.
     `slow_tokens`/`slow_warmup`: the token counts for accelerate, whose per-token time is minutes-scale here.
     `experts`: the formats expertcache serves (int8/int4: `expertcache quantize` copies, group 32, reused).
     `engine`: how expertcache serves (its capacity is what the budget leaves). `routing`: trace | native.
     `cgroup`: run every system but `mmap:unbounded` inside one memory cgroup of `budget_gb` (resident memory and
-    page cache), when one can be made (root)."""
+    page cache), when one can be made (root). llama.cpp systems: the checkpoint converted to a BF16 GGUF beside it
+    (llama.cpp built from the PyPI sdist's source in `llamacpp_dir`, default `runtime.llamacpp.cache_dir()`); the
+    GGUF is deleted when done unless `keep_gguf`. A llama.cpp step that fails skips its systems with the reason in
+    the JSON (`skipped`)."""
     from .memcg import MemoryCgroup
     from .replay import REFERENCE_TRACE
 
@@ -268,6 +325,9 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
 
             write_quantized(ckpt, q, 8 if f == "int8" else 4, QUANT_GROUP, progress=lambda: progress and progress(1))
     systems = system_names(systems, experts)
+    threads = torch.get_num_threads()  # what each system's own process gets (torch's default here)
+    bins, gguf_path, skipped = prepare_llamacpp(systems, routing, ckpt, out_dir, llamacpp_dir)
+    systems = [s for s in systems if s not in skipped]
     start = 2000  # decode window of the trace; the predictor is fitted on tokens before it
     runs: dict[str, list] = {s: [] for s in systems}
     cold = []
@@ -280,12 +340,24 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                 bounded = cg is not None and not s.endswith(":unbounded")
                 if bounded:
                     cg.reset_peak()
+                log = out_dir / f"{s.replace(':', '-')}-round{r}.log"
+                if s in NATIVE_ONLY:
+                    from .llamacpp import LlamaCppError
+
+                    try:
+                        x = run_llamacpp(s, bins, gguf_path, tokens, warmup, prompt_len, threads,
+                                         cg.preexec if bounded else None, timeout_s, log)
+                        runs[s].append({**x, "cgroup_peak_bytes": cg.peak_bytes() if bounded else None})
+                    except LlamaCppError as e:
+                        runs[s].append({"error": str(e)})
+                    if progress:
+                        progress(0)
+                    continue
                 slow = s == "accelerate"
                 job = {"system": s, "ckpt": str(ckpt), "trace": str(trace), "budget_gb": budget_gb,
                        "tokens": slow_tokens if slow else tokens, "warmup": slow_warmup if slow else warmup,
                        "prompt_len": prompt_len, "start": start, "engine": asdict(engine), "routing": routing}
                 cmd = [sys.executable, "-m", "expertcache.runtime.bigbench", json.dumps(job)]
-                log = out_dir / f"{s.replace(':', '-')}-round{r}.log"
                 with open_log(log, fresh=True) as lf:
                     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=lf, text=True, timeout=timeout_s,
                                        preexec_fn=cg.preexec if bounded else None)
@@ -300,6 +372,9 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
     finally:
         if cg is not None:
             cg.close()
+    gguf_bytes = gguf_path.stat().st_size if gguf_path is not None and gguf_path.exists() else 0
+    if gguf_path is not None and not keep_gguf:
+        gguf_path.unlink(missing_ok=True)
     disk_used = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
     quant_used = {f: sum(p.stat().st_size for p in quantized_path(ckpt, f).iterdir() if p.is_file())
                   for f in experts if f != "bf16"}
@@ -313,16 +388,20 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                       "trace": str(trace) if routing == "trace" else None, "trace_start": start, "rounds": rounds,
                       "engine": asdict(engine),
                       "experts": list(experts), "quant_group": QUANT_GROUP,
-                      "torch_threads": torch.get_num_threads(), "page_cache_dropped_before_each": all(cold)},
+                      "torch_threads": threads, "llamacpp_threads": threads,
+                      "page_cache_dropped_before_each": all(cold)},
            "disk_used_bytes": {"checkpoint": disk_used, **{f"checkpoint_{f}": b for f, b in quant_used.items()},
                                "accelerate_offload": sum(p.stat().st_size for p in off.rglob("*") if p.is_file())
-                               if off.is_dir() else 0},
+                               if off.is_dir() else 0,
+                               "llamacpp_gguf": gguf_bytes, "llamacpp_gguf_kept": bool(gguf_bytes and keep_gguf)},
            "rounds": rounds, "routing": routing,
            "memory_cgroup_bytes": cg.limit_bytes if cg is not None else None,
-           "memory_cgroup_note": (f"every system but mmap:unbounded ran inside a {cg.limit_bytes / 2**30:g} GiB "
+           "memory_cgroup_note": (f"every system but the :unbounded ones ran inside a {cg.limit_bytes / 2**30:g} GiB "
                                   f"memory cgroup (v{2 if cg.v2 else 1}: resident memory and page cache)")
            if cg is not None else f"no memory cgroup ({cg_note}): every system ran unbounded",
-           "systems": {}}
+           "skipped": skipped, "systems": {}}
+    for s, why in skipped.items():
+        res["systems"][s] = {"runs": 0, "errors": [], "skipped": why}
     for s, rs in runs.items():
         ok = [x for x in rs if "error" not in x]
         row = {"runs": len(rs), "errors": [x["error"] for x in rs if "error" in x]}
@@ -333,8 +412,9 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                         "tokens_per_s": float(1 / np.median(t)), "tokens_timed": int(len(t)),
                         "peak_rss_bytes": max(x["peak_rss_bytes"] for x in ok),
                         "disk_read_bytes_per_token": float(np.mean([x["disk_read_bytes_per_token"] for x in ok])),
-                        "load_s": float(np.mean([x["load_s"] for x in ok])),
-                        "same_output_tokens": len({x["output_tokens_sha"] for x in ok}) == 1,
+                        "load_s": float(np.mean([x["load_s"] for x in ok])) if ok[0]["load_s"] is not None else None,
+                        "same_output_tokens": len({x["output_tokens_sha"] for x in ok}) == 1
+                        if ok[0]["output_tokens_sha"] is not None else None,
                         "tpot_round_medians_s": [x["tpot_median_s"] for x in ok],
                         "in_memory_cgroup": ok[0]["cgroup_peak_bytes"] is not None,
                         "cgroup_peak_bytes": max(x["cgroup_peak_bytes"] for x in ok)
@@ -344,6 +424,9 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                     row[k] = float(np.mean([x[k] for x in ok]))
             if "engine" in ok[0]:
                 row["engine"] = ok[0]["engine"]
+            for k in ("tpot_is_run_mean", "disk_read_includes_load", "llamacpp_build", "threads", "cmd"):
+                if k in ok[0]:
+                    row[k] = ok[0][k]
             if "time_budget_s" in ok[0]:  # seconds per token, averaged over the runs
                 row["time_budget_s"] = {k: float(np.mean([x["time_budget_s"][k] for x in ok]))
                                         for k in ok[0]["time_budget_s"]}
@@ -387,6 +470,9 @@ def table(res: dict) -> str:
             "disk read MB/tok | hit | s/tok: experts / stall / other / overhead |",
             "|---|---|---|---|---|---|---|---|---|"]
     for s, r in res["systems"].items():
+        if "skipped" in r:
+            rows.append(f"| {s} | skipped: {r['skipped']} | | | | | | | |")
+            continue
         if "tpot_median_s" not in r:
             rows.append(f"| {s} | failed: {'; '.join(r['errors'])} | | | | | | | |")
             continue
@@ -424,7 +510,8 @@ def plot(res: dict, png: str | Path) -> None:
     ax[1].legend(loc="lower right")
     i = res["inputs"]
     fig.suptitle(f"{i['layers']} layers x 128 experts ({i['expert_bytes_total'] / 2**30:.1f} GiB of experts, "
-                 f"{i['experts_over_ram']:.2f}x RAM), bf16, reference Qwen3-30B-A3B routing")
+                 f"{i['experts_over_ram']:.2f}x RAM), bf16, "
+                 + ("reference Qwen3-30B-A3B routing" if res.get("routing", "trace") == "trace" else "native routing"))
     fig.tight_layout()
     from expertcache.telemetry.atomic import write_figure
 

@@ -28,7 +28,8 @@ def big_config(layers: int, vocab: int = 32768):
                           num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                           head_dim=HEAD_DIM, num_experts=EXPERTS, num_experts_per_tok=TOP_K, decoder_sparse_step=1,
                           norm_topk_prob=True, tie_word_embeddings=False, max_position_embeddings=4096,
-                          bos_token_id=0, eos_token_id=1, pad_token_id=1, dtype="bfloat16")
+                          bos_token_id=0, eos_token_id=1, pad_token_id=1, dtype="bfloat16",
+                          architectures=["Qwen3MoeForCausalLM"])  # what converters (llama.cpp's) detect it by
 
 
 def expert_bytes() -> int:
@@ -37,6 +38,29 @@ def expert_bytes() -> int:
 
 def physical_ram() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def write_tokenizer(out: Path) -> None:
+    """A small byte-level BPE (the 256 byte tokens, a few merges, `<|endoftext|>`), so the checkpoint is complete for
+    tools that need a tokenizer (llama.cpp's converter pads the vocabulary to the model's with unused tokens); the
+    benchmarks feed token ids. Kept when one is there."""
+    if (out / "tokenizer.json").is_file():
+        return
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer(add_prefix_space=False)
+    bpe.train_from_iterator(["the expert cache keeps the hot experts close and reads the rest from disk"] * 64,
+                            vocab_size=300, min_frequency=2, special_tokens=["<|endoftext|>"], show_progress=False)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>",
+                                  bos_token="<|endoftext|>", unk_token=None, model_max_length=4096)
+    from expertcache.telemetry.atomic import atomic_dir
+
+    with atomic_dir(out / ".tokenizer") as tmp:
+        tok.save_pretrained(str(tmp))
+    for f in (out / ".tokenizer").iterdir():
+        os.replace(f, out / f.name)
+    (out / ".tokenizer").rmdir()
 
 
 def _write_shard(path: Path, tensors: list[tuple[str, list[int], object]]) -> None:
@@ -66,8 +90,12 @@ def write_checkpoint(out: str | Path, layers: int, vocab: int = 32768, layers_pe
     if (out / "model.safetensors.index.json").is_file() and (out / "config.json").is_file():
         from .checkpoint import Checkpoint
 
-        if json.loads((out / "config.json").read_text())["num_hidden_layers"] == layers:
+        have = json.loads((out / "config.json").read_text())
+        if have["num_hidden_layers"] == layers:
             Checkpoint(out)  # shards present and complete, or a clear error
+            if "architectures" not in have:  # written before the config named it
+                write_json(out / "config.json", {**have, "architectures": cfg.architectures})
+            write_tokenizer(out)
             return out
     out.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(0)
@@ -110,5 +138,6 @@ def write_checkpoint(out: str | Path, layers: int, vocab: int = 32768, layers_pe
     _write_shard(out / name, rest)
     weight_map.update({t[0]: name for t in rest})
     write_text(out / "config.json", cfg.to_json_string())
+    write_tokenizer(out)
     write_json(out / "model.safetensors.index.json", {"metadata": {}, "weight_map": weight_map})  # the marker: last
     return out

@@ -137,6 +137,7 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
               layers: Optional[int] = None, ram_factor: float = 1.25,
               engine: EngineConfig = EngineConfig(tier="disk"),
               experts: list[str] = ["bf16"], routing: str = "trace", cgroup: bool = True,
+              keep_gguf: bool = False, llamacpp_dir: Optional[str] = None,
               out: Optional[str] = "results/bench_big.json") -> dict:
     """A Qwen3-30B-A3B-shaped checkpoint larger than RAM, decoded by expertcache (disk tier, cache within the
     budget), transformers + accelerate disk offload and the page cache (mmap), on the same routing, alternated,
@@ -154,17 +155,23 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
         prompt_len: prompt tokens
         rounds: alternated runs per system (a ratio is claimed only where the round medians do not overlap)
         systems: which systems run: expertcache:on-demand, expertcache:prefetch, accelerate, mmap (in the
-            cgroup), mmap:unbounded
+            cgroup), mmap:unbounded, llama.cpp (in the cgroup), llama.cpp:unbounded (llama.cpp only with
+            --routing native: it is built from the PyPI sdist's source and the checkpoint converted to a BF16
+            GGUF the first time, which takes tens of minutes and as much disk as the checkpoint)
         layers: MoE layers (default: experts >= ram_factor x RAM)
         ram_factor: size of the experts against this machine's RAM
         engine: how expertcache serves (tier, workers, policy, prefetch guard, ...; its capacity is what
-            --budget_gb leaves after the non-expert weights)
+            --budget_gb leaves after the non-expert weights). --engine.predictor is the expertcache:prefetch
+            row's predictor (default: co-occurrence fitted on the trace; probe:1 with --routing native)
         experts: the formats expertcache serves, each against the same budget: bf16 (the checkpoint) | int8 |
             int4 (`expertcache quantize` copies, group 32, written beside the checkpoint once); e.g. [bf16,int4]
         routing: trace (every router's choice replaced by --trace's, so every system sees real locality) |
             native (the checkpoint's own random routers; expertcache:prefetch then probes the next router)
         cgroup: run every system but mmap:unbounded inside one memory cgroup of --budget_gb (root only; without
             root everything runs unbounded and the JSON says so)
+        keep_gguf: keep llama.cpp's GGUF copy of the checkpoint (beside it in --out_dir) when done
+        llamacpp_dir: where llama.cpp's source is downloaded and built (default: $EXPERTCACHE_LLAMACPP or
+            ~/.cache/expertcache/llamacpp)
         out: the JSON (a PNG beside it)
     """
     from rich.progress import Progress
@@ -200,16 +207,20 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
         task = prog.add_task("checkpoint layers, then runs", total=None)
         res = run(out_dir, trace, budget_gb, tokens, warmup, prompt_len, rounds, systems, ram_factor, layers,
                   accelerate_tokens, accelerate_warmup, engine, progress=lambda n: prog.advance(task, n or 1),
-                  experts=tuple(experts), routing=routing, cgroup=cgroup)
+                  experts=tuple(experts), routing=routing, cgroup=cgroup, keep_gguf=keep_gguf,
+                  llamacpp_dir=llamacpp_dir)
     res["git_commit"] = _git_commit()
     failed = {sys_: r["errors"] for sys_, r in res["systems"].items() if r.get("errors")}
-    res["ok"] = not failed  # a system asked for that failed makes the run exit 1 (its reason stays in the JSON)
+    # a system asked for that failed or was skipped makes the run exit 1 (its reason stays in the JSON)
+    res["ok"] = not failed and not res.get("skipped")
     if out:
         from expertcache.telemetry.atomic import write_json
 
         write_json(out, res)
         plot(res, Path(out).with_suffix(".png"))
     _table(table(res))
+    for sys_, why in res.get("skipped", {}).items():
+        print(f"bench big: skipped {sys_}: {why}", file=sys.stderr)
     if failed:
         print(f"bench big: {len(failed)} system(s) failed: " + "; ".join(f"{k}: {v[0]}" for k, v in failed.items()),
               file=sys.stderr)

@@ -29,7 +29,7 @@ import math
 import numbers
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, wait
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -44,6 +44,7 @@ from expertcache.telemetry.registry import Registry
 from . import cpu_kernels
 from .checkpoint import StoreExperts
 from .layer_view import LayerView
+from .loadqueue import LoadQueue
 from .predictors import Predictor
 from .store import check_store, read_store_meta
 from .tiers import SlotPool, TierSpec, available_memory, choose_tier, make_tier, tier_host_bytes
@@ -237,7 +238,8 @@ class Stats:
     hits: int = 0
     demand_loads: int = 0
     prefetch_loads: int = 0  # issued and executed (used or not)
-    prefetch_dropped: int = 0
+    prefetch_dropped: int = 0  # not started when their layer ran without needing them: cancelled, never read
+    prefetch_cancelled: int = 0  # not started when a nearer prediction for their layer no longer named them
     prefetch_hits: int = 0  # hits on an expert that a prefetch brought in
     prefetch_paused: int = 0  # layer steps the prefetch guard skipped (the predictor's precision did not pay)
     rerouted: int = 0
@@ -536,7 +538,9 @@ class OffloadEngine:
             for mod in self.modules:
                 mod.cpu_kernel = mod.swiglu_ok
             self._linears = cpu_kernels.patch_linears(model) + cpu_kernels.patch_calls([L.router for L in self.layers])
-        self.pool_exec = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="expert-load")
+        # loads run nearest-layer first, demand loads before any prefetch (`loadqueue`)
+        self.pool_exec = LoadQueue(cfg.workers, "expert-load")
+        self._pass = 0  # forward passes begun: with the layer, a prefetch's place in the load queue
         self._spool: SlotPool | None = None
         # compute each miss as it arrives only when an expert's compute outweighs a call's fixed cost; smaller experts
         # also load in the computing thread: their copy or read costs less than a thread's hand-off (1/4 of the
@@ -589,12 +593,23 @@ class OffloadEngine:
         with self._lock:
             self.inflight -= self.meta.expert_bytes
 
-    def prefetch(self, pos: int, experts: list[int], busy: tuple[int, list[int]] | None = None) -> None:
-        """Asynchronously bring `experts` of layer `pos` into its slots (bounded in-flight bytes). Under a global
-        budget the victims are any layer's: never the experts of the layer now running (`busy`) nor a slot whose
-        load is still in flight."""
+    def prefetch(self, pos: int, experts: list[int], busy: tuple[int, list[int]] | None = None,
+                 supersede: bool = False) -> None:
+        """Asynchronously bring `experts` of layer `pos` into its slots (bounded in-flight bytes), queued by the
+        layer's place (nearer layers load first). `supersede`: this prediction for `pos` replaces earlier ones, whose
+        loads for experts it no longer names are cancelled if they have not started (their slots free, never
+        written). Victims are never a slot whose load is in flight, nor (under a global budget, where they may be
+        any layer's) the experts of the layer now running (`busy`)."""
         st = self.states[pos]
-        protect = set(experts)
+        if supersede:
+            for e, fut in list(self.pending[pos].items()):
+                if e not in experts and fut.cancel():
+                    del self.pending[pos][e]
+                    st.drop(e)
+                    self.prefetched[pos].discard(e)
+                    self.fresh[pos].discard(e)
+                    self.stats.prefetch_cancelled += 1
+        protect = set(experts) | set(self.pending[pos])  # an in-flight slot is never a victim
         if self.cfg.budget == "global":
             e_n = self.adapter.num_experts
             keys = {p * e_n + x for p, fs in enumerate(self.pending) for x in fs}
@@ -613,7 +628,7 @@ class OffloadEngine:
                 with self._lock:
                     self.inflight -= self.meta.expert_bytes
                 break
-            fut = self.pool_exec.submit(self._load, pos, e, slot)
+            fut = self.pool_exec.submit(self._load, pos, e, slot, priority=self._pass * len(self.states) + pos)
             fut.add_done_callback(self._prefetch_done)
             self.pending[pos][e] = fut
             self.prefetched[pos].add(e)
@@ -702,22 +717,25 @@ class OffloadEngine:
                 used = len(named.intersection(needed))
                 self.guard.outcome(used, len(named) - used)
             named.clear()
-        scores, mode = None, None
+        if pos == 0:
+            self._pass += 1
+        ahead, mode = [], None
         if self.predictor.active:
             mode = self.guard.step()
             if mode == "paused":
                 self.stats.prefetch_paused += 1
-            else:
-                scores = self.predictor.predict(pos, hidden, self.history)
-        if scores is not None:
-            budget = self.cfg.prefetch_budget or k
+            else:  # (distance, scores) for each layer it looks at, nearest first: loads are queued in that order
+                ahead = sorted(self.predictor.predict_ahead(pos, hidden, self.history), key=lambda x: x[0])
+        budget = self.cfg.prefetch_budget or k
+        for d, scores in ahead:
+            t = pos + d
+            if scores is None or t >= len(self.states):
+                continue
             top = scores.float().sum(0).topk(min(budget, scores.shape[-1])).indices.tolist()
             if mode == "on":
-                self.prefetch(pos + self.predictor.distance, top, busy=(pos, needed))
+                self.prefetch(t, top, busy=(pos, needed), supersede=True)
             else:  # scored like a prefetch: only what would have been read (not resident now)
-                t = pos + self.predictor.distance
-                if t < len(self.states):
-                    self.shadow[t] = {e for e in top if self.states[t].lookup(e) is None}
+                self.shadow[t] = {e for e in top if self.states[t].lookup(e) is None}
         stall = self._settle(pos, set(needed))
         hits = [e for e in needed if st.lookup(e) is not None]
         misses = [e for e in needed if st.lookup(e) is None]

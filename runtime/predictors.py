@@ -6,6 +6,9 @@ previous token (`{layer: [k ids]}`). Higher scores first; the engine prefetches 
 
 - ``none``: no prediction (on-demand loading only).
 - ``probe:d``: the zero-parameter lookahead probe: layer L+d's own router applied to layer L's hidden state.
+- ``lookahead:D``: the probe for every layer from L+1 to L+D at once (each later layer's own router on layer L's
+  hidden state); the engine queues their loads nearest first, and a nearer layer's prediction replaces a farther
+  one's (what it no longer names is cancelled if it has not started).
 - ``persistence``: the experts layer L+1 used at the previous token.
 - ``estimator``: a ridge-regression map from layer L's hidden state to layer L+1's experts, fitted on a trace
   with hidden states (`expertcache fit-predictor`), saved as safetensors.
@@ -83,6 +86,12 @@ class Predictor:
     def predict(self, layer: int, hidden: torch.Tensor, history: dict) -> torch.Tensor | None:
         return None
 
+    def predict_ahead(self, layer: int, hidden: torch.Tensor, history: dict) -> list[tuple[int, torch.Tensor]]:
+        """`[(distance, scores)]` for each later layer it predicts (what the engine calls); one, at `distance`,
+        unless a predictor looks at several."""
+        s = self.predict(layer, hidden, history)
+        return [] if s is None else [(self.distance, s)]
+
     def describe(self) -> dict:
         return {"predictor": self.name, "distance": self.distance}
 
@@ -103,6 +112,24 @@ class ProbePredictor(Predictor):
         if t >= len(self.routers):
             return None
         return self.adapter.scores(self.adapter.router_logits(self.routers[t], hidden))  # the family's own rule
+
+
+class LookaheadPredictor(ProbePredictor):
+    """The probe for layers L+1..L+depth at once: each one's own router on layer L's hidden state."""
+
+    def __init__(self, model, depth: int = 2):
+        super().__init__(model, 1)
+        if depth >= len(self.routers):
+            raise InputError(f"predictor lookahead:{depth} looks {depth} MoE layers ahead; this model has "
+                             f"{len(self.routers)}, so at most lookahead:{max(1, len(self.routers) - 1)}")
+        self.depth, self.name = depth, f"lookahead:{depth}"
+
+    def predict_ahead(self, layer, hidden, history):
+        return [(d, self.adapter.scores(self.adapter.router_logits(self.routers[layer + d], hidden)))
+                for d in range(1, self.depth + 1) if layer + d < len(self.routers)]
+
+    def describe(self) -> dict:
+        return {"predictor": self.name, "distance": 1, "depth": self.depth}
 
 
 class PersistencePredictor(Predictor):
@@ -251,6 +278,15 @@ def _probe(d, model, aux, num_experts, hidden_size):
     return ProbePredictor(model, d)
 
 
+@PREDICTOR_REGISTRY.register("lookahead", takes_arg="D", default="2", convert=_distance,
+                             arg_help="how many MoE layers ahead, 1 to 64: layers L+1..L+D, e.g. lookahead:3",
+                             tags=("live",))
+def _lookahead(d, model, aux, num_experts, hidden_size):
+    if model is None:
+        raise InputError("the lookahead probe needs the model's routers")
+    return LookaheadPredictor(model, d)
+
+
 @PREDICTOR_REGISTRY.register("persistence", tags=("live", "replay"))
 def _persistence(arg, model, aux, num_experts, hidden_size):
     return PersistencePredictor(num_experts)
@@ -287,7 +323,8 @@ def _live(spec):
 
 
 def check_predictor_spec(spec: str) -> None:
-    """A live predictor's name, checked before any work (the model is not needed): none, probe:D, persistence,
+    """A live predictor's name, checked before any work (the model is not needed): none, probe:D, lookahead:D,
+    persistence,
     estimator:FILE (the file exists) or spatio."""
     p = _live(spec)
     if p.name == "estimator" and not Path(p.arg).is_file():
@@ -295,7 +332,8 @@ def check_predictor_spec(spec: str) -> None:
 
 
 def make_predictor(spec: str, model=None, aux=None, num_experts: int | None = None, hidden_size: int | None = None):
-    """A live predictor (`LIVE_PREDICTORS`): `none`, `probe[:D]`, `persistence`, `estimator:<file>`, `spatio`."""
+    """A live predictor (`LIVE_PREDICTORS`): `none`, `probe[:D]`, `lookahead[:D]`, `persistence`,
+    `estimator:<file>`, `spatio`."""
     p = _live(spec)
     return p.obj(p.arg, model, aux, num_experts, hidden_size)
 

@@ -698,6 +698,9 @@ def cases(P: dict) -> list[dict]:
     add("quantize-out-is-model", [*q, M, "--bits", 8])
     add("quantize-no-out", ["quantize", "--model", M, "--bits", 8])
     add("bench-predictor-unknown-live", [*bd, "--model", M, "--predictors", "[probe:1,bogus]"])
+    add("bench-lookahead-beyond-layers", [*bd, "--model", M, "--predictors", "[lookahead:40]"],
+        note="a prefetch distance beyond the model's MoE layers")
+    add("bench-lookahead-zero", [*bd, "--model", M, "--predictors", "[lookahead:0]"])
     add("pretrain-resume-lr", [*run, "train.lr=0.01"], note="a finished run under another learning rate")
     add("ca-table-brackets", ["train-cache-aware", "--table", f"[{S}/no-run]"])
     # the whole tool

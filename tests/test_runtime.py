@@ -392,3 +392,108 @@ def test_a_probe_past_the_last_moe_layer_is_refused():
     assert make_predictor("probe:1", m).distance == 1
     with pytest.raises(InputError, match=r"probe:2 looks 2 MoE layers ahead; this model has 2, so at most probe:1"):
         make_predictor("probe:2", m)
+
+
+def test_the_load_queue_runs_demand_loads_first_then_nearer_layers_and_never_a_cancelled_load():
+    """Loads leave the queue lowest priority first (demand loads, URGENT, before any prefetch; a nearer layer's
+    prefetch before a farther one's; first come first served among equals), and a load cancelled while queued never
+    runs."""
+    import threading
+
+    from expertcache.runtime.loadqueue import URGENT, LoadQueue
+
+    q, ran, gate = LoadQueue(1), [], threading.Event()
+    q.submit(gate.wait)  # holds the one worker while the rest queue up
+    futs = {name: q.submit(ran.append, name, priority=p)
+            for name, p in (("far", 9), ("near", 3), ("demand", URGENT), ("mid", 5), ("near2", 3), ("gone", 4))}
+    assert futs["gone"].cancel()
+    gate.set()
+    q.shutdown(wait=True)
+    assert ran == ["demand", "near", "near2", "mid", "far"]
+    assert futs["gone"].cancelled() and all(f.done() for f in futs.values())
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        q.submit(print)
+
+
+@pytest.fixture(scope="module")
+def deep_model(tmp_path_factory):
+    """A 4-MoE-layer qwen3_moe model and its store: room to look several layers ahead."""
+    model = build_model(tiny_config("qwen3_moe", num_hidden_layers=4), seed=1).eval()
+    path = tmp_path_factory.mktemp("deep") / "deep.store"
+    write_store(model, path)
+    return model, path
+
+
+def test_lookahead_prefetches_several_layers_ahead_in_layer_order_each_expert_once(deep_model):
+    """`lookahead:3` predicts layers L+1..L+3 at each layer: each prefetch is queued behind the nearer layers' and
+    a nearer prediction replaces a farther one. Every load a prefetch queued is counted once (loaded, dropped or
+    cancelled), no expert of a layer is read twice in one forward pass, and the tokens are plain decode's."""
+    model, path = deep_model
+    prompt = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(4))
+    ref = _greedy(model, prompt, 16)
+    m = build_model(tiny_config("qwen3_moe", num_hidden_layers=4), seed=1).eval()
+    eng = offload(m, path, EngineConfig(capacity=3, tier="host", workers=1, prefetch_guard=0),
+                  predictor=make_predictor("lookahead:3", m))
+    loads, queued, order = [], [], []
+    load, submit = eng._load, eng.pool_exec.submit
+
+    def counted_load(pos, e, slot, pool=None):
+        loads.append((eng._pass, pos, e))
+        return load(pos, e, slot, pool)
+
+    def recorded_submit(fn, *args, priority=float("-inf")):
+        if priority != float("-inf"):
+            queued.append((eng._pass, args[0]))
+            order.append(priority)
+        return submit(fn, *args, priority=priority)
+    eng._load, eng.pool_exec.submit = counted_load, recorded_submit
+    try:
+        out = _greedy(m, prompt, 16)
+        st = eng.stats
+    finally:
+        eng.close()
+    assert torch.equal(out, ref)
+    assert len(loads) == len(set(loads)), "an expert was read twice for one layer in one pass"
+    assert st.prefetch_loads + st.prefetch_dropped + st.prefetch_cancelled == len(queued)
+    assert st.prefetch_loads > 0 and st.prefetch_hits > 0
+    # loads were queued for layers up to 3 ahead, and their priority is their layer's place in the pass order
+    assert any(t == 3 for _, t in queued)
+    assert all(p == ps * 4 + t for p, (ps, t) in zip(order, queued))
+
+
+def test_a_cancelled_prefetch_leaves_no_readable_slot(deep_model):
+    """A prefetch that a nearer prediction no longer names is cancelled while queued: its slot is free again and
+    nothing maps the expert to it; what was kept loads whole, and decode afterwards is plain decode's."""
+    import threading
+
+    model, path = deep_model
+    m = build_model(tiny_config("qwen3_moe", num_hidden_layers=4), seed=1).eval()
+    eng = offload(m, path, EngineConfig(capacity=4, tier="host", workers=1, prefetch_guard=0))
+    gate = threading.Event()
+    eng.pool_exec.submit(gate.wait)  # the one load thread is busy: the prefetches below stay queued
+    try:
+        eng.prefetch(2, [0, 1, 2])
+        slots = {e: eng.states[2].lookup(e) for e in (0, 1, 2)}
+        assert None not in slots.values()
+        eng.prefetch(2, [1], supersede=True)  # the nearer prediction names only expert 1
+        assert eng.stats.prefetch_cancelled == 2
+        assert eng.states[2].lookup(0) is None and eng.states[2].lookup(2) is None
+        assert set(eng.pending[2]) == {1}
+        gate.set()
+        eng.pending[2][1].result()
+        got = eng.pools[2].views["down_proj"][slots[1]]  # the kept prefetch, whole
+        assert torch.equal(got, model.model.layers[2].mlp.experts.down_proj[1].detach().to(got.dtype))
+        prompt = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(6))
+        assert torch.equal(_greedy(m, prompt, 8), _greedy(model, prompt, 8))
+    finally:
+        gate.set()
+        eng.close()
+
+
+def test_a_lookahead_beyond_the_models_layers_is_refused():
+    m = build_model(tiny_config("qwen3_moe", num_hidden_layers=4), seed=1).eval()
+    with pytest.raises(InputError, match=r"lookahead:4 looks 4 MoE layers ahead; this model has 4, so at most "
+                                         r"lookahead:3"):
+        make_predictor("lookahead:4", m)
+    with pytest.raises(InputError, match="lookahead"):
+        make_predictor("lookahead:0", m)
