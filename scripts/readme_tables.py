@@ -10,7 +10,8 @@ from expertcache.runtime import bench, bigbench, replay
 from expertcache.trainer.cache_aware import frontier_table
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-TABLES = [("bench_big.json", bigbench.table), ("bench_big_16gb.json", bigbench.table),
+TABLES = [("bench_big.json", bigbench.table), ("bench_big_native.json", bigbench.table),
+          ("bench_big_16gb.json", bigbench.table),
           ("bench_decode_0.87gb.json", bench.table), ("replay_bf16.json", replay.table)]
 
 
@@ -111,3 +112,6 @@ for name, fn in TABLES:
 if (RESULTS / "frontier.json").is_file():  # the post-training frontier (a list of rows)
     print("<!-- results/frontier.json (train-cache-aware --recipe frontier) -->")
     print(frontier_table(json.loads((RESULTS / "frontier.json").read_text())), end="\n\n")
+if (RESULTS / "frontier_pointestimates.json").is_file():  # the earlier frontier, gated on point estimates
+    print("<!-- results/frontier_pointestimates.json (the frontier before #23: point estimates, superseded) -->")
+    print(frontier_table(json.loads((RESULTS / "frontier_pointestimates.json").read_text())), end="\n\n")
