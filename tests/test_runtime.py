@@ -424,16 +424,23 @@ def deep_model(tmp_path_factory):
     return model, path
 
 
-def test_lookahead_prefetches_several_layers_ahead_in_layer_order_each_expert_once(deep_model):
+@pytest.mark.parametrize("budget", ["layer", "global"])
+def test_lookahead_prefetches_several_layers_ahead_in_layer_order_each_expert_once(deep_model, budget):
     """`lookahead:3` predicts layers L+1..L+3 at each layer: each prefetch is queued behind the nearer layers' and
     a nearer prediction replaces a farther one. Every load a prefetch queued is counted once (loaded, dropped or
-    cancelled), no expert of a layer is read twice in one forward pass, and the tokens are plain decode's."""
+    cancelled), no expert of a layer is read twice in one forward pass, and the tokens are plain decode's; with a
+    per-layer cache and with one global budget (where a prefetch's victim may be another layer's)."""
     model, path = deep_model
     prompt = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(4))
     ref = _greedy(model, prompt, 16)
     m = build_model(tiny_config("qwen3_moe", num_hidden_layers=4), seed=1).eval()
-    eng = offload(m, path, EngineConfig(capacity=3, tier="host", workers=1, prefetch_guard=0),
-                  predictor=make_predictor("lookahead:3", m))
+    if budget == "layer":
+        cfg = EngineConfig(capacity=3, tier="host", workers=1, prefetch_guard=0)
+    else:
+        b = read_store_meta(path).block_bytes
+        cfg = EngineConfig(budget_gb=(4 * 5 * b + b // 2) / 2**30, budget="global", tier="host", workers=1,
+                           prefetch_guard=0)
+    eng = offload(m, path, cfg, predictor=make_predictor("lookahead:3", m))
     loads, queued, order = [], [], []
     load, submit = eng._load, eng.pool_exec.submit
 
