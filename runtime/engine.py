@@ -111,6 +111,14 @@ class EngineConfig:
         threads: compute threads (torch's intra-op pool, which the CPU kernels share; set process-wide when the
             engine starts): 0 keeps torch's default, one per core. Measured here (results/kernels.json): 2 threads
             decode 1.1-1.5x faster than 1 on this 2-core machine, so the default uses every core
+        miss_precision: 0 (a miss is read at the checkpoint's own precision) | 4 | 8: precision as a cache
+            policy (lossy). A miss is computed from the packed copy in `miss_copy`, read at its size and not
+            admitted; an expert served that way `miss_upgrade` times at a layer is then loaded at full precision
+            in the background and admitted, so hot experts run at full precision and cold ones cost a small read
+        miss_copy: the packed copy for `miss_precision`: `expertcache quantize --model CKPT --bits N` of this
+            checkpoint
+        miss_upgrade: low-precision serves of an expert at a layer before it is upgraded (loaded at full
+            precision and admitted); 1 upgrades every miss for the tokens after it
     """
 
     capacity: int | float = 0.25
@@ -128,6 +136,9 @@ class EngineConfig:
     kernel: str = "auto"
     budget_gb: float = 0.0
     threads: int = 0
+    miss_precision: int = 0
+    miss_copy: str = ""
+    miss_upgrade: int = 2
 
     @classmethod
     def from_text(cls, options: dict) -> "EngineConfig":
@@ -158,13 +169,14 @@ class EngineConfig:
     @property
     def lossy(self) -> bool:
         """Outputs depend on the cache state (evaluated one token at a time); `host` only reorders a sum."""
-        return self.miss in LOSSY_MISS
+        return self.miss in LOSSY_MISS or bool(self.miss_precision)
 
     def label(self) -> str:
         c = self.capacity  # 1 (a count: one expert) and 1.0 (a fraction: all E) must not print alike
         s = f"C={int(c) if isinstance(c, int) else float(c)},{self.miss}" if not self.budget_gb else \
             f"{self.budget_gb:g}GiB,{self.miss}"
-        return s + (f",tau={self.tau:g}" if self.miss == "reroute" else "")
+        return s + (f",tau={self.tau:g}" if self.miss == "reroute" else "") + \
+            (f",miss{self.miss_precision}bit,up{self.miss_upgrade}" if self.miss_precision else "")
 
     def slots(self, num_experts: int, top_k: int) -> int:
         from expertcache.telemetry.cachesim import capacity_count
@@ -175,10 +187,10 @@ class EngineConfig:
         """Every field in range, before anything is allocated."""
         from expertcache.telemetry.cachesim import capacity_count
 
-        for name in ("tier", "policy", "miss", "predictor", "budget", "device", "kernel"):  # types first: the
+        for name in ("tier", "policy", "miss", "predictor", "budget", "device", "kernel", "miss_copy"):  # types first: the
             if not isinstance(getattr(self, name), str):  # Python API takes anything
                 raise InputError(f"{name}={getattr(self, name)!r}; expected a string")
-        for name in ("prefetch_budget", "max_inflight_bytes", "workers", "threads"):
+        for name in ("prefetch_budget", "max_inflight_bytes", "workers", "threads", "miss_precision", "miss_upgrade"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Integral):
                 raise InputError(f"{name}={v!r}; expected an integer")
@@ -210,6 +222,7 @@ class EngineConfig:
             raise InputError(f"threads={self.threads}; expected >= 1, or 0 for one per core")
         if self.workers < 1:
             raise InputError(f"workers={self.workers}; expected >= 1")
+        self._check_miss_precision()
         if self.kernel not in KERNELS:
             raise InputError(f"kernel={self.kernel!r}; expected one of {', '.join(KERNELS)}")
         if self.kernel == "cpu" and self.slot_device != "cpu":
@@ -224,6 +237,35 @@ class EngineConfig:
             if not HAVE_TRITON:
                 raise InputError("kernel triton: the triton package is not installed here; use --engine.kernel "
                                  "native")
+
+    def _check_miss_precision(self) -> None:
+        if self.miss_precision not in (0, 4, 8):
+            raise InputError(f"miss_precision={self.miss_precision}; expected 0 (off), 4 or 8 bits")
+        if self.miss_upgrade < 1:
+            raise InputError(f"miss_upgrade={self.miss_upgrade}; expected >= 1")
+        if not self.miss_precision:
+            if self.miss_copy:
+                raise InputError("miss_copy is the packed copy of --engine.miss_precision; give that too, or drop it")
+            return
+        if self.miss != "blocking":
+            raise InputError(f"miss_precision serves a miss from its packed copy; it replaces the miss policy "
+                             f"{self.miss!r} (use --engine.miss blocking)")
+        if self.slot_device != "cpu":
+            raise InputError("miss_precision computes packed experts on the CPU: drop --engine.device cuda")
+        if not self.miss_copy:
+            raise InputError(f"miss_precision={self.miss_precision} needs --engine.miss_copy DIR: `expertcache "
+                             f"quantize --model CKPT --bits {self.miss_precision} --out DIR` of this checkpoint")
+        from .quant import read_config
+
+        if not Path(self.miss_copy).is_dir():
+            raise InputError(f"miss_copy {self.miss_copy}: no such folder")
+        qc = read_config(self.miss_copy)
+        if qc is None:
+            raise InputError(f"miss_copy {self.miss_copy} is not an `expertcache quantize` checkpoint (its config has "
+                             f"no quantization_config)")
+        if qc["bits"] != self.miss_precision:
+            raise InputError(f"miss_copy {self.miss_copy} is packed at {qc['bits']} bits; miss_precision is "
+                             f"{self.miss_precision}")
 
     @property
     def slot_device(self) -> str:
@@ -240,6 +282,10 @@ class Stats:
     prefetch_loads: int = 0  # issued and executed (used or not)
     prefetch_dropped: int = 0  # not started when their layer ran without needing them: cancelled, never read
     prefetch_cancelled: int = 0  # not started when a nearer prediction for their layer no longer named them
+    lowbit_served: int = 0  # misses computed from the packed copy (miss_precision), not admitted
+    lowbit_bytes: int = 0  # bytes of those reads (also in bytes_moved)
+    upgrade_loads: int = 0  # hot experts loaded at full precision in the background and admitted
+    upgrade_dropped: int = 0  # upgrades that had not started when their layer ran again: cancelled
     prefetch_hits: int = 0  # hits on an expert that a prefetch brought in
     prefetch_paused: int = 0  # layer steps the prefetch guard skipped (the predictor's precision did not pay)
     rerouted: int = 0
@@ -402,10 +448,11 @@ class OffloadedExperts(nn.Module):
         """`x [S, H]`, `slots [S]`, `weights [S]` -> each (token, choice) row's weighted expert output `[S, H]`,
         through the family's own forward with k = 1 (the same kernels and roundings as the full call), over the
         slot pool or over `tensors` (`[n, ...]` views, e.g. the host copy of a layer)."""
-        if self.quant is not None:
-            from .quant import swiglu
+        from . import quant
 
-            return swiglu(x, tensors if tensors is not None else self._views, slots[:, None], weights[:, None])
+        if self.quant is not None or (tensors is not None and quant.format_of(tensors) is not None):
+            return quant.swiglu(x, tensors if tensors is not None else self._views, slots[:, None],
+                                weights[:, None])  # packed experts: the slots', or the miss_precision copy's
         t = self._tmpl
         if tensors is not None:
             t = copy.copy(self._tmpl)
@@ -499,6 +546,14 @@ class OffloadEngine:
                              + f"; only {avail / 2**30:.2f} GiB is available on the {fast} (lower --engine.capacity"
                              + (" or use --engine.tier disk" if big_host else "") + ")")
         self.tier = tier or make_tier(cfg.tier, self.source, fast)
+        # precision as a cache policy: misses served from a packed copy, hot experts upgraded in the background
+        self.low_tier, self._low_pool = None, None
+        self.upgrading: list[set[int]] = [set() for _ in self.layers]
+        self._low_count: list[dict[int, int]] = [{} for _ in self.layers]
+        if cfg.miss_precision:
+            from .quant import copy_source
+
+            self.low_tier = make_tier(cfg.tier, copy_source(cfg.miss_copy, self.meta), fast)
         self.predictor = predictor or Predictor()
         policy = ENGINE_POLICIES.parse(cfg.policy)
         self.cache_policy = policy.name
@@ -589,17 +644,30 @@ class OffloadEngine:
         with self._lock:
             self.stats.bytes_moved += n
 
+    def _lowbit_pool(self) -> SlotPool:
+        """The packed copy's slots for one layer's misses (every layer uses them in turn), allocated on first use."""
+        if self._low_pool is None:
+            self._low_pool = SlotPool(self.low_tier.meta, self.adapter.num_experts, self.cfg.slot_device)
+        return self._low_pool
+
+    def _load_low(self, pos: int, expert: int, slot: int) -> None:
+        n = self.low_tier.read(pos, expert, self._low_pool, slot)
+        with self._lock:
+            self.stats.bytes_moved += n
+            self.stats.lowbit_bytes += n
+
     def _prefetch_done(self, fut):
         with self._lock:
             self.inflight -= self.meta.expert_bytes
 
     def prefetch(self, pos: int, experts: list[int], busy: tuple[int, list[int]] | None = None,
-                 supersede: bool = False) -> None:
+                 supersede: bool = False, upgrade: bool = False) -> None:
         """Asynchronously bring `experts` of layer `pos` into its slots (bounded in-flight bytes), queued by the
         layer's place (nearer layers load first). `supersede`: this prediction for `pos` replaces earlier ones, whose
         loads for experts it no longer names are cancelled if they have not started (their slots free, never
         written). Victims are never a slot whose load is in flight, nor (under a global budget, where they may be
-        any layer's) the experts of the layer now running (`busy`)."""
+        any layer's) the experts of the layer now running (`busy`). `upgrade`: a hot expert brought in at full
+        precision (miss_precision), counted apart from predictions."""
         st = self.states[pos]
         if supersede:
             for e, fut in list(self.pending[pos].items()):
@@ -631,6 +699,9 @@ class OffloadEngine:
             fut = self.pool_exec.submit(self._load, pos, e, slot, priority=self._pass * len(self.states) + pos)
             fut.add_done_callback(self._prefetch_done)
             self.pending[pos][e] = fut
+            if upgrade:
+                self.upgrading[pos].add(e)
+                continue
             self.prefetched[pos].add(e)
             self.fresh[pos].add(e)
 
@@ -640,17 +711,25 @@ class OffloadEngine:
         waited = 0.0
         for e, fut in list(self.pending[pos].items()):
             del self.pending[pos][e]
+            up = e in self.upgrading[pos]
+            self.upgrading[pos].discard(e)
             if e in needed:
                 t0 = time.perf_counter()
                 fut.result()
                 waited += time.perf_counter() - t0
-                self.stats.prefetch_loads += 1
             elif fut.cancel():
                 self.states[pos].drop(e)
                 self.prefetched[pos].discard(e)
-                self.stats.prefetch_dropped += 1
+                if up:
+                    self.stats.upgrade_dropped += 1
+                else:
+                    self.stats.prefetch_dropped += 1
+                continue
             else:
                 fut.result()
+            if up:
+                self.stats.upgrade_loads += 1
+            else:
                 self.stats.prefetch_loads += 1
         return waited
 
@@ -751,6 +830,20 @@ class OffloadEngine:
         if not misses and not mod.eager:
             out = self._compute_in_slots(mod, hidden, [st.lookup(e) for e in flat], top_k_index, top_k_weights)
             st.retain(needed, {}, scores_keep)
+        elif self.low_tier is not None:  # computed from the packed copy, not admitted; hot ones upgraded after
+            self.stats.lowbit_served += len(misses)
+            out, (_, _, waited) = self._stream(mod, pos, hidden, top_k_index, top_k_weights, flat, hits, misses,
+                                               low=True)
+            stall += waited
+            st.retain([e for e in needed if e not in misses], {}, scores_keep)
+            counts, hot = self._low_count[pos], []
+            for e in misses:
+                counts[e] = counts.get(e, 0) + 1
+                if counts[e] >= self.cfg.miss_upgrade:
+                    hot.append(e)
+                    del counts[e]
+            if hot:  # the layer is done computing: its slots may take the upgrades
+                self.prefetch(pos, hot, upgrade=True)
         elif self.cfg.miss == "host":  # computed where the weights live: nothing moved, nothing admitted
             self.stats.host_computed += len(misses)
             out, _ = self._stream(mod, pos, hidden, top_k_index, top_k_weights, flat, hits, misses, host=True)
@@ -764,11 +857,12 @@ class OffloadEngine:
         self.stats.stall_s += stall
         return out
 
-    def _stream(self, mod, pos, hidden, top_k_index, top_k_weights, flat, hits, misses, host=False):
+    def _stream(self, mod, pos, hidden, top_k_index, top_k_weights, flat, hits, misses, host=False, low=False):
         """The misses load (the last k into the staging slots, the rest through the stream slots) and compute with
         the resident experts; rows are combined as the family's implementation combines them. Returns the output
         and `(staged, transient, seconds waited)`: `{expert: staging slot}` (what the policy may keep) and the
-        streamed experts (used once, not kept)."""
+        streamed experts (used once, not kept). `host`: the misses computed where they live; `low`: read from the
+        packed copy (miss_precision) into its own slots, all at once while the resident experts compute."""
         st = self.states[pos]
         k = top_k_index.shape[-1]
         rows: dict[int, list[int]] = {}
@@ -795,6 +889,16 @@ class OffloadEngine:
         if host:
             run(hits, {e: st.lookup(e) for e in hits}) if hits else None
             run(misses, {e: e for e in misses}, self._host_views(pos))
+        elif low:
+            pool = self._lowbit_pool()
+            slot_of = {e: j for j, e in enumerate(misses)}
+            futs = [self.pool_exec.submit(self._load_low, pos, e, j) for e, j in slot_of.items()]
+            run(hits, {e: st.lookup(e) for e in hits}) if hits else None
+            t0 = time.perf_counter()
+            for f in futs:
+                f.result()  # a failed read raises here
+            waited += time.perf_counter() - t0
+            run(misses, slot_of, pool.views)
         else:
             # the last k misses load into the layer's staging slots (the policy may keep them); the ones before
             # them, when a step needs more than k (a batch, a prefill), stream through the engine's shared stream
@@ -923,6 +1027,10 @@ class OffloadEngine:
             p.clear()
         for p in self.fresh:
             p.clear()
+        for p in self.upgrading:
+            p.clear()
+        for c in self._low_count:
+            c.clear()
         self.shadow.clear()
         # the guard's verdict is about the predictor on this model, not about the cache's contents: it carries over
         self._new_states()
@@ -964,6 +1072,9 @@ class OffloadEngine:
     def describe(self) -> dict:
         return {"capacity": self.capacity, "capacity_frac": self.capacity / self.adapter.num_experts,
                 "staging_slots": self.adapter.top_k, "policy": self.cfg.policy, "miss": self.cfg.miss,
+                "miss_precision": self.cfg.miss_precision or None,
+                "miss_copy": self.cfg.miss_copy or None, "miss_upgrade": self.cfg.miss_upgrade
+                if self.cfg.miss_precision else None,
                 "tau": self.cfg.tau if self.cfg.miss == "reroute" else None, **self.tier.describe(),
                 **self.predictor.describe(), "prefetch_guard": self.guard.describe(),
                 "expert_bytes": self.meta.expert_bytes,
@@ -994,6 +1105,8 @@ class OffloadEngine:
     def close(self) -> None:
         self.detach()
         self.tier.close()
+        if self.low_tier is not None:
+            self.low_tier.close()
 
 
 def offload(model, source, cfg: EngineConfig | None = None, **kw) -> OffloadEngine:

@@ -195,6 +195,27 @@ def read_config(path) -> dict | None:
     return qc
 
 
+def copy_source(path, meta):
+    """The packed experts of `path` (an `expertcache quantize` checkpoint) as an expert source standing beside a
+    model whose own experts are described by `meta` (the same layers and experts, else one line): what
+    `EngineConfig.miss_precision` reads a miss from."""
+    from pathlib import Path
+
+    from .checkpoint import StoreExperts
+    from .store import read_store_meta
+
+    qc = read_config(path)
+    if qc is None:
+        raise InputError(f"{path} is not an `expertcache quantize` checkpoint (no quantization_config)")
+    m = read_store_meta(Path(path) / qc["experts_file"])
+    if (m.num_layers, m.num_experts) != (meta.num_layers, meta.num_experts):
+        raise InputError(f"miss_copy {path} has {m.num_layers} layers x {m.num_experts} experts; the model has "
+                         f"{meta.num_layers} x {meta.num_experts}: it is not a copy of this checkpoint")
+    if not {"down_proj.q", "down_proj.scales"} <= {t.name for t in m.tensors}:
+        raise InputError(f"miss_copy {path}: its experts are not packed integers")
+    return StoreExperts(Path(path) / qc["experts_file"], m)
+
+
 def write_quantized(model, out, bits: int, group: int, progress=None) -> dict:
     """`expertcache quantize`: a checkpoint at `out` whose routed experts are `bits`-bit integers with fp16 group
     scales, in one expert store file (each expert one contiguous 4 KiB-aligned block with its checksum), beside the

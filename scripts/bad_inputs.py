@@ -701,6 +701,10 @@ def cases(P: dict) -> list[dict]:
     add("bench-lookahead-beyond-layers", [*bd, "--model", M, "--predictors", "[lookahead:40]"],
         note="a prefetch distance beyond the model's MoE layers")
     add("bench-lookahead-zero", [*bd, "--model", M, "--predictors", "[lookahead:0]"])
+    add("generate-miss-precision-3", [*gen, M, "--engine.miss_precision", 3])
+    add("generate-miss-precision-no-copy", [*gen, M, "--engine.miss_precision", 4])
+    add("generate-miss-copy-bits-differ", [*gen, M, "--engine.miss_precision", 4, "--engine.miss_copy",
+                                           P["model_q8"]], note="the copy is packed at 8 bits")
     add("pretrain-resume-lr", [*run, "train.lr=0.01"], note="a finished run under another learning rate")
     add("ca-table-brackets", ["train-cache-aware", "--table", f"[{S}/no-run]"])
     # the whole tool

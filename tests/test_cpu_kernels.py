@@ -325,6 +325,71 @@ def test_a_quantized_checkpoint_decodes_like_its_dequantized_reference(saved, tm
     eng.close()
 
 
+@pytest.fixture(scope="module")
+def with_int4_copy(tmp_path_factory):
+    """A bf16 qwen3_moe checkpoint (dimensions the int4 chunk takes) and its `expertcache quantize --bits 4` copy."""
+    from tiny_models import build_model, tiny_config
+
+    root = tmp_path_factory.mktemp("miss-precision")
+    src, q = root / "src", root / "q4"
+    build_model(tiny_config("qwen3_moe", hidden_size=64, moe_intermediate_size=64, intermediate_size=64),
+                seed=7, dtype=torch.bfloat16).save_pretrained(src)
+    quant.write_quantized(src, q, 4, 32)
+    return src, q
+
+
+def test_a_miss_is_served_from_the_packed_copy_and_hot_experts_are_upgraded(with_int4_copy):
+    """`miss_precision=4`: a miss reads the 4-bit copy's packed bytes (nothing at full precision) and is not
+    admitted. Never upgraded, every expert is served from the copy, so the model is its dequantized reference (within
+    the integer kernels' 5%); upgraded after one serve, hot experts are admitted at full precision in the background
+    and later tokens hit them."""
+    from expertcache.runtime import load
+
+    src, q = with_int4_copy
+    ref = _logits(_dequantized_reference(src, q, 4, 32), steps=6)
+    m = load(src, capacity=0.5, tier="disk", miss_precision=4, miss_copy=str(q), miss_upgrade=10**6)
+    eng = m.expertcache
+    got = _logits(m, steps=6)
+    st, low_bytes = eng.stats, eng.low_tier.meta.expert_bytes
+    eng.close()
+    assert _rel(got, ref) < 5e-2
+    assert st.hits == 0 and st.demand_loads == 0 and st.upgrade_loads == 0 and st.lowbit_served > 0
+    assert st.lowbit_bytes == st.bytes_moved == st.lowbit_served * low_bytes  # packed bytes, and only those
+    assert low_bytes < 0.35 * eng.meta.expert_bytes
+    m = load(src, capacity=0.5, tier="disk", miss_precision=4, miss_copy=str(q), miss_upgrade=1)
+    eng = m.expertcache
+    _logits(m, steps=6)
+    st, pending = eng.stats, sum(len(u) for u in eng.upgrading)  # upgrades are counted when their layer next runs
+    eng.close()
+    assert st.upgrade_loads > 0 and st.hits > 0  # upgraded experts came back at full precision and hit
+    full, eb = st.bytes_moved - st.lowbit_bytes, eng.meta.expert_bytes
+    assert full % eb == 0 and st.upgrade_loads * eb <= full <= (st.upgrade_loads + pending) * eb
+
+
+def test_miss_precision_refuses_what_it_cannot_serve_in_one_line(with_int4_copy, tmp_path):
+    from expertcache.runtime import load
+    from expertcache.runtime.engine import EngineConfig
+
+    src, q = with_int4_copy
+    for cfg, msg in ((dict(miss_precision=3), "miss_precision=3; expected 0 \\(off\\), 4 or 8 bits"),
+                     (dict(miss_precision=4), "needs --engine.miss_copy DIR"),
+                     (dict(miss_precision=8, miss_copy=str(q)), "packed at 4 bits; miss_precision is 8"),
+                     (dict(miss_precision=4, miss_copy=str(src)), "not an `expertcache quantize` checkpoint"),
+                     (dict(miss_precision=4, miss_copy=str(q), miss="reroute"), "replaces the miss policy"),
+                     (dict(miss_copy=str(q)), "give that too, or drop it"),
+                     (dict(miss_precision=4, miss_copy=str(q), miss_upgrade=0), "miss_upgrade=0")):
+        with pytest.raises(InputError, match=msg):
+            EngineConfig(**cfg).check()
+    from tiny_models import build_model, tiny_config
+
+    other = tmp_path / "other"  # another model's copy: 3 layers, not 2
+    build_model(tiny_config("qwen3_moe", hidden_size=64, moe_intermediate_size=64, intermediate_size=64,
+                            num_hidden_layers=3), seed=7, dtype=torch.bfloat16).save_pretrained(other)
+    quant.write_quantized(other, tmp_path / "other-q4", 4, 32)
+    with pytest.raises(InputError, match="has 3 layers x .* experts; the model has 2 x .*: it is not a copy"):
+        load(src, capacity=0.5, tier="disk", miss_precision=4, miss_copy=str(tmp_path / "other-q4"))
+
+
 def test_quantize_refuses_what_it_cannot_write_in_one_line(saved, tmp_path, capsys):
     from expertcache.recipes.cli import main
     from tiny_models import build_model, tiny_config
