@@ -320,15 +320,21 @@ class Stats:
     def counters(self, tokens: int | None = None) -> CacheResult:
         """The cache's counts in the one counters type every area reports through (one step per token; `tokens`:
         the decoded tokens they cover, default `self.tokens`)."""
+        # a miss served from the packed copy (miss_precision) is a load the step waited for; an upgrade, one it
+        # did not (as a prefetch)
         return CacheResult("engine", 0, "token", self.tokens if tokens is None else tokens, self.accesses, self.hits,
-                           self.demand_loads, self.prefetch_loads)
+                           self.demand_loads + self.lowbit_served, self.prefetch_loads + self.upgrade_loads)
 
     def per_token(self, expert_bytes: int, tokens: int | None = None) -> dict:
         """The figures per decoded token that every command prints: the cache's (`CacheResult.per_step`), bytes
         moved and seconds stalled."""
         c = self.counters(tokens)
         n = c.steps
-        return {**c.per_step(expert_bytes, "token"), "bytes_moved_per_token": self.bytes_moved / n if n else 0.0,
+        d = c.per_step(expert_bytes, "token")
+        if self.lowbit_served and n:  # packed reads are smaller than `expert_bytes`: their own bytes, counted
+            d["traffic_bytes_per_token"] = ((self.demand_loads + self.prefetch_loads + self.upgrade_loads)
+                                            * expert_bytes + self.lowbit_bytes) / n
+        return {**d, "bytes_moved_per_token": self.bytes_moved / n if n else 0.0,
                 "stall_per_token_s": self.stall_s / n if n else 0.0}
 
     def to_dict(self, expert_bytes: int, tokens: int | None = None) -> dict:

@@ -9,6 +9,13 @@ stores; the other weights unchanged, as `quantize` leaves them), computed in fp3
 experts' bytes against the bf16 experts'. Decode: `bench decode` at 1/4 of the experts from disk (TPOT, bytes moved
 per token).
 
+4-bit on miss (`--engine.miss_precision 4 --engine.miss_copy <the int4-g32 copy>`, HOBBIT's idea as a cache policy):
+the base served at 1/8 and 1/4 of E from disk, each miss computed from the int4 copy and not admitted, an expert
+served that way twice at a layer then upgraded to full precision in the background. It is lossy (outputs depend on
+the cache), so it is evaluated token by token on a smaller sample (`--lossy_blocks`, `--lossy_limit`) against the
+base evaluated on the same blocks and documents; its bytes are the bytes moved per token against the same capacity
+served blocking (`bench decode`, the same tokens).
+
     python scripts/quantized_table.py --base runs/base-tiny/model --work runs/quantized --out results/quantized.json
 
 Targets (#20): int8 gate PASS at Δppl <= +0.3%; the best 4-bit variant gate PASS at <= 0.35x the bf16 expert
@@ -75,6 +82,10 @@ def main() -> None:
     ap.add_argument("--seq_len", type=int, default=128)
     ap.add_argument("--limit", type=int, default=None, help="documents per accuracy task (default: all)")
     ap.add_argument("--decode_tokens", type=int, default=32, help="bench decode tokens per pass (0: skip decode)")
+    ap.add_argument("--on_miss", nargs="*", type=float, default=[0.125, 0.25],
+                    help="capacities (fractions of E) of the 4-bit-on-miss rows (none: skip them)")
+    ap.add_argument("--lossy_blocks", type=int, default=8, help="step-wise blocks per domain, on-miss rows")
+    ap.add_argument("--lossy_limit", type=int, default=16, help="documents per task, on-miss rows")
     a = ap.parse_args()
     base, work = Path(a.base), Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -83,29 +94,31 @@ def main() -> None:
     kw = dict(corpus=a.corpus, task_dir=work / "task-data", ppl_blocks=a.ppl_blocks, seq_len=a.seq_len,
               limit=a.limit, engine=served)
 
-    def ev(model: Path, name: str) -> dict:
+    def ev(model: Path, name: str, **over) -> dict:
         f = work / f"eval-{name}.json"
         if f.is_file():
             r = json.loads(f.read_text())
             if r.get("format_version") == EVAL_FORMAT_VERSION:
                 return r
         t = time.perf_counter()
-        r = evaluate(model, out=f, **kw)
+        r = evaluate(model, out=f, **{**kw, **over})
         print(f"eval {name}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
         return r
 
-    def decode(model: Path) -> dict:
+    def decode(model: Path, cap: float = 0.25, extra=(), tag: str = "") -> dict:
         if not a.decode_tokens:
             return {}
-        f = work / f"decode-{model.name}.json"
+        f = work / f"decode-{model.name}{tag}.json"
         if not f.is_file():
             subprocess.run(cli + ["bench", "decode", "--model", str(model), "--corpus", a.corpus, "--engine.tier",
-                                  "disk", "--capacities", "[0.25]", "--predictors", "[none]", "--tokens",
-                                  str(a.decode_tokens), "--rounds", "2", "--prompts", "1", "--out", str(f)],
+                                  "disk", "--capacities", f"[{cap:g}]", "--predictors", "[none]", "--tokens",
+                                  str(a.decode_tokens), "--rounds", "2", "--prompts", "1", *extra, "--out", str(f)],
                            check=True, capture_output=True)
-        d = json.loads(f.read_text())["configs"]["on-demand@0.25"]
+        d = json.loads(f.read_text())["configs"][f"on-demand@{cap:g}"]
         return {"tpot_s": d["tpot_median_s"], "traffic_bytes_per_token": d["traffic_bytes_per_token"],
-                "hit_rate": d["hit_rate"], "greedy_tokens_equal_plain": d.get("greedy_tokens_equal_plain")}
+                "bytes_moved_per_token": d["bytes_moved_per_token"], "hit_rate": d["hit_rate"],
+                "lowbit_served": d.get("lowbit_served"), "upgrade_loads": d.get("upgrade_loads"),
+                "greedy_tokens_equal_plain": d.get("greedy_tokens_equal_plain")}
 
     t0 = time.perf_counter()
     ref = ev(base, "base")
@@ -149,14 +162,45 @@ def main() -> None:
                      **({} if name == "bf16" else decode(model))})
         print(f"{name}: Δppl {rows[-1]['dppl_overall_pct']:+.3f}% {g['dppl_overall_ci95']}, gate {g['gate']}, "
               f"bytes {rows[-1]['expert_bytes_ratio']:.3f}x bf16", file=sys.stderr, flush=True)
+    copy = models.get("int4-g32")
+    if a.on_miss and copy is not None:
+        lossy = dict(ppl_blocks=a.lossy_blocks, limit=a.lossy_limit)
+        ref_small = ev(base, "base-lossy", **lossy)  # the same blocks and documents as the on-miss rows
+        for cap in a.on_miss:
+            name = f"int4-on-miss@{cap:g}"
+            cfg = EngineConfig(capacity=cap, tier="disk", miss_precision=4, miss_copy=str(copy[2]))
+            g = gate(ref_small, ev(base, name, engine=cfg, **lossy))
+            on = decode(base, cap, ["--engine.miss_precision", "4", "--engine.miss_copy", str(copy[2])],
+                        f"-on-miss@{cap:g}")
+            blk = decode(base, cap, (), f"-blocking@{cap:g}")
+            rows.append({"name": name, "bits": "4 on miss, full when hot", "group_size": 32, "capacity": cap,
+                         "dppl_overall_pct": g["dppl_percent"]["overall"],
+                         "dppl_max_domain_pct": g["dppl_max_domain_percent"], "dppl_percent": g["dppl_percent"],
+                         "dppl_overall_ci95": g["dppl_overall_ci95"],
+                         "dppl_max_domain_ci95": g["dppl_max_domain_ci95"], "dacc_points": g["dacc_points"],
+                         "dacc_ci95": g["dacc_ci95"], "n_blocks": g["n_blocks"], "n_documents": g["n_documents"],
+                         "gate": g["gate"], "failures": g["failures"],
+                         # on disk: the checkpoint and its int4 copy; what it buys is bytes moved per token
+                         "expert_bytes": bf16_bytes + reports["int4-g32"]["expert_bytes"],
+                         "expert_bytes_ratio": 1 + reports["int4-g32"]["expert_bytes"] / bf16_bytes,
+                         **on, "blocking_tpot_s": blk.get("tpot_s"),
+                         "blocking_bytes_moved_per_token": blk.get("bytes_moved_per_token"),
+                         # measured bytes (the cache's traffic figure counts full-precision loads only)
+                         "traffic_ratio_vs_blocking": on["bytes_moved_per_token"] / blk["bytes_moved_per_token"]
+                         if on and blk and blk["bytes_moved_per_token"] else None,
+                         "tpot_ratio_vs_blocking": on["tpot_s"] / blk["tpot_s"] if on and blk else None})
+            print(f"{name}: Δppl {rows[-1]['dppl_overall_pct']:+.3f}% {g['dppl_overall_ci95']}, gate {g['gate']}, "
+                  f"traffic {rows[-1]['traffic_ratio_vs_blocking']}x blocking", file=sys.stderr, flush=True)
     int8 = [r for r in rows if r["bits"] == 8]
     four = [r for r in rows if r["bits"] == 4 and r["gate"] == "PASS" and r["expert_bytes_ratio"] <= 0.35]
     res = {"command": " ".join(["python", "scripts/quantized_table.py", *sys.argv[1:]]), "base": str(base),
            "served": "capacity 1.0, host tier (every expert resident: only the weights differ)",
            "ppl_blocks_per_domain": a.ppl_blocks, "seq_len": a.seq_len, "limit": a.limit,
+           "on_miss": {"capacities": a.on_miss, "ppl_blocks_per_domain": a.lossy_blocks, "limit": a.lossy_limit,
+                       "served": "disk tier, miss_precision 4 from the int4-g32 copy, miss_upgrade 2",
+                       "baseline": "the base on the same blocks and documents (eval-base-lossy)"},
            "seconds": round(time.perf_counter() - t0, 1), "rows": rows, "skipped": skipped,
-           "not_measured": ["mixed by usage (quantize --by_usage): not built",
-                            "4-bit on miss (--engine.miss_precision): not built"],
+           "not_measured": ["mixed by usage (quantize --by_usage): not built"],
            "targets": {"int8": "gate PASS at dppl_overall_pct <= +0.3",
                        "best_4bit": "gate PASS at expert_bytes_ratio <= 0.35"},
            "pass": {"int8": bool(int8) and all(r["gate"] == "PASS" and r["dppl_overall_pct"] <= 0.3 for r in int8),
