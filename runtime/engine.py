@@ -88,8 +88,8 @@ class EngineConfig:
         miss: blocking (lossless: wait for the expert) | reroute (lossy: a resident expert within tau of the
             missed one's router weight takes its place) | speculative (lossy) | host (compute a miss where it lives)
         tau: reroute margin on router probabilities
-        predictor: what is prefetched for the next layer: none | probe:1 | probe:2 | persistence |
-            estimator:FILE | spatio (the checkpoint's Spatio router)
+        predictor: what is prefetched for later layers: none | probe:D (layer L+D) | lookahead:D (L+1..L+D) |
+            persistence | estimator:FILE | spatio (the checkpoint's Spatio router)
         prefetch_budget: experts prefetched per layer per token (0: as many as the predictor names, up to k)
         prefetch_guard: the least precision (experts predicted for a layer that it then used / predicted) a
             predictor must show for prefetching to go on, measured online: it starts in shadow (predicting, reading
@@ -187,8 +187,8 @@ class EngineConfig:
         """Every field in range, before anything is allocated."""
         from expertcache.telemetry.cachesim import capacity_count
 
-        for name in ("tier", "policy", "miss", "predictor", "budget", "device", "kernel", "miss_copy"):  # types first: the
-            if not isinstance(getattr(self, name), str):  # Python API takes anything
+        for name in ("tier", "policy", "miss", "predictor", "budget", "device", "kernel", "miss_copy"):  # types
+            if not isinstance(getattr(self, name), str):  # first: the Python API takes anything
                 raise InputError(f"{name}={getattr(self, name)!r}; expected a string")
         for name in ("prefetch_budget", "max_inflight_bytes", "workers", "threads", "miss_precision", "miss_upgrade"):
             v = getattr(self, name)

@@ -71,16 +71,32 @@ def quantized_table(d: dict) -> str:
     """results/quantized.json -> each expert format's quality cost (gate on paired intervals) beside its bytes."""
     rows = ["| experts | Δppl overall [95%] | worst domain [95%] | Δacc (points) | gate | bytes vs bf16 | "
             "worst layer rel. error | TPOT at 1/4 (ms) | KiB moved/token |", "|---|---|---|---|---|---|---|---|---|"]
+    on_miss = [r for r in d["rows"] if "capacity" in r]
     for r in d["rows"]:
+        if r in on_miss:
+            continue
         lo, hi = r["dppl_overall_ci95"]
         dlo, dhi = r["dppl_max_domain_ci95"]
         acc = ", ".join(f"{t.removeprefix('ec_')} {v:+.1f}" for t, v in r["dacc_points"].items())
-        err = "—" if r["relative_error_max"] is None else f"{r['relative_error_max']:.4f}"
+        err = "—" if r.get("relative_error_max") is None else f"{r['relative_error_max']:.4f}"
         tpot = f"{r['tpot_s'] * 1e3:.2f}" if r.get("tpot_s") else "—"
         kib = f"{r['traffic_bytes_per_token'] / 1024:.0f}" if r.get("traffic_bytes_per_token") is not None else "—"
         rows.append(f"| {r['name']} | {r['dppl_overall_pct']:+.3f}% [{lo:+.3f}, {hi:+.3f}] | "
                     f"{r['dppl_max_domain_pct']:+.3f}% [{dlo:+.3f}, {dhi:+.3f}] | {acc} | {r['gate']} | "
                     f"{r['expert_bytes_ratio']:.3f} | {err} | {tpot} | {kib} |")
+    if on_miss:  # 4-bit on miss: a cache policy, priced against blocking at the same capacity
+        rows += ["", "| policy | capacity (of E) | Δppl overall [95%] | worst domain [95%] | Δacc (points) | gate | "
+                     "KiB moved/token (blocking) | TPOT ms (blocking) |", "|---|---|---|---|---|---|---|---|"]
+        for r in on_miss:
+            lo, hi = r["dppl_overall_ci95"]
+            dlo, dhi = r["dppl_max_domain_ci95"]
+            acc = ", ".join(f"{t.removeprefix('ec_')} {v:+.1f}" for t, v in r["dacc_points"].items())
+            mv, bmv = r.get("bytes_moved_per_token"), r.get("blocking_bytes_moved_per_token")
+            tp, btp = r.get("tpot_s"), r.get("blocking_tpot_s")
+            rows.append(f"| {r['name'].split('@')[0]} | {r['capacity']:g} | {r['dppl_overall_pct']:+.3f}% "
+                        f"[{lo:+.3f}, {hi:+.3f}] | {r['dppl_max_domain_pct']:+.3f}% [{dlo:+.3f}, {dhi:+.3f}] | {acc} | "
+                        f"{r['gate']} | " + (f"{mv / 1024:.0f} ({bmv / 1024:.0f})" if mv is not None and bmv else "—")
+                        + " | " + (f"{tp * 1e3:.2f} ({btp * 1e3:.2f})" if tp and btp else "—") + " |")
     return "\n".join(rows)
 
 
