@@ -440,24 +440,45 @@ def test_bench_big_serves_each_format_against_the_same_byte_budget(tmp_path):
     assert bigbench._slot_bytes(src) == bigbench.expert_bytes() + bigbench.ALIGN  # the bf16 checkpoint's
 
 
+_MMAP_ROW = {"runs": 1, "errors": [], "tpot_median_s": 0.3, "tpot_p90_s": 0.4, "tpot_mean_s": 0.3,
+             "tokens_per_s": 3.3, "peak_rss_bytes": 1, "disk_read_bytes_per_token": 1.0}
+
+
+def _bench_big_returns(monkeypatch, res):
+    """`bench big`'s runs replaced by `res` (what the command does with a result is under test, not the runs)."""
+    from expertcache.runtime import bigbench
+
+    monkeypatch.setattr(bigbench, "bench_big", lambda *a, **kw: res)
+    monkeypatch.setattr(bigbench, "plot", lambda res, png: None)
+
+
 def test_bench_big_exits_1_when_a_system_it_ran_failed(tmp_path, monkeypatch, capsys):
     """A system asked for that failed is not a success: exit 1, one stderr line naming it, the reason in the JSON."""
     from expertcache.recipes.cli import main
-    from expertcache.runtime import bigbench
 
-    def fake(*a, **kw):
-        return {"inputs": {}, "systems": {"expertcache:on-demand": {"runs": 1, "errors": ["exit 1; see x.log"]},
-                                          "mmap": {"runs": 1, "errors": [], "tpot_median_s": 0.3, "tpot_p90_s": 0.4,
-                                                   "tpot_mean_s": 0.3, "tokens_per_s": 3.3, "peak_rss_bytes": 1,
-                                                   "disk_read_bytes_per_token": 1.0}}}
-
-    monkeypatch.setattr(bigbench, "bench_big", fake)
-    monkeypatch.setattr(bigbench, "plot", lambda res, png: None)
+    _bench_big_returns(monkeypatch, {"inputs": {}, "systems": {
+        "expertcache:on-demand": {"runs": 1, "errors": ["exit 1; see x.log"]}, "mmap": _MMAP_ROW}})
     out = tmp_path / "b.json"
     assert main(["bench", "big", "--out_dir", str(tmp_path / "d"), "--out", str(out)]) == 1
     err = capsys.readouterr().err
     assert "1 system(s) failed: expertcache:on-demand: exit 1; see x.log" in err
     assert json.loads(out.read_text())["ok"] is False
+
+
+def test_bench_big_says_which_systems_it_skipped_and_exits_1(tmp_path, monkeypatch, capsys):
+    """A skipped system (llama.cpp whose build failed) is not a success either: one stderr line each, exit 1, the
+    reason in the JSON."""
+    from expertcache.recipes.cli import main
+
+    why = "llama.cpp build failed: exit 1: CMake Error: no CMakeLists.txt"
+    _bench_big_returns(monkeypatch, {"inputs": {}, "skipped": {"llama.cpp": why}, "systems": {
+        "llama.cpp": {"runs": 0, "errors": [], "skipped": why}, "mmap": _MMAP_ROW}})
+    out = tmp_path / "b.json"
+    assert main(["bench", "big", "--routing", "native", "--systems", "[llama.cpp,mmap]", "--out_dir",
+                 str(tmp_path / "d"), "--out", str(out)]) == 1
+    assert f"bench big: skipped llama.cpp: {why}" in capsys.readouterr().err.splitlines()
+    res = json.loads(out.read_text())
+    assert res["ok"] is False and res["systems"]["llama.cpp"]["skipped"] == why
 
 
 def test_bench_big_claims_a_ratio_only_where_the_rounds_do_not_overlap():
