@@ -17,7 +17,8 @@ from expertcache.telemetry.atomic import write_json
 from expertcache.telemetry.errors import InputError
 
 from .served import label, open_model
-from .taskdata import DEFAULT_TASKS, DOMAINS, LOCAL_TASKS, build_task_data, lm_eval_tasks, write_task_yamls
+from .taskdata import (DEFAULT_TASKS, DOMAINS, LOCAL_TASKS, TASK_DOCS, build_task_data, lm_eval_tasks, task_docs_built,
+                       write_task_yamls)
 
 
 def stepwise_blocks(corpus: str, tokenizer: str, split: str, seq_len: int, per_domain: int) -> dict[str, np.ndarray]:
@@ -147,8 +148,10 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
     t0 = time.time()
     task_dir = Path(task_dir or Path(out or "runs/eval").parent / "task-data")
     if any(t in LOCAL_TASKS for t in tasks or ()):
-        if not (task_dir / "math_em.jsonl").is_file():
-            build_task_data(corpus, task_dir, split)  # the local ec_* tasks' documents (only these need the corpus)
+        # the local ec_* tasks' documents (only these need the corpus): as many per task as --limit asks, where the
+        # held-out text has them (24 by default); a folder built for fewer than --limit is built again
+        if not (task_dir / "math_em.jsonl").is_file() or (limit or 0) > task_docs_built(task_dir):
+            build_task_data(corpus, task_dir, split, per_domain=max(TASK_DOCS, limit or 0))
         elif not (task_dir / "lm_eval_tasks").is_dir():
             write_task_yamls(task_dir)
     task_list, manager = lm_eval_tasks(list(tasks), task_dir, include_path) if tasks else (None, None)

@@ -39,7 +39,21 @@ def _chunks(text: str, size: int) -> list[str]:
     return out
 
 
-def build_task_data(corpus: str | Path, out_dir: str | Path, split: str = "test", per_domain: int = 24,
+TASK_DOCS = 24  # documents per local task unless an evaluation's --limit asks for more
+BUILT = "built.json"  # how many documents per task the folder was built for
+
+
+def task_docs_built(out_dir: str | Path) -> int:
+    """The documents per task `out_dir` was built for (24 for a folder from before this was recorded)."""
+    import json
+
+    try:
+        return int(json.loads((Path(out_dir) / BUILT).read_text())["per_domain"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return TASK_DOCS
+
+
+def build_task_data(corpus: str | Path, out_dir: str | Path, split: str = "test", per_domain: int = TASK_DOCS,
                     ppl_chars: int = 1500, ctx_chars: int = 240, cont_chars: int = 60, seed: int = 0) -> dict:
     """Write the task files; returns how many documents each got."""
 
@@ -93,6 +107,7 @@ def build_task_data(corpus: str | Path, out_dir: str | Path, split: str = "test"
 
     write_json(out / SKIPPED, skipped)
     write_task_yamls(out)
+    write_json(out / BUILT, {"per_domain": per_domain, "split": split, "counts": counts})
     return counts
 
 

@@ -47,7 +47,7 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
         engine: the engine options; each of --capacities and --predictors is run on top of them
         capacities: resident experts per layer to compare: fractions of E as floats in (0, 1] (1.0 = all), counts
             as integers (16)
-        predictors: live: none, probe:1, probe:2, persistence, estimator:FILE, spatio (default probe:1);
+        predictors: live: none, probe:D, lookahead:D, persistence, estimator:FILE, spatio (default probe:1);
             replay: persistence, cooccurrence, oracle[:recall] (default: those and the oracle at recall 0.25-1)
         dtype: live: compute dtype (default: the checkpoint's own); replay: the store's dtype (default bf16)
         tokens: timed decode tokens per pass (after the warm-up)

@@ -478,3 +478,22 @@ def test_bits_per_byte_is_checked_against_its_own_domains_token_ppl(evals):
     g = gate(evals["base"], clash)
     assert not g["bpb_crosscheck"]["agrees_in_sign"] and g["gate"] == "FAIL"
     assert any("token Δppl (prose)" in f for f in g["failures"])
+
+
+
+
+def test_a_task_folder_built_for_fewer_documents_is_built_again_for_the_limit(tiny_base, tiny_data, tmp_path):
+    """The gate may ask for more documents than a task folder holds ("~42 documents would resolve it", the default
+    being 24): `--limit N` then gets them where the held-out text has them (the folder is built again for N), and
+    the eval reports the n it scored. The tiny corpus's held-out prose has 8 cloze spots."""
+    from expertcache.evals.taskdata import build_task_data, task_docs_built
+
+    d = tmp_path / "tasks"
+    build_task_data(tiny_data["corpus"], d, "validation", per_domain=4)  # a folder built for 4
+    kw = dict(corpus=tiny_data["corpus"], tasks=["ec_cloze_prose"], task_dir=d, ppl_blocks=0, split="validation",
+              batch_size=4)
+    r = evaluate(tiny_base, limit=3, **kw)  # within what the folder holds: kept (its 4, limited to 3)
+    assert task_docs_built(d) == 4 and r["n_documents"]["ec_cloze_prose"] == 3
+    r = evaluate(tiny_base, limit=30, **kw)
+    assert task_docs_built(d) == 30  # built again, for the limit asked
+    assert r["n_documents"]["ec_cloze_prose"] == 8  # all the held-out text has, and said
