@@ -173,7 +173,8 @@ def main() -> None:
             on = decode(base, cap, ["--engine.miss_precision", "4", "--engine.miss_copy", str(copy[2])],
                         f"-on-miss@{cap:g}")
             blk = decode(base, cap, (), f"-blocking@{cap:g}")
-            rows.append({"name": name, "bits": "4 on miss, full when hot", "group_size": 32, "capacity": cap,
+            rows.append({"name": name, "bits": 4, "policy": "4-bit on miss, full precision once hot (miss_upgrade 2)",
+                         "group_size": 32, "capacity": cap,
                          "dppl_overall_pct": g["dppl_percent"]["overall"],
                          "dppl_max_domain_pct": g["dppl_max_domain_percent"], "dppl_percent": g["dppl_percent"],
                          "dppl_overall_ci95": g["dppl_overall_ci95"],
