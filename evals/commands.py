@@ -31,7 +31,7 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = l
          corpus: str = "data/corpus", out: Optional[str] = None, task_dir: Optional[str] = None,
          limit: Optional[int] = None, ppl_blocks: int = 8, seq_len: int = 128, include_path: Optional[str] = None,
          dtype: str = "fp32", device: str = "cpu", size_from: Optional[str] = None, ppl_file: Optional[str] = None,
-         ppl_field: str = "text") -> dict:
+         ppl_field: str = "text", stepwise: str = "auto") -> dict:
     """lm-eval tasks and the step-wise token perplexity of a checkpoint, plain or served by the offload engine.
 
     The JSON keeps every step-wise block's NLL and every document's score (the gate's paired intervals) and
@@ -60,6 +60,9 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = l
         ppl_field: the JSONL field holding the text
         size_from: an `expertcache gate` JSON: take --ppl_blocks and --limit from the sample it says would resolve
             it (never fewer than given here)
+        stepwise: how the step-wise blocks are fed: auto (whole blocks per forward for the plain model and
+            lossless policies, one token at a time through the KV cache for lossy ones) | token | batched (refused
+            under a lossy policy)
     """
     from rich.progress import Progress
 
@@ -78,7 +81,7 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = l
         task = prog.add_task("step-wise perplexity", total=ppl_blocks * (1 if ppl_file else 3))
         res = evaluate(model, corpus, engine, tasks, out, task_dir, limit, ppl_blocks, seq_len,
                        include_path=include_path, dtype=dtype, device=device, progress=lambda: prog.advance(task),
-                       ppl_file=ppl_file, ppl_field=ppl_field)
+                       ppl_file=ppl_file, ppl_field=ppl_field, stepwise=stepwise)
     for note in res.get("sample_notes", []):
         if note.startswith("no step-wise"):
             print(f"eval: {note}", file=sys.stderr)

@@ -132,10 +132,11 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
              out: str | Path | None = None, task_dir: str | Path | None = None, limit: int | None = None,
              ppl_blocks: int = 8, seq_len: int = 128, split: str = "test",
              batch_size: int = 8, include_path: str | Path | None = None, dtype: str = "fp32",
-             device: str = "cpu", progress=None, ppl_file: str | Path | None = None, ppl_field: str = "text") -> dict:
+             device: str = "cpu", progress=None, ppl_file: str | Path | None = None, ppl_field: str = "text",
+             stepwise: str = "auto") -> dict:
     import lm_eval
 
-    from .stepwise import stepwise_perplexity
+    from .stepwise import check_method, stepwise_perplexity
 
     import expertcache.evals.lm  # noqa: F401 - registers the "expertcache" lm-eval model
 
@@ -145,6 +146,7 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
     parse_dtype(dtype)
     device = parse_device(device)
     serve = engine
+    method = check_method(stepwise, serve is not None and serve.lossy)
     t0 = time.time()
     task_dir = Path(task_dir or Path(out or "runs/eval").parent / "task-data")
     if any(t in LOCAL_TASKS for t in tasks or ()):
@@ -170,7 +172,7 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
             if engine is not None:
                 engine.close()
             raise
-        step = stepwise_perplexity(model, blocks, progress)
+        step = stepwise_perplexity(model, blocks, progress, method)
         step["blocks_sha256"] = blocks_sha256(blocks)
         step["source"] = str(ppl_file) if ppl_file is not None else f"{corpus} ({split})"
     integrity = None

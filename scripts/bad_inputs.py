@@ -623,6 +623,9 @@ def cases(P: dict) -> list[dict]:
     add("eval-out-is-dir", [*ev, "--model", M, "--out", P["dir_json"]])
     add("eval-out-is-model-config", [*ev, "--model", M, "--out", M / "config.json"])
     add("eval-dtype-unknown", [*ev, "--model", M, "--dtype", "fp7", "--out", S / "v6.json"])
+    add("eval-stepwise-unknown", [*ev, "--model", M, "--stepwise", "wide", "--out", S / "v6b.json"])
+    add("eval-stepwise-batched-lossy", [*ev, "--model", M, "--stepwise", "batched", "--engine.capacity", 0.25,
+                                        "--engine.miss", "reroute", "--out", S / "v6c.json"])
     add("eval-corpus-missing", ["eval", "--corpus", S / "nocorpus", "--tasks", "[]", "--ppl_blocks", 1,
                                 "--seq_len", 32, "--model", M, "--out", S / "v7.json"])
     add("eval-include-path-missing", [*ev, "--model", M, "--include_path", S / "notasks", "--out", S / "v8.json"])

@@ -63,15 +63,28 @@ def test_gate_passes_the_baseline_against_itself_and_fails_a_damaged_checkpoint(
     assert bad["bpb_crosscheck"]["delta"] > 0 and bad["bpb_crosscheck"]["agrees_in_sign"]
 
 
-def test_lossless_serving_has_exactly_the_plain_perplexity(evals):
-    served = evals["served"]
+def test_lossless_serving_has_the_plain_perplexity(evals, tiny_data):
+    """Batched (the default for a lossless policy): the plain figures within float rounding (the engine sums its
+    experts in another order); token by token: exactly the plain figures."""
+    served, base = evals["served"], evals["base"]
     assert served["stepwise"]["engine"]["demand_loads"] > 0  # it really served from a 1/4 cache on disk
-    assert served["stepwise"]["ppl"] == evals["base"]["stepwise"]["ppl"]
-    assert gate(evals["base"], served)["pass"]
+    assert served["stepwise"]["method"] == base["stepwise"]["method"] == "batched"
+    for d, p in base["stepwise"]["ppl"].items():
+        assert served["stepwise"]["ppl"][d] == pytest.approx(p, rel=1e-6)
+    assert gate(base, served)["pass"]
+    kw = dict(corpus=tiny_data["corpus"], tasks=[], ppl_blocks=2, seq_len=32, split="validation", stepwise="token")
+    plain = evaluate(evals["base_model"], **kw)
+    disk = evaluate(evals["base_model"], engine=EngineConfig(capacity=0.25, tier="disk"), **kw)
+    assert plain["stepwise"]["method"] == disk["stepwise"]["method"] == "token"
+    assert disk["stepwise"]["engine"]["demand_loads"] > 0
+    assert disk["stepwise"]["ppl"] == plain["stepwise"]["ppl"]
+    for d, p in base["stepwise"]["ppl"].items():  # the two paths agree
+        assert plain["stepwise"]["ppl"][d] == pytest.approx(p, rel=1e-5)
 
 
 def test_reroute_reports_its_accuracy_cost(evals):
     r = evals["reroute"]
+    assert r["stepwise"]["method"] == "token"  # a lossy policy: one token at a time, the cache in order
     assert r["stepwise"]["engine"]["rerouted"] > 0
     assert r["stepwise"]["ppl"]["overall"] != evals["base"]["stepwise"]["ppl"]["overall"]
     assert r["policy"] == "C=0.25,reroute,tau=1"
