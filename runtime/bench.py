@@ -25,14 +25,14 @@ from .predictors import TemporalKeep, aux_routers_for, make_predictor
 from .tiers import available_memory, measure_bandwidth
 
 
-def _pass(model, prompt, n_new, engine=None) -> tuple[list[float], Stats | None, torch.Tensor]:
-    """One timed greedy pass through the decode loop (`decode.timed_greedy`): the decode steps' TPOTs, the engine's
-    counters over them and the output ids."""
+def _pass(model, prompt, n_new, engine=None, warmup: int = 0) -> tuple[list[float], Stats | None, torch.Tensor]:
+    """One timed greedy pass through the decode loop (`decode.timed_greedy`): the decode steps' TPOTs (all of
+    them), the engine's counters over the steps after the first `warmup` and the output ids."""
     from .decode import timed_greedy
 
     if engine is not None:
         engine.reset()
-    times, out, stats = timed_greedy(model, prompt, n_new, engine)
+    times, out, stats = timed_greedy(model, prompt, n_new, engine, warmup)
     return np.diff(times).tolist(), stats, out  # [n_new - 1]: decode steps only
 
 
@@ -122,11 +122,11 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineCon
                     if bw is None and name.startswith("on-demand"):
                         bw = measure_bandwidth(eng.tier, eng.meta, eng.pool_exec, eng.meta.num_layers)
                 for b in range(prompts.shape[0]):
-                    tpot, stats, out = _pass(model, prompts[b:b + 1].to(device), n_new, eng)
+                    tpot, stats, out = _pass(model, prompts[b:b + 1].to(device), n_new, eng, warmup)
                     results[name]["tpot"].extend(tpot[warmup:])
                     if stats is not None:
                         results[name]["stats"].append(stats)
-                        results[name]["wall"].append(float(sum(tpot)))  # the decode steps the stats cover
+                        results[name]["wall"].append(float(sum(tpot[warmup:])))  # the steps the stats cover
                     if name == "plain":
                         plain_out = out if b == 0 and r == 0 else plain_out
                     elif b == 0 and plain_out is not None:
@@ -160,7 +160,7 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineCon
             row[f"vs_{base}"] = float(np.median(t)) / t_base
         if res["stats"]:
             tot = sum(res["stats"], Stats())
-            n_tok = len(res["stats"]) * (n_new - 1)
+            n_tok = len(res["stats"]) * (n_new - 1 - warmup)  # the timed steps (the TPOT figures' steps)
             tot.tokens = n_tok
             d = tot.to_dict(eb)
             d["time_budget_s"] = tot.time_budget(sum(res["wall"]), n_tok)

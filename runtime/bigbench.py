@@ -184,10 +184,11 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
     from .decode import timed_greedy
 
     io1 = _read_bytes()
-    times, out, dec_stats = timed_greedy(m, prompt, warmup + tokens + 1, eng)  # the decode loop of generate and serve
+    # the decode loop of generate and serve; the engine's counters over the timed steps (after the warmup)
+    times, out, dec_stats = timed_greedy(m, prompt, warmup + tokens + 1, eng, warmup)
     io2 = _read_bytes()
     tpot = np.diff(times)[warmup:]
-    n_dec = len(times) - 1
+    n_dec = len(times) - 1 - warmup  # the timed steps: the TPOT figures' and the time budget's
     res = {"system": system, "load_s": load_s, "tokens_timed": int(len(tpot)),
            "tpot_median_s": float(np.median(tpot)), "tpot_p90_s": float(np.percentile(tpot, 90)),
            "tokens_per_s": float(1 / np.median(tpot)), "tpot_s": [float(x) for x in tpot],
@@ -198,7 +199,7 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
     if eng is not None:
         d = dec_stats.per_token(eng.meta.expert_bytes, n_dec)
         res.update({"hit_rate": d["hit_rate"], "stall_per_token_s": d["stall_per_token_s"],
-                    "time_budget_s": dec_stats.time_budget(times[-1] - times[0], n_dec),
+                    "time_budget_s": dec_stats.time_budget(times[-1] - times[warmup], n_dec),
                     "traffic_bytes_per_token": d["traffic_bytes_per_token"], "engine": eng.describe()})
         eng.close()
     return res

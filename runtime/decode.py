@@ -204,10 +204,13 @@ class Batch:
 
 
 @torch.no_grad()
-def timed_greedy(model, prompt: torch.Tensor, n_new: int, engine=None):
+def timed_greedy(model, prompt: torch.Tensor, n_new: int, engine=None, warmup: int = 0):
     """The benchmarks' pass: `prompt [1, L]` decoded greedily for exactly `n_new` tokens through the decode loop
     (no detokenization). Returns (perf_counter at each new token, output ids `[1, L + n_new]`, the engine's
-    counters over the decode steps (None without an engine; `engine`: one not attached as `model.expertcache`))."""
+    counters over the decode steps after the first `warmup` ones, the steps between `times[warmup]` and `times[-1]`
+    (None without an engine; `engine`: one not attached as `model.expertcache`))."""
+    import copy
+
     from .generate import Generation
     from .request import SamplingParams
 
@@ -216,7 +219,13 @@ def timed_greedy(model, prompt: torch.Tensor, n_new: int, engine=None):
         g.engine = engine
     batch = Batch(model)
     batch.admit(g)
+    mark = None  # the engine's counters at times[warmup]
     while g.finish_reason is None:
         batch.step()
+        if warmup and mark is None and engine is not None and len(g.token_times) > warmup:
+            mark = copy.copy(engine.stats)
     out = torch.tensor([g.prompt_ids + g.completion_ids], dtype=torch.long, device=prompt.device)
-    return g.token_times, out, g.stats
+    stats = g.stats
+    if mark is not None and stats is not None:
+        stats = copy.copy(engine.stats) - mark
+    return g.token_times, out, stats

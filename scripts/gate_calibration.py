@@ -184,7 +184,8 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     out = {"command": "python " + " ".join(sys.argv), "base": str(a.base), "git_commit": commit,
            "split": "test", "seq_len": a.seq_len, "pool_blocks_per_domain": pool, "sample_blocks_per_domain": a.sample,
-           "seeds": a.seeds, "threads": a.threads, "thresholds": {"ppl_overall_pct": 1.0, "ppl_domain_pct": 2.0},
+           "seeds": a.seeds, "threads": a.threads, "target_pct": a.target, "harmless_pct": a.harmless,
+           "calib_blocks_per_domain": a.calib_blocks, "thresholds": {"ppl_overall_pct": 1.0, "ppl_domain_pct": 2.0},
            "accuracy": "not calibrated here (Δppl only); tests/test_gate_stats.py covers Δacc on synthetic data",
            "stepwise_paths": {"blocks": pool * len(blocks), "batched_s": t_batched, "token_s": t_token,
                               "speedup": t_token / t_batched, "max_rel_diff_block_nll": diff},

@@ -67,6 +67,28 @@ def serve_load_table(d: dict) -> str:
     return "\n".join(rows)
 
 
+def calibration_table(d: dict) -> str:
+    """results/gate_calibration.json -> the gate's verdicts on a real model against itself, a harmless change and a
+    +3% degradation, at eval's default sample and on the whole pool."""
+    n, pool = d["sample_blocks_per_domain"], d["pool_blocks_per_domain"]
+    rows = [f"| candidate against the base | Δppl overall on the pool (per seed) | verdicts at {n} blocks per domain | "
+            f"verdicts at {pool} blocks per domain |", "|---|---|---|---|"]
+    names = {"null_exact": "itself, evaluated again by the other step-wise path",
+             "null_harmless": f"weights + noise set to {d['harmless_pct']:+g}% on the pool (a harmless change)",
+             "degraded": f"weights + noise set to {d['target_pct']:+g}% on {d['calib_blocks_per_domain']} blocks per "
+                         f"domain (a real degradation)"}
+    for k, c in d["conditions"].items():
+        lo, hi = c["dppl_pct_pool_range"]
+        fmt = lambda v: ", ".join(f"{x} {v[x]}" for x in ("PASS", "INCONCLUSIVE", "FAIL") if v.get(x))  # noqa: E731
+        rows.append(f"| {names.get(k, k)} | {lo:+.3f}% .. {hi:+.3f}% | {fmt(c['verdicts_sample'])} | "
+                    f"{fmt(c['verdicts_pool'])} |")
+    s = d["stepwise_paths"]
+    rows += ["", f"Step-wise paths on the same {s['blocks']} blocks of {d['seq_len']} tokens ({d['threads']} threads): "
+                 f"batched {s['batched_s']:.1f} s, token by token {s['token_s']:.1f} s ({s['speedup']:.1f}x); largest "
+                 f"relative difference of a block's NLL {s['max_rel_diff_block_nll']:.1e}."]
+    return "\n".join(rows)
+
+
 def quantized_table(d: dict) -> str:
     """results/quantized.json -> each expert format's quality cost (gate on paired intervals) beside its bytes."""
     rows = ["| experts | Δppl overall [95%] | worst domain [95%] | Δacc (points) | gate | bytes vs bf16 | "
@@ -104,6 +126,11 @@ if (RESULTS / "quantized.json").is_file():
     d = json.loads((RESULTS / "quantized.json").read_text())
     print(f"<!-- results/quantized.json ({d['command']}) -->")
     print(quantized_table(d), end="\n\n")
+
+if (RESULTS / "gate_calibration.json").is_file():
+    d = json.loads((RESULTS / "gate_calibration.json").read_text())
+    print(f"<!-- results/gate_calibration.json ({d['command']}; git {d.get('git_commit', '?')}) -->")
+    print(calibration_table(d), end="\n\n")
 
 if (RESULTS / "serve_load.json").is_file():
     d = json.loads((RESULTS / "serve_load.json").read_text())

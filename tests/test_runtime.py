@@ -251,10 +251,16 @@ def test_the_time_budget_adds_up_and_puts_the_time_where_it_went(family_models):
         try:
             times, _, st = timed_greedy(m, prompt, 10, eng)  # the decode loop's own clock
             b = st.time_budget(times[-1] - times[0], len(times) - 1)
+            # the benchmarks' figures: the counters over the steps after a warmup (here 3 of 11), and their time
+            eng.reset()
+            t2, _, st2 = timed_greedy(m, prompt, 12, eng, warmup=3)
+            b2 = st2.time_budget(t2[-1] - t2[3], len(t2) - 1 - 3)
         finally:
             eng.close()
         assert all(v >= 0 for v in b.values()), b
         assert abs(b["sum"] - b["tpot"]) <= 0.05 * b["tpot"], b
+        assert all(v >= 0 for v in b2.values()) and abs(b2["sum"] - b2["tpot"]) <= 0.05 * b2["tpot"], b2
+        assert st2.accesses == (12 - 1 - 3) * 2 * 2, st2  # 8 timed steps x 2 MoE layers x top-2, not the warmup's
         assert b["expert_compute"] > 0 and b["other_compute"] > 0 and b["overhead"] > 0
         if slow:
             assert b["stall"] > 0.5 * b["tpot"] and b["stall"] > b["expert_compute"], b
