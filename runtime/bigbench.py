@@ -31,6 +31,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
+
+from .bench import rounds_apart
 import torch
 
 from expertcache.telemetry.atomic import open_log
@@ -459,10 +461,9 @@ def comparisons(systems: dict) -> dict:
             others.append("expertcache:on-demand")
         for b in others:
             xa, xb = ra["tpot_round_medians_s"], ok[b]["tpot_round_medians_s"]
-            apart = max(xa) < min(xb) or max(xb) < min(xa)
             out[f"{a} vs {b}"] = {"ratio": float(np.median(xa) / np.median(xb)), "a_rounds_s": [min(xa), max(xa)],
                                   "b_rounds_s": [min(xb), max(xb)], "rounds": [len(xa), len(xb)],
-                                  "claimed": bool(apart and min(len(xa), len(xb)) >= 3)}
+                                  "claimed": rounds_apart(xa, xb)}
     return out
 
 

@@ -554,3 +554,19 @@ def test_shapes_the_integer_kernels_do_not_take_are_dequantized_or_refused(tmp_p
     m.expertcache.close()
     with pytest.raises(InputError, match="multiples of 64 and of the group size .32.; this model's are 32 and 32"):
         load(q, capacity=0.5, tier="disk", kernel="cpu")
+
+
+def test_bench_decode_marks_a_ratio_to_on_demand_its_rounds_cannot_carry():
+    """The quickstart's decode table printed probe:1 at 1.17x on-demand with the guard paused the whole run (no
+    prefetch read: identical work); three re-runs of 10 rounds read 1.19x, 0.82x and 1.02x. A ratio whose round
+    medians overlap on-demand's is printed as noise, and only apart rounds (>= 3) claim one."""
+    from expertcache.runtime.bench import rounds_apart, table
+
+    assert rounds_apart([1.0, 1.1, 1.2], [1.3, 1.4, 1.5]) and not rounds_apart([1.0, 1.4, 1.2], [1.3, 1.5, 1.6])
+    assert not rounds_apart([1.0, 1.1], [2.0, 2.1])  # two rounds claim nothing
+    row = {"tpot_median_s": 0.0027, "tpot_p90_s": 0.0035, "tokens_per_s": 370.0, "greedy_tokens_equal_plain": True}
+    res = {"configs": {"on-demand@0.25": dict(row, tpot_median_s=0.0023),
+                       "probe:1+blocking@0.25": dict(row, vs_on_demand=1.171, vs_on_demand_claimed=False),
+                       "lookahead:3+blocking@0.25": dict(row, vs_on_demand=0.700, vs_on_demand_claimed=True)}}
+    lines = table(res).splitlines()
+    assert "| 1.171 (rounds overlap: noise) |" in lines[3] and "| 0.700 |" in lines[4], lines

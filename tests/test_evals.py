@@ -412,8 +412,14 @@ def test_quickstart_gate_table_shows_intervals_and_the_three_verdicts(evals):
             (("same", evals["base"]), ("damaged", evals["damaged"]), ("straddle", straddle))]
     assert [r["gate"] for r in rows] == ["PASS", "FAIL", "INCONCLUSIVE"]
     md = gate_table(rows)
-    assert md[-3].startswith("| same | +0.00% [+0.00, +0.00] (2) |") and md[-3].endswith("| PASS |")
-    assert "ec_cloze_prose" in md[-2] and "(4)" in md[-2] and md[-1].endswith("| INCONCLUSIVE |")
+    table = [line for line in md if line.startswith("| ")]
+    assert table[-3].startswith("| same | +0.00% [+0.00, +0.00] (2) |") and table[-3].endswith("| PASS |")
+    assert "ec_cloze_prose" in table[-2] and "(4)" in table[-2] and table[-1].endswith("| INCONCLUSIVE |")
+    # under the table, each FAIL's and INCONCLUSIVE's reasons, one line each, naming the row; none for the PASS
+    notes = [line for line in md if line.startswith("- ")]
+    assert notes and not any(n.startswith("- same:") for n in notes)
+    assert any(n.startswith("- damaged: Δppl") and "> +" in n for n in notes), notes
+    assert any(n.startswith("- straddle: ") and "would resolve it" in n for n in notes), notes
 
 
 def test_eval_on_the_users_own_text_and_on_accuracy_alone(evals, tiny_data, tmp_path):
