@@ -1,6 +1,8 @@
 """The offload runtime: the one cache state machine (slots and what stays), the store file, and lossless decoding
 through the engine on every family's tiny model, with real stores on disk."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -253,8 +255,10 @@ def test_the_time_budget_adds_up_and_puts_the_time_where_it_went(family_models):
             b = st.time_budget(times[-1] - times[0], len(times) - 1)
             # the benchmarks' figures: the counters over the steps after a warmup (here 3 of 11), and their time
             eng.reset()
-            t2, _, st2 = timed_greedy(m, prompt, 12, eng, warmup=3)
+            marks = []  # a benchmark's own counters are read at the mark: once, where the timed steps begin
+            t2, _, st2 = timed_greedy(m, prompt, 12, eng, warmup=3, at_mark=lambda: marks.append(time.perf_counter()))
             b2 = st2.time_budget(t2[-1] - t2[3], len(t2) - 1 - 3)
+            assert len(marks) == 1 and t2[3] <= marks[0] <= t2[4], (marks, t2[:5])
         finally:
             eng.close()
         assert all(v >= 0 for v in b.values()), b
