@@ -41,7 +41,7 @@ from expertcache.telemetry.cachesim import CacheResult
 from expertcache.telemetry.errors import InputError
 from expertcache.telemetry.registry import Registry
 
-from . import cpu_kernels
+from . import cpu_kernels, quant
 from .checkpoint import StoreExperts
 from .layer_view import LayerView
 from .loadqueue import LoadQueue
@@ -255,11 +255,9 @@ class EngineConfig:
         if not self.miss_copy:
             raise InputError(f"miss_precision={self.miss_precision} needs --engine.miss_copy DIR: `expertcache "
                              f"quantize --model CKPT --bits {self.miss_precision} --out DIR` of this checkpoint")
-        from .quant import read_config
-
         if not Path(self.miss_copy).is_dir():
             raise InputError(f"miss_copy {self.miss_copy}: no such folder")
-        qc = read_config(self.miss_copy)
+        qc = quant.read_config(self.miss_copy)
         if qc is None:
             raise InputError(f"miss_copy {self.miss_copy} is not an `expertcache quantize` checkpoint (its config has "
                              f"no quantization_config)")
@@ -403,8 +401,6 @@ class OffloadedExperts(nn.Module):
             setattr(tmpl, name, view)
         tmpl.num_experts = pool.n_slots
         self._tmpl = tmpl
-        from . import quant
-
         self.quant = quant.format_of(pool.views)  # (bits, group) of an `expertcache quantize` checkpoint, else None
         self._views = pool.views
         self.swiglu_ok = self._swiglu_ok()  # fixed by the family and the slots' dtype: decided once
@@ -442,9 +438,7 @@ class OffloadedExperts(nn.Module):
             v = self._tmpl
             return swiglu_experts(hidden, v.gate_up_proj, v.down_proj, slot_index, weights)
         if self.quant is not None:
-            from .quant import swiglu
-
-            return swiglu(hidden, self._views, slot_index, weights)
+            return quant.swiglu(hidden, self._views, slot_index, weights)
         if self.fast_kernel(hidden):
             v = self._tmpl
             return cpu_kernels.swiglu_bf16(hidden, v.gate_up_proj, v.down_proj, slot_index, weights)
@@ -454,8 +448,6 @@ class OffloadedExperts(nn.Module):
         """`x [S, H]`, `slots [S]`, `weights [S]` -> each (token, choice) row's weighted expert output `[S, H]`,
         through the family's own forward with k = 1 (the same kernels and roundings as the full call), over the
         slot pool or over `tensors` (`[n, ...]` views, e.g. the host copy of a layer)."""
-        from . import quant
-
         if self.quant is not None or (tensors is not None and quant.format_of(tensors) is not None):
             return quant.swiglu(x, tensors if tensors is not None else self._views, slots[:, None],
                                 weights[:, None])  # packed experts: the slots', or the miss_precision copy's
@@ -480,9 +472,7 @@ def _check_cpu_kernel(mod: OffloadedExperts) -> None:
         raise InputError(f"kernel cpu: the CPU expert kernels are unavailable here ({cpu_kernels.why_unavailable()});"
                          f" use --engine.kernel auto or native")
     if mod.quant is not None:
-        from .quant import kernel_fits
-
-        if not kernel_fits(mod._views):
+        if not quant.kernel_fits(mod._views):
             sc = mod._views["down_proj.scales"]
             raise InputError(f"kernel cpu: the integer kernels need hidden and intermediate sizes that are multiples "
                              f"of 64 and of the group size ({mod.quant[1]}); this model's are {sc.shape[1]} and "
@@ -557,9 +547,7 @@ class OffloadEngine:
         self.upgrading: list[set[int]] = [set() for _ in self.layers]
         self._low_count: list[dict[int, int]] = [{} for _ in self.layers]
         if cfg.miss_precision:
-            from .quant import copy_source
-
-            self.low_tier = make_tier(cfg.tier, copy_source(cfg.miss_copy, self.meta), fast)
+            self.low_tier = make_tier(cfg.tier, quant.copy_source(cfg.miss_copy, self.meta), fast)
         self.predictor = predictor or Predictor()
         policy = ENGINE_POLICIES.parse(cfg.policy)
         self.cache_policy = policy.name
