@@ -113,8 +113,9 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineCon
 
         plain_model = load_causal_lm(path, dtype=dt).eval().to(device)
     names = (["plain"] if plain else []) + list(configs)
-    results = {name: {"tpot": [], "rounds": [[] for _ in range(rounds)], "stats": [], "wall": [],
-                      "tokens_equal_plain": None} for name in names}
+    # each configuration's timed TPOTs per round (its TPOT figures over all of them, its round medians per round)
+    results = {name: {"rounds": [[] for _ in range(rounds)], "stats": [], "wall": [], "tokens_equal_plain": None}
+               for name in names}
     plain_out = None
     bw = None
     try:
@@ -130,7 +131,6 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineCon
                         bw = measure_bandwidth(eng.tier, eng.meta, eng.pool_exec, eng.meta.num_layers)
                 for b in range(prompts.shape[0]):
                     tpot, stats, out = _pass(model, prompts[b:b + 1].to(device), n_new, eng, warmup)
-                    results[name]["tpot"].extend(tpot[warmup:])
                     results[name]["rounds"][r].extend(tpot[warmup:])
                     if stats is not None:
                         results[name]["stats"].append(stats)
@@ -148,8 +148,11 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineCon
             m.expertcache.close()
     eb = eng0.meta.expert_bytes
     base = "plain" if plain else ("resident" if "resident" in results else None)
-    t_base = float(np.median(results[base]["tpot"])) if base else None
-    t_res = float(np.median(results["resident"]["tpot"])) if "resident" in results else None
+    def timed(name: str) -> np.ndarray:  # every timed TPOT of a configuration, all rounds
+        return np.concatenate([np.asarray(x, dtype=float) for x in results[name]["rounds"]])
+
+    t_base = float(np.median(timed(base))) if base else None
+    t_res = float(np.median(timed("resident"))) if "resident" in results else None
     out = {"inputs": {"model": str(model_dir), "checkpoint_bytes": ckpt_bytes, "tier": tier, "budget": engine.budget,
                       "capacities": list(capacities), "predictors": list(predictors), "miss": miss, "policy": policy,
                       "tokens": tokens, "warmup": warmup, "rounds": rounds, "prompts": int(prompts.shape[0]),
@@ -161,7 +164,7 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineCon
            "peak_rss_bytes": {"start": rss_start, "after_load": rss_loaded, "end": peak_rss_bytes()},
            "configs": {}}
     for name, res in results.items():
-        t = np.asarray(res["tpot"])
+        t = timed(name)
         row = {"tpot_median_s": float(np.median(t)), "tpot_p90_s": float(np.percentile(t, 90)),
                "tpot_round_medians_s": [float(np.median(x)) for x in res["rounds"] if x],
                "tokens_per_s": float(1 / np.median(t)), "greedy_tokens_equal_plain": res["tokens_equal_plain"]}
@@ -180,7 +183,7 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineCon
             row.update(d)
         if "@" in name and not name.startswith("on-demand"):
             cap = name.split("@")[1]
-            row["vs_on_demand"] = row["tpot_median_s"] / float(np.median(results[f"on-demand@{cap}"]["tpot"]))
+            row["vs_on_demand"] = row["tpot_median_s"] / float(np.median(timed(f"on-demand@{cap}")))
             od = [float(np.median(x)) for x in results[f"on-demand@{cap}"]["rounds"] if x]
             row["vs_on_demand_claimed"] = rounds_apart(row["tpot_round_medians_s"], od)
         out["configs"][name] = row
