@@ -3,7 +3,9 @@ docstrings (expertcache.recipes.cli)."""
 
 from __future__ import annotations
 
+import math
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -31,7 +33,7 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = l
          corpus: str = "data/corpus", out: Optional[str] = None, task_dir: Optional[str] = None,
          limit: Optional[int] = None, ppl_blocks: int = 8, seq_len: int = 128, include_path: Optional[str] = None,
          dtype: str = "fp32", device: str = "cpu", size_from: Optional[str] = None, ppl_file: Optional[str] = None,
-         ppl_field: str = "text", stepwise: str = "auto") -> dict:
+         ppl_field: str = "text", stepwise: str = "auto", target_width: Optional[float] = None) -> dict:
     """lm-eval tasks and the step-wise token perplexity of a checkpoint, plain or served by the offload engine.
 
     The JSON keeps every step-wise block's NLL and every document's score (the gate's paired intervals) and
@@ -60,6 +62,9 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = l
         ppl_field: the JSONL field holding the text
         size_from: an `expertcache gate` JSON: take --ppl_blocks and --limit from the sample it says would resolve
             it (never fewer than given here)
+        target_width: with --size_from: size --ppl_blocks instead so that every Δppl interval of that gate (each
+            domain and overall) would be at most this wide on either side of its estimate, in %, at the paired
+            variance the gate observed (e.g. 0.5 for ±0.5%)
         stepwise: how the step-wise blocks are fed: auto (whole blocks per forward for the plain model and
             lossless policies, one token at a time through the KV cache for lossy ones) | token | batched (refused
             under a lossy policy)
@@ -71,8 +76,11 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = l
     from expertcache.telemetry.atomic import check_output
 
     sizing = None
+    if target_width is not None and (size_from is None or not target_width > 0):
+        raise InputError("--target_width needs --size_from GATE.json (the paired variance it sizes from) and must "
+                         "be > 0 (a half-width in %)")
     if size_from is not None:
-        ppl_blocks, limit, sizing = sample_from_gate(size_from, ppl_blocks, limit)
+        ppl_blocks, limit, sizing = sample_from_gate(size_from, ppl_blocks, limit, target_width)
     _check(dtype, limit, ppl_blocks, seq_len, include_path, tasks)
     check_output(out, model, ppl_file)
     if engine is not None:
@@ -82,9 +90,8 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = l
         res = evaluate(model, corpus, engine, tasks, out, task_dir, limit, ppl_blocks, seq_len,
                        include_path=include_path, dtype=dtype, device=device, progress=lambda: prog.advance(task),
                        ppl_file=ppl_file, ppl_field=ppl_field, stepwise=stepwise)
-    for note in res.get("sample_notes", []):
-        if note.startswith("no step-wise"):
-            print(f"eval: {note}", file=sys.stderr)
+    for note in (sizing or {}).get("notes", []) + res.get("sample_notes", []):  # fewer than asked: say so
+        print(f"eval: {note}", file=sys.stderr)
     if sizing is not None:
         res["sizing"] = sizing
         if out:
@@ -94,10 +101,12 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = l
     return {k: v for k, v in res.items() if k != "lm_eval_versions"}
 
 
-def sample_from_gate(path: str, ppl_blocks: int, limit: Optional[int]) -> tuple[int, Optional[int], dict]:
+def sample_from_gate(path: str, ppl_blocks: int, limit: Optional[int], target_width: Optional[float] = None
+                     ) -> tuple[int, Optional[int], dict]:
     """(ppl_blocks, limit, what was decided) from a gate JSON's `resolve`: the blocks per domain and the largest
-    documents per task that would resolve its INCONCLUSIVE intervals at the observed variance; a one-line
-    `InputError` for a file that is not a gate result."""
+    documents per task that would resolve its INCONCLUSIVE intervals at the observed variance; with `target_width`
+    (in %), the blocks per domain at which its widest Δppl half-width would shrink to it (a half-width falls as
+    1/sqrt(n)); a one-line `InputError` for a file that is not a gate result."""
     import json
 
     p = Path(path)
@@ -111,6 +120,18 @@ def sample_from_gate(path: str, ppl_blocks: int, limit: Optional[int]) -> tuple[
                          f"gate with this version first")
     notes = []
     b = r["blocks_per_domain"]
+    if target_width is not None:
+        ivs = [v for v in (g.get("dppl_ci95") or {}).values() if isinstance(v, list) and len(v) == 2]
+        n0 = g.get("n_blocks")
+        if not ivs or not isinstance(n0, int) or n0 < 1:
+            raise InputError(f"--size_from {path}: the gate has no Δppl intervals to size --target_width from")
+        half = max((hi - lo) / 2 for lo, hi in ivs)
+        b = max(n0, math.ceil(n0 * (half / target_width) ** 2))
+        notes.append(f"the gate's widest Δppl interval was ±{half:.3g}% on {n0} blocks per domain: ~{b} give "
+                     f"±{target_width:g}%")
+        if b > ppl_blocks:
+            ppl_blocks = b
+        b = None
     if b == -1:
         notes.append("a Δppl estimate sits on its threshold: no number of blocks resolves it")
     elif isinstance(b, int) and b > ppl_blocks:
@@ -120,9 +141,10 @@ def sample_from_gate(path: str, ppl_blocks: int, limit: Optional[int]) -> tuple[
         notes.append("a Δacc estimate sits on its threshold: no number of documents resolves it")
     if docs and limit is not None and max(docs) > limit:  # (no limit: every document already)
         limit = max(docs)
-    if g.get("gate") != "INCONCLUSIVE":
+    if g.get("gate") != "INCONCLUSIVE" and target_width is None:
         notes.append(f"the gate was {g.get('gate')}: nothing to resolve, the sample is as given")
-    return ppl_blocks, limit, {"from": str(p), "ppl_blocks": ppl_blocks, "limit": limit, "notes": notes}
+    return ppl_blocks, limit, {"from": str(p), "ppl_blocks": ppl_blocks, "limit": limit,
+                               "target_width": target_width, "notes": notes}
 
 
 def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, max_dppl: float = 1.0,
@@ -130,12 +152,14 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
          corpus: str = "data/corpus", task_dir: str = "runs/task-data", limit: Optional[int] = None,
          ppl_blocks: int = 8, seq_len: int = 128, include_path: Optional[str] = None, dtype: str = "fp32",
          device: str = "cpu", out: Optional[str] = None, confidence: float = 0.95, resamples: int = 2000,
-         seed: int = 0) -> dict:
+         seed: int = 0, grow: int = 0, max_blocks: int = 256, max_documents: int = 128) -> dict:
     """PASS / FAIL / INCONCLUSIVE of a candidate against a baseline on paired bootstrap intervals (METRICS.md
     thresholds and rule); exit status 0 PASS, 1 FAIL, 3 INCONCLUSIVE, 2 bad input.
 
     PASS: every interval inside its threshold (upper bounds of Δppl, lower bounds of Δacc); FAIL: one outside;
     INCONCLUSIVE: one across it, with the blocks per domain or documents per task that would resolve it.
+    `--grow N` (checkpoint directories) then evaluates both again, up to N times, on that sample plus a quarter
+    (the estimate moves as the sample grows), within --max_blocks and --max_documents, and says when it cannot.
 
     Args:
         baseline: checkpoint directory or an `expertcache eval` JSON
@@ -157,6 +181,11 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
         confidence: interval level, in (0, 1)
         resamples: paired bootstrap resamples (1 to 200000)
         seed: the bootstrap's seed (the same inputs and seed give the same intervals)
+        grow: rounds of re-evaluation while INCONCLUSIVE, each on the sample the intervals ask for (0: none;
+            checkpoint directories only; a lossy --engine policy runs token by token, so each round costs about
+            the first round's seconds times the growth)
+        max_blocks: the most step-wise blocks per domain a --grow round may ask for (the held-out text caps it too)
+        max_documents: the most documents per task a --grow round may ask for (the held-out text caps it too)
     """
     from expertcache.telemetry.atomic import write_json
 
@@ -172,6 +201,10 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
     check_bootstrap(confidence, resamples)
     _check(dtype, limit, ppl_blocks, seq_len, include_path)
     check_output(out, baseline, candidate)
+    if grow < 0 or max_blocks < 1 or max_documents < 1:
+        raise InputError("--grow must be >= 0, --max_blocks and --max_documents >= 1")
+    if grow and any(Path(x).suffix == ".json" for x in (baseline, candidate)):
+        raise InputError("--grow evaluates both again on a larger sample: give checkpoint directories, not eval JSONs")
 
     def load(x: str, served: Optional[EngineConfig]) -> dict:
         if Path(x).suffix == ".json":
@@ -179,9 +212,89 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
         return evaluate(x, corpus, served, tasks, None, task_dir, limit, ppl_blocks, seq_len,
                         include_path=include_path, dtype=dtype, device=device)
 
-    g = judge(load(baseline, None), load(candidate, engine), GateThresholds(max_dppl, max_dppl_domain, min_dacc),
-              confidence, resamples, seed)
+    th = GateThresholds(max_dppl, max_dppl_domain, min_dacc)
+    t0 = time.time()
+    g = judge(load(baseline, None), load(candidate, engine), th, confidence, resamples, seed)
+    rounds = [_round(g, ppl_blocks, limit, time.time() - t0)]
+    notes: list[str] = []
+    for _ in range(grow):
+        if g["gate"] != "INCONCLUSIVE":
+            break
+        nb, nl, why = grow_sample(g, ppl_blocks, limit, max_blocks, max_documents)
+        notes += why
+        if (nb, nl) == (ppl_blocks, limit):
+            break
+        print(f"gate: INCONCLUSIVE on {g['n_blocks']} blocks per domain"
+              + (f" and {max(g['n_documents'].values())} documents per task" if g["n_documents"] else "")
+              + f"; evaluating both again on {nb} blocks" + (f" and {nl} documents" if nl is not None else ""),
+              file=sys.stderr)
+        ppl_blocks, limit = nb, nl
+        t0 = time.time()
+        g = judge(load(baseline, None), load(candidate, engine), th, confidence, resamples, seed)
+        rounds.append(_round(g, ppl_blocks, limit, time.time() - t0))
+    if grow:
+        if g["gate"] == "INCONCLUSIVE" and len(rounds) == grow + 1:
+            notes.append(f"still INCONCLUSIVE after {grow} growth round(s): --grow more, or accept the interval")
+        g["sizing"] = {"grow": grow, "max_blocks": max_blocks, "max_documents": max_documents, "rounds": rounds,
+                       "notes": notes}
+        for n in notes:
+            print(f"gate: {n}", file=sys.stderr)
     if out:
         write_json(out, g)
     print(format_gate(g), file=sys.stderr)
     return g
+
+
+GROWTH_MARGIN = 1.25  # a resolve count is where the interval would just touch its threshold at today's estimate
+
+
+def _round(g: dict, ppl_blocks: int, limit: Optional[int], seconds: float) -> dict:
+    return {"ppl_blocks": ppl_blocks, "limit": limit, "n_blocks": g["n_blocks"], "n_documents": g["n_documents"],
+            "gate": g["gate"], "dppl_overall_ci95": g["dppl_overall_ci95"], "resolve": g["resolve"],
+            "seconds": round(seconds, 1)}
+
+
+def grow_sample(g: dict, ppl_blocks: int, limit: Optional[int], max_blocks: int, max_documents: int
+                ) -> tuple[int, Optional[int], list[str]]:
+    """The next sample of a growing gate: (blocks per domain, documents per task, notes) from an INCONCLUSIVE gate's
+    `resolve`, each count a quarter above what it asks (an interval that would just touch its threshold at today's
+    estimate resolves it only half the time), within the caps and above the sample the gate already had (the
+    held-out text may have held fewer than asked). Unchanged counts, with a note saying why, when nothing can grow."""
+    r, notes = g["resolve"], []
+    had_blocks = g["n_blocks"]  # what the text gave (the fewest over the domains)
+    nb = ppl_blocks
+    b = r.get("blocks_per_domain")
+    if b == -1:
+        notes.append("a Δppl estimate sits on its threshold: no number of blocks resolves it")
+    elif isinstance(b, int) and b > had_blocks:
+        want = math.ceil(b * GROWTH_MARGIN)
+        if had_blocks < ppl_blocks:
+            notes.append(f"the held-out text gave {had_blocks} blocks per domain, {ppl_blocks} asked: "
+                         f"~{b} would resolve Δppl, which it cannot give")
+        elif ppl_blocks >= max_blocks:
+            notes.append(f"~{b} blocks per domain would resolve Δppl; --max_blocks {max_blocks} stops the growth")
+        else:
+            nb = min(want, max_blocks)
+            if want > max_blocks:
+                notes.append(f"~{b} blocks per domain would resolve Δppl; growing to --max_blocks {max_blocks}")
+    docs = [n for n in (r.get("documents") or {}).values() if isinstance(n, int)]
+    nl = limit
+    if -1 in docs:
+        notes.append("a Δacc estimate sits on its threshold: no number of documents resolves it")
+    need = max((n for n in docs if n > 0), default=0)
+    had_docs = max(g["n_documents"].values(), default=0)
+    if need > had_docs:
+        asked = limit if limit is not None else had_docs
+        if had_docs < asked:
+            notes.append(f"the held-out text gave {had_docs} documents per task, {asked} asked: ~{need} would "
+                         f"resolve Δacc, which it cannot give")
+        elif asked >= max_documents:
+            notes.append(f"~{need} documents per task would resolve Δacc; --max_documents {max_documents} stops "
+                         f"the growth")
+        else:
+            want = math.ceil(need * GROWTH_MARGIN)
+            nl = min(want, max_documents)
+            if want > max_documents:
+                notes.append(f"~{need} documents per task would resolve Δacc; growing to --max_documents "
+                             f"{max_documents}")
+    return nb, nl, notes

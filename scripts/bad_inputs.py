@@ -617,6 +617,9 @@ def cases(P: dict) -> list[dict]:
     add("eval-seq-len-1", [*ev[:-2], "--seq_len", 1, "--model", M, "--out", S / "v4.json"])
     add("eval-size-from-not-gate", [*ev, "--model", M, "--size_from", P["list_json"], "--out", S / "v5.json"])
     add("eval-size-from-bad-json", [*ev, "--model", M, "--size_from", P["bad_json"], "--out", S / "v6.json"])
+    add("eval-target-width-alone", [*ev, "--model", M, "--target_width", 0.5, "--out", S / "v6d.json"])
+    add("eval-target-width-zero", [*ev, "--model", M, "--size_from", P["list_json"], "--target_width", 0,
+                                   "--out", S / "v6e.json"])
     add("eval-task-unknown", ["eval", "--corpus", C, "--tasks", "[no_such_task]", "--limit", 1, "--ppl_blocks", 1,
                               "--seq_len", 32, "--model", M, "--out", S / "v5.json"])
     add("eval-out-readonly", [*ev, "--model", M, "--out", RO / "v.json"], nobody=True)
@@ -637,6 +640,9 @@ def cases(P: dict) -> list[dict]:
     add("gate-baseline-missing", ["gate", "--baseline", S / "none.json", "--candidate", EB])
     add("gate-bad-json", ["gate", "--baseline", EB, "--candidate", P["bad_json"]])
     add("gate-list-json", ["gate", "--baseline", EB, "--candidate", P["list_json"]])
+    add("gate-grow-on-jsons", ["gate", "--baseline", EB, "--candidate", EB, "--grow", 1])
+    add("gate-grow-negative", ["gate", "--baseline", M, "--candidate", M, "--grow", -1])
+    add("gate-max-blocks-0", ["gate", "--baseline", M, "--candidate", M, "--grow", 1, "--max_blocks", 0])
     add("gate-nan-ppl", ["gate", "--baseline", EB, "--candidate", P["eval_nan"]])
     add("gate-zero-ppl", ["gate", "--baseline", P["eval_zero"], "--candidate", EB])
     add("gate-missing-ppl", ["gate", "--baseline", EB, "--candidate", P["eval_noppl"]])

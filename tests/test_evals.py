@@ -516,3 +516,81 @@ def test_a_task_folder_built_for_fewer_documents_is_built_again_for_the_limit(ti
     r = evaluate(tiny_base, limit=30, **kw)
     assert task_docs_built(d) == 30  # built again, for the limit asked
     assert r["n_documents"]["ec_cloze_prose"] == 8  # all the held-out text has, and said
+
+
+def test_gate_grows_an_inconclusive_sample_and_says_when_it_cannot(evals, tiny_data, tmp_path, capsys):
+    """`gate --grow`: an INCONCLUSIVE verdict is evaluated again, both sides, on the sample its intervals ask for
+    (a quarter more), within the caps and the held-out text, and the JSON keeps every round."""
+    import math
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from expertcache.evals.commands import gate as gate_cmd, grow_sample
+    from expertcache.recipes.cli import main
+
+    cand = tmp_path / "noisy"
+    m = AutoModelForCausalLM.from_pretrained(evals["base_model"])
+    g0 = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=g0) * 0.02 * p.float().pow(2).mean().sqrt())
+    m.save_pretrained(cand)
+    AutoTokenizer.from_pretrained(evals["base_model"]).save_pretrained(cand)
+    kw = dict(corpus=tiny_data["corpus"], tasks=[], task_dir=str(evals["root"] / "tasks"), ppl_blocks=2, seq_len=32,
+              max_dppl_domain=1e6, min_dacc=-100.0)
+    first = gate_cmd(str(evals["base_model"]), str(cand), **kw)
+    est = first["dppl_percent"]["overall"]
+    lo, hi = first["dppl_overall_ci95"]
+    th = est + 0.3 * (hi - est)  # the threshold inside the interval, above the estimate: INCONCLUSIVE by design
+    grown = gate_cmd(str(evals["base_model"]), str(cand), **kw, max_dppl=th, grow=2, out=str(tmp_path / "g.json"))
+    rounds = grown["sizing"]["rounds"]
+    assert rounds[0]["gate"] == "INCONCLUSIVE" and rounds[0]["n_blocks"] == 2 and len(rounds) >= 2
+    asked = rounds[0]["resolve"]["blocks_per_domain"]  # a quarter more than the first round's intervals asked
+    assert rounds[1]["ppl_blocks"] == min(math.ceil(asked * 1.25), 256) > 2
+    assert rounds[1]["n_blocks"] == min(rounds[1]["ppl_blocks"], 14)  # the tiny test split has 14 code blocks
+    assert rounds[-1]["gate"] == grown["gate"] and all(r["gate"] == "INCONCLUSIVE" for r in rounds[:-1])
+    assert len(rounds) == 3 or grown["gate"] != "INCONCLUSIVE"  # it stops growing once resolved
+    assert json.loads((tmp_path / "g.json").read_text())["sizing"]["rounds"] == rounds
+    if grown["gate"] == "INCONCLUSIVE":  # the text ran out, or the rounds did: a note says which
+        assert grown["sizing"]["notes"], grown["sizing"]
+    # the caps and the text stop the growth, with a note
+    g = {"resolve": {"blocks_per_domain": 40, "documents": {"t": 30}}, "n_blocks": 14, "n_documents": {"t": 8}}
+    assert grow_sample(g, 14, 8, 256, 128)[:2] == (50, 38)
+    nb, nl, notes = grow_sample(g, 20, 8, 256, 16)
+    assert (nb, nl) == (20, 16) and "held-out text gave 14 blocks" in notes[0] and "--max_documents 16" in notes[1]
+    assert grow_sample(dict(g, resolve={"blocks_per_domain": -1, "documents": {}}), 14, 8, 256, 128)[2] == [
+        "a Δppl estimate sits on its threshold: no number of blocks resolves it"]
+    # --grow needs checkpoints; negative counts are refused
+    capsys.readouterr()
+    b = str(evals["root"] / "base.json")
+    assert main(["gate", "--baseline", b, "--candidate", b, "--grow", "1"]) == 2
+    assert "checkpoint directories" in capsys.readouterr().err
+    assert main(["gate", "--baseline", b, "--candidate", b, "--grow", "-1"]) == 2
+
+
+
+def test_eval_sizes_its_sample_from_a_target_interval_width(evals, tiny_data, tmp_path, capsys):
+    import math
+
+    from expertcache.evals.commands import sample_from_gate
+    from expertcache.recipes.cli import main
+
+    g = gate(evals["base"], _scaled(evals["base"], {d: [1.0, 1.0032] for d in ("code", "prose", "math")}))
+    (tmp_path / "g.json").write_text(json.dumps(g))
+    half = max((hi - lo) / 2 for lo, hi in g["dppl_ci95"].values())
+    nb, _, sizing = sample_from_gate(str(tmp_path / "g.json"), 2, None, half / 2)
+    assert nb == 8  # half the width: four times the blocks
+    assert "~8 give" in sizing["notes"][0]
+    assert sample_from_gate(str(tmp_path / "g.json"), 2, None, half * 4)[0] == 2  # never fewer than given
+    out = tmp_path / "sized.json"
+    assert main(["eval", "--model", str(evals["base_model"]), "--corpus", tiny_data["corpus"], "--tasks", "[]",
+                 "--seq_len", "32", "--ppl_blocks", "2", "--task_dir", str(evals["root"] / "tasks"),
+                 "--size_from", str(tmp_path / "g.json"), "--target_width", str(half / 10), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["sizing"]["ppl_blocks"] == 200 and res["n_blocks"]["code"] < 200  # the tiny split has fewer
+    err = capsys.readouterr().err
+    assert "~200 give" in err and "200 asked" in err  # it says what it could not give
+    for bad in (["--target_width", "0.5"], ["--size_from", str(tmp_path / "g.json"), "--target_width", "0"]):
+        assert main(["eval", "--model", str(evals["base_model"]), *bad]) == 2
+        assert "--target_width" in capsys.readouterr().err

@@ -103,6 +103,7 @@ SHORT = {"generate": ["--max_tokens", "2"],
          "bench decode": ["--tokens", "2", "--warmup", "0", "--rounds", "1", "--prompts", "1", "--prompt_len", "8"],
          # the math task: the small corpus's held-out prose and code are too little for a 4-way cloze
          "eval": ["--limit", "2", "--ppl_blocks", "1", "--seq_len", "16", "--tasks", "[ec_math_em]"],
+         "gate": ["--limit", "2", "--ppl_blocks", "1", "--seq_len", "16", "--tasks", "[ec_math_em]"],
          "fit-policy": ["--epochs", "1"],
          # a small corpus, but not the test-sized one: its held-out split must hold a 4-way cloze per domain
          "data build": ["--tiny", "false", "--max_mb", "2"]}
