@@ -508,7 +508,7 @@ def verify(model: str, write_index: bool = True, rebless: bool = False) -> dict:
     return rep
 
 
-def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "") -> dict:
+def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "", linears: bool = False) -> dict:
     """Write a checkpoint whose routed experts are packed integers with fp16 group scales (int8: symmetric; int4:
     min-max with a minimum per group), each expert one contiguous 4 KiB-aligned block of an expert store beside
     the unchanged non-expert weights; `load`, `generate`, `serve`, `eval` and `bench` read it as they read any
@@ -521,6 +521,9 @@ def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "") -> 
         group_size: inputs sharing one scale: a multiple of 32 dividing the experts' input sizes (32 is the most
             accurate; 128 the smallest)
         out: the folder to write (written whole, or not at all)
+        linears: pack the non-expert linear layers too (attention, dense and shared MLPs, an untied output head;
+            never the routers), as llama.cpp's Q8_0/Q4_0 files do: decode reads a quarter (int4) or half (int8)
+            of their bytes, at an accuracy cost the gate prices
     """
     from rich.progress import Progress
 
@@ -530,8 +533,14 @@ def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "") -> 
         raise InputError("--out is required: the folder the quantized checkpoint is written to")
     with Progress(transient=True) as prog:
         task = prog.add_task("MoE layers quantized", total=None)
-        rep = write_quantized(model, out, bits, group_size, progress=lambda: prog.advance(task))
+        rep = write_quantized(model, out, bits, group_size, progress=lambda: prog.advance(task), linears=linears)
     worst = max(max(v) for v in rep["relative_error"].values())
+    lin = rep["linears"]
+    if linears:
+        worst_lin = max(lin["relative_error"].values(), default=0.0)
+        print(f"quantize: {len(lin['modules'])} non-expert linears packed ({lin['bytes'] / 2**20:.1f} MiB; worst "
+              f"relative error {worst_lin:.4f})" + (f"; kept: {'; '.join(lin['skipped'])}" if lin["skipped"] else ""),
+              file=sys.stderr)
     print(f"quantize: {rep['experts']} experts to int{bits} (group {group_size}): {rep['expert_bytes'] / 2**30:.2f} "
           f"GiB, {rep['bytes_ratio']:.3f}x the original's expert bytes; worst layer relative error {worst:.4f}; "
           f"-> {out}", file=sys.stderr)

@@ -187,6 +187,14 @@ def swiglu_q(x, gu: dict, dn: dict, bits: int, group: int, slots, weights) -> to
                                               dn.get("mins"), bits, group, slots, weights).to(x.dtype)
 
 
+def linear_q(x, q, scales, mins, bits: int, group: int, bias=None) -> torch.Tensor:
+    """A packed linear layer: x [..., in] -> [..., out] in x's dtype; q/scales/mins as `runtime.quant.quantize`
+    writes them for a 2-D weight (int8 activations per 32 inputs, fp32 accumulation)."""
+    lead = x.shape[:-1]
+    y = torch.ops.expertcache_cpu.linear_q(x.reshape(-1, x.shape[-1]), q, scales, mins, bits, group, bias)
+    return y.to(x.dtype).reshape(*lead, q.shape[0])
+
+
 def read_bandwidth(nbytes: int = 1 << 30, rounds: int = 5) -> float:
     """This machine's memory read bandwidth in bytes/s at torch's current thread count: the median of `rounds`
     passes over a buffer far larger than the caches (the extension's streaming read)."""

@@ -123,6 +123,13 @@ def build_offloaded(path: str | Path, dtype=None, verify: bool | None = None):
         dtype = probe.dtype
         model = _meta_model(config, dtype)
     expert_prefixes = tuple(p + "." for p in prefixes)
+    lin = (qc or {}).get("linears")
+    if lin:  # non-expert linears packed too (`quantize --linears true`): their modules become QuantLinear
+        if not isinstance(lin, dict) or not isinstance(lin.get("modules"), list) or \
+                not all(isinstance(n, str) for n in lin["modules"]):
+            raise InputError(f"{path}: quantization_config linears is not a list of module names "
+                             f"(damaged config.json)")
+        quant.install_linears(model, lin["modules"], qc["bits"], qc["group_size"])
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if name.startswith(expert_prefixes):
             continue
@@ -158,7 +165,8 @@ def build_offloaded(path: str | Path, dtype=None, verify: bool | None = None):
         source = CheckpointExperts(ckpt, adapter.family, prefixes, adapter.num_experts,
                                    {n: (s, dtype) for n, (s, _) in params.items()}, router_fingerprint(model), dtype)
         source.use_index(verify)
-    left = [n for n, p in model.named_parameters() if p.is_meta and not n.startswith(expert_prefixes)]
+    left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers())
+            if p.is_meta and not n.startswith(expert_prefixes)]
     if left:
         raise InputError(f"checkpoint {path} leaves {len(left)} parameters unset (first: {left[0]})")
     model.config._name_or_path = str(path)

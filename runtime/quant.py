@@ -216,11 +216,13 @@ def copy_source(path, meta):
     return StoreExperts(Path(path) / qc["experts_file"], m)
 
 
-def write_quantized(model, out, bits: int, group: int, progress=None) -> dict:
+def write_quantized(model, out, bits: int, group: int, progress=None, linears: bool = False) -> dict:
     """`expertcache quantize`: a checkpoint at `out` whose routed experts are `bits`-bit integers with fp16 group
     scales, in one expert store file (each expert one contiguous 4 KiB-aligned block with its checksum), beside the
-    non-expert tensors unchanged (`model.safetensors`) and `config.json` with a `quantization_config`. Returns the
-    report: bytes, and each MoE layer's relative weight error per tensor."""
+    non-expert tensors unchanged (`model.safetensors`) and `config.json` with a `quantization_config`. `linears`:
+    the non-expert linear layers too (`quantizable_linears`: attention, dense and shared MLPs, the untied output
+    head; not the routers), packed in the same format inside `model.safetensors`. Returns the report: bytes, and
+    each MoE layer's (and packed linear's) relative weight error."""
     import json
     import shutil
     from pathlib import Path
@@ -268,12 +270,29 @@ def write_quantized(model, out, bits: int, group: int, progress=None) -> dict:
 
     ckpt = source.ckpt
     keep = sorted(set(ckpt.tensors) - source.names)
+    lin_names, lin_skipped, lin_err, packed = [], [], {}, {}
+    if linears:
+        from expertcache.telemetry.adapters import adapter_for
+
+        from .checkpoint import checkpoint_name
+
+        routers = [L.router for L in adapter_for(m.config).moe_layers(m)]
+        lin_names, lin_skipped = quantizable_linears(m, source.prefixes, routers, bits, group)
+        for name in lin_names:
+            w = m.get_submodule(name).weight.detach()
+            t = quantize(w, bits, group)
+            lin_err[name] = round(relative_error(w, t, bits, group), 6)
+            ck = checkpoint_name(f"{name}.weight", source.family)
+            if ck not in keep:
+                raise InputError(f"{path}: linear {name} has no tensor {ck} in the checkpoint to quantize")
+            keep.remove(ck)
+            packed.update({f"{ck}_{part}": v.contiguous() for part, v in t.items()})
     with atomic_dir(out) as tmp:
         try:
             _write(tmp / EXPERTS_FILE, qmeta, expert, progress)
         finally:
             disk.close()
-        save_file({n: ckpt.read(n).contiguous() for n in keep}, str(tmp / "model.safetensors"),
+        save_file({**{n: ckpt.read(n).contiguous() for n in keep}, **packed}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         cfg = json.loads((path / "config.json").read_text())
         layer_err = {n: [round((a / b) ** 0.5, 6) if b else 0.0 for a, b in err[n]] for n in names}
@@ -282,6 +301,8 @@ def write_quantized(model, out, bits: int, group: int, progress=None) -> dict:
             "scheme": "int8 symmetric, fp16 scale per group" if bits == 8 else
                       "int4 min-max, fp16 scale and minimum per group",
             "source_dtype": meta.tensors[0].dtype, "relative_error": layer_err}
+        if lin_names:
+            cfg["quantization_config"]["linears"] = {"modules": lin_names, "relative_error": lin_err}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         for f in path.iterdir():  # tokenizer, generation config, chat template
             if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json" and not f.name.startswith(".") \
@@ -292,4 +313,88 @@ def write_quantized(model, out, bits: int, group: int, progress=None) -> dict:
     return {"out": str(out), "bits": bits, "group_size": group, "experts": meta.num_layers * meta.num_experts,
             "expert_bytes": expert_bytes, "source_expert_bytes": meta.expert_bytes * meta.num_layers * meta.num_experts,
             "bytes_ratio": expert_bytes / (meta.expert_bytes * meta.num_layers * meta.num_experts),
-            "relative_error": layer_err}
+            "relative_error": layer_err, "linears": {"modules": lin_names, "relative_error": lin_err,
+                                                     "skipped": lin_skipped, "bytes": nbytes(packed)}}
+
+
+# --- quantized non-expert linears (`expertcache quantize --linears true`) ---------------------------------------
+
+LINEAR_PARTS = {"q": "weight_q", "scales": "weight_scales", "mins": "weight_mins"}  # part -> buffer name
+
+
+class QuantLinear(torch.nn.Module):
+    """An `nn.Linear` whose weight is packed group-wise integers (the format above, for one `[out, in]` matrix).
+    Decode-sized inputs (at most `cpu_kernels.MAX_ROWS` rows, CPU) go through the integer kernel, which reads the
+    packed bytes once; larger inputs (a prefill, a batched evaluation), GPUs and machines without the extension
+    compute with the weight dequantized for the call, in the input's dtype (the same weights)."""
+
+    def __init__(self, in_features: int, out_features: int, bits: int, group: int, bias: bool,
+                 dtype: torch.dtype = torch.bfloat16, device="meta"):
+        super().__init__()
+        check_group(bits, group, in_features)
+        self.in_features, self.out_features, self.bits, self.group = in_features, out_features, bits, group
+        qshape = [out_features, in_features if bits == 8 else in_features // 2]
+        self.register_buffer("weight_q", torch.empty(qshape, dtype=torch.int8 if bits == 8 else torch.uint8,
+                                                     device=device))
+        sshape = [out_features, in_features // group]
+        self.register_buffer("weight_scales", torch.empty(sshape, dtype=torch.float16, device=device))
+        if bits == 4:
+            self.register_buffer("weight_mins", torch.empty(sshape, dtype=torch.float16, device=device))
+        self.bias = torch.nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
+                                       requires_grad=False) if bias else None
+
+    def packed(self) -> dict[str, torch.Tensor]:
+        return {p: getattr(self, b) for p, b in LINEAR_PARTS.items() if hasattr(self, b)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from . import cpu_kernels
+
+        if (not x.is_cuda and x.numel() // max(x.shape[-1], 1) <= cpu_kernels.MAX_ROWS and self.in_features % 64 == 0
+                and not torch.is_grad_enabled() and cpu_kernels.available()):
+            return cpu_kernels.linear_q(x, self.weight_q, self.weight_scales, getattr(self, "weight_mins", None),
+                                        self.bits, self.group, self.bias)
+        w = dequantize(self.packed(), self.bits, self.group, x.dtype)
+        return torch.nn.functional.linear(x, w, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, "
+                f"group={self.group}, bias={self.bias is not None}")
+
+
+def quantizable_linears(model, expert_prefixes, routers, bits: int, group: int) -> tuple[list[str], list[str]]:
+    """(names, skipped with why) of the non-expert `nn.Linear`s `--linears true` packs: every one outside the
+    routed experts whose input size the kernel takes (a multiple of 64 and of the group), except the routers (their
+    top-k decides which experts run: kept exact) and an output head tied to the input embeddings."""
+    tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+    out_emb = model.get_output_embeddings()
+    router_ids = {id(r) for r in routers}
+    names, skipped = [], []
+    for name, mod in model.named_modules():
+        if type(mod) is not torch.nn.Linear or name.startswith(tuple(expert_prefixes)):
+            continue
+        if id(mod) in router_ids:
+            continue
+        if tied and mod is out_emb:
+            skipped.append(f"{name}: tied to the input embeddings")
+        elif mod.in_features % group or mod.in_features % 64:
+            skipped.append(f"{name}: input size {mod.in_features} is not a multiple of 64 and of group {group}")
+        else:
+            names.append(name)
+    return names, skipped
+
+
+def install_linears(model, names: list[str], bits: int, group: int) -> None:
+    """Replace the named `nn.Linear`s of a (meta) model by `QuantLinear`s of the same shape (their buffers on meta,
+    filled by the loader from the checkpoint)."""
+    for name in names:
+        parent, _, attr = name.rpartition(".")
+        try:
+            owner = model.get_submodule(parent) if parent else model
+        except AttributeError:
+            owner = None
+        old = getattr(owner, attr, None)
+        if type(old) is not torch.nn.Linear:
+            raise InputError(f"quantization_config lists linear {name!r}, which this model does not have as a linear "
+                             f"layer (damaged config.json)")
+        dtype = old.weight.dtype
+        setattr(owner, attr, QuantLinear(old.in_features, old.out_features, bits, group, old.bias is not None, dtype))

@@ -12,10 +12,10 @@
   resident (`load(capacity=1.0, tier="host", kernel="cpu")`, greedy decode through the decode loop of generate and
   serve (`decode.timed_greedy`), time per output token = the N decode steps after the prefill / N), against
   `llama-bench -p 0 -n N` on the GGUF conversion of the same weights (`scripts/llamacpp_peer.py`): bf16 vs BF16,
-  int8 vs Q8_0, int4 vs Q4_0. Our int8/int4 checkpoints come from `expertcache quantize` (routed experts only:
-  attention and the lm head stay bf16, where llama-quantize quantizes every matrix). Each round runs every (format,
-  threads) pair, ours then theirs, in fresh processes; the figure is the median over rounds. Target: ours <= 1.25x
-  theirs in each pair.
+  int8 vs Q8_0, int4 vs Q4_0. Our int8/int4 checkpoints come from `expertcache quantize --linears true` (routed
+  experts and the attention and output matrices packed, as llama-quantize packs every matrix; the routers stay
+  exact; `--linears false`: experts only, as before). Each round runs every (format, threads) pair, ours then
+  theirs, in fresh processes; the figure is the median over rounds. Target: ours <= 1.25x theirs in each pair.
 Run it alone: a second busy process moves these figures by 2-5x.
 """
 
@@ -75,6 +75,29 @@ def kernel_figures(threads: int, pool: int = 32, k: int = 8, rounds: int = 30) -
         out.append({"format": fmt, "group": None if spec is None else spec[1], "threads": threads,
                     "bytes": nbytes, "ms": t * 1e3, "gbps": nbytes / t / 1e9, "read_bandwidth_gbps": bw / 1e9,
                     "fraction_of_read_bandwidth": nbytes / t / bw})
+    # a non-expert matrix: one token through the attention's query projection (4096 x 2048), 8 copies in turn so
+    # the weights come from memory
+    ws = [(torch.randn(4096, H, generator=g) * 0.02).bfloat16() for _ in range(8)]
+    for fmt, spec in FORMATS.items():
+        if spec is None:
+            calls = [lambda w=w: ck.linear_bf16(x, w) for w in ws]
+            nbytes = ws[0].numel() * 2
+        else:
+            bits, group = spec
+            qs = [quant.quantize(w, bits, group) for w in ws]
+            calls = [lambda q=q, b=bits, gr=group: ck.linear_q(x, q["q"], q["scales"], q.get("mins"), b, gr)
+                     for q in qs]
+            nbytes = quant.nbytes(qs[0])
+        times = []
+        for r in range(rounds + 3):
+            t0 = time.perf_counter()
+            calls[r % len(calls)]()
+            if r >= 3:
+                times.append(time.perf_counter() - t0)
+        t = statistics.median(times)
+        out.append({"kind": "linear 4096x2048", "format": fmt, "group": None if spec is None else spec[1],
+                    "threads": threads, "bytes": nbytes, "ms": t * 1e3, "gbps": nbytes / t / 1e9,
+                    "read_bandwidth_gbps": bw / 1e9, "fraction_of_read_bandwidth": nbytes / t / bw})
     return out
 
 
@@ -109,15 +132,15 @@ def ours(model: str, threads: int, tokens: int, reps: int = 3) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def quantized(model: Path, fmt: str, work: Path) -> Path:
+def quantized(model: Path, fmt: str, work: Path, linears: bool) -> Path:
     if FORMATS[fmt] is None:
         return model
     bits, group = FORMATS[fmt]
-    out = work / f"{model.name}-{fmt}-g{group}"
+    out = work / f"{model.name}-{fmt}-g{group}{'-linears' if linears else ''}"
     if not (out / "config.json").exists():
         from expertcache.runtime.quant import write_quantized
 
-        write_quantized(model, out, bits, group)
+        write_quantized(model, out, bits, group, linears=linears)
     return out
 
 
@@ -128,11 +151,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--linears", default="true", choices=["true", "false"],
+                    help="int8/int4: pack the non-expert linears too (as llama.cpp's Q8_0/Q4_0 do)")
+    ap.add_argument("--formats", default=",".join(FORMATS), help="comma-separated subset of bf16,int8,int4")
     ap.add_argument("--work", default="runs/bench-kernels", help="where quantized copies of --model are kept")
     ap.add_argument("--out", default=str(ROOT / "results" / "kernels.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     threads = [int(t) for t in a.threads.split(",")]
+    formats = [f for f in a.formats.split(",") if f]
+    if not formats or any(f not in FORMATS for f in formats):
+        raise SystemExit(f"bench_kernels: --formats {a.formats}: expected a subset of {','.join(FORMATS)}")
     if a.worker:
         print(json.dumps(worker(a.worker, threads[0], a.tokens, a.reps)))
         return
@@ -147,11 +176,11 @@ def main() -> None:
 
         model = Path(a.model).resolve()
         work = Path(a.work)
-        paths = {f: quantized(model, f, work) for f in FORMATS}
+        paths = {f: quantized(model, f, work, a.linears == "true") for f in formats}
         runs: dict[tuple[str, int], dict] = {}
         for r in range(a.rounds):
             for t in threads:
-                for f in FORMATS:
+                for f in formats:
                     mine = ours(str(paths[f]), t, a.tokens, a.reps)
                     peer = llamacpp_peer.decode(model, PEER[f], t, a.tokens, a.reps)
                     d = runs.setdefault((f, t), {"ours": [], "peer": [], "peer_stddev_tok_s": []})
@@ -167,12 +196,13 @@ def main() -> None:
                           "llamacpp_tpot_s": p, "ratio": e / p, "expertcache_rounds_s": d["ours"],
                           "llamacpp_rounds_s": d["peer"], "llamacpp_build": d["peer_build"],
                           "llamacpp_gguf_bytes": d["peer_gguf_bytes"],
-                          "expertcache_checkpoint": str(paths[f].name)})
+                          "expertcache_checkpoint": str(paths[f].name),
+                          "expertcache_linears_packed": f != "bf16" and a.linears == "true"})
         cfg = json.loads((model / "config.json").read_text())
         model_info = {k: cfg.get(k) for k in ("model_type", "num_hidden_layers", "hidden_size", "num_experts",
                                               "moe_intermediate_size", "num_experts_per_tok", "vocab_size",
                                               "num_attention_heads", "num_key_value_heads", "head_dim")}
-    one = [k for k in kernels if k["threads"] == 1]
+    one = [k for k in kernels if k["threads"] == 1 and "kind" not in k]  # the target is on the experts
     res = {
         "command": "python scripts/bench_kernels.py " + " ".join(sys.argv[1:]),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},

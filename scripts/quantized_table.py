@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """What quantized experts cost in quality and buy in bytes, on a trained base: `results/quantized.json`.
 
-For each variant, `expertcache quantize` writes the checkpoint (routed experts packed, everything else unchanged);
-`expertcache eval` scores it through the engine with every expert resident (capacity 1.0, host tier: the cache
-changes nothing, so only the weights differ) on the same blocks and documents as the base; `gate` decides on paired
-intervals against the base. The `bf16` row is the base's expert weights rounded to bf16 (what a bf16 checkpoint
-stores; the other weights unchanged, as `quantize` leaves them), computed in fp32 like the others. Bytes: the
-experts' bytes against the bf16 experts'. Decode: `bench decode` at 1/4 of the experts from disk (TPOT, bytes moved
-per token).
+For each variant, `expertcache quantize` writes the checkpoint (routed experts packed, everything else unchanged;
+the `+linears` variants pack the attention matrices too); `expertcache eval` scores it through the engine with
+every expert resident (capacity 1.0, host tier: the cache changes nothing, so only the weights differ) on the same
+blocks and documents as the base; `gate` decides on paired intervals against the base. The `bf16` row is the
+base's expert weights rounded to bf16 (what a bf16 checkpoint stores; the other weights unchanged, as `quantize`
+leaves them), computed in fp32 like the others. Bytes: the experts' bytes against the bf16 experts'. Decode:
+`bench decode` at 1/4 of the experts from disk (TPOT, bytes moved per token).
 
 4-bit on miss (`--engine.miss_precision 4 --engine.miss_copy <the int4-g32 copy>`, HOBBIT's idea as a cache policy):
 the base served at 1/8 and 1/4 of E from disk, each miss computed from the int4 copy and not admitted, an expert
@@ -36,7 +36,10 @@ from expertcache.evals.run import evaluate
 from expertcache.runtime.engine import EngineConfig
 from expertcache.telemetry.atomic import write_json
 
-VARIANTS = {"int8-g32": (8, 32), "int4-g32": (4, 32), "int4-g64": (4, 64), "int4-g128": (4, 128)}
+VARIANTS = {"int8-g32": (8, 32), "int4-g32": (4, 32), "int4-g64": (4, 64), "int4-g128": (4, 128),
+            # the non-expert linears packed too (`quantize --linears true`: attention; the tied output head and the
+            # routers stay exact), as llama.cpp's Q8_0 / Q4_0 files pack every matrix
+            "int8-g32+linears": (8, 32), "int4-g32+linears": (4, 32)}
 
 
 def bf16_copy(base: Path, out: Path) -> Path:
@@ -131,7 +134,9 @@ def main() -> None:
         rep_f = work / f"{name}.report.json"
         if not (out / "config.json").is_file():
             r = subprocess.run(cli + ["quantize", "--model", str(base), "--bits", str(bits), "--group_size",
-                                      str(group), "--out", str(out)], capture_output=True, text=True)
+                                      str(group), "--out", str(out),
+                                      "--linears", "true" if name.endswith("+linears") else "false"],
+                               capture_output=True, text=True)
             if r.returncode:  # e.g. a group or chunk size the model's dimensions do not take: said, not hidden
                 skipped[name] = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
                 print(f"{name}: skipped: {skipped[name]}", file=sys.stderr, flush=True)
@@ -149,7 +154,10 @@ def main() -> None:
         else:
             stored = reports[name]["expert_bytes"]
             err = max(max(v) for v in reports[name]["relative_error"].values())
+        lin = reports[name].get("linears") if name in reports else None
         rows.append({"name": name, "bits": bits, "group_size": group,
+                     "linears_packed": (lin or {}).get("modules", []),
+                     "linears_relative_error_max": max((lin or {}).get("relative_error", {}).values(), default=None),
                      "dppl_overall_pct": g["dppl_percent"]["overall"],
                      "dppl_max_domain_pct": g["dppl_max_domain_percent"], "dppl_percent": g["dppl_percent"],
                      "dppl_overall_ci95": g["dppl_overall_ci95"], "dppl_max_domain_ci95": g["dppl_max_domain_ci95"],

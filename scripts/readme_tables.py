@@ -35,17 +35,19 @@ def cachesim_table(d: dict) -> str:
 
 def kernels_table(d: dict) -> str:
     """results/kernels.json -> expert kernels against memory bandwidth, and decode against llama.cpp."""
-    rows = ["| format | threads | 8 experts of 2048x768 | GB/s | memory read GB/s | fraction (target >= 0.7 at 1 thread) |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| format | threads | one token through | time | GB/s | memory read GB/s | fraction (target >= 0.7 at 1 "
+            "thread, experts) |", "|---|---|---|---|---|---|---|"]
     for k in d["kernels"]:
         g = f" (group {k['group']})" if k["group"] else ""
-        rows.append(f"| {k['format']}{g} | {k['threads']} | {k['ms']:.2f} ms | {k['gbps']:.1f} | "
+        what = k.get("kind", "8 experts of 2048x768")
+        rows.append(f"| {k['format']}{g} | {k['threads']} | {what} | {k['ms']:.2f} ms | {k['gbps']:.1f} | "
                     f"{k['read_bandwidth_gbps']:.1f} | {k['fraction_of_read_bandwidth']:.2f} |")
     if d.get("pairs"):
         rows += ["", "| decode, all experts resident | threads | expertcache | llama.cpp | ratio (target <= 1.25) |",
                  "|---|---|---|---|---|"]
         for p in sorted(d["pairs"], key=lambda p: (p["threads"], list(("bf16", "int8", "int4")).index(p["format"]))):
-            rows.append(f"| {p['format']} vs {p['llamacpp_format']} | {p['threads']} | "
+            lin = " (+ linears)" if p.get("expertcache_linears_packed") else ""
+            rows.append(f"| {p['format']}{lin} vs {p['llamacpp_format']} | {p['threads']} | "
                         f"{p['expertcache_tpot_s'] * 1e3:.1f} ms | {p['llamacpp_tpot_s'] * 1e3:.1f} ms | "
                         f"{p['ratio']:.2f} |")
     return "\n".join(rows)

@@ -15,6 +15,7 @@ from expertcache.runtime import cpu_kernels as ck
 from expertcache.runtime import quant
 from expertcache.runtime.kernels import swiglu_reference
 from expertcache.telemetry.errors import InputError
+from expertcache.telemetry.errors import InputError
 
 needs_ext = pytest.mark.skipif(not ck.available(), reason=f"CPU kernels unavailable: {ck.why_unavailable()}")
 
@@ -159,6 +160,33 @@ def test_linear_kernel_matches_torch(rows, n, out, bias):
     ref = torch.nn.functional.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
     got = ck.linear_bf16(x, lin.weight, lin.bias)
     assert got.dtype == torch.bfloat16 and _rel(got, ref) < 1e-2
+
+
+@needs_ext
+@pytest.mark.parametrize("bits,group", [(8, 32), (8, 128), (4, 32), (4, 64)])
+@pytest.mark.parametrize("rows,out,bias", [(1, 130, False), (3, 7, True), (8, 64, True)])
+def test_packed_linear_kernel_stays_near_the_dequantized_weights(bits, group, rows, out, bias):
+    """`linear_q` (every output row, a tail of out % 4 rows included) within 2% of the dequantized weights with
+    exact activations (its int8 activations' rounding), and `QuantLinear` takes the same path for a few rows and
+    the dequantized one for many (a prefill), agreeing with both."""
+    g = torch.Generator().manual_seed(rows * out + bits)
+    n = 256
+    w = torch.randn(out, n, generator=g)
+    b = torch.randn(out, generator=g) if bias else None
+    t = quant.quantize(w, bits, group)
+    x = torch.randn(rows, n, generator=g)
+    ref = torch.nn.functional.linear(x, quant.dequantize(t, bits, group), b)
+    got = ck.linear_q(x, t["q"], t["scales"], t.get("mins"), bits, group, b)
+    assert got.shape == (rows, out) and _rel(got, ref) < 2e-2
+    lin = quant.QuantLinear(n, out, bits, group, bias, torch.float32, device="cpu")
+    for part, v in t.items():
+        getattr(lin, quant.LINEAR_PARTS[part]).copy_(v)
+    if bias:
+        lin.bias.data.copy_(b)
+    with torch.no_grad():
+        assert torch.equal(lin(x), got)  # a few rows: the kernel
+        many = torch.cat([x] * 4)  # 4 x rows > MAX_ROWS for rows 3 and 8: the dequantized weight
+        assert _rel(lin(many), torch.cat([ref] * 4)) < (2e-2 if len(many) <= ck.MAX_ROWS else 1e-5)
 
 
 @needs_ext
@@ -323,6 +351,76 @@ def test_a_quantized_checkpoint_decodes_like_its_dequantized_reference(saved, tm
     assert eng.meta.expert_bytes == fbytes * (1 if bits == 8 else 0.5) / 2 + fbytes // 2 // 32 * 2 * (
         1 if bits == 8 else 2)
     eng.close()
+
+
+@pytest.mark.parametrize("fam", SWIGLU)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_linears_decode_like_their_dequantized_reference(saved, tmp_path, fam, bits):
+    """`quantize --linears true`: the attention projections and the untied output head are packed too (never the
+    routers; a layer whose input size the kernel cannot take is kept, with why). Loaded, those modules are
+    `QuantLinear`s and every step's logits are within 5% of the original model holding the dequantized integers in
+    its experts and in those linears; the model file shrinks by what was packed."""
+    from safetensors.torch import load_file
+
+    from expertcache.runtime import load
+    from tiny_models import build_model, tiny_config
+
+    src = tmp_path / "src"
+    build_model(tiny_config(fam, hidden_size=64, moe_intermediate_size=64, intermediate_size=64,
+                            tie_word_embeddings=False), seed=7, dtype=torch.bfloat16).save_pretrained(src)
+    q = tmp_path / "q"
+    rep = quant.write_quantized(src, q, bits, 32, linears=True)
+    lin = rep["linears"]
+    assert any(n.endswith("q_proj") for n in lin["modules"]) and "lm_head" in lin["modules"], lin
+    assert not any(n.endswith((".gate", "router")) for n in lin["modules"])  # routers stay exact
+    assert all(0 < e < (0.02 if bits == 8 else 0.15) for e in lin["relative_error"].values())
+    assert all("not a multiple of 64" in why for why in lin["skipped"])
+    ref = _dequantized_reference(src, q, bits, 32)
+    tensors = load_file(str(q / "model.safetensors"))
+    for name in lin["modules"]:
+        ck = checkpoint_name(f"{name}.weight", adapter_family(ref))
+        t = {part: tensors[f"{ck}_{part}"] for part in ("q", "scales", "mins") if f"{ck}_{part}" in tensors}
+        assert f"{ck}" not in tensors  # the float weight is gone: only its packed form is stored
+        ref.get_submodule(name).weight.data.copy_(quant.dequantize(t, bits, 32))
+    m = load(q, capacity=1.0, tier="host", kernel="auto")
+    for name in lin["modules"]:
+        assert isinstance(m.get_submodule(name), quant.QuantLinear)
+    assert _rel(_logits(m), _logits(ref)) < 5e-2, (fam, bits)
+    m.expertcache.close()
+
+
+def adapter_family(model) -> str:
+    from expertcache.telemetry.adapters import adapter_for
+
+    return adapter_for(model).family
+
+
+def checkpoint_name(name, family):
+    from expertcache.runtime.checkpoint import checkpoint_name as cn
+
+    return cn(name, family)
+
+
+def test_a_damaged_linears_list_is_one_line(saved, tmp_path):
+    import json
+    import shutil
+
+    from expertcache.runtime import load
+    from tiny_models import build_model, tiny_config
+
+    src = tmp_path / "src"
+    build_model(tiny_config("qwen3_moe", hidden_size=64, moe_intermediate_size=64, intermediate_size=64,
+                            tie_word_embeddings=False), seed=7, dtype=torch.bfloat16).save_pretrained(src)
+    quant.write_quantized(src, tmp_path / "q", 8, 32, linears=True)
+    for bad, msg in ((["model.norm"], "does not have as a linear"), ("lm_head", "not a list of module names"),
+                     (["model.layers.0.self_attn.q_proj", "no.such.module"], "'no.such.module'")):
+        d = tmp_path / f"bad{len(msg)}"
+        shutil.copytree(tmp_path / "q", d)
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["quantization_config"]["linears"]["modules"] = bad
+        (d / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(InputError, match=msg):
+            load(d, capacity=1.0, tier="host")
 
 
 @pytest.fixture(scope="module")

@@ -410,6 +410,68 @@ at::Tensor swiglu_q(const at::Tensor& x, const at::Tensor& gu_q, const at::Tenso
                    : swiglu_q_impl<4>(x, gu, dn, I, group, slots, weights);
 }
 
+// A packed linear layer (the non-expert matrices of `expertcache quantize --linears true`): x [T, n] -> y [T, O]
+// fp32, weights q [O, n * BITS / 8] with fp16 group scales (and int4 minimums) [O, n / G]; each token's activations
+// quantized once, four rows per step sharing each activation load (a tail of O % 4 rows one at a time).
+template <int BITS>
+at::Tensor linear_q_impl(const at::Tensor& x, const QMat& w, int64_t O, int64_t G, const float* bp) {
+  const int64_t T = x.size(0), N = x.size(1);
+  auto y = at::empty({T, O}, at::kFloat);
+  auto xf = x.to(at::kFloat).contiguous();
+  std::vector<int8_t> xq(T * N);
+  std::vector<float> xfl(T * qact_floats(N));
+  std::vector<QAct> xa(T);
+  for (int64_t t = 0; t < T; ++t)
+    xa[t] = quantize_act(xf.data_ptr<float>() + t * N, N, G, xq.data() + t * N, xfl.data() + t * qact_floats(N));
+  float* yp = y.data_ptr<float>();
+  const int64_t gN = N / G;
+  at::parallel_for(0, (O + 3) / 4, 16, [&](int64_t b0, int64_t b1) {
+    std::vector<float> sc(4 * gN), mn(4 * gN);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r0 = b * 4, nr = std::min<int64_t>(4, O - r0);
+      const uint8_t* wr[4];
+      const float* sr[4];
+      const float* mr[4];
+      for (int j = 0; j < nr; ++j) {
+        wr[j] = w.q + (r0 + j) * w.qs1;
+        half_row(w.s + (r0 + j) * w.ss1, gN, sc.data() + j * gN);
+        if constexpr (BITS == 4) half_row(w.m + (r0 + j) * w.ss1, gN, mn.data() + j * gN);
+        sr[j] = sc.data() + j * gN;
+        mr[j] = mn.data() + j * gN;
+      }
+      for (int64_t t = 0; t < T; ++t) {
+        float o[4];
+        if (nr == 4) {
+          dot_q<BITS, 4>(wr, sr, mr, N, G, xa[t], o);
+        } else {
+          for (int j = 0; j < nr; ++j) dot_q<BITS, 1>(wr + j, sr + j, mr + j, N, G, xa[t], o + j);
+        }
+        for (int j = 0; j < nr; ++j) yp[t * O + r0 + j] = o[j] + (bp ? bp[r0 + j] : 0.0f);
+      }
+    }
+  });
+  return y;
+}
+
+at::Tensor linear_q(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const c10::optional<at::Tensor>& m,
+                    int64_t bits, int64_t group, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(bits == 8 || bits == 4, "linear_q: bits must be 8 or 4, not ", bits);
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && s.dim() == 2, "linear_q: x [T, in], q [out, ...], scales [out, ...]");
+  const int64_t N = x.size(1), O = q.size(0);
+  TORCH_CHECK(group >= 32 && group % 32 == 0 && N % group == 0 && N % 64 == 0,
+              "linear_q: the input size must be a multiple of 64 and of the group size");
+  const c10::optional<at::Tensor> m3 = m.has_value() ? c10::optional<at::Tensor>(m->unsqueeze(0)) : c10::nullopt;
+  const QMat w = qmat(q.unsqueeze(0), s.unsqueeze(0), m3, static_cast<int>(bits), O, N, group, "linear_q");
+  at::Tensor bf;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == O, "linear_q: bias of the wrong size");
+    bf = bias->to(at::kFloat).contiguous();
+    bp = bf.data_ptr<float>();
+  }
+  return bits == 8 ? linear_q_impl<8>(x, w, O, group, bp) : linear_q_impl<4>(x, w, O, group, bp);
+}
+
 // Reads every byte of `buf` (one pass, split over torch's threads) and returns a checksum, so the read cannot be
 // optimised away: the memory read bandwidth the kernels are measured against.
 double read_bytes(const at::Tensor& buf) {
@@ -442,6 +504,7 @@ TORCH_LIBRARY(expertcache_cpu, m) {
         "int bits, int group, Tensor slots, Tensor weights) -> Tensor");
   m.def("read_bytes(Tensor buf) -> float");
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("linear_q(Tensor x, Tensor q, Tensor scales, Tensor? mins, int bits, int group, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(expertcache_cpu, CPU, m) {
@@ -449,4 +512,5 @@ TORCH_LIBRARY_IMPL(expertcache_cpu, CPU, m) {
   m.impl("swiglu_q", &swiglu_q);
   m.impl("read_bytes", &read_bytes);
   m.impl("linear_bf16", &linear_bf16);
+  m.impl("linear_q", &linear_q);
 }
