@@ -706,6 +706,7 @@ def cases(P: dict) -> list[dict]:
     add("quantize-already-quantized", ["quantize", "--model", P["model_q8"], "--out", S / "q5", "--bits", 4])
     add("quantize-out-is-model", [*q, M, "--bits", 8])
     add("quantize-no-out", ["quantize", "--model", M, "--bits", 8])
+    add("quantize-linears-not-bool", [*q, S / "q6", "--bits", 8, "--linears", "maybe"])
     add("bench-predictor-unknown-live", [*bd, "--model", M, "--predictors", "[probe:1,bogus]"])
     add("bench-lookahead-beyond-layers", [*bd, "--model", M, "--predictors", "[lookahead:40]"],
         note="a prefetch distance beyond the model's MoE layers")

@@ -45,7 +45,7 @@ def kernels_table(d: dict) -> str:
     if d.get("pairs"):
         rows += ["", "| decode, all experts resident | threads | expertcache | llama.cpp | ratio (target <= 1.25) |",
                  "|---|---|---|---|---|"]
-        for p in sorted(d["pairs"], key=lambda p: (p["threads"], list(("bf16", "int8", "int4")).index(p["format"]))):
+        for p in sorted(d["pairs"], key=lambda p: (p["threads"], list(("bf16", "int8", "int4", "int4-g128")).index(p["format"]))):
             lin = " (+ linears)" if p.get("expertcache_linears_packed") else ""
             rows.append(f"| {p['format']}{lin} vs {p['llamacpp_format']} | {p['threads']} | "
                         f"{p['expertcache_tpot_s'] * 1e3:.1f} ms | {p['llamacpp_tpot_s'] * 1e3:.1f} ms | "

@@ -152,6 +152,24 @@ def test_integer_kernels_equal_their_arithmetic_and_stay_near_the_dequantized_we
 
 
 @needs_ext
+@pytest.mark.parametrize("bits,group", [(8, 32), (4, 32), (4, 64)])
+def test_integer_kernels_take_an_odd_number_of_64_input_chunks(bits, group):
+    """int4 reads two 64-input chunks per load; an odd count leaves the last chunk to the one-chunk loop (H 320:
+    five chunks, I 192: three)."""
+    S, T, K, H, I = 6, 2, 3, 320, 192
+    gu, dn, g = _experts(S, H, I, seed=group + bits)
+    x = torch.randn(T, H, generator=g)
+    slots = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    qg, qd = quant.quantize(gu, bits, group), quant.quantize(dn, bits, group)
+    dg, dd = quant.dequantize(qg, bits, group), quant.dequantize(qd, bits, group)
+    assert _rel(ck.swiglu_q(x, qg, qd, bits, group, slots, w), _emulated(x, dg, dd, slots, w)) < 5e-4
+    t = quant.quantize(gu[0], bits, group)
+    ref = torch.nn.functional.linear(x, quant.dequantize(t, bits, group))
+    assert _rel(ck.linear_q(x, t["q"], t["scales"], t.get("mins"), bits, group), ref) < 2e-2
+
+
+@needs_ext
 @pytest.mark.parametrize("rows,n,out,bias", [(1, 2048, 130, False), (3, 100, 7, True), (8, 33, 64, True)])
 def test_linear_kernel_matches_torch(rows, n, out, bias):
     g = torch.Generator().manual_seed(n)

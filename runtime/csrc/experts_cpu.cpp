@@ -182,13 +182,19 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
 // lanes of each 64-input step (lanes 0-7: block 2c, 8-15: block 2c + 1), and per weight group (G inputs) the sum of
 // the quantized activations times their scales, so that
 //   sum_i w_i x_i = sum_g s_g * sum_{b in g} xs_b * isum_b + sum_g m_g * gsum_g      (int8: m_g = -128 s_g).
+// For int4 the activations are also kept in pairs of 64-input chunks (2c, 2c + 1), reordered to match one 64-byte
+// load of packed weights: [chunk 2c inputs 0-31 | 2c+1 inputs 0-31 | 2c inputs 32-63 | 2c+1 inputs 32-63] (`q4`), with
+// the lanes of the low and high halves (`lanes4`: [n / 128, 32]: blocks 4p, 4p+2, then 4p+1, 4p+3, eight lanes each).
 struct QAct {
   const int8_t* q;
   const float* lanes;  // [n / 64, 16]
   const float* gsum;   // [n / G]
+  const int8_t* q4;    // [n / 128 * 128]
+  const float* lanes4;
 };
 
-constexpr int64_t qact_floats(int64_t n) { return n / 64 * 16 + n / 32; }
+constexpr int64_t qact_floats(int64_t n) { return n / 64 * 16 + n / 32 + n / 128 * 32; }
+constexpr int64_t qact_bytes(int64_t n) { return 2 * n; }
 
 QAct quantize_act(const float* x, int64_t n, int64_t G, int8_t* q, float* f) {
   float* lanes = f;
@@ -207,7 +213,23 @@ QAct quantize_act(const float* x, int64_t n, int64_t G, int8_t* q, float* f) {
     for (int l = 0; l < 8; ++l) lanes[(b >> 1) * 16 + (b & 1) * 8 + l] = d;
     gsum[b / bpg] += d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
   }
-  return QAct{q, lanes, gsum};
+  int8_t* q4 = q + n;
+  float* l4 = gsum + n / 32;
+  for (int64_t p = 0; p < n / 128; ++p) {
+    const int8_t* a = q + p * 128;  // chunk 2p: a[0, 64), chunk 2p + 1: a[64, 128)
+    int8_t* o = q4 + p * 128;
+    std::memcpy(o, a, 32);
+    std::memcpy(o + 32, a + 64, 32);
+    std::memcpy(o + 64, a + 32, 32);
+    std::memcpy(o + 96, a + 96, 32);
+    for (int j = 0; j < 4; ++j) {  // block 4p + j: its scale, from the lanes of its chunk
+      const int64_t b = 4 * p + j;
+      const float d = lanes[(b >> 1) * 16 + (b & 1) * 8];
+      float* dst = l4 + p * 32 + (j & 1) * 16 + (j >> 1) * 8;  // lo: blocks 4p, 4p+2; hi: 4p+1, 4p+3
+      for (int l = 0; l < 8; ++l) dst[l] = d;
+    }
+  }
+  return QAct{q, lanes, gsum, q4, l4};
 }
 
 template <int BITS>
@@ -241,9 +263,63 @@ inline void dot_q(const uint8_t* const* w, const float* const* sf, const float* 
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const int64_t steps = n / 64, groups = n / G;
-  if (G == 32) {  // two groups per step: the weight scales of the step's two groups spread over the lanes
+  int64_t c0 = 0;  // chunks done by the int4 pair loop
+  if constexpr (BITS == 4) {
+    // two 64-input chunks per 64-byte load: the low nibbles are inputs 0-31 of both chunks, the high nibbles
+    // inputs 32-63 (the activations reordered to match, `QAct::q4`)
+    const int64_t pairs = (G == 32 || G == 64 || G % 128 == 0) ? steps / 2 : 0;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    if (G == 32 || G == 64) {  // weight scales per 8 lanes: blocks 4p, 4p+2 | 4p+1, 4p+3 (G 32); groups 2p | 2p+1 (G 64)
+      const __m512i ilo = G == 32 ? _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0)
+                                  : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+      const __m512i ihi = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
+      for (int64_t p = 0; p < pairs; ++p) {
+        const __m512i xlo = _mm512_loadu_si512(x.q4 + p * 128), xhi = _mm512_loadu_si512(x.q4 + p * 128 + 64);
+        const __m512 llo = _mm512_loadu_ps(x.lanes4 + p * 32), lhi = _mm512_loadu_ps(x.lanes4 + p * 32 + 16);
+        for (int r = 0; r < R; ++r) {
+          _mm_prefetch(reinterpret_cast<const char*>(w[r] + p * 64 + PF_BYTES), _MM_HINT_T0);
+          const __m512i pw = _mm512_loadu_si512(w[r] + p * 64);
+          const __m512 flo = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(pw, m4), xlo));
+          const __m512 fhi = _mm512_cvtepi32_ps(
+              _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(_mm512_srli_epi16(pw, 4), m4), xhi));
+          if (G == 32) {
+            const __m512 s4 = _mm512_castps128_ps512(_mm_loadu_ps(sf[r] + 4 * p));
+            acc[r] = _mm512_fmadd_ps(flo, _mm512_mul_ps(_mm512_permutexvar_ps(ilo, s4), llo), acc[r]);
+            acc[r] = _mm512_fmadd_ps(fhi, _mm512_mul_ps(_mm512_permutexvar_ps(ihi, s4), lhi), acc[r]);
+          } else {  // both halves share the pair's two group scales
+            const __m512 s2 = _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sf[r] + 2 * p))));
+            const __m512 t = _mm512_fmadd_ps(fhi, lhi, _mm512_mul_ps(flo, llo));
+            acc[r] = _mm512_fmadd_ps(t, _mm512_permutexvar_ps(ilo, s2), acc[r]);
+          }
+        }
+      }
+    } else if (pairs) {  // G / 128 pairs per group: the activation scales per lane, the weight scale once per group
+      const int64_t ppg = G / 128;
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        __m512 ga[R];
+        for (int r = 0; r < R; ++r) ga[r] = _mm512_setzero_ps();
+        for (int64_t p = gi * ppg; p < (gi + 1) * ppg; ++p) {
+          const __m512i xlo = _mm512_loadu_si512(x.q4 + p * 128), xhi = _mm512_loadu_si512(x.q4 + p * 128 + 64);
+          const __m512 llo = _mm512_loadu_ps(x.lanes4 + p * 32), lhi = _mm512_loadu_ps(x.lanes4 + p * 32 + 16);
+          for (int r = 0; r < R; ++r) {
+            _mm_prefetch(reinterpret_cast<const char*>(w[r] + p * 64 + PF_BYTES), _MM_HINT_T0);
+            const __m512i pw = _mm512_loadu_si512(w[r] + p * 64);
+            const __m512 flo = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(pw, m4), xlo));
+            const __m512 fhi = _mm512_cvtepi32_ps(
+                _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(_mm512_srli_epi16(pw, 4), m4), xhi));
+            ga[r] = _mm512_fmadd_ps(fhi, lhi, _mm512_fmadd_ps(flo, llo, ga[r]));
+          }
+        }
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(ga[r], _mm512_set1_ps(sf[r][gi]), acc[r]);
+      }
+    }
+    c0 = 2 * pairs;
+  }
+  if (c0 == steps) {
+    // every chunk done above
+  } else if (G == 32) {  // two groups per step: the weight scales of the step's two groups spread over the lanes
     const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    for (int64_t c = 0; c < steps; ++c) {
+    for (int64_t c = c0; c < steps; ++c) {
       const __m512i xv = _mm512_loadu_si512(x.q + c * 64);
       const __m512 xl = _mm512_loadu_ps(x.lanes + c * 16);
       for (int r = 0; r < R; ++r) {
@@ -256,7 +332,7 @@ inline void dot_q(const uint8_t* const* w, const float* const* sf, const float* 
     }
   } else {  // G / 64 steps per group: activation scales per lane inside the group, the weight scale once per group
     const int64_t spg = G / 64;
-    for (int64_t gi = 0; gi < groups; ++gi) {
+    for (int64_t gi = c0 / spg; gi < groups; ++gi) {  // (a pair loop leaves at most the last chunk, when G is 64)
       __m512 ga[R];
       for (int r = 0; r < R; ++r) ga[r] = _mm512_setzero_ps();
       for (int64_t c = gi * spg; c < (gi + 1) * spg; ++c) {
@@ -320,11 +396,12 @@ at::Tensor swiglu_q_impl(const at::Tensor& x, const QMat& gu, const QMat& dn, in
   auto wf = weights.to(at::kFloat).contiguous();
   const Groups g = group_pairs(slots);
   const int64_t U = static_cast<int64_t>(g.slot.size());
-  std::vector<int8_t> xq(T * H);  // the up projection's activations: one per token
+  std::vector<int8_t> xq(T * qact_bytes(H));  // the up projection's activations: one per token
   std::vector<float> xfl(T * qact_floats(H));
   std::vector<QAct> xa(T);
   for (int64_t t = 0; t < T; ++t)
-    xa[t] = quantize_act(xf.data_ptr<float>() + t * H, H, G, xq.data() + t * H, xfl.data() + t * qact_floats(H));
+    xa[t] = quantize_act(xf.data_ptr<float>() + t * H, H, G, xq.data() + t * qact_bytes(H),
+                         xfl.data() + t * qact_floats(H));
   std::vector<float> a(P * I);
   const int64_t nb = I / UP_ROWS;  // I % 64 == 0
   const int64_t gH = H / G, gI = I / G;
@@ -354,11 +431,11 @@ at::Tensor swiglu_q_impl(const at::Tensor& x, const QMat& gu, const QMat& dn, in
       }
     }
   });
-  std::vector<int8_t> aq(P * I);  // the down projection's activations: one per (token, choice)
+  std::vector<int8_t> aq(P * qact_bytes(I));  // the down projection's activations: one per (token, choice)
   std::vector<float> afl(P * qact_floats(I));
   std::vector<QAct> aa(P);
   for (int64_t p = 0; p < P; ++p)
-    aa[p] = quantize_act(a.data() + p * I, I, G, aq.data() + p * I, afl.data() + p * qact_floats(I));
+    aa[p] = quantize_act(a.data() + p * I, I, G, aq.data() + p * qact_bytes(I), afl.data() + p * qact_floats(I));
   const float* wp = wf.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t no = H / DOWN_ROWS;  // H % 64 == 0
@@ -418,11 +495,12 @@ at::Tensor linear_q_impl(const at::Tensor& x, const QMat& w, int64_t O, int64_t 
   const int64_t T = x.size(0), N = x.size(1);
   auto y = at::empty({T, O}, at::kFloat);
   auto xf = x.to(at::kFloat).contiguous();
-  std::vector<int8_t> xq(T * N);
+  std::vector<int8_t> xq(T * qact_bytes(N));
   std::vector<float> xfl(T * qact_floats(N));
   std::vector<QAct> xa(T);
   for (int64_t t = 0; t < T; ++t)
-    xa[t] = quantize_act(xf.data_ptr<float>() + t * N, N, G, xq.data() + t * N, xfl.data() + t * qact_floats(N));
+    xa[t] = quantize_act(xf.data_ptr<float>() + t * N, N, G, xq.data() + t * qact_bytes(N),
+                         xfl.data() + t * qact_floats(N));
   float* yp = y.data_ptr<float>();
   const int64_t gN = N / G;
   at::parallel_for(0, (O + 3) / 4, 16, [&](int64_t b0, int64_t b1) {
