@@ -243,6 +243,17 @@ inline __m512i load_q(const uint8_t* w, int64_t c) {
   }
 }
 
+// int4, chunks 2p and 2p + 1 of one weight row against activations `xlo`/`xhi` (`QAct::q4`): the dots of the low
+// nibbles (inputs 0-31 of both chunks) and of the high ones (inputs 32-63), as floats.
+inline void pair_dots(const uint8_t* w, int64_t p, __m512i xlo, __m512i xhi, __m512& flo, __m512& fhi) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  _mm_prefetch(reinterpret_cast<const char*>(w + p * 64 + PF_BYTES), _MM_HINT_T0);
+  const __m512i pw = _mm512_loadu_si512(w + p * 64);
+  flo = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(pw, m4), xlo));
+  fhi = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(_mm512_srli_epi16(pw, 4), m4),
+                                               xhi));
+}
+
 inline float vdot(const float* a, const float* b, int64_t n) {
   __m512 s = _mm512_setzero_ps();
   int64_t i = 0;
@@ -268,7 +279,6 @@ inline void dot_q(const uint8_t* const* w, const float* const* sf, const float* 
     // two 64-input chunks per 64-byte load: the low nibbles are inputs 0-31 of both chunks, the high nibbles
     // inputs 32-63 (the activations reordered to match, `QAct::q4`)
     const int64_t pairs = (G == 32 || G == 64 || G % 128 == 0) ? steps / 2 : 0;
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
     if (G == 32 || G == 64) {  // weight scales per 8 lanes: blocks 4p, 4p+2 | 4p+1, 4p+3 (G 32); groups 2p | 2p+1 (G 64)
       const __m512i ilo = G == 32 ? _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0)
                                   : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -277,11 +287,8 @@ inline void dot_q(const uint8_t* const* w, const float* const* sf, const float* 
         const __m512i xlo = _mm512_loadu_si512(x.q4 + p * 128), xhi = _mm512_loadu_si512(x.q4 + p * 128 + 64);
         const __m512 llo = _mm512_loadu_ps(x.lanes4 + p * 32), lhi = _mm512_loadu_ps(x.lanes4 + p * 32 + 16);
         for (int r = 0; r < R; ++r) {
-          _mm_prefetch(reinterpret_cast<const char*>(w[r] + p * 64 + PF_BYTES), _MM_HINT_T0);
-          const __m512i pw = _mm512_loadu_si512(w[r] + p * 64);
-          const __m512 flo = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(pw, m4), xlo));
-          const __m512 fhi = _mm512_cvtepi32_ps(
-              _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(_mm512_srli_epi16(pw, 4), m4), xhi));
+          __m512 flo, fhi;
+          pair_dots(w[r], p, xlo, xhi, flo, fhi);
           if (G == 32) {
             const __m512 s4 = _mm512_castps128_ps512(_mm_loadu_ps(sf[r] + 4 * p));
             acc[r] = _mm512_fmadd_ps(flo, _mm512_mul_ps(_mm512_permutexvar_ps(ilo, s4), llo), acc[r]);
@@ -302,11 +309,8 @@ inline void dot_q(const uint8_t* const* w, const float* const* sf, const float* 
           const __m512i xlo = _mm512_loadu_si512(x.q4 + p * 128), xhi = _mm512_loadu_si512(x.q4 + p * 128 + 64);
           const __m512 llo = _mm512_loadu_ps(x.lanes4 + p * 32), lhi = _mm512_loadu_ps(x.lanes4 + p * 32 + 16);
           for (int r = 0; r < R; ++r) {
-            _mm_prefetch(reinterpret_cast<const char*>(w[r] + p * 64 + PF_BYTES), _MM_HINT_T0);
-            const __m512i pw = _mm512_loadu_si512(w[r] + p * 64);
-            const __m512 flo = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(pw, m4), xlo));
-            const __m512 fhi = _mm512_cvtepi32_ps(
-                _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(_mm512_srli_epi16(pw, 4), m4), xhi));
+            __m512 flo, fhi;
+            pair_dots(w[r], p, xlo, xhi, flo, fhi);
             ga[r] = _mm512_fmadd_ps(fhi, lhi, _mm512_fmadd_ps(flo, llo, ga[r]));
           }
         }
