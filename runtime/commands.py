@@ -511,9 +511,10 @@ def verify(model: str, write_index: bool = True, rebless: bool = False) -> dict:
 def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "", linears: bool = False) -> dict:
     """Write a checkpoint whose routed experts are packed integers with fp16 group scales (int8: symmetric; int4:
     min-max with a minimum per group), each expert one contiguous 4 KiB-aligned block of an expert store beside
-    the unchanged non-expert weights; `load`, `generate`, `serve`, `eval` and `bench` read it as they read any
-    checkpoint, and the engine's slots hold the packed bytes (a byte budget holds 2-4x more experts). Prints the
-    report as JSON: bytes against the original and each MoE layer's relative weight error.
+    the non-expert weights (unchanged, or with `--linears true` their linear layers packed the same way);
+    `load`, `generate`, `serve`, `eval` and `bench` read it as they read any checkpoint, and the engine's slots hold
+    the packed bytes (a byte budget holds 2-4x more experts). Prints the report as JSON: bytes against the
+    original and each MoE layer's (and packed linear's) relative weight error.
 
     Args:
         model: the checkpoint directory to quantize (bf16/fp16/fp32 SwiGLU experts)
