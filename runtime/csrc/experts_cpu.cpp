@@ -151,6 +151,14 @@ at::Tensor swiglu_bf16(const at::Tensor& x, const at::Tensor& gate_up, const at:
 
 // y [T, out] = x [T, in] @ w[out, in]^T (+ bias): the non-expert projections and the lm head of a decode step, bf16
 // weights read once for all T tokens, fp32 accumulation.
+// A linear layer's optional bias as contiguous fp32 (held by `keep`), or nullptr when there is none.
+const float* bias_f32(const c10::optional<at::Tensor>& bias, int64_t O, const char* what, at::Tensor& keep) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->numel() == O, what, ": bias of the wrong size");
+  keep = bias->to(at::kFloat).contiguous();
+  return keep.data_ptr<float>();
+}
+
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_bf16: x [T, in], w [out, in] expected");
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.stride(1) == 1, "linear_bf16: bf16 weights with contiguous rows");
@@ -158,12 +166,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   auto xb = x.to(at::kBFloat16).contiguous();
   auto y = at::empty({T, O}, at::kFloat);
   at::Tensor bf;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == O, "linear_bf16: bias of the wrong size");
-    bf = bias->to(at::kFloat).contiguous();
-    bp = bf.data_ptr<float>();
-  }
+  const float* bp = bias_f32(bias, O, "linear_bf16", bf);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
   float* yp = y.data_ptr<float>();
@@ -545,12 +548,7 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& q, const at::Tensor& 
   const c10::optional<at::Tensor> m3 = m.has_value() ? c10::optional<at::Tensor>(m->unsqueeze(0)) : c10::nullopt;
   const QMat w = qmat(q.unsqueeze(0), s.unsqueeze(0), m3, static_cast<int>(bits), O, N, group, "linear_q");
   at::Tensor bf;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == O, "linear_q: bias of the wrong size");
-    bf = bias->to(at::kFloat).contiguous();
-    bp = bf.data_ptr<float>();
-  }
+  const float* bp = bias_f32(bias, O, "linear_q", bf);
   return bits == 8 ? linear_q_impl<8>(x, w, O, group, bp) : linear_q_impl<4>(x, w, O, group, bp);
 }
 
