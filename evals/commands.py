@@ -12,7 +12,7 @@ from typing import Optional
 from expertcache.runtime.engine import EngineConfig
 from expertcache.telemetry.errors import InputError
 
-from .taskdata import DEFAULT_TASKS
+from .taskdata import DEFAULT_TASKS, LOCAL_TASKS
 
 from expertcache.telemetry.hf import DTYPE_NAMES as DTYPES  # noqa: E402 - the one dtype map
 
@@ -121,11 +121,14 @@ def sample_from_gate(path: str, ppl_blocks: int, limit: Optional[int], target_wi
     notes = []
     b = r["blocks_per_domain"]
     if target_width is not None:
-        ivs = [v for v in (g.get("dppl_ci95") or {}).values() if isinstance(v, list) and len(v) == 2]
+        ivs = [v for v in (g.get("dppl_ci95") or {}).values() if isinstance(v, list) and len(v) == 2
+               and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v)]
         n0 = g.get("n_blocks")
         if not ivs or not isinstance(n0, int) or n0 < 1:
             raise InputError(f"--size_from {path}: the gate has no Δppl intervals to size --target_width from")
         half = max((hi - lo) / 2 for lo, hi in ivs)
+        if not half > 0:
+            raise InputError(f"--size_from {path}: the gate's Δppl intervals have no width to size --target_width from")
         b = max(n0, math.ceil(n0 * (half / target_width) ** 2))
         notes.append(f"the gate's widest Δppl interval was ±{half:.3g}% on {n0} blocks per domain: ~{b} give "
                      f"±{target_width:g}%")
@@ -220,7 +223,8 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
     for _ in range(grow):
         if g["gate"] != "INCONCLUSIVE":
             break
-        nb, nl, why = grow_sample(g, ppl_blocks, limit, max_blocks, max_documents)
+        nb, nl, why = grow_sample(g, ppl_blocks, limit, max_blocks, max_documents,
+                                  docs_can_grow=limit is not None or any(t in LOCAL_TASKS for t in tasks or ()))
         notes += why
         if (nb, nl) == (ppl_blocks, limit):
             break
@@ -254,12 +258,13 @@ def _round(g: dict, ppl_blocks: int, limit: Optional[int], seconds: float) -> di
             "seconds": round(seconds, 1)}
 
 
-def grow_sample(g: dict, ppl_blocks: int, limit: Optional[int], max_blocks: int, max_documents: int
-                ) -> tuple[int, Optional[int], list[str]]:
+def grow_sample(g: dict, ppl_blocks: int, limit: Optional[int], max_blocks: int, max_documents: int,
+                docs_can_grow: bool = True) -> tuple[int, Optional[int], list[str]]:
     """The next sample of a growing gate: (blocks per domain, documents per task, notes) from an INCONCLUSIVE gate's
     `resolve`, each count a quarter above what it asks (an interval that would just touch its threshold at today's
     estimate resolves it only half the time), within the caps and above the sample the gate already had (the
-    held-out text may have held fewer than asked). Unchanged counts, with a note saying why, when nothing can grow."""
+    held-out text may have held fewer than asked). Unchanged counts, with a note saying why, when nothing can grow.
+    `docs_can_grow` false: no --limit and no local task, so every document is in already."""
     r, notes = g["resolve"], []
     had_blocks = g["n_blocks"]  # what the text gave (the fewest over the domains)
     nb = ppl_blocks
@@ -283,7 +288,10 @@ def grow_sample(g: dict, ppl_blocks: int, limit: Optional[int], max_blocks: int,
         notes.append("a Δacc estimate sits on its threshold: no number of documents resolves it")
     need = max((n for n in docs if n > 0), default=0)
     had_docs = max(g["n_documents"].values(), default=0)
-    if need > had_docs:
+    if need > had_docs and not docs_can_grow:
+        notes.append(f"~{need} documents per task would resolve Δacc; without --limit these tasks gave all theirs "
+                     f"({had_docs})")
+    elif need > had_docs:
         asked = limit if limit is not None else had_docs
         if had_docs < asked:
             notes.append(f"the held-out text gave {had_docs} documents per task, {asked} asked: ~{need} would "

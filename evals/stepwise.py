@@ -60,7 +60,7 @@ def batched_nll(model, rows: np.ndarray):
     """Each row's summed next-token NLL (nats) over `rows [n, T]`, yielded in order, several rows per causal
     forward (no KV cache between forwards): as many rows as keep the fp32 logits under `LOGITS_BYTES`."""
     n, t = rows.shape
-    vocab = int(model.get_output_embeddings().weight.shape[0])
+    vocab = int(model.get_output_embeddings().out_features)  # (a packed QuantLinear head has no .weight)
     per = max(1, min(n, LOGITS_BYTES // max(1, t * vocab * 4)))
     for i in range(0, n, per):
         ids = torch.from_numpy(rows[i:i + per].astype(np.int64)).to(model.device)

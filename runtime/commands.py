@@ -519,7 +519,7 @@ def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "", lin
     Args:
         model: the checkpoint directory to quantize (bf16/fp16/fp32 SwiGLU experts)
         bits: 8 or 4
-        group_size: inputs sharing one scale: a multiple of 32 dividing the experts' input sizes (32 is the most
+        group_size: inputs sharing one scale: 32 or a multiple of 64 dividing the experts' input sizes (32 is the most
             accurate; 128 the smallest)
         out: the folder to write (written whole, or not at all)
         linears: pack the non-expert linear layers too (attention, dense and shared MLPs, an untied output head;

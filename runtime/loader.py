@@ -143,6 +143,8 @@ def build_offloaded(path: str | Path, dtype=None, verify: bool | None = None):
         t = ckpt.read(ck)
         if list(t.shape) != list(p.shape):
             raise InputError(f"checkpoint tensor {ck} has shape {list(t.shape)}; the model expects {list(p.shape)}")
+        if attr == "weight_q" and t.dtype != p.dtype:  # a packed linear's integers: int8 (8 bits) or uint8 (4 bits)
+            raise InputError(f"checkpoint tensor {ck} is {t.dtype}; packed {p.dtype} expected (damaged checkpoint)")
         t = t.to(p.dtype if p.dtype.is_floating_point else t.dtype)
         if isinstance(p, torch.nn.Parameter):
             mod._parameters[attr] = torch.nn.Parameter(t, requires_grad=False)

@@ -1,7 +1,7 @@
 """Group-wise integer formats of routed experts: what `expertcache quantize` writes, what the slots hold and what
 the CPU kernels (`runtime/csrc/experts_cpu.cpp`) multiply.
 
-For a weight matrix `[rows, n]` and a group size G (a multiple of 32 dividing n), each row's inputs are cut into
+For a weight matrix `[rows, n]` and a group size G (32 or a multiple of 64, dividing n), each row's inputs are cut into
 groups of G:
 - **int8** (symmetric): `q = round(w / s)` in [-127, 127], `s = max|w| / 127` per group; `w ~ s * q`.
   Stored: `q` int8 `[rows, n]`, `scales` fp16 `[rows, n / G]`.
@@ -27,8 +27,8 @@ def check_group(bits: int, group: int, n: int, what: str = "input") -> None:
     """One line for a format the kernels cannot hold."""
     if bits not in BITS:
         raise InputError(f"bits={bits}: expected 8 or 4")
-    if group < 32 or group % 32:
-        raise InputError(f"group_size={group}: expected a multiple of 32 (32, 64, 128, ...)")
+    if group != 32 and (group < 64 or group % 64):
+        raise InputError(f"group_size={group}: expected 32 or a multiple of 64 (64, 128, ...)")
     if n % group:
         raise InputError(f"group_size={group} does not divide the {what} dimension {n}")
     if bits == 4 and n % 64:
@@ -149,7 +149,8 @@ def kernel_fits(views: dict[str, torch.Tensor]) -> bool:
     bits, group = format_of(views)
     dn_s = views["down_proj.scales"]
     h, i = dn_s.shape[1], dn_s.shape[2] * group
-    return h % 64 == 0 and i % 64 == 0 and h % group == 0 and i % group == 0
+    return (h % 64 == 0 and i % 64 == 0 and h % group == 0 and i % group == 0
+            and (group == 32 or group % 64 == 0))
 
 
 def swiglu(x, views: dict[str, torch.Tensor], slots, weights) -> torch.Tensor:
@@ -187,9 +188,10 @@ def read_config(path) -> dict | None:
         raise InputError(f"{path}: quantization_config quant_method {method!r} is not one this runtime reads (it "
                          f"reads {QUANT_METHOD!r}, written by `expertcache quantize`); serve the unquantized checkpoint")
     bits, group, f = qc.get("bits"), qc.get("group_size"), qc.get("experts_file")
-    if bits not in BITS or not isinstance(group, int) or isinstance(group, bool) or group < 32 or group % 32:
+    if bits not in BITS or not isinstance(group, int) or isinstance(group, bool) or \
+            (group != 32 and (group < 64 or group % 64)):
         raise InputError(f"{path}: quantization_config bits={bits!r} group_size={group!r}: expected bits 8 or 4 and a "
-                         f"group size that is a multiple of 32 (damaged config.json)")
+                         f"group size of 32 or a multiple of 64 (damaged config.json)")
     if not isinstance(f, str) or "/" in f or f.startswith(".") or not (Path(path) / f).is_file():
         raise InputError(f"{path}: quantization_config names experts_file {f!r}, which is not a file beside config.json")
     return qc

@@ -15,7 +15,6 @@ from expertcache.runtime import cpu_kernels as ck
 from expertcache.runtime import quant
 from expertcache.runtime.kernels import swiglu_reference
 from expertcache.telemetry.errors import InputError
-from expertcache.telemetry.errors import InputError
 
 needs_ext = pytest.mark.skipif(not ck.available(), reason=f"CPU kernels unavailable: {ck.why_unavailable()}")
 
@@ -90,7 +89,8 @@ def test_gaussian_weights_lose_what_the_format_predicts(bits, group, bound):
     assert quant.nbytes(t) == w.numel() * bits // 8 + w.numel() // group * 2 * (1 if bits == 8 else 2)
 
 
-@pytest.mark.parametrize("bits,group,n,msg", [(3, 32, 256, "expected 8 or 4"), (8, 48, 192, "multiple of 32"),
+@pytest.mark.parametrize("bits,group,n,msg", [(3, 32, 256, "expected 8 or 4"), (8, 48, 192, "32 or a multiple of 64"),
+                                              (8, 96, 192, "32 or a multiple of 64"), (4, 160, 320, "multiple of 64"),
                                               (8, 64, 96, "does not divide"), (4, 32, 96, "multiple of 64")])
 def test_formats_the_kernels_cannot_hold_are_one_line_errors(bits, group, n, msg):
     with pytest.raises(InputError, match=msg):
@@ -404,6 +404,14 @@ def test_quantized_linears_decode_like_their_dequantized_reference(saved, tmp_pa
     for name in lin["modules"]:
         assert isinstance(m.get_submodule(name), quant.QuantLinear)
     assert _rel(_logits(m), _logits(ref)) < 5e-2, (fam, bits)
+    # the batched step-wise evaluation sizes its forwards from the output head, packed here
+    import numpy as np
+
+    from expertcache.evals.stepwise import batched_nll
+
+    rows = np.random.default_rng(0).integers(2, 100, size=(3, 16))
+    got, want = np.array(list(batched_nll(m, rows))), np.array(list(batched_nll(ref, rows)))
+    assert np.all(np.abs(got - want) <= 5e-2 * np.abs(want)), (got, want)
     m.expertcache.close()
 
 
@@ -515,7 +523,8 @@ def test_quantize_refuses_what_it_cannot_write_in_one_line(saved, tmp_path, caps
                 seed=7, dtype=torch.bfloat16).save_pretrained(src)
     capsys.readouterr()
     cases = [(["--bits", "3"], "--bits 3: expected 8 or 4"),
-             (["--bits", "8", "--group_size", "48"], "multiple of 32"),
+             (["--bits", "8", "--group_size", "48"], "32 or a multiple of 64"),
+             (["--bits", "8", "--group_size", "96"], "32 or a multiple of 64"),
              (["--bits", "8", "--group_size", "128"], "does not divide"),
              (["--bits", "4", "--model", str(saved / "gpt_oss")], "SwiGLU experts without biases")]
     for extra, msg in cases:

@@ -561,6 +561,8 @@ def test_gate_grows_an_inconclusive_sample_and_says_when_it_cannot(evals, tiny_d
     assert (nb, nl) == (20, 16) and "held-out text gave 14 blocks" in notes[0] and "--max_documents 16" in notes[1]
     assert grow_sample(dict(g, resolve={"blocks_per_domain": -1, "documents": {}}), 14, 8, 256, 128)[2] == [
         "a Δppl estimate sits on its threshold: no number of blocks resolves it"]
+    nb, nl, notes = grow_sample(g, 14, None, 256, 128, docs_can_grow=False)  # no --limit, no local task: all in
+    assert nl is None and "without --limit" in notes[-1]
     # --grow needs checkpoints; negative counts are refused
     capsys.readouterr()
     b = str(evals["root"] / "base.json")
@@ -591,6 +593,10 @@ def test_eval_sizes_its_sample_from_a_target_interval_width(evals, tiny_data, tm
     assert res["sizing"]["ppl_blocks"] == 200 and res["n_blocks"]["code"] < 200  # the tiny split has fewer
     err = capsys.readouterr().err
     assert "~200 give" in err and "200 asked" in err  # it says what it could not give
+    broken = dict(g, dppl_ci95={d: [float("nan"), "x"] for d in g["dppl_ci95"]})
+    (tmp_path / "broken.json").write_text(json.dumps(broken))
+    with pytest.raises(InputError, match="no Δppl intervals"):
+        sample_from_gate(str(tmp_path / "broken.json"), 2, None, 0.5)
     for bad in (["--target_width", "0.5"], ["--size_from", str(tmp_path / "g.json"), "--target_width", "0"]):
         assert main(["eval", "--model", str(evals["base_model"]), *bad]) == 2
         assert "--target_width" in capsys.readouterr().err

@@ -483,7 +483,7 @@ at::Tensor swiglu_q(const at::Tensor& x, const at::Tensor& gu_q, const at::Tenso
                     const at::Tensor& weights) {
   TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, not ", bits);
   const int64_t H = x.size(1), I = dn_s.size(2) * group;
-  TORCH_CHECK(group >= 32 && group % 32 == 0, "group size must be a multiple of 32, not ", group);
+  TORCH_CHECK(group == 32 || (group >= 64 && group % 64 == 0), "group size must be 32 or a multiple of 64, not ", group);
   TORCH_CHECK(H % 64 == 0 && I % 64 == 0 && H % group == 0 && I % group == 0,
               "the integer kernels need hidden and intermediate sizes that are multiples of 64 and of the group size");
   check_common(x, slots, weights, gu_q.size(0));
@@ -543,8 +543,8 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& q, const at::Tensor& 
   TORCH_CHECK(bits == 8 || bits == 4, "linear_q: bits must be 8 or 4, not ", bits);
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && s.dim() == 2, "linear_q: x [T, in], q [out, ...], scales [out, ...]");
   const int64_t N = x.size(1), O = q.size(0);
-  TORCH_CHECK(group >= 32 && group % 32 == 0 && N % group == 0 && N % 64 == 0,
-              "linear_q: the input size must be a multiple of 64 and of the group size");
+  TORCH_CHECK((group == 32 || (group >= 64 && group % 64 == 0)) && N % group == 0 && N % 64 == 0,
+              "linear_q: the group size must be 32 or a multiple of 64, the input size a multiple of 64 and of it");
   const c10::optional<at::Tensor> m3 = m.has_value() ? c10::optional<at::Tensor>(m->unsqueeze(0)) : c10::nullopt;
   const QMat w = qmat(q.unsqueeze(0), s.unsqueeze(0), m3, static_cast<int>(bits), O, N, group, "linear_q");
   at::Tensor bf;
