@@ -115,13 +115,18 @@ def linear_bf16(x, weight, bias=None) -> torch.Tensor:
 MAX_ROWS = 8  # decode-sized calls take the kernels; a prefill's GEMM stays with torch (oneDNN)
 
 
+def decode_input(x) -> bool:
+    """Whether `x` is an input the decode kernels take: on the CPU, at most `MAX_ROWS` rows, no grad (training
+    keeps torch's autograd path; a prefill's GEMM stays with torch)."""
+    return (isinstance(x, torch.Tensor) and not x.is_cuda and x.dim() >= 1
+            and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and not torch.is_grad_enabled())
+
+
 def decode_sized(x, w) -> bool:
-    """Whether `F.linear(x, w)` is one `linear_bf16` takes: bf16 on the CPU, at most `MAX_ROWS` rows, a 2-D weight
-    with contiguous rows, no grad (training keeps torch's autograd path)."""
-    return (isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and not x.is_cuda and x.dim() >= 1
-            and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and isinstance(w, torch.Tensor)
-            and w.dtype == torch.bfloat16 and w.dim() == 2 and not w.is_cuda and w.stride(-1) == 1
-            and not torch.is_grad_enabled())
+    """Whether `F.linear(x, w)` is one `linear_bf16` takes: a `decode_input` in bf16 and a 2-D bf16 weight with
+    contiguous rows on the CPU."""
+    return (decode_input(x) and x.dtype == torch.bfloat16 and isinstance(w, torch.Tensor)
+            and w.dtype == torch.bfloat16 and w.dim() == 2 and not w.is_cuda and w.stride(-1) == 1)
 
 
 def _fast_linear(self, x):

@@ -23,11 +23,16 @@ from expertcache.telemetry.errors import InputError
 BITS = (8, 4)
 
 
+def group_ok(group: int) -> bool:
+    """The group sizes the kernels hold: 32 (two groups per 64-input chunk) or whole chunks, a multiple of 64."""
+    return group == 32 or (group >= 64 and group % 64 == 0)
+
+
 def check_group(bits: int, group: int, n: int, what: str = "input") -> None:
     """One line for a format the kernels cannot hold."""
     if bits not in BITS:
         raise InputError(f"bits={bits}: expected 8 or 4")
-    if group != 32 and (group < 64 or group % 64):
+    if not group_ok(group):
         raise InputError(f"group_size={group}: expected 32 or a multiple of 64 (64, 128, ...)")
     if n % group:
         raise InputError(f"group_size={group} does not divide the {what} dimension {n}")
@@ -149,8 +154,7 @@ def kernel_fits(views: dict[str, torch.Tensor]) -> bool:
     bits, group = format_of(views)
     dn_s = views["down_proj.scales"]
     h, i = dn_s.shape[1], dn_s.shape[2] * group
-    return (h % 64 == 0 and i % 64 == 0 and h % group == 0 and i % group == 0
-            and (group == 32 or group % 64 == 0))
+    return h % 64 == 0 and i % 64 == 0 and h % group == 0 and i % group == 0 and group_ok(group)
 
 
 def swiglu(x, views: dict[str, torch.Tensor], slots, weights) -> torch.Tensor:
@@ -188,8 +192,7 @@ def read_config(path) -> dict | None:
         raise InputError(f"{path}: quantization_config quant_method {method!r} is not one this runtime reads (it "
                          f"reads {QUANT_METHOD!r}, written by `expertcache quantize`); serve the unquantized checkpoint")
     bits, group, f = qc.get("bits"), qc.get("group_size"), qc.get("experts_file")
-    if bits not in BITS or not isinstance(group, int) or isinstance(group, bool) or \
-            (group != 32 and (group < 64 or group % 64)):
+    if bits not in BITS or not isinstance(group, int) or isinstance(group, bool) or not group_ok(group):
         raise InputError(f"{path}: quantization_config bits={bits!r} group_size={group!r}: expected bits 8 or 4 and a "
                          f"group size of 32 or a multiple of 64 (damaged config.json)")
     if not isinstance(f, str) or "/" in f or f.startswith(".") or not (Path(path) / f).is_file():
@@ -351,8 +354,7 @@ class QuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from . import cpu_kernels
 
-        if (not x.is_cuda and x.numel() // max(x.shape[-1], 1) <= cpu_kernels.MAX_ROWS and self.in_features % 64 == 0
-                and not torch.is_grad_enabled() and cpu_kernels.available()):
+        if cpu_kernels.decode_input(x) and self.in_features % 64 == 0 and cpu_kernels.available():
             return cpu_kernels.linear_q(x, self.weight_q, self.weight_scales, getattr(self, "weight_mins", None),
                                         self.bits, self.group, self.bias)
         w = dequantize(self.packed(), self.bits, self.group, x.dtype)

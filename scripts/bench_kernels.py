@@ -56,6 +56,24 @@ def kernel_figures(threads: int, pool: int = 32, k: int = 8, rounds: int = 30) -
     w = torch.rand(1, k, generator=g)
     bw = ck.read_bandwidth(1 << 30)
     out = []
+
+    def measure(fn, args, nbytes: int, fmt: str, spec, **kind) -> None:
+        """A row: the median of `rounds` timed calls `fn(*args(r))` after 3 untimed ones (`args` is not timed)."""
+        times = []
+        for r in range(rounds + 3):
+            a = args(r)
+            t0 = time.perf_counter()
+            fn(*a)
+            if r >= 3:
+                times.append(time.perf_counter() - t0)
+        t = statistics.median(times)
+        out.append({**kind, "format": fmt, "group": None if spec is None else spec[1], "threads": threads,
+                    "bytes": nbytes, "ms": t * 1e3, "gbps": nbytes / t / 1e9, "read_bandwidth_gbps": bw / 1e9,
+                    "fraction_of_read_bandwidth": nbytes / t / bw})
+
+    def draw(r):  # k experts of the pool, drawn anew each call
+        return (torch.randperm(pool, generator=g)[:k][None],)
+
     for fmt, spec in FORMATS.items():
         if spec is None:
             nbytes = k * 3 * H * I * 2
@@ -65,17 +83,7 @@ def kernel_figures(threads: int, pool: int = 32, k: int = 8, rounds: int = 30) -
             qg, qd = quant.quantize(gu, bits, group), quant.quantize(dn, bits, group)
             nbytes = k * (quant.nbytes(qg) + quant.nbytes(qd)) // pool
             call = lambda s, qg=qg, qd=qd, b=bits, gr=group: ck.swiglu_q(x, qg, qd, b, gr, s, w)  # noqa: E731
-        times = []
-        for r in range(rounds + 3):
-            s = torch.randperm(pool, generator=g)[:k][None]
-            t0 = time.perf_counter()
-            call(s)
-            if r >= 3:
-                times.append(time.perf_counter() - t0)
-        t = statistics.median(times)
-        out.append({"format": fmt, "group": None if spec is None else spec[1], "threads": threads,
-                    "bytes": nbytes, "ms": t * 1e3, "gbps": nbytes / t / 1e9, "read_bandwidth_gbps": bw / 1e9,
-                    "fraction_of_read_bandwidth": nbytes / t / bw})
+        measure(call, draw, nbytes, fmt, spec)
     # a non-expert matrix: one token through the attention's query projection (4096 x 2048), 8 copies in turn so
     # the weights come from memory
     ws = [(torch.randn(4096, H, generator=g) * 0.02).bfloat16() for _ in range(8)]
@@ -89,16 +97,7 @@ def kernel_figures(threads: int, pool: int = 32, k: int = 8, rounds: int = 30) -
             calls = [lambda q=q, b=bits, gr=group: ck.linear_q(x, q["q"], q["scales"], q.get("mins"), b, gr)
                      for q in qs]
             nbytes = quant.nbytes(qs[0])
-        times = []
-        for r in range(rounds + 3):
-            t0 = time.perf_counter()
-            calls[r % len(calls)]()
-            if r >= 3:
-                times.append(time.perf_counter() - t0)
-        t = statistics.median(times)
-        out.append({"kind": "linear 4096x2048", "format": fmt, "group": None if spec is None else spec[1],
-                    "threads": threads, "bytes": nbytes, "ms": t * 1e3, "gbps": nbytes / t / 1e9,
-                    "read_bandwidth_gbps": bw / 1e9, "fraction_of_read_bandwidth": nbytes / t / bw})
+        measure(lambda i: calls[i](), lambda r: (r % len(calls),), nbytes, fmt, spec, kind="linear 4096x2048")
     return out
 
 

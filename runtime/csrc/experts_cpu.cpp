@@ -199,7 +199,7 @@ struct QAct {
 constexpr int64_t qact_floats(int64_t n) { return n / 64 * 16 + n / 32 + n / 128 * 32; }
 constexpr int64_t qact_bytes(int64_t n) { return 2 * n; }
 
-QAct quantize_act(const float* x, int64_t n, int64_t G, int8_t* q, float* f) {
+QAct quantize_act(const float* x, int64_t n, int64_t G, int8_t* q, float* f, bool pairs) {
   float* lanes = f;
   float* gsum = f + n / 64 * 16;
   const int64_t bpg = G / 32;
@@ -218,7 +218,7 @@ QAct quantize_act(const float* x, int64_t n, int64_t G, int8_t* q, float* f) {
   }
   int8_t* q4 = q + n;
   float* l4 = gsum + n / 32;
-  for (int64_t p = 0; p < n / 128; ++p) {
+  for (int64_t p = 0; pairs && p < n / 128; ++p) {  // (int4 reads them; int8 does not)
     const int8_t* a = q + p * 128;  // chunk 2p: a[0, 64), chunk 2p + 1: a[64, 128)
     int8_t* o = q4 + p * 128;
     std::memcpy(o, a, 32);
@@ -375,6 +375,18 @@ struct QMat {
   int64_t qs0, qs1, ss0, ss1;  // slot and row strides (elements)
 };
 
+// Row `row` of slot `s`: its packed bytes `w`, and its scales (and int4 minimums) converted to fp32 into `sc`
+// (`mn`), `groups` of them.
+template <int BITS>
+inline void qrow(const QMat& m, int64_t s, int64_t row, int64_t groups, float* sc, float* mn, const uint8_t*& w,
+                 const float*& sr, const float*& mr) {
+  w = m.q + s * m.qs0 + row * m.qs1;
+  half_row(m.s + s * m.ss0 + row * m.ss1, groups, sc);
+  if constexpr (BITS == 4) half_row(m.m + s * m.ss0 + row * m.ss1, groups, mn);
+  sr = sc;
+  mr = mn;
+}
+
 QMat qmat(const at::Tensor& q, const at::Tensor& s, const c10::optional<at::Tensor>& m, int bits, int64_t rows,
           int64_t n, int64_t G, const char* what) {
   TORCH_CHECK(q.dim() == 3 && s.dim() == 3, what, ": q and scales must be [S, rows, ...]");
@@ -408,7 +420,7 @@ at::Tensor swiglu_q_impl(const at::Tensor& x, const QMat& gu, const QMat& dn, in
   std::vector<QAct> xa(T);
   for (int64_t t = 0; t < T; ++t)
     xa[t] = quantize_act(xf.data_ptr<float>() + t * H, H, G, xq.data() + t * qact_bytes(H),
-                         xfl.data() + t * qact_floats(H));
+                         xfl.data() + t * qact_floats(H), BITS == 4);
   std::vector<float> a(P * I);
   const int64_t nb = I / UP_ROWS;  // I % 64 == 0
   const int64_t gH = H / G, gI = I / G;
@@ -421,13 +433,8 @@ at::Tensor swiglu_q_impl(const at::Tensor& x, const QMat& gu, const QMat& dn, in
         const uint8_t* wr[4];
         const float* sr[4];
         const float* mr[4];
-        for (int j = 0; j < 4; ++j) {
-          wr[j] = gu.q + s * gu.qs0 + rows[j] * gu.qs1;
-          half_row(gu.s + s * gu.ss0 + rows[j] * gu.ss1, gH, sc.data() + j * gH);
-          if constexpr (BITS == 4) half_row(gu.m + s * gu.ss0 + rows[j] * gu.ss1, gH, mn.data() + j * gH);
-          sr[j] = sc.data() + j * gH;
-          mr[j] = mn.data() + j * gH;
-        }
+        for (int j = 0; j < 4; ++j)
+          qrow<BITS>(gu, s, rows[j], gH, sc.data() + j * gH, mn.data() + j * gH, wr[j], sr[j], mr[j]);
         for (int64_t q = g.start[u]; q < g.start[u + 1]; ++q) {
           const int64_t p = g.order[q];
           float o[4];
@@ -442,7 +449,8 @@ at::Tensor swiglu_q_impl(const at::Tensor& x, const QMat& gu, const QMat& dn, in
   std::vector<float> afl(P * qact_floats(I));
   std::vector<QAct> aa(P);
   for (int64_t p = 0; p < P; ++p)
-    aa[p] = quantize_act(a.data() + p * I, I, G, aq.data() + p * qact_bytes(I), afl.data() + p * qact_floats(I));
+    aa[p] = quantize_act(a.data() + p * I, I, G, aq.data() + p * qact_bytes(I), afl.data() + p * qact_floats(I),
+                         BITS == 4);
   const float* wp = wf.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t no = H / DOWN_ROWS;  // H % 64 == 0
@@ -456,13 +464,8 @@ at::Tensor swiglu_q_impl(const at::Tensor& x, const QMat& gu, const QMat& dn, in
           const uint8_t* wr[4];
           const float* sr[4];
           const float* mr[4];
-          for (int j = 0; j < 4; ++j) {
-            wr[j] = dn.q + s * dn.qs0 + (o + j) * dn.qs1;
-            half_row(dn.s + s * dn.ss0 + (o + j) * dn.ss1, gI, sc.data() + j * gI);
-            if constexpr (BITS == 4) half_row(dn.m + s * dn.ss0 + (o + j) * dn.ss1, gI, mn.data() + j * gI);
-            sr[j] = sc.data() + j * gI;
-            mr[j] = mn.data() + j * gI;
-          }
+          for (int j = 0; j < 4; ++j)
+            qrow<BITS>(dn, s, o + j, gI, sc.data() + j * gI, mn.data() + j * gI, wr[j], sr[j], mr[j]);
           for (int64_t q = g.start[u]; q < g.start[u + 1]; ++q) {
             const int64_t p = g.order[q];
             float r4[4];
@@ -507,7 +510,7 @@ at::Tensor linear_q_impl(const at::Tensor& x, const QMat& w, int64_t O, int64_t 
   std::vector<QAct> xa(T);
   for (int64_t t = 0; t < T; ++t)
     xa[t] = quantize_act(xf.data_ptr<float>() + t * N, N, G, xq.data() + t * qact_bytes(N),
-                         xfl.data() + t * qact_floats(N));
+                         xfl.data() + t * qact_floats(N), BITS == 4);
   float* yp = y.data_ptr<float>();
   const int64_t gN = N / G;
   at::parallel_for(0, (O + 3) / 4, 16, [&](int64_t b0, int64_t b1) {
@@ -517,13 +520,8 @@ at::Tensor linear_q_impl(const at::Tensor& x, const QMat& w, int64_t O, int64_t 
       const uint8_t* wr[4];
       const float* sr[4];
       const float* mr[4];
-      for (int j = 0; j < nr; ++j) {
-        wr[j] = w.q + (r0 + j) * w.qs1;
-        half_row(w.s + (r0 + j) * w.ss1, gN, sc.data() + j * gN);
-        if constexpr (BITS == 4) half_row(w.m + (r0 + j) * w.ss1, gN, mn.data() + j * gN);
-        sr[j] = sc.data() + j * gN;
-        mr[j] = mn.data() + j * gN;
-      }
+      for (int j = 0; j < nr; ++j)
+        qrow<BITS>(w, 0, r0 + j, gN, sc.data() + j * gN, mn.data() + j * gN, wr[j], sr[j], mr[j]);
       for (int64_t t = 0; t < T; ++t) {
         float o[4];
         if (nr == 4) {
