@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -49,6 +50,37 @@ SYSTEMS = ("expertcache:on-demand", "expertcache:prefetch", "accelerate", "mmap"
            "llama.cpp:unbounded")
 NATIVE_ONLY = ("llama.cpp", "llama.cpp:unbounded")  # route with the checkpoint's own routers (no hook to force)
 ROUTINGS = ("trace", "native")
+FORMATS = ("bf16", "int8", "int4")
+
+
+def parse_system(name: str) -> tuple[str, str, dict[str, str]]:
+    """`(system, experts format, engine overrides)` of a system name. An expertcache system may carry its format
+    (`expertcache:on-demand:int4`) and engine options after slashes (`expertcache:on-demand/victims=false/policy=lfu`:
+    that row serves with those options over `--engine`'s), so two configurations compare in one alternated run."""
+    base, *opts = re.split(r"/(?=\w+=)", name)  # a slash before `key=` (a value may be a path with slashes)
+    over = {}
+    for o in opts:
+        key, eq, val = o.partition("=")
+        if not eq or not key or not val:
+            raise InputError(f"system {name!r}: {o!r} is not an engine option key=value")
+        over[key] = val
+    fmt = "bf16"
+    if base.startswith("expertcache") and base.rsplit(":", 1)[-1] in FORMATS[1:]:
+        base, fmt = base.rsplit(":", 1)
+    if base not in SYSTEMS:
+        raise InputError(f"unknown system {name!r}; expected one of {', '.join(SYSTEMS)} (expertcache ones may add "
+                         f"/key=value engine options)")
+    if over and not base.startswith("expertcache"):
+        raise InputError(f"system {name!r}: only expertcache systems take engine options")
+    return base, fmt, over
+
+
+def system_engine(name: str, engine: EngineConfig) -> EngineConfig:
+    """`engine` with the system name's overrides, checked (an unknown key or a bad value is one line)."""
+    over = parse_system(name)[2]
+    if not over:
+        return engine
+    return EngineConfig.from_text({**asdict(engine), **over})
 
 
 class TraceRouting:
@@ -166,7 +198,7 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
     from expertcache.telemetry.parquet_trace import load_routing
 
     ckpt = Path(ckpt)
-    fmt = system.rsplit(":", 1)[-1] if system.startswith("expertcache") else "bf16"
+    fmt = parse_system(system)[1]
     if fmt in ("int8", "int4"):
         ckpt = quantized_path(ckpt, fmt)
     cfg = json.loads((ckpt / "config.json").read_text())
@@ -176,7 +208,7 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
     budget = int(budget_gb * 2**30)
     io0 = _read_bytes()
     t0 = time.perf_counter()
-    cfg_engine = EngineConfig(**engine) if engine else EngineConfig(tier="disk")
+    cfg_engine = system_engine(system, EngineConfig(**engine) if engine else EngineConfig(tier="disk"))
     native = routing == "native"
     m, eng, routers = _load_system(system, ckpt, budget, cfg["num_hidden_layers"],
                                    None if native else ids[:, :start - 1], cfg_engine)
@@ -284,12 +316,13 @@ def quantized_path(ckpt: Path, fmt: str) -> Path:
 
 
 def system_names(systems, experts=("bf16",)) -> list[str]:
-    """Each expertcache system once per experts format (`expertcache:on-demand:int4`; bf16 keeps the plain name);
-    the peers once (they read the bf16 checkpoint)."""
+    """Each expertcache system once per experts format (`expertcache:on-demand:int4`, before any `/key=value`;
+    bf16 keeps the plain name); the peers once (they read the bf16 checkpoint)."""
     out = []
     for s in systems:
         if s.startswith("expertcache"):
-            out += [s if f == "bf16" else f"{s}:{f}" for f in experts]
+            head, slash, opts = s.partition("/")
+            out += [s if f == "bf16" else f"{head}:{f}{slash}{opts}" for f in experts]
         else:
             out.append(s)
     return out
@@ -348,7 +381,7 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                 bounded = cg is not None and not s.endswith(":unbounded")
                 if bounded:
                     cg.reset_peak()
-                log = out_dir / f"{s.replace(':', '-')}-round{r}.log"
+                log = out_dir / f"{s.replace(':', '-').replace('/', '+')}-round{r}.log"
                 if s in NATIVE_ONLY:
                     from .llamacpp import LlamaCppError
 

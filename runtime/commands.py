@@ -157,7 +157,9 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
         systems: which systems run: expertcache:on-demand, expertcache:prefetch, accelerate, mmap (in the
             cgroup), mmap:unbounded, llama.cpp (in the cgroup), llama.cpp:unbounded (llama.cpp only with
             --routing native: it is built from the PyPI sdist's source and the checkpoint converted to a BF16
-            GGUF the first time, which takes tens of minutes and as much disk as the checkpoint)
+            GGUF the first time, which takes tens of minutes and as much disk as the checkpoint). An expertcache
+            system may add engine options after slashes, over --engine's, to compare configurations in one
+            alternated run: e.g. [expertcache:on-demand,expertcache:on-demand/victims=false]
         layers: MoE layers (default: experts >= ram_factor x RAM)
         ram_factor: size of the experts against this machine's RAM
         engine: how expertcache serves (tier, workers, policy, prefetch guard, ...; its capacity is what
@@ -176,7 +178,7 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
     """
     from rich.progress import Progress
 
-    from .bigbench import ROUTINGS, SYSTEMS, bench_big as run, plot, table
+    from .bigbench import ROUTINGS, bench_big as run, plot, system_engine, table
 
     if routing not in ROUTINGS:
         raise InputError(f"--routing {routing!r}; expected one of: {', '.join(ROUTINGS)}")
@@ -186,9 +188,10 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
 
     check_output(out)
     engine.check()
-    bad = [x for x in systems if x not in SYSTEMS]
-    if bad:
-        raise InputError(f"unknown system(s) {', '.join(bad)}; expected {', '.join(SYSTEMS)}")
+    for x in systems:  # a known system; its engine options (`/key=value`) valid over --engine
+        system_engine(x, engine)
+    if len(set(systems)) < len(systems):
+        raise InputError(f"--systems {systems}: a system is named twice")
     import math
 
     if not (math.isfinite(budget_gb) and budget_gb > 0 and math.isfinite(ram_factor) and ram_factor > 0) \

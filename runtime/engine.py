@@ -119,6 +119,10 @@ class EngineConfig:
             checkpoint
         miss_upgrade: low-precision serves of an expert at a layer before it is upgraded (loaded at full
             precision and admitted); 1 upgrades every miss for the tokens after it
+        victims: the k staging slots every layer holds anyway keep the bytes of the experts that last left the
+            cache, and a miss on one of them is served from there with nothing read (lossless; budget layer).
+            With it, LRU over C slots hits as LRU over C + k would without it (the simulator's figure for
+            capacity C + k). false: hits as the simulator's capacity C
     """
 
     capacity: int | float = 0.25
@@ -139,6 +143,7 @@ class EngineConfig:
     miss_precision: int = 0
     miss_copy: str = ""
     miss_upgrade: int = 2
+    victims: bool = True
 
     @classmethod
     def from_text(cls, options: dict) -> "EngineConfig":
@@ -158,9 +163,13 @@ class EngineConfig:
                         v = int(v) if v.lstrip("+-").isdigit() else float(v)
                     elif t in ("int", "float"):
                         v = int(v) if t == "int" else float(v)
+                    elif t == "bool":
+                        if v.lower() not in ("true", "false", "1", "0"):
+                            raise ValueError(v)
+                        v = v.lower() in ("true", "1")
                 out[k] = v
             except ValueError:
-                what = "a float or an integer" if t == "int | float" else f"a {t}"
+                what = {"int | float": "a float or an integer", "bool": "true or false"}.get(t, f"a {t}")
                 raise InputError(f"engine option {k}={v!r}: expected {what}") from None
         cfg = cls(**out)
         cfg.check()
@@ -196,6 +205,8 @@ class EngineConfig:
                 raise InputError(f"{name}={v!r}; expected an integer")
         if isinstance(self.tau, bool) or not isinstance(self.tau, numbers.Real):
             raise InputError(f"tau={self.tau!r}; expected a number")
+        if not isinstance(self.victims, bool):
+            raise InputError(f"victims={self.victims!r}; expected true or false")
         if isinstance(self.budget_gb, bool) or not isinstance(self.budget_gb, numbers.Real) \
                 or not math.isfinite(self.budget_gb) or self.budget_gb < 0:
             raise InputError(f"budget_gb={self.budget_gb!r}; expected GiB >= 0 (0: use capacity)")
@@ -285,6 +296,7 @@ class Stats:
     upgrade_loads: int = 0  # hot experts loaded at full precision in the background and admitted
     upgrade_dropped: int = 0  # upgrades that had not started when their layer ran again: cancelled
     prefetch_hits: int = 0  # hits on an expert that a prefetch brought in
+    victim_hits: int = 0  # hits on an expert that had left the cache but whose staging slot still held it
     prefetch_paused: int = 0  # layer steps the prefetch guard skipped (the predictor's precision did not pay)
     rerouted: int = 0
     host_computed: int = 0  # misses computed where their weights live (miss policy host): no bytes moved
@@ -679,7 +691,7 @@ class OffloadEngine:
                 keys |= {busy[0] * e_n + x for x in busy[1]}
             protect |= {key - pos * e_n for key in keys}  # in the target view's ids (may fall outside 0..E-1)
         for e in experts:
-            if st.lookup(e) is not None:
+            if st.lookup(e) is not None or st.victim(e) is not None:  # resident, or served from its old slot
                 continue
             with self._lock:
                 if self.inflight + self.meta.expert_bytes > self.cfg.max_inflight_bytes:
@@ -808,20 +820,26 @@ class OffloadEngine:
             if mode == "on":
                 self.prefetch(t, top, busy=(pos, needed), supersede=True)
             else:  # scored like a prefetch: only what would have been read (not resident now)
-                self.shadow[t] = {e for e in top if self.states[t].lookup(e) is None}
+                self.shadow[t] = {e for e in top if self.states[t].lookup(e) is None
+                                  and self.states[t].victim(e) is None}
         stall = self._settle(pos, set(needed))
         hits = [e for e in needed if st.lookup(e) is not None]
         misses = [e for e in needed if st.lookup(e) is None]
+        reused = []  # misses whose bytes a staging slot still holds (victims): served from there, nothing read
+        if self.low_tier is None and self.cfg.miss != "host":
+            reused = [e for e in misses if st.victim(e) is not None]
+            misses = [e for e in misses if e not in reused]
         self.stats.prefetch_hits += sum(e in self.prefetched[pos] for e in hits)
         self.prefetched[pos].difference_update(needed)
         n_tok = hidden.shape[0]
         self.stats.calls += 1
         self.stats.tokens += n_tok if pos == 0 else 0
         self.stats.accesses += int(top_k_index.numel()) if n_tok == 1 else len(needed)
-        self.stats.hits += len(hits)
+        self.stats.hits += len(hits) + len(reused)
+        self.stats.victim_hits += len(reused)
         scores_keep = self._scores(pos, hidden, needed)
         # 3. compute: everything resident -> one call of the family's forward over the slots (plain's own path)
-        if not misses and not mod.eager:
+        if not misses and not reused and not mod.eager:
             out = self._compute_in_slots(mod, hidden, [st.lookup(e) for e in flat], top_k_index, top_k_weights)
             st.retain(needed, {}, scores_keep)
         elif self.low_tier is not None:  # computed from the packed copy, not admitted; hot ones upgraded after
@@ -845,18 +863,20 @@ class OffloadEngine:
         else:  # misses stream in (eager's expert-order sum also comes this way when all are resident)
             self.stats.demand_loads += len(misses)
             out, (staged, transient, waited) = self._stream(mod, pos, hidden, top_k_index, top_k_weights, flat,
-                                                             hits, misses)
+                                                             hits, misses, reused=reused)
             stall += waited
             st.retain(needed, staged, scores_keep, transient)
         self.stats.stall_s += stall
         return out
 
-    def _stream(self, mod, pos, hidden, top_k_index, top_k_weights, flat, hits, misses, host=False, low=False):
+    def _stream(self, mod, pos, hidden, top_k_index, top_k_weights, flat, hits, misses, host=False, low=False,
+                reused=()):
         """The misses load (the last k into the staging slots, the rest through the stream slots) and compute with
         the resident experts; rows are combined as the family's implementation combines them. Returns the output
         and `(staged, transient, seconds waited)`: `{expert: staging slot}` (what the policy may keep) and the
         streamed experts (used once, not kept). `host`: the misses computed where they live; `low`: read from the
-        packed copy (miss_precision) into its own slots, all at once while the resident experts compute."""
+        packed copy (miss_precision) into its own slots, all at once while the resident experts compute.
+        `reused`: victims, in the staging slots that still hold them (staged, nothing read)."""
         st = self.states[pos]
         k = top_k_index.shape[-1]
         rows: dict[int, list[int]] = {}
@@ -900,12 +920,13 @@ class OffloadEngine:
             # transfer threads. Experts large enough to be worth it (`self.overlap`) compute as their weights
             # arrive, the others once everything is there (one call over the layer's slots: a call costs more
             # than a small expert's compute).
-            last = misses[-st.k:] if len(misses) > st.k else misses
+            room = st.k - len(reused)  # staging slots left after the victims served from theirs
+            last = misses[len(misses) - min(room, len(misses)):]
             queue = misses[:len(misses) - len(last)]
             transient = list(queue)
             spool = self._stream_pool() if queue else None
             free = list(range(spool.n_slots - 1, -1, -1)) if spool is not None else []
-            staged = st.stage(last)
+            staged = st.stage(list(reused) + last)
 
             def submit(fn, *args):
                 nonlocal waited
@@ -915,8 +936,9 @@ class OffloadEngine:
                 f = self._submit_inline(fn, *args)
                 waited += time.perf_counter() - t0
                 return f
-            futs = {submit(self._load, pos, e, s): (e, None) for e, s in staged.items()}
+            futs = {submit(self._load, pos, e, staged[e]): (e, None) for e in last}
             here = {e: st.lookup(e) for e in hits}  # experts in the layer's own slots, not computed yet
+            here.update((e, staged[e]) for e in reused)
             held: list[tuple[int, int]] = []  # streamed and arrived, not computed yet
 
             def feed():
@@ -924,7 +946,7 @@ class OffloadEngine:
                     e, j = queue.pop(0), free.pop()
                     futs[submit(self._load, pos, e, j, spool)] = (e, j)
             feed()
-            if hits and self.overlap:  # resident experts compute while the misses load
+            if here and futs and self.overlap:  # resident experts compute while the misses load
                 run(hits, here)
                 here = {}
             while futs:
@@ -1039,7 +1061,8 @@ class OffloadEngine:
         """Empty caches: one state per layer, or one over `layer * E + expert` keys behind every layer's view."""
         e, k, n_l, c = self.adapter.num_experts, self.adapter.top_k, len(self.layers), self.capacity
         if self.cfg.budget == "layer":
-            self.states = [LayerView(CacheState(c, k, self.cache_policy, self.pinned.get(i))) for i in range(n_l)]
+            self.states = [LayerView(CacheState(c, k, self.cache_policy, self.pinned.get(i),
+                                                victims=self.cfg.victims)) for i in range(n_l)]
         else:
             pins = [i * e + x for i in range(n_l) for x in self.pinned.get(i, [])[:c]] if self.pinned else None
             shared = CacheState(c * n_l, k, self.cache_policy, pins)
@@ -1065,7 +1088,8 @@ class OffloadEngine:
 
     def describe(self) -> dict:
         return {"capacity": self.capacity, "capacity_frac": self.capacity / self.adapter.num_experts,
-                "staging_slots": self.adapter.top_k, "policy": self.cfg.policy, "miss": self.cfg.miss,
+                "staging_slots": self.adapter.top_k, "victims": self.cfg.victims and self.cfg.budget == "layer",
+                "policy": self.cfg.policy, "miss": self.cfg.miss,
                 "miss_precision": self.cfg.miss_precision or None,
                 "miss_copy": self.cfg.miss_copy or None, "miss_upgrade": self.cfg.miss_upgrade
                 if self.cfg.miss_precision else None,

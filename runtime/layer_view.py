@@ -25,6 +25,9 @@ class LayerView:
     def lookup(self, e: int) -> int | None:
         return self.state.lookup(e + self.off)
 
+    def victim(self, e: int) -> int | None:
+        return self.state.victim(e + self.off)
+
     def stage(self, misses: list[int]) -> dict[int, int]:
         return {e: s for e, s in zip(misses, self.state.stage([m + self.off for m in misses]).values())}
 

@@ -544,6 +544,11 @@ def cases(P: dict) -> list[dict]:
     add("big-out-dir-is-file", ["bench", "big", "--out_dir", P["text_file"], "--out", S / "big3.json"])
     add("big-routing-unknown", [*bb, "--routing", "forced"])
     add("big-engine-tier-unknown", [*bb, "--engine.tier", "floppy"])
+    add("big-system-option-not-key-value", [*bb, "--systems", "[expertcache:on-demand/victims]"])
+    add("big-system-option-unknown", [*bb, "--systems", "[expertcache:on-demand/zzz=1]"])
+    add("big-system-option-bad-value", [*bb, "--systems", "[expertcache:on-demand/victims=maybe]"])
+    add("big-system-option-on-a-peer", [*bb, "--systems", "[mmap/victims=false]"])
+    add("big-system-twice", [*bb, "--systems", "[mmap,mmap]"])
     # simulate
     sm = ["simulate", "--hardware", "consumer-8gb-nvme", "--model_shape", "base-tiny"]
     add("simulate-trace-missing", [*sm, "--trace", S / "none.parquet"])
@@ -696,6 +701,7 @@ def cases(P: dict) -> list[dict]:
     add("generate-kernel-triton-on-cpu", [*gen, M, "--engine.kernel", "triton"])
     add("generate-kernel-cpu-fp32", [*gen, M, "--engine.kernel", "cpu"], note="the smoke model is fp32")
     add("generate-threads-negative", [*gen, M, "--engine.threads", -1])
+    add("generate-victims-not-a-bool", [*gen, M, "--engine.victims", "maybe"])
     add("generate-quant-method-unknown", [*gen, P["model_gptq"]])
     q = ["quantize", "--model", M, "--out"]
     add("quantize-bits-3", [*q, S / "q1", "--bits", 3])

@@ -17,6 +17,12 @@ roles with the slot of the one it replaces (no copy). Policies:
 Prefetch: `prefetch_slot` gives an expert a resident slot ahead of its access, evicting the lowest-priority
 resident not itself predicted.
 
+Victims (`victims=True`, the offload engine's default): an expert that leaves the resident set keeps its bytes in
+the slot it leaves, which becomes a staging slot; until a later step's misses overwrite that slot (the least
+recently used such expert first), a miss on it is served from there with nothing read (`victim`, then `stage`).
+The k staging slots are memory every cache holds anyway; with victims, LRU over C resident slots hits exactly as
+LRU over C + k without them (tested), so the simulator predicts the engine's LRU with `capacity + k`.
+
 The reroute miss policy's rule (`reroute_choice`) is here too, with the two batched torch replays of this cache
 that the trainer's losses and its serving-aware forward use: `lru_resident` (what an LRU cache holds before each
 token of a batch of sequences; its misses are the simulator's LRU demand loads) and `served_routing` (the reroute
@@ -60,10 +66,16 @@ def check_slots(slots: int) -> int:
 
 class CacheState:
     def __init__(self, capacity: int, k: int, policy: str = "lru", pinned: list[int] | None = None,
-                 slot_base: int = 0):
+                 slot_base: int = 0, victims: bool = False):
         STATE_POLICIES.parse(policy)
         check_slots(capacity)
         self.capacity, self.k, self.policy = capacity, k, policy
+        # victims: slot -> the expert whose bytes a non-resident slot still holds (written and complete: set
+        # only by `retain`, after the step that wrote it succeeded; cleared when a slot is handed out again)
+        self.victims = victims
+        self.held: dict[int, int] = {}
+        self._seq: dict[int, int] = {}  # slot -> when its victim left (older victims are overwritten first)
+        self._n_left = 0
         self.res: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recent first
         self.free = list(range(slot_base, slot_base + capacity))  # resident slots not holding anything
         self.staging = list(range(slot_base + capacity, slot_base + capacity + k))
@@ -86,11 +98,31 @@ class CacheState:
     def lookup(self, e: int) -> int | None:
         return self.res.get(e)
 
+    def victim(self, e: int) -> int | None:
+        """The staging slot that still holds `e`'s bytes (victims on), else None: a miss served with no read."""
+        if not self.victims:
+            return None
+        for s in self.staging:
+            if self.held.get(s) == e:
+                return s
+        return None
+
     def stage(self, misses: list[int]) -> dict[int, int]:
-        """Staging slots for this step's misses."""
+        """Staging slots for this step's misses. With victims, a miss whose bytes a staging slot still holds
+        gets that slot (nothing to read: `victim`); the others get the slots holding nothing first, then those
+        of the least recently used victims. Every slot handed out for a read forgets what it held."""
         if len(misses) > len(self.staging):
             raise RuntimeError(f"{len(misses)} misses but {len(self.staging)} staging slots")
-        return dict(zip(misses, self.staging[:len(misses)]))
+        if not self.victims:
+            return dict(zip(misses, self.staging[:len(misses)]))
+        out = {e: s for e in misses if (s := self.victim(e)) is not None}
+        taken = set(out.values())
+        spare = sorted((s for s in self.staging if s not in taken), key=lambda s: self._seq.get(s, -1))
+        for e in misses:
+            if e not in out:
+                out[e] = s = spare.pop(0)
+                self._forget(s)
+        return {e: out[e] for e in misses}
 
     def _touch(self, step: list[int]) -> None:
         for e in step:
@@ -130,6 +162,12 @@ class CacheState:
         keep_set = set(keep)
         for e in [e for e in self.res if e not in keep_set]:
             self.free.append(self.res.pop(e))
+            if self.victims:  # settled and computed from: its bytes stay in the slot it leaves
+                self._hold(self.free[-1], e)
+        if self.victims:
+            for e, s in staged.items():  # read (or reused) this step and not kept: still there
+                if s is not None and e not in keep_set:
+                    self._hold(s, e)
         copies = []
         for e in new:  # newly kept staged experts, in step order
             if e in keep_set and e not in self.res:
@@ -137,14 +175,24 @@ class CacheState:
                 s = staged.get(e)
                 if s is None:  # computed outside the slots: its bytes must be copied into slot f
                     self.res[e] = f
+                    self._forget(f)
                     copies.append((e, f))
                 else:  # swap roles: the staging slot becomes resident, the freed slot becomes staging
                     self.staging[self.staging.index(s)] = f
                     self.res[e] = s
+                    self._forget(s)
         for e in step:  # a step's keys are equally recent; ties by their position in the step
             if e in self.res:
                 self.res.move_to_end(e)
         return copies
+
+    def _forget(self, slot: int) -> None:
+        self.held.pop(slot, None)
+        self._seq.pop(slot, None)
+
+    def _hold(self, slot: int, e: int) -> None:
+        self.held[slot], self._seq[slot] = e, self._n_left
+        self._n_left += 1
 
     def prefetch_slot(self, e: int, protect: set[int]) -> int | None:
         """A resident slot for `e` before it is accessed: a free one, or the lowest-priority resident not in
@@ -155,6 +203,7 @@ class CacheState:
             return None
         if self.free:
             s = self.free.pop(0)
+            self._forget(s)  # about to be written
         else:
             cands = [v for v in self.res if v not in protect]  # least recent first
             if not cands:

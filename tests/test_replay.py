@@ -86,7 +86,8 @@ def test_the_engine_keeps_what_the_simulator_keeps_under_a_learned_policy(trace_
     pol_path = tmp_path / "p.safetensors"
     fit([trace_npz], epochs=1, rows_per_step=4, max_rank=8).save(pol_path)
     store = ensure_store(tmp_path, ids.shape[0], e, 64, 32, "bfloat16")
-    rp = Replayer(store, ids, EngineConfig(capacity=4, tier="disk"))
+    # victims off: the simulator's capacity C is the engine's C resident slots without its staging slots' victims
+    rp = Replayer(store, ids, EngineConfig(capacity=4, tier="disk", victims=False))
     try:
         lru = rp.run(ReplayConfig("on-demand"), range(ids.shape[1]))
         got = rp.run(ReplayConfig("learned", policy=f"learned:{pol_path}"), range(ids.shape[1]))

@@ -71,6 +71,47 @@ def test_a_step_larger_than_the_cache_keeps_its_hits_and_streams_the_rest():
     assert simulate(np.array([[0, 1, 2], [0, 3, 4], [0, 3, 5]]), 2, "lru").hits == 1 + 2
 
 
+def _drive_victims(steps, cap, k, policy, keep=None):
+    """`_drive` with victims: a miss whose bytes a staging slot still holds is a hit, served from that slot."""
+    cs = CacheState(cap, k, policy, victims=True)
+    hits = 0
+    for s, r in enumerate(steps.tolist()):
+        miss = [e for e in r if cs.lookup(e) is None]
+        reused = [e for e in miss if cs.victim(e) is not None]
+        hits += len(r) - len(miss) + len(reused)
+        staged = cs.stage(miss)
+        assert all(staged[e] == cs.victim(e) for e in reused)  # served where it already is
+        assert not set(staged.values()) & set(cs.res.values())
+        cs.retain(r, staged, keep[s].tolist() if keep is not None else None)
+        assert sorted(list(cs.res.values()) + cs.staging + cs.free) == list(range(cap + k))
+        assert not set(cs.held) & set(cs.res.values())  # a resident slot is never also a victim's
+    return hits
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_victims_make_lru_over_c_slots_hit_as_lru_over_c_plus_k(seed):
+    rng = np.random.default_rng(seed)
+    e, k = 24, int(rng.integers(1, 6))
+    p = 1 / np.arange(1, e + 1)
+    steps = np.stack([rng.choice(e, k, replace=False, p=p / p.sum()) for _ in range(300)])
+    keep = rng.random((300, e))
+    for cap in range(k, e - k):
+        assert _drive_victims(steps, cap, k, "lru") == simulate(steps, cap + k, "lru").hits
+        for pol in ("lfu", "scored"):  # no identity claimed: the slots stay consistent, and hits never fall
+            kp = keep if pol == "scored" else None
+            assert _drive_victims(steps, cap, k, pol, kp) >= _drive(steps, cap, k, pol, keep=kp)
+
+
+def test_a_slot_handed_out_for_a_read_is_never_a_victim_until_its_step_completes():
+    cs = CacheState(2, 2, "lru", victims=True)
+    for r in ([0, 1], [2, 3], [4, 5]):  # 2 and 3 leave at [4, 5] (over 0 and 1): their bytes stay in staging
+        cs.retain(r, cs.stage([e for e in r if cs.lookup(e) is None]))
+    assert cs.victim(0) is None and cs.victim(2) is not None and cs.victim(3) is not None
+    staged = cs.stage([6, 7])  # a step whose reads fail: retain never runs
+    assert set(staged.values()) == set(cs.staging)
+    assert all(cs.victim(e) is None for e in (2, 3, 6, 7))
+
+
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("stores")
@@ -124,6 +165,36 @@ def test_blocking_decode_is_bit_identical_to_generate(family_models, fam):
         eng.close()
     assert torch.equal(want, got)
     assert not any(p.shape[0] == 8 for n, p in m.named_parameters() if "experts" in n)  # experts left the model
+
+
+def test_victims_serve_misses_from_the_staging_slots_losslessly_and_hit_as_the_simulator_says(family_models):
+    """One token per step (a one-token prompt): each layer's steps are the simulator's token steps, so the engine's
+    LRU hits with victims are exactly the simulator's at C + k, and without them at C."""
+    model, path = family_models["qwen3_moe"]
+    prompt = torch.randint(0, 128, (1, 1), generator=torch.Generator().manual_seed(5))
+    want = _greedy(model, prompt, 24)
+    got = {}
+    for victims in (True, False):
+        m = _fresh("qwen3_moe")
+        eng = offload(m, path, EngineConfig(capacity=2, tier="disk", victims=victims))
+        seen = {}
+        run = eng._run_layer
+
+        def spy(mod, hidden, idx, w, run=run, seen=seen):
+            seen.setdefault(mod.pos, []).append(idx.reshape(-1).tolist())
+            return run(mod, hidden, idx, w)
+        eng._run_layer = spy
+        try:
+            assert torch.equal(want, _greedy(m, prompt, 24))
+            s, k = eng.stats, m.config.num_experts_per_tok
+            cap = 2 + k if victims else 2
+            assert s.hits == sum(simulate(np.array(v), cap, "lru").hits for v in seen.values())
+            got[victims] = (s.hits, s.victim_hits, s.demand_loads, s.bytes_moved)
+        finally:
+            eng.close()
+    assert got[True][1] > 0 and got[False][1] == 0
+    assert got[True][0] > got[False][0] and got[True][2] < got[False][2]  # fewer reads for the same slots
+    assert got[True][3] < got[False][3]
 
 
 @pytest.mark.parametrize("tier,policy", [("host", "lfu"), ("throttled:2", "lru")])
