@@ -441,20 +441,23 @@ class OffloadedExperts(nn.Module):
                 and dn.dtype == torch.bfloat16 and gu.dim() == 3 and dn.dim() == 3
                 and gu.shape[1] == 2 * dn.shape[2] and not getattr(v, "has_bias", False) and act == "silu")
 
-    def compute(self, hidden, slot_index, weights):
-        """All (token, choice) pairs at once over the slot pool: the family's own forward, as plain generate (or
-        the CPU kernel / the triton SwiGLU kernel, when the engine is configured for them)."""
-        if self._engine[0].cfg.kernel == "triton" and hidden.is_cuda and not getattr(self._tmpl, "has_bias", False):
+    def compute(self, hidden, slot_index, weights, tensors: dict[str, torch.Tensor] | None = None):
+        """All (token, choice) pairs at once over the slot pool (or over `tensors`, `[n, ...]` views such as the
+        stream slots): the family's own forward, as plain generate (or the CPU kernel / the triton SwiGLU kernel,
+        when the engine is configured for them)."""
+        if self._engine[0].cfg.kernel == "triton" and hidden.is_cuda and not getattr(self._tmpl, "has_bias", False) \
+                and tensors is None:
             from .kernels import swiglu_experts
 
             v = self._tmpl
             return swiglu_experts(hidden, v.gate_up_proj, v.down_proj, slot_index, weights)
-        if self.quant is not None:
-            return quant.swiglu(hidden, self._views, slot_index, weights)
+        if self.quant is not None or (tensors is not None and quant.format_of(tensors) is not None):
+            # packed experts: the slots', or the miss_precision copy's
+            return quant.swiglu(hidden, tensors if tensors is not None else self._views, slot_index, weights)
+        t = self._over(tensors)
         if self.fast_kernel(hidden):
-            v = self._tmpl
-            return cpu_kernels.swiglu_bf16(hidden, v.gate_up_proj, v.down_proj, slot_index, weights)
-        return self._forward(self._tmpl, hidden, slot_index, weights)
+            return cpu_kernels.swiglu_bf16(hidden, t.gate_up_proj, t.down_proj, slot_index, weights)
+        return self._forward(t, hidden, slot_index, weights)
 
     def rows(self, x, slots, weights, tensors: dict[str, torch.Tensor] | None = None):
         """`x [S, H]`, `slots [S]`, `weights [S]` -> each (token, choice) row's weighted expert output `[S, H]`,
@@ -463,15 +466,20 @@ class OffloadedExperts(nn.Module):
         if self.quant is not None or (tensors is not None and quant.format_of(tensors) is not None):
             return quant.swiglu(x, tensors if tensors is not None else self._views, slots[:, None],
                                 weights[:, None])  # packed experts: the slots', or the miss_precision copy's
-        t = self._tmpl
-        if tensors is not None:
-            t = copy.copy(self._tmpl)
-            for n, v in tensors.items():
-                setattr(t, n, v)
-            t.num_experts = next(iter(tensors.values())).shape[0]
+        t = self._over(tensors)
         if self.fast_kernel(x):
             return cpu_kernels.swiglu_bf16(x, t.gate_up_proj, t.down_proj, slots[:, None], weights[:, None])
         return self._forward(t, x, slots[:, None], weights[:, None])
+
+    def _over(self, tensors):
+        """The experts module over the slot pool, or over `tensors` (a copy: the pool's template stays)."""
+        if tensors is None:
+            return self._tmpl
+        t = copy.copy(self._tmpl)
+        for n, v in tensors.items():
+            setattr(t, n, v)
+        t.num_experts = next(iter(tensors.values())).shape[0]
+        return t
 
 
 def _check_cpu_kernel(mod: OffloadedExperts) -> None:
@@ -887,8 +895,21 @@ class OffloadEngine:
         n_rows = len(flat)
         dev = hidden.device
         parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # expert -> (row ids, weighted outputs)
+        # one token through the CPU kernels (bf16 or packed): each call computes its experts' weighted sum, added up
+        # in fp32, in place of a row per expert gathered and summed at the end (a decode step's Python and small
+        # ops; equal up to rounding, as the kernels are to plain)
+        one = x_all.shape[0] == 1 and len(rows) == len(flat) and not mod.eager \
+            and (mod.quant is not None or mod.fast_kernel(x_all))
+        acc: list[torch.Tensor] = []
 
         def run(experts, slot_of, tensors=None):
+            if one:
+                s = torch.tensor([[slot_of[e] for e in experts]], dtype=torch.long)
+                w = w_flat[[rows[e][0] for e in experts]][None, :]
+                y = self._compute(mod.compute, x_all, s, w, tensors).float()
+                acc.append(y) if not acc else acc[0].add_(y)
+                parts.update((e, None) for e in experts)
+                return
             r = torch.tensor([i for e in experts for i in rows[e]], dtype=torch.long)
             s = torch.tensor([slot_of[e] for e in experts for _ in rows[e]], dtype=torch.long)
             rd = r.to(dev)
@@ -974,6 +995,8 @@ class OffloadEngine:
                     return out, (staged, transient, waited)
                 run(sorted(here), here)
         # combine
+        if one:
+            return acc[0].to(hidden.dtype).view_as(hidden), (staged, transient, waited)
         if mod.eager:  # eager: index_add of each expert's rows, in expert order, into the hidden dtype
             out = torch.zeros_like(x_all)
             for e in sorted(parts):
