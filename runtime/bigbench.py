@@ -57,7 +57,11 @@ def parse_system(name: str) -> tuple[str, str, dict[str, str]]:
     """`(system, experts format, engine overrides)` of a system name. An expertcache system may carry its format
     (`expertcache:on-demand:int4`) and engine options after slashes (`expertcache:on-demand/victims=false/policy=lfu`:
     that row serves with those options over `--engine`'s), so two configurations compare in one alternated run."""
-    base, *opts = re.split(r"/(?=\w+=)", name)  # a slash before `key=` (a value may be a path with slashes)
+    keys = "|".join(EngineConfig.__dataclass_fields__)  # a slash before an engine option's `key=` (a value may be
+    base, *opts = re.split(rf"/(?=(?:{keys})=)", name)  # a path with slashes)
+    if "/" in base:
+        raise InputError(f"system {name!r}: {base.split('/', 1)[1]!r} is not an engine option key=value "
+                         f"({', '.join(EngineConfig.__dataclass_fields__)})")
     over = {}
     for o in opts:
         key, eq, val = o.partition("=")
@@ -190,7 +194,8 @@ def _rss_peak() -> int:
 
 
 def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, tokens: int, warmup: int,
-            prompt_len: int, start: int, engine: dict | None = None, routing: str = "trace") -> dict:
+            prompt_len: int, start: int, engine: dict | None = None, routing: str = "trace",
+            quant_linears: bool = False) -> dict:
     """One system's decode in this process: TPOT per token (prefill excluded), hits, bytes read, peak RSS.
     `ckpt`: the bf16 checkpoint; an expertcache system named `...:int8`/`...:int4` reads its quantized copy.
     `engine`: expertcache's `EngineConfig` fields (default: the disk tier). `routing`: trace (every router's
@@ -200,7 +205,7 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
     ckpt = Path(ckpt)
     fmt = parse_system(system)[1]
     if fmt in ("int8", "int4"):
-        ckpt = quantized_path(ckpt, fmt)
+        ckpt = quantized_path(ckpt, fmt, quant_linears)
     cfg = json.loads((ckpt / "config.json").read_text())
     r = load_routing(trace)
     ids = r.ids
@@ -311,8 +316,8 @@ def drop_page_cache() -> bool:
 QUANT_GROUP = 32
 
 
-def quantized_path(ckpt: Path, fmt: str) -> Path:
-    return ckpt.parent / f"{ckpt.name}-{fmt}-g{QUANT_GROUP}"
+def quantized_path(ckpt: Path, fmt: str, linears: bool = False) -> Path:
+    return ckpt.parent / f"{ckpt.name}-{fmt}-g{QUANT_GROUP}{'-linears' if linears else ''}"
 
 
 def system_names(systems, experts=("bf16",)) -> list[str]:
@@ -333,10 +338,11 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
               ram_factor: float = 1.25, layers: int | None = None, slow_tokens: int = 8, slow_warmup: int = 2,
               engine: EngineConfig = EngineConfig(tier="disk"), timeout_s: int = 3600, progress=None,
               experts=("bf16",), routing: str = "trace", cgroup: bool = True, keep_gguf: bool = False,
-              llamacpp_dir: str | Path | None = None) -> dict:
+              llamacpp_dir: str | Path | None = None, quant_linears: bool = False) -> dict:
     """Write (or reuse) the checkpoint, then run every system `rounds` times, alternated, each in its own process.
     `slow_tokens`/`slow_warmup`: the token counts for accelerate, whose per-token time is minutes-scale here.
-    `experts`: the formats expertcache serves (int8/int4: `expertcache quantize` copies, group 32, reused).
+    `experts`: the formats expertcache serves (int8/int4: `expertcache quantize` copies, group 32, reused;
+    `quant_linears`: with the non-expert linear layers packed too, `quantize --linears true`).
     `engine`: how expertcache serves (its capacity is what the budget leaves). `routing`: trace | native.
     `cgroup`: run every system but `mmap:unbounded` inside one memory cgroup of `budget_gb` (resident memory and
     page cache), when one can be made (root). llama.cpp systems: the checkpoint converted to a BF16 GGUF beside it
@@ -360,11 +366,12 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
         raise InputError(f"not enough free disk for even 2 layers of experts ({per_layer / 1e9:.1f} GB each)")
     write_checkpoint(ckpt, n_layers, progress=progress)
     for f in experts:
-        q = quantized_path(ckpt, f)
+        q = quantized_path(ckpt, f, quant_linears)
         if f != "bf16" and not (q / "config.json").is_file():
             from .quant import write_quantized
 
-            write_quantized(ckpt, q, 8 if f == "int8" else 4, QUANT_GROUP, progress=lambda: progress and progress(1))
+            write_quantized(ckpt, q, 8 if f == "int8" else 4, QUANT_GROUP, progress=lambda: progress and progress(1),
+                            linears=quant_linears)
     systems = system_names(systems, experts)
     threads = torch.get_num_threads()  # what each system's own process gets (torch's default here)
     bins, gguf_path, skipped = prepare_llamacpp(systems, routing, ckpt, out_dir, llamacpp_dir)
@@ -397,7 +404,8 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                 slow = s == "accelerate"
                 job = {"system": s, "ckpt": str(ckpt), "trace": str(trace), "budget_gb": budget_gb,
                        "tokens": slow_tokens if slow else tokens, "warmup": slow_warmup if slow else warmup,
-                       "prompt_len": prompt_len, "start": start, "engine": asdict(engine), "routing": routing}
+                       "prompt_len": prompt_len, "start": start, "engine": asdict(engine), "routing": routing,
+                       "quant_linears": quant_linears}
                 cmd = [sys.executable, "-m", "expertcache.runtime.bigbench", json.dumps(job)]
                 with open_log(log, fresh=True) as lf:
                     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=lf, text=True, timeout=timeout_s,
@@ -417,7 +425,7 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
     if gguf_path is not None and not keep_gguf:
         gguf_path.unlink(missing_ok=True)
     disk_used = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
-    quant_used = {f: sum(p.stat().st_size for p in quantized_path(ckpt, f).iterdir() if p.is_file())
+    quant_used = {f: sum(p.stat().st_size for p in quantized_path(ckpt, f, quant_linears).iterdir() if p.is_file())
                   for f in experts if f != "bf16"}
     off = ckpt.parent / (ckpt.name + "-accelerate-offload")
     res = {"inputs": {"shape": {"hidden": HIDDEN, "experts": EXPERTS, "expert": [HIDDEN, INTER], "top_k": TOP_K,
@@ -428,7 +436,7 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                       "accelerate_tokens": slow_tokens, "accelerate_warmup": slow_warmup, "prompt_len": prompt_len,
                       "trace": str(trace) if routing == "trace" else None, "trace_start": start, "rounds": rounds,
                       "engine": asdict(engine),
-                      "experts": list(experts), "quant_group": QUANT_GROUP,
+                      "experts": list(experts), "quant_group": QUANT_GROUP, "quant_linears": quant_linears,
                       "torch_threads": threads, "llamacpp_threads": threads,
                       "page_cache_dropped_before_each": all(cold)},
            "disk_used_bytes": {"checkpoint": disk_used, **{f"checkpoint_{f}": b for f, b in quant_used.items()},
@@ -572,7 +580,8 @@ def main(argv=None) -> int:
         return 2
     job = json.loads(argv[0])
     res = run_one(job["system"], job["ckpt"], job["trace"], job["budget_gb"], job["tokens"], job["warmup"],
-                  job["prompt_len"], job["start"], job["engine"], job.get("routing", "trace"))
+                  job["prompt_len"], job["start"], job["engine"], job.get("routing", "trace"),
+                  job.get("quant_linears", False))
     print(json.dumps(res))
     return 0
 

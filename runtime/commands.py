@@ -137,7 +137,7 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
               layers: Optional[int] = None, ram_factor: float = 1.25,
               engine: EngineConfig = EngineConfig(tier="disk"),
               experts: list[str] = ["bf16"], routing: str = "trace", cgroup: bool = True,
-              keep_gguf: bool = False, llamacpp_dir: Optional[str] = None,
+              keep_gguf: bool = False, llamacpp_dir: Optional[str] = None, quant_linears: bool = False,
               out: Optional[str] = "results/bench_big.json") -> dict:
     """A Qwen3-30B-A3B-shaped checkpoint larger than RAM, decoded by expertcache (disk tier, cache within the
     budget), transformers + accelerate disk offload and the page cache (mmap), on the same routing, alternated,
@@ -167,6 +167,8 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
             row's predictor (default: co-occurrence fitted on the trace; probe:1 with --routing native)
         experts: the formats expertcache serves, each against the same budget: bf16 (the checkpoint) | int8 |
             int4 (`expertcache quantize` copies, group 32, written beside the checkpoint once); e.g. [bf16,int4]
+        quant_linears: the int8/int4 copies pack the non-expert linear layers too (attention, the output head;
+            `quantize --linears true`), as llama.cpp's Q8_0/Q4_0 files do (a copy of its own, beside the other)
         routing: trace (every router's choice replaced by --trace's, so every system sees real locality) |
             native (the checkpoint's own random routers; expertcache:prefetch then probes the next router)
         cgroup: run every system but mmap:unbounded inside one memory cgroup of --budget_gb (root only; without
@@ -211,7 +213,7 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
         res = run(out_dir, trace, budget_gb, tokens, warmup, prompt_len, rounds, systems, ram_factor, layers,
                   accelerate_tokens, accelerate_warmup, engine, progress=lambda n: prog.advance(task, n or 1),
                   experts=tuple(experts), routing=routing, cgroup=cgroup, keep_gguf=keep_gguf,
-                  llamacpp_dir=llamacpp_dir)
+                  llamacpp_dir=llamacpp_dir, quant_linears=quant_linears)
     res["git_commit"] = _git_commit()
     failed = {sys_: r["errors"] for sys_, r in res["systems"].items() if r.get("errors")}
     # a system asked for that failed or was skipped makes the run exit 1 (its reason stays in the JSON)

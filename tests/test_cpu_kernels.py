@@ -572,6 +572,31 @@ def test_bench_big_serves_each_format_against_the_same_byte_budget(tmp_path):
     assert bigbench._slot_bytes(src) == bigbench.expert_bytes() + bigbench.ALIGN  # the bf16 checkpoint's
 
 
+def test_bench_big_systems_carry_engine_options_and_formats():
+    """`expertcache:on-demand/victims=false`: that row serves with those options over --engine's (a value may be a
+    path with slashes); the format goes before the options; a peer takes none; the packed-linears copy has its own
+    folder."""
+    from expertcache.runtime import bigbench
+    from expertcache.runtime.engine import EngineConfig
+
+    base = EngineConfig(tier="disk", policy="lfu")
+    cfg = bigbench.system_engine("expertcache:on-demand/victims=false/policy=learned:/a/b=c/p.safetensors", base)
+    assert (cfg.victims, cfg.policy, cfg.tier) == (False, "learned:/a/b=c/p.safetensors", "disk")
+    assert bigbench.system_engine("expertcache:prefetch", base) is base
+    assert bigbench.system_names(["expertcache:on-demand/victims=false", "mmap"], ("bf16", "int4")) == [
+        "expertcache:on-demand/victims=false", "expertcache:on-demand:int4/victims=false", "mmap"]
+    assert bigbench.parse_system("expertcache:on-demand:int4/victims=false") == (
+        "expertcache:on-demand", "int4", {"victims": "false"})
+    for bad, why in [("expertcache:on-demand/victims=maybe", "true or false"), ("mmap/victims=false", "only"),
+                     ("expertcache:on-demand/zzz=1", "not an engine option"),
+                     ("expertcache:on-demand/victims", "not an engine option")]:
+        with pytest.raises(InputError, match=why):
+            bigbench.system_engine(bad, base)
+    from pathlib import Path
+
+    assert bigbench.quantized_path(Path("/x/ck"), "int4", True).name == "ck-int4-g32-linears"
+
+
 _MMAP_ROW = {"runs": 1, "errors": [], "tpot_median_s": 0.3, "tpot_p90_s": 0.4, "tpot_mean_s": 0.3,
              "tokens_per_s": 3.3, "peak_rss_bytes": 1, "disk_read_bytes_per_token": 1.0}
 
