@@ -1,7 +1,8 @@
 """Projection of decode TPOT for hardware we do not have, from a trace's cache behaviour and a bandwidth model.
 
 Per output token: misses per token come from the shared simulator on the trace (per-layer LRU at capacity C,
-token semantics), scaled to the model's MoE layer count; then
+token semantics; at C + k for the runtime's victims, the default: its k staging slots per layer keep the experts
+that last left, and LRU over C slots then hits as LRU over C + k), scaled to the model's MoE layer count; then
     T_transfer = misses x expert_bytes / link bandwidth        (+ the link's per-transfer latency)
     T_compute  = resident bytes read per token / memory bandwidth (decode is bandwidth-bound)
     on-demand  = T_compute + T_transfer        prefetch (perfect overlap) = max(T_compute, T_transfer)
@@ -65,20 +66,23 @@ def trace_misses_per_layer_token(ids: np.ndarray, capacity: int, policy: str = "
 
 
 def project(ids: np.ndarray, hw: Hardware, shape: ModelShape, capacity_frac: float, policy: str = "lru",
-            compute_s: float | None = None) -> dict:
-    """TPOT projection; `compute_s` overrides T_compute with a measured one."""
+            compute_s: float | None = None, victims: bool = True) -> dict:
+    """TPOT projection; `compute_s` overrides T_compute with a measured one. `victims` (LRU): the runtime's k
+    staging slots serve the experts that last left, so the cache hits as LRU over C + k (`--engine.victims`)."""
     if ids.shape[2] != shape.top_k:
         raise InputError(f"trace is top-{ids.shape[2]}, model shape {shape.name} is top-{shape.top_k}")
     from expertcache.telemetry.cachesim import capacity_count
 
     cap = capacity_count(capacity_frac, shape.num_experts)
-    mpt = trace_misses_per_layer_token(ids, cap, policy)
+    sim_cap = min(cap + shape.top_k, shape.num_experts) if victims and policy == "lru" else cap
+    mpt = trace_misses_per_layer_token(ids, sim_cap, policy)
     misses = mpt * shape.moe_layers  # per output token
     t_transfer = misses * (shape.expert_bytes / (hw.link_GBps * 1e9) + hw.link_latency_us * 1e-6)
     active = shape.dense_bytes_per_token + shape.moe_layers * shape.top_k * shape.expert_bytes
     t_compute = compute_s if compute_s is not None else active / (hw.mem_GBps * 1e9)
-    fast_need = cap * shape.moe_layers * shape.expert_bytes / 1e9
+    fast_need = (cap + shape.top_k) * shape.moe_layers * shape.expert_bytes / 1e9  # the staging slots too
     return {"hardware": asdict(hw), "model_shape": asdict(shape), "capacity": cap, "capacity_frac": cap / shape.num_experts,
+            "simulated_capacity": sim_cap, "victims": sim_cap != cap,
             "policy": policy, "trace_layers": int(ids.shape[0]), "trace_tokens": int(ids.shape[1]),
             "misses_per_layer_token": mpt, "hit_rate": 1 - mpt / shape.top_k, "misses_per_token": misses,
             "traffic_bytes_per_token": misses * shape.expert_bytes, "t_compute_s": t_compute,

@@ -76,6 +76,11 @@ def parse_system(name: str) -> tuple[str, str, dict[str, str]]:
                          f"/key=value engine options)")
     if over and not base.startswith("expertcache"):
         raise InputError(f"system {name!r}: only expertcache systems take engine options")
+    fixed = sorted(set(over) & {"capacity", "budget_gb"}) + (["predictor"] if "predictor" in over
+                                                             and base != "expertcache:prefetch" else [])
+    if fixed:  # what bench big sets itself: the cache from --budget_gb, no predictor on an on-demand row
+        raise InputError(f"system {name!r}: {', '.join(fixed)} is set by bench big (the cache from --budget_gb; "
+                         f"a predictor only on expertcache:prefetch)")
     return base, fmt, over
 
 
@@ -134,11 +139,12 @@ def _load_system(system: str, ckpt: Path, budget: int, layers: int, ids_fit: np.
         if cap < 1:
             raise InputError(f"a budget of {budget / 2**30:.1f} GiB leaves no cache slots after the non-expert weights")
         cfg, pred = replace(engine, capacity=cap, predictor="none"), "none"  # "none": the config's predictor
-        if ":prefetch" in system and engine.predictor != "none":  # the one asked for (--engine.predictor)
+        prefetch = parse_system(system)[0] == "expertcache:prefetch"
+        if prefetch and engine.predictor != "none":  # the one asked for (--engine.predictor)
             cfg = replace(cfg, predictor=engine.predictor)
-        elif ":prefetch" in system and ids_fit is None:
+        elif prefetch and ids_fit is None:
             cfg = replace(cfg, predictor="probe:1")
-        elif ":prefetch" in system:
+        elif prefetch:
             pred = CooccurrencePredictor(CooccurrenceEstimator(ids_fit, EXPERTS))
         m = load(ckpt, engine=cfg, predictor=pred)
         return m, m.expertcache, [L.router for L in m.expertcache.layers]

@@ -120,9 +120,11 @@ class EngineConfig:
         miss_upgrade: low-precision serves of an expert at a layer before it is upgraded (loaded at full
             precision and admitted); 1 upgrades every miss for the tokens after it
         victims: the k staging slots every layer holds anyway keep the bytes of the experts that last left the
-            cache, and a miss on one of them is served from there with nothing read (lossless; budget layer).
-            With it, LRU over C slots hits as LRU over C + k would without it (the simulator's figure for
-            capacity C + k). false: hits as the simulator's capacity C
+            cache, and a miss on one of them is served from there with nothing read (lossless). It applies with a
+            per-layer budget, a policy that evicts (not static) and misses read into the staging slots (not miss
+            host, not miss_precision); `describe()` says whether it is on. In one-token steps without prefetch,
+            LRU over C slots then hits as LRU over C + k would without it (the simulator's figure at C + k); batched
+            and prefill steps, which stream extra misses through other slots, differ. false: the simulator's C
     """
 
     capacity: int | float = 0.25
@@ -729,7 +731,7 @@ class OffloadEngine:
             self.upgrading[pos].discard(e)
             if e in needed:
                 t0 = time.perf_counter()
-                fut.result()
+                self._landed(pos, e, fut)
                 waited += time.perf_counter() - t0
             elif fut.cancel():
                 self.states[pos].drop(e)
@@ -740,12 +742,21 @@ class OffloadEngine:
                     self.stats.prefetch_dropped += 1
                 continue
             else:
-                fut.result()
+                self._landed(pos, e, fut)
             if up:
                 self.stats.upgrade_loads += 1
             else:
                 self.stats.prefetch_loads += 1
         return waited
+
+    def _landed(self, pos: int, e: int, fut) -> None:
+        """A prefetch's result; a failed one leaves no slot claiming `e` (neither resident nor, later, a victim)."""
+        try:
+            fut.result()
+        except BaseException:
+            self.states[pos].drop(e)
+            self.prefetched[pos].discard(e)
+            raise
 
     def _reroute(self, pos: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  only: set[int] | None = None, tau: float | None = None):
@@ -879,8 +890,9 @@ class OffloadEngine:
 
     def _stream(self, mod, pos, hidden, top_k_index, top_k_weights, flat, hits, misses, host=False, low=False,
                 reused=()):
-        """The misses load (the last k into the staging slots, the rest through the stream slots) and compute with
-        the resident experts; rows are combined as the family's implementation combines them. Returns the output
+        """The misses load (the last ones into the staging slots the victims leave, the rest through the stream
+        slots) and compute with the resident experts and the victims; rows are combined as the family's
+        implementation combines them. Returns the output
         and `(staged, transient, seconds waited)`: `{expert: staging slot}` (what the policy may keep) and the
         streamed experts (used once, not kept). `host`: the misses computed where they live; `low`: read from the
         packed copy (miss_precision) into its own slots, all at once while the resident experts compute.
@@ -895,20 +907,22 @@ class OffloadEngine:
         n_rows = len(flat)
         dev = hidden.device
         parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # expert -> (row ids, weighted outputs)
-        # one token through the CPU kernels (bf16 or packed): each call computes its experts' weighted sum, added up
-        # in fp32, in place of a row per expert gathered and summed at the end (a decode step's Python and small
-        # ops; equal up to rounding, as the kernels are to plain)
-        one = x_all.shape[0] == 1 and len(rows) == len(flat) and not mod.eager \
+        # one token through the CPU kernels (bf16 or packed): each call computes its experts' weighted sum in one
+        # kernel call, in place of a row per expert gathered and summed at the end (a decode step's Python and small
+        # ops). The calls' groups do not depend on when loads land (the resident experts and victims together, then
+        # each load alone), and their sums are added in fp32 in the order of their first expert, so a step's output
+        # does not depend on load timing; equal to plain up to rounding, as the kernels are
+        one = x_all.shape[0] == 1 and not x_all.is_cuda and len(rows) == len(flat) and not mod.eager \
             and (mod.quant is not None or mod.fast_kernel(x_all))
-        acc: list[torch.Tensor] = []
+        sums: dict[int, torch.Tensor] = {}  # first expert of a call -> its weighted sum (fp32)
 
-        def run(experts, slot_of, tensors=None):
-            if one:
-                s = torch.tensor([[slot_of[e] for e in experts]], dtype=torch.long)
-                w = w_flat[[rows[e][0] for e in experts]][None, :]
-                y = self._compute(mod.compute, x_all, s, w, tensors).float()
-                acc.append(y) if not acc else acc[0].add_(y)
-                parts.update((e, None) for e in experts)
+        def run(experts, slot_of, tensors=None, arrivals=False):
+            if one:  # `arrivals`: loads that landed together (timing decides which): one call each
+                for group in ([[e] for e in experts] if arrivals else [experts]):
+                    s = torch.tensor([[slot_of[e] for e in group]], dtype=torch.long)
+                    w = w_flat[[rows[e][0] for e in group]][None, :]
+                    sums[min(group)] = self._compute(mod.compute, x_all, s, w, tensors).float()
+                    parts.update((e, None) for e in group)
                 return
             r = torch.tensor([i for e in experts for i in rows[e]], dtype=torch.long)
             s = torch.tensor([slot_of[e] for e in experts for _ in rows[e]], dtype=torch.long)
@@ -967,8 +981,8 @@ class OffloadEngine:
                     e, j = queue.pop(0), free.pop()
                     futs[submit(self._load, pos, e, j, spool)] = (e, j)
             feed()
-            if here and futs and self.overlap:  # resident experts compute while the misses load
-                run(hits, here)
+            if here and futs and self.overlap:  # resident experts (and victims) compute while the misses load
+                run(sorted(here), here)
                 here = {}
             while futs:
                 t0 = time.perf_counter()
@@ -980,7 +994,7 @@ class OffloadEngine:
                 here.update((e, staged[e]) for e, j in arrived if j is None)
                 held += [(e, j) for e, j in arrived if j is not None]
                 if self.overlap and here:
-                    run(sorted(here), here)
+                    run(sorted(here), here, arrivals=True)
                     here = {}
                 if held and (self.overlap or (queue and not free)):
                     run([e for e, _ in sorted(held)], dict(held), spool.views)
@@ -996,7 +1010,10 @@ class OffloadEngine:
                 run(sorted(here), here)
         # combine
         if one:
-            return acc[0].to(hidden.dtype).view_as(hidden), (staged, transient, waited)
+            out = sums[min(sums)]
+            for key in sorted(sums)[1:]:
+                out = out + sums[key]
+            return out.to(hidden.dtype).view_as(hidden), (staged, transient, waited)
         if mod.eager:  # eager: index_add of each expert's rows, in expert order, into the hidden dtype
             out = torch.zeros_like(x_all)
             for e in sorted(parts):
@@ -1111,7 +1128,7 @@ class OffloadEngine:
 
     def describe(self) -> dict:
         return {"capacity": self.capacity, "capacity_frac": self.capacity / self.adapter.num_experts,
-                "staging_slots": self.adapter.top_k, "victims": self.cfg.victims and self.cfg.budget == "layer",
+                "staging_slots": self.adapter.top_k, "victims": self._victims_on(),
                 "policy": self.cfg.policy, "miss": self.cfg.miss,
                 "miss_precision": self.cfg.miss_precision or None,
                 "miss_copy": self.cfg.miss_copy or None, "miss_upgrade": self.cfg.miss_upgrade
@@ -1124,6 +1141,12 @@ class OffloadEngine:
                 "tier_choice": self.tier_choice,
                 "stream_slot_bytes": self._spool.n_slots * self.meta.block_bytes if self._spool is not None else 0,
                 "integrity": self.integrity()}
+
+    def _victims_on(self) -> bool:
+        """Whether victims serve misses here: asked for, a per-layer budget, a policy that evicts (not static), and
+        misses that load into the staging slots (not miss=host, not miss_precision's packed copy)."""
+        return (self.cfg.victims and self.cfg.budget == "layer" and self.cache_policy != "static"
+                and self.low_tier is None and self.cfg.miss != "host")
 
     def integrity(self) -> str:
         """Whether the experts served are checked against a reference: `verified (...)` or `unverified (why)`."""

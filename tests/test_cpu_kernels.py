@@ -257,11 +257,13 @@ def test_engine_kernel_cpu_agrees_with_the_family_forward(saved, fam):
     assert _rel(got, ref) < 2e-2, fam
     eng.close()
     assert not any("forward" in mod.__dict__ for mod in m.modules() if isinstance(mod, torch.nn.Linear))
-    # with misses: a step's resident experts, victims and loads computed in separate calls, summed in fp32
+    # with misses: a step's resident experts and victims in one call, each load in its own as it lands (overlap,
+    # as for experts >= 1 MiB), their sums added in fp32
     m = load(saved / fam, capacity=0.25, tier="disk", kernel="cpu")
+    m.expertcache.overlap = True
     got = _logits(m)
     s = m.expertcache.stats
-    assert s.demand_loads > 0 and s.hits > 0
+    assert s.demand_loads > 0 and s.hits > 0 and s.victim_hits > 0
     assert _rel(got, ref) < 2e-2, fam
     m.expertcache.close()
 
@@ -583,13 +585,16 @@ def test_bench_big_systems_carry_engine_options_and_formats():
     cfg = bigbench.system_engine("expertcache:on-demand/victims=false/policy=learned:/a/b=c/p.safetensors", base)
     assert (cfg.victims, cfg.policy, cfg.tier) == (False, "learned:/a/b=c/p.safetensors", "disk")
     assert bigbench.system_engine("expertcache:prefetch", base) is base
+    assert bigbench.system_engine("expertcache:prefetch/predictor=persistence", base).predictor == "persistence"
     assert bigbench.system_names(["expertcache:on-demand/victims=false", "mmap"], ("bf16", "int4")) == [
         "expertcache:on-demand/victims=false", "expertcache:on-demand:int4/victims=false", "mmap"]
     assert bigbench.parse_system("expertcache:on-demand:int4/victims=false") == (
         "expertcache:on-demand", "int4", {"victims": "false"})
     for bad, why in [("expertcache:on-demand/victims=maybe", "true or false"), ("mmap/victims=false", "only"),
                      ("expertcache:on-demand/zzz=1", "not an engine option"),
-                     ("expertcache:on-demand/victims", "not an engine option")]:
+                     ("expertcache:on-demand/victims", "not an engine option"),
+                     ("expertcache:on-demand/capacity=4", "set by bench big"),
+                     ("expertcache:on-demand/predictor=persistence", "set by bench big")]:
         with pytest.raises(InputError, match=why):
             bigbench.system_engine(bad, base)
     from pathlib import Path

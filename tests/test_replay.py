@@ -67,7 +67,9 @@ def test_bandwidth_model_arithmetic():
     ids = np.array([[[0], [1], [0], [1]]])  # one layer, top-1, alternating: LRU with C=1 misses every token
     shape = ModelShape("toy", moe_layers=10, num_experts=4, top_k=1, expert_bytes=1_000_000, dense_bytes_per_token=0)
     hw = Hardware("toy", link_GBps=1.0, mem_GBps=1.0, fast_GB=1.0)
-    p = project(ids, hw, shape, capacity_frac=0.25)
+    # victims: C + k = 2 holds both after their first use (2 cold misses in 4 tokens, x 10 layers)
+    assert project(ids, hw, shape, capacity_frac=0.25)["misses_per_token"] == 5
+    p = project(ids, hw, shape, capacity_frac=0.25, victims=False)
     assert p["misses_per_token"] == 10  # 1 per layer-token x 10 layers
     assert p["t_transfer_s"] == pytest.approx(10 * 1e6 / 1e9)
     assert p["t_compute_s"] == pytest.approx(10 * 1e6 / 1e9)  # 10 layers x top-1 x 1 MB at 1 GB/s
