@@ -340,7 +340,9 @@ def text_summary(s: dict) -> str:
         rows = {x["policy"]: x for x in s["hit_curves"] if x["capacity"] == cap}
         cells = [f"{rows[p]['hit_rate_per_layer']:.3f}/{rows[p]['hit_rate_global']:.3f}" for p in _policies(s)]
         lines.append(f"  {cap:>4} ({cap / s['num_experts']:6.1%}) " + " ".join(f"{c:>16}" for c in cells))
-    lines.append("  (each cell: per-layer budget / global budget)")
+    lines.append("  (each cell: per-layer budget / global budget; the runtime at capacity C also keeps the experts "
+                 "that last left in its k staging slots (--engine.victims), so its per-layer LRU hit rate is this "
+                 f"table's at C + {s['top_k']})")
     if "lookahead_recall" in s:
         shown = [(d, v) for d, v in sorted(s["lookahead_recall"].items(), key=lambda kv: int(kv[0]))
                  if not math.isnan(v["mean"])]  # d beyond the model's layers has nothing to measure
