@@ -79,17 +79,22 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
     kw = dict(corpus=recipe.data.corpus, task_dir=evals / "task-data", split=f.split)
 
     def ev(model, name, engine=None, lossy=False):
+        # served rows count the cache's demand loads token by token, as decoding sees them (a lossless policy's
+        # batched evaluation would count whole blocks: the base's LRU loads must be comparable to reroute's)
+        method = "token" if engine is not None else "auto"
         path = evals / f"{name}.json"
         if path.is_file():
             r = json.loads(path.read_text())
             # older evals lack the gate's fingerprints; one served otherwise is not this row's
             if r.get("format_version") == EVAL_FORMAT_VERSION and r.get("policy") == (engine.label() if engine
-                                                                                       else "plain"):
+                                                                                       else "plain") \
+                    and (engine is None or r.get("stepwise", {}).get("method") == "token"):
                 return r
         log(f"[frontier] eval {name} [{'plain' if engine is None else engine.label()}]")
         tasks, limit = (f.lossy_tasks, f.lossy_limit) if lossy else (f.tasks, f.limit)
         blocks, seq = (f.lossy_ppl_blocks, f.lossy_seq_len) if lossy else (f.ppl_blocks, f.seq_len)
-        r = evaluate(model, engine=engine, tasks=tasks, limit=limit, ppl_blocks=blocks, seq_len=seq, **kw)
+        r = evaluate(model, engine=engine, tasks=tasks, limit=limit, ppl_blocks=blocks, seq_len=seq, stepwise=method,
+                     **kw)
         write_json(path, r)
         return r
 
