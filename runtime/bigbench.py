@@ -62,12 +62,10 @@ def parse_system(name: str) -> tuple[str, str, dict[str, str]]:
     if "/" in base:
         raise InputError(f"system {name!r}: {base.split('/', 1)[1]!r} is not an engine option key=value "
                          f"({', '.join(EngineConfig.__dataclass_fields__)})")
-    over = {}
-    for o in opts:
-        key, eq, val = o.partition("=")
-        if not eq or not key or not val:
-            raise InputError(f"system {name!r}: {o!r} is not an engine option key=value")
-        over[key] = val
+    over = dict(o.split("=", 1) for o in opts)  # each split before a known `key=`
+    empty = [k for k, v in over.items() if not v]
+    if empty:
+        raise InputError(f"system {name!r}: engine option {empty[0]} has no value")
     fmt = "bf16"
     if base.startswith("expertcache") and base.rsplit(":", 1)[-1] in FORMATS[1:]:
         base, fmt = base.rsplit(":", 1)

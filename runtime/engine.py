@@ -453,25 +453,23 @@ class OffloadedExperts(nn.Module):
 
             v = self._tmpl
             return swiglu_experts(hidden, v.gate_up_proj, v.down_proj, slot_index, weights)
-        if self.quant is not None or (tensors is not None and quant.format_of(tensors) is not None):
-            # packed experts: the slots', or the miss_precision copy's
-            return quant.swiglu(hidden, tensors if tensors is not None else self._views, slot_index, weights)
-        t = self._over(tensors)
-        if self.fast_kernel(hidden):
-            return cpu_kernels.swiglu_bf16(hidden, t.gate_up_proj, t.down_proj, slot_index, weights)
-        return self._forward(t, hidden, slot_index, weights)
+        return self._on_cpu_or_native(hidden, slot_index, weights, tensors)
 
     def rows(self, x, slots, weights, tensors: dict[str, torch.Tensor] | None = None):
         """`x [S, H]`, `slots [S]`, `weights [S]` -> each (token, choice) row's weighted expert output `[S, H]`,
         through the family's own forward with k = 1 (the same kernels and roundings as the full call), over the
         slot pool or over `tensors` (`[n, ...]` views, e.g. the host copy of a layer)."""
+        return self._on_cpu_or_native(x, slots[:, None], weights[:, None], tensors)
+
+    def _on_cpu_or_native(self, x, slot_index, weights, tensors):
+        """`compute` without the triton kernel: the integer kernels for packed experts (the slots', or the
+        miss_precision copy's), the bf16 CPU kernel where the engine chose it, else the family's own forward."""
         if self.quant is not None or (tensors is not None and quant.format_of(tensors) is not None):
-            return quant.swiglu(x, tensors if tensors is not None else self._views, slots[:, None],
-                                weights[:, None])  # packed experts: the slots', or the miss_precision copy's
+            return quant.swiglu(x, tensors if tensors is not None else self._views, slot_index, weights)
         t = self._over(tensors)
         if self.fast_kernel(x):
-            return cpu_kernels.swiglu_bf16(x, t.gate_up_proj, t.down_proj, slots[:, None], weights[:, None])
-        return self._forward(t, x, slots[:, None], weights[:, None])
+            return cpu_kernels.swiglu_bf16(x, t.gate_up_proj, t.down_proj, slot_index, weights)
+        return self._forward(t, x, slot_index, weights)
 
     def _over(self, tensors):
         """The experts module over the slot pool, or over `tensors` (a copy: the pool's template stays)."""
@@ -845,7 +843,7 @@ class OffloadEngine:
         hits = [e for e in needed if st.lookup(e) is not None]
         misses = [e for e in needed if st.lookup(e) is None]
         reused = []  # misses whose bytes a staging slot still holds (victims): served from there, nothing read
-        if self.low_tier is None and self.cfg.miss != "host":
+        if self._victims_on():
             reused = [e for e in misses if st.victim(e) is not None]
             misses = [e for e in misses if e not in reused]
         self.stats.prefetch_hits += sum(e in self.prefetched[pos] for e in hits)
@@ -1010,9 +1008,7 @@ class OffloadEngine:
                 run(sorted(here), here)
         # combine
         if one:
-            out = sums[min(sums)]
-            for key in sorted(sums)[1:]:
-                out = out + sums[key]
+            out = sum(sums[key] for key in sorted(sums))
             return out.to(hidden.dtype).view_as(hidden), (staged, transient, waited)
         if mod.eager:  # eager: index_add of each expert's rows, in expert order, into the hidden dtype
             out = torch.zeros_like(x_all)
