@@ -200,6 +200,81 @@ def linear_q(x, q, scales, mins, bits: int, group: int, bias=None) -> torch.Tens
     return y.to(x.dtype).reshape(*lead, q.shape[0])
 
 
+ATTENTION = "expertcache_cpu"
+
+
+def attend_one(q, k, v, mask=None, scale: float | None = None) -> torch.Tensor:
+    """One query per (row, head) against a KV cache: q [B, Hq, D], k and v [B, Hkv, L, D] (rows contiguous; Hq a
+    multiple of Hkv: grouped-query attention), mask an additive [B, L] (0 or -inf) or None -> [B, Hq, D] in q's
+    dtype (bf16 or fp32; fp32 scores and sums)."""
+    return torch.ops.expertcache_cpu.attend_one(q, k, v, mask, scale if scale is not None else q.shape[-1] ** -0.5)
+
+
+def _one_token_mask(mask, B: int, L: int):
+    """The attention interface's mask as `attend_one` takes it ([B, L] additive), None for no mask, or False where it
+    has another shape (per head, per query) and the caller falls back."""
+    if mask is None:
+        return None
+    if mask.dim() != 4 or mask.shape[0] != B or mask.shape[1] != 1 or mask.shape[2] != 1 or mask.shape[3] != L:
+        return False
+    m = mask[:, 0, 0, :]
+    if m.dtype == torch.bool:
+        return torch.zeros(m.shape, dtype=torch.float32).masked_fill_(~m, float("-inf"))
+    return m.float()
+
+
+def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """The transformers attention interface's function for decode: one query token per row on the CPU, no grad, a
+    bf16 or fp32 cache, no dropout, softcap or position bias, goes through `attend_one`; everything else (the
+    prefill, training, other devices) through transformers' own `sdpa` function, unchanged."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    B, Hq, T, D = query.shape
+    Hk, L = key.shape[1], key.shape[2]
+    window = kwargs.get("sliding_window")
+    fits = (T == 1 and not query.is_cuda and not torch.is_grad_enabled() and dropout == 0.0
+            and query.dtype in (torch.bfloat16, torch.float32) and key.dtype == query.dtype == value.dtype and value.shape == key.shape
+            and key.stride(-1) == 1 and value.stride(-1) == 1 and 0 < D <= 256
+            and Hk > 0 and Hq % Hk == 0 and Hq // Hk <= 16 and kwargs.get("softcap") is None
+            and kwargs.get("position_bias") is None and not kwargs.get("output_attentions", False)
+            and (window is None or attention_mask is not None or L <= window) and available())
+    if fits:
+        mask = _one_token_mask(attention_mask, B, L)
+        if mask is not False:
+            out = attend_one(query[:, :, 0], key, value, mask, scaling)
+            return out.unsqueeze(1), None  # [B, 1, Hq, D], as sdpa's function returns it
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
+def patch_attention(model: torch.nn.Module) -> list:
+    """The model's configs that use transformers' `sdpa` attention switch to `attention` (registered as
+    `ATTENTION`, with sdpa's masks): its decode steps read the KV cache once per key/value head in fp32 instead of
+    torch's flash kernel, which tiles for many queries (2.7 ms per layer for one bf16 query against 512 keys here,
+    against tens of us). Returns what `unpatch_attention` restores."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    seen, done = set(), []
+    for mod in model.modules():
+        cfg = getattr(mod, "config", None)
+        if cfg is None or id(cfg) in seen or not hasattr(cfg, "_attn_implementation_internal"):
+            continue
+        seen.add(id(cfg))
+        if cfg._attn_implementation_internal == "sdpa":
+            cfg._attn_implementation_internal = ATTENTION
+            done.append(cfg)
+    return done
+
+
+def unpatch_attention(configs) -> None:
+    for cfg in configs:
+        if cfg._attn_implementation_internal == ATTENTION:
+            cfg._attn_implementation_internal = "sdpa"
+
+
 def read_bandwidth(nbytes: int = 1 << 30, rounds: int = 5) -> float:
     """This machine's memory read bandwidth in bytes/s at torch's current thread count: the median of `rounds`
     passes over a buffer far larger than the caches (the extension's streaming read)."""

@@ -600,13 +600,14 @@ class OffloadEngine:
             self.modules.append(mod)
         self._new_states()
         # decode-sized projections (attention, lm head) through the same kernels as the experts
-        self._linears = []
+        self._linears, self._attention = [], []
         m0 = self.modules[0]
         if cfg.kernel in ("cpu", "auto") and cfg.slot_device == "cpu" and (m0.swiglu_ok or m0.quant is not None) \
                 and cpu_kernels.available():  # built (once, cached) only for a model the kernels can compute
             for mod in self.modules:
                 mod.cpu_kernel = mod.swiglu_ok
             self._linears = cpu_kernels.patch_linears(model) + cpu_kernels.patch_calls([L.router for L in self.layers])
+            self._attention = cpu_kernels.patch_attention(model)  # one-token attention over the KV cache
         # loads run nearest-layer first, demand loads before any prefetch (`loadqueue`)
         self.pool_exec = LoadQueue(cfg.workers, "expert-load")
         self._pass = 0  # forward passes begun: with the layer, a prefetch's place in the load queue
@@ -1157,7 +1158,8 @@ class OffloadEngine:
             h.remove()
         self._hooks = []
         cpu_kernels.unpatch_linears(self._linears)
-        self._linears = []
+        cpu_kernels.unpatch_attention(self._attention)
+        self._linears, self._attention = [], []
         self.pool_exec.shutdown(wait=True)
         for mod in self.modules:  # break the engine <-> module cycle: the slot pools go when the engine does
             mod._engine = [None]

@@ -212,15 +212,16 @@ def bench(bins: Path, model: Path, threads: int, tokens: int, warmup: int = 0, d
             "read_bytes_timed": timed, "cmd": " ".join(cmd)}
 
 
-def decode(model: str | Path, fmt: str, threads: int, tokens: int = 32, reps: int = 3) -> dict:
-    """llama-bench's decode figure on `model` in `fmt` (`-p 0 -n tokens`, `reps` repetitions): seconds per token,
-    mean and stddev (what `scripts/bench_kernels.py` pairs against)."""
+def decode(model: str | Path, fmt: str, threads: int, tokens: int = 32, reps: int = 3, depth: int = 0) -> dict:
+    """llama-bench's decode figure on `model` in `fmt` (`-p 0 -n tokens`, `reps` repetitions, `-d depth` tokens
+    already in the context): seconds per token, mean and stddev (what `scripts/bench_kernels.py` pairs against)."""
     src = source_dir()
     bins = build(src)
     path = gguf(Path(model), fmt, src, bins)
     r = _run("bench", [str(bins / "llama-bench"), "-m", str(path), "-t", str(threads), "-p", "0", "-n", str(tokens),
-                       "-r", str(reps), "-o", "json"])
+                       "-r", str(reps), "-o", "json"] + (["-d", str(depth)] if depth else []))
     row = json.loads(r.stdout)[0]
     ts, sd = row["avg_ts"], row["stddev_ts"]
     return {"format": fmt, "threads": threads, "tpot_s": 1 / ts, "tok_s": ts, "tok_s_stddev": sd,
-            "gguf_bytes": path.stat().st_size, "build": row.get("build_commit"), "tokens": tokens, "reps": reps}
+            "gguf_bytes": path.stat().st_size, "build": row.get("build_commit"), "tokens": tokens, "reps": reps,
+            "depth": depth}

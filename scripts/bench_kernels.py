@@ -101,8 +101,8 @@ def kernel_figures(threads: int, pool: int = 32, k: int = 8, rounds: int = 30) -
     return out
 
 
-def worker(model: str, threads: int, tokens: int, reps: int) -> dict:
-    """One process: load, warm up, time greedy decode `reps` times (fresh prompts)."""
+def worker(model: str, threads: int, tokens: int, reps: int, depth: int = 0) -> dict:
+    """One process: load, warm up, time greedy decode `reps` times (fresh prompts of max(8, depth) tokens)."""
     import torch
 
     from expertcache.runtime import load
@@ -115,7 +115,7 @@ def worker(model: str, threads: int, tokens: int, reps: int) -> dict:
     from expertcache.runtime.decode import timed_greedy
 
     def tpot(n, seed):  # the decode loop of generate and serve; its clock excludes the prefill
-        ids = torch.randint(2, 4000, (1, 8), generator=torch.Generator().manual_seed(seed))
+        ids = torch.randint(2, 4000, (1, max(8, depth)), generator=torch.Generator().manual_seed(seed))
         times, _, _ = timed_greedy(m, ids, n + 1)
         return (times[-1] - times[0]) / n
 
@@ -124,9 +124,9 @@ def worker(model: str, threads: int, tokens: int, reps: int) -> dict:
     return {"tpot_s": statistics.median(tp), "tpot_runs_s": tp, "load_s": load_s}
 
 
-def ours(model: str, threads: int, tokens: int, reps: int = 3) -> dict:
+def ours(model: str, threads: int, tokens: int, reps: int = 3, depth: int = 0) -> dict:
     r = subprocess.run([sys.executable, __file__, "--worker", model, "--threads", str(threads), "--tokens",
-                        str(tokens), "--reps", str(reps)], capture_output=True, text=True)
+                        str(tokens), "--reps", str(reps), "--depth", str(depth)], capture_output=True, text=True)
     if r.returncode:
         raise SystemExit(f"bench_kernels: the decode worker failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -151,6 +151,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--depth", type=int, default=0,
+                    help="tokens already in the context when decode starts (ours: the prompt's length, at least 8; "
+                         "llama-bench -d): long contexts time the attention over the KV cache")
     ap.add_argument("--linears", default="true", choices=["true", "false"],
                     help="int8/int4: pack the non-expert linears too (as llama.cpp's Q8_0/Q4_0 do)")
     ap.add_argument("--formats", default=",".join(FORMATS), help="comma-separated subset of " + ",".join(FORMATS))
@@ -163,7 +166,7 @@ def main() -> None:
     if not formats or any(f not in FORMATS for f in formats):
         raise SystemExit(f"bench_kernels: --formats {a.formats}: expected a subset of {','.join(FORMATS)}")
     if a.worker:
-        print(json.dumps(worker(a.worker, threads[0], a.tokens, a.reps)))
+        print(json.dumps(worker(a.worker, threads[0], a.tokens, a.reps, a.depth)))
         return
     t_start = time.time()
     kernels = [row for t in threads for row in kernel_figures(t)]
@@ -182,9 +185,9 @@ def main() -> None:
         for r in range(a.rounds):
             for t in threads:
                 for f in formats:
-                    mine = ours(str(paths[f]), t, a.tokens, a.reps)
+                    mine = ours(str(paths[f]), t, a.tokens, a.reps, a.depth)
                     if (r, t, PEER[f]) not in peer_runs:  # one llama.cpp run per (round, threads, its format)
-                        peer_runs[(r, t, PEER[f])] = llamacpp_peer.decode(model, PEER[f], t, a.tokens, a.reps)
+                        peer_runs[(r, t, PEER[f])] = llamacpp_peer.decode(model, PEER[f], t, a.tokens, a.reps, depth=a.depth)
                     peer = peer_runs[(r, t, PEER[f])]
                     d = runs.setdefault((f, t), {"ours": [], "peer": [], "peer_stddev_tok_s": []})
                     d["ours"].append(mine["tpot_s"])
@@ -200,7 +203,7 @@ def main() -> None:
                           "llamacpp_rounds_s": d["peer"], "llamacpp_build": d["peer_build"],
                           "llamacpp_gguf_bytes": d["peer_gguf_bytes"],
                           "expertcache_checkpoint": str(paths[f].name),
-                          "expertcache_linears_packed": f != "bf16" and a.linears == "true"})
+                          "expertcache_linears_packed": f != "bf16" and a.linears == "true", "depth": a.depth})
         cfg = json.loads((model / "config.json").read_text())
         model_info = {k: cfg.get(k) for k in ("model_type", "num_hidden_layers", "hidden_size", "num_experts",
                                               "moe_intermediate_size", "num_experts_per_tok", "vocab_size",
@@ -209,7 +212,7 @@ def main() -> None:
     res = {
         "command": "python scripts/bench_kernels.py " + " ".join(sys.argv[1:]),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
-        "model": model_info, "tokens": a.tokens, "rounds": a.rounds, "seconds": round(time.time() - t_start, 1),
+        "model": model_info, "tokens": a.tokens, "depth": a.depth, "rounds": a.rounds, "seconds": round(time.time() - t_start, 1),
         "kernels": kernels, "pairs": pairs,
         "targets": {"kernel_fraction_one_thread": 0.7, "tpot_ratio": 1.25},
         "pass": {"kernels": {k["format"]: k["fraction_of_read_bandwidth"] >= 0.7 for k in one},

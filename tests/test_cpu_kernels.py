@@ -208,6 +208,69 @@ def test_packed_linear_kernel_stays_near_the_dequantized_weights(bits, group, ro
 
 
 @needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,Hq,Hk,L,D", [(1, 32, 4, 40, 128), (2, 8, 8, 1, 64), (3, 12, 4, 77, 8), (1, 16, 1, 300, 256), (2, 6, 2, 33, 72)])
+def test_one_token_attention_matches_sdpa(dtype, B, Hq, Hk, L, D):
+    """`attend_one` against torch's attention in fp32 on the same (rounded) inputs: grouped heads, a padding mask
+    (each row's first keys masked), and keys/values read as strided views of a longer cache; a row whose keys are
+    all masked reads zeros."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(B * L + D)
+    q = torch.randn(B, Hq, D, generator=g).to(dtype)
+    cache_k = torch.randn(B, Hk, L + 5, D, generator=g).to(dtype)
+    cache_v = torch.randn(B, Hk, L + 5, D, generator=g).to(dtype)
+    k, v = cache_k[:, :, :L], cache_v[:, :, :L]  # rows contiguous, the key axis strided past the cache's end
+    keep = torch.ones(B, L, dtype=torch.bool)
+    for b in range(B):
+        keep[b, : min(b, L - 1)] = False  # row b's first b keys are padding
+    mask = torch.zeros(B, L).masked_fill(~keep, float("-inf"))
+    scale = 0.3 / D ** 0.5
+    ref = F.scaled_dot_product_attention(q.float()[:, :, None], k.float(), v.float(), attn_mask=keep[:, None, None],
+                                         scale=scale, enable_gqa=True)[:, :, 0]
+    got = ck.attend_one(q, k, v, mask, scale)
+    assert got.dtype == dtype and got.shape == (B, Hq, D)
+    assert (got.float() - ref).abs().max().item() < (1e-5 if dtype == torch.float32 else 2e-2)
+    assert torch.equal(ck.attend_one(q, k, v, None, scale), ck.attend_one(q, k, v, torch.zeros(B, L), scale))
+    dead = mask.clone()
+    dead[0] = float("-inf")
+    assert not ck.attend_one(q, k, v, dead, scale)[0].any()
+
+
+@needs_ext
+def test_the_attention_function_takes_one_token_steps_and_hands_the_rest_to_sdpa():
+    """The interface function: a one-token step with transformers' boolean padding mask goes through `attend_one`;
+    a prefill, a step under grad and per-query masks go to transformers' sdpa function; both agree."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    class Attn(torch.nn.Module):
+        num_key_value_groups, is_causal, training = 4, True, False
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, s, n, 64, generator=g) for s, n in ((8, 1), (2, 9), (2, 9)))
+    q = q.transpose(1, 2).reshape(2, 8, 1, 64)
+    keep = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    keep[1, ..., :3] = False
+    calls = []
+    real = ck.attend_one
+    try:
+        ck.attend_one = lambda *a: calls.append(1) or real(*a)
+        with torch.no_grad():
+            out, w = ck.attention(Attn(), q, k, v, keep, scaling=0.125)
+        assert calls and w is None and out.shape == (2, 1, 8, 64)
+        ref, _ = sdpa_attention_forward(Attn(), q, k, v, keep, scaling=0.125)
+        assert (out - ref).abs().max().item() < 1e-5
+        calls.clear()
+        with torch.no_grad():  # a prefill: sdpa
+            q3 = torch.randn(2, 8, 3, 64, generator=g)
+            ck.attention(Attn(), q3, k, v, None, scaling=0.125)
+        ck.attention(Attn(), q, k, v, keep, scaling=0.125)  # grad enabled (training): sdpa
+        assert not calls
+    finally:
+        ck.attend_one = real
+
+
+@needs_ext
 def test_read_bandwidth_is_measured():
     bw = ck.read_bandwidth(64 << 20, rounds=3)
     assert 1e8 < bw < 1e13  # bytes/s: a real pass over 64 MiB, neither zero nor instantaneous
@@ -253,10 +316,18 @@ def test_engine_kernel_cpu_agrees_with_the_family_forward(saved, fam):
     m = load(saved / fam, capacity=1.0, tier="host", kernel="cpu")
     eng = m.expertcache
     assert eng._linears and all(mod.fast_kernel(torch.zeros(1, 1, dtype=torch.bfloat16)) for mod in eng.modules)
-    got = _logits(m)
+    assert m.config._attn_implementation == ck.ATTENTION  # the decode steps' attention: attend_one
+    calls, real = [], ck.attend_one
+    ck.attend_one = lambda *a: calls.append(1) or real(*a)
+    try:
+        got = _logits(m)
+    finally:
+        ck.attend_one = real
+    assert len(calls) == 4 * m.config.num_hidden_layers or fam == "deepseek_v3", (fam, len(calls))  # MLA: sdpa
     assert _rel(got, ref) < 2e-2, fam
     eng.close()
     assert not any("forward" in mod.__dict__ for mod in m.modules() if isinstance(mod, torch.nn.Linear))
+    assert m.config._attn_implementation == "sdpa"
     # with misses: a step's resident experts and victims in one call, each load in its own as it lands (overlap,
     # as for experts >= 1 MiB), their sums added in fp32
     m = load(saved / fam, capacity=0.25, tier="disk", kernel="cpu")

@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -31,6 +32,14 @@ namespace {
 constexpr int64_t UP_ROWS = 16;    // rows of gate (and of up) per work item
 constexpr int64_t DOWN_ROWS = 32;  // output rows per work item
 constexpr int64_t PF_BYTES = 8192;  // software prefetch distance along a row (and on into the next rows)
+
+// The prefetch distance for rows read `step` rows at a time (each `row_bytes` long, consecutive in memory): a whole
+// number of steps, at least PF_BYTES, so that every row of a later step is fetched at the offset being read (with
+// a distance of PF_BYTES alone, rows of 4 KiB read 4 at a time had half of the next step's rows never prefetched).
+inline int64_t pf_rows(int64_t step, int64_t row_bytes) {
+  const int64_t s = step * row_bytes;
+  return s * ((PF_BYTES + s - 1) / s);
+}
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
@@ -132,16 +141,16 @@ at::Tensor swiglu_bf16(const at::Tensor& x, const at::Tensor& gate_up, const at:
     }
   });
   const int64_t no = (H + DOWN_ROWS - 1) / DOWN_ROWS;
+  // each thread owns a range of output rows and reads each slot's rows in it as one stream (slot by slot, so every
+  // output adds its experts in slot order whatever the split)
   at::parallel_for(0, no, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t it = b0; it < b1; ++it) {
-      const int64_t o0 = it * DOWN_ROWS, o1 = std::min(H, o0 + DOWN_ROWS);
-      for (int64_t u = 0; u < U; ++u) {
-        const uint16_t* base = dn + g.slot[u] * dns;
-        for (int64_t o = o0; o < o1; ++o) {
-          for (int64_t q = g.start[u]; q < g.start[u + 1]; ++q) {
-            const int64_t p = g.order[q];
-            yp[(p / K) * H + o] += wp[p] * dot_bf16(base + o * I, ap + p * I, I);
-          }
+    const int64_t o0 = b0 * DOWN_ROWS, o1 = std::min(H, b1 * DOWN_ROWS);
+    for (int64_t u = 0; u < U; ++u) {
+      const uint16_t* base = dn + g.slot[u] * dns;
+      for (int64_t o = o0; o < o1; ++o) {
+        for (int64_t q = g.start[u]; q < g.start[u + 1]; ++q) {
+          const int64_t p = g.order[q];
+          yp[(p / K) * H + o] += wp[p] * dot_bf16(base + o * I, ap + p * I, I);
         }
       }
     }
@@ -248,9 +257,9 @@ inline __m512i load_q(const uint8_t* w, int64_t c) {
 
 // int4, chunks 2p and 2p + 1 of one weight row against activations `xlo`/`xhi` (`QAct::q4`): the dots of the low
 // nibbles (inputs 0-31 of both chunks) and of the high ones (inputs 32-63), as floats.
-inline void pair_dots(const uint8_t* w, int64_t p, __m512i xlo, __m512i xhi, __m512& flo, __m512& fhi) {
+inline void pair_dots(const uint8_t* w, int64_t p, __m512i xlo, __m512i xhi, __m512& flo, __m512& fhi, int64_t pf) {
   const __m512i m4 = _mm512_set1_epi8(0x0F);
-  _mm_prefetch(reinterpret_cast<const char*>(w + p * 64 + PF_BYTES), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(w + p * 64 + pf), _MM_HINT_T0);
   const __m512i pw = _mm512_loadu_si512(w + p * 64);
   flo = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(pw, m4), xlo));
   fhi = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(_mm512_srli_epi16(pw, 4), m4),
@@ -270,10 +279,10 @@ inline float vdot(const float* a, const float* b, int64_t n) {
 
 // R rows at once (sharing each activation load): n inputs (n % 64 == 0) of BITS-bit weights w[r] with per-group
 // (G inputs, G % 32 == 0) fp32 scales sf[r] and (int4) minimums mf[r]; int8 weights are stored signed and read as
-// unsigned (q + 128), their minimum being -128 * s.
+// unsigned (q + 128), their minimum being -128 * s. Each row is prefetched `pf` bytes ahead of where it is read.
 template <int BITS, int R>
 inline void dot_q(const uint8_t* const* w, const float* const* sf, const float* const* mf, int64_t n, int64_t G,
-                  const QAct& x, float* out) {
+                  const QAct& x, float* out, int64_t pf) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const int64_t steps = n / 64, groups = n / G;
@@ -291,7 +300,7 @@ inline void dot_q(const uint8_t* const* w, const float* const* sf, const float* 
         const __m512 llo = _mm512_loadu_ps(x.lanes4 + p * 32), lhi = _mm512_loadu_ps(x.lanes4 + p * 32 + 16);
         for (int r = 0; r < R; ++r) {
           __m512 flo, fhi;
-          pair_dots(w[r], p, xlo, xhi, flo, fhi);
+          pair_dots(w[r], p, xlo, xhi, flo, fhi, pf);
           if (G == 32) {
             const __m512 s4 = _mm512_castps128_ps512(_mm_loadu_ps(sf[r] + 4 * p));
             acc[r] = _mm512_fmadd_ps(flo, _mm512_mul_ps(_mm512_permutexvar_ps(ilo, s4), llo), acc[r]);
@@ -313,7 +322,7 @@ inline void dot_q(const uint8_t* const* w, const float* const* sf, const float* 
           const __m512 llo = _mm512_loadu_ps(x.lanes4 + p * 32), lhi = _mm512_loadu_ps(x.lanes4 + p * 32 + 16);
           for (int r = 0; r < R; ++r) {
             __m512 flo, fhi;
-            pair_dots(w[r], p, xlo, xhi, flo, fhi);
+            pair_dots(w[r], p, xlo, xhi, flo, fhi, pf);
             ga[r] = _mm512_fmadd_ps(fhi, lhi, _mm512_fmadd_ps(flo, llo, ga[r]));
           }
         }
@@ -330,7 +339,7 @@ inline void dot_q(const uint8_t* const* w, const float* const* sf, const float* 
       const __m512i xv = _mm512_loadu_si512(x.q + c * 64);
       const __m512 xl = _mm512_loadu_ps(x.lanes + c * 16);
       for (int r = 0; r < R; ++r) {
-        if (BITS == 8 || !(c & 1)) _mm_prefetch(reinterpret_cast<const char*>(w[r] + c * BITS * 8 + PF_BYTES), _MM_HINT_T0);
+        if (BITS == 8 || !(c & 1)) _mm_prefetch(reinterpret_cast<const char*>(w[r] + c * BITS * 8 + pf), _MM_HINT_T0);
         const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), load_q<BITS>(w[r], c), xv);
         const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sf[r] + 2 * c)));
         const __m512 ws = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(two));
@@ -346,7 +355,7 @@ inline void dot_q(const uint8_t* const* w, const float* const* sf, const float* 
         const __m512i xv = _mm512_loadu_si512(x.q + c * 64);
         const __m512 xl = _mm512_loadu_ps(x.lanes + c * 16);
         for (int r = 0; r < R; ++r) {
-          if (BITS == 8 || !(c & 1)) _mm_prefetch(reinterpret_cast<const char*>(w[r] + c * BITS * 8 + PF_BYTES), _MM_HINT_T0);
+          if (BITS == 8 || !(c & 1)) _mm_prefetch(reinterpret_cast<const char*>(w[r] + c * BITS * 8 + pf), _MM_HINT_T0);
           ga[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), load_q<BITS>(w[r], c), xv)),
                                   xl, ga[r]);
         }
@@ -424,6 +433,7 @@ at::Tensor swiglu_q_impl(const at::Tensor& x, const QMat& gu, const QMat& dn, in
   std::vector<float> a(P * I);
   const int64_t nb = I / UP_ROWS;  // I % 64 == 0
   const int64_t gH = H / G, gI = I / G;
+  const int64_t pf_up = pf_rows(2, H * BITS / 8), pf_dn = pf_rows(4, I * BITS / 8);  // rows read 2 (4) at a time
   at::parallel_for(0, U * nb, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> sc(4 * gH), mn(4 * gH);
     for (int64_t it = b0; it < b1; ++it) {
@@ -438,7 +448,7 @@ at::Tensor swiglu_q_impl(const at::Tensor& x, const QMat& gu, const QMat& dn, in
         for (int64_t q = g.start[u]; q < g.start[u + 1]; ++q) {
           const int64_t p = g.order[q];
           float o[4];
-          dot_q<BITS, 4>(wr, sr, mr, H, G, xa[p / K], o);
+          dot_q<BITS, 4>(wr, sr, mr, H, G, xa[p / K], o, pf_up);
           a[p * I + r] = silu(o[0]) * o[2];
           a[p * I + r + 1] = silu(o[1]) * o[3];
         }
@@ -454,25 +464,22 @@ at::Tensor swiglu_q_impl(const at::Tensor& x, const QMat& gu, const QMat& dn, in
   const float* wp = wf.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t no = H / DOWN_ROWS;  // H % 64 == 0
-  at::parallel_for(0, no, 1, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, no, 1, [&](int64_t b0, int64_t b1) {  // as in swiglu_bf16: a thread's rows, slot by slot
     std::vector<float> sc(4 * gI), mn(4 * gI);
-    for (int64_t it = b0; it < b1; ++it) {
-      const int64_t o0 = it * DOWN_ROWS;
-      for (int64_t u = 0; u < U; ++u) {
-        const int64_t s = g.slot[u];
-        for (int64_t o = o0; o < o0 + DOWN_ROWS; o += 4) {
-          const uint8_t* wr[4];
-          const float* sr[4];
-          const float* mr[4];
-          for (int j = 0; j < 4; ++j)
-            qrow<BITS>(dn, s, o + j, gI, sc.data() + j * gI, mn.data() + j * gI, wr[j], sr[j], mr[j]);
-          for (int64_t q = g.start[u]; q < g.start[u + 1]; ++q) {
-            const int64_t p = g.order[q];
-            float r4[4];
-            dot_q<BITS, 4>(wr, sr, mr, I, G, aa[p], r4);
-            float* yt = yp + (p / K) * H + o;
-            for (int j = 0; j < 4; ++j) yt[j] += wp[p] * r4[j];
-          }
+    for (int64_t u = 0; u < U; ++u) {
+      const int64_t s = g.slot[u];
+      for (int64_t o = b0 * DOWN_ROWS; o < b1 * DOWN_ROWS; o += 4) {
+        const uint8_t* wr[4];
+        const float* sr[4];
+        const float* mr[4];
+        for (int j = 0; j < 4; ++j)
+          qrow<BITS>(dn, s, o + j, gI, sc.data() + j * gI, mn.data() + j * gI, wr[j], sr[j], mr[j]);
+        for (int64_t q = g.start[u]; q < g.start[u + 1]; ++q) {
+          const int64_t p = g.order[q];
+          float r4[4];
+          dot_q<BITS, 4>(wr, sr, mr, I, G, aa[p], r4, pf_dn);
+          float* yt = yp + (p / K) * H + o;
+          for (int j = 0; j < 4; ++j) yt[j] += wp[p] * r4[j];
         }
       }
     }
@@ -512,7 +519,7 @@ at::Tensor linear_q_impl(const at::Tensor& x, const QMat& w, int64_t O, int64_t 
     xa[t] = quantize_act(xf.data_ptr<float>() + t * N, N, G, xq.data() + t * qact_bytes(N),
                          xfl.data() + t * qact_floats(N), BITS == 4);
   float* yp = y.data_ptr<float>();
-  const int64_t gN = N / G;
+  const int64_t gN = N / G, pf = pf_rows(4, N * BITS / 8);
   at::parallel_for(0, (O + 3) / 4, 16, [&](int64_t b0, int64_t b1) {
     std::vector<float> sc(4 * gN), mn(4 * gN);
     for (int64_t b = b0; b < b1; ++b) {
@@ -525,9 +532,9 @@ at::Tensor linear_q_impl(const at::Tensor& x, const QMat& w, int64_t O, int64_t 
       for (int64_t t = 0; t < T; ++t) {
         float o[4];
         if (nr == 4) {
-          dot_q<BITS, 4>(wr, sr, mr, N, G, xa[t], o);
+          dot_q<BITS, 4>(wr, sr, mr, N, G, xa[t], o, pf);
         } else {
-          for (int j = 0; j < nr; ++j) dot_q<BITS, 1>(wr + j, sr + j, mr + j, N, G, xa[t], o + j);
+          for (int j = 0; j < nr; ++j) dot_q<BITS, 1>(wr + j, sr + j, mr + j, N, G, xa[t], o + j, pf);
         }
         for (int j = 0; j < nr; ++j) yp[t * O + r0 + j] = o[j] + (bp ? bp[r0 + j] : 0.0f);
       }
@@ -548,6 +555,163 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& q, const at::Tensor& 
   at::Tensor bf;
   const float* bp = bias_f32(bias, O, "linear_q", bf);
   return bits == 8 ? linear_q_impl<8>(x, w, O, group, bp) : linear_q_impl<4>(x, w, O, group, bp);
+}
+
+// ------------------------------------------------------------------------------------------- attention ----------
+// One query token per (batch row, head) against a KV cache, the decode step's attention:
+//   out[b, h] = sum_l softmax_l(scale * q[b, h] . k[b, h / R, l] + mask[b, l]) v[b, h / R, l],   R = Hq / Hkv
+// q [B, Hq, D], k and v [B, Hkv, L, D] (rows of D contiguous, any other strides: the cache as it is), bf16 or fp32,
+// mask optional fp32 [B, L] (additive: 0 or -inf). Each key and value row is read once for the R query heads that
+// share it; scores, softmax and sums in fp32, the output rounded to q's dtype. A row whose keys are all masked
+// gives zeros. torch's CPU scaled_dot_product_attention took 2.7 ms per layer for one bf16 query against 512 keys
+// on this machine (its flash kernel tiles for many queries); this reads the 512 keys' 0.5 MB in tens of us.
+
+// exp for the softmax (its arguments <= 0): 2^n * p(f), f in [-ln2/2, ln2/2], a degree-6 polynomial (~2 ulp)
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, f), f, _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 16 elements (the first n of them under `m`, the rest zero) as fp32
+template <typename T>
+inline __m512 load16(const T* p, __mmask16 m) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_maskz_loadu_ps(m, p);
+  } else {  // bf16: the 16 bits are a float's upper half
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+  }
+}
+
+template <typename T>
+inline void store16(T* p, __m512 v, int n) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1u), v);
+  } else {
+    alignas(64) float f[16];
+    _mm512_store_ps(f, v);
+    uint16_t* u = reinterpret_cast<uint16_t*>(p);
+    for (int i = 0; i < n; ++i) u[i] = to_bf16(f[i]);
+  }
+}
+
+constexpr int ATT_MAX_D = 256, ATT_MAX_R = 16;
+
+template <typename T>
+void attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float* mask, double scale,
+                 at::Tensor& out) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hk = k.size(1), L = k.size(2), R = Hq / Hk;
+  const int64_t C = (D + 15) / 16;  // 16-lane chunks of a head, the last one masked to D % 16 lanes
+  auto lanes = [&](int64_t c) { return static_cast<int>(std::min<int64_t>(16, D - c * 16)); };
+  auto mask16 = [&](int64_t c) { return static_cast<__mmask16>((1u << lanes(c)) - 1u); };
+  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+  const T* kp = reinterpret_cast<const T*>(k.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(v.data_ptr());
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  const int64_t kb = k.stride(0), kh = k.stride(1), kl = k.stride(2), vb = v.stride(0), vh = v.stride(1), vl = v.stride(2);
+  at::parallel_for(0, B * Hk, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> sc(R * L);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / Hk, h = i % Hk;
+      const float* mb = mask ? mask + b * L : nullptr;
+      __m512 qv[ATT_MAX_R][ATT_MAX_D / 16];
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t c = 0; c < C; ++c)
+          qv[r][c] = _mm512_mul_ps(load16(qp + (b * Hq + h * R + r) * D + c * 16, mask16(c)),
+                                  _mm512_set1_ps(static_cast<float>(scale)));
+      const T* kr = kp + b * kb + h * kh;
+      for (int64_t l = 0; l < L; ++l) {  // scores: each key row loaded once for the R heads
+        const T* kl_ = kr + l * kl;
+        __m512 acc[ATT_MAX_R];
+        for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < C; ++c) {
+          const __m512 kc = load16(kl_ + c * 16, mask16(c));
+          for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(qv[r][c], kc, acc[r]);
+        }
+        const float m = mb ? mb[l] : 0.0f;
+        for (int64_t r = 0; r < R; ++r) sc[r * L + l] = _mm512_reduce_add_ps(acc[r]) + m;
+      }
+      std::vector<float> inv(R);
+      for (int64_t r = 0; r < R; ++r) {  // softmax over the keys
+        float* s = sc.data() + r * L;
+        float mx = -INFINITY;
+        for (int64_t l = 0; l < L; ++l) mx = std::max(mx, s[l]);
+        if (mx == -INFINITY) {  // every key masked: the row reads zeros
+          std::fill(s, s + L, 0.0f);
+          inv[r] = 0.0f;
+          continue;
+        }
+        __m512 tot = _mm512_setzero_ps();
+        int64_t l = 0;
+        for (; l + 16 <= L; l += 16) {
+          const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + l), _mm512_set1_ps(mx)));
+          _mm512_storeu_ps(s + l, e);
+          tot = _mm512_add_ps(tot, e);
+        }
+        if (l < L) {
+          const __mmask16 mk = static_cast<__mmask16>((1u << (L - l)) - 1u);
+          const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + l), _mm512_set1_ps(mx)));
+          _mm512_mask_storeu_ps(s + l, mk, e);
+          tot = _mm512_add_ps(tot, _mm512_maskz_mov_ps(mk, e));
+        }
+        inv[r] = 1.0f / _mm512_reduce_add_ps(tot);
+      }
+      __m512 o[ATT_MAX_R][ATT_MAX_D / 16];
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t c = 0; c < C; ++c) o[r][c] = _mm512_setzero_ps();
+      const T* vr = vp + b * vb + h * vh;
+      for (int64_t l = 0; l < L; ++l) {  // the weighted sum of the values, each row loaded once
+        const T* vl_ = vr + l * vl;
+        for (int64_t c = 0; c < C; ++c) {
+          const __m512 vc = load16(vl_ + c * 16, mask16(c));
+          for (int64_t r = 0; r < R; ++r) o[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(sc[r * L + l]), vc, o[r][c]);
+        }
+      }
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t c = 0; c < C; ++c)
+          store16(op + (b * Hq + h * R + r) * D + c * 16, _mm512_mul_ps(o[r][c], _mm512_set1_ps(inv[r])), lanes(c));
+    }
+  });
+}
+
+at::Tensor attend_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
+                      double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4, "attend_one: q [B, Hq, D], k and v [B, Hkv, L, D]");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hk = k.size(1), L = k.size(2);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D, "attend_one: q, k and v disagree");
+  TORCH_CHECK(Hk > 0 && Hq % Hk == 0 && Hq / Hk <= ATT_MAX_R, "attend_one: query heads must be a multiple (<= ",
+              ATT_MAX_R, "x) of the key/value heads");
+  TORCH_CHECK(D > 0 && D <= ATT_MAX_D, "attend_one: the head size must be at most ", ATT_MAX_D);
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "attend_one: q, k and v must all be fp32 or all bf16");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "attend_one: k and v rows must be contiguous");
+  auto qc = q.contiguous();
+  at::Tensor mf;
+  const float* mp = nullptr;
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->dim() == 2 && mask->size(0) == B && mask->size(1) == L, "attend_one: the mask must be [B, L]");
+    mf = mask->to(at::kFloat).contiguous();
+    mp = mf.data_ptr<float>();
+  }
+  auto out = at::empty({B, Hq, D}, q.options());
+  if (L == 0) return out.zero_();
+  if (q.scalar_type() == at::kFloat) {
+    attend_impl<float>(qc, k, v, mp, scale, out);
+  } else {
+    attend_impl<c10::BFloat16>(qc, k, v, mp, scale, out);
+  }
+  return out;
 }
 
 // Reads every byte of `buf` (one pass, split over torch's threads) and returns a checksum, so the read cannot be
@@ -583,6 +747,7 @@ TORCH_LIBRARY(expertcache_cpu, m) {
   m.def("read_bytes(Tensor buf) -> float");
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("linear_q(Tensor x, Tensor q, Tensor scales, Tensor? mins, int bits, int group, Tensor? bias) -> Tensor");
+  m.def("attend_one(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(expertcache_cpu, CPU, m) {
@@ -591,4 +756,5 @@ TORCH_LIBRARY_IMPL(expertcache_cpu, CPU, m) {
   m.impl("read_bytes", &read_bytes);
   m.impl("linear_bf16", &linear_bf16);
   m.impl("linear_q", &linear_q);
+  m.impl("attend_one", &attend_one);
 }
