@@ -748,6 +748,21 @@ class OffloadEngine:
                 self.stats.prefetch_loads += 1
         return waited
 
+    @staticmethod
+    def _result(fut, others) -> None:
+        """`fut`'s result; if it failed, the step's other loads are cancelled or waited for before its error leaves,
+        so none is still writing a slot (a staging slot, a stream or packed-copy slot) that a next step hands out."""
+        try:
+            fut.result()
+        except BaseException:
+            for f in list(others):
+                if f is not fut and not f.cancel():
+                    try:
+                        f.result()
+                    except BaseException:  # the first failure is the one raised
+                        pass
+            raise
+
     def _landed(self, pos: int, e: int, fut) -> None:
         """A prefetch's result; a failed one leaves no slot claiming `e` (neither resident nor, later, a victim)."""
         try:
@@ -944,7 +959,7 @@ class OffloadEngine:
             run(hits, {e: st.lookup(e) for e in hits}) if hits else None
             t0 = time.perf_counter()
             for f in futs:
-                f.result()  # a failed read raises here
+                self._result(f, futs)  # a failed read raises here, once the others have stopped writing
             waited += time.perf_counter() - t0
             run(misses, slot_of, pool.views)
         else:
@@ -989,7 +1004,7 @@ class OffloadEngine:
                 waited += time.perf_counter() - t0
                 arrived = [futs.pop(f) for f in done]
                 for f in done:
-                    f.result()  # a failed read raises here
+                    self._result(f, futs)  # a failed read raises here, once the others have stopped writing
                 here.update((e, staged[e]) for e, j in arrived if j is None)
                 held += [(e, j) for e, j in arrived if j is not None]
                 if self.overlap and here:

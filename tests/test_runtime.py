@@ -200,6 +200,46 @@ def test_victims_serve_misses_from_the_staging_slots_losslessly_and_hit_as_the_s
     assert got[True][3] < got[False][3]
 
 
+def test_a_failed_read_leaves_no_other_load_of_its_step_writing(family_models):
+    """One of a step's reads fails while the others are still in flight: the error leaves the step only once the
+    others have finished (none still writes a slot the next step may hand out), and the engine serves on."""
+    import threading
+    import time as _time
+
+    model, path = family_models["qwen3_moe"]
+    m = _fresh("qwen3_moe")
+    eng = offload(m, path, EngineConfig(capacity=2, tier="disk", workers=4))
+    eng.overlap = True  # loads in flight together, as for experts >= 1 MiB
+    read, live, lock = eng.tier.read, [], threading.Lock()
+    state = {"fail": True, "max_after": 0}
+
+    def slow_read(pos, expert, pool, slot):
+        with lock:
+            live.append(expert)
+            first = state["fail"] and len(live) == 1
+        try:
+            if first:
+                _time.sleep(0.02)
+                raise OSError("injected read error")
+            _time.sleep(0.15 if state["fail"] else 0.0)
+            return read(pos, expert, pool, slot)
+        finally:
+            with lock:
+                live.remove(expert)
+
+    eng.tier.read = slow_read
+    prompt = torch.randint(0, 128, (1, 1), generator=torch.Generator().manual_seed(7))
+    try:
+        with pytest.raises(OSError, match="injected"):
+            _greedy(m, prompt, 4)
+        assert not live  # every other read of the failed step had finished before the error reached the caller
+        state["fail"] = False
+        want = _greedy(model, prompt, 8)
+        assert torch.equal(want, _greedy(m, prompt, 8))  # and the engine serves on, losslessly
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("tier,policy", [("host", "lfu"), ("throttled:2", "lru")])
 def test_other_tiers_and_policies_stay_lossless(family_models, tier, policy):
     model, path = family_models["qwen3_moe"]
