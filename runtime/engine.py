@@ -293,6 +293,7 @@ class Stats:
     prefetch_loads: int = 0  # issued and executed (used or not)
     prefetch_dropped: int = 0  # not started when their layer ran without needing them: cancelled, never read
     prefetch_cancelled: int = 0  # not started when a nearer prediction for their layer no longer named them
+    prefetch_deferred: int = 0  # times a layer ran past an unneeded prefetch still loading (not waited for)
     lowbit_served: int = 0  # misses computed from the packed copy (miss_precision), not admitted
     lowbit_bytes: int = 0  # bytes of those reads (also in bytes_moved)
     upgrade_loads: int = 0  # hot experts loaded at full precision in the background and admitted
@@ -692,13 +693,7 @@ class OffloadEngine:
                     self.prefetched[pos].discard(e)
                     self.fresh[pos].discard(e)
                     self.stats.prefetch_cancelled += 1
-        protect = set(experts) | set(self.pending[pos])  # an in-flight slot is never a victim
-        if self.cfg.budget == "global":
-            e_n = self.adapter.num_experts
-            keys = {p * e_n + x for p, fs in enumerate(self.pending) for x in fs}
-            if busy is not None:
-                keys |= {busy[0] * e_n + x for x in busy[1]}
-            protect |= {key - pos * e_n for key in keys}  # in the target view's ids (may fall outside 0..E-1)
+        protect = set(experts) | self._in_flight(pos, busy)  # an in-flight slot is never a victim
         for e in experts:
             if st.lookup(e) is not None or st.victim(e) is not None:  # resident, or served from its old slot
                 continue
@@ -720,19 +715,34 @@ class OffloadEngine:
             self.prefetched[pos].add(e)
             self.fresh[pos].add(e)
 
+    def _in_flight(self, pos: int, busy: tuple[int, list[int]] | None = None) -> set[int]:
+        """Layer `pos`'s expert ids whose slot a load may still be writing: its pending prefetches; under a global
+        budget (one cache over every layer's keys) every layer's, and the running layer's experts (`busy`), in
+        `pos`'s view ids (which may fall outside 0..E-1). The policy never evicts them (`retain`, `prefetch_slot`)."""
+        protect = set(self.pending[pos])
+        if self.cfg.budget == "global":
+            e_n = self.adapter.num_experts
+            keys = {p * e_n + x for p, fs in enumerate(self.pending) for x in fs}
+            if busy is not None:
+                keys |= {busy[0] * e_n + x for x in busy[1]}
+            protect |= {key - pos * e_n for key in keys}
+        return protect
+
     def _settle(self, pos: int, needed: set[int]) -> float:
         """Before layer `pos` computes: wait for the prefetches it needs (stall), drop the stale ones that have
-        not started. Returns the seconds waited. A failed load raises here."""
+        not started, and leave the ones still loading that it does not need in flight (their slots stay resident
+        and protected until a later step finds them done: the layer does not wait on a read it will not use).
+        Returns the seconds waited. A failed load raises here."""
         waited = 0.0
         for e, fut in list(self.pending[pos].items()):
-            del self.pending[pos][e]
             up = e in self.upgrading[pos]
-            self.upgrading[pos].discard(e)
             if e in needed:
                 t0 = time.perf_counter()
+                self._drop_pending(pos, e)
                 self._landed(pos, e, fut)
                 waited += time.perf_counter() - t0
             elif fut.cancel():
+                self._drop_pending(pos, e)
                 self.states[pos].drop(e)
                 self.prefetched[pos].discard(e)
                 if up:
@@ -740,7 +750,11 @@ class OffloadEngine:
                 else:
                     self.stats.prefetch_dropped += 1
                 continue
+            elif not fut.done():
+                self.stats.prefetch_deferred += 1
+                continue
             else:
+                self._drop_pending(pos, e)
                 self._landed(pos, e, fut)
             if up:
                 self.stats.upgrade_loads += 1
@@ -762,6 +776,10 @@ class OffloadEngine:
                     except BaseException:  # the first failure is the one raised
                         pass
             raise
+
+    def _drop_pending(self, pos: int, e: int) -> None:
+        del self.pending[pos][e]
+        self.upgrading[pos].discard(e)
 
     def _landed(self, pos: int, e: int, fut) -> None:
         """A prefetch's result; a failed one leaves no slot claiming `e` (neither resident nor, later, a victim)."""
@@ -874,13 +892,13 @@ class OffloadEngine:
         # 3. compute: everything resident -> one call of the family's forward over the slots (plain's own path)
         if not misses and not reused and not mod.eager:
             out = self._compute_in_slots(mod, hidden, [st.lookup(e) for e in flat], top_k_index, top_k_weights)
-            st.retain(needed, {}, scores_keep)
+            st.retain(needed, {}, scores_keep, protect=self._in_flight(pos))
         elif self.low_tier is not None:  # computed from the packed copy, not admitted; hot ones upgraded after
             self.stats.lowbit_served += len(misses)
             out, (_, _, waited) = self._stream(mod, pos, hidden, top_k_index, top_k_weights, flat, hits, misses,
                                                low=True)
             stall += waited
-            st.retain([e for e in needed if e not in misses], {}, scores_keep)
+            st.retain([e for e in needed if e not in misses], {}, scores_keep, protect=self._in_flight(pos))
             counts, hot = self._low_count[pos], []
             for e in misses:
                 counts[e] = counts.get(e, 0) + 1
@@ -892,13 +910,13 @@ class OffloadEngine:
         elif self.cfg.miss == "host":  # computed where the weights live: nothing moved, nothing admitted
             self.stats.host_computed += len(misses)
             out, _ = self._stream(mod, pos, hidden, top_k_index, top_k_weights, flat, hits, misses, host=True)
-            st.retain([e for e in needed if e not in misses], {}, scores_keep)
+            st.retain([e for e in needed if e not in misses], {}, scores_keep, protect=self._in_flight(pos))
         else:  # misses stream in (eager's expert-order sum also comes this way when all are resident)
             self.stats.demand_loads += len(misses)
             out, (staged, transient, waited) = self._stream(mod, pos, hidden, top_k_index, top_k_weights, flat,
                                                              hits, misses, reused=reused)
             stall += waited
-            st.retain(needed, staged, scores_keep, transient)
+            st.retain(needed, staged, scores_keep, transient, protect=self._in_flight(pos))
         self.stats.stall_s += stall
         return out
 

@@ -32,13 +32,13 @@ class LayerView:
         return {e: s for e, s in zip(misses, self.state.stage([m + self.off for m in misses]).values())}
 
     def retain(self, step: list[int], staged: dict[int, int | None], scores: list[float] | None = None,
-               transient=()):
+               transient=(), protect=()):
         if scores is not None and self.num_keys is not None:  # a global state ranks every layer's keys
             full = list(self.state.prio) if self.state.prio is not None else [float("-inf")] * self.num_keys
             full[self.off:self.off + len(scores)] = scores
             scores = full
         copies = self.state.retain([e + self.off for e in step], {e + self.off: s for e, s in staged.items()}, scores,
-                                   [e + self.off for e in transient])
+                                   [e + self.off for e in transient], {p + self.off for p in protect})
         return [(key - self.off, s) for key, s in copies]
 
     def prefetch_slot(self, e: int, protect: set[int]) -> int | None:

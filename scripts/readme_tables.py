@@ -33,23 +33,32 @@ def cachesim_table(d: dict) -> str:
     return "\n".join(rows)
 
 
-def kernels_table(d: dict) -> str:
-    """results/kernels.json -> expert kernels against memory bandwidth, and decode against llama.cpp."""
-    rows = ["| format | threads | one token through | time | GB/s | memory read GB/s | fraction (target >= 0.7 at 1 "
-            "thread, experts) |", "|---|---|---|---|---|---|---|"]
-    for k in d["kernels"]:
-        g = f" (group {k['group']})" if k["group"] else ""
-        what = k.get("kind", "8 experts of 2048x768")
-        rows.append(f"| {k['format']}{g} | {k['threads']} | {what} | {k['ms']:.2f} ms | {k['gbps']:.1f} | "
-                    f"{k['read_bandwidth_gbps']:.1f} | {k['fraction_of_read_bandwidth']:.2f} |")
+def kernels_table(d: dict, pairs_only: bool = False) -> str:
+    """results/kernels.json -> expert kernels against memory bandwidth, and decode against llama.cpp (each pair's
+    per-round figures beside its medians: the 2-thread rounds swing on this host)."""
+    rows = []
+    if not pairs_only:
+        rows = ["| format | threads | one token through | time | GB/s | memory read GB/s | fraction (target >= 0.7 at "
+                "1 thread, experts) |", "|---|---|---|---|---|---|---|"]
+        for k in d["kernels"]:
+            g = f" (group {k['group']})" if k["group"] else ""
+            what = k.get("kind", "8 experts of 2048x768")
+            rows.append(f"| {k['format']}{g} | {k['threads']} | {what} | {k['ms']:.2f} ms | {k['gbps']:.1f} | "
+                        f"{k['read_bandwidth_gbps']:.1f} | {k['fraction_of_read_bandwidth']:.2f} |")
     if d.get("pairs"):
-        rows += ["", "| decode, all experts resident | threads | expertcache | llama.cpp | ratio (target <= 1.25) |",
-                 "|---|---|---|---|---|"]
-        for p in sorted(d["pairs"], key=lambda p: (p["threads"], list(("bf16", "int8", "int4", "int4-g128")).index(p["format"]))):
+        depth = d.get("depth") or 0
+        ctx = f", {depth} tokens of context" if depth else ""
+        rows += [""] if rows else []
+        rows += [f"| decode, all experts resident{ctx} | threads | expertcache | llama.cpp | ratio (target <= 1.25) | "
+                 "rounds: expertcache / llama.cpp (ms) |", "|---|---|---|---|---|---|"]
+        order = ("bf16", "int8", "int4", "int4-g128")
+        for p in sorted(d["pairs"], key=lambda p: (p["threads"], order.index(p["format"]))):
             lin = " (+ linears)" if p.get("expertcache_linears_packed") else ""
+            rr = " ".join(f"{x * 1e3:.1f}" for x in p["expertcache_rounds_s"])
+            pr = " ".join(f"{x * 1e3:.1f}" for x in p["llamacpp_rounds_s"])
             rows.append(f"| {p['format']}{lin} vs {p['llamacpp_format']} | {p['threads']} | "
                         f"{p['expertcache_tpot_s'] * 1e3:.1f} ms | {p['llamacpp_tpot_s'] * 1e3:.1f} ms | "
-                        f"{p['ratio']:.2f} |")
+                        f"{p['ratio']:.2f} | {rr} / {pr} |")
     return "\n".join(rows)
 
 
@@ -143,6 +152,11 @@ if (RESULTS / "kernels.json").is_file():
     d = json.loads((RESULTS / "kernels.json").read_text())
     print(f"<!-- results/kernels.json ({d['command']}) -->")
     print(kernels_table(d), end="\n\n")
+
+if (RESULTS / "kernels_depth1024.json").is_file():
+    d = json.loads((RESULTS / "kernels_depth1024.json").read_text())
+    print(f"<!-- results/kernels_depth1024.json ({d['command']}) -->")
+    print(kernels_table(d, pairs_only=True), end="\n\n")
 
 if (RESULTS / "bench_cachesim.json").is_file():
     d = json.loads((RESULTS / "bench_cachesim.json").read_text())

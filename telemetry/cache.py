@@ -132,33 +132,36 @@ class CacheState:
                 self.res.move_to_end(e)
 
     def retain(self, step: list[int], staged: dict[int, int | None], scores: list[float] | None = None,
-               transient=()):
+               transient=(), protect=frozenset()):
         """After the step: update counters and choose the resident set; staged experts that stay take over the
         slot of the expert they replace, which becomes a staging slot. Experts staged as None (computed from a
         transient buffer) get a free slot instead: returns those `(expert, slot)` pairs, to be copied in.
         `transient` experts were used and are gone (a prefill's earlier waves through the staging slots): they
-        count as used but cannot be kept."""
+        count as used but cannot be kept. `protect`: residents whose slot a load is still writing (a prefetch in
+        flight) stay resident whatever the policy says; the others share what capacity is left."""
         self._touch(step)
         self.t += 1
         if self.policy == "static" or (self.policy != "scored" and not staged):
             return []  # nothing new arrived: LRU/LFU order was updated by the touch, nothing is evicted
         gone = set(transient)
         cur = set(step)
+        held = [e for e in self.res if e in protect and e not in cur]  # loads in flight: they stay
+        room = max(0, self.capacity - len(held))
         hits = [e for e in step if e in self.res]
         new = [e for e in step if e not in self.res and e not in gone]
-        others = [e for e in self.res if e not in cur]  # least recent first
+        others = [e for e in self.res if e not in cur and e not in protect]  # least recent first
         if self.policy == "scored":
             if scores is None:
                 raise InputError("the scored policy needs scores at every step")
             self.prio = scores
-            cand = list(self.res) + new  # recency order: a stable sort keeps the more recent among ties
-            keep = sorted(cand, key=lambda e: scores[e])[-self.capacity:]
+            cand = [e for e in self.res if e not in held] + new  # recency order: a stable sort keeps the more
+            keep = held + (sorted(cand, key=lambda e: scores[e])[-room:] if room else [])  # recent among ties
         else:
             if self.policy == "lfu":
                 others.sort(key=lambda e: (self.count[e], self.last[e], e))  # the least valuable first
-            n_new = min(len(new), self.capacity - len(hits))  # the step's misses that can stay
-            n_old = min(len(others), self.capacity - len(hits) - n_new)
-            keep = others[len(others) - n_old:] + hits + new[:n_new]
+            n_new = max(0, min(len(new), room - len(hits)))  # the step's misses that can stay
+            n_old = max(0, min(len(others), room - len(hits) - n_new))
+            keep = held + others[len(others) - n_old:] + hits + new[:n_new]
         keep_set = set(keep)
         for e in [e for e in self.res if e not in keep_set]:
             self.free.append(self.res.pop(e))

@@ -112,6 +112,23 @@ def test_a_slot_handed_out_for_a_read_is_never_a_victim_until_its_step_completes
     assert all(cs.victim(e) is None for e in (2, 3, 6, 7))
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu", "scored"])
+def test_retain_keeps_a_resident_whose_load_is_in_flight(policy):
+    """`protect`: a resident whose slot a prefetch is still writing stays, though the policy would drop it; the
+    others share the capacity left, and the slots stay consistent."""
+    cs = CacheState(2, 2, policy)
+    scores = [0.0] * 8
+    for r in ([0], [1]):
+        cs.retain(r, cs.stage([r[0]]), scores if policy == "scored" else None)
+    assert set(cs.res) == {0, 1}
+    scores = [0.0, 0.0, 1.0, 1.0, 0, 0, 0, 0]  # scored: 2 and 3 outrank both residents
+    step = [2, 3]
+    staged = cs.stage(step)
+    cs.retain(step, staged, scores if policy == "scored" else None, protect={0})
+    assert 0 in cs.res and len(cs.res) == 2 and len(set(cs.res) & {2, 3}) == 1
+    assert sorted(list(cs.res.values()) + cs.staging + cs.free) == list(range(4))
+
+
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("stores")
@@ -236,6 +253,50 @@ def test_a_failed_read_leaves_no_other_load_of_its_step_writing(family_models):
         state["fail"] = False
         want = _greedy(model, prompt, 8)
         assert torch.equal(want, _greedy(m, prompt, 8))  # and the engine serves on, losslessly
+    finally:
+        eng.close()
+
+
+def test_a_layer_does_not_wait_for_a_prefetch_it_does_not_need(family_models):
+    """A prefetch still loading when its layer runs without needing it is left in flight (the old engine waited for
+    it): the step does not stall on it, its slot stays resident and protected until it lands, and decoding stays
+    bit-identical to generate."""
+    import time as _time
+
+    model, path = family_models["qwen3_moe"]
+    prompt = torch.randint(0, 128, (1, 1), generator=torch.Generator().manual_seed(11))
+    want = _greedy(model, prompt, 3)
+    m = _fresh("qwen3_moe")
+    eng = offload(m, path, EngineConfig(capacity=3, tier="disk", workers=2, victims=False))
+    used = set()
+    run = eng._run_layer
+
+    def spy(mod, hidden, idx, w):
+        if mod.pos == 0:
+            used.update(idx.reshape(-1).tolist())
+        return run(mod, hidden, idx, w)
+    eng._run_layer = spy
+    try:
+        assert torch.equal(want, _greedy(m, prompt, 3))
+        spare = sorted(set(range(m.config.num_experts)) - used)
+        assert spare, used  # an expert layer 0 never uses in these steps
+        eng.close()
+        m = _fresh("qwen3_moe")
+        eng = offload(m, path, EngineConfig(capacity=3, tier="disk", workers=2, victims=False))
+        read = eng.tier.read
+
+        def slow(pos, expert, pool, slot):
+            if pos == 0 and expert == spare[0]:
+                _time.sleep(1.0)
+            return read(pos, expert, pool, slot)
+        eng.tier.read = slow
+        eng.prefetch(0, [spare[0]])
+        t0 = _time.perf_counter()
+        assert torch.equal(want, _greedy(m, prompt, 3))
+        assert _time.perf_counter() - t0 < 0.7 and eng.stats.prefetch_deferred >= 1, eng.stats  # not waited for
+        for f in list(eng.pending[0].values()):
+            f.result()
+        assert eng.states[0].lookup(spare[0]) is not None  # landed and still resident: protected while loading
     finally:
         eng.close()
 

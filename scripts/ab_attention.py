@@ -1,0 +1,66 @@
+#!/usr/bin/env python
+"""The decode step's attention, our kernel against transformers' sdpa, alternated in one process: prints JSON.
+
+    python scripts/ab_attention.py --model /work/ckpt/q30-4l --threads 1 --context 512 --tokens 16 --rounds 3
+
+Loads `--model` all resident with the CPU kernels (`load(capacity=1.0, tier="host", kernel="cpu")`, which switches
+its sdpa attention to `expertcache_cpu`), then decodes greedily from a random prompt of `--context` tokens, each
+round once with our attention and once with sdpa (the order alternating), after one untimed decode of each. Time
+per output token = the decode steps after the prefill / their number; the medians of the rounds, and whether both
+produced the same tokens. Run it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="a bf16 (or packed) checkpoint the CPU kernels compute")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens before decoding")
+    ap.add_argument("--tokens", type=int, default=16, help="tokens decoded per run")
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    if a.context < 1 or a.tokens < 1 or a.rounds < 1 or a.threads < 1:
+        raise SystemExit("ab_attention: --context, --tokens, --rounds and --threads must be >= 1")
+    import torch
+
+    from expertcache.runtime import cpu_kernels as ck
+    from expertcache.runtime import load
+    from expertcache.runtime.decode import timed_greedy
+
+    torch.set_num_threads(a.threads)
+    m = load(a.model, capacity=1.0, tier="host", kernel="cpu", verify=False)
+    cfgs = m.expertcache._attention
+    if not cfgs:
+        raise SystemExit("ab_attention: the engine did not switch this model's attention (no CPU kernels, or not "
+                         "sdpa)")
+    ids = torch.randint(2, min(4000, m.config.vocab_size), (1, a.context), generator=torch.Generator().manual_seed(1))
+    times: dict[str, list[float]] = {"kernel": [], "sdpa": []}
+    tokens = {}
+
+    def run(arm: str, keep: bool = True) -> None:
+        for c in cfgs:
+            c._attn_implementation_internal = ck.ATTENTION if arm == "kernel" else "sdpa"
+        t, out, _ = timed_greedy(m, ids, a.tokens + 1)
+        if keep:
+            times[arm].append((t[-1] - t[0]) / a.tokens)
+        tokens[arm] = torch.as_tensor(out).tolist()
+
+    run("kernel", False)
+    run("sdpa", False)
+    for r in range(a.rounds):
+        for arm in (("kernel", "sdpa") if r % 2 == 0 else ("sdpa", "kernel")):
+            run(arm)
+    print(json.dumps({"model": a.model, "threads": a.threads, "context": a.context, "tokens": a.tokens,
+                      "same_tokens": tokens["kernel"] == tokens["sdpa"],
+                      **{arm: {"tpot_ms_median": statistics.median(v) * 1e3, "rounds_ms": [x * 1e3 for x in v]}
+                         for arm, v in times.items()}}))
+
+
+if __name__ == "__main__":
+    main()
