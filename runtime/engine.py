@@ -25,6 +25,7 @@ are untouched). When layer i runs:
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import numbers
 import threading
@@ -672,9 +673,16 @@ class OffloadEngine:
             self.stats.bytes_moved += n
             self.stats.lowbit_bytes += n
 
-    def _prefetch_done(self, fut):
+    def _prefetch_done(self, fut, upgrade: bool = False):
+        """A prefetch's read finished (or was cancelled): its bytes leave the in-flight budget, and a read that ran
+        and succeeded is counted here, in the window its bytes were (a layer may run past one still loading)."""
         with self._lock:
             self.inflight -= self.meta.expert_bytes
+            if not fut.cancelled() and fut.exception() is None:
+                if upgrade:
+                    self.stats.upgrade_loads += 1
+                else:
+                    self.stats.prefetch_loads += 1
 
     def prefetch(self, pos: int, experts: list[int], busy: tuple[int, list[int]] | None = None,
                  supersede: bool = False, upgrade: bool = False) -> None:
@@ -688,7 +696,7 @@ class OffloadEngine:
         if supersede:
             for e, fut in list(self.pending[pos].items()):
                 if e not in experts and fut.cancel():
-                    del self.pending[pos][e]
+                    self._drop_pending(pos, e)
                     st.drop(e)
                     self.prefetched[pos].discard(e)
                     self.fresh[pos].discard(e)
@@ -707,7 +715,7 @@ class OffloadEngine:
                     self.inflight -= self.meta.expert_bytes
                 break
             fut = self.pool_exec.submit(self._load, pos, e, slot, priority=self._pass * len(self.states) + pos)
-            fut.add_done_callback(self._prefetch_done)
+            fut.add_done_callback(functools.partial(self._prefetch_done, upgrade=upgrade))
             self.pending[pos][e] = fut
             if upgrade:
                 self.upgrading[pos].add(e)
@@ -756,26 +764,19 @@ class OffloadEngine:
             else:
                 self._drop_pending(pos, e)
                 self._landed(pos, e, fut)
-            if up:
-                self.stats.upgrade_loads += 1
-            else:
-                self.stats.prefetch_loads += 1
         return waited
 
     @staticmethod
-    def _result(fut, others) -> None:
-        """`fut`'s result; if it failed, the step's other loads are cancelled or waited for before its error leaves,
-        so none is still writing a slot (a staging slot, a stream or packed-copy slot) that a next step hands out."""
-        try:
-            fut.result()
-        except BaseException:
-            for f in list(others):
-                if f is not fut and not f.cancel():
-                    try:
-                        f.result()
-                    except BaseException:  # the first failure is the one raised
-                        pass
-            raise
+    def _quiesce(futs) -> None:
+        """Cancel the loads of `futs` that have not started and wait for the others, their errors dropped (the
+        caller raises the first): none is still writing a slot (a staging, stream or packed-copy slot) that a next
+        step hands out."""
+        for f in list(futs):
+            if not f.cancel():
+                try:
+                    f.result()
+                except BaseException:
+                    pass
 
     def _drop_pending(self, pos: int, e: int) -> None:
         del self.pending[pos][e]
@@ -974,11 +975,15 @@ class OffloadEngine:
             pool = self._lowbit_pool()
             slot_of = {e: j for j, e in enumerate(misses)}
             futs = [self.pool_exec.submit(self._load_low, pos, e, j) for e, j in slot_of.items()]
-            run(hits, {e: st.lookup(e) for e in hits}) if hits else None
-            t0 = time.perf_counter()
-            for f in futs:
-                self._result(f, futs)  # a failed read raises here, once the others have stopped writing
-            waited += time.perf_counter() - t0
+            try:  # a failed read or compute raises once the other reads have stopped writing their slots
+                run(hits, {e: st.lookup(e) for e in hits}) if hits else None
+                t0 = time.perf_counter()
+                for f in futs:
+                    f.result()  # a failed read raises here
+                waited += time.perf_counter() - t0
+            except BaseException:
+                self._quiesce(futs)
+                raise
             run(misses, slot_of, pool.views)
         else:
             # the last k misses load into the layer's staging slots (the policy may keep them); the ones before
@@ -1012,27 +1017,31 @@ class OffloadEngine:
                 while queue and free:
                     e, j = queue.pop(0), free.pop()
                     futs[submit(self._load, pos, e, j, spool)] = (e, j)
-            feed()
-            if here and futs and self.overlap:  # resident experts (and victims) compute while the misses load
-                run(sorted(here), here)
-                here = {}
-            while futs:
-                t0 = time.perf_counter()
-                done, _ = wait(futs, return_when=FIRST_COMPLETED)
-                waited += time.perf_counter() - t0
-                arrived = [futs.pop(f) for f in done]
-                for f in done:
-                    self._result(f, futs)  # a failed read raises here, once the others have stopped writing
-                here.update((e, staged[e]) for e, j in arrived if j is None)
-                held += [(e, j) for e, j in arrived if j is not None]
-                if self.overlap and here:
-                    run(sorted(here), here, arrivals=True)
+            try:  # a failed read or compute raises once the step's other loads have stopped writing their slots
+                feed()
+                if here and futs and self.overlap:  # resident experts (and victims) compute while the misses load
+                    run(sorted(here), here)
                     here = {}
-                if held and (self.overlap or (queue and not free)):
-                    run([e for e, _ in sorted(held)], dict(held), spool.views)
-                    free.extend(j for _, j in held)  # computed: the slots take the next loads
-                    held = []
-                    feed()
+                while futs:
+                    t0 = time.perf_counter()
+                    done, _ = wait(futs, return_when=FIRST_COMPLETED)
+                    waited += time.perf_counter() - t0
+                    arrived = [futs.pop(f) for f in done]
+                    for f in done:
+                        f.result()  # a failed read raises here
+                    here.update((e, staged[e]) for e, j in arrived if j is None)
+                    held += [(e, j) for e, j in arrived if j is not None]
+                    if self.overlap and here:
+                        run(sorted(here), here, arrivals=True)
+                        here = {}
+                    if held and (self.overlap or (queue and not free)):
+                        run([e for e, _ in sorted(held)], dict(held), spool.views)
+                        free.extend(j for _, j in held)  # computed: the slots take the next loads
+                        held = []
+                        feed()
+            except BaseException:
+                self._quiesce(futs)
+                raise
             if held:
                 run([e for e, _ in sorted(held)], dict(held), spool.views)
             if here:
@@ -1101,13 +1110,16 @@ class OffloadEngine:
     def reset(self) -> None:
         """An empty cache (static pins reloaded), no history, fresh counters: a new, cold pass. A load that
         failed is raised here, not swallowed."""
-        for fs in self.pending:
+        failed = None
+        for fs in self.pending:  # every load stops (cancelled, or waited for) before anything is cleared
             for f in fs.values():
                 if not f.cancel():
                     try:
                         f.result()
                     except CancelledError:
                         pass
+                    except BaseException as e:  # a prefetch that failed after its layer last ran
+                        failed = failed or e
             fs.clear()
         for p in self.prefetched:
             p.clear()
@@ -1126,6 +1138,8 @@ class OffloadEngine:
             self.keep_scores.reset()
         self._preload_all()
         self.reset_stats()
+        if failed is not None:  # raised once, the engine already clean and cold
+            raise failed
 
     def _new_states(self) -> None:
         """Empty caches: one state per layer, or one over `layer * E + expert` keys behind every layer's view."""

@@ -235,6 +235,12 @@ def test_one_token_attention_matches_sdpa(dtype, B, Hq, Hk, L, D):
     dead = mask.clone()
     dead[0] = float("-inf")
     assert not ck.attend_one(q, k, v, dead, scale)[0].any()
+    if B > 1 and L > 1:  # a masked key weighs exactly 0: its values (here huge) never reach the output
+        v2 = v.clone()
+        v2[1, :, 0] = 1e30
+        assert torch.equal(ck.attend_one(q, k, v2, mask, scale)[1], got[1])
+    with pytest.raises(RuntimeError, match="additive floating"):
+        ck.attend_one(q, k, v, keep, scale)
 
 
 @needs_ext
@@ -265,7 +271,9 @@ def test_the_attention_function_takes_one_token_steps_and_hands_the_rest_to_sdpa
             q3 = torch.randn(2, 8, 3, 64, generator=g)
             ck.attention(Attn(), q3, k, v, None, scaling=0.125)
         ck.attention(Attn(), q, k, v, keep, scaling=0.125)  # grad enabled (training): sdpa
-        assert not calls
+        with torch.no_grad():  # a one-row query against two rows of keys (sdpa broadcasts it): sdpa
+            out1, _ = ck.attention(Attn(), q[:1], k, v, None, scaling=0.125)
+        assert out1.shape == (2, 1, 8, 64) and not calls
     finally:
         ck.attend_one = real
 

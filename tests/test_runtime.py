@@ -217,9 +217,11 @@ def test_victims_serve_misses_from_the_staging_slots_losslessly_and_hit_as_the_s
     assert got[True][3] < got[False][3]
 
 
-def test_a_failed_read_leaves_no_other_load_of_its_step_writing(family_models):
-    """One of a step's reads fails while the others are still in flight: the error leaves the step only once the
-    others have finished (none still writes a slot the next step may hand out), and the engine serves on."""
+@pytest.mark.parametrize("what", ["read", "compute"])
+def test_a_failed_step_leaves_no_other_load_of_its_step_writing(family_models, what):
+    """One of a step's reads fails (or its compute does) while its other reads are still in flight: the error
+    leaves the step only once they have finished (none still writes a slot the next step may hand out), and the
+    engine serves on."""
     import threading
     import time as _time
 
@@ -228,7 +230,7 @@ def test_a_failed_read_leaves_no_other_load_of_its_step_writing(family_models):
     eng = offload(m, path, EngineConfig(capacity=2, tier="disk", workers=4))
     eng.overlap = True  # loads in flight together, as for experts >= 1 MiB
     read, live, lock = eng.tier.read, [], threading.Lock()
-    state = {"fail": True, "max_after": 0}
+    state = {"fail": True}
 
     def slow_read(pos, expert, pool, slot):
         with lock:
@@ -237,14 +239,22 @@ def test_a_failed_read_leaves_no_other_load_of_its_step_writing(family_models):
         try:
             if first:
                 _time.sleep(0.02)
-                raise OSError("injected read error")
+                if what == "read":
+                    raise OSError("injected read error")
             _time.sleep(0.15 if state["fail"] else 0.0)
             return read(pos, expert, pool, slot)
         finally:
             with lock:
                 live.remove(expert)
 
-    eng.tier.read = slow_read
+    compute = eng._compute
+
+    def failing_compute(*a, **kw):
+        if state["fail"] and what == "compute" and live:  # while other reads are in flight
+            raise OSError("injected compute error")
+        return compute(*a, **kw)
+
+    eng.tier.read, eng._compute = slow_read, failing_compute
     prompt = torch.randint(0, 128, (1, 1), generator=torch.Generator().manual_seed(7))
     try:
         with pytest.raises(OSError, match="injected"):
@@ -261,6 +271,7 @@ def test_a_layer_does_not_wait_for_a_prefetch_it_does_not_need(family_models):
     """A prefetch still loading when its layer runs without needing it is left in flight (the old engine waited for
     it): the step does not stall on it, its slot stays resident and protected until it lands, and decoding stays
     bit-identical to generate."""
+    import threading
     import time as _time
 
     model, path = family_models["qwen3_moe"]
@@ -285,18 +296,55 @@ def test_a_layer_does_not_wait_for_a_prefetch_it_does_not_need(family_models):
         eng = offload(m, path, EngineConfig(capacity=3, tier="disk", workers=2, victims=False))
         read = eng.tier.read
 
+        started = threading.Event()
+
         def slow(pos, expert, pool, slot):
             if pos == 0 and expert == spare[0]:
+                started.set()
                 _time.sleep(1.0)
             return read(pos, expert, pool, slot)
         eng.tier.read = slow
         eng.prefetch(0, [spare[0]])
+        assert started.wait(5)  # reading (not merely queued, which the step would cancel)
         t0 = _time.perf_counter()
         assert torch.equal(want, _greedy(m, prompt, 3))
         assert _time.perf_counter() - t0 < 0.7 and eng.stats.prefetch_deferred >= 1, eng.stats  # not waited for
         for f in list(eng.pending[0].values()):
             f.result()
         assert eng.states[0].lookup(spare[0]) is not None  # landed and still resident: protected while loading
+    finally:
+        eng.close()
+
+
+def test_a_prefetch_that_fails_after_its_layer_ran_is_raised_once_by_reset(family_models):
+    """A deferred prefetch (its layer ran without it) that fails in the background: `reset()` waits for every
+    load, comes back clean and cold, raises that error once; the next reset and decoding go on."""
+    import time as _time
+
+    model, path = family_models["qwen3_moe"]
+    m = _fresh("qwen3_moe")
+    eng = offload(m, path, EngineConfig(capacity=3, tier="disk", workers=2, victims=False))
+    read = eng.tier.read
+    first = {}
+
+    def slow_fail(pos, expert, pool, slot):
+        if pos == 0 and first.pop("armed", False):
+            _time.sleep(0.3)
+            raise OSError("injected late failure")
+        return read(pos, expert, pool, slot)
+    eng.tier.read = slow_fail
+    prompt = torch.randint(0, 128, (1, 1), generator=torch.Generator().manual_seed(11))
+    try:
+        _greedy(m, prompt, 1)  # one forward pass: layer 0 runs now, never again before reset
+        free = [e for e in range(m.config.num_experts) if eng.states[0].lookup(e) is None]
+        first["armed"] = True  # the next read of layer 0, this prefetch's, fails late
+        eng.prefetch(0, [free[0]])
+        _time.sleep(0.5)  # it has failed in the background
+        with pytest.raises(OSError, match="late failure"):
+            eng.reset()
+        assert not any(eng.pending) and eng.inflight == 0
+        eng.reset()  # raised once: the engine is clean
+        assert torch.equal(_greedy(model, prompt, 6), _greedy(m, prompt, 6))
     finally:
         eng.close()
 

@@ -568,7 +568,8 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& q, const at::Tensor& 
 
 // exp for the softmax (its arguments <= 0): 2^n * p(f), f in [-ln2/2, ln2/2], a degree-6 polynomial (~2 ulp)
 inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);  // -inf (masked) and below: 0
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // (a NaN stays NaN: max returns its second operand)
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -580,7 +581,7 @@ inline __m512 exp_ps(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, f), f, _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
 }
 
 // 16 elements (the first n of them under `m`, the rest zero) as fp32
@@ -700,7 +701,8 @@ at::Tensor attend_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   at::Tensor mf;
   const float* mp = nullptr;
   if (mask.has_value()) {
-    TORCH_CHECK(mask->dim() == 2 && mask->size(0) == B && mask->size(1) == L, "attend_one: the mask must be [B, L]");
+    TORCH_CHECK(mask->dim() == 2 && mask->size(0) == B && mask->size(1) == L && at::isFloatingType(mask->scalar_type()),
+                "attend_one: the mask must be an additive floating [B, L] (0 or -inf)");
     mf = mask->to(at::kFloat).contiguous();
     mp = mf.data_ptr<float>();
   }
