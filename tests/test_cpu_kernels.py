@@ -348,6 +348,46 @@ def test_engine_kernel_cpu_agrees_with_the_family_forward(saved, fam):
 
 
 @needs_ext
+def test_left_padded_batched_decode_attends_through_the_padding_mask(saved):
+    """Two left-padded rows decoded together (transformers' own mask for the padding): each step's attention goes
+    through `attend_one` with the mask, and the logits equal those of sdpa on the same engine within rounding."""
+    from transformers import DynamicCache
+
+    from expertcache.runtime import load
+
+    m = load(saved / "qwen3_moe", capacity=1.0, tier="host", kernel="cpu")
+    eng = m.expertcache
+    ids = torch.tensor([[0, 0, 0, 5, 9, 33], [7, 12, 71, 100, 2, 8]])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    real, masks = ck.attend_one, []
+
+    def run(impl):
+        for c in eng._attention:
+            c._attn_implementation_internal = impl
+        out, am = [], mask.clone()
+        with torch.no_grad():
+            cache = DynamicCache(config=m.config)
+            r = m(input_ids=ids, attention_mask=am, past_key_values=cache, use_cache=True)
+            out.append(r.logits[:, -1].float())
+            for t in ([3, 4], [14, 15], [92, 1]):
+                am = torch.cat([am, torch.ones(2, 1, dtype=am.dtype)], 1)
+                r = m(input_ids=torch.tensor([t]).T, attention_mask=am, past_key_values=cache, use_cache=True)
+                out.append(r.logits[:, -1].float())
+        return torch.stack(out)
+
+    try:
+        ck.attend_one = lambda q, k, v, mk=None, sc=None: masks.append(mk) or real(q, k, v, mk, sc)
+        got = run(ck.ATTENTION)
+        ref = run("sdpa")
+    finally:
+        ck.attend_one = real
+        eng.close()
+    assert len(masks) == 3 * m.config.num_hidden_layers
+    assert all(mk is not None and torch.isinf(mk[0, :3]).all() and not torch.isinf(mk[1]).any() for mk in masks)
+    assert _rel(got, ref) < 2e-2
+
+
+@needs_ext
 def test_kernel_cpu_refuses_what_it_cannot_compute_and_auto_falls_back(saved, tmp_path):
     from expertcache.runtime import load
     from tiny_models import build_model, tiny_config
