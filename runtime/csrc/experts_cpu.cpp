@@ -608,6 +608,27 @@ inline void store16(T* p, __m512 v, int n) {
 
 constexpr int ATT_MAX_D = 256, ATT_MAX_R = 16;
 
+// The horizontal sums of 8 vectors, one float each, in out[0..8): a shuffle-and-add tree (about 23 instructions
+// where 8 separate reductions take about 80).
+inline void sum8(const __m512* a, float* out) {
+  __m512 x[4];
+  for (int i = 0; i < 4; ++i)  // 128-bit blocks 0+2 and 1+3: a[2i] in the low half, a[2i + 1] in the high one
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  __m512 y[2];
+  for (int i = 0; i < 2; ++i)  // block j of y[i]: 4 partial sums of a[4i + j]
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+  const __m512 t = _mm512_add_ps(w, _mm512_permute_ps(w, 0xB1));  // block j: [a[j], a[j], a[4+j], a[4+j]]
+  alignas(64) float f[16];
+  _mm512_store_ps(f, t);
+  for (int j = 0; j < 4; ++j) {
+    out[j] = f[4 * j];
+    out[4 + j] = f[4 * j + 2];
+  }
+}
+
 template <typename T>
 void attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float* mask, double scale,
                  at::Tensor& out) {
@@ -615,34 +636,62 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   const int64_t C = (D + 15) / 16;  // 16-lane chunks of a head, the last one masked to D % 16 lanes
   auto lanes = [&](int64_t c) { return static_cast<int>(std::min<int64_t>(16, D - c * 16)); };
   auto mask16 = [&](int64_t c) { return static_cast<__mmask16>((1u << lanes(c)) - 1u); };
+  const int64_t C2 = (D + 31) / 32;  // (bf16) 32-element chunks, the last one masked
+  auto mask32 = [&](int64_t c) {
+    const int64_t n = std::min<int64_t>(32, D - c * 32);
+    return n == 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : static_cast<__mmask32>((1u << n) - 1u);
+  };
   const T* qp = reinterpret_cast<const T*>(q.data_ptr());
   const T* kp = reinterpret_cast<const T*>(k.data_ptr());
   const T* vp = reinterpret_cast<const T*>(v.data_ptr());
   T* op = reinterpret_cast<T*>(out.data_ptr());
   const int64_t kb = k.stride(0), kh = k.stride(1), kl = k.stride(2), vb = v.stride(0), vh = v.stride(1), vl = v.stride(2);
+  const float sc_f = static_cast<float>(scale);
   at::parallel_for(0, B * Hk, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> sc(R * L);
+    std::vector<float> inv(R);
+    alignas(64) __m512 qv[ATT_MAX_R][ATT_MAX_D / 16];
+    alignas(64) __m512i qb[ATT_MAX_R][ATT_MAX_D / 32];
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / Hk, h = i % Hk;
       const float* mb = mask ? mask + b * L : nullptr;
-      __m512 qv[ATT_MAX_R][ATT_MAX_D / 16];
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t c = 0; c < C; ++c)
-          qv[r][c] = _mm512_mul_ps(load16(qp + (b * Hq + h * R + r) * D + c * 16, mask16(c)),
-                                  _mm512_set1_ps(static_cast<float>(scale)));
       const T* kr = kp + b * kb + h * kh;
-      for (int64_t l = 0; l < L; ++l) {  // scores: each key row loaded once for the R heads
-        const T* kl_ = kr + l * kl;
-        __m512 acc[ATT_MAX_R];
-        for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < C; ++c) {
-          const __m512 kc = load16(kl_ + c * 16, mask16(c));
-          for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(qv[r][c], kc, acc[r]);
+      const T* vr = vp + b * vb + h * vh;
+      // the R query heads that read this key/value head: fp32 and scaled, or (bf16) as they are, 32 per vector
+      for (int64_t r = 0; r < R; ++r) {
+        const T* qr = qp + (b * Hq + h * R + r) * D;
+        if constexpr (std::is_same_v<T, float>) {
+          for (int64_t c = 0; c < C; ++c) qv[r][c] = _mm512_mul_ps(load16(qr + c * 16, mask16(c)), _mm512_set1_ps(sc_f));
+        } else {
+          for (int64_t c = 0; c < C2; ++c) qb[r][c] = _mm512_maskz_loadu_epi16(mask32(c), qr + c * 32);
         }
-        const float m = mb ? mb[l] : 0.0f;
-        for (int64_t r = 0; r < R; ++r) sc[r * L + l] = _mm512_reduce_add_ps(acc[r]) + m;
       }
-      std::vector<float> inv(R);
+      // scores, 8 query heads at a time: each key row is loaded once per group and the 8 dots summed in one tree
+      // (bf16: pairs of products in one instruction, _mm512_dpbf16_ps, then scaled)
+      for (int64_t r0 = 0; r0 < R; r0 += 8) {
+        const int64_t nr = std::min<int64_t>(8, R - r0);
+        for (int64_t l = 0; l < L; ++l) {
+          const T* krow = kr + l * kl;
+          __m512 acc[8];
+          for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+          if constexpr (std::is_same_v<T, float>) {
+            for (int64_t c = 0; c < C; ++c) {
+              const __m512 kc = load16(krow + c * 16, mask16(c));
+              for (int64_t j = 0; j < nr; ++j) acc[j] = _mm512_fmadd_ps(qv[r0 + j][c], kc, acc[j]);
+            }
+          } else {
+            for (int64_t c = 0; c < C2; ++c) {
+              const __m512bh kc = (__m512bh)_mm512_maskz_loadu_epi16(mask32(c), krow + c * 32);
+              for (int64_t j = 0; j < nr; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)qb[r0 + j][c], kc);
+            }
+          }
+          float s8[8];
+          sum8(acc, s8);
+          const float m = mb ? mb[l] : 0.0f;
+          const float f = std::is_same_v<T, float> ? 1.0f : sc_f;
+          for (int64_t j = 0; j < nr; ++j) sc[(r0 + j) * L + l] = s8[j] * f + m;
+        }
+      }
       for (int64_t r = 0; r < R; ++r) {  // softmax over the keys
         float* s = sc.data() + r * L;
         float mx = -INFINITY;
@@ -667,20 +716,32 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
         }
         inv[r] = 1.0f / _mm512_reduce_add_ps(tot);
       }
-      __m512 o[ATT_MAX_R][ATT_MAX_D / 16];
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t c = 0; c < C; ++c) o[r][c] = _mm512_setzero_ps();
-      const T* vr = vp + b * vb + h * vh;
-      for (int64_t l = 0; l < L; ++l) {  // the weighted sum of the values, each row loaded once
-        const T* vl_ = vr + l * vl;
-        for (int64_t c = 0; c < C; ++c) {
-          const __m512 vc = load16(vl_ + c * 16, mask16(c));
-          for (int64_t r = 0; r < R; ++r) o[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(sc[r * L + l]), vc, o[r][c]);
+      // the weighted sum of the values, 8 heads x 2 chunks of 16 at a time (16 accumulators in registers): each
+      // pass reads its 32 columns of every value row once
+      for (int64_t r0 = 0; r0 < R; r0 += 8) {
+        const int64_t nr = std::min<int64_t>(8, R - r0);
+        for (int64_t c0 = 0; c0 < C; c0 += 2) {
+          const bool two = c0 + 1 < C;
+          __m512 acc[8][2];
+          for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+          for (int64_t l = 0; l < L; ++l) {
+            const T* vrow = vr + l * vl;
+            const __m512 v0 = load16(vrow + c0 * 16, mask16(c0));
+            const __m512 v1 = two ? load16(vrow + (c0 + 1) * 16, mask16(c0 + 1)) : _mm512_setzero_ps();
+            for (int64_t j = 0; j < nr; ++j) {
+              const __m512 p = _mm512_set1_ps(sc[(r0 + j) * L + l]);
+              acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
+              acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);
+            }
+          }
+          for (int64_t j = 0; j < nr; ++j) {
+            const int64_t r = r0 + j;
+            T* o = op + (b * Hq + h * R + r) * D;
+            store16(o + c0 * 16, _mm512_mul_ps(acc[j][0], _mm512_set1_ps(inv[r])), lanes(c0));
+            if (two) store16(o + (c0 + 1) * 16, _mm512_mul_ps(acc[j][1], _mm512_set1_ps(inv[r])), lanes(c0 + 1));
+          }
         }
       }
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t c = 0; c < C; ++c)
-          store16(op + (b * Hq + h * R + r) * D + c * 16, _mm512_mul_ps(o[r][c], _mm512_set1_ps(inv[r])), lanes(c));
     }
   });
 }
