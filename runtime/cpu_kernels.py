@@ -234,7 +234,8 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     window = kwargs.get("sliding_window")
     fits = (T == 1 and query.device.type == key.device.type == value.device.type == "cpu"
             and key.shape[0] == B and key.shape[3] == D and not torch.is_grad_enabled() and dropout == 0.0
-            and query.dtype in (torch.bfloat16, torch.float32) and key.dtype == query.dtype == value.dtype and value.shape == key.shape
+            and query.dtype in (torch.bfloat16, torch.float32) and key.dtype == query.dtype == value.dtype
+            and value.shape == key.shape
             and key.stride(-1) == 1 and value.stride(-1) == 1 and 0 < D <= 256
             and Hk > 0 and Hq % Hk == 0 and Hq // Hk <= 16 and kwargs.get("softcap") is None
             and kwargs.get("position_bias") is None and not kwargs.get("output_attentions", False)

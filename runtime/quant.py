@@ -158,15 +158,21 @@ def kernel_fits(views: dict[str, torch.Tensor]) -> bool:
 
 
 def swiglu(x, views: dict[str, torch.Tensor], slots, weights) -> torch.Tensor:
-    """Routed SwiGLU experts over quantized views (`[S, ...]` each): the integer kernel where the extension is
-    built and takes the shapes (`kernel_fits`), else the slots that are used dequantized and computed in float (the
-    same weights, exact activations)."""
+    """Routed SwiGLU experts over quantized views (`[S, ...]` each): on CUDA the triton kernel that dequantizes
+    inside (`kernels.swiglu_triton_q`); on the CPU the integer kernel where the extension is built and takes the
+    shapes (`kernel_fits`); else the slots that are used dequantized and computed in float (the same weights,
+    exact activations)."""
     from . import cpu_kernels
     from .kernels import swiglu_reference
 
     bits, group = format_of(views)
     gu, dn = parts(views, "gate_up_proj"), parts(views, "down_proj")
-    if cpu_kernels.available() and not x.is_cuda and kernel_fits(views):
+    if x.is_cuda:
+        from .kernels import HAVE_TRITON, swiglu_triton_q
+
+        if HAVE_TRITON and all(t.stride(-1) == 1 for t in views.values()):  # dequantized inside the kernel
+            return swiglu_triton_q(x, gu, dn, bits, group, slots, weights)
+    elif cpu_kernels.available() and kernel_fits(views):
         return cpu_kernels.swiglu_q(x, gu, dn, bits, group, slots, weights)
     used, inv = slots.unique(return_inverse=True)
     g = dequantize({k: v[used] for k, v in gu.items()}, bits, group)

@@ -187,7 +187,8 @@ def main() -> None:
                 for f in formats:
                     mine = ours(str(paths[f]), t, a.tokens, a.reps, a.depth)
                     if (r, t, PEER[f]) not in peer_runs:  # one llama.cpp run per (round, threads, its format)
-                        peer_runs[(r, t, PEER[f])] = llamacpp_peer.decode(model, PEER[f], t, a.tokens, a.reps, depth=a.depth)
+                        peer_runs[(r, t, PEER[f])] = llamacpp_peer.decode(model, PEER[f], t, a.tokens, a.reps,
+                                                                          depth=a.depth)
                     peer = peer_runs[(r, t, PEER[f])]
                     d = runs.setdefault((f, t), {"ours": [], "peer": [], "peer_stddev_tok_s": []})
                     d["ours"].append(mine["tpot_s"])
@@ -212,7 +213,8 @@ def main() -> None:
     res = {
         "command": "python scripts/bench_kernels.py " + " ".join(sys.argv[1:]),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
-        "model": model_info, "tokens": a.tokens, "depth": a.depth, "rounds": a.rounds, "seconds": round(time.time() - t_start, 1),
+        "model": model_info, "tokens": a.tokens, "depth": a.depth, "rounds": a.rounds,
+        "seconds": round(time.time() - t_start, 1),
         "kernels": kernels, "pairs": pairs,
         "targets": {"kernel_fraction_one_thread": 0.7, "tpot_ratio": 1.25},
         "pass": {"kernels": {k["format"]: k["fraction_of_read_bandwidth"] >= 0.7 for k in one},

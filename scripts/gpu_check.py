@@ -2,7 +2,8 @@
 
 1. lossless: greedy tokens of `load(..., device="cuda")` (host tier: pinned RAM -> GPU on a side stream; disk
    tier: O_DIRECT -> staging -> GPU) equal plain `from_pretrained(...).cuda().generate` in bf16, per family;
-2. triton: `kernels.swiglu_triton` against the torch reference over strided slot views, on the GPU;
+2. triton: `kernels.swiglu_triton` against the torch reference over strided slot views, on the GPU, and
+   `kernels.swiglu_triton_q` (int8 / int4 experts dequantized in the kernel) against the dequantized reference;
 3. TPOT: `bench decode` on a mid-size bf16 checkpoint made here, cuda slots, host and disk tiers, native and
    triton kernels.
 Run it with `bash scripts/gpu_check.sh` from the repository root.
@@ -78,6 +79,36 @@ def triton_vs_torch() -> dict:
     return res
 
 
+def triton_q_vs_torch() -> dict:
+    """The packed (int8 / int4) triton kernel against the torch reference over the dequantized weights, at the
+    Qwen3-30B-A3B expert shape, with its time per call."""
+    from expertcache.runtime import quant
+    from expertcache.runtime.kernels import HAVE_TRITON, swiglu_reference, swiglu_triton_q
+
+    if not HAVE_TRITON:
+        return {"error": "triton not importable"}
+    res = {}
+    h, i, s, t, k = 2048, 768, 24, 1, 8
+    g = torch.Generator().manual_seed(0)
+    for bits, group in ((8, 32), (4, 32), (4, 128)):  # packed on the CPU (as `expertcache quantize` does), then moved
+        gu = {n: v.cuda() for n, v in quant.quantize(torch.randn(s, 2 * i, h, generator=g) * 0.02, bits, group).items()}
+        dn = {n: v.cuda() for n, v in quant.quantize(torch.randn(s, h, i, generator=g) * 0.02, bits, group).items()}
+        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+        slots = torch.randint(0, s, (t, k), device="cuda")
+        w = torch.rand(t, k, device="cuda").softmax(-1)
+        a = swiglu_triton_q(x, gu, dn, bits, group, slots, w)
+        b = swiglu_reference(x.float(), quant.dequantize(gu, bits, group), quant.dequantize(dn, bits, group),
+                             slots, w)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            swiglu_triton_q(x, gu, dn, bits, group, slots, w)
+        torch.cuda.synchronize()
+        res[f"int{bits} group {group}"] = {"rel": float((a.float() - b.float()).norm() / b.float().norm()),
+                                           "triton_ms": (time.perf_counter() - t0) / 20 * 1e3}
+    return res
+
+
 def tpot(root: Path) -> dict:
     from transformers import Qwen3MoeConfig
 
@@ -115,6 +146,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for name, fn in (("lossless", lambda: lossless(root)), ("triton_vs_torch", triton_vs_torch),
+                         ("triton_q_vs_torch", triton_q_vs_torch),
                          ("tpot", lambda: tpot(root))):
             t0 = time.time()
             try:

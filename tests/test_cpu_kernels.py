@@ -209,7 +209,8 @@ def test_packed_linear_kernel_stays_near_the_dequantized_weights(bits, group, ro
 
 @needs_ext
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B,Hq,Hk,L,D", [(1, 32, 4, 40, 128), (2, 8, 8, 1, 64), (3, 12, 4, 77, 8), (1, 16, 1, 300, 256), (2, 6, 2, 33, 72)])
+@pytest.mark.parametrize("B,Hq,Hk,L,D", [(1, 32, 4, 40, 128), (2, 8, 8, 1, 64), (3, 12, 4, 77, 8),
+                                         (1, 16, 1, 300, 256), (2, 6, 2, 33, 72)])
 def test_one_token_attention_matches_sdpa(dtype, B, Hq, Hk, L, D):
     """`attend_one` against torch's attention in fp32 on the same (rounded) inputs: grouped heads, a padding mask
     (each row's first keys masked), and keys/values read as strided views of a longer cache; a row whose keys are
