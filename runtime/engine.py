@@ -450,7 +450,7 @@ class OffloadedExperts(nn.Module):
         stream slots): the family's own forward, as plain generate (or the CPU kernel / the triton SwiGLU kernel,
         when the engine is configured for them)."""
         if self._engine[0].cfg.kernel == "triton" and hidden.is_cuda and not getattr(self._tmpl, "has_bias", False) \
-                and tensors is None:
+                and tensors is None and self.quant is None:  # (packed experts: quant.swiglu's own triton kernel)
             from .kernels import swiglu_experts
 
             v = self._tmpl
