@@ -33,8 +33,31 @@ try:  # triton is optional (the `triton` extra); the reference path never needs 
     import triton.language as tl
 
     @triton.jit
-    def _up_kernel(x_ptr, gu_ptr, slot_ptr, a_ptr, H, I, K, GU_STRIDE, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
-        # program (t*K + j, i-block): a[t, j, i] = silu(gate[s, i] . x[t]) * (up[s, i] . x[t])
+    def _w(q_ptr, s_ptr, m_ptr, rows, cols, mask, QS1, SS1, G, BITS: tl.constexpr):
+        # the weights [rows, cols] of one slot (rows and cols as index vectors) in fp32: BITS 16 reads them as they
+        # are (bf16 / fp32); 8 and 4 dequantize exactly as `runtime.quant.dequantize` does: int8 w = s * q; int4
+        # w = s * q + m, where byte b of each 64-input chunk holds input b in its low nibble and input 32 + b in its
+        # high one
+        if BITS == 16:
+            w = tl.load(q_ptr + rows[:, None] * QS1 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        else:
+            if BITS == 8:
+                q = tl.load(q_ptr + rows[:, None] * QS1 + cols[None, :], mask=mask, other=0).to(tl.float32)
+            else:
+                byte = (cols // 64) * 32 + (cols % 64) % 32
+                shift = ((cols % 64) >= 32).to(tl.int32) * 4
+                b = tl.load(q_ptr + rows[:, None] * QS1 + byte[None, :], mask=mask, other=0).to(tl.int32)
+                q = ((b >> shift[None, :]) & 15).to(tl.float32)
+            g = cols // G
+            w = q * tl.load(s_ptr + rows[:, None] * SS1 + g[None, :], mask=mask, other=0.0).to(tl.float32)
+            if BITS == 4:
+                w += tl.load(m_ptr + rows[:, None] * SS1 + g[None, :], mask=mask, other=0.0).to(tl.float32)
+        return w
+
+    @triton.jit
+    def _up_kernel(x_ptr, q_ptr, s_ptr, m_ptr, slot_ptr, a_ptr, H, I, K, G, QS0, QS1, SS0, SS1,
+                   BITS: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+        # program (t*K + j, i-block): a[t, j, i] = silu(gate[s, i] . x[t]) * (up[s, i] . x[t]); slots QS0 apart
         pid = tl.program_id(0)
         pib = tl.program_id(1)
         t = pid // K
@@ -43,21 +66,21 @@ try:  # triton is optional (the `triton` extra); the reference path never needs 
         mask_i = offs_i < I
         acc_g = tl.zeros((BLOCK_I,), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_I,), dtype=tl.float32)
-        base = gu_ptr + s * GU_STRIDE  # slots may sit a block apart in the pool
         for h0 in range(0, H, BLOCK_H):
             offs_h = h0 + tl.arange(0, BLOCK_H)
             mask_h = offs_h < H
             xv = tl.load(x_ptr + t * H + offs_h, mask=mask_h, other=0.0).to(tl.float32)
             m = mask_i[:, None] & mask_h[None, :]
-            g = tl.load(base + offs_i[:, None] * H + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
-            u = tl.load(base + (offs_i[:, None] + I) * H + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
+            g = _w(q_ptr + s * QS0, s_ptr + s * SS0, m_ptr + s * SS0, offs_i, offs_h, m, QS1, SS1, G, BITS)
+            u = _w(q_ptr + s * QS0, s_ptr + s * SS0, m_ptr + s * SS0, offs_i + I, offs_h, m, QS1, SS1, G, BITS)
             acc_g += tl.sum(g * xv[None, :], axis=1)
             acc_u += tl.sum(u * xv[None, :], axis=1)
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         tl.store(a_ptr + pid * I + offs_i, act, mask=mask_i)
 
     @triton.jit
-    def _down_kernel(a_ptr, d_ptr, slot_ptr, w_ptr, y_ptr, H, I, K, D_STRIDE, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
+    def _down_kernel(a_ptr, q_ptr, s_ptr, m_ptr, slot_ptr, w_ptr, y_ptr, H, I, K, G, QS0, QS1, SS0, SS1,
+                     BITS: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
         # program (t, o-block): y[t, o] = sum_j w[t, j] * down[s_j, o] . a[t, j]
         t = tl.program_id(0)
         pob = tl.program_id(1)
@@ -73,119 +96,46 @@ try:  # triton is optional (the `triton` extra); the reference path never needs 
                 mask_i = offs_i < I
                 av = tl.load(a_ptr + (t * K + j) * I + offs_i, mask=mask_i, other=0.0)
                 m = mask_o[:, None] & mask_i[None, :]
-                dv = tl.load(d_ptr + s * D_STRIDE + offs_o[:, None] * I + offs_i[None, :], mask=m,
-                             other=0.0).to(tl.float32)
+                dv = _w(q_ptr + s * QS0, s_ptr + s * SS0, m_ptr + s * SS0, offs_o, offs_i, m, QS1, SS1, G, BITS)
                 part += tl.sum(dv * av[None, :], axis=1)
             acc += w * part
         tl.store(y_ptr + t * H + offs_o, acc, mask=mask_o)
+
+    def _launch(x, gu: dict, dn: dict, bits: int, group: int, slots, weights, inter: int, block: int):
+        """Both kernels over `gu`/`dn` ({"q", "scales"[, "mins"]}; for bits 16 only "q", the weights)."""
+        t_, k = slots.shape
+        h = x.shape[-1]
+        sl = slots.to(torch.int32).contiguous()
+        a = torch.empty(t_ * k, inter, dtype=torch.float32, device=x.device)
+        y = torch.empty(t_, h, dtype=torch.float32, device=x.device)
+
+        def args(p):  # pointers and strides (scales and mins stand in for each other where a format has none)
+            s = p.get("scales", p["q"])
+            return (p["q"], s, p.get("mins", s), p["q"].stride(0), p["q"].stride(1), s.stride(0), s.stride(1))
+
+        (gq, gs, gm, q0, q1, s0, s1), (dq, ds, dm, r0, r1, t0, t1) = args(gu), args(dn)
+        _up_kernel[(t_ * k, triton.cdiv(inter, block))](x.contiguous(), gq, gs, gm, sl, a, h, inter, k, group,
+                                                        q0, q1, s0, s1, BITS=bits, BLOCK_I=block, BLOCK_H=block)
+        _down_kernel[(t_, triton.cdiv(h, block))](a, dq, ds, dm, sl, weights.float().contiguous(), y, h, inter, k,
+                                                  group, r0, r1, t0, t1, BITS=bits, BLOCK_O=block, BLOCK_I=block)
+        return y.to(x.dtype)
 
     def swiglu_triton(x, gate_up, down, slots, weights, block: int = 32):
         """Same contract as `swiglu_reference`. Each slot's matrices must be contiguous; the slots themselves
         may be any stride apart (the slot pool's views are)."""
-        t_, k = slots.shape
-        h = x.shape[-1]
-        inter = down.shape[-1]
         gu = gate_up if gate_up[0].is_contiguous() else gate_up.contiguous()
         dn = down if down[0].is_contiguous() else down.contiguous()
-        sl = slots.to(torch.int32).contiguous()
-        a = torch.empty(t_ * k, inter, dtype=torch.float32, device=x.device)
-        _up_kernel[(t_ * k, triton.cdiv(inter, block))](x.contiguous(), gu, sl, a, h, inter, k, gu.stride(0),
-                                                      BLOCK_I=block, BLOCK_H=block)
-        y = torch.empty(t_, h, dtype=torch.float32, device=x.device)
-        _down_kernel[(t_, triton.cdiv(h, block))](a, dn, sl, weights.float().contiguous(), y, h, inter, k,
-                                                 dn.stride(0),
-                                                 BLOCK_O=block, BLOCK_I=block)
-        return y.to(x.dtype)
-
-    @triton.jit
-    def _dq(q_ptr, s_ptr, m_ptr, rows, cols, mask, QS1, SS1, G, BITS: tl.constexpr):
-        # the packed weights [rows, cols] of one slot (rows and cols as index vectors), dequantized to fp32 exactly
-        # as `runtime.quant.dequantize` does: int8 w = s * q; int4 w = s * q + m, where byte b of each 64-input
-        # chunk holds input b in its low nibble and input 32 + b in its high one
-        if BITS == 8:
-            q = tl.load(q_ptr + rows[:, None] * QS1 + cols[None, :], mask=mask, other=0).to(tl.float32)
-        else:
-            byte = (cols // 64) * 32 + (cols % 64) % 32
-            shift = ((cols % 64) >= 32).to(tl.int32) * 4
-            b = tl.load(q_ptr + rows[:, None] * QS1 + byte[None, :], mask=mask, other=0).to(tl.int32)
-            q = ((b >> shift[None, :]) & 15).to(tl.float32)
-        g = cols // G
-        w = q * tl.load(s_ptr + rows[:, None] * SS1 + g[None, :], mask=mask, other=0.0).to(tl.float32)
-        if BITS == 4:
-            w += tl.load(m_ptr + rows[:, None] * SS1 + g[None, :], mask=mask, other=0.0).to(tl.float32)
-        return w
-
-    @triton.jit
-    def _up_q_kernel(x_ptr, q_ptr, s_ptr, m_ptr, slot_ptr, a_ptr, H, I, K, G, QS0, QS1, SS0, SS1,
-                     BITS: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
-        # as _up_kernel, over packed gate_up rows: a[t, j, i] = silu(gate[s, i] . x[t]) * (up[s, i] . x[t])
-        pid = tl.program_id(0)
-        pib = tl.program_id(1)
-        t = pid // K
-        s = tl.load(slot_ptr + pid).to(tl.int64)
-        offs_i = pib * BLOCK_I + tl.arange(0, BLOCK_I)
-        mask_i = offs_i < I
-        acc_g = tl.zeros((BLOCK_I,), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_I,), dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            offs_h = h0 + tl.arange(0, BLOCK_H)
-            mask_h = offs_h < H
-            xv = tl.load(x_ptr + t * H + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-            m = mask_i[:, None] & mask_h[None, :]
-            g = _dq(q_ptr + s * QS0, s_ptr + s * SS0, m_ptr + s * SS0, offs_i, offs_h, m, QS1, SS1, G, BITS)
-            u = _dq(q_ptr + s * QS0, s_ptr + s * SS0, m_ptr + s * SS0, offs_i + I, offs_h, m, QS1, SS1, G, BITS)
-            acc_g += tl.sum(g * xv[None, :], axis=1)
-            acc_u += tl.sum(u * xv[None, :], axis=1)
-        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        tl.store(a_ptr + pid * I + offs_i, act, mask=mask_i)
-
-    @triton.jit
-    def _down_q_kernel(a_ptr, q_ptr, s_ptr, m_ptr, slot_ptr, w_ptr, y_ptr, H, I, K, G, QS0, QS1, SS0, SS1,
-                       BITS: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
-        # as _down_kernel, over packed down rows: y[t, o] = sum_j w[t, j] * down[s_j, o] . a[t, j]
-        t = tl.program_id(0)
-        pob = tl.program_id(1)
-        offs_o = pob * BLOCK_O + tl.arange(0, BLOCK_O)
-        mask_o = offs_o < H
-        acc = tl.zeros((BLOCK_O,), dtype=tl.float32)
-        for j in range(0, K):
-            s = tl.load(slot_ptr + t * K + j).to(tl.int64)
-            w = tl.load(w_ptr + t * K + j).to(tl.float32)
-            part = tl.zeros((BLOCK_O,), dtype=tl.float32)
-            for i0 in range(0, I, BLOCK_I):
-                offs_i = i0 + tl.arange(0, BLOCK_I)
-                mask_i = offs_i < I
-                av = tl.load(a_ptr + (t * K + j) * I + offs_i, mask=mask_i, other=0.0)
-                m = mask_o[:, None] & mask_i[None, :]
-                dv = _dq(q_ptr + s * QS0, s_ptr + s * SS0, m_ptr + s * SS0, offs_o, offs_i, m, QS1, SS1, G, BITS)
-                part += tl.sum(dv * av[None, :], axis=1)
-            acc += w * part
-        tl.store(y_ptr + t * H + offs_o, acc, mask=mask_o)
+        return _launch(x, {"q": gu}, {"q": dn}, 16, 1, slots, weights, down.shape[-1], block)
 
     def swiglu_triton_q(x, gu: dict, dn: dict, bits: int, group: int, slots, weights, block: int = 32):
         """`swiglu_triton` over packed experts (`runtime.quant`'s int8 / int4 slots: `q`, fp16 `scales`, and int4
         `mins`, each `[S, rows, ...]` with contiguous rows, the slots any stride apart), dequantized in the
         kernel, fp32 activations: equal to `swiglu_reference` over `quant.dequantize`'s weights up to summation
         order. The GPU path of a quantized checkpoint (the CPU has `cpu_kernels.swiglu_q`)."""
-        t_, k = slots.shape
-        h = x.shape[-1]
-        inter = dn["scales"].shape[-1] * group
-        sl = slots.to(torch.int32).contiguous()
-        a = torch.empty(t_ * k, inter, dtype=torch.float32, device=x.device)
         for part in (gu, dn):
             if part["q"].stride(-1) != 1 or part["scales"].stride(-1) != 1:
                 raise ValueError("swiglu_triton_q: each packed row must be contiguous")
-        gm, dm = gu.get("mins", gu["scales"]), dn.get("mins", dn["scales"])  # (int8: never read)
-        _up_q_kernel[(t_ * k, triton.cdiv(inter, block))](
-            x.contiguous(), gu["q"], gu["scales"], gm, sl, a, h, inter, k, group, gu["q"].stride(0),
-            gu["q"].stride(1), gu["scales"].stride(0), gu["scales"].stride(1), BITS=bits, BLOCK_I=block,
-            BLOCK_H=block)
-        y = torch.empty(t_, h, dtype=torch.float32, device=x.device)
-        _down_q_kernel[(t_, triton.cdiv(h, block))](
-            a, dn["q"], dn["scales"], dm, sl, weights.float().contiguous(), y, h, inter, k, group,
-            dn["q"].stride(0), dn["q"].stride(1), dn["scales"].stride(0), dn["scales"].stride(1), BITS=bits,
-            BLOCK_O=block, BLOCK_I=block)
-        return y.to(x.dtype)
+        return _launch(x, gu, dn, bits, group, slots, weights, dn["scales"].shape[-1] * group, block)
 
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - triton is in the test extra
