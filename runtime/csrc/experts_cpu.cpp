@@ -607,6 +607,12 @@ inline void store16(T* p, __m512 v, int n) {
 }
 
 constexpr int ATT_MAX_D = 256, ATT_MAX_R = 16;
+constexpr int64_t ATT_PF = 16;  // key / value rows prefetched ahead: a layer's cache comes from memory (each pass
+                                // over a head's values after the first reads its other columns from L2)
+
+inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(static_cast<const char*>(p) + o, _MM_HINT_T0);
+}
 
 // The horizontal sums of 8 vectors, one float each, in out[0..8): a shuffle-and-add tree (about 23 instructions
 // where 8 separate reductions take about 80).
@@ -647,6 +653,7 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   T* op = reinterpret_cast<T*>(out.data_ptr());
   const int64_t kb = k.stride(0), kh = k.stride(1), kl = k.stride(2), vb = v.stride(0), vh = v.stride(1), vl = v.stride(2);
   const float sc_f = static_cast<float>(scale);
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   at::parallel_for(0, B * Hk, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> sc(R * L);
     std::vector<float> inv(R);
@@ -672,6 +679,7 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
         const int64_t nr = std::min<int64_t>(8, R - r0);
         for (int64_t l = 0; l < L; ++l) {
           const T* krow = kr + l * kl;
+          if (r0 == 0 && l + ATT_PF < L) prefetch_row(krow + ATT_PF * kl, row_bytes);  // from memory, ahead
           __m512 acc[8];
           for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
           if constexpr (std::is_same_v<T, float>) {
@@ -726,6 +734,7 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
           for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
           for (int64_t l = 0; l < L; ++l) {
             const T* vrow = vr + l * vl;
+            if (r0 == 0 && c0 == 0 && l + ATT_PF < L) prefetch_row(vrow + ATT_PF * vl, row_bytes);  // (later passes: L2)
             const __m512 v0 = load16(vrow + c0 * 16, mask16(c0));
             const __m512 v1 = two ? load16(vrow + (c0 + 1) * 16, mask16(c0 + 1)) : _mm512_setzero_ps();
             for (int64_t j = 0; j < nr; ++j) {
