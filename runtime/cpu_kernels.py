@@ -253,7 +253,7 @@ def patch_attention(model: torch.nn.Module) -> list:
     """The model's configs that use transformers' `sdpa` attention switch to `attention` (registered as
     `ATTENTION`, with sdpa's masks): its decode steps read the KV cache once per key/value head in fp32 instead of
     torch's flash kernel, which tiles for many queries (2.7 ms per layer for one bf16 query against 512 keys here,
-    against tens of us). Returns what `unpatch_attention` restores."""
+    against about 0.12 ms). Returns what `unpatch_attention` restores."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 

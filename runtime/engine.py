@@ -767,16 +767,20 @@ class OffloadEngine:
         return waited
 
     @staticmethod
-    def _quiesce(futs) -> None:
-        """Cancel the loads of `futs` that have not started and wait for the others, their errors dropped (the
-        caller raises the first): none is still writing a slot (a staging, stream or packed-copy slot) that a next
-        step hands out."""
+    def _quiesce(futs) -> BaseException | None:
+        """Cancel the loads of `futs` that have not started and wait for the others: none is still writing a slot (a
+        staging, stream or packed-copy slot) that a next step hands out. Returns the first of their errors (a
+        cancellation is none), for a caller with no error of its own to raise."""
+        first = None
         for f in list(futs):
             if not f.cancel():
                 try:
                     f.result()
-                except BaseException:
+                except CancelledError:
                     pass
+                except BaseException as e:
+                    first = first or e
+        return first
 
     def _drop_pending(self, pos: int, e: int) -> None:
         del self.pending[pos][e]
@@ -1111,15 +1115,8 @@ class OffloadEngine:
         """An empty cache (static pins reloaded), no history, fresh counters: a new, cold pass. A load that
         failed is raised here, not swallowed."""
         failed = None
-        for fs in self.pending:  # every load stops (cancelled, or waited for) before anything is cleared
-            for f in fs.values():
-                if not f.cancel():
-                    try:
-                        f.result()
-                    except CancelledError:
-                        pass
-                    except BaseException as e:  # a prefetch that failed after its layer last ran
-                        failed = failed or e
+        for fs in self.pending:  # every load stops (cancelled, or waited for) before anything is cleared; a prefetch
+            failed = failed or self._quiesce(fs.values())  # that failed after its layer last ran is raised below
             fs.clear()
         for p in self.prefetched:
             p.clear()

@@ -564,7 +564,7 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& q, const at::Tensor& 
 // mask optional fp32 [B, L] (additive: 0 or -inf). Each key and value row is read once for the R query heads that
 // share it; scores, softmax and sums in fp32, the output rounded to q's dtype. A row whose keys are all masked
 // gives zeros. torch's CPU scaled_dot_product_attention took 2.7 ms per layer for one bf16 query against 512 keys
-// on this machine (its flash kernel tiles for many queries); this reads the 512 keys' 0.5 MB in tens of us.
+// on this machine (its flash kernel tiles for many queries); this takes about 0.12 ms (4 key/value heads, 1 thread).
 
 // exp for the softmax (its arguments <= 0): 2^n * p(f), f in [-ln2/2, ln2/2], a degree-6 polynomial (~2 ulp)
 inline __m512 exp_ps(__m512 x) {
