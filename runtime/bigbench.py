@@ -113,11 +113,10 @@ class TraceRouting:
 
 def _slot_bytes(ckpt: Path) -> int:
     """Bytes one cached expert takes: a quantized checkpoint's store block, else the bf16 expert (+ alignment)."""
-    from .quant import read_config
-    from .store import read_store_meta
+    from .quant import open_source, read_config
 
     qc = read_config(ckpt)
-    return read_store_meta(ckpt / qc["experts_file"]).block_bytes if qc else expert_bytes() + ALIGN
+    return open_source(ckpt, qc).meta.block_bytes if qc else expert_bytes() + ALIGN
 
 
 def _load_system(system: str, ckpt: Path, budget: int, layers: int, ids_fit: np.ndarray | None,

@@ -513,7 +513,9 @@ def verify(model: str, write_index: bool = True, rebless: bool = False) -> dict:
     return rep
 
 
-def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "", linears: bool = False) -> dict:
+def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "", linears: bool = False,
+             by_usage: str | None = None, hot_bits: int = 8, hot_group_size: int = 32,
+             max_bytes_ratio: float = 0.35) -> dict:
     """Write a checkpoint whose routed experts are packed integers with fp16 group scales (int8: symmetric; int4:
     min-max with a minimum per group), each expert one contiguous 4 KiB-aligned block of an expert store beside
     the non-expert weights (unchanged, or with `--linears true` their linear layers packed the same way);
@@ -530,6 +532,14 @@ def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "", lin
         linears: pack the non-expert linear layers too (attention, dense and shared MLPs, an untied output head;
             never the routers), as llama.cpp's Q8_0/Q4_0 files do: decode reads a quarter (int4) or half (int8)
             of their bytes, at an accuracy cost the gate prices
+        by_usage: a routing trace of this model (`expertcache trace record --split train`): precision per expert
+            from telemetry. The most used experts are written at --hot_bits/--hot_group_size, the rest at
+            --bits/--group_size, as many hot as fit --max_bytes_ratio of the experts' bf16 bytes (one store file per
+            format; the engine's slots take the larger format's size). Record the trace on other text than you
+            evaluate on
+        hot_bits: with --by_usage, the bits of the most used experts (8 or 4)
+        hot_group_size: with --by_usage, their group size
+        max_bytes_ratio: with --by_usage, every expert's bytes together, as a fraction of the experts in bf16
     """
     from rich.progress import Progress
 
@@ -539,7 +549,8 @@ def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "", lin
         raise InputError("--out is required: the folder the quantized checkpoint is written to")
     with Progress(transient=True) as prog:
         task = prog.add_task("MoE layers quantized", total=None)
-        rep = write_quantized(model, out, bits, group_size, progress=lambda: prog.advance(task), linears=linears)
+        rep = write_quantized(model, out, bits, group_size, progress=lambda: prog.advance(task), linears=linears,
+                              by_usage=by_usage, hot=(hot_bits, hot_group_size), max_bytes_ratio=max_bytes_ratio)
     worst = max(max(v) for v in rep["relative_error"].values())
     lin = rep["linears"]
     if linears:
@@ -547,6 +558,15 @@ def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "", lin
         print(f"quantize: {len(lin['modules'])} non-expert linears packed ({lin['bytes'] / 2**20:.1f} MiB; worst "
               f"relative error {worst_lin:.4f})" + (f"; kept: {'; '.join(lin['skipped'])}" if lin["skipped"] else ""),
               file=sys.stderr)
+    if by_usage:
+        u, (hi, lo) = rep["by_usage"], rep["formats"]
+        print(f"quantize: by usage ({u['tokens']} tokens of {by_usage}): {hi['experts']} most used experts at "
+              f"int{hi['bits']} (group {hi['group_size']}), serving {100 * u['hot_share_of_routing']:.1f}% of the "
+              f"trace's routing; {lo['experts']} at int{lo['bits']} (group {lo['group_size']})", file=sys.stderr)
+        print(f"quantize: {rep['experts']} experts, mixed precision: {rep['expert_bytes'] / 2**30:.3f} GiB, "
+              f"{rep['bf16_bytes_ratio']:.3f}x their bf16 bytes; worst layer relative error {worst:.4f}; -> {out}",
+              file=sys.stderr)
+        return rep
     print(f"quantize: {rep['experts']} experts to int{bits} (group {group_size}): {rep['expert_bytes'] / 2**30:.2f} "
           f"GiB, {rep['bytes_ratio']:.3f}x the original's expert bytes; worst layer relative error {worst:.4f}; "
           f"-> {out}", file=sys.stderr)

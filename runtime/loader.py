@@ -153,15 +153,14 @@ def build_offloaded(path: str | Path, dtype=None, verify: bool | None = None):
     if getattr(config.get_text_config(), "tie_word_embeddings", False):
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     if qc is not None:
-        from .checkpoint import StoreExperts
-        from .store import check_store, read_store_meta
+        from .store import check_store
 
-        store = path / qc["experts_file"]
-        source = StoreExperts(store, read_store_meta(store), verify)
+        source = quant.open_source(path, qc, verify)  # one store, or one per format (mixed precision)
         check_store(source.meta, model)
-        if quant.format_of({t.name: torch.empty(t.shape, dtype=t.torch_dtype, device="meta") for t in source.meta.tensors}) \
+        if qc["bits"] != quant.MIXED and quant.format_of(
+                {t.name: torch.empty(t.shape, dtype=t.torch_dtype, device="meta") for t in source.meta.tensors}) \
                 != (qc["bits"], qc["group_size"]):
-            raise InputError(f"{store} does not hold the {qc['bits']}-bit, group {qc['group_size']} experts "
+            raise InputError(f"{source.files[0]} does not hold the {qc['bits']}-bit, group {qc['group_size']} experts "
                              f"config.json describes (damaged checkpoint: quantize again)")
     else:
         source = CheckpointExperts(ckpt, adapter.family, prefixes, adapter.num_experts,

@@ -135,7 +135,8 @@ def quantize_expert(tensors: dict[str, torch.Tensor], bits: int, group: int) -> 
 
 
 def format_of(views: dict[str, torch.Tensor]) -> tuple[int, int] | None:
-    """`(bits, group)` of a slot pool's (or store's) quantized views, None for plain ones."""
+    """`(bits, group)` of a slot pool's (or store's) quantized views, None for plain ones (a mixed-precision pool's:
+    its first format's)."""
     q, s = views.get("down_proj.q"), views.get("down_proj.scales")
     if q is None or s is None:
         return None
@@ -144,17 +145,40 @@ def format_of(views: dict[str, torch.Tensor]) -> tuple[int, int] | None:
     return bits, n // s.shape[-1]
 
 
+def format_views(views: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """A mixed-precision pool's views split by format (`tiers.block_views`: format 0 plain names, format k
+    `@k:name`); a one-format pool's views as the one entry."""
+    from .tiers import FMT
+
+    if FMT not in views:
+        return [views]
+    out: dict[int, dict[str, torch.Tensor]] = {0: {}}
+    for name, v in views.items():
+        if name == FMT:
+            continue
+        if name.startswith("@"):
+            k, _, rest = name[1:].partition(":")
+            out.setdefault(int(k), {})[rest] = v
+        else:
+            out[0][name] = v
+    return [out[k] for k in sorted(out)]
+
+
 def parts(views: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
     return {p: views[f"{name}.{p}"] for p in ("q", "scales", "mins") if f"{name}.{p}" in views}
 
 
 def kernel_fits(views: dict[str, torch.Tensor]) -> bool:
-    """Whether the integer kernel takes these experts' shapes: hidden and intermediate sizes multiples of 64 and of
-    the group size (`I` from the down projection's scales: one per group of its input)."""
-    bits, group = format_of(views)
-    dn_s = views["down_proj.scales"]
-    h, i = dn_s.shape[1], dn_s.shape[2] * group
-    return h % 64 == 0 and i % 64 == 0 and h % group == 0 and i % group == 0 and group_ok(group)
+    """Whether the integer kernel takes these experts' shapes (every format's, for a mixed pool): hidden and
+    intermediate sizes multiples of 64 and of the group size (`I` from the down projection's scales: one per group
+    of its input)."""
+    for v in format_views(views):
+        bits, group = format_of(v)
+        dn_s = v["down_proj.scales"]
+        h, i = dn_s.shape[1], dn_s.shape[2] * group
+        if not (h % 64 == 0 and i % 64 == 0 and h % group == 0 and i % group == 0 and group_ok(group)):
+            return False
+    return True
 
 
 def swiglu(x, views: dict[str, torch.Tensor], slots, weights) -> torch.Tensor:
@@ -164,7 +188,10 @@ def swiglu(x, views: dict[str, torch.Tensor], slots, weights) -> torch.Tensor:
     exact activations)."""
     from . import cpu_kernels
     from .kernels import swiglu_reference
+    from .tiers import FMT
 
+    if FMT in views:
+        return _swiglu_mixed(x, views, slots, weights)
     bits, group = format_of(views)
     gu, dn = parts(views, "gate_up_proj"), parts(views, "down_proj")
     if x.is_cuda:
@@ -178,6 +205,31 @@ def swiglu(x, views: dict[str, torch.Tensor], slots, weights) -> torch.Tensor:
     g = dequantize({k: v[used] for k, v in gu.items()}, bits, group)
     d = dequantize({k: v[used] for k, v in dn.items()}, bits, group)
     return swiglu_reference(x.float(), g, d, inv.view_as(slots), weights).to(x.dtype)
+
+
+def _swiglu_mixed(x, views: dict[str, torch.Tensor], slots, weights) -> torch.Tensor:
+    """A mixed-precision pool: each format's (token, choice) pairs through that format's path (`swiglu`), summed in
+    fp32. A row with fewer pairs of a format than the widest row is padded with a slot of that format at weight 0
+    (its bytes are that format's, so the padding adds exactly 0)."""
+    from .tiers import FMT
+
+    tag = views[FMT][slots]
+    out = None
+    for f, v in enumerate(format_views(views)):
+        m = tag == f
+        if not bool(m.any()):
+            continue
+        if bool(m.all()):
+            s, w = slots, weights
+        else:
+            kf = int(m.sum(1).max())
+            order = torch.argsort((~m).to(torch.uint8), dim=1, stable=True)[:, :kf]  # format f's choices first
+            s, w, ok = slots.gather(1, order), weights.gather(1, order), m.gather(1, order)
+            s = torch.where(ok, s, slots[m][0])
+            w = torch.where(ok, w, torch.zeros((), dtype=w.dtype, device=w.device))
+        y = swiglu(x, v, s, w).float()
+        out = y if out is None else out + y
+    return torch.zeros_like(x) if out is None else out.to(x.dtype)
 
 
 def read_config(path) -> dict | None:
@@ -197,6 +249,8 @@ def read_config(path) -> dict | None:
         method = qc.get("quant_method") if isinstance(qc, dict) else qc
         raise InputError(f"{path}: quantization_config quant_method {method!r} is not one this runtime reads (it "
                          f"reads {QUANT_METHOD!r}, written by `expertcache quantize`); serve the unquantized checkpoint")
+    if qc.get("bits") == MIXED:
+        return _check_mixed(path, qc)
     bits, group, f = qc.get("bits"), qc.get("group_size"), qc.get("experts_file")
     if bits not in BITS or not isinstance(group, int) or isinstance(group, bool) or not group_ok(group):
         raise InputError(f"{path}: quantization_config bits={bits!r} group_size={group!r}: expected bits 8 or 4 and a "
@@ -204,6 +258,125 @@ def read_config(path) -> dict | None:
     if not isinstance(f, str) or "/" in f or f.startswith(".") or not (Path(path) / f).is_file():
         raise InputError(f"{path}: quantization_config names experts_file {f!r}, which is not a file beside config.json")
     return qc
+
+
+MIXED = "mixed"  # quantization_config bits of a checkpoint whose experts each have their own format (--by_usage)
+
+
+def _store_file(path, f) -> bool:
+    from pathlib import Path
+
+    return isinstance(f, str) and "/" not in f and not f.startswith(".") and (Path(path) / f).is_file()
+
+
+def _check_mixed(path, qc: dict) -> dict:
+    """A mixed-precision `quantization_config` (`quantize --by_usage`), checked field by field: its formats (each
+    with its store file) and one string per MoE layer naming each expert's format."""
+    fm, table = qc.get("formats"), qc.get("expert_formats")
+    if not isinstance(fm, list) or not 2 <= len(fm) <= 9 or not all(isinstance(f, dict) for f in fm):
+        raise InputError(f"{path}: quantization_config formats {str(fm)[:80]} is not a list of 2-9 formats "
+                         f"(damaged config.json)")
+    for f in fm:
+        b, g = f.get("bits"), f.get("group_size")
+        if b not in BITS or not isinstance(g, int) or isinstance(g, bool) or not group_ok(g):
+            raise InputError(f"{path}: quantization_config format bits={b!r} group_size={g!r}: expected bits 8 or 4 "
+                             f"and a group size of 32 or a multiple of 64 (damaged config.json)")
+        if not _store_file(path, f.get("experts_file")):
+            raise InputError(f"{path}: quantization_config format names experts_file {f.get('experts_file')!r}, "
+                             f"which is not a file beside config.json")
+    digits = "".join(str(k) for k in range(len(fm)))
+    if (not isinstance(table, list) or not table or not all(isinstance(r, str) and r for r in table)
+            or len({len(r) for r in table}) != 1 or not all(set(r) <= set(digits) for r in table)):
+        raise InputError(f"{path}: quantization_config expert_formats is not one string per MoE layer of one digit "
+                         f"(0-{len(fm) - 1}) per expert (damaged config.json)")
+    if qc.get("linears"):
+        raise InputError(f"{path}: a mixed-precision checkpoint with packed linears is not one this build reads")
+    return qc
+
+
+class MixedExperts:
+    """The experts of a mixed-precision checkpoint (`quantize --by_usage`): one store file per format, each holding
+    only its experts (one aligned block each, in (layer, expert) order) with its checksum table. The engine's slots
+    are the largest format's block; each slot is tagged with the format it holds (`tiers.FMT`)."""
+
+    remedy = "the store file is corrupted: quantize again"
+
+    def __init__(self, path, qc: dict, verify: bool | None = None):
+        import numpy as np
+        from pathlib import Path
+
+        from .checkpoint import VERIFY_DEFAULT
+        from .store import StoreMeta, read_store_meta
+
+        path = Path(path)
+        self.formats = [(f["bits"], f["group_size"]) for f in qc["formats"]]
+        self.files = [path / f["experts_file"] for f in qc["formats"]]
+        self.stores = [read_store_meta(p) for p in self.files]
+        self.fmt = np.array([[int(c) for c in row] for row in qc["expert_formats"]], dtype=np.int8)
+        n_l, n_e = self.fmt.shape
+        self.index = np.zeros((n_l, n_e), dtype=np.int64)  # each expert's block in its format's store
+        for k, (m, (bits, group), p) in enumerate(zip(self.stores, self.formats, self.files)):
+            mine = self.fmt.ravel() == k
+            self.index.ravel()[mine] = np.arange(int(mine.sum()))
+            if (m.num_layers, m.num_experts) != (1, int(mine.sum())):
+                raise InputError(f"{p} holds {m.num_layers} x {m.num_experts} blocks; config.json gives it "
+                                 f"{int(mine.sum())} experts (damaged checkpoint: quantize again)")
+            got = format_of({t.name: torch.empty(t.shape, dtype=t.torch_dtype, device="meta") for t in m.tensors})
+            if got != (bits, group) or m.fingerprint != self.stores[0].fingerprint:
+                raise InputError(f"{p} does not hold the {bits}-bit, group {group} experts config.json describes "
+                                 f"(damaged checkpoint: quantize again)")
+        block = max(m.block_bytes for m in self.stores)
+        first = self.stores[0]
+        self.meta = StoreMeta(first.fingerprint, n_l, n_e, first.tensors, block, str(path),
+                              alt_tensors=[m.tensors for m in self.stores[1:]])
+        on = verify is True or (verify is None and VERIFY_DEFAULT)
+        self.check = on and all(m.checksums is not None for m in self.stores)
+
+    def format_index(self, layer: int, expert: int) -> int:
+        return int(self.fmt[layer, expert])
+
+    def expert_nbytes(self, layer: int, expert: int) -> int:
+        return self.stores[self.fmt[layer, expert]].expert_bytes
+
+    def total_bytes(self) -> int:
+        """Every expert's bytes as stored (what the checkpoint's expert files hold, padding excluded)."""
+        return sum(m.expert_bytes * m.num_experts for m in self.stores)
+
+    def spans(self, layer: int, expert: int):
+        from .checkpoint import Span
+
+        k = int(self.fmt[layer, expert])
+        m = self.stores[k]
+        dt = m.tensors[0].torch_dtype
+        return [Span(k, m.offset(0, int(self.index[layer, expert])), m.block_bytes, 0, dt, dt)]
+
+    def expected_checksum(self, layer: int, expert: int) -> int | None:
+        if not self.check:
+            return None
+        k = int(self.fmt[layer, expert])
+        return int(self.stores[k].checksums[0, self.index[layer, expert]])
+
+    def integrity(self) -> str:
+        return ("verified (every expert read is checked against its store's checksum table)" if self.check else
+                "unverified (checksum checks turned off)")
+
+    def where(self, layer: int, expert: int) -> str:
+        k = int(self.fmt[layer, expert])
+        return (f"MoE layer {layer} expert {expert} (int{self.formats[k][0]}, block {self.index[layer, expert]} of "
+                f"{self.files[k]})")
+
+
+def open_source(path, qc: dict, verify: bool | None = None):
+    """The expert source of an `expertcache quantize` checkpoint (its `read_config`): one store, or a mixed one."""
+    from pathlib import Path
+
+    from .checkpoint import StoreExperts
+    from .store import read_store_meta
+
+    if qc.get("bits") == MIXED:
+        return MixedExperts(path, qc, verify)
+    store = Path(path) / qc["experts_file"]
+    return StoreExperts(store, read_store_meta(store), verify)
 
 
 def copy_source(path, meta):
@@ -218,6 +391,9 @@ def copy_source(path, meta):
     qc = read_config(path)
     if qc is None:
         raise InputError(f"{path} is not an `expertcache quantize` checkpoint (no quantization_config)")
+    if qc.get("bits") == MIXED:
+        raise InputError(f"miss_copy {path} is a mixed-precision checkpoint; the copy a miss is served from has one "
+                         f"format (`expertcache quantize --bits 4`)")
     m = read_store_meta(Path(path) / qc["experts_file"])
     if (m.num_layers, m.num_experts) != (meta.num_layers, meta.num_experts):
         raise InputError(f"miss_copy {path} has {m.num_layers} layers x {m.num_experts} experts; the model has "
@@ -227,17 +403,61 @@ def copy_source(path, meta):
     return StoreExperts(Path(path) / qc["experts_file"], m)
 
 
-def write_quantized(model, out, bits: int, group: int, progress=None, linears: bool = False) -> dict:
+def usage_counts(trace, model, num_layers: int, num_experts: int) -> tuple:
+    """`(counts [layers, E], tokens)`: how often each expert of each MoE layer was chosen in a routing trace of this
+    model (every token it holds, prefill and decode). A trace of another model's shape is one line."""
+    import numpy as np
+
+    from expertcache.telemetry.adapters import adapter_for
+    from expertcache.telemetry.parquet_trace import load_routing
+
+    r = load_routing(trace, phase=None)
+    a = adapter_for(model.config)
+    got = (r.ids.shape[0], r.num_experts, r.ids.shape[2], int(r.meta.get("hidden_size") or a.hidden_size))
+    want = (num_layers, num_experts, a.top_k, a.hidden_size)
+    if got != want:
+        raise InputError(f"--by_usage {trace} is a trace of another model: {got[0]} MoE layers x {got[1]} experts, "
+                         f"top-{got[2]}, hidden size {got[3]}; this model has {want[0]} x {want[1]}, top-{want[2]}, "
+                         f"hidden size {want[3]} (record one with `expertcache trace record --model` this checkpoint)")
+    counts = np.stack([np.bincount(r.ids[i].ravel(), minlength=num_experts) for i in range(num_layers)])
+    return counts, int(r.ids.shape[1])
+
+
+def allocate_by_usage(counts, hi_bytes: int, lo_bytes: int, budget: int):
+    """Each expert's format, 0 (the larger, `hi_bytes`) or 1 (`lo_bytes`), within `budget` bytes in all: every
+    expert starts at format 1 and the most used (`counts [layers, E]`; ties by position) are raised to format 0
+    while the total fits. A budget below every expert at format 1 is one line."""
+    import numpy as np
+
+    n = counts.size
+    floor = n * lo_bytes
+    if budget < floor:
+        raise InputError(f"the size allowed ({budget / 2**20:.1f} MiB) is below every expert at the smaller format "
+                         f"({floor / 2**20:.1f} MiB): raise --max_bytes_ratio or choose a smaller --bits/--group_size")
+    n_hi = min(n, int((budget - floor) // max(hi_bytes - lo_bytes, 1)))
+    order = np.lexsort((np.arange(n), -counts.ravel()))
+    fmt = np.ones(n, dtype=np.int8)
+    fmt[order[:n_hi]] = 0
+    return fmt.reshape(counts.shape)
+
+
+def write_quantized(model, out, bits: int, group: int, progress=None, linears: bool = False, by_usage=None,
+                    hot: tuple[int, int] = (8, 32), max_bytes_ratio: float = 0.35) -> dict:
     """`expertcache quantize`: a checkpoint at `out` whose routed experts are `bits`-bit integers with fp16 group
     scales, in one expert store file (each expert one contiguous 4 KiB-aligned block with its checksum), beside the
     non-expert tensors unchanged (`model.safetensors`) and `config.json` with a `quantization_config`. `linears`:
     the non-expert linear layers too (`quantizable_linears`: attention, dense and shared MLPs, the untied output
     head; not the routers), packed in the same format inside `model.safetensors`. Returns the report: bytes, and
-    each MoE layer's (and packed linear's) relative weight error."""
+    each MoE layer's (and packed linear's) relative weight error.
+
+    `by_usage` (a routing trace of this model): precision per expert from telemetry. The most used experts are
+    written at `hot` = (bits, group) and the rest at (`bits`, `group`), as many hot as fit `max_bytes_ratio` of the
+    experts' bytes in bf16 (`allocate_by_usage`); one store file per format, holding only its experts."""
     import json
     import shutil
     from pathlib import Path
 
+    import numpy as np
     from safetensors.torch import save_file
 
     from expertcache.telemetry.atomic import atomic_dir
@@ -248,6 +468,15 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
 
     if bits not in BITS:
         raise InputError(f"--bits {bits}: expected 8 or 4")
+    if by_usage is not None:
+        if hot[0] not in BITS:
+            raise InputError(f"--hot_bits {hot[0]}: expected 8 or 4")
+        if linears:
+            raise InputError("--by_usage with --linears true is not supported: pack the linears in a one-format "
+                             "checkpoint")
+        if not 0 < max_bytes_ratio < 1:
+            raise InputError(f"--max_bytes_ratio {max_bytes_ratio}: expected a fraction of the bf16 expert bytes in "
+                             f"(0, 1)")
     path = resolve(model)
     if read_config(path) is not None or "quantization_config" in json.loads((path / "config.json").read_text()):
         raise InputError(f"{path} is already quantized: quantize its unquantized original")
@@ -262,18 +491,38 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
                          f"experts hold {', '.join(names)}")
     if meta.tensors[0].dtype not in ("bfloat16", "float16", "float32"):
         raise InputError(f"{path}: experts in {meta.tensors[0].dtype}; expected float weights")
-    specs, block = layout(quantized_specs([(t.name, t.shape, t.dtype) for t in meta.tensors], bits, group))
-    qmeta = StoreMeta(meta.fingerprint, meta.num_layers, meta.num_experts, specs, block, str(path))
+    n_l, n_e = meta.num_layers, meta.num_experts
+    formats = [(bits, group)] if by_usage is None else [tuple(hot), (bits, group)]
+    if len(formats) == 2 and formats[0] == formats[1]:
+        raise InputError(f"--hot_bits {hot[0]} --hot_group_size {hot[1]} is the same format as --bits {bits} "
+                         f"--group_size {group}: nothing to mix")
+    fspecs = [layout(quantized_specs([(t.name, t.shape, t.dtype) for t in meta.tensors], b, g)) for b, g in formats]
+    fbytes = [sum(t.nbytes for t in sp) for sp, _ in fspecs]
+    bf16_bytes = sum(2 * int(np.prod(t.shape)) for t in meta.tensors) * n_l * n_e
+    usage = None
+    if by_usage is None:
+        fmt = np.zeros((n_l, n_e), dtype=np.int8)
+    else:
+        if fbytes[0] <= fbytes[1]:
+            raise InputError(f"the hot format (int{hot[0]}, group {hot[1]}) is not larger than the others (int{bits}, "
+                             f"group {group}): hot experts get the more precise format")
+        counts, tokens = usage_counts(by_usage, m, n_l, n_e)
+        fmt = allocate_by_usage(counts, fbytes[0], fbytes[1], int(max_bytes_ratio * bf16_bytes))
+        total = counts.sum()
+        usage = {"trace": str(by_usage), "tokens": tokens, "max_bytes_ratio": max_bytes_ratio,
+                 "hot_experts": int((fmt == 0).sum()),
+                 "hot_share_of_routing": round(float(counts[fmt == 0].sum() / total), 6) if total else 0.0}
     disk, pool = DiskTier(source), SlotPool(meta, 1)
-    err = {n: [[0.0, 0.0] for _ in range(meta.num_layers)] for n in names}  # per layer: sum d^2, sum w^2
+    err = {n: [[0.0, 0.0] for _ in range(n_l)] for n in names}  # per layer: sum d^2, sum w^2
 
     def expert(i, e):
         disk.read(i, e, pool, 0)
+        b, g = formats[fmt[i, e]]
         q = {}
         for n in names:
             w = pool.views[n][0].float()
-            t = quantize(w, bits, group)
-            d = dequantize(t, bits, group)
+            t = quantize(w, b, g)
+            d = dequantize(t, b, g)
             err[n][i][0] += float((w - d).pow(2).sum())
             err[n][i][1] += float(w.pow(2).sum())
             q.update({f"{n}.{p}": v for p, v in t.items()})
@@ -298,20 +547,43 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
                 raise InputError(f"{path}: linear {name} has no tensor {ck} in the checkpoint to quantize")
             keep.remove(ck)
             packed.update({f"{ck}_{part}": v.contiguous() for part, v in t.items()})
+    files = [EXPERTS_FILE] if by_usage is None else [f"experts-int{b}-g{g}.ecstore" for b, g in formats]
     with atomic_dir(out) as tmp:
         try:
-            _write(tmp / EXPERTS_FILE, qmeta, expert, progress)
+            if by_usage is None:
+                specs, block = fspecs[0]
+                _write(tmp / EXPERTS_FILE, StoreMeta(meta.fingerprint, n_l, n_e, specs, block, str(path)), expert,
+                       progress)
+            else:  # one store per format, its experts in (layer, expert) order as one row of blocks
+                for k, ((specs, block), f) in enumerate(zip(fspecs, files)):
+                    pairs = [(int(i), int(e)) for i, e in zip(*np.nonzero(fmt == k))]
+                    if not pairs:
+                        raise InputError(f"no expert gets int{formats[k][0]} (group {formats[k][1]}) at "
+                                         f"--max_bytes_ratio {max_bytes_ratio}: use a one-format checkpoint "
+                                         f"(`quantize` without --by_usage)")
+
+                    def one(_, j, pairs=pairs):
+                        if progress and pairs[j][1] == n_e - 1:
+                            progress()
+                        return expert(*pairs[j])
+                    _write(tmp / f, StoreMeta(meta.fingerprint, 1, len(pairs), specs, block, str(path)), one)
         finally:
             disk.close()
         save_file({**{n: ckpt.read(n).contiguous() for n in keep}, **packed}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         cfg = json.loads((path / "config.json").read_text())
         layer_err = {n: [round((a / b) ** 0.5, 6) if b else 0.0 for a, b in err[n]] for n in names}
-        cfg["quantization_config"] = {
-            "quant_method": QUANT_METHOD, "bits": bits, "group_size": group, "experts_file": EXPERTS_FILE,
-            "scheme": "int8 symmetric, fp16 scale per group" if bits == 8 else
-                      "int4 min-max, fp16 scale and minimum per group",
-            "source_dtype": meta.tensors[0].dtype, "relative_error": layer_err}
+        scheme = {8: "int8 symmetric, fp16 scale per group", 4: "int4 min-max, fp16 scale and minimum per group"}
+        if by_usage is None:
+            qc = {"quant_method": QUANT_METHOD, "bits": bits, "group_size": group, "experts_file": EXPERTS_FILE,
+                  "scheme": scheme[bits]}
+        else:
+            qc = {"quant_method": QUANT_METHOD, "bits": MIXED,
+                  "formats": [{"bits": b, "group_size": g, "experts_file": f, "scheme": scheme[b],
+                               "experts": int((fmt == k).sum())} for k, ((b, g), f) in enumerate(zip(formats, files))],
+                  "expert_formats": ["".join(str(int(v)) for v in row) for row in fmt], "by_usage": usage}
+        qc.update({"source_dtype": meta.tensors[0].dtype, "relative_error": layer_err})
+        cfg["quantization_config"] = qc
         if lin_names:
             cfg["quantization_config"]["linears"] = {"modules": lin_names, "relative_error": lin_err}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -320,12 +592,16 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
                     and f.name != "model.safetensors.index.json":
                 shutil.copy2(f, tmp / f.name)
     del m
-    expert_bytes = qmeta.expert_bytes * meta.num_layers * meta.num_experts
-    return {"out": str(out), "bits": bits, "group_size": group, "experts": meta.num_layers * meta.num_experts,
-            "expert_bytes": expert_bytes, "source_expert_bytes": meta.expert_bytes * meta.num_layers * meta.num_experts,
-            "bytes_ratio": expert_bytes / (meta.expert_bytes * meta.num_layers * meta.num_experts),
-            "relative_error": layer_err, "linears": {"modules": lin_names, "relative_error": lin_err,
-                                                     "skipped": lin_skipped, "bytes": nbytes(packed)}}
+    expert_bytes = sum(fbytes[k] * int((fmt == k).sum()) for k in range(len(formats)))
+    source_bytes = meta.expert_bytes * n_l * n_e
+    return {"out": str(out), "bits": bits if by_usage is None else MIXED, "group_size": group,
+            "formats": [{"bits": b, "group_size": g, "experts": int((fmt == k).sum())}
+                        for k, (b, g) in enumerate(formats)],
+            "experts": n_l * n_e, "expert_bytes": expert_bytes, "source_expert_bytes": source_bytes,
+            "bytes_ratio": expert_bytes / source_bytes, "bf16_bytes_ratio": expert_bytes / bf16_bytes,
+            "by_usage": usage, "relative_error": layer_err,
+            "linears": {"modules": lin_names, "relative_error": lin_err, "skipped": lin_skipped,
+                        "bytes": nbytes(packed)}}
 
 
 # --- quantized non-expert linears (`expertcache quantize --linears true`) ---------------------------------------

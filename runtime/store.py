@@ -78,6 +78,9 @@ class StoreMeta:
     version: int = VERSION
     # [num_layers, num_experts] uint64 digests of each block (version 2; not part of the header's JSON)
     checksums: np.ndarray | None = field(default=None, compare=False, repr=False)
+    # a mixed-precision source (`quant.MixedExperts`, never a file's header): the other formats' tensors, each laid
+    # out inside the same block size; slot pools then view every format (`tiers.block_views`) and tag each slot
+    alt_tensors: list[list[TensorSpec]] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def expert_bytes(self) -> int:

@@ -31,14 +31,20 @@ SPLIT, SPLIT_MIN = 4, 4 << 20  # reads of 4 MiB and more go as 4 concurrent piec
 
 def block_views(raw: torch.Tensor, meta: StoreMeta, n_blocks: int, first: int) -> dict[str, torch.Tensor]:
     """`[n_blocks, *shape]` views, per expert tensor, of `n_blocks` store blocks laid out back to back in the
-    bytes `raw` from byte `first` on (a slot pool, or the store itself in host memory): no copy."""
+    bytes `raw` from byte `first` on (a slot pool, or the store itself in host memory): no copy. A mixed-precision
+    meta (`alt_tensors`) adds format k's views as `@k:name` over the same blocks (which one a block holds is the
+    pool's `fmt` tag, `@fmt` in a pool's views)."""
     out = {}
-    for t in meta.tensors:
-        es = torch.empty((), dtype=t.torch_dtype).element_size()
-        inner = torch.empty(t.shape).stride() if t.shape else ()
-        out[t.name] = raw.view(t.torch_dtype).as_strided([n_blocks, *t.shape], [meta.block_bytes // es, *inner],
-                                                          (first + t.offset) // es)
+    for k, tensors in enumerate([meta.tensors, *meta.alt_tensors]):
+        for t in tensors:
+            es = torch.empty((), dtype=t.torch_dtype).element_size()
+            inner = torch.empty(t.shape).stride() if t.shape else ()
+            out[f"@{k}:{t.name}" if k else t.name] = raw.view(t.torch_dtype).as_strided(
+                [n_blocks, *t.shape], [meta.block_bytes // es, *inner], (first + t.offset) // es)
     return out
+
+
+FMT = "@fmt"  # a mixed-precision pool's view of which format each slot holds (int8 `[n_slots]`, set by every read)
 
 
 def measure_bandwidth(tier: "Tier", meta: StoreMeta, executor, layers: int, n: int = 64, seed: int = 0) -> float:
@@ -86,6 +92,10 @@ class SlotPool:
             self.buf = None
             self.raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.views = block_views(self.raw, meta, n_slots, 0)
+        self.fmt = None  # mixed precision: the format index of the expert each slot holds (written by `Tier.read`)
+        if meta.alt_tensors:
+            self.fmt = torch.zeros(n_slots, dtype=torch.int8, device=device)
+            self.views[FMT] = self.fmt
 
     def slot_bytes(self, slot: int) -> memoryview:
         b = self.meta.block_bytes
@@ -106,6 +116,16 @@ class Tier:
         """Copy one expert into `pool`'s slot (blocking, thread-safe); returns the bytes moved. A failed read
         raises (never swallowed: the caller surfaces it)."""
         raise NotImplementedError
+
+    def _nbytes(self, layer: int, expert: int) -> int:
+        """The expert's bytes as stored (a mixed-precision source's experts differ in size)."""
+        f = getattr(self.source, "expert_nbytes", None)
+        return f(layer, expert) if f is not None else self.meta.expert_bytes
+
+    def _tag(self, pool: SlotPool, slot: int, layer: int, expert: int) -> None:
+        """A mixed-precision pool records which format the slot now holds (before its bytes are computed on)."""
+        if pool.fmt is not None:
+            pool.fmt[slot] = self.source.format_index(layer, expert)
 
     def describe(self) -> dict:
         return {"tier": self.name}
@@ -179,6 +199,7 @@ class DiskTier(Tier):
         b = self.meta.block_bytes
         base = slot * b
         what = f"layer {layer} expert {expert}"
+        self._tag(pool, slot, layer, expert)
         want = getattr(self.source, "expected_checksum", lambda i, e: None)(layer, expert)
         h = hasher() if want is not None else None
         for file, start, end, spans in _runs(self.source.spans(layer, expert)):
@@ -210,7 +231,7 @@ class DiskTier(Tier):
             raise InputError(f"checksum mismatch: {self.source.where(layer, expert)}: its bytes hash to "
                              f"{h.intdigest():016x}, the recorded {CHECKSUM} is {want:016x}; "
                              f"{getattr(self.source, 'remedy', 'the file is corrupted')}")
-        return self.meta.expert_bytes
+        return self._nbytes(layer, expert)
 
     def describe(self):
         return {"tier": self.name, "page_cache": "bypassed (" + self.mode + ")"}
@@ -245,7 +266,10 @@ class HostTier(Tier):
     def layer_views(self, layer: int) -> dict[str, torch.Tensor]:
         """`[E, ...]` views of one layer's experts inside the host copy (no copy)."""
         e = self.meta.num_experts
-        return block_views(self.host, self.meta, e, layer * e * self.meta.block_bytes)
+        v = block_views(self.host, self.meta, e, layer * e * self.meta.block_bytes)
+        if self.store.fmt is not None:
+            v[FMT] = self.store.fmt[layer * e:(layer + 1) * e]
+        return v
 
     def _src(self, layer, expert):
         b = self.meta.block_bytes
@@ -254,8 +278,9 @@ class HostTier(Tier):
 
     def read(self, layer, expert, pool, slot):
         b = self.meta.block_bytes
+        self._tag(pool, slot, layer, expert)
         pool.raw[slot * b:(slot + 1) * b].copy_(self._src(layer, expert))
-        return self.meta.expert_bytes
+        return self._nbytes(layer, expert)
 
 
 class ThrottledTier(HostTier):
@@ -272,7 +297,7 @@ class ThrottledTier(HostTier):
         self._free_at = 0.0
 
     def read(self, layer, expert, pool, slot):
-        n = self.meta.expert_bytes
+        n = self._nbytes(layer, expert)
         with self._lock:
             start = max(time.perf_counter(), self._free_at)
             self._free_at = done = start + n / self.bandwidth
@@ -300,12 +325,13 @@ class CudaTier(HostTier):
 
     def read(self, layer, expert, pool, slot):
         b = self.meta.block_bytes
+        self._tag(pool, slot, layer, expert)
         with torch.cuda.stream(self.stream):
             pool.raw[slot * b:(slot + 1) * b].copy_(self._src(layer, expert), non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self.stream)
         ev.synchronize()
-        return self.meta.expert_bytes
+        return self._nbytes(layer, expert)
 
 
 def _gbps(s: str) -> float:

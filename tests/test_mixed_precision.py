@@ -1,0 +1,236 @@
+"""Precision per expert from telemetry (`expertcache quantize --by_usage TRACE`): the allocation, the checkpoint it
+writes (one store per format), the engine serving it (slots tagged with their format) and what it refuses."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from expertcache.runtime import quant
+from expertcache.telemetry.errors import InputError
+
+HOT, COLD = (8, 32), (4, 64)
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _src(tmp_path, **over):
+    from tiny_models import build_model, tiny_config
+
+    src = tmp_path / "src"  # sizes the int4 chunk takes: hidden 64, expert 64; 16 experts, top-2
+    cfg = dict(hidden_size=64, moe_intermediate_size=64, intermediate_size=64, num_experts=16)
+    build_model(tiny_config("qwen3_moe", **{**cfg, **over}), seed=7, dtype=torch.bfloat16).save_pretrained(src)
+    return src
+
+
+def _trace(src, path, seed=0):
+    """A real routing trace of the checkpoint at `src` (prefill and greedy decode of random blocks)."""
+    from transformers import AutoModelForCausalLM
+
+    from expertcache.telemetry.parquet_trace import TraceWriter
+    from expertcache.telemetry.recorder import Recorder, record_blocks
+
+    m = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    blocks = np.random.default_rng(seed).integers(2, 128, (6, 16))
+    with TraceWriter(path, Recorder(m).meta(str(src))) as w:
+        record_blocks(m, blocks, w, "code", prompt_len=8, decode_tokens=4, batch_size=3)
+    return path
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mixed")
+    src = _src(root)
+    trace = _trace(src, root / "usage.parquet")
+    q = root / "q"
+    rep = quant.write_quantized(src, q, *COLD, by_usage=trace, hot=HOT, max_bytes_ratio=0.4)
+    return src, trace, q, rep
+
+
+def _logits(m):
+    from transformers import DynamicCache
+
+    out = []
+    with torch.no_grad():
+        cache = DynamicCache(config=m.config)
+        r = m(input_ids=torch.tensor([[5, 9, 33, 2, 71, 100, 7, 12]]), past_key_values=cache, use_cache=True)
+        out.append(r.logits[0, -1].float())
+        for t in (3, 14, 15, 92):
+            r = m(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+            out.append(r.logits[0, -1].float())
+    return torch.stack(out)
+
+
+def _reference(src, q):
+    """The original model with each routed expert replaced by what its own format's integers stand for."""
+    from transformers import AutoModelForCausalLM
+
+    from expertcache.runtime.tiers import HostTier
+    from expertcache.telemetry.adapters import adapter_for
+
+    qc = quant.read_config(q)
+    source = quant.MixedExperts(q, qc)
+    tier = HostTier(source)
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    for i, L in enumerate(adapter_for(ref).moe_layers(ref)):
+        views = quant.format_views(tier.layer_views(i))
+        for e in range(source.meta.num_experts):
+            k = source.format_index(i, e)
+            bits, group = source.formats[k]
+            for name in ("gate_up_proj", "down_proj"):
+                t = {p: v[e] for p, v in quant.parts(views[k], name).items()}
+                getattr(L.experts, name).data[e].copy_(quant.dequantize(t, bits, group))
+    return ref
+
+
+def test_allocation_raises_the_most_used_experts_while_the_size_allows():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        counts = rng.integers(0, 100, (int(rng.integers(1, 5)), int(rng.integers(2, 20))))
+        hi, lo = int(rng.integers(200, 400)), int(rng.integers(50, 199))
+        budget = int(counts.size * lo + rng.integers(0, counts.size * (hi - lo) + 1))
+        fmt = quant.allocate_by_usage(counts, hi, lo, budget)
+        size = int((fmt == 0).sum()) * hi + int((fmt == 1).sum()) * lo
+        assert size <= budget and (size + hi - lo > budget or (fmt == 0).all())  # fits; one more would not
+        if (fmt == 0).any() and (fmt == 1).any():
+            assert counts[fmt == 0].min() >= counts[fmt == 1].max()  # no colder expert outranks a hotter one
+    with pytest.raises(InputError, match="below every expert at the smaller format"):
+        quant.allocate_by_usage(np.ones((2, 4)), 300, 100, 799)
+
+
+def test_by_usage_writes_one_store_per_format_within_the_size(mixed):
+    from expertcache.telemetry.parquet_trace import load_routing
+
+    src, trace, q, rep = mixed
+    qc = json.loads((q / "config.json").read_text())["quantization_config"]
+    assert qc["bits"] == quant.MIXED and [(f["bits"], f["group_size"]) for f in qc["formats"]] == [HOT, COLD]
+    fmt = np.array([[int(c) for c in row] for row in qc["expert_formats"]])
+    ids = load_routing(trace, phase=None).ids
+    counts = np.stack([np.bincount(ids[i].ravel(), minlength=16) for i in range(ids.shape[0])])
+    assert 0 < (fmt == 0).sum() < fmt.size
+    assert counts[fmt == 0].min() >= counts[fmt == 1].max()
+    assert rep["by_usage"]["hot_share_of_routing"] == pytest.approx(counts[fmt == 0].sum() / counts.sum(), abs=1e-6)
+    assert rep["bf16_bytes_ratio"] <= 0.4 < rep["bf16_bytes_ratio"] + (13056 - 6912) / (24576 * fmt.size)
+    source = quant.MixedExperts(q, qc)
+    assert source.total_bytes() == rep["expert_bytes"] == (fmt == 0).sum() * 13056 + (fmt == 1).sum() * 6912
+    for f, k in zip(qc["formats"], (0, 1)):  # each store holds its own experts only (4 KiB blocks)
+        from expertcache.runtime.store import read_store_meta
+
+        m = read_store_meta(q / f["experts_file"])
+        assert (m.num_layers, m.num_experts) == (1, int((fmt == k).sum())) and f["experts"] == m.num_experts
+    assert all(0 < e < 0.15 for v in rep["relative_error"].values() for e in v)
+
+
+@pytest.mark.parametrize("tier,capacity", [("host", 1.0), ("disk", 0.5)])
+def test_a_mixed_checkpoint_decodes_like_its_dequantized_reference(mixed, tier, capacity):
+    """Each slot computes with the format its expert was written in: logits within 5% of the original model holding
+    every expert's dequantized integers (the kernels also round activations to int8); every read moves that
+    expert's own bytes."""
+    from expertcache.runtime import load
+
+    src, _, q, _ = mixed
+    ref = _logits(_reference(src, q))
+    m = load(q, capacity=capacity, tier=tier, kernel="auto")
+    eng = m.expertcache
+    assert isinstance(eng.source, quant.MixedExperts)
+    assert eng.meta.block_bytes == max(m.block_bytes for m in eng.source.stores)  # a slot: the larger block
+    reads, read = [], eng.tier.read
+    eng.tier.read = lambda i, e, pool, slot: reads.append((i, e, read(i, e, pool, slot))) or reads[-1][2]
+    before = eng.stats.bytes_moved
+    got = _logits(m)
+    assert _rel(got, ref) < 5e-2
+    assert all(n == eng.source.expert_nbytes(i, e) for i, e, n in reads)
+    assert eng.stats.bytes_moved - before == sum(n for *_, n in reads)
+    if capacity == 1.0:
+        assert not reads  # every expert preloaded, each in its own format
+    else:
+        assert eng.stats.demand_loads > 0 and eng.stats.hits > 0
+        assert {n for *_, n in reads} == {13056, 6912}  # both formats were read
+    eng.close()
+
+
+def test_mixed_slots_compute_each_pair_in_its_own_format(mixed):
+    """Several tokens whose choices mix formats in different numbers per row (the padded path): each (token, choice)
+    pair equals the dequantized reference of its own format."""
+    from expertcache.runtime.kernels import swiglu_reference
+    from expertcache.runtime.tiers import DiskTier, SlotPool
+
+    _, _, q, _ = mixed
+    source = quant.MixedExperts(q, quant.read_config(q))
+    pool = SlotPool(source.meta, 16)
+    tier = DiskTier(source)
+    for e in range(16):
+        tier.read(0, e, pool, e)
+    tier.close()
+    fmt = pool.fmt.clone()
+    assert set(fmt.tolist()) == {0, 1}
+    g = torch.Generator().manual_seed(0)
+    slots = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(5)])
+    weights = torch.rand(5, 4, generator=g)
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    got = quant.swiglu(x, pool.views, slots, weights)
+    views = quant.format_views(pool.views)
+    deq = {n: torch.stack([quant.dequantize({p: v[s] for p, v in quant.parts(views[int(fmt[s])], n).items()},
+                                            *source.formats[int(fmt[s])]) for s in range(16)])
+           for n in ("gate_up_proj", "down_proj")}
+    ref = swiglu_reference(x.float(), deq["gate_up_proj"], deq["down_proj"], slots, weights)
+    assert _rel(got, ref) < 5e-2
+    one = quant.swiglu(x[:1], pool.views, slots[:1], weights[:1])  # one token: no padding
+    assert _rel(one, ref[:1]) < 5e-2
+
+
+def test_by_usage_refuses_in_one_line(mixed, tmp_path, capsys):
+    from expertcache.recipes.cli import main
+
+    src, trace, q, _ = mixed
+    other = _trace(_src(tmp_path / "o", num_experts=8), tmp_path / "other.parquet")
+    capsys.readouterr()
+    base = ["quantize", "--model", str(src), "--out", str(tmp_path / "out"), "--bits", "4", "--group_size", "64"]
+    cases = [(["--by_usage", str(other)], "is a trace of another model: 2 MoE layers x 8 experts"),
+             (["--by_usage", str(trace), "--max_bytes_ratio", "0.2"], "below every expert at the smaller format"),
+             (["--by_usage", str(trace), "--max_bytes_ratio", "1.5"], "--max_bytes_ratio 1.5"),
+             (["--by_usage", str(trace), "--hot_bits", "4", "--hot_group_size", "64"], "nothing to mix"),
+             (["--by_usage", str(trace), "--bits", "8", "--group_size", "32", "--hot_bits", "4", "--hot_group_size",
+               "64"], "hot experts get the more precise format"),
+             (["--by_usage", str(trace), "--linears", "true"], "--by_usage with --linears true"),
+             (["--by_usage", str(tmp_path / "nope.parquet")], "nope.parquet")]
+    for extra, msg in cases:
+        assert main(base + extra) == 2, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0], (extra, err)
+        assert not (tmp_path / "out").exists()
+
+
+def test_a_damaged_mixed_config_is_refused_in_one_line(mixed, tmp_path):
+    import shutil
+
+    from expertcache.runtime import load
+
+    _, _, q, _ = mixed
+    cfg_of = lambda d: json.loads((d / "config.json").read_text())  # noqa: E731
+    for i, (edit, msg) in enumerate([
+            (lambda qc: qc["expert_formats"].__setitem__(0, qc["expert_formats"][0][:-1]), "expert_formats is not"),
+            (lambda qc: qc["expert_formats"].__setitem__(0, "2" * 16), "expert_formats is not"),
+            (lambda qc: qc["formats"][1].__setitem__("group_size", 48), "group_size=48"),
+            (lambda qc: qc["formats"][0].__setitem__("experts_file", "../x"), "is not a file beside"),
+            (lambda qc: qc["formats"][0].update(bits=4, group_size=64), "does not hold the 4-bit, group 64")]):
+        d = tmp_path / f"d{i}"
+        shutil.copytree(q, d)
+        cfg = cfg_of(d)
+        edit(cfg["quantization_config"])
+        (d / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(InputError, match=msg):
+            load(d, capacity=0.5, tier="disk")
+    d = tmp_path / "flip"  # two experts swap formats: the stores no longer hold the counts config.json gives
+    shutil.copytree(q, d)
+    cfg = cfg_of(d)
+    row = cfg["quantization_config"]["expert_formats"][0]
+    cfg["quantization_config"]["expert_formats"][0] = ("0" if row[0] == "1" else "1") + row[1:]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match="blocks; config.json gives it"):
+        load(d, capacity=0.5, tier="disk")
