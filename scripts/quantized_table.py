@@ -18,6 +18,10 @@ served blocking (`bench decode`, the same tokens).
 
     python scripts/quantized_table.py --base runs/base-tiny/model --work runs/quantized --out results/quantized.json
 
+Mixed by usage (`quantize --by_usage`): the base's routing recorded on the corpus's train split (`trace record
+--split train`; the evals read the test split), the most used experts written at int8 (group 32) and the rest at
+int4 (group 128) within 0.35x and 0.30x the bf16 expert bytes; served like the others.
+
 Targets (#20): int8 gate PASS at Δppl <= +0.3%; the best 4-bit variant gate PASS at <= 0.35x the bf16 expert
 bytes. Resumable: a variant already quantized, or an eval already written, is reused.
 """
@@ -40,6 +44,9 @@ VARIANTS = {"int8-g32": (8, 32), "int4-g32": (4, 32), "int4-g64": (4, 64), "int4
             # the non-expert linears packed too (`quantize --linears true`: attention; the tied output head and the
             # routers stay exact), as llama.cpp's Q8_0 / Q4_0 files pack every matrix
             "int8-g32+linears": (8, 32), "int4-g32+linears": (4, 32)}
+# precision by usage (`quantize --by_usage`): the experts the base uses most on the corpus's train split at int8
+# (group 32), the rest at int4 (group 128), within a fraction of the bf16 expert bytes
+MIXED = {"mixed-by-usage@0.35": ((8, 32), (4, 128), 0.35), "mixed-by-usage@0.30": ((8, 32), (4, 128), 0.30)}
 
 
 def bf16_copy(base: Path, out: Path) -> Path:
@@ -80,7 +87,7 @@ def main() -> None:
     ap.add_argument("--work", default="runs/quantized", help="quantized checkpoints and eval JSONs")
     ap.add_argument("--out", default="results/quantized.json")
     ap.add_argument("--corpus", default="data/corpus")
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=[*VARIANTS, *MIXED], choices=[*VARIANTS, *MIXED])
     ap.add_argument("--ppl_blocks", type=int, default=64, help="step-wise blocks per domain")
     ap.add_argument("--seq_len", type=int, default=128)
     ap.add_argument("--limit", type=int, default=None, help="documents per accuracy task (default: all)")
@@ -128,14 +135,23 @@ def main() -> None:
     b16 = bf16_copy(base, work / "bf16")
     models = {"bf16": (16, None, b16)}
     reports, skipped = {}, {}
+    usage = work / "usage-train.parquet"  # the base's routing on the train split (the evals read the test split)
+    if any(n in MIXED for n in a.variants) and not usage.is_file():
+        subprocess.run(cli + ["trace", "record", "--model", str(base), "--corpus", a.corpus, "--split", "train",
+                              "--out", str(usage)], check=True, capture_output=True)
     for name in a.variants:
-        bits, group = VARIANTS[name]
         out = work / name
         rep_f = work / f"{name}.report.json"
+        if name in MIXED:
+            (hb, hg), (bits, group), ratio = MIXED[name]
+            extra = ["--by_usage", str(usage), "--hot_bits", str(hb), "--hot_group_size", str(hg),
+                     "--max_bytes_ratio", str(ratio)]
+        else:
+            bits, group = VARIANTS[name]
+            extra = ["--linears", "true" if name.endswith("+linears") else "false"]
         if not (out / "config.json").is_file():
             r = subprocess.run(cli + ["quantize", "--model", str(base), "--bits", str(bits), "--group_size",
-                                      str(group), "--out", str(out),
-                                      "--linears", "true" if name.endswith("+linears") else "false"],
+                                      str(group), "--out", str(out), *extra],
                                capture_output=True, text=True)
             if r.returncode:  # e.g. a group or chunk size the model's dimensions do not take: said, not hidden
                 skipped[name] = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
@@ -143,7 +159,7 @@ def main() -> None:
                 continue
             rep_f.write_text(r.stdout)
         reports[name] = json.loads(rep_f.read_text())
-        models[name] = (bits, group, out)
+        models[name] = ("mixed" if name in MIXED else bits, group, out)
     bf16_bytes = None
     rows = []
     for name, (bits, group, model) in models.items():
@@ -155,7 +171,12 @@ def main() -> None:
             stored = reports[name]["expert_bytes"]
             err = max(max(v) for v in reports[name]["relative_error"].values())
         lin = reports[name].get("linears") if name in reports else None
-        rows.append({"name": name, "bits": bits, "group_size": group,
+        mix = {} if name not in MIXED else {
+            "formats": reports[name]["formats"], "by_usage": reports[name]["by_usage"],
+            "policy": f"the most used experts (train-split trace) at int{MIXED[name][0][0]} g{MIXED[name][0][1]}, "
+                      f"the rest at int{MIXED[name][1][0]} g{MIXED[name][1][1]}, within {MIXED[name][2]:g}x the bf16 "
+                      f"expert bytes"}
+        rows.append({"name": name, "bits": bits, "group_size": group, **mix,
                      "linears_packed": (lin or {}).get("modules", []),
                      "linears_relative_error_max": max((lin or {}).get("relative_error", {}).values(), default=None),
                      "dppl_overall_pct": g["dppl_percent"]["overall"],
@@ -201,7 +222,8 @@ def main() -> None:
             print(f"{name}: Δppl {rows[-1]['dppl_overall_pct']:+.3f}% {g['dppl_overall_ci95']}, gate {g['gate']}, "
                   f"traffic {rows[-1]['traffic_ratio_vs_blocking']}x blocking", file=sys.stderr, flush=True)
     int8 = [r for r in rows if r["bits"] == 8]
-    four = [r for r in rows if r["bits"] == 4 and r["gate"] == "PASS" and r["expert_bytes_ratio"] <= 0.35]
+    four = [r for r in rows if r["bits"] in (4, "mixed") and "capacity" not in r and r["gate"] == "PASS"
+            and r["expert_bytes_ratio"] <= 0.35]
     res = {"command": " ".join(["python", "scripts/quantized_table.py", *sys.argv[1:]]), "base": str(base),
            "served": "capacity 1.0, host tier (every expert resident: only the weights differ)",
            "ppl_blocks_per_domain": a.ppl_blocks, "seq_len": a.seq_len, "limit": a.limit,
@@ -209,9 +231,9 @@ def main() -> None:
                        "served": "disk tier, miss_precision 4 from the int4-g32 copy, miss_upgrade 2",
                        "baseline": "the base on the same blocks and documents (eval-base-lossy)"},
            "seconds": round(time.perf_counter() - t0, 1), "rows": rows, "skipped": skipped,
-           "not_measured": ["mixed by usage (quantize --by_usage): not built"],
+           "not_measured": [],
            "targets": {"int8": "gate PASS at dppl_overall_pct <= +0.3",
-                       "best_4bit": "gate PASS at expert_bytes_ratio <= 0.35"},
+                       "best_4bit": "gate PASS at expert_bytes_ratio <= 0.35 (4-bit or mixed by usage)"},
            "pass": {"int8": bool(int8) and all(r["gate"] == "PASS" and r["dppl_overall_pct"] <= 0.3 for r in int8),
                     "best_4bit": bool(four)}}
     write_json(a.out, res)
