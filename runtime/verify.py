@@ -12,6 +12,8 @@
   weight 10^4-10^5 times its siblings, so a tensor above `OUTLIER_RATIO` times its group's lower quartile is
   reported as an outlier. A fresh checkpoint with no index is thus still checked.
 - A repacked store file (`store.write_store`): each block against the store's checksum table.
+- An `expertcache quantize` checkpoint (one store, or one per format): each expert's block against its store's
+  table, every float tensor (scales, minimums, non-expert weights) finite and no magnitude outlier.
 
 The report says what was checked, what failed, and a `verdict`: ok (checked against the reference), unverified
 (no usable reference; the reference-free checks passed), damaged. `ok` is False on any mismatch, non-finite
@@ -279,6 +281,73 @@ def _write_index(src: CheckpointExperts, target: Path, stamps: dict, sums: list,
     return done + ("" if beside else f" to {target} (the checkpoint's folder is not writable)")
 
 
+def verify_quantized(path: Path, qc: dict, progress=None) -> dict:
+    """An `expertcache quantize` checkpoint: every expert block of its store file(s) against the store's checksum
+    table, every float tensor (the experts' fp16 scales and minimums, the non-expert weights) finite and no
+    magnitude outlier among its siblings. Its stores carry their own reference: nothing is written."""
+    from .checkpoint import Checkpoint
+    from .quant import open_source
+
+    t0 = time.perf_counter()
+    src = open_source(path, qc, verify=True)
+    meta = src.meta
+    stores = getattr(src, "stores", [meta])  # each format's tensors (a one-format checkpoint: the store's own)
+    fmt = getattr(src, "format_index", lambda i, e: 0)
+    mismatches, non_finite, nbytes, compared = [], [], 0, 0
+    groups: dict[str, list] = {}
+    fds = [os.open(str(p), os.O_RDONLY) for p in src.files]
+    try:
+        for i in range(meta.num_layers):
+            for e in range(meta.num_experts):
+                (span,) = src.spans(i, e)
+                where = src.where(i, e)
+                block = _pread(fds[span.file], span.offset, span.nbytes, where)
+                nbytes += len(block)
+                want = src.expected_checksum(i, e)
+                if want is not None:
+                    compared += 1
+                    got = checksum(block)
+                    if got != want:
+                        mismatches.append({"layer": i, "expert": e, "where": where, "expected": f"{want:016x}",
+                                           "got": f"{got:016x}"})
+                k = fmt(i, e)
+                bad = []
+                for t in stores[k].tensors:
+                    raw = block[t.offset:t.offset + t.nbytes]
+                    if not _finite(raw, t.torch_dtype):
+                        bad.append(t.name)
+                    elif t.torch_dtype.is_floating_point:
+                        groups.setdefault(f"format {k} {t.name}", []).append(
+                            (_max_abs(raw, t.torch_dtype), {"layer": i, "expert": e, "where": where}))
+                if bad:
+                    non_finite.append({"layer": i, "expert": e, "where": where, "tensors": bad})
+            if progress:
+                progress()
+    finally:
+        for fd in fds:
+            os.close(fd)
+    ck = Checkpoint(path)
+    fds = [os.open(str(p), os.O_RDONLY) for p in ck.files]
+    try:
+        for name, info in sorted(ck.tensors.items()):
+            raw = _pread(fds[info.file], info.start, info.nbytes, name)
+            where = f"{name} in {ck.files[info.file].name} of {path}"
+            if not _finite(raw, info.dtype):
+                non_finite.append({"tensor": name, "where": where})
+            elif info.dtype.is_floating_point:
+                groups.setdefault(_group(name), []).append((_max_abs(raw, info.dtype), {"tensor": name,
+                                                                                          "where": where}))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return _report("quantized checkpoint", path, meta.num_layers * meta.num_experts, nbytes, mismatches, non_finite,
+                   t0, outliers(groups), reference=compared > 0, checked_against_index=compared,
+                   non_expert_tensors=len(ck.tensors),
+                   index={"path": ", ".join(str(p) for p in src.files),
+                          "before": "table" if compared else "none (stores without checksums: quantize again)",
+                          "after": "unchanged"})
+
+
 def verify(model: str | Path, *, write_index: bool = True, progress=None, rebless: bool = False) -> dict:
     """Check a checkpoint directory (safetensors, read in place) or a repacked store file: every routed expert
     against its checksum, every floating-point weight finite, no tensor a magnitude outlier among its siblings.
@@ -290,8 +359,16 @@ def verify(model: str | Path, *, write_index: bool = True, progress=None, rebles
     if p.is_file():
         return verify_store(p, progress)
     if p.is_dir():
+        from .quant import read_config
+
+        qc = read_config(p)
+        if qc is not None:  # packed experts in store files, which carry their own checksum tables
+            if rebless:
+                raise InputError(f"{p} is a quantized checkpoint: its store files carry their own checksums, set "
+                                 f"when it was written (there is no index to re-bless; quantize again)")
+            return verify_quantized(p, qc, progress)
         return verify_checkpoint(p, write_index, progress, rebless)
     raise InputError(f"{p}: no such checkpoint directory or store file")
 
 
-__all__ = ["verify", "verify_checkpoint", "verify_store", "CHECKSUM_INDEX"]
+__all__ = ["verify", "verify_checkpoint", "verify_quantized", "verify_store", "CHECKSUM_INDEX"]

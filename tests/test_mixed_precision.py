@@ -234,3 +234,37 @@ def test_a_damaged_mixed_config_is_refused_in_one_line(mixed, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(InputError, match="blocks; config.json gives it"):
         load(d, capacity=0.5, tier="disk")
+
+
+def test_verify_checks_every_store_of_a_quantized_checkpoint(mixed, tmp_path):
+    """`expertcache verify` on a quantized checkpoint (one store, or one per format): OK when clean; a flipped byte
+    in one format's store is a mismatch naming its layer and expert, also refused when the engine reads it."""
+    import shutil
+
+    from expertcache.recipes.cli import main
+    from expertcache.runtime import load
+    from expertcache.runtime.verify import verify
+
+    src, _, q, _ = mixed
+    rep = verify(q)
+    assert rep["verdict"] == "ok" and rep["experts"] == 2 * 16 and rep["checked_against_index"] == 32
+    one = tmp_path / "q8"
+    quant.write_quantized(src, one, 8, 32)
+    assert verify(one)["verdict"] == "ok"
+    d = tmp_path / "damaged"
+    shutil.copytree(q, d)
+    source = quant.MixedExperts(d, quant.read_config(d))
+    layer, expert = map(int, np.argwhere(source.fmt == 1)[3])
+    (span,) = source.spans(layer, expert)
+    with open(source.files[span.file], "r+b") as f:
+        f.seek(span.offset + 100)
+        b = f.read(1)
+        f.seek(span.offset + 100)
+        f.write(bytes([b[0] ^ 0x10]))
+    rep = verify(d)
+    assert rep["verdict"] == "damaged" and rep["mismatches"] == 1
+    assert (rep["mismatch_list"][0]["layer"], rep["mismatch_list"][0]["expert"]) == (layer, expert)
+    assert "int4" in rep["mismatch_list"][0]["where"]
+    assert main(["verify", "--model", str(d)]) == 1
+    with pytest.raises(InputError, match=f"checksum mismatch: MoE layer {layer} expert {expert} \\(int4"):
+        load(d, capacity=1.0, tier="host")
