@@ -42,6 +42,7 @@ COMMANDS = {
     "serve": "expertcache.runtime.commands:serve",
     "verify": "expertcache.runtime.commands:verify",
     "quantize": "expertcache.runtime.commands:quantize",
+    "import-gguf": "expertcache.runtime.commands:import_gguf",
     "eval": "expertcache.evals.commands:eval",
     "gate": "expertcache.evals.commands:gate",
 }

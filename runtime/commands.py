@@ -571,3 +571,29 @@ def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "", lin
           f"GiB, {rep['bytes_ratio']:.3f}x the original's expert bytes; worst layer relative error {worst:.4f}; "
           f"-> {out}", file=sys.stderr)
     return rep
+
+
+def import_gguf(gguf: str, out: str = "") -> dict:
+    """Turn a llama.cpp GGUF file (Qwen3-MoE) into an expertcache checkpoint that every command reads. Experts in
+    Q8_0 or Q4_0 are repacked without rounding into the int8 / int4 (group 32) store `expertcache quantize` writes,
+    so the engine caches and moves the bytes llama.cpp would; BF16/F16/F32 experts become a bf16 checkpoint. The
+    other tensors are dequantized to bf16; the configuration and tokenizer come from the file's metadata. Other
+    expert types (K-quants such as Q4_K_M, IQ*) are refused: requantize with `llama-quantize --pure IN OUT Q4_0`.
+
+    Args:
+        gguf: the .gguf file (one file; split GGUFs: merge them first with `llama-gguf-split --merge`)
+        out: the folder to write (written whole, or not at all)
+    """
+    from rich.progress import Progress
+
+    from .gguf_import import import_gguf as run
+
+    if not out:
+        raise InputError("--out is required: the folder the checkpoint is written to")
+    with Progress(transient=True) as prog:
+        task = prog.add_task("layers converted", total=None)
+        rep = run(gguf, out, progress=lambda: prog.advance(task))
+    print(f"import-gguf: {rep['architecture']}, {rep['layers']} layers x {rep['experts_per_layer']} experts stored "
+          f"as {rep['experts_type']} -> {rep['experts']} experts ({rep['expert_bytes'] / 2**30:.2f} GiB); "
+          f"{rep['non_expert_tensors']} other tensors in bf16 -> {out}", file=sys.stderr)
+    return rep

@@ -492,6 +492,8 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
     if meta.tensors[0].dtype not in ("bfloat16", "float16", "float32"):
         raise InputError(f"{path}: experts in {meta.tensors[0].dtype}; expected float weights")
     n_l, n_e = meta.num_layers, meta.num_experts
+    if by_usage is not None:  # the trace is checked where it enters, before any format is laid out
+        counts, tokens = usage_counts(by_usage, m, n_l, n_e)
     formats = [(bits, group)] if by_usage is None else [tuple(hot), (bits, group)]
     if len(formats) == 2 and formats[0] == formats[1]:
         raise InputError(f"--hot_bits {hot[0]} --hot_group_size {hot[1]} is the same format as --bits {bits} "
@@ -506,7 +508,6 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
         if fbytes[0] <= fbytes[1]:
             raise InputError(f"the hot format (int{hot[0]}, group {hot[1]}) is not larger than the others (int{bits}, "
                              f"group {group}): hot experts get the more precise format")
-        counts, tokens = usage_counts(by_usage, m, n_l, n_e)
         fmt = allocate_by_usage(counts, fbytes[0], fbytes[1], int(max_bytes_ratio * bf16_bytes))
         total = counts.sum()
         usage = {"trace": str(by_usage), "tokens": tokens, "max_bytes_ratio": max_bytes_ratio,

@@ -713,6 +713,15 @@ def cases(P: dict) -> list[dict]:
     add("quantize-out-is-model", [*q, M, "--bits", 8])
     add("quantize-no-out", ["quantize", "--model", M, "--bits", 8])
     add("quantize-linears-not-bool", [*q, S / "q6", "--bits", 8, "--linears", "maybe"])
+    add("quantize-by-usage-other-model", [*q, S / "q7", "--bits", 8, "--by_usage", P["trace_other"]],
+        note="a routing trace of another model (8 experts, 2 layers)")
+    add("quantize-by-usage-missing", [*q, S / "q8", "--bits", 8, "--by_usage", S / "none.parquet"])
+    add("quantize-by-usage-truncated", [*q, S / "q9", "--bits", 8, "--by_usage", P["trunc_parquet"]])
+    add("quantize-by-usage-ratio-1.5", [*q, S / "q10", "--bits", 8, "--by_usage", P["trace"],
+                                        "--max_bytes_ratio", 1.5])
+    add("quantize-by-usage-same-format", [*q, S / "q11", "--bits", 8, "--by_usage", P["trace"]],
+        note="hot and cold are both int8 group 32")
+    add("quantize-by-usage-with-linears", [*q, S / "q12", "--bits", 8, "--by_usage", P["trace"], "--linears", True])
     add("bench-predictor-unknown-live", [*bd, "--model", M, "--predictors", "[probe:1,bogus]"])
     add("bench-lookahead-beyond-layers", [*bd, "--model", M, "--predictors", "[lookahead:40]"],
         note="a prefetch distance beyond the model's MoE layers")

@@ -1,0 +1,238 @@
+"""`expertcache import-gguf`: a llama.cpp GGUF file as an expertcache checkpoint, its routed experts kept in the
+format they are stored in.
+
+llama.cpp's Q8_0 and Q4_0 are group-wise integer formats over groups of 32 inputs, as ours are, so their experts are
+repacked without any rounding:
+- **Q8_0** (per block: fp16 scale d, 32 int8 q; w = d q) is our int8 at group 32: the same integers and scales.
+- **Q4_0** (per block: fp16 scale d, 16 bytes of nibbles, inputs 0-15 low and 16-31 high; w = d (q - 8)) is our
+  int4 at group 32 with scale d and minimum -8 d (exact in fp16): the same codes, repacked into our nibble order.
+- **BF16 / F16 / F32** experts become a plain bf16 checkpoint (per-expert tensors, as Hugging Face saves them).
+Other expert types (the K-quants of `Q4_K_M` and friends, IQ*) are refused in one line: requantize with
+`llama-quantize --pure FILE OUT Q4_0` (or Q8_0). The non-expert tensors (attention, norms, routers, embeddings,
+output head) are dequantized to bf16 whatever their type. The configuration and the tokenizer come from the file's
+metadata through transformers' GGUF reader (which needs the `gguf` package); the expert width is read from the
+file itself (`expert_feed_forward_length`).
+
+Architectures: `qwen3moe` (Qwen3-MoE: Qwen3-30B-A3B, Qwen3-235B-A22B and their fine-tunes).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from expertcache.telemetry.errors import InputError
+
+ARCHS = {"qwen3moe": "qwen3_moe"}
+# GGUF tensor name (after `blk.N.`) -> Hugging Face name (after `model.layers.N.`)
+LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+               "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+               "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+               "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+               "ffn_gate_inp.weight": "mlp.gate.weight"}
+TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+PACKED = {"Q8_0": 8, "Q4_0": 4}  # GGUF type -> our bits (group 32)
+FLOAT = ("BF16", "F16", "F32")
+
+
+def _reader(path: Path):
+    try:
+        import gguf
+    except ImportError:
+        raise InputError("import-gguf reads GGUF files with the `gguf` package: pip install gguf") from None
+    if not path.is_file():
+        raise InputError(f"--gguf {path}: no such file")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign file, whatever gguf raises for it
+        raise InputError(f"--gguf {path} is not a readable GGUF file ({type(e).__name__}: "
+                         f"{(str(e).splitlines() or [''])[0][:120]})") from None
+
+
+def _field(r, key: str, path: Path):
+    f = r.fields.get(key)
+    if f is None:
+        raise InputError(f"--gguf {path} has no {key} in its metadata (not a complete llama.cpp model file)")
+    return f.contents()
+
+
+def _array(t) -> np.ndarray:
+    """A tensor's values as float32 in numpy order (the GGUF shape reversed), dequantized from its type."""
+    from gguf import quants
+
+    a = quants.dequantize(t.data, t.tensor_type) if t.tensor_type.name != "F32" else np.array(t.data)
+    return np.asarray(a, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
+
+
+def _blocks(t, size: int) -> np.ndarray:
+    """A packed expert tensor's bytes as `[E, rows, blocks, size]`."""
+    e, rows = int(t.shape[2]), int(t.shape[1])
+    return np.ascontiguousarray(t.data).reshape(e, rows, -1, size)
+
+
+def _q8(t) -> dict[str, np.ndarray]:
+    """Q8_0 `[E, rows, n]` -> our int8 group 32: `q` int8 `[E, rows, n]`, `scales` fp16 `[E, rows, n / 32]`."""
+    b = _blocks(t, 34)
+    d = b[..., :2].copy().view(np.float16)[..., 0]
+    q = b[..., 2:].copy().view(np.int8).reshape(b.shape[0], b.shape[1], -1)
+    return {"q": q, "scales": d}
+
+
+def _q4(t) -> dict[str, np.ndarray]:
+    """Q4_0 -> our int4 group 32: the same codes in our order (per 64 inputs, byte j holds input j low and 32 + j
+    high), scale d, minimum -8 d."""
+    b = _blocks(t, 18)
+    d = b[..., :2].copy().view(np.float16)[..., 0]
+    qs = b[..., 2:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(b.shape[0], b.shape[1], -1)  # inputs in order
+    n = codes.shape[-1]
+    c = codes.reshape(b.shape[0], b.shape[1], n // 64, 2, 32)
+    packed = (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(b.shape[0], b.shape[1], n // 2)
+    return {"q": packed.astype(np.uint8), "scales": d, "mins": (d.astype(np.float32) * -8).astype(np.float16)}
+
+
+def _config(path: Path, r, arch: str, tensors: dict):
+    """The Hugging Face config: transformers' GGUF mapping, with what it leaves out read from the file."""
+    from transformers import AutoConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    d = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+    d = {k: v for k, v in d.items() if not k.startswith("_")}
+    d["moe_intermediate_size"] = int(_field(r, f"{arch}.expert_feed_forward_length", path))
+    d["tie_word_embeddings"] = "output.weight" not in tensors
+    d.pop("model_type", None)
+    cfg = AutoConfig.for_model(ARCHS[arch], **d)
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    cfg.dtype = torch.bfloat16
+    return cfg
+
+
+def import_gguf(gguf_file, out, progress=None) -> dict:
+    """Write the checkpoint (see the module's docstring) at `out`, whole or not at all; returns the report."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from expertcache.telemetry.atomic import atomic_dir
+
+    from . import quant
+    from .store import StoreMeta, _write, layout
+
+    path = Path(gguf_file).expanduser()
+    r = _reader(path)
+    arch = _field(r, "general.architecture", path)
+    if arch not in ARCHS:
+        raise InputError(f"--gguf {path} is a {arch!r} model; import-gguf reads {', '.join(ARCHS)} (Qwen3-MoE)")
+    tensors = {t.name: t for t in r.tensors}
+    n_l = int(_field(r, f"{arch}.block_count", path))
+    n_e = int(_field(r, f"{arch}.expert_count", path))
+    kinds = set()
+    for i in range(n_l):
+        for x in EXPERTS:
+            t = tensors.get(f"blk.{i}.{x}")
+            if t is None:
+                raise InputError(f"--gguf {path} has no blk.{i}.{x}: every layer of {arch} has routed experts")
+            kinds.add(t.tensor_type.name)
+    if len(kinds) > 1 or not kinds <= set(PACKED) | set(FLOAT):
+        raise InputError(f"--gguf {path}: its experts are stored as {', '.join(sorted(kinds))}; import-gguf reads "
+                         f"experts all in one of Q8_0, Q4_0 (repacked as they are) or BF16/F16/F32 (requantize with "
+                         f"`llama-quantize --pure {path.name} OUT.gguf Q4_0`, or Q8_0)")
+    kind = kinds.pop()
+    out = Path(out)
+    if out.resolve() == path.parent.resolve():
+        raise InputError(f"--out {out} is the GGUF file's own folder; write the checkpoint to a folder of its own")
+    cfg = _config(path, r, arch, tensors)
+    h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    state: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.startswith("blk."):
+            _, i, rest = name.split(".", 2)
+            if rest in EXPERTS:
+                continue
+            if rest not in LAYER_NAMES:
+                raise InputError(f"--gguf {path}: tensor {name} is not one import-gguf knows for {arch}")
+            hf = f"model.layers.{i}.{LAYER_NAMES[rest]}"
+        elif name in TOP_NAMES:
+            hf = TOP_NAMES[name]
+        else:
+            raise InputError(f"--gguf {path}: tensor {name} is not one import-gguf knows for {arch}")
+        state[hf] = torch.from_numpy(_array(t)).to(torch.bfloat16).contiguous()
+    import hashlib
+
+    fp = hashlib.sha256()  # `store.model_fingerprint` of the model these weights load into (routers, as loaded)
+    for i in range(n_l):
+        fp.update(state[f"model.layers.{i}.mlp.gate.weight"].float().numpy().tobytes())
+    fingerprint = fp.hexdigest()[:20]
+    expert_bytes, report_kind = 0, None
+    with atomic_dir(out) as tmp:
+        if kind in FLOAT:  # a plain bf16 checkpoint, per-expert tensors
+            for i in range(n_l):
+                g, u, dn = (torch.from_numpy(_array(tensors[f"blk.{i}.{x}"])).to(torch.bfloat16) for x in EXPERTS)
+                for e in range(n_e):
+                    p = f"model.layers.{i}.mlp.experts.{e}."
+                    state[p + "gate_proj.weight"] = g[e].contiguous()
+                    state[p + "up_proj.weight"] = u[e].contiguous()
+                    state[p + "down_proj.weight"] = dn[e].contiguous()
+                expert_bytes += 2 * (g.numel() + u.numel() + dn.numel())
+                if progress:
+                    progress()
+            report_kind = "bf16"
+        else:
+            bits = PACKED[kind]
+            for n in (h, inter):
+                quant.check_group(bits, 32, n, "expert input")
+            specs, block = layout(quant.quantized_specs([("gate_up_proj", [2 * inter, h], "bfloat16"),
+                                                         ("down_proj", [h, inter], "bfloat16")], bits, 32))
+            conv = _q8 if bits == 8 else _q4
+            cur: dict = {}
+
+            def expert(i, e):
+                if cur.get("layer") != i:
+                    cur.clear()
+                    cur["layer"] = i
+                    cur["g"], cur["u"], cur["d"] = (conv(tensors[f"blk.{i}.{x}"]) for x in EXPERTS)
+                    if progress:
+                        progress()
+                out_e = {f"gate_up_proj.{p}": torch.from_numpy(np.concatenate([cur["g"][p][e], cur["u"][p][e]]))
+                         for p in cur["g"]}
+                out_e.update({f"down_proj.{p}": torch.from_numpy(np.ascontiguousarray(v[e]))
+                              for p, v in cur["d"].items()})
+                return out_e
+
+            meta = _write(tmp / quant.EXPERTS_FILE, StoreMeta(fingerprint, n_l, n_e, specs, block, str(path)), expert)
+            expert_bytes = meta.expert_bytes * n_l * n_e
+            report_kind = f"int{bits}"
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        c = cfg.to_dict()
+        if report_kind != "bf16":
+            c["quantization_config"] = {
+                "quant_method": quant.QUANT_METHOD, "bits": PACKED[kind], "group_size": 32,
+                "experts_file": quant.EXPERTS_FILE, "source_dtype": "bfloat16",
+                "scheme": {"Q8_0": "int8 symmetric, fp16 scale per group (GGUF Q8_0, repacked as it is)",
+                           "Q4_0": "int4, fp16 scale d and minimum -8 d per group (GGUF Q4_0, repacked as it is)"}[kind],
+                "source": {"gguf": path.name, "type": kind}}
+        (tmp / "config.json").write_text(json.dumps(c, indent=2))
+        _tokenizer(path, tmp)
+    return {"out": str(out), "gguf": str(path), "architecture": arch, "experts_type": kind, "experts": report_kind,
+            "layers": n_l, "experts_per_layer": n_e, "expert_bytes": expert_bytes,
+            "non_expert_tensors": len([k for k in state if ".mlp.experts." not in k]),
+            "file_bytes": path.stat().st_size}
+
+
+def _tokenizer(path: Path, tmp: Path) -> None:
+    """The tokenizer and generation config from the file's metadata (transformers' GGUF conversion)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:  # noqa: BLE001 - the file's tokenizer metadata is not one transformers converts
+        raise InputError(f"--gguf {path}: its tokenizer could not be converted ({type(e).__name__}: "
+                         f"{(str(e).splitlines() or [''])[0][:120]})") from None
+    tok.save_pretrained(str(tmp))
+    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                     pad_token_id=tok.pad_token_id).save_pretrained(str(tmp))

@@ -1,0 +1,176 @@
+"""`expertcache import-gguf`: a llama.cpp GGUF file (written here with the `gguf` package, as llama.cpp's converter
+writes one) becomes a checkpoint whose experts are llama.cpp's own bytes, repacked without rounding."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from expertcache.runtime import quant
+from expertcache.telemetry.errors import InputError
+
+Q = gguf.GGMLQuantizationType
+TEXT = "thou art the cat é ü 字 and 42"
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def write_gguf(src, out, experts=Q.Q8_0, arch="qwen3moe", others=Q.F32, drop=()):
+    """The HF checkpoint at `src` as a GGUF file: llama.cpp's qwen3moe names, shapes and metadata, its tokenizer as
+    a gpt2-style BPE vocabulary, the experts in `experts` and the other matrices in `others`."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    c = m.config
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name("tiny")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_expert_count(c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    tj = json.loads((src / "tokenizer.json").read_text())
+    vocab = dict(tj["model"]["vocab"])
+    for t in tj.get("added_tokens", []):
+        vocab[t["content"]] = t["id"]
+    tokens = [None] * len(vocab)
+    for t, i in vocab.items():
+        tokens[i] = t
+    special = {t["id"] for t in tj.get("added_tokens", [])}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    merges = tj["model"]["merges"]
+    w.add_token_merges([" ".join(x) if isinstance(x, list) else x for x in merges])
+    w.add_bos_token_id(c.bos_token_id)
+    w.add_eos_token_id(c.eos_token_id)
+    w.add_pad_token_id(c.pad_token_id)
+
+    def put(name, t, qtype):
+        a = t.detach().float().numpy()
+        if name in drop:
+            return
+        if qtype == Q.F32:
+            w.add_tensor(name, a)
+        elif qtype == Q.F16:
+            w.add_tensor(name, a.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+
+    sd = m.state_dict()
+    put("token_embd.weight", sd["model.embed_tokens.weight"], others)
+    put("output_norm.weight", sd["model.norm.weight"], Q.F32)
+    if not c.tie_word_embeddings:
+        put("output.weight", sd["lm_head.weight"], others)
+    names = {"input_layernorm.weight": ("attn_norm.weight", Q.F32),
+             "post_attention_layernorm.weight": ("ffn_norm.weight", Q.F32),
+             "self_attn.q_proj.weight": ("attn_q.weight", others), "self_attn.k_proj.weight": ("attn_k.weight", others),
+             "self_attn.v_proj.weight": ("attn_v.weight", others), "self_attn.o_proj.weight": ("attn_output.weight", others),
+             "self_attn.q_norm.weight": ("attn_q_norm.weight", Q.F32),
+             "self_attn.k_norm.weight": ("attn_k_norm.weight", Q.F32), "mlp.gate.weight": ("ffn_gate_inp.weight", Q.F32)}
+    for i, layer in enumerate(m.model.layers):
+        for hf, (g, qt) in names.items():
+            put(f"blk.{i}.{g}", sd[f"model.layers.{i}.{hf}"], qt)
+        ex = layer.mlp.experts
+        inter = c.moe_intermediate_size
+        put(f"blk.{i}.ffn_gate_exps.weight", ex.gate_up_proj[:, :inter], experts)
+        put(f"blk.{i}.ffn_up_exps.weight", ex.gate_up_proj[:, inter:], experts)
+        put(f"blk.{i}.ffn_down_exps.weight", ex.down_proj, experts)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    from tiny_lm import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("gguf") / "src", hidden_size=64, moe_intermediate_size=64,
+                                intermediate_size=64)
+
+
+def _logits(m, ids):
+    with torch.no_grad():
+        return m(input_ids=ids).logits[0].float()
+
+
+@pytest.mark.parametrize("kind", [Q.Q8_0, Q.Q4_0, Q.BF16])
+def test_a_gguf_file_imports_with_llama_cpps_own_expert_weights(src, tmp_path, kind):
+    """Q8_0 / Q4_0 experts become our int8 / int4 group-32 store holding exactly the weights llama.cpp dequantizes;
+    BF16 a bf16 checkpoint. The tokenizer and configuration come from the file; the model decodes through the engine
+    like the source model holding the same expert weights (within the integer kernels' 5%)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from expertcache.runtime import load
+    from expertcache.runtime.gguf_import import _array, import_gguf
+    from expertcache.runtime.tiers import HostTier
+
+    f = write_gguf(src, tmp_path / "m.gguf", experts=kind)
+    out = tmp_path / "imported"
+    rep = import_gguf(f, out)
+    assert rep["experts_type"] == kind.name
+    tok, ref_tok = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(src)
+    assert tok(TEXT).input_ids == ref_tok(TEXT).input_ids
+    from transformers import AutoConfig
+
+    cfg, want = AutoConfig.from_pretrained(out), AutoConfig.from_pretrained(src)
+    for k in ("hidden_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings"):
+        assert getattr(cfg, k) == getattr(want, k), k
+    r = gguf.GGUFReader(str(f))
+    T = {t.name: t for t in r.tensors}
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    qc = quant.read_config(out)
+    tier = HostTier(quant.open_source(out, qc)) if qc else None
+    for i, layer in enumerate(ref.model.layers):  # the reference holds what llama.cpp would compute with
+        g, u, d = (torch.from_numpy(_array(T[f"blk.{i}.{x}"]))
+                   for x in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"))
+        gu = torch.cat([g, u], 1)
+        if tier is not None:
+            v = tier.layer_views(i)
+            assert torch.equal(quant.dequantize(quant.parts(v, "gate_up_proj"), qc["bits"], 32), gu)  # bit-exact
+            assert torch.equal(quant.dequantize(quant.parts(v, "down_proj"), qc["bits"], 32), d)
+        layer.mlp.experts.gate_up_proj.data.copy_(gu)
+        layer.mlp.experts.down_proj.data.copy_(d)
+    ids = torch.tensor([ref_tok(TEXT).input_ids])
+    m = load(out, capacity=0.5, tier="disk")
+    assert _rel(_logits(m, ids), _logits(ref, ids)) < 5e-2
+    m.expertcache.close()
+
+
+def test_import_gguf_refuses_in_one_line(src, tmp_path, capsys):
+    from expertcache.recipes.cli import main
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(100))
+    cases = [(write_gguf(src, tmp_path / "k.gguf", experts=Q.Q5_0), "stored as Q5_0; import-gguf reads"),
+             (write_gguf(src, tmp_path / "l.gguf", arch="llama"), "is a 'llama' model"),
+             (write_gguf(src, tmp_path / "d.gguf", drop=("blk.1.ffn_up_exps.weight",)), "has no blk.1.ffn_up_exps"),
+             (bad, "is not a readable GGUF file"), (tmp_path / "none.gguf", "no such file")]
+    capsys.readouterr()
+    for f, msg in cases:
+        assert main(["import-gguf", "--gguf", str(f), "--out", str(tmp_path / "o")]) == 2, msg
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0], (msg, err)
+        assert not (tmp_path / "o").exists()
+    with pytest.raises(InputError, match="--out is required"):
+        from expertcache.runtime.commands import import_gguf
+
+        import_gguf(str(bad))
