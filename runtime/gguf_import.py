@@ -217,15 +217,20 @@ def import_gguf(gguf_file, out, progress=None) -> dict:
                            "Q4_0": "int4, fp16 scale d and minimum -8 d per group (GGUF Q4_0, repacked as it is)"}[kind],
                 "source": {"gguf": path.name, "type": kind}}
         (tmp / "config.json").write_text(json.dumps(c, indent=2))
-        _tokenizer(path, tmp)
+        pre = r.fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in r.fields else None
+        _tokenizer(path, tmp, pre)
     return {"out": str(out), "gguf": str(path), "architecture": arch, "experts_type": kind, "experts": report_kind,
             "layers": n_l, "experts_per_layer": n_e, "expert_bytes": expert_bytes,
             "non_expert_tensors": len([k for k in state if ".mlp.experts." not in k]),
+            "tokenizer_pre": r.fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in r.fields else None,
             "file_bytes": path.stat().st_size}
 
 
-def _tokenizer(path: Path, tmp: Path) -> None:
-    """The tokenizer and generation config from the file's metadata (transformers' GGUF conversion)."""
+def _tokenizer(path: Path, tmp: Path, pre: str | None = None) -> None:
+    """The tokenizer and generation config from the file's metadata (transformers' GGUF conversion). transformers
+    saves a Qwen3-MoE file's tokenizer as `Qwen2Tokenizer`, which splits text with Qwen2's pattern whatever the file
+    says; a file whose `tokenizer.ggml.pre` is `gpt-2` (GPT-2's pattern, as llama.cpp applies it) is saved as a plain
+    tokenizers backend instead, so the byte-level GPT-2 pre-tokenizer in its tokenizer.json is the one used."""
     from transformers import AutoTokenizer, GenerationConfig
 
     try:
@@ -234,5 +239,14 @@ def _tokenizer(path: Path, tmp: Path) -> None:
         raise InputError(f"--gguf {path}: its tokenizer could not be converted ({type(e).__name__}: "
                          f"{(str(e).splitlines() or [''])[0][:120]})") from None
     tok.save_pretrained(str(tmp))
+    if pre == "gpt-2":
+        f = tmp / "tokenizer_config.json"
+        c = json.loads(f.read_text())
+        c["tokenizer_class"] = "TokenizersBackend"
+        f.write_text(json.dumps(c, indent=2))
+        tj = json.loads((tmp / "tokenizer.json").read_text())
+        if (tj.get("pre_tokenizer") or {}).get("type") != "ByteLevel" or not tj["pre_tokenizer"].get("use_regex"):
+            raise InputError(f"--gguf {path}: its gpt-2 tokenizer did not convert to a byte-level GPT-2 "
+                             f"pre-tokenizer (got {str(tj.get('pre_tokenizer'))[:80]})")
     GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                      pad_token_id=tok.pad_token_id).save_pretrained(str(tmp))

@@ -96,6 +96,9 @@ def main() -> None:
                     help="capacities (fractions of E) of the 4-bit-on-miss rows (none: skip them)")
     ap.add_argument("--lossy_blocks", type=int, default=8, help="step-wise blocks per domain, on-miss rows")
     ap.add_argument("--lossy_limit", type=int, default=16, help="documents per task, on-miss rows")
+    ap.add_argument("--gguf", nargs="*", default=[],
+                    help="NAME=FILE: llama.cpp GGUF files of the base (llama.cpp's converter and llama-quantize), "
+                         "each imported with `expertcache import-gguf` and evaluated as a row (none: skipped)")
     a = ap.parse_args()
     base, work = Path(a.base), Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -160,6 +163,18 @@ def main() -> None:
             rep_f.write_text(r.stdout)
         reports[name] = json.loads(rep_f.read_text())
         models[name] = ("mixed" if name in MIXED else bits, group, out)
+    for spec in a.gguf:  # llama.cpp's own quantization of the same base, read through import-gguf
+        name, _, f = spec.partition("=")
+        out, rep_f = work / name, work / f"{name}.report.json"
+        if not (out / "config.json").is_file():
+            r = subprocess.run(cli + ["import-gguf", "--gguf", f, "--out", str(out)], capture_output=True, text=True)
+            if r.returncode:
+                skipped[name] = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+                continue
+            rep_f.write_text(r.stdout)
+        reports[name] = {**json.loads(rep_f.read_text()), "relative_error": None}
+        qc = json.loads((out / "config.json").read_text()).get("quantization_config") or {}
+        models[name] = (qc.get("bits", 16), qc.get("group_size"), out)
     bf16_bytes = None
     rows = []
     for name, (bits, group, model) in models.items():
@@ -169,13 +184,18 @@ def main() -> None:
             err = None
         else:
             stored = reports[name]["expert_bytes"]
-            err = max(max(v) for v in reports[name]["relative_error"].values())
+            err = max(max(v) for v in reports[name]["relative_error"].values()) \
+                if reports[name]["relative_error"] else None
         lin = reports[name].get("linears") if name in reports else None
         mix = {} if name not in MIXED else {
             "formats": reports[name]["formats"], "by_usage": reports[name]["by_usage"],
             "policy": f"the most used experts (train-split trace) at int{MIXED[name][0][0]} g{MIXED[name][0][1]}, "
                       f"the rest at int{MIXED[name][1][0]} g{MIXED[name][1][1]}, within {MIXED[name][2]:g}x the bf16 "
                       f"expert bytes"}
+        if "gguf" in reports.get(name, {}):
+            mix = {"policy": f"llama.cpp's {reports[name]['experts_type']} file of the base (its converter, then "
+                             f"llama-quantize), read by import-gguf: experts as stored, other matrices dequantized "
+                             f"to bf16", "gguf": reports[name]["gguf"]}
         rows.append({"name": name, "bits": bits, "group_size": group, **mix,
                      "linears_packed": (lin or {}).get("modules", []),
                      "linears_relative_error_max": max((lin or {}).get("relative_error", {}).values(), default=None),

@@ -14,7 +14,7 @@ from expertcache.runtime import quant
 from expertcache.telemetry.errors import InputError
 
 Q = gguf.GGMLQuantizationType
-TEXT = "thou art the cat é ü 字 and 42"
+TEXT = "thou art\n\n\nthe cat é ü 字 and 42"  # a run of newlines: GPT-2 and Qwen2 patterns split it apart
 
 
 def _rel(a, b):

@@ -91,12 +91,13 @@ HELP_ONLY = [  # (command, a flag it is given with or None, why)
     ("generate", "--chat", "reads a terminal"),
     ("eval", "--size_from", "needs an INCONCLUSIVE gate's JSON"),
     ("eval", "--include_path", "needs a hub dataset (arc_easy) and the user's own tasks"),
+    ("import-gguf", None, "needs a llama.cpp GGUF file (tests/test_gguf_import.py writes and imports them)"),
 ]
 # what each placeholder stands for in the sandbox the examples run in
 PLACEHOLDERS = {"CKPT": "ckpt", "DIR": "ckpt", "DIR_Q": "ckpt-q", "runs/base-tiny/model": "ckpt",
                 "routing.npz": "routing.npz", "telemetry/reference/qwen3-30b-a3b-routing/code.npz": "code.npz",
                 "telemetry/reference/qwen3-30b-a3b-routing/general.npz": "general.npz",
-                "base.json": "e.json", "cand.json": "e.json", "8|4": "8"}
+                "base.json": "e.json", "cand.json": "e.json", "8|4": "8", "TRACE": "t.parquet"}
 # short arguments, so that each runs in seconds (appended; later flags win)
 SHORT = {"generate": ["--max_tokens", "2"],
          "trace record": ["--prompt_len", "8", "--decode_tokens", "2", "--max_seqs", "2"],
