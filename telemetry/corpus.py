@@ -34,8 +34,18 @@ def load_corpus(path: str | Path):
     return datasets.load_from_disk(str(path / "arrow"))
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
 def _fingerprint(tokenizer_dir: Path) -> str:
-    return hashlib.sha256((tokenizer_dir / "tokenizer.json").read_bytes()).hexdigest()[:16]
+    """The packed blocks' cache key: every file that decides how text becomes ids. tokenizer.json alone is not
+    enough: tokenizer_config.json's class can replace its pre-tokenizer (transformers' `Qwen2Tokenizer` splits with
+    Qwen2's pattern whatever tokenizer.json says), and two tokenizers that differ only there once shared a cache."""
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        f = tokenizer_dir / name
+        h.update(name.encode() + b"\0" + (f.read_bytes() if f.is_file() else b"-") + b"\0")
+    return h.hexdigest()[:16]
 
 
 def packed_blocks(corpus_dir: str | Path, tokenizer_dir: str | Path, split: str, domain: str,

@@ -73,3 +73,17 @@ def test_math_answers_ride_along_in_the_dataset(tiny_data):
     ds = load_corpus(tiny_data["corpus"])["test"]
     rows = [(t, a) for t, d, a in zip(ds["text"], ds["domain"], ds["answer"]) if d == "math"]
     assert rows and all(t.rstrip().endswith(f"Answer: {a}") for t, a in rows)
+
+
+def test_packed_blocks_are_keyed_by_every_file_that_changes_tokenization(tmp_path):
+    """Two tokenizers with the same tokenizer.json but another class in tokenizer_config.json (which can replace the
+    pre-tokenizer) do not share packed blocks; the same files do."""
+    from expertcache.telemetry.corpus import _fingerprint
+
+    a, b, c = (tmp_path / n for n in "abc")
+    for d, cls in ((a, "TokenizersBackend"), (b, "Qwen2Tokenizer"), (c, "TokenizersBackend")):
+        d.mkdir()
+        (d / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')
+        (d / "tokenizer_config.json").write_text(f'{{"tokenizer_class": "{cls}"}}')
+    assert _fingerprint(a) != _fingerprint(b)
+    assert _fingerprint(a) == _fingerprint(c)
