@@ -8,8 +8,9 @@ repacked without any rounding:
   int4 at group 32 with scale d and minimum -8 d (exact in fp16): the same codes, repacked into our nibble order.
 - **BF16 / F16 / F32** experts become a plain bf16 checkpoint (per-expert tensors, as Hugging Face saves them).
 Other expert types (the K-quants of `Q4_K_M` and friends, IQ*) are refused in one line: requantize with
-`llama-quantize --pure FILE OUT Q4_0` (or Q8_0). The non-expert tensors (attention, norms, routers, embeddings,
-output head) are dequantized to bf16 whatever their type. The configuration and the tokenizer come from the file's
+`llama-quantize --pure FILE OUT Q4_0` (or Q8_0). Attention matrices and an untied output head stored in the
+experts' own Q8_0/Q4_0 stay packed the same way (`QuantLinear`, as `quantize --linears true` writes them); the other
+tensors (norms, routers, embeddings, matrices of another type) are dequantized to bf16. The configuration and the tokenizer come from the file's
 metadata through transformers' GGUF reader (which needs the `gguf` package); the expert width is read from the
 file itself (`expert_feed_forward_length`).
 
@@ -70,9 +71,9 @@ def _array(t) -> np.ndarray:
 
 
 def _blocks(t, size: int) -> np.ndarray:
-    """A packed expert tensor's bytes as `[E, rows, blocks, size]`."""
-    e, rows = int(t.shape[2]), int(t.shape[1])
-    return np.ascontiguousarray(t.data).reshape(e, rows, -1, size)
+    """A packed tensor's bytes as `[E, rows, blocks, size]` (a matrix: E = 1)."""
+    e = int(t.shape[2]) if len(t.shape) > 2 else 1
+    return np.ascontiguousarray(t.data).reshape(e, int(t.shape[1]), -1, size)
 
 
 def _q8(t) -> dict[str, np.ndarray]:
@@ -94,6 +95,12 @@ def _q4(t) -> dict[str, np.ndarray]:
     c = codes.reshape(b.shape[0], b.shape[1], n // 64, 2, 32)
     packed = (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(b.shape[0], b.shape[1], n // 2)
     return {"q": packed.astype(np.uint8), "scales": d, "mins": (d.astype(np.float32) * -8).astype(np.float16)}
+
+
+def rest_is_linear(name: str) -> bool:
+    """The GGUF matrices that load as linear layers (not the embeddings, norms or the router)."""
+    return name == "output.weight" or name.split(".", 2)[-1] in ("attn_q.weight", "attn_k.weight", "attn_v.weight",
+                                                                  "attn_output.weight")
 
 
 def _config(path: Path, r, arch: str, tensors: dict):
@@ -149,6 +156,7 @@ def import_gguf(gguf_file, out, progress=None) -> dict:
     cfg = _config(path, r, arch, tensors)
     h, inter = cfg.hidden_size, cfg.moe_intermediate_size
     state: dict[str, torch.Tensor] = {}
+    linears: list[str] = []
     for name, t in tensors.items():
         if name.startswith("blk."):
             _, i, rest = name.split(".", 2)
@@ -161,6 +169,14 @@ def import_gguf(gguf_file, out, progress=None) -> dict:
             hf = TOP_NAMES[name]
         else:
             raise InputError(f"--gguf {path}: tensor {name} is not one import-gguf knows for {arch}")
+        if kind in PACKED and t.tensor_type.name == kind and rest_is_linear(name) \
+                and (kind == "Q8_0" or int(t.shape[0]) % 64 == 0):  # (our int4 packs 64 inputs per chunk)
+            # a matrix in the experts' packed type (attention, an untied output head): kept packed, as
+            # `quantize --linears true` writes it (QuantLinear), without rounding
+            for part, v in (_q8 if kind == "Q8_0" else _q4)(t).items():
+                state[f"{hf}_{part}"] = torch.from_numpy(np.ascontiguousarray(v[0]))
+            linears.append(hf.removesuffix(".weight"))
+            continue
         state[hf] = torch.from_numpy(_array(t)).to(torch.bfloat16).contiguous()
     import hashlib
 
@@ -216,12 +232,15 @@ def import_gguf(gguf_file, out, progress=None) -> dict:
                 "scheme": {"Q8_0": "int8 symmetric, fp16 scale per group (GGUF Q8_0, repacked as it is)",
                            "Q4_0": "int4, fp16 scale d and minimum -8 d per group (GGUF Q4_0, repacked as it is)"}[kind],
                 "source": {"gguf": path.name, "type": kind}}
+            if linears:
+                c["quantization_config"]["linears"] = {"modules": linears, "source": f"GGUF {kind}, repacked"}
         (tmp / "config.json").write_text(json.dumps(c, indent=2))
         pre = r.fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in r.fields else None
         _tokenizer(path, tmp, pre)
     return {"out": str(out), "gguf": str(path), "architecture": arch, "experts_type": kind, "experts": report_kind,
             "layers": n_l, "experts_per_layer": n_e, "expert_bytes": expert_bytes,
             "non_expert_tensors": len([k for k in state if ".mlp.experts." not in k]),
+            "packed_linears": len(linears),
             "tokenizer_pre": r.fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in r.fields else None,
             "file_bytes": path.stat().st_size}
 

@@ -174,3 +174,39 @@ def test_import_gguf_refuses_in_one_line(src, tmp_path, capsys):
         from expertcache.runtime.commands import import_gguf
 
         import_gguf(str(bad))
+
+
+@pytest.mark.parametrize("kind", [Q.Q8_0, Q.Q4_0])
+def test_attention_in_the_experts_type_stays_packed(src, tmp_path, kind):
+    """A file whose attention matrices are in the experts' type (what `llama-quantize q4_0` writes) keeps them packed:
+    they load as QuantLinear holding llama.cpp's weights exactly, and the model decodes like the source holding
+    llama.cpp's dequantized attention and experts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from expertcache.runtime import load
+    from expertcache.runtime.gguf_import import _array, import_gguf
+
+    f = write_gguf(src, tmp_path / "m.gguf", experts=kind, others=kind)
+    out = tmp_path / "imported"
+    rep = import_gguf(f, out)
+    # q, k, v, o of 2 layers and the untied output head; int4 packs 64 inputs per chunk: o_proj (32 inputs) is not
+    assert rep["packed_linears"] == (4 * 2 + 1 if kind == Q.Q8_0 else 3 * 2 + 1)
+    T = {t.name: t for t in gguf.GGUFReader(str(f)).tensors}
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    gg = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
+    for i, layer in enumerate(ref.model.layers):
+        for hf, g in gg.items():
+            getattr(layer.self_attn, hf).weight.data.copy_(torch.from_numpy(_array(T[f"blk.{i}.{g}.weight"])))
+        gu = torch.cat([torch.from_numpy(_array(T[f"blk.{i}.ffn_{x}_exps.weight"])) for x in ("gate", "up")], 1)
+        layer.mlp.experts.gate_up_proj.data.copy_(gu)
+        layer.mlp.experts.down_proj.data.copy_(torch.from_numpy(_array(T[f"blk.{i}.ffn_down_exps.weight"])))
+    ref.lm_head.weight.data.copy_(torch.from_numpy(_array(T["output.weight"])))
+    ref.model.embed_tokens.weight.data.copy_(torch.from_numpy(_array(T["token_embd.weight"])))  # in `kind` too
+    m = load(out, capacity=0.5, tier="disk")
+    q = m.model.layers[0].self_attn.q_proj
+    assert type(q).__name__ == "QuantLinear" and q.bits == (8 if kind == Q.Q8_0 else 4) and q.group == 32
+    bits = 8 if kind == Q.Q8_0 else 4
+    assert torch.equal(quant.dequantize(q.packed(), bits, 32), torch.from_numpy(_array(T["blk.0.attn_q.weight"])))
+    ids = torch.tensor([AutoTokenizer.from_pretrained(src)(TEXT).input_ids])
+    assert _rel(_logits(m, ids), _logits(ref, ids)) < 5e-2
+    m.expertcache.close()
