@@ -20,6 +20,8 @@ import torch
 
 from expertcache.telemetry.errors import InputError
 
+from .store import FMT
+
 BITS = (8, 4)
 
 
@@ -148,8 +150,6 @@ def format_of(views: dict[str, torch.Tensor]) -> tuple[int, int] | None:
 def format_views(views: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     """A mixed-precision pool's views split by format (`tiers.block_views`: format 0 plain names, format k
     `@k:name`); a one-format pool's views as the one entry."""
-    from .tiers import FMT
-
     if FMT not in views:
         return [views]
     out: dict[int, dict[str, torch.Tensor]] = {0: {}}
@@ -188,7 +188,6 @@ def swiglu(x, views: dict[str, torch.Tensor], slots, weights) -> torch.Tensor:
     exact activations)."""
     from . import cpu_kernels
     from .kernels import swiglu_reference
-    from .tiers import FMT
 
     if FMT in views:
         return _swiglu_mixed(x, views, slots, weights)
@@ -211,8 +210,6 @@ def _swiglu_mixed(x, views: dict[str, torch.Tensor], slots, weights) -> torch.Te
     """A mixed-precision pool: each format's (token, choice) pairs through that format's path (`swiglu`), summed in
     fp32. A row with fewer pairs of a format than the widest row is padded with a slot of that format at weight 0
     (its bytes are that format's, so the padding adds exactly 0)."""
-    from .tiers import FMT
-
     tag = views[FMT][slots]
     out = None
     for f, v in enumerate(format_views(views)):
@@ -297,7 +294,7 @@ def _check_mixed(path, qc: dict) -> dict:
 class MixedExperts:
     """The experts of a mixed-precision checkpoint (`quantize --by_usage`): one store file per format, each holding
     only its experts (one aligned block each, in (layer, expert) order) with its checksum table. The engine's slots
-    are the largest format's block; each slot is tagged with the format it holds (`tiers.FMT`)."""
+    are the largest format's block; each slot is tagged with the format it holds (`store.FMT`)."""
 
     remedy = "the store file is corrupted: quantize again"
 

@@ -44,6 +44,7 @@ def checksum(data) -> int:
     return xxhash.xxh3_64_intdigest(data)
 HEADER = 64 << 10
 ALIGN = 4096
+FMT = "@fmt"  # a mixed-precision slot pool's view: the format each slot holds (`tiers.SlotPool`)
 STORE_DIR = "runs/stores"  # where repacked stores (the replay's, `bench decode --replay`) are written by default
 
 

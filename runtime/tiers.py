@@ -24,7 +24,7 @@ import torch
 from expertcache.telemetry.errors import InputError
 from expertcache.telemetry.registry import Registry
 
-from .store import ALIGN, CHECKSUM, StoreMeta, aligned_buffer, hasher, open_direct
+from .store import ALIGN, CHECKSUM, FMT, StoreMeta, aligned_buffer, hasher, open_direct
 
 SPLIT, SPLIT_MIN = 4, 4 << 20  # reads of 4 MiB and more go as 4 concurrent pieces
 
@@ -42,9 +42,6 @@ def block_views(raw: torch.Tensor, meta: StoreMeta, n_blocks: int, first: int) -
             out[f"@{k}:{t.name}" if k else t.name] = raw.view(t.torch_dtype).as_strided(
                 [n_blocks, *t.shape], [meta.block_bytes // es, *inner], (first + t.offset) // es)
     return out
-
-
-FMT = "@fmt"  # a mixed-precision pool's view of which format each slot holds (int8 `[n_slots]`, set by every read)
 
 
 def measure_bandwidth(tier: "Tier", meta: StoreMeta, executor, layers: int, n: int = 64, seed: int = 0) -> float:
