@@ -36,7 +36,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 # int4-g128: 4.25 bits per weight against Q4_0's 4.5 (int4 group 32 stores a minimum beside each scale: 5 bits)
 FORMATS = {"bf16": None, "int8": (8, 32), "int4": (4, 32), "int4-g128": (4, 128)}
-PEER = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0", "int4-g128": "q4_0"}
+PEER = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0", "int4-g128": "q4_0", "q8_0-file": "q8_0",
+        "q4_0-file": "q4_0"}
+# llama.cpp's own file, read by `expertcache import-gguf`: both sides decode the same expert and attention bytes
+FILE_FORMATS = {"q8_0-file": "q8_0", "q4_0-file": "q4_0"}
 
 
 def kernel_figures(threads: int, pool: int = 32, k: int = 8, rounds: int = 30) -> list[dict]:
@@ -133,6 +136,15 @@ def ours(model: str, threads: int, tokens: int, reps: int = 3, depth: int = 0) -
 
 
 def quantized(model: Path, fmt: str, work: Path, linears: bool) -> Path:
+    if fmt in FILE_FORMATS:  # the GGUF llama.cpp decodes (its converter, llama-quantize), imported as it is
+        out = work / f"{model.name}-{fmt}"
+        if not (out / "config.json").exists():
+            from expertcache.runtime import llamacpp
+            from expertcache.runtime.gguf_import import import_gguf
+
+            src = llamacpp.source_dir()
+            import_gguf(llamacpp.gguf(model, FILE_FORMATS[fmt], src, llamacpp.build(src)), out)
+        return out
     if FORMATS[fmt] is None:
         return model
     bits, group = FORMATS[fmt]
@@ -156,20 +168,25 @@ def main() -> None:
                          "llama-bench -d): long contexts time the attention over the KV cache")
     ap.add_argument("--linears", default="true", choices=["true", "false"],
                     help="int8/int4: pack the non-expert linears too (as llama.cpp's Q8_0/Q4_0 do)")
-    ap.add_argument("--formats", default=",".join(FORMATS), help="comma-separated subset of " + ",".join(FORMATS))
+    ap.add_argument("--formats", default=",".join(FORMATS),
+                    help="comma-separated subset of " + ",".join([*FORMATS, *FILE_FORMATS]) + " (q8_0-file / "
+                         "q4_0-file: llama.cpp's own GGUF imported with `expertcache import-gguf`)")
+    ap.add_argument("--kernels", default="true", choices=["true", "false"],
+                    help="measure the kernels alone (false: only the decode pairs)")
     ap.add_argument("--work", default="runs/bench-kernels", help="where quantized copies of --model are kept")
     ap.add_argument("--out", default=str(ROOT / "results" / "kernels.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     threads = [int(t) for t in a.threads.split(",")]
     formats = [f for f in a.formats.split(",") if f]
-    if not formats or any(f not in FORMATS for f in formats):
-        raise SystemExit(f"bench_kernels: --formats {a.formats}: expected a subset of {','.join(FORMATS)}")
+    if not formats or any(f not in FORMATS and f not in FILE_FORMATS for f in formats):
+        raise SystemExit(f"bench_kernels: --formats {a.formats}: expected a subset of "
+                         f"{','.join([*FORMATS, *FILE_FORMATS])}")
     if a.worker:
         print(json.dumps(worker(a.worker, threads[0], a.tokens, a.reps, a.depth)))
         return
     t_start = time.time()
-    kernels = [row for t in threads for row in kernel_figures(t)]
+    kernels = [row for t in threads for row in kernel_figures(t)] if a.kernels == "true" else []
     for row in kernels:
         print(json.dumps(row), file=sys.stderr, flush=True)
     pairs = []
@@ -204,7 +221,8 @@ def main() -> None:
                           "llamacpp_rounds_s": d["peer"], "llamacpp_build": d["peer_build"],
                           "llamacpp_gguf_bytes": d["peer_gguf_bytes"],
                           "expertcache_checkpoint": str(paths[f].name),
-                          "expertcache_linears_packed": f != "bf16" and a.linears == "true", "depth": a.depth})
+                          "expertcache_linears_packed": f in FILE_FORMATS or (f != "bf16" and a.linears == "true"),
+                          "depth": a.depth})
         cfg = json.loads((model / "config.json").read_text())
         model_info = {k: cfg.get(k) for k in ("model_type", "num_hidden_layers", "hidden_size", "num_experts",
                                               "moe_intermediate_size", "num_experts_per_tok", "vocab_size",

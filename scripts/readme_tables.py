@@ -51,7 +51,7 @@ def kernels_table(d: dict, pairs_only: bool = False) -> str:
         rows += [""] if rows else []
         rows += [f"| decode, all experts resident{ctx} | threads | expertcache | llama.cpp | ratio (target <= 1.25) | "
                  "rounds: expertcache / llama.cpp (ms) |", "|---|---|---|---|---|---|"]
-        order = ("bf16", "int8", "int4", "int4-g128")
+        order = ("bf16", "int8", "q8_0-file", "int4", "q4_0-file", "int4-g128")
         for p in sorted(d["pairs"], key=lambda p: (p["threads"], order.index(p["format"]))):
             lin = " (+ linears)" if p.get("expertcache_linears_packed") else ""
             rr = " ".join(f"{x * 1e3:.1f}" for x in p["expertcache_rounds_s"])
@@ -152,6 +152,11 @@ if (RESULTS / "kernels.json").is_file():
     d = json.loads((RESULTS / "kernels.json").read_text())
     print(f"<!-- results/kernels.json ({d['command']}) -->")
     print(kernels_table(d), end="\n\n")
+
+if (RESULTS / "kernels_file.json").is_file():
+    d = json.loads((RESULTS / "kernels_file.json").read_text())
+    print(f"<!-- results/kernels_file.json ({d['command']}) -->")
+    print(kernels_table(d, pairs_only=True), end="\n\n")
 
 if (RESULTS / "kernels_depth1024.json").is_file():
     d = json.loads((RESULTS / "kernels_depth1024.json").read_text())
