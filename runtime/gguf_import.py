@@ -132,6 +132,10 @@ def import_gguf(gguf_file, out, progress=None) -> dict:
 
     path = Path(gguf_file).expanduser()
     r = _reader(path)
+    split = r.fields.get("split.count")
+    if split is not None and int(split.contents()) > 1:
+        raise InputError(f"--gguf {path} is one of {int(split.contents())} split files: merge them first "
+                         f"(`llama-gguf-split --merge {path.name} merged.gguf`)")
     arch = _field(r, "general.architecture", path)
     if arch not in ARCHS:
         raise InputError(f"--gguf {path} is a {arch!r} model; import-gguf reads {', '.join(ARCHS)} (Qwen3-MoE)")

@@ -158,12 +158,20 @@ def test_a_gguf_file_imports_with_llama_cpps_own_expert_weights(src, tmp_path, k
 def test_import_gguf_refuses_in_one_line(src, tmp_path, capsys):
     from expertcache.recipes.cli import main
 
+    w = gguf.GGUFWriter(str(tmp_path / "s2.gguf"), "qwen3moe")  # the first of two split files
+    w.add_uint16("split.count", 2)
+    w.add_tensor("output_norm.weight", np.ones(4, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + bytes(100))
     cases = [(write_gguf(src, tmp_path / "k.gguf", experts=Q.Q5_0), "stored as Q5_0; import-gguf reads"),
              (write_gguf(src, tmp_path / "l.gguf", arch="llama"), "is a 'llama' model"),
              (write_gguf(src, tmp_path / "d.gguf", drop=("blk.1.ffn_up_exps.weight",)), "has no blk.1.ffn_up_exps"),
-             (bad, "is not a readable GGUF file"), (tmp_path / "none.gguf", "no such file")]
+             (bad, "is not a readable GGUF file"), (tmp_path / "none.gguf", "no such file"),
+             (tmp_path / "s2.gguf", "is one of 2 split files: merge them first")]
     capsys.readouterr()
     for f, msg in cases:
         assert main(["import-gguf", "--gguf", str(f), "--out", str(tmp_path / "o")]) == 2, msg
