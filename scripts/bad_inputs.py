@@ -722,6 +722,11 @@ def cases(P: dict) -> list[dict]:
     add("quantize-by-usage-same-format", [*q, S / "q11", "--bits", 8, "--by_usage", P["trace"]],
         note="hot and cold are both int8 group 32")
     add("quantize-by-usage-with-linears", [*q, S / "q12", "--bits", 8, "--by_usage", P["trace"], "--linears", True])
+    add("import-gguf-missing", ["import-gguf", "--gguf", S / "none.gguf", "--out", S / "g1"])
+    add("import-gguf-not-gguf", ["import-gguf", "--gguf", P["npz"], "--out", S / "g2"],
+        note="a .npz routing file given as a GGUF")
+    add("import-gguf-truncated", ["import-gguf", "--gguf", P["trunc_npz"], "--out", S / "g3"])
+    add("import-gguf-no-out", ["import-gguf", "--gguf", P["npz"]])
     add("bench-predictor-unknown-live", [*bd, "--model", M, "--predictors", "[probe:1,bogus]"])
     add("bench-lookahead-beyond-layers", [*bd, "--model", M, "--predictors", "[lookahead:40]"],
         note="a prefetch distance beyond the model's MoE layers")
