@@ -178,7 +178,7 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
     integrity = None
     if engine is not None:
         if step is not None:
-            step["engine"] = engine.stats.to_dict(engine.meta.expert_bytes)
+            step["engine"] = engine.stats.to_dict(engine.traffic_expert_bytes)
         integrity = engine.integrity()
         if integrity.startswith("unverified"):
             print(f"eval: the served checkpoint is {integrity}", file=sys.stderr)

@@ -146,7 +146,7 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineCon
     finally:
         if m.expertcache is not None:  # None when a configuration's engine failed to build (its error goes on)
             m.expertcache.close()
-    eb = eng0.meta.expert_bytes
+    eb, tb = eng0.meta.expert_bytes, eng0.traffic_expert_bytes  # tb None: experts of mixed sizes
     base = "plain" if plain else ("resident" if "resident" in results else None)
     def timed(name: str) -> np.ndarray:  # every timed TPOT of a configuration, all rounds
         return np.concatenate([np.asarray(x, dtype=float) for x in results[name]["rounds"]])
@@ -174,7 +174,7 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineCon
             tot = sum(res["stats"], Stats())
             n_tok = len(res["stats"]) * (n_new - 1 - warmup)  # the timed steps (the TPOT figures' steps)
             tot.tokens = n_tok
-            d = tot.to_dict(eb)
+            d = tot.to_dict(tb)
             d["time_budget_s"] = tot.time_budget(sum(res["wall"]), n_tok)
             if bw and t_res:
                 t_transfer = d["traffic_bytes_per_token"] / bw

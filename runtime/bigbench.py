@@ -244,7 +244,7 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
            "output_tokens_sha": hash(tuple(out[0].tolist())) & 0xFFFFFFFF,
            "routing_positions": None if forced is None else forced.pos + forced.n}
     if eng is not None:
-        d = dec_stats.per_token(eng.meta.expert_bytes, n_dec)
+        d = dec_stats.per_token(eng.traffic_expert_bytes, n_dec)
         res.update({"hit_rate": d["hit_rate"], "stall_per_token_s": d["stall_per_token_s"],
                     "time_budget_s": dec_stats.time_budget(times[-1] - times[warmup], n_dec),
                     "traffic_bytes_per_token": d["traffic_bytes_per_token"], "engine": eng.describe()})

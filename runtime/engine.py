@@ -339,19 +339,22 @@ class Stats:
         return CacheResult("engine", 0, "token", self.tokens if tokens is None else tokens, self.accesses, self.hits,
                            self.demand_loads + self.lowbit_served, self.prefetch_loads + self.upgrade_loads)
 
-    def per_token(self, expert_bytes: int, tokens: int | None = None) -> dict:
+    def per_token(self, expert_bytes: int | None, tokens: int | None = None) -> dict:
         """The figures per decoded token that every command prints: the cache's (`CacheResult.per_step`), bytes
-        moved and seconds stalled."""
+        moved and seconds stalled. `expert_bytes` None: the experts differ in size (a mixed-precision checkpoint,
+        `OffloadEngine.traffic_expert_bytes`), so the traffic is each load's own bytes, as moved."""
         c = self.counters(tokens)
         n = c.steps
-        d = c.per_step(expert_bytes, "token")
-        if self.lowbit_served and n:  # packed reads are smaller than `expert_bytes`: their own bytes, counted
+        d = c.per_step(expert_bytes or 0, "token")
+        if expert_bytes is None:
+            d["traffic_bytes_per_token"] = self.bytes_moved / n if n else 0.0
+        elif self.lowbit_served and n:  # packed reads are smaller than `expert_bytes`: their own bytes, counted
             d["traffic_bytes_per_token"] = ((self.demand_loads + self.prefetch_loads + self.upgrade_loads)
                                             * expert_bytes + self.lowbit_bytes) / n
         return {**d, "bytes_moved_per_token": self.bytes_moved / n if n else 0.0,
                 "stall_per_token_s": self.stall_s / n if n else 0.0}
 
-    def to_dict(self, expert_bytes: int, tokens: int | None = None) -> dict:
+    def to_dict(self, expert_bytes: int | None, tokens: int | None = None) -> dict:
         return {**asdict(self), **self.per_token(expert_bytes, tokens)}
 
 
@@ -629,6 +632,12 @@ class OffloadEngine:
         self._fwd_t0: list[float] = []  # the model's forward, timed (nested calls counted once)
         self._hooks += [model.register_forward_pre_hook(self._forward_start),
                         model.register_forward_hook(self._forward_end, always_call=True)]
+
+    @property
+    def traffic_expert_bytes(self) -> int | None:
+        """Bytes one load moves, for the traffic figures; None where experts differ in size (mixed precision: the
+        traffic is then the bytes each load moved)."""
+        return None if hasattr(self.source, "expert_nbytes") else self.meta.expert_bytes
 
     def _fit_budget(self, cfg: EngineConfig, e: int, k: int, n_l: int) -> int:
         """Experts per layer that `budget_gb` of slots holds (k staging slots per pool included), at most E."""

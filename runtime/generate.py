@@ -247,7 +247,7 @@ class Generation:
                "tpot_s": decode_s / (len(t) - 1) if len(t) > 1 else None}
         s = self.stats
         if s is not None:
-            d = s.per_token(self.engine.meta.expert_bytes, max(len(t) - 1, 1))
+            d = s.per_token(self.engine.traffic_expert_bytes, max(len(t) - 1, 1))
             out.update(hit_rate=d["hit_rate"] if s.accesses else None,
                        adjusted_hit_rate=d["adjusted_hit_rate"] if s.accesses else None,
                        bytes_moved_per_token=d["bytes_moved_per_token"], stall_per_token_s=d["stall_per_token_s"])

@@ -101,7 +101,7 @@ class _EngineCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         s = self.engine.stats
-        d = s.to_dict(self.engine.meta.expert_bytes)
+        d = s.to_dict(self.engine.traffic_expert_bytes)
         for name, doc, v in (
                 ("accesses", "Expert accesses (token x MoE layer x selected expert)", s.accesses),
                 ("hits", "Accesses whose expert was resident when the layer ran", s.hits),

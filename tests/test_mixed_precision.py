@@ -268,3 +268,20 @@ def test_verify_checks_every_store_of_a_quantized_checkpoint(mixed, tmp_path):
     assert main(["verify", "--model", str(d)]) == 1
     with pytest.raises(InputError, match=f"checksum mismatch: MoE layer {layer} expert {expert} \\(int4"):
         load(d, capacity=1.0, tier="host")
+
+
+def test_traffic_of_a_mixed_checkpoint_counts_each_load_at_its_own_size(mixed):
+    """Per-token traffic is the bytes the loads moved (hot experts' int8 blocks and the rest's int4), not every load
+    at the larger format's size."""
+    from expertcache.runtime import load
+
+    _, _, q, _ = mixed
+    m = load(q, capacity=0.25, tier="disk")
+    eng = m.expertcache
+    assert eng.traffic_expert_bytes is None
+    _logits(m)
+    d = eng.stats.per_token(eng.traffic_expert_bytes, tokens=5)
+    assert d["traffic_bytes_per_token"] == pytest.approx(eng.stats.bytes_moved / 5)
+    loads = eng.stats.demand_loads + eng.stats.prefetch_loads
+    assert loads * 6912 <= eng.stats.bytes_moved < loads * 13056  # both sizes among the loads
+    eng.close()
