@@ -573,7 +573,7 @@ def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "", lin
     return rep
 
 
-def import_gguf(gguf: str, out: str = "") -> dict:
+def import_gguf(gguf: str, out: str = "", requantize: str = "") -> dict:
     """Turn a llama.cpp GGUF file (Qwen3-MoE) into an expertcache checkpoint that every command reads. Experts in
     Q8_0 or Q4_0 are repacked without rounding into the int8 / int4 (group 32) store `expertcache quantize` writes,
     so the engine caches and moves the bytes llama.cpp would; BF16/F16/F32 experts become a bf16 checkpoint. The
@@ -583,6 +583,9 @@ def import_gguf(gguf: str, out: str = "") -> dict:
     Args:
         gguf: the .gguf file (one file; split GGUFs: merge them first with `llama-gguf-split --merge`)
         out: the folder to write (written whole, or not at all)
+        requantize: int4 | int8: experts in other types (K-quants such as Q4_K_M's, IQ*) are dequantized and
+            quantized again into our group-32 format (a second rounding: each layer's relative error against the
+            file's weights is reported); without it such files are refused
     """
     from rich.progress import Progress
 
@@ -592,8 +595,11 @@ def import_gguf(gguf: str, out: str = "") -> dict:
         raise InputError("--out is required: the folder the checkpoint is written to")
     with Progress(transient=True) as prog:
         task = prog.add_task("layers converted", total=None)
-        rep = run(gguf, out, progress=lambda: prog.advance(task))
+        rep = run(gguf, out, progress=lambda: prog.advance(task), requantize=requantize)
     print(f"import-gguf: {rep['architecture']}, {rep['layers']} layers x {rep['experts_per_layer']} experts stored "
           f"as {rep['experts_type']} -> {rep['experts']} experts ({rep['expert_bytes'] / 2**30:.2f} GiB); "
           f"{rep['non_expert_tensors']} other tensors in bf16 -> {out}", file=sys.stderr)
+    if rep["requantized"]:
+        print(f"import-gguf: experts quantized again from {rep['experts_type']}: worst layer relative error against "
+              f"the file's weights {max(rep['relative_error_vs_gguf']):.4f}", file=sys.stderr)
     return rep

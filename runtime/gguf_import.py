@@ -7,8 +7,10 @@ repacked without any rounding:
 - **Q4_0** (per block: fp16 scale d, 16 bytes of nibbles, inputs 0-15 low and 16-31 high; w = d (q - 8)) is our
   int4 at group 32 with scale d and minimum -8 d (exact in fp16): the same codes, repacked into our nibble order.
 - **BF16 / F16 / F32** experts become a plain bf16 checkpoint (per-expert tensors, as Hugging Face saves them).
-Other expert types (the K-quants of `Q4_K_M` and friends, IQ*) are refused in one line: requantize with
-`llama-quantize --pure FILE OUT Q4_0` (or Q8_0). Attention matrices and an untied output head stored in the
+Other expert types (the K-quants of `Q4_K_M` and friends, IQ*) are refused in one line, unless `--requantize int4`
+(or int8) is given: they are then dequantized with gguf's own dequantization and quantized again (a second rounding,
+each layer's relative error against the file's weights reported); `llama-quantize --pure FILE OUT Q4_0` is the
+lossless-at-import alternative. Attention matrices and an untied output head stored in the
 experts' own Q8_0/Q4_0 stay packed the same way (`QuantLinear`, as `quantize --linears true` writes them); the other
 tensors (norms, routers, embeddings, matrices of another type) are dequantized to bf16. The configuration and the tokenizer come from the file's
 metadata through transformers' GGUF reader (which needs the `gguf` package); the expert width is read from the
@@ -119,8 +121,14 @@ def _config(path: Path, r, arch: str, tensors: dict):
     return cfg
 
 
-def import_gguf(gguf_file, out, progress=None) -> dict:
-    """Write the checkpoint (see the module's docstring) at `out`, whole or not at all; returns the report."""
+REQUANTIZE = {"int8": (8, 32), "int4": (4, 32)}
+
+
+def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
+    """Write the checkpoint (see the module's docstring) at `out`, whole or not at all; returns the report.
+    `requantize` (int8 | int4): experts in any other type (the K-quants of a `Q4_K_M` file, IQ*) are dequantized
+    with gguf's own dequantization and quantized again into our format at group 32; a second rounding, so each
+    layer's relative error against the file's weights is reported."""
     import shutil
 
     from safetensors.torch import save_file
@@ -149,11 +157,15 @@ def import_gguf(gguf_file, out, progress=None) -> dict:
             if t is None:
                 raise InputError(f"--gguf {path} has no blk.{i}.{x}: every layer of {arch} has routed experts")
             kinds.add(t.tensor_type.name)
-    if len(kinds) > 1 or not kinds <= set(PACKED) | set(FLOAT):
+    if requantize and requantize not in REQUANTIZE:
+        raise InputError(f"--requantize {requantize}: expected int8 or int4 (or nothing)")
+    native = len(kinds) == 1 and kinds <= set(PACKED) | set(FLOAT)
+    if not native and not requantize:
         raise InputError(f"--gguf {path}: its experts are stored as {', '.join(sorted(kinds))}; import-gguf reads "
-                         f"experts all in one of Q8_0, Q4_0 (repacked as they are) or BF16/F16/F32 (requantize with "
-                         f"`llama-quantize --pure {path.name} OUT.gguf Q4_0`, or Q8_0)")
-    kind = kinds.pop()
+                         f"experts all in one of Q8_0, Q4_0 (repacked as they are) or BF16/F16/F32; give "
+                         f"--requantize int4 (or int8) to quantize them again, or requantize the file with "
+                         f"`llama-quantize --pure {path.name} OUT.gguf Q4_0`")
+    kind = kinds.pop() if native else "+".join(sorted(kinds))
     out = Path(out)
     if out.resolve() == path.parent.resolve():
         raise InputError(f"--out {out} is the GGUF file's own folder; write the checkpoint to a folder of its own")
@@ -188,9 +200,39 @@ def import_gguf(gguf_file, out, progress=None) -> dict:
     for i in range(n_l):
         fp.update(state[f"model.layers.{i}.mlp.gate.weight"].float().numpy().tobytes())
     fingerprint = fp.hexdigest()[:20]
-    expert_bytes, report_kind = 0, None
+    expert_bytes, report_kind, rel_err = 0, None, None
     with atomic_dir(out) as tmp:
-        if kind in FLOAT:  # a plain bf16 checkpoint, per-expert tensors
+        if not native:  # dequantized (gguf's own), quantized again at group 32
+            bits = REQUANTIZE[requantize][0]
+            for n in (h, inter):
+                quant.check_group(bits, 32, n, "expert input")
+            specs, block = layout(quant.quantized_specs([("gate_up_proj", [2 * inter, h], "bfloat16"),
+                                                         ("down_proj", [h, inter], "bfloat16")], bits, 32))
+            cur: dict = {}
+            err = [[0.0, 0.0] for _ in range(n_l)]
+
+            def expert(i, e):
+                if cur.get("layer") != i:
+                    cur.clear()
+                    cur["layer"] = i
+                    cur["g"], cur["u"], cur["d"] = (_array(tensors[f"blk.{i}.{x}"]) for x in EXPERTS)
+                    if progress:
+                        progress()
+                out_e = {}
+                for name, w in (("gate_up_proj", np.concatenate([cur["g"][e], cur["u"][e]])), ("down_proj",
+                                                                                               cur["d"][e])):
+                    w = torch.from_numpy(w)
+                    t = quant.quantize(w, bits, 32)
+                    err[i][0] += float((w - quant.dequantize(t, bits, 32)).pow(2).sum())
+                    err[i][1] += float(w.pow(2).sum())
+                    out_e.update({f"{name}.{p}": v for p, v in t.items()})
+                return out_e
+
+            meta = _write(tmp / quant.EXPERTS_FILE, StoreMeta(fingerprint, n_l, n_e, specs, block, str(path)), expert)
+            expert_bytes = meta.expert_bytes * n_l * n_e
+            report_kind = f"int{bits}"
+            rel_err = [round((a / b) ** 0.5, 6) if b else 0.0 for a, b in err]
+        elif kind in FLOAT:  # a plain bf16 checkpoint, per-expert tensors
             for i in range(n_l):
                 g, u, dn = (torch.from_numpy(_array(tensors[f"blk.{i}.{x}"])).to(torch.bfloat16) for x in EXPERTS)
                 for e in range(n_e):
@@ -230,18 +272,22 @@ def import_gguf(gguf_file, out, progress=None) -> dict:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         c = cfg.to_dict()
         if report_kind != "bf16":
+            scheme = {"Q8_0": "int8 symmetric, fp16 scale per group (GGUF Q8_0, repacked as it is)",
+                      "Q4_0": "int4, fp16 scale d and minimum -8 d per group (GGUF Q4_0, repacked as it is)"}
             c["quantization_config"] = {
-                "quant_method": quant.QUANT_METHOD, "bits": PACKED[kind], "group_size": 32,
+                "quant_method": quant.QUANT_METHOD, "bits": int(report_kind[3:]), "group_size": 32,
                 "experts_file": quant.EXPERTS_FILE, "source_dtype": "bfloat16",
-                "scheme": {"Q8_0": "int8 symmetric, fp16 scale per group (GGUF Q8_0, repacked as it is)",
-                           "Q4_0": "int4, fp16 scale d and minimum -8 d per group (GGUF Q4_0, repacked as it is)"}[kind],
-                "source": {"gguf": path.name, "type": kind}}
+                "scheme": scheme.get(kind) or f"{report_kind} group 32, quantized again from GGUF {kind} (dequantized)",
+                "source": {"gguf": path.name, "type": kind, "requantized": not native}}
+            if rel_err is not None:
+                c["quantization_config"]["relative_error"] = {"experts_vs_gguf": rel_err}
             if linears:
                 c["quantization_config"]["linears"] = {"modules": linears, "source": f"GGUF {kind}, repacked"}
         (tmp / "config.json").write_text(json.dumps(c, indent=2))
         pre = r.fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in r.fields else None
         _tokenizer(path, tmp, pre)
     return {"out": str(out), "gguf": str(path), "architecture": arch, "experts_type": kind, "experts": report_kind,
+            "requantized": not native, "relative_error_vs_gguf": rel_err,
             "layers": n_l, "experts_per_layer": n_e, "expert_bytes": expert_bytes,
             "non_expert_tensors": len([k for k in state if ".mlp.experts." not in k]),
             "packed_linears": len(linears),

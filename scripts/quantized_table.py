@@ -97,8 +97,9 @@ def main() -> None:
     ap.add_argument("--lossy_blocks", type=int, default=8, help="step-wise blocks per domain, on-miss rows")
     ap.add_argument("--lossy_limit", type=int, default=16, help="documents per task, on-miss rows")
     ap.add_argument("--gguf", nargs="*", default=[],
-                    help="NAME=FILE: llama.cpp GGUF files of the base (llama.cpp's converter and llama-quantize), "
-                         "each imported with `expertcache import-gguf` and evaluated as a row (none: skipped)")
+                    help="NAME=FILE[:int4|int8]: llama.cpp GGUF files of the base (llama.cpp's converter and "
+                         "llama-quantize), each imported with `expertcache import-gguf` (with --requantize when given) "
+                         "and evaluated as a row (none: skipped)")
     a = ap.parse_args()
     base, work = Path(a.base), Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -165,9 +166,11 @@ def main() -> None:
         models[name] = ("mixed" if name in MIXED else bits, group, out)
     for spec in a.gguf:  # llama.cpp's own quantization of the same base, read through import-gguf
         name, _, f = spec.partition("=")
+        f, _, requant = f.partition(":")  # FILE:int4 for a file whose experts must be quantized again (K-quants)
         out, rep_f = work / name, work / f"{name}.report.json"
         if not (out / "config.json").is_file():
-            r = subprocess.run(cli + ["import-gguf", "--gguf", f, "--out", str(out)], capture_output=True, text=True)
+            r = subprocess.run(cli + ["import-gguf", "--gguf", f, "--out", str(out)]
+                               + (["--requantize", requant] if requant else []), capture_output=True, text=True)
             if r.returncode:
                 skipped[name] = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
                 continue
@@ -193,9 +196,14 @@ def main() -> None:
                       f"the rest at int{MIXED[name][1][0]} g{MIXED[name][1][1]}, within {MIXED[name][2]:g}x the bf16 "
                       f"expert bytes"}
         if "gguf" in reports.get(name, {}):
+            rq = reports[name].get("requantized")
             mix = {"policy": f"llama.cpp's {reports[name]['experts_type']} file of the base (its converter, then "
-                             f"llama-quantize), read by import-gguf: experts as stored, other matrices dequantized "
-                             f"to bf16", "gguf": reports[name]["gguf"]}
+                             f"llama-quantize), read by import-gguf: "
+                             + (f"experts dequantized and quantized again to {reports[name]['experts']} group 32"
+                                if rq else "experts and same-type attention as stored")
+                             + ", other tensors dequantized to bf16", "gguf": reports[name]["gguf"]}
+            if rq:  # the second rounding's own error (against the file's weights, not the base's)
+                mix["relative_error_vs_gguf_max"] = max(reports[name]["relative_error_vs_gguf"])
         rows.append({"name": name, "bits": bits, "group_size": group, **mix,
                      "linears_packed": (lin or {}).get("modules", []),
                      "linears_relative_error_max": max((lin or {}).get("relative_error", {}).values(), default=None),

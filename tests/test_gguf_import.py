@@ -167,7 +167,8 @@ def test_import_gguf_refuses_in_one_line(src, tmp_path, capsys):
     w.close()
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + bytes(100))
-    cases = [(write_gguf(src, tmp_path / "k.gguf", experts=Q.Q5_0), "stored as Q5_0; import-gguf reads"),
+    cases = [(write_gguf(src, tmp_path / "k.gguf", experts=Q.Q5_0), "stored as Q5_0; import-gguf reads experts all "
+              "in one of Q8_0, Q4_0 (repacked as they are) or BF16/F16/F32; give --requantize int4"),
              (write_gguf(src, tmp_path / "l.gguf", arch="llama"), "is a 'llama' model"),
              (write_gguf(src, tmp_path / "d.gguf", drop=("blk.1.ffn_up_exps.weight",)), "has no blk.1.ffn_up_exps"),
              (bad, "is not a readable GGUF file"), (tmp_path / "none.gguf", "no such file"),
@@ -178,6 +179,9 @@ def test_import_gguf_refuses_in_one_line(src, tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and msg in err[0], (msg, err)
         assert not (tmp_path / "o").exists()
+    assert main(["import-gguf", "--gguf", str(cases[0][0]), "--out", str(tmp_path / "o"), "--requantize",
+                 "int3"]) == 2
+    assert "--requantize int3: expected int8 or int4" in capsys.readouterr().err
     with pytest.raises(InputError, match="--out is required"):
         from expertcache.runtime.commands import import_gguf
 
@@ -217,4 +221,35 @@ def test_attention_in_the_experts_type_stays_packed(src, tmp_path, kind):
     assert torch.equal(quant.dequantize(q.packed(), bits, 32), torch.from_numpy(_array(T["blk.0.attn_q.weight"])))
     ids = torch.tensor([AutoTokenizer.from_pretrained(src)(TEXT).input_ids])
     assert _rel(_logits(m, ids), _logits(ref, ids)) < 5e-2
+    m.expertcache.close()
+
+
+@pytest.mark.parametrize("kind,bits", [(Q.Q5_0, 4), (Q.Q4_1, 8)])
+def test_other_expert_types_are_quantized_again_on_request(src, tmp_path, kind, bits):
+    """`--requantize int4|int8`: experts in a type we do not hold (here Q5_0 and Q4_1, as K-quants would be) are
+    dequantized by gguf and quantized again; the report gives each layer's relative error against the file's weights,
+    and it is the error of what the store holds."""
+    from expertcache.runtime import load
+    from expertcache.runtime.gguf_import import _array, import_gguf
+    from expertcache.runtime.tiers import HostTier
+
+    f = write_gguf(src, tmp_path / "m.gguf", experts=kind)
+    out = tmp_path / "imported"
+    rep = import_gguf(f, out, requantize=f"int{bits}")
+    assert rep["requantized"] and rep["experts"] == f"int{bits}" and rep["experts_type"] == kind.name
+    qc = quant.read_config(out)
+    assert qc["bits"] == bits and qc["source"]["requantized"]
+    T = {t.name: t for t in gguf.GGUFReader(str(f)).tensors}
+    tier = HostTier(quant.open_source(out, qc))
+    for i, e in enumerate(rep["relative_error_vs_gguf"]):
+        w = torch.cat([torch.from_numpy(_array(T[f"blk.{i}.ffn_{x}_exps.weight"])) for x in ("gate", "up")], 1)
+        d = torch.from_numpy(_array(T[f"blk.{i}.ffn_down_exps.weight"]))
+        v = tier.layer_views(i)
+        gu = quant.dequantize(quant.parts(v, "gate_up_proj"), bits, 32)
+        dn = quant.dequantize(quant.parts(v, "down_proj"), bits, 32)
+        got = float((((gu - w) ** 2).sum() + ((dn - d) ** 2).sum()) / ((w ** 2).sum() + (d ** 2).sum())) ** 0.5
+        assert got == pytest.approx(e, rel=1e-3, abs=1e-6) and 0 < e < (0.02 if bits == 8 else 0.2)
+    m = load(out, capacity=0.5, tier="disk")
+    with torch.no_grad():
+        assert torch.isfinite(m(input_ids=torch.tensor([[5, 9, 33, 2]])).logits).all()
     m.expertcache.close()
