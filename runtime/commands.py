@@ -598,7 +598,8 @@ def import_gguf(gguf: str, out: str = "", requantize: str = "") -> dict:
         rep = run(gguf, out, progress=lambda: prog.advance(task), requantize=requantize)
     print(f"import-gguf: {rep['architecture']}, {rep['layers']} layers x {rep['experts_per_layer']} experts stored "
           f"as {rep['experts_type']} -> {rep['experts']} experts ({rep['expert_bytes'] / 2**30:.2f} GiB); "
-          f"{rep['non_expert_tensors']} other tensors in bf16 -> {out}", file=sys.stderr)
+          f"{rep['packed_linears']} linears packed as stored, {rep['non_expert_tensors']} other tensors in bf16 -> "
+          f"{out}", file=sys.stderr)
     if rep["requantized"]:
         print(f"import-gguf: experts quantized again from {rep['experts_type']}: worst layer relative error against "
               f"the file's weights {max(rep['relative_error_vs_gguf']):.4f}", file=sys.stderr)

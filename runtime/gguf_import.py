@@ -160,6 +160,8 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
     if requantize and requantize not in REQUANTIZE:
         raise InputError(f"--requantize {requantize}: expected int8 or int4 (or nothing)")
     native = len(kinds) == 1 and kinds <= set(PACKED) | set(FLOAT)
+    if native and requantize and PACKED.get(next(iter(kinds))) != REQUANTIZE[requantize][0]:
+        native = False  # another format asked for (Q8_0 or BF16 experts to int4, ...): quantized again
     if not native and not requantize:
         raise InputError(f"--gguf {path}: its experts are stored as {', '.join(sorted(kinds))}; import-gguf reads "
                          f"experts all in one of Q8_0, Q4_0 (repacked as they are) or BF16/F16/F32; give "
@@ -167,10 +169,20 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
                          f"`llama-quantize --pure {path.name} OUT.gguf Q4_0`")
     kind = kinds.pop() if native else "+".join(sorted(kinds))
     out = Path(out)
-    if out.resolve() == path.parent.resolve():
-        raise InputError(f"--out {out} is the GGUF file's own folder; write the checkpoint to a folder of its own")
+    if out.resolve() == path.resolve() or out.resolve() in path.resolve().parents:
+        raise InputError(f"--out {out} is or holds the GGUF file's folder (writing it would delete the file); write "
+                         f"the checkpoint to a folder of its own")
+    file_bytes = path.stat().st_size
     cfg = _config(path, r, arch, tensors)
     h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    want = {"ffn_gate_exps.weight": (n_e, inter, h), "ffn_up_exps.weight": (n_e, inter, h),
+            "ffn_down_exps.weight": (n_e, h, inter)}
+    for i in range(n_l):  # the metadata and the tensors must agree, or the store would be laid out wrong
+        for x, shape in want.items():
+            got = tuple(int(v) for v in reversed(tensors[f"blk.{i}.{x}"].shape))
+            if got != shape:
+                raise InputError(f"--gguf {path}: blk.{i}.{x} is {list(got)}; its metadata (hidden "
+                                 f"{h}, expert width {inter}, {n_e} experts) says {list(shape)} (damaged file)")
     state: dict[str, torch.Tensor] = {}
     linears: list[str] = []
     for name, t in tensors.items():
@@ -194,6 +206,7 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
             linears.append(hf.removesuffix(".weight"))
             continue
         state[hf] = torch.from_numpy(_array(t)).to(torch.bfloat16).contiguous()
+    _check_state(path, cfg, state, linears)
     import hashlib
 
     fp = hashlib.sha256()  # `store.model_fingerprint` of the model these weights load into (routers, as loaded)
@@ -289,10 +302,35 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
     return {"out": str(out), "gguf": str(path), "architecture": arch, "experts_type": kind, "experts": report_kind,
             "requantized": not native, "relative_error_vs_gguf": rel_err,
             "layers": n_l, "experts_per_layer": n_e, "expert_bytes": expert_bytes,
-            "non_expert_tensors": len([k for k in state if ".mlp.experts." not in k]),
-            "packed_linears": len(linears),
+            "non_expert_tensors": len([k for k in state if ".mlp.experts." not in k
+                                       and not k.endswith(("_q", "_scales", "_mins"))]),
+            "packed_linears": len(linears), "packed_linear_modules": linears,
             "tokenizer_pre": r.fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in r.fields else None,
-            "file_bytes": path.stat().st_size}
+            "file_bytes": file_bytes}
+
+
+def _check_state(path: Path, cfg, state: dict, linears: list[str]) -> None:
+    """Every non-expert tensor the model needs is there, in its shape (a packed linear: its integers' shape), and
+    nothing else; one line for the first that is not."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(cfg)
+    need = {k: tuple(v.shape) for k, v in m.state_dict().items() if ".mlp.experts." not in k}
+    if cfg.tie_word_embeddings:
+        need.pop("lm_head.weight", None)
+    packed = {f"{n}.weight" for n in linears}
+    for k, shape in need.items():
+        if k in packed:
+            q = state[f"{k}_q"]
+            if (q.shape[0], q.shape[1] * (1 if q.dtype == torch.int8 else 2)) != shape:
+                raise InputError(f"--gguf {path}: {k} is {list(q.shape)} packed; the model needs {list(shape)} "
+                                 f"(damaged file)")
+        elif k not in state:
+            raise InputError(f"--gguf {path} has no tensor for {k} (a complete {cfg.model_type} file has one)")
+        elif tuple(state[k].shape) != shape:
+            raise InputError(f"--gguf {path}: {k} is {list(state[k].shape)}; its metadata says {list(shape)} "
+                             f"(damaged file)")
 
 
 def _tokenizer(path: Path, tmp: Path, pre: str | None = None) -> None:

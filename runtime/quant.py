@@ -207,8 +207,8 @@ def swiglu(x, views: dict[str, torch.Tensor], slots, weights) -> torch.Tensor:
 
 
 def _swiglu_mixed(x, views: dict[str, torch.Tensor], slots, weights) -> torch.Tensor:
-    """A mixed-precision pool: each format's (token, choice) pairs through that format's path (`swiglu`), summed in
-    fp32. A row with fewer pairs of a format than the widest row is padded with a slot of that format at weight 0
+    """A mixed-precision pool: each format's (token, choice) pairs through that format's path (`swiglu`, its result
+    in x's dtype), the formats' partial sums added in fp32. A row with fewer pairs of a format than the widest row is padded with a slot of that format at weight 0
     (its bytes are that format's, so the padding adds exactly 0)."""
     tag = views[FMT][slots]
     out = None
@@ -334,6 +334,10 @@ class MixedExperts:
 
     def expert_nbytes(self, layer: int, expert: int) -> int:
         return self.stores[self.fmt[layer, expert]].expert_bytes
+
+    def block_nbytes(self, layer: int, expert: int) -> int:
+        """The bytes of the expert's own block (its format's), what a copy between slots needs to move."""
+        return self.stores[self.fmt[layer, expert]].block_bytes
 
     def total_bytes(self) -> int:
         """Every expert's bytes as stored (what the checkpoint's expert files hold, padding excluded)."""
@@ -478,8 +482,9 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
     if read_config(path) is not None or "quantization_config" in json.loads((path / "config.json").read_text()):
         raise InputError(f"{path} is already quantized: quantize its unquantized original")
     out = Path(out)
-    if out.resolve() == path.resolve():
-        raise InputError(f"--out {out} is the model's own folder; write the quantized checkpoint elsewhere")
+    if out.resolve() == path.resolve() or out.resolve() in path.resolve().parents:
+        raise InputError(f"--out {out} is the model's own folder or holds it (writing it would delete the model); "
+                         f"write the quantized checkpoint elsewhere")
     m, source = build_offloaded(path, verify=False)
     meta = source.meta
     names = [t.name for t in meta.tensors]
@@ -506,6 +511,10 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
             raise InputError(f"the hot format (int{hot[0]}, group {hot[1]}) is not larger than the others (int{bits}, "
                              f"group {group}): hot experts get the more precise format")
         fmt = allocate_by_usage(counts, fbytes[0], fbytes[1], int(max_bytes_ratio * bf16_bytes))
+        for k, (b, g) in enumerate(formats):  # before anything is written
+            if not (fmt == k).any():
+                raise InputError(f"no expert gets int{b} (group {g}) at --max_bytes_ratio {max_bytes_ratio}: use a "
+                                 f"one-format checkpoint (`quantize` without --by_usage)")
         total = counts.sum()
         usage = {"trace": str(by_usage), "tokens": tokens, "max_bytes_ratio": max_bytes_ratio,
                  "hot_experts": int((fmt == 0).sum()),
@@ -555,13 +564,11 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
             else:  # one store per format, its experts in (layer, expert) order as one row of blocks
                 for k, ((specs, block), f) in enumerate(zip(fspecs, files)):
                     pairs = [(int(i), int(e)) for i, e in zip(*np.nonzero(fmt == k))]
-                    if not pairs:
-                        raise InputError(f"no expert gets int{formats[k][0]} (group {formats[k][1]}) at "
-                                         f"--max_bytes_ratio {max_bytes_ratio}: use a one-format checkpoint "
-                                         f"(`quantize` without --by_usage)")
+                    done = [0]
 
                     def one(_, j, pairs=pairs):
-                        if progress and pairs[j][1] == n_e - 1:
+                        done[0] += 1
+                        if progress and done[0] % n_e == 0:  # one tick per layer's worth of experts
                             progress()
                         return expert(*pairs[j])
                     _write(tmp / f, StoreMeta(meta.fingerprint, 1, len(pairs), specs, block, str(path)), one)

@@ -153,6 +153,9 @@ def _write(path: str | Path, meta: StoreMeta, expert, progress=None) -> StoreMet
                 tensors = expert(layer, e)
                 for t in meta.tensors:
                     raw = tensors[t.name].detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+                    if len(raw) != t.nbytes:  # a tensor of another shape would shift or truncate the block
+                        raise InputError(f"store {path}: layer {layer} expert {e} {t.name} holds {len(raw)} bytes; "
+                                         f"its spec {t.shape} {t.dtype} takes {t.nbytes}")
                     buf[t.offset:t.offset + len(raw)] = raw
                 sums[layer, e] = checksum(buf)
                 f.write(buf)

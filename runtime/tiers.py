@@ -119,6 +119,12 @@ class Tier:
         f = getattr(self.source, "expert_nbytes", None)
         return f(layer, expert) if f is not None else self.meta.expert_bytes
 
+    def _block(self, layer: int, expert: int) -> int:
+        """Bytes of a slot a copy must move: the expert's own block (a mixed-precision source's smaller formats
+        fill only the front of the larger slot), else the whole block."""
+        f = getattr(self.source, "block_nbytes", None)
+        return f(layer, expert) if f is not None else self.meta.block_bytes
+
     def _tag(self, pool: SlotPool, slot: int, layer: int, expert: int) -> None:
         """A mixed-precision pool records which format the slot now holds (before its bytes are computed on)."""
         if pool.fmt is not None:
@@ -271,12 +277,13 @@ class HostTier(Tier):
     def _src(self, layer, expert):
         b = self.meta.block_bytes
         off = (layer * self.meta.num_experts + expert) * b
-        return self.host[off:off + b]
+        return self.host[off:off + self._block(layer, expert)]
 
     def read(self, layer, expert, pool, slot):
         b = self.meta.block_bytes
         self._tag(pool, slot, layer, expert)
-        pool.raw[slot * b:(slot + 1) * b].copy_(self._src(layer, expert))
+        src = self._src(layer, expert)
+        pool.raw[slot * b:slot * b + src.numel()].copy_(src)
         return self._nbytes(layer, expert)
 
 
@@ -324,7 +331,8 @@ class CudaTier(HostTier):
         b = self.meta.block_bytes
         self._tag(pool, slot, layer, expert)
         with torch.cuda.stream(self.stream):
-            pool.raw[slot * b:(slot + 1) * b].copy_(self._src(layer, expert), non_blocking=True)
+            src = self._src(layer, expert)
+            pool.raw[slot * b:slot * b + src.numel()].copy_(src, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self.stream)
         ev.synchronize()

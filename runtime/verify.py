@@ -295,8 +295,10 @@ def verify_quantized(path: Path, qc: dict, progress=None) -> dict:
     fmt = getattr(src, "format_index", lambda i, e: 0)
     mismatches, non_finite, nbytes, compared = [], [], 0, 0
     groups: dict[str, list] = {}
-    fds = [os.open(str(p), os.O_RDONLY) for p in src.files]
+    fds: list[int] = []
     try:
+        for p in src.files:
+            fds.append(os.open(str(p), os.O_RDONLY))
         for i in range(meta.num_layers):
             for e in range(meta.num_experts):
                 (span,) = src.spans(i, e)
@@ -327,8 +329,10 @@ def verify_quantized(path: Path, qc: dict, progress=None) -> dict:
         for fd in fds:
             os.close(fd)
     ck = Checkpoint(path)
-    fds = [os.open(str(p), os.O_RDONLY) for p in ck.files]
+    fds = []
     try:
+        for p in ck.files:
+            fds.append(os.open(str(p), os.O_RDONLY))
         for name, info in sorted(ck.tensors.items()):
             raw = _pread(fds[info.file], info.start, info.nbytes, name)
             where = f"{name} in {ck.files[info.file].name} of {path}"

@@ -190,6 +190,8 @@ def main() -> None:
             err = max(max(v) for v in reports[name]["relative_error"].values()) \
                 if reports[name]["relative_error"] else None
         lin = reports[name].get("linears") if name in reports else None
+        if name in reports and "packed_linear_modules" in reports[name]:  # an imported GGUF's same-type linears
+            lin = {"modules": reports[name]["packed_linear_modules"]}
         mix = {} if name not in MIXED else {
             "formats": reports[name]["formats"], "by_usage": reports[name]["by_usage"],
             "policy": f"the most used experts (train-split trace) at int{MIXED[name][0][0]} g{MIXED[name][0][1]}, "

@@ -21,7 +21,7 @@ def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def write_gguf(src, out, experts=Q.Q8_0, arch="qwen3moe", others=Q.F32, drop=()):
+def write_gguf(src, out, experts=Q.Q8_0, arch="qwen3moe", others=Q.F32, drop=(), expert_width=None):
     """The HF checkpoint at `src` as a GGUF file: llama.cpp's qwen3moe names, shapes and metadata, its tokenizer as
     a gpt2-style BPE vocabulary, the experts in `experts` and the other matrices in `others`."""
     from transformers import AutoModelForCausalLM
@@ -42,7 +42,7 @@ def write_gguf(src, out, experts=Q.Q8_0, arch="qwen3moe", others=Q.F32, drop=())
     w.add_expert_used_count(c.num_experts_per_tok)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
-    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_feed_forward_length(expert_width or c.moe_intermediate_size)
     tj = json.loads((src / "tokenizer.json").read_text())
     vocab = dict(tj["model"]["vocab"])
     for t in tj.get("added_tokens", []):
@@ -172,7 +172,11 @@ def test_import_gguf_refuses_in_one_line(src, tmp_path, capsys):
              (write_gguf(src, tmp_path / "l.gguf", arch="llama"), "is a 'llama' model"),
              (write_gguf(src, tmp_path / "d.gguf", drop=("blk.1.ffn_up_exps.weight",)), "has no blk.1.ffn_up_exps"),
              (bad, "is not a readable GGUF file"), (tmp_path / "none.gguf", "no such file"),
-             (tmp_path / "s2.gguf", "is one of 2 split files: merge them first")]
+             (tmp_path / "s2.gguf", "is one of 2 split files: merge them first"),
+             (write_gguf(src, tmp_path / "w.gguf", expert_width=128), "blk.0.ffn_gate_exps.weight is [8, 64, 64]; "
+              "its metadata (hidden 64, expert width 128, 8 experts) says [8, 128, 64]"),
+             (write_gguf(src, tmp_path / "r.gguf", drop=("blk.0.ffn_gate_inp.weight",)),
+              "has no tensor for model.layers.0.mlp.gate.weight")]
     capsys.readouterr()
     for f, msg in cases:
         assert main(["import-gguf", "--gguf", str(f), "--out", str(tmp_path / "o")]) == 2, msg
@@ -253,3 +257,27 @@ def test_other_expert_types_are_quantized_again_on_request(src, tmp_path, kind, 
     with torch.no_grad():
         assert torch.isfinite(m(input_ids=torch.tensor([[5, 9, 33, 2]])).logits).all()
     m.expertcache.close()
+
+
+def test_import_gguf_never_writes_over_the_file_it_reads(src, tmp_path, capsys):
+    """--out naming the file, its folder or a folder above it is refused, and the file is still there."""
+    from expertcache.recipes.cli import main
+
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    f = write_gguf(src, tmp_path / "a" / "b" / "m.gguf")
+    before = f.read_bytes()
+    capsys.readouterr()
+    for out in (f, f.parent, tmp_path / "a"):
+        assert main(["import-gguf", "--gguf", str(f), "--out", str(out)]) == 2
+        assert "writing it would delete the file" in capsys.readouterr().err
+        assert f.read_bytes() == before
+
+
+def test_requantize_takes_a_native_file_to_another_format(src, tmp_path):
+    """--requantize int4 on a Q8_0 file gives int4 experts (quantized again), not a silent int8 import."""
+    from expertcache.runtime.gguf_import import import_gguf
+
+    rep = import_gguf(write_gguf(src, tmp_path / "m.gguf", experts=Q.Q8_0), tmp_path / "o", requantize="int4")
+    assert rep["requantized"] and rep["experts"] == "int4" and quant.read_config(tmp_path / "o")["bits"] == 4
+    rep = import_gguf(write_gguf(src, tmp_path / "n.gguf", experts=Q.Q8_0), tmp_path / "p", requantize="int8")
+    assert not rep["requantized"] and rep["experts"] == "int8"  # the same format: repacked as it is

@@ -194,6 +194,7 @@ def test_by_usage_refuses_in_one_line(mixed, tmp_path, capsys):
     cases = [(["--by_usage", str(other)], "is a trace of another model: 2 MoE layers x 8 experts"),
              (["--by_usage", str(trace), "--max_bytes_ratio", "0.2"], "below every expert at the smaller format"),
              (["--by_usage", str(trace), "--max_bytes_ratio", "1.5"], "--max_bytes_ratio 1.5"),
+             (["--by_usage", str(trace), "--max_bytes_ratio", "0.95"], "no expert gets int4 (group 64)"),
              (["--by_usage", str(trace), "--hot_bits", "4", "--hot_group_size", "64"], "nothing to mix"),
              (["--by_usage", str(trace), "--bits", "8", "--group_size", "32", "--hot_bits", "4", "--hot_group_size",
                "64"], "hot experts get the more precise format"),
@@ -285,3 +286,35 @@ def test_traffic_of_a_mixed_checkpoint_counts_each_load_at_its_own_size(mixed):
     loads = eng.stats.demand_loads + eng.stats.prefetch_loads
     assert loads * 6912 <= eng.stats.bytes_moved < loads * 13056  # both sizes among the loads
     eng.close()
+
+
+def test_the_host_tier_copies_each_expert_at_its_own_block(mixed):
+    """A host-tier copy into a slot moves the expert's own format block, not the larger format's."""
+    from expertcache.runtime.tiers import HostTier, SlotPool
+
+    _, _, q, _ = mixed
+    source = quant.MixedExperts(q, quant.read_config(q))
+    tier = HostTier(source)
+    pool = SlotPool(source.meta, 2)
+    pool.raw.fill_(0xAB)
+    k = int(np.argmin([m.block_bytes for m in source.stores]))  # the smaller block (4 KiB alignment decides here)
+    layer, expert = map(int, np.argwhere(source.fmt == k)[0])
+    assert tier.read(layer, expert, pool, 0) == source.expert_nbytes(layer, expert)
+    n = source.block_nbytes(layer, expert)
+    assert n < source.meta.block_bytes
+    assert bool((pool.raw[n:source.meta.block_bytes] == 0xAB).all())  # the rest of the slot untouched
+    assert int(pool.fmt[0]) == k
+
+
+def test_quantize_never_writes_over_the_model_it_reads(mixed, tmp_path, capsys):
+    import shutil
+
+    from expertcache.recipes.cli import main
+
+    src, _, _, _ = mixed
+    m = tmp_path / "a" / "model"
+    shutil.copytree(src, m)
+    capsys.readouterr()
+    assert main(["quantize", "--model", str(m), "--out", str(tmp_path / "a"), "--bits", "8"]) == 2
+    assert "writing it would delete the model" in capsys.readouterr().err
+    assert (m / "config.json").is_file()
