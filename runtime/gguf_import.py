@@ -298,7 +298,13 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
                 c["quantization_config"]["linears"] = {"modules": linears, "source": f"GGUF {kind}, repacked"}
         (tmp / "config.json").write_text(json.dumps(c, indent=2))
         pre = r.fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in r.fields else None
-        _tokenizer(path, tmp, pre)
+        tok, gen = _tokenizer(path)
+        tok.save_pretrained(str(tmp))
+        gen.save_pretrained(str(tmp))
+        if pre == "gpt-2":
+            tc = _gpt2_config(path, json.loads((tmp / "tokenizer_config.json").read_text()),
+                              json.loads((tmp / "tokenizer.json").read_text()))
+            (tmp / "tokenizer_config.json").write_text(json.dumps(tc, indent=2))
     return {"out": str(out), "gguf": str(path), "architecture": arch, "experts_type": kind, "experts": report_kind,
             "requantized": not native, "relative_error_vs_gguf": rel_err,
             "layers": n_l, "experts_per_layer": n_e, "expert_bytes": expert_bytes,
@@ -333,27 +339,24 @@ def _check_state(path: Path, cfg, state: dict, linears: list[str]) -> None:
                              f"(damaged file)")
 
 
-def _tokenizer(path: Path, tmp: Path, pre: str | None = None) -> None:
-    """The tokenizer and generation config from the file's metadata (transformers' GGUF conversion). transformers
-    saves a Qwen3-MoE file's tokenizer as `Qwen2Tokenizer`, which splits text with Qwen2's pattern whatever the file
-    says; a file whose `tokenizer.ggml.pre` is `gpt-2` (GPT-2's pattern, as llama.cpp applies it) is saved as a plain
-    tokenizers backend instead, so the byte-level GPT-2 pre-tokenizer in its tokenizer.json is the one used."""
-    from transformers import AutoTokenizer, GenerationConfig
+def _tokenizer(path: Path):
+    """The tokenizer from the file's metadata (transformers' GGUF conversion), and its generation config."""
+    from transformers import GenerationConfig
 
-    try:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except Exception as e:  # noqa: BLE001 - the file's tokenizer metadata is not one transformers converts
-        raise InputError(f"--gguf {path}: its tokenizer could not be converted ({type(e).__name__}: "
-                         f"{(str(e).splitlines() or [''])[0][:120]})") from None
-    tok.save_pretrained(str(tmp))
-    if pre == "gpt-2":
-        f = tmp / "tokenizer_config.json"
-        c = json.loads(f.read_text())
-        c["tokenizer_class"] = "TokenizersBackend"
-        f.write_text(json.dumps(c, indent=2))
-        tj = json.loads((tmp / "tokenizer.json").read_text())
-        if (tj.get("pre_tokenizer") or {}).get("type") != "ByteLevel" or not tj["pre_tokenizer"].get("use_regex"):
-            raise InputError(f"--gguf {path}: its gpt-2 tokenizer did not convert to a byte-level GPT-2 "
-                             f"pre-tokenizer (got {str(tj.get('pre_tokenizer'))[:80]})")
-    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                     pad_token_id=tok.pad_token_id).save_pretrained(str(tmp))
+    from expertcache.telemetry.hf import load_gguf_tokenizer
+
+    tok = load_gguf_tokenizer(path)
+    return tok, GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                 pad_token_id=tok.pad_token_id)
+
+
+def _gpt2_config(path: Path, tokenizer_config: dict, tokenizer_json: dict) -> dict:
+    """transformers saves a Qwen3-MoE file's tokenizer as `Qwen2Tokenizer`, which splits text with Qwen2's pattern
+    whatever the file says; a file whose `tokenizer.ggml.pre` is `gpt-2` (GPT-2's pattern, as llama.cpp applies it)
+    is saved as a plain tokenizers backend instead, so the byte-level GPT-2 pre-tokenizer of its tokenizer.json is
+    the one used. Returns the tokenizer_config to write."""
+    pt = tokenizer_json.get("pre_tokenizer") or {}
+    if pt.get("type") != "ByteLevel" or not pt.get("use_regex"):
+        raise InputError(f"--gguf {path}: its gpt-2 tokenizer did not convert to a byte-level GPT-2 pre-tokenizer "
+                         f"(got {str(pt)[:80]})")
+    return {**tokenizer_config, "tokenizer_class": "TokenizersBackend"}

@@ -40,6 +40,19 @@ def load_tokenizer(path: str | Path):
         raise InputError(f"tokenizer {path} does not load ({type(e).__name__}: {str(e)[:120]})") from None
 
 
+def load_gguf_tokenizer(path: str | Path):
+    """The tokenizer a GGUF file's metadata describes (transformers' GGUF conversion; needs the `gguf` package), or
+    one InputError."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:  # noqa: BLE001 - the file's tokenizer metadata is not one transformers converts
+        raise InputError(f"--gguf {path}: its tokenizer could not be converted ({type(e).__name__}: "
+                         f"{(str(e).splitlines() or [''])[0][:120]})") from None
+
+
 def load_config(path: str | Path):
     """A checkpoint's `config.json` as a transformers config, or one InputError naming the folder."""
     import json

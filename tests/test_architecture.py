@@ -173,8 +173,9 @@ def name_list_violations(trees: dict[str, ast.Module]) -> list[str]:
     return bad
 
 
-# flags of other programs that an error message may quote (the corpus builder's pip hint)
-EXTERNAL_FLAGS = {"no-deps", "no-binary"}
+# flags of other programs that an error message may quote (the corpus builder's pip hint; llama.cpp's tools in
+# import-gguf's hints: `llama-gguf-split --merge`, `llama-quantize --pure`)
+EXTERNAL_FLAGS = {"no-deps", "no-binary", "merge", "pure"}
 _FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9_-]*(?:\.[a-z0-9_]+)*)")
 _CLI_FLAGS: set[str] = set()
 
