@@ -215,37 +215,7 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
     fingerprint = fp.hexdigest()[:20]
     expert_bytes, report_kind, rel_err = 0, None, None
     with atomic_dir(out) as tmp:
-        if not native:  # dequantized (gguf's own), quantized again at group 32
-            bits = REQUANTIZE[requantize][0]
-            for n in (h, inter):
-                quant.check_group(bits, 32, n, "expert input")
-            specs, block = layout(quant.quantized_specs([("gate_up_proj", [2 * inter, h], "bfloat16"),
-                                                         ("down_proj", [h, inter], "bfloat16")], bits, 32))
-            cur: dict = {}
-            err = [[0.0, 0.0] for _ in range(n_l)]
-
-            def expert(i, e):
-                if cur.get("layer") != i:
-                    cur.clear()
-                    cur["layer"] = i
-                    cur["g"], cur["u"], cur["d"] = (_array(tensors[f"blk.{i}.{x}"]) for x in EXPERTS)
-                    if progress:
-                        progress()
-                out_e = {}
-                for name, w in (("gate_up_proj", np.concatenate([cur["g"][e], cur["u"][e]])), ("down_proj",
-                                                                                               cur["d"][e])):
-                    w = torch.from_numpy(w)
-                    t = quant.quantize(w, bits, 32)
-                    err[i][0] += float((w - quant.dequantize(t, bits, 32)).pow(2).sum())
-                    err[i][1] += float(w.pow(2).sum())
-                    out_e.update({f"{name}.{p}": v for p, v in t.items()})
-                return out_e
-
-            meta = _write(tmp / quant.EXPERTS_FILE, StoreMeta(fingerprint, n_l, n_e, specs, block, str(path)), expert)
-            expert_bytes = meta.expert_bytes * n_l * n_e
-            report_kind = f"int{bits}"
-            rel_err = [round((a / b) ** 0.5, 6) if b else 0.0 for a, b in err]
-        elif kind in FLOAT:  # a plain bf16 checkpoint, per-expert tensors
+        if native and kind in FLOAT:  # a plain bf16 checkpoint, per-expert tensors
             for i in range(n_l):
                 g, u, dn = (torch.from_numpy(_array(tensors[f"blk.{i}.{x}"])).to(torch.bfloat16) for x in EXPERTS)
                 for e in range(n_e):
@@ -257,31 +227,44 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
                 if progress:
                     progress()
             report_kind = "bf16"
-        else:
-            bits = PACKED[kind]
+        else:  # our int8/int4 group-32 store: repacked as stored (Q8_0, Q4_0), or dequantized and quantized again
+            bits = PACKED[kind] if native else REQUANTIZE[requantize][0]
             for n in (h, inter):
                 quant.check_group(bits, 32, n, "expert input")
             specs, block = layout(quant.quantized_specs([("gate_up_proj", [2 * inter, h], "bfloat16"),
                                                          ("down_proj", [h, inter], "bfloat16")], bits, 32))
-            conv = _q8 if bits == 8 else _q4
+            err = [[0.0, 0.0] for _ in range(n_l)]
+
+            def layer_parts(i) -> dict:
+                """{tensor: {part: [E, ...]}} of MoE layer i in our format (gate rows before up rows)."""
+                if native:
+                    g, u, d = ((_q8 if bits == 8 else _q4)(tensors[f"blk.{i}.{x}"]) for x in EXPERTS)
+                    return {"gate_up_proj": {p: np.concatenate([g[p], u[p]], axis=1) for p in g}, "down_proj": d}
+                g, u, d = (torch.from_numpy(_array(tensors[f"blk.{i}.{x}"])) for x in EXPERTS)
+                out_l = {}
+                for name, w in (("gate_up_proj", torch.cat([g, u], 1)), ("down_proj", d)):
+                    t = quant.quantize(w, bits, 32)
+                    err[i][0] += float((w - quant.dequantize(t, bits, 32)).pow(2).sum())
+                    err[i][1] += float(w.pow(2).sum())
+                    out_l[name] = t
+                return out_l
+
             cur: dict = {}
 
             def expert(i, e):
                 if cur.get("layer") != i:
-                    cur.clear()
-                    cur["layer"] = i
-                    cur["g"], cur["u"], cur["d"] = (conv(tensors[f"blk.{i}.{x}"]) for x in EXPERTS)
+                    cur.update(layer=i, parts=layer_parts(i))
                     if progress:
                         progress()
-                out_e = {f"gate_up_proj.{p}": torch.from_numpy(np.concatenate([cur["g"][p][e], cur["u"][p][e]]))
-                         for p in cur["g"]}
-                out_e.update({f"down_proj.{p}": torch.from_numpy(np.ascontiguousarray(v[e]))
-                              for p, v in cur["d"].items()})
-                return out_e
+                return {f"{name}.{p}": torch.as_tensor(np.ascontiguousarray(v[e]) if isinstance(v, np.ndarray)
+                                                       else v[e].contiguous())
+                        for name, parts in cur["parts"].items() for p, v in parts.items()}
 
             meta = _write(tmp / quant.EXPERTS_FILE, StoreMeta(fingerprint, n_l, n_e, specs, block, str(path)), expert)
             expert_bytes = meta.expert_bytes * n_l * n_e
             report_kind = f"int{bits}"
+            if not native:
+                rel_err = [round((a / b) ** 0.5, 6) if b else 0.0 for a, b in err]
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         c = cfg.to_dict()
         if report_kind != "bf16":
