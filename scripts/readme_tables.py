@@ -176,6 +176,3 @@ for name, fn in TABLES:
 if (RESULTS / "frontier.json").is_file():  # the post-training frontier (a list of rows)
     print("<!-- results/frontier.json (train-cache-aware --recipe frontier) -->")
     print(frontier_table(json.loads((RESULTS / "frontier.json").read_text())), end="\n\n")
-if (RESULTS / "frontier_pointestimates.json").is_file():  # the earlier frontier, gated on point estimates
-    print("<!-- results/frontier_pointestimates.json (the frontier before #23: point estimates, superseded) -->")
-    print(frontier_table(json.loads((RESULTS / "frontier_pointestimates.json").read_text())), end="\n\n")
