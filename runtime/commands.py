@@ -577,8 +577,9 @@ def import_gguf(gguf: str, out: str = "", requantize: str = "") -> dict:
     """Turn a llama.cpp GGUF file (Qwen3-MoE) into an expertcache checkpoint that every command reads. Experts in
     Q8_0 or Q4_0 are repacked without rounding into the int8 / int4 (group 32) store `expertcache quantize` writes,
     so the engine caches and moves the bytes llama.cpp would; BF16/F16/F32 experts become a bf16 checkpoint. The
-    other tensors are dequantized to bf16; the configuration and tokenizer come from the file's metadata. Other
-    expert types (K-quants such as Q4_K_M, IQ*) are refused: requantize with `llama-quantize --pure IN OUT Q4_0`.
+    attention matrices in the same type stay packed, the other tensors are dequantized to bf16; the configuration
+    and tokenizer come from the file's metadata. Other expert types (K-quants such as Q4_K_M, IQ*) need
+    --requantize (or `llama-quantize --pure IN OUT Q4_0` first).
 
     Args:
         gguf: the .gguf file (one file; split GGUFs: merge them first with `llama-gguf-split --merge`)

@@ -39,7 +39,7 @@ LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": 
 TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
 EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
-PACKED = {"Q8_0": 8, "Q4_0": 4}  # GGUF type -> our bits (group 32)
+PACKED = {"Q8_0": 8, "Q4_0": 4}  # GGUF type -> our bits (group 32), repacked by CONVERT below
 FLOAT = ("BF16", "F16", "F32")
 
 
@@ -105,6 +105,9 @@ def rest_is_linear(name: str) -> bool:
                                                                   "attn_output.weight")
 
 
+CONVERT = {"Q8_0": _q8, "Q4_0": _q4}  # GGUF type -> its repacking into our parts
+
+
 def _config(path: Path, r, arch: str, tensors: dict):
     """The Hugging Face config: transformers' GGUF mapping, with what it leaves out read from the file."""
     from transformers import AutoConfig
@@ -129,10 +132,9 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
     `requantize` (int8 | int4): experts in any other type (the K-quants of a `Q4_K_M` file, IQ*) are dequantized
     with gguf's own dequantization and quantized again into our format at group 32; a second rounding, so each
     layer's relative error against the file's weights is reported."""
-    import shutil
-
     from safetensors.torch import save_file
 
+    from expertcache.telemetry.adapters import weights_fingerprint
     from expertcache.telemetry.atomic import atomic_dir
 
     from . import quant
@@ -173,6 +175,7 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
         raise InputError(f"--out {out} is or holds the GGUF file's folder (writing it would delete the file); write "
                          f"the checkpoint to a folder of its own")
     file_bytes = path.stat().st_size
+    pre = r.fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in r.fields else None
     cfg = _config(path, r, arch, tensors)
     h, inter = cfg.hidden_size, cfg.moe_intermediate_size
     want = {"ffn_gate_exps.weight": (n_e, inter, h), "ffn_up_exps.weight": (n_e, inter, h),
@@ -201,18 +204,14 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
                 and (kind == "Q8_0" or int(t.shape[0]) % 64 == 0):  # (our int4 packs 64 inputs per chunk)
             # a matrix in the experts' packed type (attention, an untied output head): kept packed, as
             # `quantize --linears true` writes it (QuantLinear), without rounding
-            for part, v in (_q8 if kind == "Q8_0" else _q4)(t).items():
+            for part, v in CONVERT[kind](t).items():
                 state[f"{hf}_{part}"] = torch.from_numpy(np.ascontiguousarray(v[0]))
             linears.append(hf.removesuffix(".weight"))
             continue
         state[hf] = torch.from_numpy(_array(t)).to(torch.bfloat16).contiguous()
     _check_state(path, cfg, state, linears)
-    import hashlib
-
-    fp = hashlib.sha256()  # `store.model_fingerprint` of the model these weights load into (routers, as loaded)
-    for i in range(n_l):
-        fp.update(state[f"model.layers.{i}.mlp.gate.weight"].float().numpy().tobytes())
-    fingerprint = fp.hexdigest()[:20]
+    # the store's fingerprint: the one the model these weights load into will have (its routers, as loaded)
+    fingerprint = weights_fingerprint(state[f"model.layers.{i}.mlp.gate.weight"] for i in range(n_l))
     expert_bytes, report_kind, rel_err = 0, None, None
     with atomic_dir(out) as tmp:
         if native and kind in FLOAT:  # a plain bf16 checkpoint, per-expert tensors
@@ -238,8 +237,9 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
             def layer_parts(i) -> dict:
                 """{tensor: {part: [E, ...]}} of MoE layer i in our format (gate rows before up rows)."""
                 if native:
-                    g, u, d = ((_q8 if bits == 8 else _q4)(tensors[f"blk.{i}.{x}"]) for x in EXPERTS)
-                    return {"gate_up_proj": {p: np.concatenate([g[p], u[p]], axis=1) for p in g}, "down_proj": d}
+                    g, u, d = (CONVERT[kind](tensors[f"blk.{i}.{x}"]) for x in EXPERTS)
+                    return {"gate_up_proj": {p: torch.from_numpy(np.concatenate([g[p], u[p]], axis=1)) for p in g},
+                            "down_proj": {p: torch.from_numpy(v) for p, v in d.items()}}
                 g, u, d = (torch.from_numpy(_array(tensors[f"blk.{i}.{x}"])) for x in EXPERTS)
                 out_l = {}
                 for name, w in (("gate_up_proj", torch.cat([g, u], 1)), ("down_proj", d)):
@@ -256,9 +256,8 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
                     cur.update(layer=i, parts=layer_parts(i))
                     if progress:
                         progress()
-                return {f"{name}.{p}": torch.as_tensor(np.ascontiguousarray(v[e]) if isinstance(v, np.ndarray)
-                                                       else v[e].contiguous())
-                        for name, parts in cur["parts"].items() for p, v in parts.items()}
+                return {f"{name}.{p}": v[e].contiguous() for name, parts in cur["parts"].items()
+                        for p, v in parts.items()}
 
             meta = _write(tmp / quant.EXPERTS_FILE, StoreMeta(fingerprint, n_l, n_e, specs, block, str(path)), expert)
             expert_bytes = meta.expert_bytes * n_l * n_e
@@ -280,7 +279,6 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
             if linears:
                 c["quantization_config"]["linears"] = {"modules": linears, "source": f"GGUF {kind}, repacked"}
         (tmp / "config.json").write_text(json.dumps(c, indent=2))
-        pre = r.fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in r.fields else None
         tok, gen = _tokenizer(path)
         tok.save_pretrained(str(tmp))
         gen.save_pretrained(str(tmp))
@@ -294,7 +292,7 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
             "non_expert_tensors": len([k for k in state if ".mlp.experts." not in k
                                        and not k.endswith(("_q", "_scales", "_mins"))]),
             "packed_linears": len(linears), "packed_linear_modules": linears,
-            "tokenizer_pre": r.fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in r.fields else None,
+            "tokenizer_pre": pre,
             "file_bytes": file_bytes}
 
 

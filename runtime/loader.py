@@ -157,9 +157,7 @@ def build_offloaded(path: str | Path, dtype=None, verify: bool | None = None):
 
         source = quant.open_source(path, qc, verify)  # one store, or one per format (mixed precision)
         check_store(source.meta, model)
-        if qc["bits"] != quant.MIXED and quant.format_of(
-                {t.name: torch.empty(t.shape, dtype=t.torch_dtype, device="meta") for t in source.meta.tensors}) \
-                != (qc["bits"], qc["group_size"]):
+        if qc["bits"] != quant.MIXED and quant.format_of_specs(source.meta.tensors) != (qc["bits"], qc["group_size"]):
             raise InputError(f"{source.files[0]} does not hold the {qc['bits']}-bit, group {qc['group_size']} experts "
                              f"config.json describes (damaged checkpoint: quantize again)")
     else:

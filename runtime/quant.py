@@ -147,6 +147,11 @@ def format_of(views: dict[str, torch.Tensor]) -> tuple[int, int] | None:
     return bits, n // s.shape[-1]
 
 
+def format_of_specs(specs) -> tuple[int, int] | None:
+    """`format_of` a store's tensor specs (`store.TensorSpec`s: names, shapes, dtypes), with no bytes behind them."""
+    return format_of({t.name: torch.empty(t.shape, dtype=t.torch_dtype, device="meta") for t in specs})
+
+
 def format_views(views: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     """A mixed-precision pool's views split by format (`tiers.block_views`: format 0 plain names, format k
     `@k:name`); a one-format pool's views as the one entry."""
@@ -208,8 +213,8 @@ def swiglu(x, views: dict[str, torch.Tensor], slots, weights) -> torch.Tensor:
 
 def _swiglu_mixed(x, views: dict[str, torch.Tensor], slots, weights) -> torch.Tensor:
     """A mixed-precision pool: each format's (token, choice) pairs through that format's path (`swiglu`, its result
-    in x's dtype), the formats' partial sums added in fp32. A row with fewer pairs of a format than the widest row is padded with a slot of that format at weight 0
-    (its bytes are that format's, so the padding adds exactly 0)."""
+    in x's dtype), the formats' partial sums added in fp32. A row with fewer pairs of a format than the widest row
+    is padded with a slot of that format at weight 0 (its bytes are that format's, so the padding adds exactly 0)."""
     tag = views[FMT][slots]
     out = None
     for f, v in enumerate(format_views(views)):
@@ -252,7 +257,7 @@ def read_config(path) -> dict | None:
     if bits not in BITS or not isinstance(group, int) or isinstance(group, bool) or not group_ok(group):
         raise InputError(f"{path}: quantization_config bits={bits!r} group_size={group!r}: expected bits 8 or 4 and a "
                          f"group size of 32 or a multiple of 64 (damaged config.json)")
-    if not isinstance(f, str) or "/" in f or f.startswith(".") or not (Path(path) / f).is_file():
+    if not _store_file(path, f):
         raise InputError(f"{path}: quantization_config names experts_file {f!r}, which is not a file beside config.json")
     return qc
 
@@ -261,6 +266,7 @@ MIXED = "mixed"  # quantization_config bits of a checkpoint whose experts each h
 
 
 def _store_file(path, f) -> bool:
+    """Whether `f` names a file beside config.json (a bare name: no folder, not hidden)."""
     from pathlib import Path
 
     return isinstance(f, str) and "/" not in f and not f.startswith(".") and (Path(path) / f).is_file()
@@ -318,8 +324,7 @@ class MixedExperts:
             if (m.num_layers, m.num_experts) != (1, int(mine.sum())):
                 raise InputError(f"{p} holds {m.num_layers} x {m.num_experts} blocks; config.json gives it "
                                  f"{int(mine.sum())} experts (damaged checkpoint: quantize again)")
-            got = format_of({t.name: torch.empty(t.shape, dtype=t.torch_dtype, device="meta") for t in m.tensors})
-            if got != (bits, group) or m.fingerprint != self.stores[0].fingerprint:
+            if format_of_specs(m.tensors) != (bits, group) or m.fingerprint != self.stores[0].fingerprint:
                 raise InputError(f"{p} does not hold the {bits}-bit, group {group} experts config.json describes "
                                  f"(damaged checkpoint: quantize again)")
         block = max(m.block_bytes for m in self.stores)
@@ -384,24 +389,20 @@ def copy_source(path, meta):
     """The packed experts of `path` (an `expertcache quantize` checkpoint) as an expert source standing beside a
     model whose own experts are described by `meta` (the same layers and experts, else one line): what
     `EngineConfig.miss_precision` reads a miss from."""
-    from pathlib import Path
-
-    from .checkpoint import StoreExperts
-    from .store import read_store_meta
-
     qc = read_config(path)
     if qc is None:
         raise InputError(f"{path} is not an `expertcache quantize` checkpoint (no quantization_config)")
     if qc.get("bits") == MIXED:
         raise InputError(f"miss_copy {path} is a mixed-precision checkpoint; the copy a miss is served from has one "
                          f"format (`expertcache quantize --bits 4`)")
-    m = read_store_meta(Path(path) / qc["experts_file"])
+    source = open_source(path, qc)
+    m = source.meta
     if (m.num_layers, m.num_experts) != (meta.num_layers, meta.num_experts):
         raise InputError(f"miss_copy {path} has {m.num_layers} layers x {m.num_experts} experts; the model has "
                          f"{meta.num_layers} x {meta.num_experts}: it is not a copy of this checkpoint")
     if not {"down_proj.q", "down_proj.scales"} <= {t.name for t in m.tensors}:
         raise InputError(f"miss_copy {path}: its experts are not packed integers")
-    return StoreExperts(Path(path) / qc["experts_file"], m)
+    return source
 
 
 def usage_counts(trace, model, num_layers: int, num_experts: int) -> tuple:

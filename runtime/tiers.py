@@ -108,6 +108,9 @@ class Tier:
 
     def __init__(self, source):
         self.source, self.meta = source, source.meta
+        # a mixed-precision source's experts differ in size and format (`quant.MixedExperts`); decided once
+        self._expert_nbytes = getattr(source, "expert_nbytes", None)
+        self._block_nbytes = getattr(source, "block_nbytes", None)
 
     def read(self, layer: int, expert: int, pool: SlotPool, slot: int) -> int:
         """Copy one expert into `pool`'s slot (blocking, thread-safe); returns the bytes moved. A failed read
@@ -116,14 +119,12 @@ class Tier:
 
     def _nbytes(self, layer: int, expert: int) -> int:
         """The expert's bytes as stored (a mixed-precision source's experts differ in size)."""
-        f = getattr(self.source, "expert_nbytes", None)
-        return f(layer, expert) if f is not None else self.meta.expert_bytes
+        return self.meta.expert_bytes if self._expert_nbytes is None else self._expert_nbytes(layer, expert)
 
     def _block(self, layer: int, expert: int) -> int:
         """Bytes of a slot a copy must move: the expert's own block (a mixed-precision source's smaller formats
         fill only the front of the larger slot), else the whole block."""
-        f = getattr(self.source, "block_nbytes", None)
-        return f(layer, expert) if f is not None else self.meta.block_bytes
+        return self.meta.block_bytes if self._block_nbytes is None else self._block_nbytes(layer, expert)
 
     def _tag(self, pool: SlotPool, slot: int, layer: int, expert: int) -> None:
         """A mixed-precision pool records which format the slot now holds (before its bytes are computed on)."""

@@ -174,6 +174,18 @@ def _group(name: str) -> str:
     return re.sub(r"\.\d+(?=\.|$)", ".#", name)
 
 
+def _check_tensors(fds: list[int], files: list[Path], tensors, path, non_finite: list, groups: dict) -> None:
+    """Each `(name, TensorInfo)` of a checkpoint read once: a non-finite one is listed in `non_finite`, the others'
+    largest magnitude joins their sibling group in `groups` (for `outliers`)."""
+    for name, info in tensors:
+        raw = _pread(fds[info.file], info.start, info.nbytes, name)
+        where = f"{name} in {files[info.file].name} of {path}"
+        if not _finite(raw, info.dtype):
+            non_finite.append({"tensor": name, "where": where})
+        else:
+            groups.setdefault(_group(name), []).append((_max_abs(raw, info.dtype), {"tensor": name, "where": where}))
+
+
 def verify_checkpoint(path: str | Path, write_index: bool = True, progress=None, rebless: bool = False) -> dict:
     """Every expert of a safetensors checkpoint against its checksum index, every weight finite and no tensor a
     magnitude outlier among its siblings. The index is written when there was none and nothing failed, or on
@@ -220,18 +232,8 @@ def verify_checkpoint(path: str | Path, write_index: bool = True, progress=None,
                     non_finite.append({"layer": i, "expert": e, "where": where})
             if progress:
                 progress()
-        others = 0
-        for name, info in sorted(src.ckpt.tensors.items()):
-            if name in src.names:
-                continue
-            others += 1
-            raw = _pread(fds[info.file], info.start, info.nbytes, name)
-            where = f"{name} in {src.files[info.file].name} of {path}"
-            if not _finite(raw, info.dtype):
-                non_finite.append({"tensor": name, "where": where})
-            else:
-                groups.setdefault(_group(name), []).append((_max_abs(raw, info.dtype), {"tensor": name,
-                                                                                          "where": where}))
+        others = [(n, info) for n, info in sorted(src.ckpt.tensors.items()) if n not in src.names]
+        _check_tensors(fds, src.files, others, path, non_finite, groups)
     finally:
         for fd in fds:
             os.close(fd)
@@ -266,7 +268,7 @@ def verify_checkpoint(path: str | Path, write_index: bool = True, progress=None,
     return _report("checkpoint", path, n_layers * n_exp, nbytes, mismatches, non_finite, t0, outlier_list,
                    reference=expected is not None, blocked="" if rebless else blocked,
                    accepted=rebless and after.startswith("re-blessed"), checked_against_index=compared,
-                   non_expert_tensors=others, index=index_info)
+                   non_expert_tensors=len(others), index=index_info)
 
 
 def _write_index(src: CheckpointExperts, target: Path, stamps: dict, sums: list, done: str) -> str:
@@ -333,14 +335,7 @@ def verify_quantized(path: Path, qc: dict, progress=None) -> dict:
     try:
         for p in ck.files:
             fds.append(os.open(str(p), os.O_RDONLY))
-        for name, info in sorted(ck.tensors.items()):
-            raw = _pread(fds[info.file], info.start, info.nbytes, name)
-            where = f"{name} in {ck.files[info.file].name} of {path}"
-            if not _finite(raw, info.dtype):
-                non_finite.append({"tensor": name, "where": where})
-            elif info.dtype.is_floating_point:
-                groups.setdefault(_group(name), []).append((_max_abs(raw, info.dtype), {"tensor": name,
-                                                                                          "where": where}))
+        _check_tensors(fds, ck.files, sorted(ck.tensors.items()), path, non_finite, groups)
     finally:
         for fd in fds:
             os.close(fd)

@@ -125,11 +125,17 @@ def router_logits(router: torch.nn.Module, hidden: torch.Tensor, detach: bool = 
 def router_fingerprint(model) -> str:
     """sha256 of the model's router weights: what was derived from one checkpoint (auxiliary routers, an
     expert store) is refused by another."""
+    return weights_fingerprint(layer.router.weight for layer in adapter_for(model).moe_layers(model))
+
+
+def weights_fingerprint(router_weights) -> str:
+    """`router_fingerprint` of router weight tensors in MoE-layer order (as the model holds them: a checkpoint
+    written from other sources, `import-gguf`, stamps its store with the fingerprint its model will have)."""
     import hashlib
 
     h = hashlib.sha256()
-    for layer in adapter_for(model).moe_layers(model):
-        h.update(layer.router.weight.detach().float().cpu().numpy().tobytes())
+    for w in router_weights:
+        h.update(w.detach().float().cpu().numpy().tobytes())
     return h.hexdigest()[:20]
 
 
