@@ -574,7 +574,8 @@ def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "", lin
 
 
 def import_gguf(gguf: str, out: str = "", requantize: str = "") -> dict:
-    """Turn a llama.cpp GGUF file (Qwen3-MoE) into an expertcache checkpoint that every command reads. Experts in
+    """Turn a llama.cpp GGUF file (Qwen3-MoE, OLMoE, or Mixtral: llama.cpp's `llama` architecture with experts) into
+    an expertcache checkpoint that every command reads. Experts in
     Q8_0 or Q4_0 are repacked without rounding into the int8 / int4 (group 32) store `expertcache quantize` writes,
     so the engine caches and moves the bytes llama.cpp would; BF16/F16/F32 experts become a bf16 checkpoint. The
     attention matrices in the same type stay packed, the other tensors are dequantized to bf16; the configuration

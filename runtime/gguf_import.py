@@ -16,7 +16,12 @@ tensors (norms, routers, embeddings, matrices of another type) are dequantized t
 metadata through transformers' GGUF reader (which needs the `gguf` package); the expert width is read from the
 file itself (`expert_feed_forward_length`).
 
-Architectures: `qwen3moe` (Qwen3-MoE: Qwen3-30B-A3B, Qwen3-235B-A22B and their fine-tunes).
+Architectures (llama.cpp's name -> ours): `qwen3moe` (Qwen3-MoE: Qwen3-30B-A3B, Qwen3-235B-A22B and their
+fine-tunes), `olmoe` (OLMoE) and `llama` with experts (Mixtral: llama.cpp files Mixtral under the llama architecture,
+with its query and key rows permuted for its rotary layout; they are permuted back). A dense `llama` file (no experts)
+is refused. The converter's `--fuse-qkv` (`attn_qkv`) is read too (split back into the query, key and value
+matrices). Qwen3-MoE's configuration is transformers' GGUF mapping; OLMoE's and Mixtral's, which transformers does not
+map, are read from the file's own keys here (`_own_config`).
 """
 
 from __future__ import annotations
@@ -29,8 +34,11 @@ import torch
 
 from expertcache.telemetry.errors import InputError
 
-ARCHS = {"qwen3moe": "qwen3_moe"}
-# GGUF tensor name (after `blk.N.`) -> Hugging Face name (after `model.layers.N.`)
+ARCHS = {"qwen3moe": "qwen3_moe", "olmoe": "olmoe", "llama": "mixtral"}  # GGUF architecture -> our family
+FAMILY = {"qwen3_moe": ("Qwen3-MoE", "Qwen3MoeForCausalLM"), "olmoe": ("OLMoE", "OlmoeForCausalLM"),
+          "mixtral": ("Mixtral", "MixtralForCausalLM")}
+# GGUF tensor name (after `blk.N.`) -> the model's module tensor name (after `model.layers.N.`); the checkpoint's
+# own name follows from it (`checkpoint.checkpoint_name`: Mixtral's `block_sparse_moe`)
 LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
                "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
                "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
@@ -39,6 +47,7 @@ LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": 
 TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
 EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+QKV = "attn_qkv.weight"  # the converter's --fuse-qkv: query rows, key rows, value rows
 PACKED = {"Q8_0": 8, "Q4_0": 4}  # GGUF type -> our bits (group 32), repacked by CONVERT below
 FLOAT = ("BF16", "F16", "F32")
 
@@ -102,7 +111,7 @@ def _q4(t) -> dict[str, np.ndarray]:
 def rest_is_linear(name: str) -> bool:
     """The GGUF matrices that load as linear layers (not the embeddings, norms or the router)."""
     return name == "output.weight" or name.split(".", 2)[-1] in ("attn_q.weight", "attn_k.weight", "attn_v.weight",
-                                                                  "attn_output.weight")
+                                                                  "attn_output.weight", QKV)
 
 
 CONVERT = {"Q8_0": _q8, "Q4_0": _q4}  # GGUF type -> its repacking into our parts
@@ -119,7 +128,51 @@ def _config(path: Path, r, arch: str, tensors: dict):
     d["tie_word_embeddings"] = "output.weight" not in tensors
     d.pop("model_type", None)
     cfg = AutoConfig.for_model(ARCHS[arch], **d)
-    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    cfg.architectures = [FAMILY[ARCHS[arch]][1]]
+    cfg.dtype = torch.bfloat16
+    return cfg
+
+
+def _own_config(path: Path, r, arch: str, tensors: dict):
+    """OLMoE's and Mixtral's config from the file's own keys (transformers' GGUF mapping has neither): sizes from
+    the metadata, the expert width and vocabulary from the tensors themselves, the routing rule as llama.cpp applies
+    it (OLMoE: top-k weights not renormalised; Mixtral: renormalised, its only rule)."""
+    from transformers import AutoConfig
+
+    def get(key, default=None):
+        f = r.fields.get(f"{arch}.{key}")
+        if f is None:
+            if default is None:
+                raise InputError(f"--gguf {path} has no {arch}.{key} in its metadata (not a complete llama.cpp "
+                                 f"model file)")
+            return default
+        return f.contents()
+
+    family = ARCHS[arch]
+    h, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    kv = int(get("attention.head_count_kv", heads))
+    down = tensors.get("blk.0.ffn_down_exps.weight")
+    if down is None:
+        raise InputError(f"--gguf {path} has no blk.0.ffn_down_exps.weight: every layer of {arch} has routed experts")
+    d = dict(hidden_size=h, num_hidden_layers=int(get("block_count")), num_attention_heads=heads,
+             num_key_value_heads=kv, intermediate_size=int(down.shape[0]),
+             max_position_embeddings=int(get("context_length", 4096)), rms_norm_eps=float(get(
+                 "attention.layer_norm_rms_epsilon")), rope_theta=float(get("rope.freq_base", 10000.0)),
+             vocab_size=int(tensors["token_embd.weight"].shape[1]) if "token_embd.weight" in tensors else 0,
+             num_experts_per_tok=int(get("expert_used_count")), tie_word_embeddings="output.weight" not in tensors)
+    hd = int(get("attention.key_length", get("rope.dimension_count", h // heads)))
+    if family == "mixtral":
+        d.update(num_local_experts=int(get("expert_count")), head_dim=hd)
+    else:
+        if hd != h // heads:
+            raise InputError(f"--gguf {path}: head size {hd} is not hidden {h} / {heads} heads, which OLMoE assumes")
+        d.update(num_experts=int(get("expert_count")), norm_topk_prob=bool(get("expert_weights_norm", False)))
+    for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                      ("padding_token_id", "pad_token_id")):
+        if f"tokenizer.ggml.{key}" in r.fields:
+            d[name] = int(r.fields[f"tokenizer.ggml.{key}"].contents())
+    cfg = AutoConfig.for_model(family, **d)
+    cfg.architectures = [FAMILY[family][1]]
     cfg.dtype = torch.bfloat16
     return cfg
 
@@ -138,6 +191,7 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
     from expertcache.telemetry.atomic import atomic_dir
 
     from . import quant
+    from .checkpoint import PARTS, checkpoint_name
     from .store import StoreMeta, _write, layout
 
     path = Path(gguf_file).expanduser()
@@ -148,12 +202,20 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
                          f"(`llama-gguf-split --merge {path.name} merged.gguf`)")
     arch = _field(r, "general.architecture", path)
     if arch not in ARCHS:
-        raise InputError(f"--gguf {path} is a {arch!r} model; import-gguf reads {', '.join(ARCHS)} (Qwen3-MoE)")
+        raise InputError(f"--gguf {path} is a {arch!r} model; import-gguf reads "
+                         f"{', '.join(f'{a} ({FAMILY[f][0]})' for a, f in ARCHS.items())}")
+    family = ARCHS[arch]
     tensors = {t.name: t for t in r.tensors}
     n_l = int(_field(r, f"{arch}.block_count", path))
+    if arch == "llama" and f"{arch}.expert_count" not in r.fields:
+        raise InputError(f"--gguf {path} is a dense llama-architecture model (no expert_count): import-gguf reads "
+                         f"mixture-of-experts files (a Mixtral file has llama.expert_count)")
     n_e = int(_field(r, f"{arch}.expert_count", path))
     kinds = set()
     for i in range(n_l):
+        if f"blk.{i}.ffn_gate.0.weight" in tensors:
+            raise InputError(f"--gguf {path} stores one tensor per expert (blk.{i}.ffn_gate.0.weight: llama.cpp's "
+                             f"format before 2024); convert the model again with a current convert_hf_to_gguf.py")
         for x in EXPERTS:
             t = tensors.get(f"blk.{i}.{x}")
             if t is None:
@@ -176,16 +238,39 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
                          f"the checkpoint to a folder of its own")
     file_bytes = path.stat().st_size
     pre = r.fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in r.fields else None
-    cfg = _config(path, r, arch, tensors)
-    h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    cfg = _config(path, r, arch, tensors) if family == "qwen3_moe" else _own_config(path, r, arch, tensors)
+    h, inter = cfg.hidden_size, (cfg.moe_intermediate_size if family == "qwen3_moe" else cfg.intermediate_size)
     want = {"ffn_gate_exps.weight": (n_e, inter, h), "ffn_up_exps.weight": (n_e, inter, h),
             "ffn_down_exps.weight": (n_e, h, inter)}
     for i in range(n_l):  # the metadata and the tensors must agree, or the store would be laid out wrong
-        for x, shape in want.items():
-            got = tuple(int(v) for v in reversed(tensors[f"blk.{i}.{x}"].shape))
+        for x in EXPERTS:
+            got, shape = tuple(int(v) for v in reversed(tensors[f"blk.{i}.{x}"].shape)), want[x]
             if got != shape:
                 raise InputError(f"--gguf {path}: blk.{i}.{x} is {list(got)}; its metadata (hidden "
                                  f"{h}, expert width {inter}, {n_e} experts) says {list(shape)} (damaged file)")
+    heads = (cfg.num_attention_heads, cfg.num_key_value_heads)
+    hd = getattr(cfg, "head_dim", None) or h // heads[0]
+
+    def rows(name: str, t) -> list[tuple[str, slice | None]]:
+        """The module tensors (names after `model.layers.N.`) one GGUF layer tensor holds, with their rows."""
+        if name == QKV:  # query, key and value rows, one after another
+            q, k = heads[0] * hd, heads[1] * hd
+            return [("self_attn.q_proj.weight", slice(0, q)), ("self_attn.k_proj.weight", slice(q, q + k)),
+                    ("self_attn.v_proj.weight", slice(q + k, None))]
+        if name not in LAYER_NAMES:
+            raise InputError(f"--gguf {path}: tensor blk.N.{name} is not one import-gguf knows for {arch}")
+        return [(LAYER_NAMES[name], None)]
+
+    def unpermute(mod: str, a: np.ndarray, axis: int) -> np.ndarray:
+        """llama.cpp's llama architecture stores query and key rows permuted for its rotary layout (per head, the
+        two halves interleaved); the model's own order is restored here."""
+        if arch != "llama" or not mod.endswith(("q_proj.weight", "k_proj.weight")):
+            return a
+        n = heads[0] if mod.endswith("q_proj.weight") else heads[1]
+        b = np.moveaxis(a, axis, 0)
+        b = b.reshape(n, b.shape[0] // n // 2, 2, *b.shape[1:]).swapaxes(1, 2).reshape(b.shape)
+        return np.moveaxis(b, 0, axis)
+
     state: dict[str, torch.Tensor] = {}
     linears: list[str] = []
     for name, t in tensors.items():
@@ -193,35 +278,46 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
             _, i, rest = name.split(".", 2)
             if rest in EXPERTS:
                 continue
-            if rest not in LAYER_NAMES:
-                raise InputError(f"--gguf {path}: tensor {name} is not one import-gguf knows for {arch}")
-            hf = f"model.layers.{i}.{LAYER_NAMES[rest]}"
+            parts = [(f"model.layers.{i}.{mod}", sl) for mod, sl in rows(rest, t)]
         elif name in TOP_NAMES:
-            hf = TOP_NAMES[name]
+            parts = [(TOP_NAMES[name], None)]
         else:
             raise InputError(f"--gguf {path}: tensor {name} is not one import-gguf knows for {arch}")
         if kind in PACKED and t.tensor_type.name == kind and rest_is_linear(name) \
                 and (kind == "Q8_0" or int(t.shape[0]) % 64 == 0):  # (our int4 packs 64 inputs per chunk)
             # a matrix in the experts' packed type (attention, an untied output head): kept packed, as
-            # `quantize --linears true` writes it (QuantLinear), without rounding
-            for part, v in CONVERT[kind](t).items():
-                state[f"{hf}_{part}"] = torch.from_numpy(np.ascontiguousarray(v[0]))
-            linears.append(hf.removesuffix(".weight"))
+            # `quantize --linears true` writes it (QuantLinear), without rounding (rows sliced or permuted whole)
+            packed = CONVERT[kind](t)
+            for mod, sl in parts:
+                for part, v in packed.items():
+                    v = unpermute(mod, v[0] if sl is None else v[0][sl], 0)
+                    state[f"{checkpoint_name(mod, family)}_{part}"] = torch.from_numpy(np.ascontiguousarray(v))
+                linears.append(mod.removesuffix(".weight"))
             continue
-        state[hf] = torch.from_numpy(_array(t)).to(torch.bfloat16).contiguous()
+        a = _array(t)
+        for mod, sl in parts:
+            v = unpermute(mod, a if sl is None else a[sl], 0)
+            state[checkpoint_name(mod, family)] = torch.from_numpy(np.ascontiguousarray(v)).to(torch.bfloat16)
     _check_state(path, cfg, state, linears)
     # the store's fingerprint: the one the model these weights load into will have (its routers, as loaded)
-    fingerprint = weights_fingerprint(state[f"model.layers.{i}.mlp.gate.weight"] for i in range(n_l))
+    fingerprint = weights_fingerprint(state[checkpoint_name(f"model.layers.{i}.mlp.gate.weight", family)]
+                                      for i in range(n_l))
+
+    def gate_up_down(i: int, read):
+        """MoE layer i's gate, up and down experts as `read` gives them."""
+        return tuple(read(tensors[f"blk.{i}.{x}"]) for x in EXPERTS)
     expert_bytes, report_kind, rel_err = 0, None, None
     with atomic_dir(out) as tmp:
         if native and kind in FLOAT:  # a plain bf16 checkpoint, per-expert tensors
             for i in range(n_l):
-                g, u, dn = (torch.from_numpy(_array(tensors[f"blk.{i}.{x}"])).to(torch.bfloat16) for x in EXPERTS)
-                for e in range(n_e):
-                    p = f"model.layers.{i}.mlp.experts.{e}."
-                    state[p + "gate_proj.weight"] = g[e].contiguous()
-                    state[p + "up_proj.weight"] = u[e].contiguous()
-                    state[p + "down_proj.weight"] = dn[e].contiguous()
+                g, u, dn = (torch.from_numpy(np.ascontiguousarray(a)).to(torch.bfloat16)
+                            for a in gate_up_down(i, _array))
+                (gn, un), (dnn,) = (PARTS[t][family == "mixtral"] for t in ("gate_up_proj", "down_proj"))
+                for e in range(n_e):  # the family's own per-expert names (Mixtral's w1 / w3 / w2)
+                    p = checkpoint_name(f"model.layers.{i}.mlp.experts.{e}.", family)
+                    state[p + f"{gn}.weight"] = g[e].contiguous()
+                    state[p + f"{un}.weight"] = u[e].contiguous()
+                    state[p + f"{dnn}.weight"] = dn[e].contiguous()
                 expert_bytes += 2 * (g.numel() + u.numel() + dn.numel())
                 if progress:
                     progress()
@@ -237,10 +333,10 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
             def layer_parts(i) -> dict:
                 """{tensor: {part: [E, ...]}} of MoE layer i in our format (gate rows before up rows)."""
                 if native:
-                    g, u, d = (CONVERT[kind](tensors[f"blk.{i}.{x}"]) for x in EXPERTS)
+                    g, u, d = gate_up_down(i, CONVERT[kind])
                     return {"gate_up_proj": {p: torch.from_numpy(np.concatenate([g[p], u[p]], axis=1)) for p in g},
                             "down_proj": {p: torch.from_numpy(v) for p, v in d.items()}}
-                g, u, d = (torch.from_numpy(_array(tensors[f"blk.{i}.{x}"])) for x in EXPERTS)
+                g, u, d = (torch.from_numpy(np.ascontiguousarray(a)) for a in gate_up_down(i, _array))
                 out_l = {}
                 for name, w in (("gate_up_proj", torch.cat([g, u], 1)), ("down_proj", d)):
                     t = quant.quantize(w, bits, 32)
@@ -289,7 +385,7 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
     return {"out": str(out), "gguf": str(path), "architecture": arch, "experts_type": kind, "experts": report_kind,
             "requantized": not native, "relative_error_vs_gguf": rel_err,
             "layers": n_l, "experts_per_layer": n_e, "expert_bytes": expert_bytes,
-            "non_expert_tensors": len([k for k in state if ".mlp.experts." not in k
+            "non_expert_tensors": len([k for k in state if ".experts." not in k
                                        and not k.endswith(("_q", "_scales", "_mins"))]),
             "packed_linears": len(linears), "packed_linear_modules": linears,
             "tokenizer_pre": pre,
@@ -301,12 +397,15 @@ def _check_state(path: Path, cfg, state: dict, linears: list[str]) -> None:
     nothing else; one line for the first that is not."""
     from transformers import AutoModelForCausalLM
 
+    from .checkpoint import checkpoint_name
+
     with torch.device("meta"):
         m = AutoModelForCausalLM.from_config(cfg)
-    need = {k: tuple(v.shape) for k, v in m.state_dict().items() if ".mlp.experts." not in k}
+    need = {checkpoint_name(k, cfg.model_type): tuple(v.shape) for k, v in m.state_dict().items()
+            if ".mlp.experts." not in k}
     if cfg.tie_word_embeddings:
         need.pop("lm_head.weight", None)
-    packed = {f"{n}.weight" for n in linears}
+    packed = {checkpoint_name(f"{n}.weight", cfg.model_type) for n in linears}
     for k, shape in need.items():
         if k in packed:
             q = state[f"{k}_q"]

@@ -47,7 +47,18 @@ def load_gguf_tokenizer(path: str | Path):
 
     path = Path(path)
     try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        try:
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except ValueError as e:
+            if "is not supported yet" not in str(e):
+                raise
+            # an architecture transformers maps no config for (OLMoE): the tokenizer from its metadata alone
+            from transformers import TokenizersBackend
+            from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+            arch, vocab, tok_config = get_gguf_tokenizer(str(path))
+            backend, extra = convert_gguf_tokenizer(arch, vocab)
+            return TokenizersBackend(tokenizer_object=backend, **tok_config, **extra)
     except Exception as e:  # noqa: BLE001 - the file's tokenizer metadata is not one transformers converts
         raise InputError(f"--gguf {path}: its tokenizer could not be converted ({type(e).__name__}: "
                          f"{(str(e).splitlines() or [''])[0][:120]})") from None

@@ -21,13 +21,25 @@ def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def write_gguf(src, out, experts=Q.Q8_0, arch="qwen3moe", others=Q.F32, drop=(), expert_width=None):
-    """The HF checkpoint at `src` as a GGUF file: llama.cpp's qwen3moe names, shapes and metadata, its tokenizer as
-    a gpt2-style BPE vocabulary, the experts in `experts` and the other matrices in `others`."""
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "olmoe": "olmoe", "mixtral": "llama"}  # llama.cpp files Mixtral as llama
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter's row order for a llama-architecture query or key matrix (its rotary layout)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(src, out, experts=Q.Q8_0, arch=None, others=Q.F32, drop=(), expert_width=None, fuse_qkv=False):
+    """The HF checkpoint at `src` as a GGUF file the way llama.cpp's converter writes its family (Qwen3-MoE, OLMoE,
+    or Mixtral as `llama` with permuted query/key rows): names, shapes and metadata, its tokenizer as a gpt2-style
+    BPE vocabulary, the experts in `experts` and the other matrices in `others`; `fuse_qkv` as the converter's
+    --fuse-qkv (one attn_qkv matrix)."""
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     c = m.config
+    family = c.model_type
+    arch = arch or GGUF_ARCH[family]
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name("tiny")
     w.add_block_count(c.num_hidden_layers)
@@ -38,11 +50,14 @@ def write_gguf(src, out, experts=Q.Q8_0, arch="qwen3moe", others=Q.F32, drop=(),
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_expert_count(c.num_experts)
+    w.add_expert_count(getattr(c, "num_experts", None) or c.num_local_experts)
     w.add_expert_used_count(c.num_experts_per_tok)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_expert_feed_forward_length(expert_width or c.moe_intermediate_size)
+    if family == "qwen3_moe":
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+        w.add_expert_feed_forward_length(expert_width or c.moe_intermediate_size)
+    elif family == "mixtral":
+        w.add_rope_dimension_count(c.head_dim)
     tj = json.loads((src / "tokenizer.json").read_text())
     vocab = dict(tj["model"]["vocab"])
     for t in tj.get("added_tokens", []):
@@ -62,7 +77,7 @@ def write_gguf(src, out, experts=Q.Q8_0, arch="qwen3moe", others=Q.F32, drop=(),
     w.add_pad_token_id(c.pad_token_id)
 
     def put(name, t, qtype):
-        a = t.detach().float().numpy()
+        a = t.detach().float().numpy() if isinstance(t, torch.Tensor) else t
         if name in drop:
             return
         if qtype == Q.F32:
@@ -79,15 +94,23 @@ def write_gguf(src, out, experts=Q.Q8_0, arch="qwen3moe", others=Q.F32, drop=(),
         put("output.weight", sd["lm_head.weight"], others)
     names = {"input_layernorm.weight": ("attn_norm.weight", Q.F32),
              "post_attention_layernorm.weight": ("ffn_norm.weight", Q.F32),
-             "self_attn.q_proj.weight": ("attn_q.weight", others), "self_attn.k_proj.weight": ("attn_k.weight", others),
-             "self_attn.v_proj.weight": ("attn_v.weight", others), "self_attn.o_proj.weight": ("attn_output.weight", others),
+             "self_attn.o_proj.weight": ("attn_output.weight", others),
              "self_attn.q_norm.weight": ("attn_q_norm.weight", Q.F32),
              "self_attn.k_norm.weight": ("attn_k_norm.weight", Q.F32), "mlp.gate.weight": ("ffn_gate_inp.weight", Q.F32)}
+    inter = c.moe_intermediate_size if family == "qwen3_moe" else c.intermediate_size
     for i, layer in enumerate(m.model.layers):
         for hf, (g, qt) in names.items():
-            put(f"blk.{i}.{g}", sd[f"model.layers.{i}.{hf}"], qt)
+            if f"model.layers.{i}.{hf}" in sd:  # (Mixtral has no query/key norms)
+                put(f"blk.{i}.{g}", sd[f"model.layers.{i}.{hf}"], qt)
+        q, k, v = (sd[f"model.layers.{i}.self_attn.{x}_proj.weight"].numpy() for x in "qkv")
+        if arch == "llama":
+            q, k = permute(q, c.num_attention_heads), permute(k, c.num_key_value_heads)
+        if fuse_qkv:
+            put(f"blk.{i}.attn_qkv.weight", np.concatenate([q, k, v]), others)
+        else:
+            for x, a in zip("qkv", (q, k, v)):
+                put(f"blk.{i}.attn_{x}.weight", a, others)
         ex = layer.mlp.experts
-        inter = c.moe_intermediate_size
         put(f"blk.{i}.ffn_gate_exps.weight", ex.gate_up_proj[:, :inter], experts)
         put(f"blk.{i}.ffn_up_exps.weight", ex.gate_up_proj[:, inter:], experts)
         put(f"blk.{i}.ffn_down_exps.weight", ex.down_proj, experts)
@@ -167,9 +190,19 @@ def test_import_gguf_refuses_in_one_line(src, tmp_path, capsys):
     w.close()
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + bytes(100))
+    dense = tmp_path / "dense.gguf"  # a llama-architecture file without experts (Llama, Mistral)
+    w = gguf.GGUFWriter(str(dense), "llama")
+    w.add_block_count(1)
+    w.add_tensor("output_norm.weight", np.ones(4, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     cases = [(write_gguf(src, tmp_path / "k.gguf", experts=Q.Q5_0), "stored as Q5_0; import-gguf reads experts all "
               "in one of Q8_0, Q4_0 (repacked as they are) or BF16/F16/F32; give --requantize int4"),
-             (write_gguf(src, tmp_path / "l.gguf", arch="llama"), "is a 'llama' model"),
+             (write_gguf(src, tmp_path / "l.gguf", arch="qwen2moe"), "is a 'qwen2moe' model; import-gguf reads "
+              "qwen3moe (Qwen3-MoE), olmoe (OLMoE), llama (Mixtral)"),
+             (dense, "is a dense llama-architecture model (no expert_count)"),
              (write_gguf(src, tmp_path / "d.gguf", drop=("blk.1.ffn_up_exps.weight",)), "has no blk.1.ffn_up_exps"),
              (bad, "is not a readable GGUF file"), (tmp_path / "none.gguf", "no such file"),
              (tmp_path / "s2.gguf", "is one of 2 split files: merge them first"),
@@ -281,3 +314,75 @@ def test_requantize_takes_a_native_file_to_another_format(src, tmp_path):
     assert rep["requantized"] and rep["experts"] == "int4" and quant.read_config(tmp_path / "o")["bits"] == 4
     rep = import_gguf(write_gguf(src, tmp_path / "n.gguf", experts=Q.Q8_0), tmp_path / "p", requantize="int8")
     assert not rep["requantized"] and rep["experts"] == "int8"  # the same format: repacked as it is
+
+
+@pytest.fixture(scope="module", params=["mixtral", "olmoe"])
+def family_src(request, tmp_path_factory):
+    from tiny_lm import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp(request.param) / "src", family=request.param, hidden_size=64,
+                                intermediate_size=64)
+
+
+def _qdq(a: np.ndarray, kind) -> torch.Tensor:
+    """`a` as llama.cpp holds it in `kind` (quantized, then dequantized by gguf)."""
+    return torch.from_numpy(np.asarray(gguf.quants.dequantize(gguf.quants.quantize(a, kind), kind), np.float32)
+                            .reshape(a.shape))
+
+
+@pytest.mark.parametrize("kind,fuse_qkv", [(Q.BF16, False), (Q.Q8_0, False), (Q.Q8_0, True)])
+def test_mixtral_and_olmoe_files_import(family_src, tmp_path, kind, fuse_qkv):
+    """Mixtral (llama.cpp's `llama` architecture, query/key rows permuted for its rotary layout) and OLMoE files, with
+    the attention in the experts' type and, as the converter's --fuse-qkv writes them, in one matrix. BF16: the
+    checkpoint `from_pretrained` loads is the source's weights exactly (names, row order, config). Q8_0: the packed
+    attention holds llama.cpp's weights exactly in the model's own row order (row-wise blocks commute with the row
+    permutation, so the reference is quantized in the model's order), and the model decodes like the source holding
+    llama.cpp's weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from expertcache.runtime import load
+    from expertcache.runtime.gguf_import import import_gguf
+
+    src = family_src
+    f = write_gguf(src, tmp_path / "m.gguf", experts=kind, others=Q.F32 if kind == Q.BF16 else kind, fuse_qkv=fuse_qkv)
+    out = tmp_path / "imported"
+    rep = import_gguf(f, out)
+    want, cfg = AutoConfig.from_pretrained(src), AutoConfig.from_pretrained(out)
+    assert rep["architecture"] == GGUF_ARCH[want.model_type] and cfg.model_type == want.model_type
+    for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "num_experts_per_tok", "vocab_size", "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+        assert getattr(cfg, k) == getattr(want, k), k
+    if want.model_type == "mixtral":
+        assert cfg.num_local_experts == want.num_local_experts and cfg.head_dim == want.head_dim
+    else:
+        assert cfg.num_experts == want.num_experts and cfg.norm_topk_prob is False  # as llama.cpp routes OLMoE
+    tok, ref_tok = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(src)
+    assert tok(TEXT).input_ids == ref_tok(TEXT).input_ids
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ids = torch.tensor([ref_tok(TEXT).input_ids])
+    if kind == Q.BF16:
+        got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).state_dict()
+        for k, v in ref.to(torch.bfloat16).state_dict().items():
+            assert torch.equal(got[k], v), k
+        ref = ref.to(torch.float32)
+    else:
+        inter = want.intermediate_size
+        for layer in ref.model.layers:
+            for x in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                lin = getattr(layer.self_attn, x)
+                lin.weight.data.copy_(_qdq(lin.weight.detach().numpy(), kind))
+            ex = layer.mlp.experts
+            gu = ex.gate_up_proj.detach().numpy()
+            ex.gate_up_proj.data.copy_(torch.cat([_qdq(gu[:, :inter].copy(), kind), _qdq(gu[:, inter:].copy(), kind)], 1))
+            ex.down_proj.data.copy_(_qdq(ex.down_proj.detach().numpy(), kind))
+        for lin in (ref.lm_head, ref.model.embed_tokens):
+            lin.weight.data.copy_(_qdq(lin.weight.detach().numpy(), kind))
+    m = load(out, capacity=0.5, tier="disk")
+    if kind != Q.BF16:
+        for x in ("q_proj", "k_proj", "v_proj"):  # bit-exact, in the model's own row order
+            lin = getattr(m.model.layers[1].self_attn, x)
+            assert type(lin).__name__ == "QuantLinear"
+            assert torch.equal(quant.dequantize(lin.packed(), 8, 32).float(),
+                               getattr(ref.model.layers[1].self_attn, x).weight.detach()), x
+    assert _rel(_logits(m, ids), _logits(ref.to(torch.bfloat16), ids)) < 5e-2
+    m.expertcache.close()

@@ -14,9 +14,9 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 
 
 def make_tiny_checkpoint(out: Path, seed: int = 0, chat_template: bool = False, max_positions: int = 4096,
-                         **config) -> Path:
+                         family: str = "qwen3_moe", **config) -> Path:
     """`out/` holds config.json + safetensors + tokenizer files that plain `from_pretrained` loads; `config`
-    overrides fields of the tiny Qwen3-MoE config (e.g. moe_intermediate_size)."""
+    overrides fields of the tiny config of `family` (default Qwen3-MoE; e.g. moe_intermediate_size)."""
     import random
 
     from expertcache.trainer.tokenizer import train_tokenizer
@@ -28,7 +28,7 @@ def make_tiny_checkpoint(out: Path, seed: int = 0, chat_template: bool = False, 
     if chat_template:
         tok.chat_template = CHATML
         tok.save_pretrained(str(out))
-    cfg = tiny_config("qwen3_moe", vocab_size=len(tok), max_position_embeddings=max_positions,
+    cfg = tiny_config(family, vocab_size=len(tok), max_position_embeddings=max_positions,
                       bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                       **config)
     model = build_model(cfg, seed=seed)
