@@ -117,8 +117,48 @@ def rest_is_linear(name: str) -> bool:
 CONVERT = {"Q8_0": _q8, "Q4_0": _q4}  # GGUF type -> its repacking into our parts
 
 
+def _meta(r, arch: str, key: str, path: Path, default=None, kind=float):
+    """`{arch}.{key}` as a number (`kind`), `default` when absent (None: required); one line when it is not one."""
+    f = r.fields.get(f"{arch}.{key}")
+    if f is None:
+        if default is None:
+            raise InputError(f"--gguf {path} has no {arch}.{key} in its metadata (not a complete llama.cpp model file)")
+        return default
+    v = f.contents()
+    if isinstance(v, (list, str)) and kind is not str:
+        raise InputError(f"--gguf {path}: {arch}.{key} is {str(v)[:40]!r}, not a number (damaged file)")
+    return v if kind is str else kind(v)
+
+
+def _rope(r, arch: str, path: Path, theta: float, ctx: int) -> dict:
+    """The rotary embedding's `rope_parameters`, as llama.cpp applies the file's keys: no scaling, linear (`factor`),
+    or YaRN (`factor`, the original context, beta fast/slow). Another type, or YaRN settings transformers would read
+    differently, are refused rather than imported as a model that computes something else."""
+    typ = _meta(r, arch, "rope.scaling.type", path, "linear", str)  # llama.cpp's default type is linear
+    factor = _meta(r, arch, "rope.scaling.factor", path, _meta(r, arch, "rope.scale_linear", path, 0.0))
+    if typ == "none" or (typ == "linear" and factor in (0.0, 1.0)):
+        return {"rope_type": "default", "rope_theta": theta}
+    if typ == "linear":
+        return {"rope_type": "linear", "factor": factor, "rope_theta": theta}
+    if typ == "yarn" and factor > 1:
+        for key, neutral in (("rope.scaling.attn_factor", 1.0), ("rope.scaling.yarn_attn_factor", 1.0),
+                             ("rope.scaling.yarn_ext_factor", -1.0), ("rope.scaling.yarn_log_multiplier", 0.0)):
+            v = _meta(r, arch, key, path, neutral)
+            if v != neutral:
+                raise InputError(f"--gguf {path}: {arch}.{key} = {v:g}; import-gguf reads YaRN files with the "
+                                 f"default attention scaling only")
+        return {"rope_type": "yarn", "factor": factor, "rope_theta": theta,
+                "original_max_position_embeddings": int(_meta(r, arch, "rope.scaling.original_context_length", path,
+                                                              ctx)),
+                "beta_fast": _meta(r, arch, "rope.scaling.yarn_beta_fast", path, 32.0),
+                "beta_slow": _meta(r, arch, "rope.scaling.yarn_beta_slow", path, 1.0)}
+    raise InputError(f"--gguf {path}: rope scaling {typ!r} (factor {factor:g}); import-gguf reads none, linear or "
+                     f"yarn")
+
+
 def _config(path: Path, r, arch: str, tensors: dict):
-    """The Hugging Face config: transformers' GGUF mapping, with what it leaves out read from the file."""
+    """The Hugging Face config: transformers' GGUF mapping, with what it leaves out read from the file (the expert
+    width, tying, and rope scaling, which the mapping drops)."""
     from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -126,6 +166,8 @@ def _config(path: Path, r, arch: str, tensors: dict):
     d = {k: v for k, v in d.items() if not k.startswith("_")}
     d["moe_intermediate_size"] = int(_field(r, f"{arch}.expert_feed_forward_length", path))
     d["tie_word_embeddings"] = "output.weight" not in tensors
+    d["rope_parameters"] = _rope(r, arch, path, float(d.pop("rope_theta", 10000.0)),
+                                 int(d.get("max_position_embeddings", 4096)))
     d.pop("model_type", None)
     cfg = AutoConfig.for_model(ARCHS[arch], **d)
     cfg.architectures = [FAMILY[ARCHS[arch]][1]]
@@ -134,43 +176,46 @@ def _config(path: Path, r, arch: str, tensors: dict):
 
 
 def _own_config(path: Path, r, arch: str, tensors: dict):
-    """OLMoE's and Mixtral's config from the file's own keys (transformers' GGUF mapping has neither): sizes from
-    the metadata, the expert width and vocabulary from the tensors themselves, the routing rule as llama.cpp applies
-    it (OLMoE: top-k weights not renormalised; Mixtral: renormalised, its only rule)."""
+    """OLMoE's and Mixtral's config from the file's own keys (transformers' GGUF mapping has neither), read as
+    llama.cpp reads them: sizes from the metadata (the head size from `key_length`, else hidden / heads), the expert
+    width and vocabulary from the tensors themselves, the routing rule llama.cpp applies (OLMoE: top-k weights not
+    renormalised, whatever the file says; Mixtral: renormalised, its only rule), special tokens only where the file
+    names them."""
     from transformers import AutoConfig
 
     def get(key, default=None):
-        f = r.fields.get(f"{arch}.{key}")
-        if f is None:
-            if default is None:
-                raise InputError(f"--gguf {path} has no {arch}.{key} in its metadata (not a complete llama.cpp "
-                                 f"model file)")
-            return default
-        return f.contents()
+        return _meta(r, arch, key, path, default, int)
 
     family = ARCHS[arch]
-    h, heads = int(get("embedding_length")), int(get("attention.head_count"))
-    kv = int(get("attention.head_count_kv", heads))
-    down = tensors.get("blk.0.ffn_down_exps.weight")
-    if down is None:
-        raise InputError(f"--gguf {path} has no blk.0.ffn_down_exps.weight: every layer of {arch} has routed experts")
-    d = dict(hidden_size=h, num_hidden_layers=int(get("block_count")), num_attention_heads=heads,
-             num_key_value_heads=kv, intermediate_size=int(down.shape[0]),
-             max_position_embeddings=int(get("context_length", 4096)), rms_norm_eps=float(get(
-                 "attention.layer_norm_rms_epsilon")), rope_theta=float(get("rope.freq_base", 10000.0)),
-             vocab_size=int(tensors["token_embd.weight"].shape[1]) if "token_embd.weight" in tensors else 0,
-             num_experts_per_tok=int(get("expert_used_count")), tie_word_embeddings="output.weight" not in tensors)
-    hd = int(get("attention.key_length", get("rope.dimension_count", h // heads)))
+    h, heads = get("embedding_length"), get("attention.head_count")
+    kv = get("attention.head_count_kv", heads)
+    if heads <= 0 or kv <= 0 or heads % kv:
+        raise InputError(f"--gguf {path}: {heads} attention heads over {kv} key/value heads (damaged file)")
+    for name in ("token_embd.weight", "blk.0.ffn_down_exps.weight"):
+        if name not in tensors:
+            raise InputError(f"--gguf {path} has no {name} (a complete {arch} file has one)")
+    hd = get("attention.key_length", h // heads)
+    for key in ("attention.value_length", "rope.dimension_count"):
+        if get(key, hd) != hd:  # llama.cpp refuses a partial rotary dimension for these, transformers has none
+            raise InputError(f"--gguf {path}: {arch}.{key} is {get(key)}, not the head size {hd}; import-gguf reads "
+                             f"{FAMILY[family][0]} with full-width heads")
+    ctx = get("context_length", 4096)
+    theta = _meta(r, arch, "rope.freq_base", path, 10000.0)
+    d = dict(hidden_size=h, num_hidden_layers=get("block_count"), num_attention_heads=heads, num_key_value_heads=kv,
+             intermediate_size=int(tensors["blk.0.ffn_down_exps.weight"].shape[0]), max_position_embeddings=ctx,
+             rms_norm_eps=_meta(r, arch, "attention.layer_norm_rms_epsilon", path),
+             rope_parameters=_rope(r, arch, path, theta, ctx), vocab_size=int(tensors["token_embd.weight"].shape[1]),
+             num_experts_per_tok=get("expert_used_count"), tie_word_embeddings="output.weight" not in tensors)
     if family == "mixtral":
-        d.update(num_local_experts=int(get("expert_count")), head_dim=hd)
+        d.update(num_local_experts=get("expert_count"), head_dim=hd)
     else:
-        if hd != h // heads:
+        if hd * heads != h:
             raise InputError(f"--gguf {path}: head size {hd} is not hidden {h} / {heads} heads, which OLMoE assumes")
-        d.update(num_experts=int(get("expert_count")), norm_topk_prob=bool(get("expert_weights_norm", False)))
+        d.update(num_experts=get("expert_count"), norm_topk_prob=False)  # llama.cpp's OLMoE graph: never renormalised
     for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("padding_token_id", "pad_token_id")):
-        if f"tokenizer.ggml.{key}" in r.fields:
-            d[name] = int(r.fields[f"tokenizer.ggml.{key}"].contents())
+        f = r.fields.get(f"tokenizer.ggml.{key}")
+        d[name] = int(f.contents()) if f is not None else None
     cfg = AutoConfig.for_model(family, **d)
     cfg.architectures = [FAMILY[family][1]]
     cfg.dtype = torch.bfloat16
@@ -207,7 +252,7 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
     family = ARCHS[arch]
     tensors = {t.name: t for t in r.tensors}
     n_l = int(_field(r, f"{arch}.block_count", path))
-    if arch == "llama" and f"{arch}.expert_count" not in r.fields:
+    if arch == "llama" and not (f"{arch}.expert_count" in r.fields and _meta(r, arch, "expert_count", path, 0)):
         raise InputError(f"--gguf {path} is a dense llama-architecture model (no expert_count): import-gguf reads "
                          f"mixture-of-experts files (a Mixtral file has llama.expert_count)")
     n_e = int(_field(r, f"{arch}.expert_count", path))
@@ -250,16 +295,27 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
                                  f"{h}, expert width {inter}, {n_e} experts) says {list(shape)} (damaged file)")
     heads = (cfg.num_attention_heads, cfg.num_key_value_heads)
     hd = getattr(cfg, "head_dim", None) or h // heads[0]
+    want_rows = {"self_attn.q_proj.weight": heads[0] * hd, "self_attn.k_proj.weight": heads[1] * hd,
+                 "self_attn.v_proj.weight": heads[1] * hd}
 
     def rows(name: str, t) -> list[tuple[str, slice | None]]:
-        """The module tensors (names after `model.layers.N.`) one GGUF layer tensor holds, with their rows."""
+        """The module tensors (names after `model.layers.N.`) one GGUF layer tensor holds, with their rows; the
+        attention matrices' rows checked against the heads (before any permutation relies on them)."""
+        n = int(t.shape[1]) if len(t.shape) > 1 else 0
         if name == QKV:  # query, key and value rows, one after another
             q, k = heads[0] * hd, heads[1] * hd
+            if n != q + 2 * k:
+                raise InputError(f"--gguf {path}: {t.name} has {n} rows; {heads[0]} query and {heads[1]} key/value "
+                                 f"heads of {hd} need {q + 2 * k} (damaged file)")
             return [("self_attn.q_proj.weight", slice(0, q)), ("self_attn.k_proj.weight", slice(q, q + k)),
                     ("self_attn.v_proj.weight", slice(q + k, None))]
         if name not in LAYER_NAMES:
-            raise InputError(f"--gguf {path}: tensor blk.N.{name} is not one import-gguf knows for {arch}")
-        return [(LAYER_NAMES[name], None)]
+            raise InputError(f"--gguf {path}: tensor {t.name} is not one import-gguf knows for {arch}")
+        mod = LAYER_NAMES[name]
+        if mod in want_rows and n != want_rows[mod]:
+            raise InputError(f"--gguf {path}: {t.name} has {n} rows; the metadata's heads need {want_rows[mod]} "
+                             f"(damaged file)")
+        return [(mod, None)]
 
     def unpermute(mod: str, a: np.ndarray, axis: int) -> np.ndarray:
         """llama.cpp's llama architecture stores query and key rows permuted for its rotary layout (per head, the
@@ -417,6 +473,11 @@ def _check_state(path: Path, cfg, state: dict, linears: list[str]) -> None:
         elif tuple(state[k].shape) != shape:
             raise InputError(f"--gguf {path}: {k} is {list(state[k].shape)}; its metadata says {list(shape)} "
                              f"(damaged file)")
+    allowed = set(need) | {f"{k}_{part}" for k in packed for part in ("q", "scales", "mins")}
+    extra = sorted(k for k in state if k not in allowed)
+    if extra:  # (a llama file with query/key norms, say: llama.cpp's llama graph would not use them either)
+        raise InputError(f"--gguf {path}: {len(extra)} tensors a {cfg.model_type} model has no place for (first: "
+                         f"{extra[0]})")
 
 
 def _tokenizer(path: Path):

@@ -29,11 +29,13 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(src, out, experts=Q.Q8_0, arch=None, others=Q.F32, drop=(), expert_width=None, fuse_qkv=False):
+def write_gguf(src, out, experts=Q.Q8_0, arch=None, others=Q.F32, drop=(), expert_width=None, fuse_qkv=False,
+               meta=None, rows=None):
     """The HF checkpoint at `src` as a GGUF file the way llama.cpp's converter writes its family (Qwen3-MoE, OLMoE,
     or Mixtral as `llama` with permuted query/key rows): names, shapes and metadata, its tokenizer as a gpt2-style
     BPE vocabulary, the experts in `experts` and the other matrices in `others`; `fuse_qkv` as the converter's
-    --fuse-qkv (one attn_qkv matrix)."""
+    --fuse-qkv (one attn_qkv matrix); `meta`: extra `{arch}.KEY` values; `rows`: a damaged file whose query matrix
+    has that many rows."""
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
@@ -56,8 +58,15 @@ def write_gguf(src, out, experts=Q.Q8_0, arch=None, others=Q.F32, drop=(), exper
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
         w.add_expert_feed_forward_length(expert_width or c.moe_intermediate_size)
-    elif family == "mixtral":
+    elif family == "mixtral":  # as the converter writes a config with its own head_dim
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
         w.add_rope_dimension_count(c.head_dim)
+    for k, v in (meta or {}).items():
+        if isinstance(v, str):
+            w.add_string(f"{arch}.{k}", v)
+        else:
+            w.add_float32(f"{arch}.{k}", v)
     tj = json.loads((src / "tokenizer.json").read_text())
     vocab = dict(tj["model"]["vocab"])
     for t in tj.get("added_tokens", []):
@@ -105,6 +114,8 @@ def write_gguf(src, out, experts=Q.Q8_0, arch=None, others=Q.F32, drop=(), exper
         q, k, v = (sd[f"model.layers.{i}.self_attn.{x}_proj.weight"].numpy() for x in "qkv")
         if arch == "llama":
             q, k = permute(q, c.num_attention_heads), permute(k, c.num_key_value_heads)
+        if rows is not None:
+            q = q[:rows]
         if fuse_qkv:
             put(f"blk.{i}.attn_qkv.weight", np.concatenate([q, k, v]), others)
         else:
@@ -321,7 +332,8 @@ def family_src(request, tmp_path_factory):
     from tiny_lm import make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp(request.param) / "src", family=request.param, hidden_size=64,
-                                intermediate_size=64)
+                                intermediate_size=64, rms_norm_eps=3e-6,
+                                rope_parameters={"rope_type": "default", "rope_theta": 54321.0})
 
 
 def _qdq(a: np.ndarray, kind) -> torch.Tensor:
@@ -330,7 +342,8 @@ def _qdq(a: np.ndarray, kind) -> torch.Tensor:
                             .reshape(a.shape))
 
 
-@pytest.mark.parametrize("kind,fuse_qkv", [(Q.BF16, False), (Q.Q8_0, False), (Q.Q8_0, True)])
+@pytest.mark.parametrize("kind,fuse_qkv", [(Q.BF16, False), (Q.BF16, True), (Q.Q8_0, False), (Q.Q8_0, True),
+                                           (Q.Q4_0, False)])
 def test_mixtral_and_olmoe_files_import(family_src, tmp_path, kind, fuse_qkv):
     """Mixtral (llama.cpp's `llama` architecture, query/key rows permuted for its rotary layout) and OLMoE files, with
     the attention in the experts' type and, as the converter's --fuse-qkv writes them, in one matrix. BF16: the
@@ -350,8 +363,11 @@ def test_mixtral_and_olmoe_files_import(family_src, tmp_path, kind, fuse_qkv):
     want, cfg = AutoConfig.from_pretrained(src), AutoConfig.from_pretrained(out)
     assert rep["architecture"] == GGUF_ARCH[want.model_type] and cfg.model_type == want.model_type
     for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "num_experts_per_tok", "vocab_size", "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+              "num_experts_per_tok", "vocab_size", "tie_word_embeddings", "bos_token_id", "eos_token_id",
+              "max_position_embeddings"):
         assert getattr(cfg, k) == getattr(want, k), k
+    assert cfg.rope_parameters["rope_theta"] == 54321.0 and cfg.rope_parameters["rope_type"] == "default"
+    assert cfg.rms_norm_eps == pytest.approx(3e-6)
     if want.model_type == "mixtral":
         assert cfg.num_local_experts == want.num_local_experts and cfg.head_dim == want.head_dim
     else:
@@ -382,7 +398,51 @@ def test_mixtral_and_olmoe_files_import(family_src, tmp_path, kind, fuse_qkv):
         for x in ("q_proj", "k_proj", "v_proj"):  # bit-exact, in the model's own row order
             lin = getattr(m.model.layers[1].self_attn, x)
             assert type(lin).__name__ == "QuantLinear"
-            assert torch.equal(quant.dequantize(lin.packed(), 8, 32).float(),
+            assert torch.equal(quant.dequantize(lin.packed(), lin.bits, 32).float(),
                                getattr(ref.model.layers[1].self_attn, x).weight.detach()), x
     assert _rel(_logits(m, ids), _logits(ref.to(torch.bfloat16), ids)) < 5e-2
     m.expertcache.close()
+
+
+def test_rope_scaling_is_read_as_llama_cpp_applies_it(family_src, tmp_path, capsys):
+    """Linear and YaRN rope scaling become the config's rope_parameters; a type or YaRN setting the import cannot
+    reproduce is refused in one line, as are damaged files of these families (nothing written)."""
+    from expertcache.recipes.cli import main
+    from expertcache.runtime.gguf_import import import_gguf
+
+    arch = GGUF_ARCH["mixtral" if "mixtral" in str(family_src) else "olmoe"]
+    import_gguf(write_gguf(family_src, tmp_path / "lin.gguf", meta={"rope.scaling.type": "linear",
+                                                                    "rope.scaling.factor": 4.0}), tmp_path / "a")
+    from transformers import AutoConfig
+
+    rp = AutoConfig.from_pretrained(tmp_path / "a").rope_parameters
+    assert rp["rope_type"] == "linear" and rp["factor"] == 4.0 and rp["rope_theta"] == 54321.0
+    import_gguf(write_gguf(family_src, tmp_path / "y.gguf", meta={
+        "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 64.0}),
+        tmp_path / "b")
+    rp = AutoConfig.from_pretrained(tmp_path / "b").rope_parameters
+    assert rp["rope_type"] == "yarn" and rp["factor"] == 4.0 and rp["original_max_position_embeddings"] == 64
+    old = tmp_path / "old.gguf"  # llama.cpp's files before 2024: one tensor per expert
+    w = gguf.GGUFWriter(str(old), arch)
+    w.add_block_count(1)
+    w.add_expert_count(2)
+    w.add_tensor("blk.0.ffn_gate.0.weight", np.ones((4, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    cases = [(write_gguf(family_src, tmp_path / "s.gguf", meta={"rope.scaling.type": "longrope",
+                                                                "rope.scaling.factor": 2.0}),
+              "rope scaling 'longrope' (factor 2); import-gguf reads none, linear or yarn"),
+             (write_gguf(family_src, tmp_path / "t.gguf", meta={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                                                                "rope.scaling.yarn_attn_factor": 0.5}),
+              "yarn_attn_factor = 0.5; import-gguf reads YaRN files with the default attention scaling only"),
+             (write_gguf(family_src, tmp_path / "r.gguf", rows=30), "has 30 rows; the metadata's heads need"),
+             (write_gguf(family_src, tmp_path / "f.gguf", rows=30, fuse_qkv=True), "rows; 4 query and 2 key/value heads of"),
+             (old, "stores one tensor per expert (blk.0.ffn_gate.0.weight")]
+    capsys.readouterr()
+    for f, msg in cases:
+        assert main(["import-gguf", "--gguf", str(f), "--out", str(tmp_path / "o")]) == 2, msg
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0], (msg, err)
+        assert not (tmp_path / "o").exists()
