@@ -132,6 +132,34 @@ def write_gguf(src, out, experts=Q.Q8_0, arch=None, others=Q.F32, drop=(), exper
     return out
 
 
+def refused_in_one_line(cases, out, capsys) -> None:
+    """Each (file, message): `import-gguf` exits 2 with that message as its one stderr line and writes nothing."""
+    from expertcache.recipes.cli import main
+
+    capsys.readouterr()
+    for f, msg in cases:
+        assert main(["import-gguf", "--gguf", str(f), "--out", str(out)]) == 2, msg
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0], (msg, err)
+        assert not out.exists()
+
+
+def tiny_file(path, arch: str, uint: dict | None = None, **tensors):
+    """A GGUF file of `arch` holding only one block count, the unsigned `uint` keys and `tensors` (name -> array):
+    the kind of file import-gguf refuses."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    for k, v in (uint or {}).items():
+        w.add_uint32(k, v)
+    for name, a in tensors.items():
+        w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 @pytest.fixture(scope="module")
 def src(tmp_path_factory):
     from tiny_lm import make_tiny_checkpoint
@@ -192,23 +220,11 @@ def test_a_gguf_file_imports_with_llama_cpps_own_expert_weights(src, tmp_path, k
 def test_import_gguf_refuses_in_one_line(src, tmp_path, capsys):
     from expertcache.recipes.cli import main
 
-    w = gguf.GGUFWriter(str(tmp_path / "s2.gguf"), "qwen3moe")  # the first of two split files
-    w.add_uint16("split.count", 2)
-    w.add_tensor("output_norm.weight", np.ones(4, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    tiny_file(tmp_path / "s2.gguf", "qwen3moe", {"split.count": 2},  # the first of two split files
+              **{"output_norm.weight": np.ones(4, np.float32)})
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + bytes(100))
-    dense = tmp_path / "dense.gguf"  # a llama-architecture file without experts (Llama, Mistral)
-    w = gguf.GGUFWriter(str(dense), "llama")
-    w.add_block_count(1)
-    w.add_tensor("output_norm.weight", np.ones(4, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    dense = tiny_file(tmp_path / "dense.gguf", "llama", **{"output_norm.weight": np.ones(4, np.float32)})  # Llama
     cases = [(write_gguf(src, tmp_path / "k.gguf", experts=Q.Q5_0), "stored as Q5_0; import-gguf reads experts all "
               "in one of Q8_0, Q4_0 (repacked as they are) or BF16/F16/F32; give --requantize int4"),
              (write_gguf(src, tmp_path / "l.gguf", arch="qwen2moe"), "is a 'qwen2moe' model; import-gguf reads "
@@ -221,12 +237,7 @@ def test_import_gguf_refuses_in_one_line(src, tmp_path, capsys):
               "its metadata (hidden 64, expert width 128, 8 experts) says [8, 128, 64]"),
              (write_gguf(src, tmp_path / "r.gguf", drop=("blk.0.ffn_gate_inp.weight",)),
               "has no tensor for model.layers.0.mlp.gate.weight")]
-    capsys.readouterr()
-    for f, msg in cases:
-        assert main(["import-gguf", "--gguf", str(f), "--out", str(tmp_path / "o")]) == 2, msg
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and msg in err[0], (msg, err)
-        assert not (tmp_path / "o").exists()
+    refused_in_one_line(cases, tmp_path / "o", capsys)
     assert main(["import-gguf", "--gguf", str(cases[0][0]), "--out", str(tmp_path / "o"), "--requantize",
                  "int3"]) == 2
     assert "--requantize int3: expected int8 or int4" in capsys.readouterr().err
@@ -422,15 +433,8 @@ def test_rope_scaling_is_read_as_llama_cpp_applies_it(family_src, tmp_path, caps
         tmp_path / "b")
     rp = AutoConfig.from_pretrained(tmp_path / "b").rope_parameters
     assert rp["rope_type"] == "yarn" and rp["factor"] == 4.0 and rp["original_max_position_embeddings"] == 64
-    old = tmp_path / "old.gguf"  # llama.cpp's files before 2024: one tensor per expert
-    w = gguf.GGUFWriter(str(old), arch)
-    w.add_block_count(1)
-    w.add_expert_count(2)
-    w.add_tensor("blk.0.ffn_gate.0.weight", np.ones((4, 4), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    old = tiny_file(tmp_path / "old.gguf", arch, {f"{arch}.expert_count": 2},  # llama.cpp's files before 2024:
+                    **{"blk.0.ffn_gate.0.weight": np.ones((4, 4), np.float32)})  # one tensor per expert
     cases = [(write_gguf(family_src, tmp_path / "s.gguf", meta={"rope.scaling.type": "longrope",
                                                                 "rope.scaling.factor": 2.0}),
               "rope scaling 'longrope' (factor 2); import-gguf reads none, linear or yarn"),
@@ -440,9 +444,4 @@ def test_rope_scaling_is_read_as_llama_cpp_applies_it(family_src, tmp_path, caps
              (write_gguf(family_src, tmp_path / "r.gguf", rows=30), "has 30 rows; the metadata's heads need"),
              (write_gguf(family_src, tmp_path / "f.gguf", rows=30, fuse_qkv=True), "rows; 4 query and 2 key/value heads of"),
              (old, "stores one tensor per expert (blk.0.ffn_gate.0.weight")]
-    capsys.readouterr()
-    for f, msg in cases:
-        assert main(["import-gguf", "--gguf", str(f), "--out", str(tmp_path / "o")]) == 2, msg
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and msg in err[0], (msg, err)
-        assert not (tmp_path / "o").exists()
+    refused_in_one_line(cases, tmp_path / "o", capsys)
