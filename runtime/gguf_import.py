@@ -6,7 +6,8 @@ repacked without any rounding:
 - **Q8_0** (per block: fp16 scale d, 32 int8 q; w = d q) is our int8 at group 32: the same integers and scales.
 - **Q4_0** (per block: fp16 scale d, 16 bytes of nibbles, inputs 0-15 low and 16-31 high; w = d (q - 8)) is our
   int4 at group 32 with scale d and minimum -8 d (exact in fp16): the same codes, repacked into our nibble order.
-- **BF16 / F16 / F32** experts become a plain bf16 checkpoint (per-expert tensors, as Hugging Face saves them).
+- **BF16 / F16 / F32** experts become a plain bf16 checkpoint (per-expert tensors, as Hugging Face saves them), one
+  safetensors shard per MoE layer written as it is converted, so memory holds one layer's experts at a time.
 Other expert types (the K-quants of `Q4_K_M` and friends, IQ*) are refused in one line, unless `--requantize int4`
 (or int8) is given: they are then dequantized with gguf's own dequantization and quantized again (a second rounding,
 each layer's relative error against the file's weights reported); `llama-quantize --pure FILE OUT Q4_0` is the
@@ -236,7 +237,7 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
     from expertcache.telemetry.atomic import atomic_dir
 
     from . import quant
-    from .checkpoint import PARTS, checkpoint_name
+    from .checkpoint import INDEX, PARTS, checkpoint_name
     from .store import StoreMeta, _write, layout
 
     path = Path(gguf_file).expanduser()
@@ -363,18 +364,26 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
         """MoE layer i's gate, up and down experts as `read` gives them."""
         return tuple(read(tensors[f"blk.{i}.{x}"]) for x in EXPERTS)
     expert_bytes, report_kind, rel_err = 0, None, None
+    shards: dict[str, str] = {}  # tensor -> shard file (the bf16 checkpoint)
     with atomic_dir(out) as tmp:
-        if native and kind in FLOAT:  # a plain bf16 checkpoint, per-expert tensors
+        if native and kind in FLOAT:
+            # a plain bf16 checkpoint, per-expert tensors, one shard per MoE layer written as it is converted (a
+            # 30B model's experts are 57 GiB in bf16: only one layer's are ever in memory) and an index
+            (gn, un), (dnn,) = (PARTS[t][family == "mixtral"] for t in ("gate_up_proj", "down_proj"))
             for i in range(n_l):
                 g, u, dn = (torch.from_numpy(np.ascontiguousarray(a)).to(torch.bfloat16)
                             for a in gate_up_down(i, _array))
-                (gn, un), (dnn,) = (PARTS[t][family == "mixtral"] for t in ("gate_up_proj", "down_proj"))
+                layer = {}
                 for e in range(n_e):  # the family's own per-expert names (Mixtral's w1 / w3 / w2)
                     p = checkpoint_name(f"model.layers.{i}.mlp.experts.{e}.", family)
-                    state[p + f"{gn}.weight"] = g[e].contiguous()
-                    state[p + f"{un}.weight"] = u[e].contiguous()
-                    state[p + f"{dnn}.weight"] = dn[e].contiguous()
+                    layer[p + f"{gn}.weight"] = g[e].contiguous()
+                    layer[p + f"{un}.weight"] = u[e].contiguous()
+                    layer[p + f"{dnn}.weight"] = dn[e].contiguous()
+                name = f"model-experts-{i + 1:05d}-of-{n_l:05d}.safetensors"
+                save_file(layer, str(tmp / name), metadata={"format": "pt"})
+                shards.update(dict.fromkeys(layer, name))
                 expert_bytes += 2 * (g.numel() + u.numel() + dn.numel())
+                del g, u, dn, layer
                 if progress:
                     progress()
             report_kind = "bf16"
@@ -416,7 +425,13 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
             report_kind = f"int{bits}"
             if not native:
                 rel_err = [round((a / b) ** 0.5, 6) if b else 0.0 for a, b in err]
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if shards:  # the other tensors in a shard of their own, and the index of every tensor's shard
+            save_file(state, str(tmp / "model-rest.safetensors"), metadata={"format": "pt"})
+            shards.update(dict.fromkeys(state, "model-rest.safetensors"))
+            total = expert_bytes + sum(v.numel() * v.element_size() for v in state.values())
+            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": shards}, indent=1))
+        else:
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         c = cfg.to_dict()
         if report_kind != "bf16":
             scheme = {"Q8_0": "int8 symmetric, fp16 scale per group (GGUF Q8_0, repacked as it is)",

@@ -387,7 +387,10 @@ def test_mixtral_and_olmoe_files_import(family_src, tmp_path, kind, fuse_qkv):
     assert tok(TEXT).input_ids == ref_tok(TEXT).input_ids
     ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     ids = torch.tensor([ref_tok(TEXT).input_ids])
-    if kind == Q.BF16:
+    if kind == Q.BF16:  # one shard per MoE layer (written as converted) and the rest, with an index
+        assert sorted(x.name for x in out.glob("*.safetensors")) == [
+            "model-experts-00001-of-00002.safetensors", "model-experts-00002-of-00002.safetensors",
+            "model-rest.safetensors"] and (out / "model.safetensors.index.json").is_file()
         got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).state_dict()
         for k, v in ref.to(torch.bfloat16).state_dict().items():
             assert torch.equal(got[k], v), k
