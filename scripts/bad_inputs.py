@@ -176,6 +176,26 @@ def damaged(root: Path, P: dict) -> None:
     P["trunc_safetensors"] = put("trunc.safetensors", pol[: len(pol) // 2])
     P["garbage_safetensors"] = put("garbage.safetensors", b"\xff" * 64)
     P["header_safetensors"] = put("header.safetensors", (10 ** 12).to_bytes(8, "little") + b"{}")
+    import gguf
+    import numpy as np
+
+    def gguf_file(name, arch, uint, tensors):  # a llama.cpp file with only what a refusal needs
+        w = gguf.GGUFWriter(str(root / name), arch)
+        w.add_block_count(1)
+        for k, v in uint.items():
+            w.add_uint32(k, v)
+        for k, v in tensors.items():
+            w.add_tensor(k, v)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return root / name
+    norm = {"output_norm.weight": np.ones(4, np.float32)}
+    P["gguf_dense"] = gguf_file("dense.gguf", "llama", {}, norm)
+    P["gguf_qwen2moe"] = gguf_file("qwen2moe.gguf", "qwen2moe", {}, norm)
+    P["gguf_per_expert"] = gguf_file("old.gguf", "llama", {"llama.expert_count": 2},
+                                     {"blk.0.ffn_gate.0.weight": np.ones((4, 4), np.float32)})
     P["bad_json"] = put("bad.json", '{"stepwise": ')
     P["list_json"] = put("list.json", "[1, 2, 3]")
     base = json.loads(P["eval_base"].read_text())
@@ -727,6 +747,11 @@ def cases(P: dict) -> list[dict]:
         note="a .npz routing file given as a GGUF")
     add("import-gguf-truncated", ["import-gguf", "--gguf", P["trunc_npz"], "--out", S / "g3"])
     add("import-gguf-no-out", ["import-gguf", "--gguf", P["npz"]])
+    add("import-gguf-dense-llama", ["import-gguf", "--gguf", P["gguf_dense"], "--out", S / "g4"],
+        note="a llama-architecture file without experts (Llama, Mistral)")
+    add("import-gguf-unsupported-arch", ["import-gguf", "--gguf", P["gguf_qwen2moe"], "--out", S / "g5"])
+    add("import-gguf-per-expert-tensors", ["import-gguf", "--gguf", P["gguf_per_expert"], "--out", S / "g6"],
+        note="llama.cpp's Mixtral files before 2024 (one tensor per expert)")
     add("bench-predictor-unknown-live", [*bd, "--model", M, "--predictors", "[probe:1,bogus]"])
     add("bench-lookahead-beyond-layers", [*bd, "--model", M, "--predictors", "[lookahead:40]"],
         note="a prefetch distance beyond the model's MoE layers")
