@@ -196,16 +196,19 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
 //   sum_i w_i x_i = sum_g s_g * sum_{b in g} xs_b * isum_b + sum_g m_g * gsum_g      (int8: m_g = -128 s_g).
 // For int4 the activations are also kept in pairs of 64-input chunks (2c, 2c + 1), reordered to match one 64-byte
 // load of packed weights: [chunk 2c inputs 0-31 | 2c+1 inputs 0-31 | 2c inputs 32-63 | 2c+1 inputs 32-63] (`q4`), with
-// the lanes of the low and high halves (`lanes4`: [n / 128, 32]: blocks 4p, 4p+2, then 4p+1, 4p+3, eight lanes each).
+// the lanes of the low and high halves (`lanes4`: [n / 128, 32]: blocks 4p, 4p+2, then 4p+1, 4p+3, eight lanes each),
+// and the block scales in order (`d4`: [n / 32]). The high nibbles are read in place, masked with 0xF0 (16 q: one
+// shift fewer per load), so the high half's scales in `lanes4` and the odd blocks' in `d4` carry a factor 1/16 (exact).
 struct QAct {
   const int8_t* q;
   const float* lanes;  // [n / 64, 16]
   const float* gsum;   // [n / G]
   const int8_t* q4;    // [n / 128 * 128]
   const float* lanes4;
+  const float* d4;     // [n / 32]
 };
 
-constexpr int64_t qact_floats(int64_t n) { return n / 64 * 16 + n / 32 + n / 128 * 32; }
+constexpr int64_t qact_floats(int64_t n) { return n / 64 * 16 + n / 32 + n / 128 * 32 + n / 32; }
 constexpr int64_t qact_bytes(int64_t n) { return 2 * n; }
 
 QAct quantize_act(const float* x, int64_t n, int64_t G, int8_t* q, float* f, bool pairs) {
@@ -227,6 +230,7 @@ QAct quantize_act(const float* x, int64_t n, int64_t G, int8_t* q, float* f, boo
   }
   int8_t* q4 = q + n;
   float* l4 = gsum + n / 32;
+  float* d4 = l4 + n / 128 * 32;
   for (int64_t p = 0; pairs && p < n / 128; ++p) {  // (int4 reads them; int8 does not)
     const int8_t* a = q + p * 128;  // chunk 2p: a[0, 64), chunk 2p + 1: a[64, 128)
     int8_t* o = q4 + p * 128;
@@ -234,14 +238,15 @@ QAct quantize_act(const float* x, int64_t n, int64_t G, int8_t* q, float* f, boo
     std::memcpy(o + 32, a + 64, 32);
     std::memcpy(o + 64, a + 32, 32);
     std::memcpy(o + 96, a + 96, 32);
-    for (int j = 0; j < 4; ++j) {  // block 4p + j: its scale, from the lanes of its chunk
-      const int64_t b = 4 * p + j;
-      const float d = lanes[(b >> 1) * 16 + (b & 1) * 8];
+    for (int j = 0; j < 4; ++j) {  // block 4p + j: its scale, from the lanes of its chunk (odd blocks: the high
+      const int64_t b = 4 * p + j;  // nibbles, read as 16 q: 1/16 of it)
+      const float d = lanes[(b >> 1) * 16 + (b & 1) * 8] * ((j & 1) ? 0.0625f : 1.0f);
       float* dst = l4 + p * 32 + (j & 1) * 16 + (j >> 1) * 8;  // lo: blocks 4p, 4p+2; hi: 4p+1, 4p+3
       for (int l = 0; l < 8; ++l) dst[l] = d;
+      d4[b] = d;
     }
   }
-  return QAct{q, lanes, gsum, q4, l4};
+  return QAct{q, lanes, gsum, q4, l4, d4};
 }
 
 template <int BITS>
@@ -256,14 +261,15 @@ inline __m512i load_q(const uint8_t* w, int64_t c) {
 }
 
 // int4, chunks 2p and 2p + 1 of one weight row against activations `xlo`/`xhi` (`QAct::q4`): the dots of the low
-// nibbles (inputs 0-31 of both chunks) and of the high ones (inputs 32-63), as floats.
+// nibbles (inputs 0-31 of both chunks) and of the high ones (inputs 32-63, masked in place: 16x their dot, which the
+// high half's activation scales undo), as floats.
 inline void pair_dots(const uint8_t* w, int64_t p, __m512i xlo, __m512i xhi, __m512& flo, __m512& fhi, int64_t pf) {
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
   _mm_prefetch(reinterpret_cast<const char*>(w + p * 64 + pf), _MM_HINT_T0);
   const __m512i pw = _mm512_loadu_si512(w + p * 64);
-  flo = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(pw, m4), xlo));
-  fhi = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(_mm512_srli_epi16(pw, 4), m4),
-                                               xhi));
+  flo = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(pw, _mm512_set1_epi8(0x0F)),
+                                               xlo));
+  fhi = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(
+      _mm512_setzero_si512(), _mm512_and_si512(pw, _mm512_set1_epi8(static_cast<char>(0xF0))), xhi));
 }
 
 inline float vdot(const float* a, const float* b, int64_t n) {
@@ -298,13 +304,14 @@ inline void dot_q(const uint8_t* const* w, const float* const* sf, const float* 
       for (int64_t p = 0; p < pairs; ++p) {
         const __m512i xlo = _mm512_loadu_si512(x.q4 + p * 128), xhi = _mm512_loadu_si512(x.q4 + p * 128 + 64);
         const __m512 llo = _mm512_loadu_ps(x.lanes4 + p * 32), lhi = _mm512_loadu_ps(x.lanes4 + p * 32 + 16);
+        const __m128 d4 = _mm_loadu_ps(x.d4 + 4 * p);  // the pair's four activation block scales
         for (int r = 0; r < R; ++r) {
           __m512 flo, fhi;
           pair_dots(w[r], p, xlo, xhi, flo, fhi, pf);
-          if (G == 32) {
-            const __m512 s4 = _mm512_castps128_ps512(_mm_loadu_ps(sf[r] + 4 * p));
-            acc[r] = _mm512_fmadd_ps(flo, _mm512_mul_ps(_mm512_permutexvar_ps(ilo, s4), llo), acc[r]);
-            acc[r] = _mm512_fmadd_ps(fhi, _mm512_mul_ps(_mm512_permutexvar_ps(ihi, s4), lhi), acc[r]);
+          if (G == 32) {  // weight x activation scale per block, one 128-bit multiply, then spread over the lanes
+            const __m512 s4 = _mm512_castps128_ps512(_mm_mul_ps(_mm_loadu_ps(sf[r] + 4 * p), d4));
+            acc[r] = _mm512_fmadd_ps(flo, _mm512_permutexvar_ps(ilo, s4), acc[r]);
+            acc[r] = _mm512_fmadd_ps(fhi, _mm512_permutexvar_ps(ihi, s4), acc[r]);
           } else {  // both halves share the pair's two group scales
             const __m512 s2 = _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sf[r] + 2 * p))));
             const __m512 t = _mm512_fmadd_ps(fhi, lhi, _mm512_mul_ps(flo, llo));
