@@ -173,6 +173,8 @@ for name, fn in TABLES:
     if p.is_file():
         print(f"<!-- results/{name} (git {json.loads(p.read_text()).get('git_commit', '?')}) -->")
         print(fn(json.loads(p.read_text())), end="\n\n")
-if (RESULTS / "frontier.json").is_file():  # the post-training frontier (a list of rows)
-    print("<!-- results/frontier.json (train-cache-aware --recipe frontier) -->")
-    print(frontier_table(json.loads((RESULTS / "frontier.json").read_text())), end="\n\n")
+# the post-training frontier and the first losses re-gated the same way (lists of rows)
+for name, recipe in (("frontier.json", "frontier"), ("frontier_earlier.json", "frontier-earlier")):
+    if (RESULTS / name).is_file():
+        print(f"<!-- results/{name} (train-cache-aware --recipe {recipe}) -->")
+        print(frontier_table(json.loads((RESULTS / name).read_text())), end="\n\n")
