@@ -176,26 +176,14 @@ def damaged(root: Path, P: dict) -> None:
     P["trunc_safetensors"] = put("trunc.safetensors", pol[: len(pol) // 2])
     P["garbage_safetensors"] = put("garbage.safetensors", b"\xff" * 64)
     P["header_safetensors"] = put("header.safetensors", (10 ** 12).to_bytes(8, "little") + b"{}")
-    import gguf
     import numpy as np
+    from helpers import tiny_file
 
-    def gguf_file(name, arch, uint, tensors):  # a llama.cpp file with only what a refusal needs
-        w = gguf.GGUFWriter(str(root / name), arch)
-        w.add_block_count(1)
-        for k, v in uint.items():
-            w.add_uint32(k, v)
-        for k, v in tensors.items():
-            w.add_tensor(k, v)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        return root / name
     norm = {"output_norm.weight": np.ones(4, np.float32)}
-    P["gguf_dense"] = gguf_file("dense.gguf", "llama", {}, norm)
-    P["gguf_qwen2moe"] = gguf_file("qwen2moe.gguf", "qwen2moe", {}, norm)
-    P["gguf_per_expert"] = gguf_file("old.gguf", "llama", {"llama.expert_count": 2},
-                                     {"blk.0.ffn_gate.0.weight": np.ones((4, 4), np.float32)})
+    P["gguf_dense"] = tiny_file(root / "dense.gguf", "llama", **norm)
+    P["gguf_qwen2moe"] = tiny_file(root / "qwen2moe.gguf", "qwen2moe", **norm)
+    P["gguf_per_expert"] = tiny_file(root / "old.gguf", "llama", {"llama.expert_count": 2},
+                                     **{"blk.0.ffn_gate.0.weight": np.ones((4, 4), np.float32)})
     P["bad_json"] = put("bad.json", '{"stepwise": ')
     P["list_json"] = put("list.json", "[1, 2, 3]")
     base = json.loads(P["eval_base"].read_text())

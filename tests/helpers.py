@@ -109,3 +109,21 @@ def greedy(model, prompt, n: int, pad_token_id: int):
     with torch.no_grad():
         return model.generate(prompt, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(prompt),
                               pad_token_id=pad_token_id)
+
+
+def tiny_file(path, arch: str, uint: dict | None = None, **tensors):
+    """A GGUF file of `arch` holding only one block count, the unsigned `uint` keys and `tensors` (name -> array):
+    the kind of file import-gguf refuses."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    for k, v in (uint or {}).items():
+        w.add_uint32(k, v)
+    for name, a in tensors.items():
+        w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -9,6 +9,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from helpers import tiny_file
 
 from expertcache.runtime import quant
 from expertcache.telemetry.errors import InputError
@@ -142,22 +143,6 @@ def refused_in_one_line(cases, out, capsys) -> None:
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and msg in err[0], (msg, err)
         assert not out.exists()
-
-
-def tiny_file(path, arch: str, uint: dict | None = None, **tensors):
-    """A GGUF file of `arch` holding only one block count, the unsigned `uint` keys and `tensors` (name -> array):
-    the kind of file import-gguf refuses."""
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(1)
-    for k, v in (uint or {}).items():
-        w.add_uint32(k, v)
-    for name, a in tensors.items():
-        w.add_tensor(name, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 @pytest.fixture(scope="module")
