@@ -13,7 +13,7 @@ pre-existing file changed; anything else is BAD. Cases marked `as_nobody` run wi
 root read or write past permissions (as root, chmod 000 does not stop a read).
 
     nice -n 19 .venv/bin/python scripts/bad_inputs.py                  # results/bad_inputs.{json,md}
-    nice -n 19 .venv/bin/python scripts/bad_inputs.py --only gate      # cases whose id starts with "gate"
+    nice -n 19 .venv/bin/python scripts/bad_inputs.py --only gate --out /tmp/b.json   # cases whose id starts with "gate"
     nice -n 19 .venv/bin/python scripts/bad_inputs.py --only gate --update   # re-run those rows of the table
 """
 
@@ -873,6 +873,9 @@ def main() -> int:
                     "table (same ids), keep the others")
     ap.add_argument("--jobs", type=int, default=2, help="cases run at once (each watches its own files)")
     args = ap.parse_args()
+    if args.only and not args.update and Path(args.out) == REPO / "results" / "bad_inputs.json":
+        ap.error("--only without --update would replace the whole committed table with the selected cases: add "
+                 "--update (replace those rows, keep the others) or --out FILE")
     if os.geteuid() != 0:
         print("note: not root; the as-nobody cases run as this user", file=sys.stderr)
     root = Path(tempfile.mkdtemp(prefix="expertcache-bad-inputs-"))
