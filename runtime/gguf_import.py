@@ -67,11 +67,20 @@ def _reader(path: Path):
                          f"{(str(e).splitlines() or [''])[0][:120]})") from None
 
 
-def _field(r, key: str, path: Path):
+def _field(r, key: str, path: Path, default=None, kind=None):
+    """Metadata `key`: its contents, or as a number (`kind`, one line when it is not one); `default` when absent
+    (None: required, one line)."""
     f = r.fields.get(key)
     if f is None:
-        raise InputError(f"--gguf {path} has no {key} in its metadata (not a complete llama.cpp model file)")
-    return f.contents()
+        if default is None:
+            raise InputError(f"--gguf {path} has no {key} in its metadata (not a complete llama.cpp model file)")
+        return default
+    v = f.contents()
+    if kind is None or kind is str:
+        return v
+    if isinstance(v, (list, str)):
+        raise InputError(f"--gguf {path}: {key} is {str(v)[:40]!r}, not a number (damaged file)")
+    return kind(v)
 
 
 def _array(t) -> np.ndarray:
@@ -119,16 +128,8 @@ CONVERT = {"Q8_0": _q8, "Q4_0": _q4}  # GGUF type -> its repacking into our part
 
 
 def _meta(r, arch: str, key: str, path: Path, default=None, kind=float):
-    """`{arch}.{key}` as a number (`kind`), `default` when absent (None: required); one line when it is not one."""
-    f = r.fields.get(f"{arch}.{key}")
-    if f is None:
-        if default is None:
-            raise InputError(f"--gguf {path} has no {arch}.{key} in its metadata (not a complete llama.cpp model file)")
-        return default
-    v = f.contents()
-    if isinstance(v, (list, str)) and kind is not str:
-        raise InputError(f"--gguf {path}: {arch}.{key} is {str(v)[:40]!r}, not a number (damaged file)")
-    return v if kind is str else kind(v)
+    """`_field` of the architecture's `{arch}.{key}`, as a number (`kind`) by default."""
+    return _field(r, f"{arch}.{key}", path, default, kind)
 
 
 def _rope(r, arch: str, path: Path, theta: float, ctx: int) -> dict:
@@ -165,7 +166,7 @@ def _config(path: Path, r, arch: str, tensors: dict):
 
     d = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
     d = {k: v for k, v in d.items() if not k.startswith("_")}
-    d["moe_intermediate_size"] = int(_field(r, f"{arch}.expert_feed_forward_length", path))
+    d["moe_intermediate_size"] = _meta(r, arch, "expert_feed_forward_length", path, kind=int)
     d["tie_word_embeddings"] = "output.weight" not in tensors
     d["rope_parameters"] = _rope(r, arch, path, float(d.pop("rope_theta", 10000.0)),
                                  int(d.get("max_position_embeddings", 4096)))
@@ -252,11 +253,11 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
                          f"{', '.join(f'{a} ({FAMILY[f][0]})' for a, f in ARCHS.items())}")
     family = ARCHS[arch]
     tensors = {t.name: t for t in r.tensors}
-    n_l = int(_field(r, f"{arch}.block_count", path))
-    if arch == "llama" and not (f"{arch}.expert_count" in r.fields and _meta(r, arch, "expert_count", path, 0)):
+    n_l = _meta(r, arch, "block_count", path, kind=int)
+    if arch == "llama" and not _meta(r, arch, "expert_count", path, 0, int):
         raise InputError(f"--gguf {path} is a dense llama-architecture model (no expert_count): import-gguf reads "
                          f"mixture-of-experts files (a Mixtral file has llama.expert_count)")
-    n_e = int(_field(r, f"{arch}.expert_count", path))
+    n_e = _meta(r, arch, "expert_count", path, kind=int)
     kinds = set()
     for i in range(n_l):
         if f"blk.{i}.ffn_gate.0.weight" in tensors:

@@ -174,15 +174,17 @@ def _group(name: str) -> str:
     return re.sub(r"\.\d+(?=\.|$)", ".#", name)
 
 
-def _check_tensors(fds: list[int], files: list[Path], tensors, path, non_finite: list, groups: dict) -> None:
+def _check_tensors(fds: list[int], files: list[Path], tensors, path, non_finite: list, groups: dict,
+                   floats_only: bool = False) -> None:
     """Each `(name, TensorInfo)` of a checkpoint read once: a non-finite one is listed in `non_finite`, the others'
-    largest magnitude joins their sibling group in `groups` (for `outliers`)."""
+    largest magnitude joins their sibling group in `groups` (for `outliers`; with `floats_only`, floating-point
+    tensors only: a quantized checkpoint's packed integers are codes, not magnitudes)."""
     for name, info in tensors:
         raw = _pread(fds[info.file], info.start, info.nbytes, name)
         where = f"{name} in {files[info.file].name} of {path}"
         if not _finite(raw, info.dtype):
             non_finite.append({"tensor": name, "where": where})
-        else:
+        elif info.dtype.is_floating_point or not floats_only:
             groups.setdefault(_group(name), []).append((_max_abs(raw, info.dtype), {"tensor": name, "where": where}))
 
 
@@ -335,7 +337,7 @@ def verify_quantized(path: Path, qc: dict, progress=None) -> dict:
     try:
         for p in ck.files:
             fds.append(os.open(str(p), os.O_RDONLY))
-        _check_tensors(fds, ck.files, sorted(ck.tensors.items()), path, non_finite, groups)
+        _check_tensors(fds, ck.files, sorted(ck.tensors.items()), path, non_finite, groups, floats_only=True)
     finally:
         for fd in fds:
             os.close(fd)
