@@ -186,6 +186,113 @@ def patch_calls(mods) -> list[torch.nn.Module]:
     return done
 
 
+def rms_norm(x, weight, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm in one call: `weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`, fp32 inside; x and
+    weight both bf16 or both fp32."""
+    return torch.ops.expertcache_cpu.rms_norm(x, weight, eps)
+
+
+def route_topk(x, weight, k: int, norm: bool):
+    """A top-k router in one call: (logits [T, E] bf16, weights [T, k] bf16, experts [T, k] int64) for bf16 x [T, H]
+    and weight [E, H]: the logits as `linear_bf16` computes them, then softmax in fp32, `torch.topk`, renormalized
+    to sum 1 when `norm`, as transformers' top-k routers do."""
+    return torch.ops.expertcache_cpu.route_topk(x, weight, k, norm)
+
+
+def qk_norm_rope(q, k, wq, wk, eps_q: float, eps_k: float, cos, sin):
+    """The decode step's query and key heads through their RMSNorms and the rotary embedding: q [B, 1, Hq, D] and
+    k [B, 1, Hk, D] bf16 (the projections viewed per head), norm weights [D], cos / sin [B, 1, D] -> (q, k)
+    [B, H, 1, D], bit for bit what `q_norm`, `k_norm`, the transpose and `apply_rotary_pos_emb` give."""
+    return torch.ops.expertcache_cpu.qk_norm_rope(q, k, wq, wk, eps_q, eps_k, cos, sin)
+
+
+def _fast_norm(self, x):
+    if decode_input(x) and x.dtype == self.weight.dtype and x.dim() >= 1:
+        return rms_norm(x, self.weight, self.variance_epsilon)
+    return type(self).forward(self, x)
+
+
+def _fast_router(self, hidden_states):
+    x = hidden_states.reshape(-1, self.hidden_dim)
+    if decode_input(x) and x.dtype == torch.bfloat16:
+        return route_topk(x, self.weight, self.top_k, bool(self.norm_topk_prob))
+    return type(self).forward(self, hidden_states)
+
+
+def _own_router(mod, x):
+    with _Linears():  # the router as the engine ran it before: its F.linear through linear_bf16
+        return type(mod).forward(mod, x)
+
+
+def _same_as_own(mod, fast, x, own=None) -> bool:
+    """Whether `fast(mod, x)` computes what the module's own forward (`own(mod, x)`, default its class's) does on
+    `x` (outputs of the same structure, integer outputs equal, floating ones within two bf16 roundings): the check
+    that a family's norm or router is the formula the kernel implements before it takes over."""
+    own = own or type(mod).forward
+    with torch.no_grad():
+        try:
+            a, b = own(mod, x), fast(mod, x)
+        except Exception:  # noqa: BLE001 - a module the kernel cannot take keeps its own forward
+            return False
+    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
+    if len(a) != len(b):
+        return False
+    for u, v in zip(a, b):
+        if not isinstance(u, torch.Tensor) or u.shape != v.shape or u.dtype != v.dtype:
+            return False
+        if u.is_floating_point():
+            if not torch.allclose(u.float(), v.float(), rtol=2 ** -7, atol=2 ** -7 * float(u.float().abs().max())):
+                return False
+        elif not torch.equal(u, v):
+            return False
+    return True
+
+
+def patch_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's RMSNorm modules (a 1-D `weight` and `variance_epsilon`, checked against their own forward on a
+    random input first) compute decode-sized inputs with `rms_norm`. Returns them for `unpatch_linears`."""
+    import types
+
+    done = []
+    gen = torch.Generator().manual_seed(0)
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if ("forward" in mod.__dict__ or not type(mod).__name__.endswith("RMSNorm") or not isinstance(w, torch.Tensor)
+                or w.dim() != 1 or w.is_cuda or w.dtype not in (torch.bfloat16, torch.float32)
+                or not isinstance(getattr(mod, "variance_epsilon", None), float)):
+            continue
+        x = torch.randn(2, w.shape[0], generator=gen).to(w.dtype)
+        if _same_as_own(mod, _fast_norm, x):
+            mod.forward = types.MethodType(_fast_norm, mod)
+            done.append(mod)
+    return done
+
+
+def patch_routers(routers) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+    """Top-k routers (bf16 `weight [E, H]`, `top_k`, `norm_topk_prob`, `hidden_dim`; no bias) whose own forward
+    returns what `route_topk` does (checked on a random input) compute decode-sized inputs with it. Returns (patched,
+    the others)."""
+    import types
+
+    done, rest = [], []
+    gen = torch.Generator().manual_seed(0)
+    for mod in routers:
+        w = getattr(mod, "weight", None)
+        ok = ("forward" not in mod.__dict__ and isinstance(w, torch.Tensor) and w.dim() == 2 and not w.is_cuda
+              and w.dtype == torch.bfloat16 and w.stride(-1) == 1 and w.is_contiguous()
+              and getattr(mod, "bias", None) is None and isinstance(getattr(mod, "top_k", None), int)
+              and getattr(mod, "hidden_dim", None) == w.shape[1] and hasattr(mod, "norm_topk_prob"))
+        if ok:
+            x = torch.randn(3, w.shape[1], generator=gen).bfloat16()
+            ok = _same_as_own(mod, _fast_router, x, _own_router)
+        if ok:
+            mod.forward = types.MethodType(_fast_router, mod)
+            done.append(mod)
+        else:
+            rest.append(mod)
+    return done, rest
+
+
 def swiglu_q(x, gu: dict, dn: dict, bits: int, group: int, slots, weights) -> torch.Tensor:
     """The integer path: `gu`/`dn` hold `q`, `scales` (and `mins` for int4) as written by `runtime.quant`."""
     return torch.ops.expertcache_cpu.swiglu_q(x, gu["q"], gu["scales"], gu.get("mins"), dn["q"], dn["scales"],
@@ -247,6 +354,48 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
             return out.unsqueeze(1), None  # [B, 1, Hq, D], as sdpa's function returns it
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
+
+
+def _fast_qwen3_attention(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
+    """Qwen3-MoE's attention for a decode step (one token per row, bf16, on the CPU, no grad, our attention
+    function configured): the query and key norms and the rotary embedding in one `qk_norm_rope` call, with the
+    module's own projections, KV cache and `attention`; anything else goes to the module's own forward."""
+    cos, sin = position_embeddings
+    if "past_key_values" in kwargs and cache is None:
+        cache = kwargs.pop("past_key_values")
+    B, T, _ = hidden_states.shape if hidden_states.dim() == 3 else (0, 0, 0)
+    D = self.head_dim
+    if not (T == 1 and decode_input(hidden_states) and hidden_states.dtype == torch.bfloat16 and cache is not None
+            and self.config._attn_implementation == ATTENTION and cos.dtype == torch.bfloat16
+            and cos.shape == (B, 1, D) and sin.shape == (B, 1, D) and not kwargs.get("output_attentions", False)):
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+    q = self.q_proj(hidden_states).view(B, 1, -1, D)
+    k = self.k_proj(hidden_states).view(B, 1, -1, D)
+    v = self.v_proj(hidden_states).view(B, 1, -1, D).transpose(1, 2)
+    q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon,
+                        self.k_norm.variance_epsilon, cos, sin)
+    k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+    out, weights = attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
+                             sliding_window=self.sliding_window, **kwargs)
+    return self.o_proj(out.reshape(B, 1, -1).contiguous()), weights
+
+
+def patch_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Qwen3-MoE attention modules whose query / key norms are bf16 RMSNorms over the head (`q_norm.weight [D]`)
+    take `_fast_qwen3_attention` for decode steps. Returns them for `unpatch_linears`."""
+    import types
+
+    done = []
+    for mod in model.modules():
+        if type(mod).__name__ != "Qwen3MoeAttention" or "forward" in mod.__dict__:
+            continue
+        D = getattr(mod, "head_dim", None)
+        norms = [getattr(mod, n, None) for n in ("q_norm", "k_norm")]
+        if all(type(n).__name__ == "Qwen3MoeRMSNorm" and n.weight.dtype == torch.bfloat16 and n.weight.shape == (D,)
+               and isinstance(n.variance_epsilon, float) for n in norms):
+            mod.forward = types.MethodType(_fast_qwen3_attention, mod)
+            done.append(mod)
+    return done
 
 
 def patch_attention(model: torch.nn.Module) -> list:

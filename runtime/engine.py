@@ -611,7 +611,9 @@ class OffloadEngine:
                 and cpu_kernels.available():  # built (once, cached) only for a model the kernels can compute
             for mod in self.modules:
                 mod.cpu_kernel = mod.swiglu_ok
-            self._linears = cpu_kernels.patch_linears(model) + cpu_kernels.patch_calls([L.router for L in self.layers])
+            routed, rest = cpu_kernels.patch_routers([L.router for L in self.layers])
+            self._linears = (cpu_kernels.patch_linears(model) + routed + cpu_kernels.patch_calls(rest)
+                             + cpu_kernels.patch_norms(model) + cpu_kernels.patch_attention_modules(model))
             self._attention = cpu_kernels.patch_attention(model)  # one-token attention over the KV cache
         # loads run nearest-layer first, demand loads before any prefetch (`loadqueue`)
         self.pool_exec = LoadQueue(cfg.workers, "expert-load")

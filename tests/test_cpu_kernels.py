@@ -280,6 +280,71 @@ def test_the_attention_function_takes_one_token_steps_and_hands_the_rest_to_sdpa
 
 
 @needs_ext
+@needs_ext
+def test_the_decode_steps_small_ops_equal_the_modules_they_replace_bit_for_bit():
+    """`rms_norm`, `qk_norm_rope` and `route_topk` against transformers' Qwen3-MoE RMSNorm, q/k norm + rotary
+    embedding, and top-k router (its F.linear through `linear_bf16`, as the engine ran it before): equal outputs,
+    bit for bit, over shapes, scales, batch rows and positions (the means of squares go through the modules' own ATen
+    reduction, so even fp32 norms agree exactly)."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as qm
+
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for i in range(40):
+            n = (2048, 128, 96, 64)[i % 4]
+            for dt in (torch.bfloat16, torch.float32):
+                m = qm.Qwen3MoeRMSNorm(n, eps=1e-6).to(dt)
+                m.weight.data = (torch.randn(n, generator=g) * 0.3 + 1).to(dt)
+                x = (torch.randn(3, n, generator=g) * (1 + i)).to(dt)
+                assert torch.equal(qm.Qwen3MoeRMSNorm.forward(m, x), ck.rms_norm(x, m.weight, 1e-6)), (n, dt)
+            B, Hq, Hk, D = 1 + i % 3, 8, 2, 128
+            qn, kn = qm.Qwen3MoeRMSNorm(D).bfloat16(), qm.Qwen3MoeRMSNorm(D, eps=1e-5).bfloat16()
+            for nm in (qn, kn):
+                nm.weight.data = (torch.randn(D, generator=g) * 0.3 + 1).bfloat16()
+            q, k = torch.randn(B, 1, Hq, D, generator=g).bfloat16(), torch.randn(B, 1, Hk, D, generator=g).bfloat16()
+            pos = torch.randint(0, 4000, (B, 1), generator=g).float()
+            f = pos[..., None] / (1e6 ** (torch.arange(0, D, 2).float() / D))
+            emb = torch.cat((f, f), -1)
+            cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+            rq, rk = qm.apply_rotary_pos_emb(qn(q).transpose(1, 2), kn(k).transpose(1, 2), cos, sin)
+            fq, fk = torch.ops.expertcache_cpu.qk_norm_rope(q, k, qn.weight, kn.weight, 1e-6, 1e-5, cos, sin)
+            assert torch.equal(rq, fq) and torch.equal(rk, fk), i
+        cfg = Qwen3MoeConfig(hidden_size=256, num_experts=64, num_experts_per_tok=8, norm_topk_prob=True)
+        r = qm.Qwen3MoeTopKRouter(cfg).bfloat16()
+        torch.nn.init.normal_(r.weight, std=0.05, generator=g)
+        for i in range(60):  # bf16 logits tie often: the experts must come in torch.topk's order
+            x = torch.randn(1 + i % 4, 256, generator=g).bfloat16()
+            want, got = ck._own_router(r, x), ck.route_topk(x, r.weight, 8, True)
+            assert all(torch.equal(a, b) for a, b in zip(want, got)), i
+        r.norm_topk_prob = False
+        assert all(torch.equal(a, b) for a, b in zip(ck._own_router(r, x), ck.route_topk(x, r.weight, 8, False)))
+
+
+@needs_ext
+def test_only_norms_and_routers_that_compute_the_kernels_formula_are_patched():
+    """A norm named like one but computing something else (Gemma's `(1 + w)`) and a router without the expected
+    fields keep their own forward; the real ones are patched and go back on `unpatch_linears`."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as qm
+
+    class OffsetRMSNorm(qm.Qwen3MoeRMSNorm):
+        def forward(self, x):
+            v = x.float().pow(2).mean(-1, keepdim=True)
+            return ((1 + self.weight.float()) * (x.float() * torch.rsqrt(v + self.variance_epsilon))).to(x.dtype)
+
+    model = torch.nn.ModuleDict({"a": qm.Qwen3MoeRMSNorm(64).bfloat16(), "b": OffsetRMSNorm(64).bfloat16()})
+    done = ck.patch_norms(model)
+    assert done == [model["a"]] and "forward" not in model["b"].__dict__
+    cfg = Qwen3MoeConfig(hidden_size=128, num_experts=16, num_experts_per_tok=4)
+    good, odd = qm.Qwen3MoeTopKRouter(cfg).bfloat16(), qm.Qwen3MoeTopKRouter(cfg).bfloat16()
+    del odd.hidden_dim  # not the layout route_topk takes
+    patched, rest = ck.patch_routers([good, odd])
+    assert patched == [good] and rest == [odd]
+    ck.unpatch_linears(done + patched)
+    assert "forward" not in model["a"].__dict__ and "forward" not in good.__dict__
+
+
 def test_read_bandwidth_is_measured():
     bw = ck.read_bandwidth(64 << 20, rounds=3)
     assert 1e8 < bw < 1e13  # bytes/s: a real pass over 64 MiB, neither zero nor instantaneous
@@ -335,7 +400,7 @@ def test_engine_kernel_cpu_agrees_with_the_family_forward(saved, fam):
     assert len(calls) == 4 * m.config.num_hidden_layers or fam == "deepseek_v3", (fam, len(calls))  # MLA: sdpa
     assert _rel(got, ref) < 2e-2, fam
     eng.close()
-    assert not any("forward" in mod.__dict__ for mod in m.modules() if isinstance(mod, torch.nn.Linear))
+    assert not any("forward" in mod.__dict__ for mod in m.modules())  # linears, norms, routers, attention
     assert m.config._attn_implementation == "sdpa"
     # with misses: a step's resident experts and victims in one call, each load in its own as it lands (overlap,
     # as for experts >= 1 MiB), their sums added in fp32
@@ -346,6 +411,51 @@ def test_engine_kernel_cpu_agrees_with_the_family_forward(saved, fam):
     assert s.demand_loads > 0 and s.hits > 0 and s.victim_hits > 0
     assert _rel(got, ref) < 2e-2, fam
     m.expertcache.close()
+
+
+@needs_ext
+def test_the_fused_norms_router_and_attention_change_no_logit(saved):
+    """Qwen3-MoE with kernel cpu: its RMSNorms, routers and attention modules take the one-call decode ops
+    (`rms_norm`, `route_topk`, `qk_norm_rope`); every decode step's logits equal, bit for bit, those of the same
+    engine with those modules on their own forward again."""
+    from expertcache.runtime import load
+
+    m = load(saved / "qwen3_moe", capacity=1.0, tier="host", kernel="cpu")
+    eng = m.expertcache
+    kinds = [type(mod).__name__ for mod in eng._linears if type(mod) is not torch.nn.Linear]
+    n_l = m.config.num_hidden_layers
+    assert kinds.count("Qwen3MoeRMSNorm") == 4 * n_l + 1 and kinds.count("Qwen3MoeAttention") == n_l, kinds
+    assert kinds.count("Qwen3MoeTopKRouter") == n_l
+    calls = {"rms_norm": 0, "qk_norm_rope": 0, "route_topk": 0}
+    real = {n: getattr(ck, n) for n in calls}
+
+    def counted(name):
+        def f(*a):
+            calls[name] += 1
+            return real[name](*a)
+        return f
+
+    try:
+        for n in calls:
+            setattr(ck, n, counted(n))
+        fused = _logits(m)  # a prefill of 8 tokens (decode-sized: norms and routers fused) and 4 decode steps
+    finally:
+        for n in calls:
+            setattr(ck, n, real[n])
+    assert calls == {"rms_norm": 5 * (2 * n_l + 1), "qk_norm_rope": 4 * n_l, "route_topk": 5 * n_l}, calls
+    mods = [mod for mod in eng._linears if type(mod).__name__ in ("Qwen3MoeRMSNorm", "Qwen3MoeAttention")]
+    routers = [mod for mod in eng._linears if type(mod).__name__ == "Qwen3MoeTopKRouter"]
+    saved_fwd = {id(mod): mod.__dict__.pop("forward") for mod in mods}
+    for r in routers:  # the router as the engine ran it before: F.linear through linear_bf16
+        saved_fwd[id(r)] = r.__dict__.pop("forward")
+    ck.patch_calls(routers)
+    try:
+        plain = _logits(m)
+    finally:
+        for mod in mods + routers:
+            mod.forward = saved_fwd[id(mod)]
+    assert torch.equal(fused, plain)
+    eng.close()
 
 
 @needs_ext

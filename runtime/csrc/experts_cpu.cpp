@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -793,6 +794,119 @@ at::Tensor attend_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   return out;
 }
 
+// ------------------------------------------------------------------------------------------ norm, router ----------
+// The decode step's small ops, one call each where the model's own modules take 5-10 torch calls (a few µs each: at
+// 21 norms and 4 routers per token of a 4-layer model, about a tenth of a one-thread token).
+
+// y = w * (x / sqrt(mean(x^2) + eps)) over the last dim, as transformers' RMSNorm computes it: in fp32, the
+// normalized row rounded to x's dtype before the weight multiplies it (bf16 x bf16 -> bf16): equal to the module's
+// output bit for bit.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() >= 1 && w.dim() == 1 && x.size(-1) == w.size(0), "rms_norm: x [..., n] and w [n] expected");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "rms_norm: x and w must both be bf16 or both fp32");
+  auto xf = x.to(at::kFloat).contiguous();
+  // the mean of squares through the same ATen reduction as the module's `pow(2).mean(-1)`: its summation order,
+  // so the result is the module's bit for bit
+  auto var = xf.pow(2).mean(-1).contiguous();
+  auto wf = w.to(at::kFloat).contiguous();
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  auto out = at::empty(x.sizes(), x.options());
+  const float* wp = wf.data_ptr<float>();
+  const float* vp = var.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* f = xf.data_ptr<float>() + r * n;
+    const float inv = 1.0f / std::sqrt(vp[r] + static_cast<float>(eps));
+    if (x.scalar_type() == at::kFloat) {
+      float* o = out.data_ptr<float>() + r * n;
+      for (int64_t i = 0; i < n; ++i) o[i] = wp[i] * (f[i] * inv);
+    } else {
+      uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr()) + r * n;
+      for (int64_t i = 0; i < n; ++i) {
+        const uint16_t h = to_bf16(f[i] * inv);
+        const uint32_t u = static_cast<uint32_t>(h) << 16;
+        float hv;
+        std::memcpy(&hv, &u, 4);
+        o[i] = to_bf16(wp[i] * hv);
+      }
+    }
+  }
+  return out;
+}
+
+inline float bf(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// One head row (D bf16 values) through RMSNorm (weight wf, fp32) and the rotary embedding (cos, sin: D bf16), in
+// the order and with the roundings of transformers' bf16 ops: the normalized row rounded to bf16, times the weight
+// (bf16); then bf16(x * cos) + bf16(rotate_half(x) * sin), rounded again.
+inline void norm_rope_row(const uint16_t* x, float var, const float* wf, float eps, const uint16_t* c,
+                          const uint16_t* s, int64_t D, uint16_t* n, uint16_t* out) {
+  const float inv = 1.0f / std::sqrt(var + eps);
+  for (int64_t i = 0; i < D; ++i) n[i] = to_bf16(wf[i] * bf(to_bf16(bf(x[i]) * inv)));
+  const int64_t h = D / 2;
+  for (int64_t i = 0; i < D; ++i) {
+    const float rot = i < h ? -bf(n[i + h]) : bf(n[i - h]);
+    out[i] = to_bf16(bf(to_bf16(bf(n[i]) * bf(c[i]))) + bf(to_bf16(rot * bf(s[i]))));
+  }
+}
+
+// The decode step's query and key heads through their RMSNorms and the rotary embedding, one call (Qwen3-MoE's
+// attention: norms over each head's D values). q [B, 1, Hq, D], k [B, 1, Hk, D] (the projections' outputs, viewed
+// per head), wq / wk [D], cos / sin [B, 1, D], all bf16 -> (q, k) [B, H, 1, D] contiguous, what the module's q_norm,
+// k_norm, transpose and apply_rotary_pos_emb give.
+std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& wq,
+                                                const at::Tensor& wk, double eps_q, double eps_k,
+                                                const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && q.size(1) == 1 && k.size(1) == 1 && q.size(0) == k.size(0) &&
+                  q.size(3) == k.size(3), "qk_norm_rope: q [B, 1, Hq, D] and k [B, 1, Hk, D] expected");
+  const int64_t B = q.size(0), Hq = q.size(2), Hk = k.size(2), D = q.size(3);
+  TORCH_CHECK(D % 2 == 0 && wq.numel() == D && wk.numel() == D && cos.numel() == B * D && sin.numel() == B * D,
+              "qk_norm_rope: norm weights [D] and cos / sin [B, 1, D] expected");
+  for (const at::Tensor* t : {&q, &k, &wq, &wk, &cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16, "qk_norm_rope: bf16 tensors expected");
+  auto qc = q.contiguous(), kc = k.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+  // each head's mean of squares through the modules' own ATen reduction (bit for bit, as in rms_norm)
+  auto vq = qc.to(at::kFloat).pow(2).mean(-1).contiguous(), vk = kc.to(at::kFloat).pow(2).mean(-1).contiguous();
+  auto wqf = wq.to(at::kFloat).contiguous(), wkf = wk.to(at::kFloat).contiguous();
+  auto qo = at::empty({B, Hq, 1, D}, q.options()), ko = at::empty({B, Hk, 1, D}, k.options());
+  std::vector<uint16_t> n(D);
+  auto u16 = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
+  for (int64_t b = 0; b < B; ++b) {
+    const uint16_t* c = u16(cc) + b * D;
+    const uint16_t* s = u16(sc) + b * D;
+    for (int64_t h = 0; h < Hq; ++h)
+      norm_rope_row(u16(qc) + (b * Hq + h) * D, vq.data_ptr<float>()[b * Hq + h], wqf.data_ptr<float>(),
+                    static_cast<float>(eps_q), c, s, D, n.data(), reinterpret_cast<uint16_t*>(qo.data_ptr()) + (b * Hq + h) * D);
+    for (int64_t h = 0; h < Hk; ++h)
+      norm_rope_row(u16(kc) + (b * Hk + h) * D, vk.data_ptr<float>()[b * Hk + h], wkf.data_ptr<float>(),
+                    static_cast<float>(eps_k), c, s, D, n.data(), reinterpret_cast<uint16_t*>(ko.data_ptr()) + (b * Hk + h) * D);
+  }
+  return {qo, ko};
+}
+
+// A top-k router's step for a few bf16 tokens: logits = x w^T (linear_bf16, rounded to bf16), then what
+// transformers' top-k routers do with them, through the same ATen calls (so ties among equal probabilities, common
+// with bf16 logits, fall as torch.topk orders them): softmax in fp32, the k largest, renormalized to sum 1 when
+// `norm`, in bf16. Returns (logits [T, E], weights [T, k], experts [T, k] int64).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> route_topk(const at::Tensor& x, const at::Tensor& w, int64_t k, bool norm) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "route_topk: x [T, H] and w [E, H] expected");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "route_topk: bf16 x and w expected");
+  TORCH_CHECK(w.stride(1) == 1 && w.stride(0) == w.size(1), "route_topk: w must be contiguous");
+  const int64_t E = w.size(0);
+  TORCH_CHECK(k >= 1 && k <= E, "route_topk: k must be in [1, ", E, "]");
+  auto logits = linear_bf16(x, w, c10::nullopt).to(at::kBFloat16);  // as the routers' F.linear ran before
+  auto probs = at::softmax(logits, -1, at::kFloat);
+  auto top = at::topk(probs, k, -1);
+  at::Tensor vals = std::get<0>(top);
+  if (norm) vals = vals / vals.sum(-1, true);
+  return {logits, vals.to(at::kBFloat16), std::get<1>(top)};
+}
+
 // Reads every byte of `buf` (one pass, split over torch's threads) and returns a checksum, so the read cannot be
 // optimised away: the memory read bandwidth the kernels are measured against.
 double read_bytes(const at::Tensor& buf) {
@@ -827,6 +941,10 @@ TORCH_LIBRARY(expertcache_cpu, m) {
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("linear_q(Tensor x, Tensor q, Tensor scales, Tensor? mins, int bits, int group, Tensor? bias) -> Tensor");
   m.def("attend_one(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("route_topk(Tensor x, Tensor w, int k, bool norm) -> (Tensor, Tensor, Tensor)");
+  m.def("qk_norm_rope(Tensor q, Tensor k, Tensor wq, Tensor wk, float eps_q, float eps_k, Tensor cos, Tensor sin) "
+        "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(expertcache_cpu, CPU, m) {
@@ -836,4 +954,7 @@ TORCH_LIBRARY_IMPL(expertcache_cpu, CPU, m) {
   m.impl("linear_bf16", &linear_bf16);
   m.impl("linear_q", &linear_q);
   m.impl("attend_one", &attend_one);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("route_topk", &route_topk);
+  m.impl("qk_norm_rope", &qk_norm_rope);
 }
