@@ -152,6 +152,7 @@ def patch_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
 def unpatch_linears(mods) -> None:
     for mod in mods:
         mod.__dict__.pop("forward", None)
+        mod.__dict__.pop("_ec_qkv", None)  # (the projections keep their views of the fused rows)
 
 
 class _Linears(torch.overrides.TorchFunctionMode):
@@ -369,9 +370,12 @@ def _fast_qwen3_attention(self, hidden_states, position_embeddings, attention_ma
             and self.config._attn_implementation == ATTENTION and cos.dtype == torch.bfloat16
             and cos.shape == (B, 1, D) and sin.shape == (B, 1, D) and not kwargs.get("output_attentions", False)):
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
-    q = self.q_proj(hidden_states).view(B, 1, -1, D)
-    k = self.k_proj(hidden_states).view(B, 1, -1, D)
-    v = self.v_proj(hidden_states).view(B, 1, -1, D).transpose(1, 2)
+    qkv = self.__dict__.get("_ec_qkv")
+    if qkv is not None:  # the three projections as one matrix: one kernel call
+        q, k, v = qkv(hidden_states).split(qkv.sizes, -1)
+    else:
+        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+    q, k, v = q.view(B, 1, -1, D), k.view(B, 1, -1, D), v.view(B, 1, -1, D).transpose(1, 2)
     q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon,
                         self.k_norm.variance_epsilon, cos, sin)
     k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
@@ -380,9 +384,54 @@ def _fast_qwen3_attention(self, hidden_states, position_embeddings, attention_ma
     return self.o_proj(out.reshape(B, 1, -1).contiguous()), weights
 
 
+class _FusedProjections:
+    """Linear layers that read the same input, as one: their weights concatenated by output row (each module's
+    weight then a view of its rows, so nothing is held twice), one kernel call for a decode step instead of one per
+    module; each output row is computed exactly as the module's own call computes it. Packed (`QuantLinear`, one
+    format) or bf16 `nn.Linear`, none with a bias; `None` from `make` where the modules are not all alike."""
+
+    def __init__(self, parts: dict, packed: tuple | None, sizes: list[int]):
+        self.parts, self.packed, self.sizes = parts, packed, sizes
+
+    @staticmethod
+    def make(mods):
+        from .quant import QuantLinear
+
+        sizes = [m.out_features for m in mods]
+        if all(type(m) is QuantLinear for m in mods):
+            fmt = {(m.bits, m.group, m.in_features) for m in mods}
+            if len(fmt) != 1 or any(m.bias is not None for m in mods):
+                return None
+            bits, group, _ = fmt.pop()
+            names = ["weight_q", "weight_scales"] + (["weight_mins"] if bits == 4 else [])
+            parts = {n: torch.cat([getattr(m, n) for m in mods]) for n in names}
+            for n, t in parts.items():
+                for m, piece in zip(mods, t.split(sizes)):
+                    setattr(m, n, piece)  # the module's buffer: a view of the fused rows
+            return _FusedProjections(parts, (bits, group), sizes)
+        if all(type(m) is torch.nn.Linear for m in mods):
+            ws = [m.weight for m in mods]
+            if any(m.bias is not None for m in mods) or {w.dtype for w in ws} != {torch.bfloat16} or \
+                    len({w.shape[1] for w in ws}) != 1 or any(w.requires_grad for w in ws):
+                return None
+            w = torch.cat([m.weight.detach() for m in mods])
+            for m, piece in zip(mods, w.split(sizes)):
+                m.weight = torch.nn.Parameter(piece, requires_grad=False)
+            return _FusedProjections({"weight": w}, None, sizes)
+        return None
+
+    def __call__(self, x):
+        if self.packed is None:
+            return linear_bf16(x, self.parts["weight"])
+        bits, group = self.packed
+        return linear_q(x, self.parts["weight_q"], self.parts["weight_scales"], self.parts.get("weight_mins"), bits,
+                        group)
+
+
 def patch_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Qwen3-MoE attention modules whose query / key norms are bf16 RMSNorms over the head (`q_norm.weight [D]`)
-    take `_fast_qwen3_attention` for decode steps. Returns them for `unpatch_linears`."""
+    take `_fast_qwen3_attention` for decode steps, their query, key and value projections fused where they are
+    alike (`_FusedProjections`). Returns them for `unpatch_linears`."""
     import types
 
     done = []
@@ -394,6 +443,9 @@ def patch_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
         if all(type(n).__name__ == "Qwen3MoeRMSNorm" and n.weight.dtype == torch.bfloat16 and n.weight.shape == (D,)
                and isinstance(n.variance_epsilon, float) for n in norms):
             mod.forward = types.MethodType(_fast_qwen3_attention, mod)
+            fused = _FusedProjections.make([mod.q_proj, mod.k_proj, mod.v_proj])
+            if fused is not None:
+                mod.__dict__["_ec_qkv"] = fused
             done.append(mod)
     return done
 

@@ -322,6 +322,42 @@ def test_the_decode_steps_small_ops_equal_the_modules_they_replace_bit_for_bit()
 
 
 @needs_ext
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_fused_projections_give_each_module_its_own_rows_bit_for_bit(bits):
+    """q, k and v projections (bf16 or packed) fused into one matrix: one call gives, row for row, exactly the three
+    modules' own outputs; the modules' weights become views of the fused rows (nothing held twice) and still
+    compute alone; modules that differ (a bias, another format) are not fused."""
+    g = torch.Generator().manual_seed(3)
+    mods = []
+    for out in (256, 64, 64):
+        lin = torch.nn.Linear(128, out, bias=False).bfloat16().requires_grad_(False)
+        lin.weight.copy_((torch.randn(out, 128, generator=g) * 0.05).bfloat16())
+        if bits is not None:
+            q = quant.quantize(lin.weight, bits, 32)
+            ql = quant.QuantLinear(128, out, bits, 32, False, device="cpu")
+            ql.weight_q, ql.weight_scales = q["q"], q["scales"]
+            if bits == 4:
+                ql.weight_mins = q["mins"]
+            lin = ql
+        mods.append(lin)
+    x = torch.randn(2, 1, 128, generator=g).bfloat16()
+    with torch.no_grad():
+        own = [m(x) if bits is not None else ck.linear_bf16(x, m.weight) for m in mods]
+        f = ck._FusedProjections.make(mods)
+        assert f is not None and f.sizes == [256, 64, 64]
+        for got, want in zip(f(x).split(f.sizes, -1), own):
+            assert torch.equal(got, want)
+        part = mods[1].weight_q if bits is not None else mods[1].weight
+        big = f.parts["weight_q" if bits is not None else "weight"]
+        assert part.untyped_storage().data_ptr() == big.untyped_storage().data_ptr()  # a view, not a copy
+        again = [m(x) if bits is not None else ck.linear_bf16(x, m.weight) for m in mods]
+        assert all(torch.equal(a, b) for a, b in zip(again, own))
+    odd = torch.nn.Linear(128, 64, bias=True).bfloat16()
+    assert ck._FusedProjections.make([torch.nn.Linear(128, 64, bias=False).bfloat16().requires_grad_(False), odd]) \
+        is None
+
+
+@needs_ext
 def test_only_norms_and_routers_that_compute_the_kernels_formula_are_patched():
     """A norm named like one but computing something else (Gemma's `(1 + w)`) and a router without the expected
     fields keep their own forward; the real ones are patched and go back on `unpatch_linears`."""
@@ -426,6 +462,7 @@ def test_the_fused_norms_router_and_attention_change_no_logit(saved):
     n_l = m.config.num_hidden_layers
     assert kinds.count("Qwen3MoeRMSNorm") == 4 * n_l + 1 and kinds.count("Qwen3MoeAttention") == n_l, kinds
     assert kinds.count("Qwen3MoeTopKRouter") == n_l
+    assert all("_ec_qkv" in mod.__dict__ for mod in eng._linears if type(mod).__name__ == "Qwen3MoeAttention")
     calls = {"rms_norm": 0, "qk_norm_rope": 0, "route_topk": 0}
     real = {n: getattr(ck, n) for n in calls}
 
@@ -454,8 +491,9 @@ def test_the_fused_norms_router_and_attention_change_no_logit(saved):
     finally:
         for mod in mods + routers:
             mod.forward = saved_fwd[id(mod)]
-    assert torch.equal(fused, plain)
+    assert torch.equal(fused, plain)  # (plain: the attention's own forward, q, k and v one call each)
     eng.close()
+    assert not any("forward" in mod.__dict__ or "_ec_qkv" in mod.__dict__ for mod in m.modules())
 
 
 @needs_ext
