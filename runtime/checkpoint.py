@@ -177,14 +177,16 @@ class Checkpoint:
     def read(self, name: str) -> torch.Tensor:
         """One whole tensor, read into fresh memory (for the non-expert weights; experts go through `spans`)."""
         t = self.tensors[name]
-        buf = bytearray(t.nbytes)
+        if not t.nbytes:
+            return torch.empty(t.shape, dtype=t.dtype)
+        # torch's allocation (64-byte aligned), not a bytearray's (16 bytes past a page: every 64-byte load of the
+        # kernels then straddled two cache lines)
+        buf = torch.empty(t.nbytes, dtype=torch.uint8)
         with open(self.files[t.file], "rb") as f:
             f.seek(t.start)
-            if f.readinto(buf) != t.nbytes:
+            if f.readinto(memoryview(buf.numpy())) != t.nbytes:
                 raise InputError(f"{self.files[t.file]}: short read of {name}")
-        if not buf:
-            return torch.empty(t.shape, dtype=t.dtype)
-        return torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).reshape(t.shape)
+        return buf.view(t.dtype).reshape(t.shape)
 
     def bytes_on_disk(self) -> int:
         return sum(p.stat().st_size for p in self.files)

@@ -15,7 +15,9 @@
   int8 vs Q8_0, int4 vs Q4_0. Our int8/int4 checkpoints come from `expertcache quantize --linears true` (routed
   experts and the attention and output matrices packed, as llama-quantize packs every matrix; the routers stay
   exact; `--linears false`: experts only, as before). Each round runs every (format, threads) pair, ours then
-  theirs, in fresh processes; the figure is the median over rounds. Target: ours <= 1.25x theirs in each pair.
+  theirs, in fresh processes; the figure is the median over rounds (`round_ratios`: each round's ours / theirs, and
+  `expertcache_read_bandwidth_gbps`: each of our processes' memory read bandwidth, measured in it after its timed
+  runs). Target: ours <= 1.25x theirs in each pair.
 Run it alone: a second busy process moves these figures by 2-5x.
 """
 
@@ -124,7 +126,13 @@ def worker(model: str, threads: int, tokens: int, reps: int, depth: int = 0) -> 
 
     tpot(4, 0)  # warm-up
     tp = [tpot(tokens, r + 1) for r in range(reps)]
-    return {"tpot_s": statistics.median(tp), "tpot_runs_s": tp, "load_s": load_s}
+    # this process's memory read bandwidth at its thread count, right after the timed runs: on a shared host it
+    # moves between states (about 50 against 80 GB/s at two threads here, per process), which a round's figure
+    # then carries; kept beside each round so the spread has its cause in the JSON
+    from expertcache.runtime import cpu_kernels as ck
+
+    bw = ck.read_bandwidth(512 << 20, rounds=3) / 1e9 if ck.available() else None
+    return {"tpot_s": statistics.median(tp), "tpot_runs_s": tp, "load_s": load_s, "read_bandwidth_gbps": bw}
 
 
 def ours(model: str, threads: int, tokens: int, reps: int = 3, depth: int = 0) -> dict:
@@ -207,18 +215,22 @@ def main() -> None:
                         peer_runs[(r, t, PEER[f])] = llamacpp_peer.decode(model, PEER[f], t, a.tokens, a.reps,
                                                                           depth=a.depth)
                     peer = peer_runs[(r, t, PEER[f])]
-                    d = runs.setdefault((f, t), {"ours": [], "peer": [], "peer_stddev_tok_s": []})
+                    d = runs.setdefault((f, t), {"ours": [], "peer": [], "peer_stddev_tok_s": [], "bw": []})
                     d["ours"].append(mine["tpot_s"])
+                    d["bw"].append(mine.get("read_bandwidth_gbps"))
                     d["peer"].append(peer["tpot_s"])
                     d["peer_stddev_tok_s"].append(peer["tok_s_stddev"])
                     d["peer_build"], d["peer_gguf_bytes"] = peer["build"], peer["gguf_bytes"]
                     print(json.dumps({"round": r, "format": f, "threads": t, "expertcache_tpot_s": mine["tpot_s"],
-                                      "llamacpp_tpot_s": peer["tpot_s"]}), file=sys.stderr, flush=True)
+                                      "llamacpp_tpot_s": peer["tpot_s"],
+                                      "expertcache_read_bandwidth_gbps": mine.get("read_bandwidth_gbps")}),
+                          file=sys.stderr, flush=True)
         for (f, t), d in runs.items():
             e, p = statistics.median(d["ours"]), statistics.median(d["peer"])
             pairs.append({"format": f, "llamacpp_format": PEER[f].upper(), "threads": t, "expertcache_tpot_s": e,
                           "llamacpp_tpot_s": p, "ratio": e / p, "expertcache_rounds_s": d["ours"],
-                          "llamacpp_rounds_s": d["peer"], "llamacpp_build": d["peer_build"],
+                          "llamacpp_rounds_s": d["peer"], "round_ratios": [x / y for x, y in zip(d["ours"], d["peer"])],
+                          "expertcache_read_bandwidth_gbps": d["bw"], "llamacpp_build": d["peer_build"],
                           "llamacpp_gguf_bytes": d["peer_gguf_bytes"],
                           "expertcache_checkpoint": str(paths[f].name),
                           "expertcache_linears_packed": f in FILE_FORMATS or (f != "bf16" and a.linears == "true"),

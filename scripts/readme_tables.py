@@ -49,16 +49,22 @@ def kernels_table(d: dict, pairs_only: bool = False) -> str:
         depth = d.get("depth") or 0
         ctx = f", {depth} tokens of context" if depth else ""
         rows += [""] if rows else []
+        bw = any(p.get("expertcache_read_bandwidth_gbps") for p in d["pairs"])
         rows += [f"| decode, all experts resident{ctx} | threads | expertcache | llama.cpp | ratio (target <= 1.25) | "
-                 "rounds: expertcache / llama.cpp (ms) |", "|---|---|---|---|---|---|"]
+                 "rounds: expertcache / llama.cpp (ms) |" + (" our process's memory read GB/s, by round |" if bw else ""),
+                 "|---|---|---|---|---|---|" + ("---|" if bw else "")]
         order = ("bf16", "int8", "q8_0-file", "int4", "q4_0-file", "int4-g128")
         for p in sorted(d["pairs"], key=lambda p: (p["threads"], order.index(p["format"]))):
             lin = " (+ linears)" if p.get("expertcache_linears_packed") else ""
             rr = " ".join(f"{x * 1e3:.1f}" for x in p["expertcache_rounds_s"])
             pr = " ".join(f"{x * 1e3:.1f}" for x in p["llamacpp_rounds_s"])
+            extra = ""
+            if bw:
+                extra = " " + " ".join("—" if x is None else f"{x:.0f}"
+                                       for x in p.get("expertcache_read_bandwidth_gbps") or []) + " |"
             rows.append(f"| {p['format']}{lin} vs {p['llamacpp_format']} | {p['threads']} | "
                         f"{p['expertcache_tpot_s'] * 1e3:.1f} ms | {p['llamacpp_tpot_s'] * 1e3:.1f} ms | "
-                        f"{p['ratio']:.2f} | {rr} / {pr} |")
+                        f"{p['ratio']:.2f} | {rr} / {pr} |{extra}")
     return "\n".join(rows)
 
 
