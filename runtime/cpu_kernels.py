@@ -226,9 +226,9 @@ def _own_router(mod, x):
 
 
 def _same_as_own(mod, fast, x, own=None) -> bool:
-    """Whether `fast(mod, x)` computes what the module's own forward (`own(mod, x)`, default its class's) does on
-    `x` (outputs of the same structure, integer outputs equal, floating ones within two bf16 roundings): the check
-    that a family's norm or router is the formula the kernel implements before it takes over."""
+    """Whether `fast(mod, x)` computes exactly what the module's own forward (`own(mod, x)`, default its class's)
+    does on `x` (outputs of the same structure, dtype and shape, equal bit for bit): the check that a family's norm
+    or router is the formula the kernel implements, roundings included, before it takes over."""
     own = own or type(mod).forward
     with torch.no_grad():
         try:
@@ -238,15 +238,8 @@ def _same_as_own(mod, fast, x, own=None) -> bool:
     a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
     if len(a) != len(b):
         return False
-    for u, v in zip(a, b):
-        if not isinstance(u, torch.Tensor) or u.shape != v.shape or u.dtype != v.dtype:
-            return False
-        if u.is_floating_point():
-            if not torch.allclose(u.float(), v.float(), rtol=2 ** -7, atol=2 ** -7 * float(u.float().abs().max())):
-                return False
-        elif not torch.equal(u, v):
-            return False
-    return True
+    return all(isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor) and u.shape == v.shape
+               and u.dtype == v.dtype and torch.equal(u, v) for u, v in zip(a, b))
 
 
 def patch_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -362,16 +355,17 @@ def _fast_qwen3_attention(self, hidden_states, position_embeddings, attention_ma
     function configured): the query and key norms and the rotary embedding in one `qk_norm_rope` call, with the
     module's own projections, KV cache and `attention`; anything else goes to the module's own forward."""
     cos, sin = position_embeddings
-    if "past_key_values" in kwargs and cache is None:
-        cache = kwargs.pop("past_key_values")
+    old_name = kwargs.pop("past_key_values", None)  # the name the module's decorator maps to `cache`
+    cache = cache if cache is not None else old_name
     B, T, _ = hidden_states.shape if hidden_states.dim() == 3 else (0, 0, 0)
     D = self.head_dim
     if not (T == 1 and decode_input(hidden_states) and hidden_states.dtype == torch.bfloat16 and cache is not None
-            and self.config._attn_implementation == ATTENTION and cos.dtype == torch.bfloat16
+            and not self.training and self.config._attn_implementation == ATTENTION
+            and cos.dtype == torch.bfloat16 and sin.dtype == torch.bfloat16
             and cos.shape == (B, 1, D) and sin.shape == (B, 1, D) and not kwargs.get("output_attentions", False)):
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
     qkv = self.__dict__.get("_ec_qkv")
-    if qkv is not None:  # the three projections as one matrix: one kernel call
+    if qkv is not None and qkv.current((self.q_proj, self.k_proj, self.v_proj)):  # one matrix: one kernel call
         q, k, v = qkv(hidden_states).split(qkv.sizes, -1)
     else:
         q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
@@ -390,8 +384,17 @@ class _FusedProjections:
     module; each output row is computed exactly as the module's own call computes it. Packed (`QuantLinear`, one
     format) or bf16 `nn.Linear`, none with a bias; `None` from `make` where the modules are not all alike."""
 
-    def __init__(self, parts: dict, packed: tuple | None, sizes: list[int]):
+    def __init__(self, parts: dict, packed: tuple | None, sizes: list[int], mods):
         self.parts, self.packed, self.sizes = parts, packed, sizes
+        self._ptrs = self._weights(mods)
+
+    def _weights(self, mods) -> list[int]:
+        return [getattr(m, "weight_q" if self.packed else "weight").data_ptr() for m in mods]
+
+    def current(self, mods) -> bool:
+        """Whether the modules still hold their views of the fused rows (a weight replaced since, e.g. by
+        `load_state_dict(assign=True)`, sends the step back to the modules' own calls)."""
+        return self._weights(mods) == self._ptrs
 
     @staticmethod
     def make(mods):
@@ -400,15 +403,15 @@ class _FusedProjections:
         sizes = [m.out_features for m in mods]
         if all(type(m) is QuantLinear for m in mods):
             fmt = {(m.bits, m.group, m.in_features) for m in mods}
-            if len(fmt) != 1 or any(m.bias is not None for m in mods):
-                return None
+            if len(fmt) != 1 or any(m.bias is not None for m in mods) or mods[0].in_features % 64:
+                return None  # (the kernel takes inputs in 64s: QuantLinear dequantizes the others)
             bits, group, _ = fmt.pop()
             names = ["weight_q", "weight_scales"] + (["weight_mins"] if bits == 4 else [])
             parts = {n: torch.cat([getattr(m, n) for m in mods]) for n in names}
             for n, t in parts.items():
                 for m, piece in zip(mods, t.split(sizes)):
                     setattr(m, n, piece)  # the module's buffer: a view of the fused rows
-            return _FusedProjections(parts, (bits, group), sizes)
+            return _FusedProjections(parts, (bits, group), sizes, mods)
         if all(type(m) is torch.nn.Linear for m in mods):
             ws = [m.weight for m in mods]
             if any(m.bias is not None for m in mods) or {w.dtype for w in ws} != {torch.bfloat16} or \
@@ -417,7 +420,7 @@ class _FusedProjections:
             w = torch.cat([m.weight.detach() for m in mods])
             for m, piece in zip(mods, w.split(sizes)):
                 m.weight = torch.nn.Parameter(piece, requires_grad=False)
-            return _FusedProjections({"weight": w}, None, sizes)
+            return _FusedProjections({"weight": w}, None, sizes, mods)
         return None
 
     def __call__(self, x):

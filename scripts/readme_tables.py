@@ -49,7 +49,7 @@ def kernels_table(d: dict, pairs_only: bool = False) -> str:
         depth = d.get("depth") or 0
         ctx = f", {depth} tokens of context" if depth else ""
         rows += [""] if rows else []
-        bw = any(p.get("expertcache_read_bandwidth_gbps") for p in d["pairs"])
+        bw = any(x is not None for p in d["pairs"] for x in p.get("expertcache_read_bandwidth_gbps") or [])
         rows += [f"| decode, all experts resident{ctx} | threads | expertcache | llama.cpp | ratio (target <= 1.25) | "
                  "rounds: expertcache / llama.cpp (ms) |" + (" our process's memory read GB/s, by round |" if bw else ""),
                  "|---|---|---|---|---|---|" + ("---|" if bw else "")]

@@ -280,7 +280,6 @@ def test_the_attention_function_takes_one_token_steps_and_hands_the_rest_to_sdpa
 
 
 @needs_ext
-@needs_ext
 def test_the_decode_steps_small_ops_equal_the_modules_they_replace_bit_for_bit():
     """`rms_norm`, `qk_norm_rope` and `route_topk` against transformers' Qwen3-MoE RMSNorm, q/k norm + rotary
     embedding, and top-k router (its F.linear through `linear_bf16`, as the engine ran it before): equal outputs,
@@ -352,6 +351,12 @@ def test_fused_projections_give_each_module_its_own_rows_bit_for_bit(bits):
         assert part.untyped_storage().data_ptr() == big.untyped_storage().data_ptr()  # a view, not a copy
         again = [m(x) if bits is not None else ck.linear_bf16(x, m.weight) for m in mods]
         assert all(torch.equal(a, b) for a, b in zip(again, own))
+        assert f.current(mods)
+        if bits is None:  # a weight replaced (not written in place): the fused rows are stale, and say so
+            mods[2].weight = torch.nn.Parameter(mods[2].weight.clone(), requires_grad=False)
+        else:
+            mods[2].weight_q = mods[2].weight_q.clone()
+        assert not f.current(mods)
     odd = torch.nn.Linear(128, 64, bias=True).bfloat16()
     assert ck._FusedProjections.make([torch.nn.Linear(128, 64, bias=False).bfloat16().requires_grad_(False), odd]) \
         is None
@@ -369,9 +374,17 @@ def test_only_norms_and_routers_that_compute_the_kernels_formula_are_patched():
             v = x.float().pow(2).mean(-1, keepdim=True)
             return ((1 + self.weight.float()) * (x.float() * torch.rsqrt(v + self.variance_epsilon))).to(x.dtype)
 
-    model = torch.nn.ModuleDict({"a": qm.Qwen3MoeRMSNorm(64).bfloat16(), "b": OffsetRMSNorm(64).bfloat16()})
+    class OneRoundingRMSNorm(qm.Qwen3MoeRMSNorm):  # GPT-OSS's order: the weight multiplies in fp32, one rounding
+        def forward(self, x):
+            v = x.float().pow(2).mean(-1, keepdim=True)
+            return (self.weight.float() * (x.float() * torch.rsqrt(v + self.variance_epsilon))).to(x.dtype)
+
+    model = torch.nn.ModuleDict({"a": qm.Qwen3MoeRMSNorm(64).bfloat16(), "b": OffsetRMSNorm(64).bfloat16(),
+                                 "c": OneRoundingRMSNorm(64).bfloat16()})
+    with torch.no_grad():
+        model["c"].weight.copy_((torch.randn(64, generator=torch.Generator().manual_seed(0)) * 0.3 + 1).bfloat16())
     done = ck.patch_norms(model)
-    assert done == [model["a"]] and "forward" not in model["b"].__dict__
+    assert done == [model["a"]] and "forward" not in model["b"].__dict__ and "forward" not in model["c"].__dict__
     cfg = Qwen3MoeConfig(hidden_size=128, num_experts=16, num_experts_per_tok=4)
     good, odd = qm.Qwen3MoeTopKRouter(cfg).bfloat16(), qm.Qwen3MoeTopKRouter(cfg).bfloat16()
     del odd.hidden_dim  # not the layout route_topk takes
@@ -381,6 +394,7 @@ def test_only_norms_and_routers_that_compute_the_kernels_formula_are_patched():
     assert "forward" not in model["a"].__dict__ and "forward" not in good.__dict__
 
 
+@needs_ext
 def test_read_bandwidth_is_measured():
     bw = ck.read_bandwidth(64 << 20, rounds=3)
     assert 1e8 < bw < 1e13  # bytes/s: a real pass over 64 MiB, neither zero nor instantaneous
