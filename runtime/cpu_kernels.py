@@ -208,7 +208,7 @@ def qk_norm_rope(q, k, wq, wk, eps_q: float, eps_k: float, cos, sin):
 
 
 def _fast_norm(self, x):
-    if decode_input(x) and x.dtype == self.weight.dtype and x.dim() >= 1:
+    if decode_input(x) and x.dtype == self.weight.dtype:
         return rms_norm(x, self.weight, self.variance_epsilon)
     return type(self).forward(self, x)
 

@@ -798,6 +798,17 @@ at::Tensor attend_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 // The decode step's small ops, one call each where the model's own modules take 5-10 torch calls (a few µs each: at
 // 21 norms and 4 routers per token of a 4-layer model, about a tenth of a one-thread token).
 
+inline float bf(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// One bf16 RMSNorm output: the normalized value rounded to bf16, then times the weight (bf16 x bf16 -> bf16), as
+// transformers' `weight * hidden.to(input_dtype)` rounds it.
+inline uint16_t norm_bf16(float x, float inv, float w) { return to_bf16(w * bf(to_bf16(x * inv))); }
+
 // y = w * (x / sqrt(mean(x^2) + eps)) over the last dim, as transformers' RMSNorm computes it: in fp32, the
 // normalized row rounded to x's dtype before the weight multiplies it (bf16 x bf16 -> bf16): equal to the module's
 // output bit for bit.
@@ -822,23 +833,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
       for (int64_t i = 0; i < n; ++i) o[i] = wp[i] * (f[i] * inv);
     } else {
       uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr()) + r * n;
-      for (int64_t i = 0; i < n; ++i) {
-        const uint16_t h = to_bf16(f[i] * inv);
-        const uint32_t u = static_cast<uint32_t>(h) << 16;
-        float hv;
-        std::memcpy(&hv, &u, 4);
-        o[i] = to_bf16(wp[i] * hv);
-      }
+      for (int64_t i = 0; i < n; ++i) o[i] = norm_bf16(f[i], inv, wp[i]);
     }
   }
   return out;
-}
-
-inline float bf(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
 }
 
 // One head row (D bf16 values) through RMSNorm (weight wf, fp32) and the rotary embedding (cos, sin: D bf16), in
@@ -847,7 +845,7 @@ inline float bf(uint16_t h) {
 inline void norm_rope_row(const uint16_t* x, float var, const float* wf, float eps, const uint16_t* c,
                           const uint16_t* s, int64_t D, uint16_t* n, uint16_t* out) {
   const float inv = 1.0f / std::sqrt(var + eps);
-  for (int64_t i = 0; i < D; ++i) n[i] = to_bf16(wf[i] * bf(to_bf16(bf(x[i]) * inv)));
+  for (int64_t i = 0; i < D; ++i) n[i] = norm_bf16(bf(x[i]), inv, wf[i]);
   const int64_t h = D / 2;
   for (int64_t i = 0; i < D; ++i) {
     const float rot = i < h ? -bf(n[i + h]) : bf(n[i - h]);
