@@ -69,7 +69,7 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = l
             lossless policies, one token at a time through the KV cache for lossy ones) | token | batched (refused
             under a lossy policy)
     """
-    from rich.progress import Progress
+    from expertcache.telemetry.progress import Progress
 
     from .run import evaluate
 

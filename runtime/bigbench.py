@@ -192,6 +192,13 @@ def _mmap_model(ckpt: Path):
     return m
 
 
+def _done(system: str, r: int, rounds: int, run: dict) -> str:
+    """What a progress line says after one run: the system, the round, its median TPOT or its error."""
+    tpot = run.get("tpot_median_s")
+    what = run["error"] if "error" in run else f"{tpot:.3f} s/token" if tpot is not None else "done"
+    return f"{system} round {r + 1}/{rounds}: {what}"
+
+
 def _rss_peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -402,7 +409,7 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                     except LlamaCppError as e:
                         runs[s].append({"error": str(e)})
                     if progress:
-                        progress(0)
+                        progress(0, _done(s, r, rounds, runs[s][-1]))
                     continue
                 slow = s == "accelerate"
                 job = {"system": s, "ckpt": str(ckpt), "trace": str(trace), "budget_gb": budget_gb,
@@ -420,7 +427,7 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                     runs[s].append({**json.loads(p.stdout.strip().splitlines()[-1]),
                                     "cgroup_peak_bytes": cg.peak_bytes() if bounded else None})
                 if progress:
-                    progress(0)
+                    progress(0, _done(s, r, rounds, runs[s][-1]))
     finally:
         if cg is not None:
             cg.close()

@@ -23,9 +23,15 @@ def _table(text: str) -> None:
 def _git_commit() -> str:
     import subprocess
 
+    here = Path(__file__).resolve().parent
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here,
+                              timeout=5).stdout.strip()
+        if head:  # a result from uncommitted code says so: "+dirty" when tracked files differ from HEAD
+            dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], capture_output=True, cwd=here,
+                                   timeout=10).returncode == 1
+            head += "+dirty" if dirty else ""
+        return head
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -63,7 +69,7 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
         store_dir: replay: where the expert store is written (reused)
         out: also write the JSON here (and a PNG beside it for a replay)
     """
-    from rich.progress import Progress
+    from expertcache.telemetry.progress import Progress
 
     check_output(out, replay, model)
     engine.check()
@@ -129,6 +135,11 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
     return res
 
 
+def _step(prog, task, n: int, what: str | None) -> None:
+    """bench big's progress: `n` checkpoint layers written, or (0) one run ended, `what` saying which and how."""
+    prog.update(task, advance=n or 1, **({"description": f"bench big: {what}"} if what else {}))
+
+
 def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budget_gb: float = 8.0,
               tokens: int = 64, warmup: int = 8, accelerate_tokens: int = 8, accelerate_warmup: int = 2,
               prompt_len: int = 8, rounds: int = 3,
@@ -178,7 +189,7 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
             ~/.cache/expertcache/llamacpp)
         out: the JSON (a PNG beside it)
     """
-    from rich.progress import Progress
+    from expertcache.telemetry.progress import Progress
 
     from .bigbench import ROUTINGS, bench_big as run, plot, system_engine, table
 
@@ -209,9 +220,9 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise InputError(f"--out_dir {out_dir} is a file; expected a folder")
     with Progress() as prog:
-        task = prog.add_task("checkpoint layers, then runs", total=None)
+        task = prog.add_task("bench big: checkpoint layers, then runs", total=None)
         res = run(out_dir, trace, budget_gb, tokens, warmup, prompt_len, rounds, systems, ram_factor, layers,
-                  accelerate_tokens, accelerate_warmup, engine, progress=lambda n: prog.advance(task, n or 1),
+                  accelerate_tokens, accelerate_warmup, engine, progress=lambda n, what=None: _step(prog, task, n, what),
                   experts=tuple(experts), routing=routing, cgroup=cgroup, keep_gguf=keep_gguf,
                   llamacpp_dir=llamacpp_dir, quant_linears=quant_linears)
     res["git_commit"] = _git_commit()
@@ -500,7 +511,7 @@ def verify(model: str, write_index: bool = True, rebless: bool = False) -> dict:
         rebless: record the current bytes as the reference in place of an index that disagrees with them, is
             unreadable or was made for another layout (only when the change is yours: a re-saved checkpoint)
     """
-    from rich.progress import Progress
+    from expertcache.telemetry.progress import Progress
 
     from .verify import verdict_line
     from .verify import verify as run
@@ -541,7 +552,7 @@ def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "", lin
         hot_group_size: with --by_usage, their group size
         max_bytes_ratio: with --by_usage, every expert's bytes together, as a fraction of the experts in bf16
     """
-    from rich.progress import Progress
+    from expertcache.telemetry.progress import Progress
 
     from .quant import write_quantized
 
@@ -589,7 +600,7 @@ def import_gguf(gguf: str, out: str = "", requantize: str = "") -> dict:
             quantized again into our group-32 format (a second rounding: each layer's relative error against the
             file's weights is reported); without it such files are refused
     """
-    from rich.progress import Progress
+    from expertcache.telemetry.progress import Progress
 
     from .gguf_import import import_gguf as run
 

@@ -450,7 +450,27 @@ def patch_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
             if fused is not None:
                 mod.__dict__["_ec_qkv"] = fused
             done.append(mod)
+    if any("_ec_qkv" in mod.__dict__ for mod in done):
+        release_freed()  # the projections' own weights, now copied into the fused rows
     return done
+
+
+def release_freed() -> None:
+    """Hands memory the process has freed back to the system (glibc's `malloc_trim`; a no-op elsewhere). The
+    replaced weights of fused projections are freed from the heap, where glibc keeps them: on the 27-layer
+    Qwen3-30B-A3B shape they stayed resident (0.41 GiB more RSS), and `bench big`'s engine, sized to its memory
+    cgroup, was killed for it."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:
+        trim = None
+    if trim is not None:
+        trim(0)
 
 
 def patch_attention(model: torch.nn.Module) -> list:

@@ -157,7 +157,7 @@ def _routing_stats(trace: Trace, routing: tuple[np.ndarray, np.ndarray, np.ndarr
 def analyze(trace_path: str | Path, out_dir: str | Path, model_dir: str | None = None, phase: str | None = "decode",
             semantics: str = "token", fit_trace: str | None = None, by_domain: bool = True,
             fractions=CAPACITY_FRACTIONS, policy_file: str | None = None) -> dict:
-    from rich.progress import Progress
+    from expertcache.telemetry.progress import Progress
 
     trace = read_trace(trace_path)
     meta = trace.meta

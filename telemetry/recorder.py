@@ -222,7 +222,7 @@ def record_prompts(model_dir: str | Path, prompts: list[str], out: str | Path, p
                    dtype: str = "auto", source: str = "") -> dict:
     """Record a HF checkpoint's routing on the user's own prompts (each: at most `prompt_len` tokens, prefill and
     `decode_tokens` greedy steps; one sequence each) into a Parquet trace that analyze and fit-policy read."""
-    from rich.progress import Progress
+    from expertcache.telemetry.progress import Progress
 
     from .hf import check_context, load_causal_lm, load_tokenizer
 
@@ -259,7 +259,7 @@ def record_corpus(model_dir: str | Path, corpus: str, tokenizer: str | None, spl
                   domains: list[str] | None = None, hidden: bool = False, logits: bool = False,
                   dtype: str = "auto") -> dict:
     """Record a HF checkpoint on `max_seqs` held-out blocks per domain of our corpus into a Parquet trace."""
-    from rich.progress import Progress
+    from expertcache.telemetry.progress import Progress
 
     from .corpus import DOMAINS, packed_blocks
 
