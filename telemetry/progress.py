@@ -1,11 +1,12 @@
 """Progress for long commands, on a terminal and in a log.
 
-`rich.progress.Progress` draws a live bar on a terminal, but when standard error is a file (`nohup ... > log 2>&1 &`,
-a CI job, a pipe) it prints nothing until the work ends: a log of a 15-minute `bench big` stayed empty until the
-last second. `Progress` here takes the same calls (`add_task`, `advance`, `update`) and, off a terminal, writes one
-plain line per task at most every `every_s` seconds, and a last one when the task ends:
+`rich.progress.Progress` draws a live bar on a terminal, but when its output is a file (`nohup ... > log 2>&1 &`, a
+CI job, a pipe) it prints nothing until the work ends: a log of a 15-minute `bench big` stayed empty until the last
+second. `Progress` here takes the same calls (`add_task`, `advance`, `update`); on a terminal it is rich's bar (on
+standard error: standard output stays a command's JSON), elsewhere it writes one plain line per task to standard
+error at most every `every_s` seconds, and one where the task stopped:
 
-    bench big: checkpoint layers, then runs: 12/47 (3m10s)
+    bench big: expertcache:on-demand round 1/3: 0.196 s/token: 1 (0m30s)
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ class Progress:
         self._stream = stream if stream is not None else sys.stderr
         tty = getattr(self._stream, "isatty", lambda: False)()
         if tty and stream is None:
+            from rich.console import Console
             from rich.progress import Progress as Rich
 
+            kw.setdefault("console", Console(stderr=True))  # standard output stays the command's JSON
             self._rich = Rich(*columns, transient=transient, **kw)
         else:
             self._rich = None
