@@ -32,10 +32,10 @@ namespace {
 
 constexpr int64_t UP_ROWS = 16;    // rows of gate (and of up) per work item
 constexpr int64_t DOWN_ROWS = 32;  // output rows per work item
-constexpr int64_t PF_BYTES = 8192;
-// Rows ahead whose scales (and int4 minimums) a packed kernel prefetches: another stream beside the weights', which the
+constexpr int64_t PF_BYTES = 8192;  // software prefetch distance along a row (and on into the next rows)
+// Rows ahead whose scales and minimums the int4 group-32 kernels prefetch: streams beside the weights' that the
 // hardware alone left cold (int4 g32 decode, 4 layers: 6.58 -> 6.11 ms at one thread, 5.16-5.44 -> 4.92 at two).
-constexpr int64_t SCALE_PF = 16;  // software prefetch distance along a row (and on into the next rows)
+constexpr int64_t SCALE_PF = 16;
 
 // The prefetch distance for rows read `step` rows at a time (each `row_bytes` long, consecutive in memory): a whole
 // number of steps, at least PF_BYTES, so that every row of a later step is fetched at the offset being read (with
@@ -399,14 +399,16 @@ struct QMat {
 // (`mn`), `groups` of them.
 template <int BITS>
 inline void qrow(const QMat& m, int64_t s, int64_t row, int64_t groups, float* sc, float* mn, const uint8_t*& w,
-                 const float*& sr, const float*& mr) {
+                 const float*& sr, const float*& mr, bool pf_scales) {
   w = m.q + s * m.qs0 + row * m.qs1;
-  {  // the scales (and minimums) of a row SCALE_PF rows on: their own streams, as the weights' rows are
+  if (BITS == 4 && pf_scales) {  // int4 group 32 (a scale and a minimum per 16 bytes: a fifth of the bytes read)
+    // prefetches the scales and minimums of the row SCALE_PF rows on, streams the hardware left cold; where they
+    // are a sixteenth (int8, int4 group 128) the extra instructions did not pay
     const char* ps = reinterpret_cast<const char*>(m.s + s * m.ss0 + (row + SCALE_PF) * m.ss1);
-    for (int64_t o = 0; o < groups * 2; o += 64) _mm_prefetch(ps + o, _MM_HINT_T0);
-    if constexpr (BITS == 4) {
-      const char* pm = reinterpret_cast<const char*>(m.m + s * m.ss0 + (row + SCALE_PF) * m.ss1);
-      for (int64_t o = 0; o < groups * 2; o += 64) _mm_prefetch(pm + o, _MM_HINT_T0);
+    const char* pm = reinterpret_cast<const char*>(m.m + s * m.ss0 + (row + SCALE_PF) * m.ss1);
+    for (int64_t o = 0; o < groups * 2; o += 64) {
+      _mm_prefetch(ps + o, _MM_HINT_T0);
+      _mm_prefetch(pm + o, _MM_HINT_T0);
     }
   }
   half_row(m.s + s * m.ss0 + row * m.ss1, groups, sc);
@@ -463,7 +465,7 @@ at::Tensor swiglu_q_impl(const at::Tensor& x, const QMat& gu, const QMat& dn, in
         const float* sr[4];
         const float* mr[4];
         for (int j = 0; j < 4; ++j)
-          qrow<BITS>(gu, s, rows[j], gH, sc.data() + j * gH, mn.data() + j * gH, wr[j], sr[j], mr[j]);
+          qrow<BITS>(gu, s, rows[j], gH, sc.data() + j * gH, mn.data() + j * gH, wr[j], sr[j], mr[j], G == 32);
         for (int64_t q = g.start[u]; q < g.start[u + 1]; ++q) {
           const int64_t p = g.order[q];
           float o[4];
@@ -492,7 +494,7 @@ at::Tensor swiglu_q_impl(const at::Tensor& x, const QMat& gu, const QMat& dn, in
         const float* sr[4];
         const float* mr[4];
         for (int j = 0; j < 4; ++j)
-          qrow<BITS>(dn, s, o + j, gI, sc.data() + j * gI, mn.data() + j * gI, wr[j], sr[j], mr[j]);
+          qrow<BITS>(dn, s, o + j, gI, sc.data() + j * gI, mn.data() + j * gI, wr[j], sr[j], mr[j], G == 32);
         for (int64_t q = g.start[u]; q < g.start[u + 1]; ++q) {
           const int64_t p = g.order[q];
           float r4[4];
@@ -547,7 +549,7 @@ at::Tensor linear_q_impl(const at::Tensor& x, const QMat& w, int64_t O, int64_t 
       const float* sr[4];
       const float* mr[4];
       for (int j = 0; j < nr; ++j)
-        qrow<BITS>(w, 0, r0 + j, gN, sc.data() + j * gN, mn.data() + j * gN, wr[j], sr[j], mr[j]);
+        qrow<BITS>(w, 0, r0 + j, gN, sc.data() + j * gN, mn.data() + j * gN, wr[j], sr[j], mr[j], G == 32);
       for (int64_t t = 0; t < T; ++t) {
         float o[4];
         if (nr == 4) {
