@@ -131,8 +131,7 @@ def _load_system(system: str, ckpt: Path, budget: int, layers: int, ids_fit: np.
         from .loader import load
         from .trace_predictors import CooccurrenceEstimator, CooccurrencePredictor
 
-        ram_other = 2 << 30  # non-expert weights (~1.3 GB at this shape), interpreter, activations, staging
-        cap = min(EXPERTS, int((budget - ram_other) // (_slot_bytes(ckpt) * layers)) - TOP_K)  # packed: more slots
+        cap = min(EXPERTS, int((budget - RAM_OTHER) // (_slot_bytes(ckpt) * layers)) - TOP_K)  # packed: more slots
         if cap < 1:
             raise InputError(f"a budget of {budget / 2**30:.1f} GiB leaves no cache slots after the non-expert weights")
         cfg, pred = replace(engine, capacity=cap, predictor="none"), "none"  # "none": the config's predictor
@@ -192,11 +191,34 @@ def _mmap_model(ckpt: Path):
     return m
 
 
+def _last_line(log: Path) -> str:
+    """The last line a failed run wrote to its log (its error, or what it said after loading), at most 300
+    characters."""
+    try:
+        lines = [x.strip() for x in log.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:300] if lines else ""
+
+
 def _done(system: str, r: int, rounds: int, run: dict) -> str:
     """What a progress line says after one run: the system, the round, its median TPOT or its error."""
     tpot = run.get("tpot_median_s")
     what = run["error"] if "error" in run else f"{tpot:.3f} s/token" if tpot is not None else "done"
     return f"{system} round {r + 1}/{rounds}: {what}"
+
+
+RAM_OTHER = 2 << 30  # what an expertcache system's budget leaves beside its cache: non-expert weights (~1.3 GB at
+# this shape; 1.67 GiB resident after loading), interpreter, activations
+
+
+def _rss_now() -> int:
+    """This process's resident bytes now (Linux `/proc/self/statm`; 0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _rss_peak() -> int:
@@ -228,6 +250,15 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
     m, eng, routers = _load_system(system, ckpt, budget, cfg["num_hidden_layers"],
                                    None if native else ids[:, :start - 1], cfg_engine)
     load_s = time.perf_counter() - t0
+    rss_load = _rss_now()
+    if eng is not None:  # the cache's slots fill as the run goes: what loading left resident plus them must fit.
+        # Said in the run's log, which a failed run's error quotes (an out-of-memory kill leaves no other word);
+        # not refused here: slots a policy fills while loading (pins) are counted in both figures
+        cache = eng.fast_bytes
+        over = " (over the budget: a cgroup of this size will kill the run as its cache fills)" \
+            if rss_load + cache > budget else ""
+        print(f"{system}: resident after loading {rss_load / 2**30:.2f} GiB + cache slots {cache / 2**30:.2f} GiB, "
+              f"budget {budget / 2**30:.2f} GiB{over}", file=sys.stderr, flush=True)
     forced = None if native else TraceRouting(routers, ids, start)
     prompt = torch.randint(2, cfg["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(0))
     from .decode import timed_greedy
@@ -243,7 +274,7 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
     res = {"system": system, "load_s": load_s, "tokens_timed": int(len(tpot)),
            "tpot_median_s": float(np.median(tpot)), "tpot_p90_s": float(np.percentile(tpot, 90)),
            "tokens_per_s": float(1 / np.median(tpot)), "tpot_s": [float(x) for x in tpot],
-           "peak_rss_bytes": _rss_peak(), "disk_read_bytes_load": io1 - io0,
+           "peak_rss_bytes": _rss_peak(), "rss_after_load_bytes": rss_load, "disk_read_bytes_load": io1 - io0,
            # over the timed steps, as TPOT and the engine's traffic; before, prefill and warmup reads were averaged
            # in over every token, which read as a 1.2-1.4x amplification of the engine's traffic
            "disk_read_bytes_per_token": (io2 - io_mark[0]) / max(n_dec, 1),
@@ -422,7 +453,8 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                                        preexec_fn=cg.preexec if bounded else None)
                 if p.returncode != 0:
                     why = " (killed: out of memory in the cgroup?)" if bounded and p.returncode in (-9, 137) else ""
-                    runs[s].append({"error": f"exit {p.returncode}{why}; see {log}"})
+                    last = _last_line(log)
+                    runs[s].append({"error": f"exit {p.returncode}{why}; see {log}" + (f": {last}" if last else "")})
                 else:
                     runs[s].append({**json.loads(p.stdout.strip().splitlines()[-1]),
                                     "cgroup_peak_bytes": cg.peak_bytes() if bounded else None})

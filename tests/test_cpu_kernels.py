@@ -1014,3 +1014,24 @@ def test_bench_decode_marks_a_ratio_to_on_demand_its_rounds_cannot_carry():
                        "lookahead:3+blocking@0.25": dict(row, vs_on_demand=0.700, vs_on_demand_claimed=True)}}
     lines = table(res).splitlines()
     assert "| 1.171 (rounds overlap: noise) |" in lines[3] and "| 0.700 |" in lines[4], lines
+
+
+def test_a_failed_bench_big_run_says_why_in_its_error(tmp_path):
+    """An out-of-memory kill leaves no message of its own: a failed run's error quotes the last line its log holds
+    (the run writes what loading left resident and the cache's size there first); the progress line names the run
+    and its TPOT or error."""
+    from expertcache.runtime import bigbench
+
+    log = tmp_path / "expertcache-on-demand-round0.log"
+    log.write_text("expertcache:on-demand: resident after loading 2.08 GiB + cache slots 5.93 GiB, budget 8.00 GiB "
+                   "(over the budget: a cgroup of this size will kill the run as its cache fills)\n\n")
+    assert bigbench._last_line(log).startswith("expertcache:on-demand: resident after loading 2.08 GiB")
+    assert bigbench._last_line(tmp_path / "absent.log") == ""
+    log.write_text("x" * 1000)
+    assert len(bigbench._last_line(log)) == 300
+    assert bigbench._done("mmap", 0, 3, {"tpot_median_s": 0.2871}) == "mmap round 1/3: 0.287 s/token"
+    assert bigbench._done("mmap", 2, 3, {"error": "exit -9"}) == "mmap round 3/3: exit -9"
+    before = bigbench._rss_now()
+    block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
+    assert bigbench._rss_now() - before > 48 << 20
+    del block
