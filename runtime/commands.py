@@ -20,20 +20,27 @@ def _table(text: str) -> None:
     print("\n" + text, file=sys.stderr)
 
 
-def _git_commit() -> str:
+def _git_commit(here: Path | None = None) -> str:
+    """The commit the code runs from, with "+dirty" when tracked code differs from it (results, docs and markdown
+    excluded: a benchmark writes its own results file). Taken before the work starts: edits made while a long
+    benchmark runs are not its code. Empty outside a git checkout. `here`: a folder in the checkout (this file's)."""
     import subprocess
 
-    here = Path(__file__).resolve().parent
+    here = here or Path(__file__).resolve().parent
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here,
                               timeout=5).stdout.strip()
-        if head:  # a result from uncommitted code says so: "+dirty" when tracked files differ from HEAD
-            dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], capture_output=True, cwd=here,
-                                   timeout=10).returncode == 1
-            head += "+dirty" if dirty else ""
-        return head
     except (OSError, subprocess.SubprocessError):
         return ""
+    if not head:
+        return ""
+    try:
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ":/", ":(top,exclude)results",
+                                ":(top,exclude)docs", ":(top,exclude,glob)**/*.md"], capture_output=True, cwd=here,
+                               timeout=10).returncode == 1
+    except (OSError, subprocess.SubprocessError):
+        return head
+    return head + ("+dirty" if dirty else "")
 
 
 def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
@@ -73,6 +80,7 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
 
     check_output(out, replay, model)
     engine.check()
+    commit = _git_commit()  # the code that runs, before it runs
     if min(tokens, rounds, prompts, prompt_len) < 1 or warmup < 0 or not capacities:
         raise InputError("tokens, rounds, prompts and prompt_len must be >= 1, warmup >= 0, capacities non-empty")
     from expertcache.telemetry.cachesim import capacity_count
@@ -124,7 +132,7 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
             task = prog.add_task("decode passes", total=rounds * (2 + len(capacities) * (1 + len(preds))))
             res = run(model, ids, engine, capacities, preds, tokens, warmup, rounds, dtype=dtype,
                       plain=plain, progress=lambda: prog.advance(task))
-    res["git_commit"] = _git_commit()
+    res["git_commit"] = commit
     if out:
         from expertcache.telemetry.atomic import write_json
 
@@ -201,6 +209,7 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
 
     check_output(out)
     engine.check()
+    commit = _git_commit()  # the code that runs, before it runs
     for x in systems:  # a known system; its engine options (`/key=value`) valid over --engine
         system_engine(x, engine)
     if len(set(systems)) < len(systems):
@@ -225,7 +234,7 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
                   accelerate_tokens, accelerate_warmup, engine, progress=lambda n, what=None: _step(prog, task, n, what),
                   experts=tuple(experts), routing=routing, cgroup=cgroup, keep_gguf=keep_gguf,
                   llamacpp_dir=llamacpp_dir, quant_linears=quant_linears)
-    res["git_commit"] = _git_commit()
+    res["git_commit"] = commit
     failed = {sys_: r["errors"] for sys_, r in res["systems"].items() if r.get("errors")}
     # a system asked for that failed or was skipped makes the run exit 1 (its reason stays in the JSON)
     res["ok"] = not failed and not res.get("skipped")

@@ -461,12 +461,9 @@ def release_freed() -> None:
     Qwen3-30B-A3B shape they stayed resident (0.41 GiB more RSS), and `bench big`'s engine, sized to its memory
     cgroup, was killed for it."""
     import ctypes
-    import ctypes.util
 
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        trim = getattr(libc, "malloc_trim", None)
+    try:  # the process's own symbols (no `ldconfig` run to find libc): glibc's malloc_trim where there is one
+        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     except OSError:
         trim = None
     if trim is not None:

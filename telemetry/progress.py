@@ -15,6 +15,14 @@ import sys
 import time
 
 
+def _plain(text: str) -> str:
+    """`text` as rich shows it literally (its `[...]` not read as markup: a path or an error message would raise
+    `MarkupError` or vanish as a style tag)."""
+    from rich.markup import escape
+
+    return escape(text)
+
+
 def _clock(s: float) -> str:
     s = int(s)
     return f"{s // 3600}h{s // 60 % 60:02d}m{s % 60:02d}s" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
@@ -26,10 +34,16 @@ class _PlainTask:
         self.t0 = time.monotonic()
         self.last = None  # monotonic time of the last line written
         self.shown = None  # `completed` as that line showed it
+        self.shown_description = description
+        self.done_shown = False  # the line at (or past) the total, written once
 
     def line(self) -> str:
-        done = f"{self.completed:g}" if self.total is None else f"{self.completed:g}/{self.total:g}"
+        done = _count(self.completed) if self.total is None else f"{_count(self.completed)}/{_count(self.total)}"
         return f"{self.description}: {done} ({_clock(time.monotonic() - self.t0)})"
+
+
+def _count(x) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:.1f}"  # 1234567, not 1.23457e+06
 
 
 class Progress:
@@ -65,8 +79,8 @@ class Progress:
                 self._write(t)
 
     def add_task(self, description: str, total=None, **kw) -> int:
-        if self._rich is not None:
-            return self._rich.add_task(description, total=total, **kw)
+        if self._rich is not None:  # descriptions carry paths and error text: shown as written, never as markup
+            return self._rich.add_task(_plain(description), total=total, **kw)
         self._tasks.append(_PlainTask(description, total))
         return len(self._tasks) - 1
 
@@ -80,8 +94,8 @@ class Progress:
 
     def update(self, task: int, total=None, completed=None, advance=None, description=None, **kw) -> None:
         if self._rich is not None:
-            self._rich.update(task, total=total, completed=completed, advance=advance, description=description,
-                              **kw)
+            self._rich.update(task, total=total, completed=completed, advance=advance,
+                              description=None if description is None else _plain(description), **kw)
             return
         t = self._tasks[task]
         if total is not None:
@@ -96,11 +110,13 @@ class Progress:
 
     def _maybe(self, t: _PlainTask) -> None:
         now = time.monotonic()
-        if t.last is None or now - t.last >= self.every_s or (t.total is not None and t.completed >= t.total):
-            self._write(t)
+        at_total = t.total is not None and t.completed >= t.total and not t.done_shown
+        if t.last is None or now - t.last >= self.every_s or at_total or t.description != t.shown_description:
+            self._write(t)  # (a new description says what just happened: never dropped)
 
     def _write(self, t: _PlainTask) -> None:
-        t.last, t.shown = time.monotonic(), t.completed
+        t.last, t.shown, t.shown_description = time.monotonic(), t.completed, t.description
+        t.done_shown = t.done_shown or (t.total is not None and t.completed >= t.total)
         try:
             print(t.line(), file=self._stream, flush=True)
         except (OSError, ValueError):  # a closed or broken stream never stops the work

@@ -1023,8 +1023,9 @@ def test_a_failed_bench_big_run_says_why_in_its_error(tmp_path):
     from expertcache.runtime import bigbench
 
     log = tmp_path / "expertcache-on-demand-round0.log"
-    log.write_text("expertcache:on-demand: resident after loading 2.08 GiB + cache slots 5.93 GiB, budget 8.00 GiB "
-                   "(over the budget: a cgroup of this size will kill the run as its cache fills)\n\n")
+    log.write_text("expertcache:on-demand: resident after loading 2.08 GiB + cache slots 5.93 GiB (streaming buffers "
+                   "and activations come on top), budget 8.00 GiB (over the budget: a cgroup of this size will kill "
+                   "the run as its cache fills)\n\n")
     assert bigbench._last_line(log).startswith("expertcache:on-demand: resident after loading 2.08 GiB")
     assert bigbench._last_line(tmp_path / "absent.log") == ""
     log.write_text("x" * 1000)

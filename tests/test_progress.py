@@ -48,3 +48,55 @@ def test_work_refused_before_its_first_step_writes_no_line():
             prog.add_task("MoE layers quantized", total=None)
             raise ValueError("--bits 3: expected 8 or 4")
     assert out.getvalue() == ""
+
+
+def test_a_result_names_its_commit_and_says_when_the_code_differs(tmp_path):
+    """`git_commit` in a benchmark's JSON: the short HEAD, "+dirty" when tracked code differs from it, but not for
+    results, docs or markdown (a benchmark writes its own results file into the checkout)."""
+    import subprocess
+
+    from expertcache.runtime.commands import _git_commit
+
+    def git(*a):
+        subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
+
+    assert _git_commit(tmp_path) == ""  # not a checkout
+    git("init", "-q")
+    (tmp_path / "runtime").mkdir()
+    (tmp_path / "results").mkdir()
+    (tmp_path / "runtime" / "engine.py").write_text("x = 1\n")
+    (tmp_path / "results" / "bench.json").write_text("{}\n")
+    (tmp_path / "README.md").write_text("# r\n")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True,
+                          text=True).stdout.strip()
+    here = tmp_path / "runtime"
+    assert _git_commit(here) == head
+    (tmp_path / "results" / "bench.json").write_text('{"a": 1}\n')
+    (tmp_path / "README.md").write_text("# r2\n")
+    assert _git_commit(here) == head  # a result and the README written: still the commit's code
+    (tmp_path / "runtime" / "engine.py").write_text("x = 2\n")
+    assert _git_commit(here) == head + "+dirty"
+
+
+def test_descriptions_are_never_dropped_or_read_as_markup_and_counts_stay_integers():
+    out = io.StringIO()
+    with Progress(stream=out, every_s=3600) as prog:
+        task = prog.add_task("bench big", total=2)
+        prog.advance(task)
+        prog.update(task, description="bench big: mmap round 1/3: exit -9 [enforce fail at alloc_cpu.cpp:117]")
+        prog.advance(task)
+        prog.advance(task)  # past the total: no line for each tick
+        prog.advance(task)
+        prog.update(task, completed=1_234_567)
+    lines = out.getvalue().splitlines()
+    assert lines[1] == "bench big: mmap round 1/3: exit -9 [enforce fail at alloc_cpu.cpp:117]: 1/2 (0m00s)"
+    assert sum(line.endswith("/2 (0m00s)") and ": 2/2" in line for line in lines) == 1
+    assert lines[-1].endswith(": 1234567/2 (0m00s)")
+    from expertcache.telemetry.progress import _plain
+
+    from rich.text import Text
+
+    text = Text.from_markup(_plain("[/work/bb/x] and [bold]"))  # what rich does with a description
+    assert text.plain == "[/work/bb/x] and [bold]"
