@@ -50,12 +50,26 @@ def overlap(bound_s: float, tpot_s: float) -> dict:
     return {"overlap_efficiency": min(eff, 1.0), "roofline_unreliable": bool(eff > 1.0)}
 
 
+def _status_bytes(field: str) -> int:
+    """A `kB` figure of this process's `/proc/self/status` in bytes (0 where there is none)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set so far (VmHWM), measured, not estimated."""
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return _status_bytes("VmHWM")
+
+
+def rss_bytes() -> int:
+    """This process's resident set now (VmRSS)."""
+    return _status_bytes("VmRSS")
 
 
 def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineConfig = EngineConfig(tier="disk"),

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import subprocess
 import sys
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench import rounds_apart
+from .bench import peak_rss_bytes, rounds_apart, rss_bytes
 import torch
 
 from expertcache.telemetry.atomic import open_log
@@ -51,6 +50,8 @@ SYSTEMS = ("expertcache:on-demand", "expertcache:prefetch", "accelerate", "mmap"
 NATIVE_ONLY = ("llama.cpp", "llama.cpp:unbounded")  # route with the checkpoint's own routers (no hook to force)
 ROUTINGS = ("trace", "native")
 FORMATS = ("bf16", "int8", "int4")
+RAM_OTHER = 2 << 30  # what an expertcache system's budget leaves beside its cache: non-expert weights (~1.3 GB at
+# this shape; 1.67 GiB resident after loading), interpreter, activations
 
 
 def parse_system(name: str) -> tuple[str, str, dict[str, str]]:
@@ -208,23 +209,6 @@ def _done(system: str, r: int, rounds: int, run: dict) -> str:
     return f"{system} round {r + 1}/{rounds}: {what}"
 
 
-RAM_OTHER = 2 << 30  # what an expertcache system's budget leaves beside its cache: non-expert weights (~1.3 GB at
-# this shape; 1.67 GiB resident after loading), interpreter, activations
-
-
-def _rss_now() -> int:
-    """This process's resident bytes now (Linux `/proc/self/statm`; 0 where there is none)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _rss_peak() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, tokens: int, warmup: int,
             prompt_len: int, start: int, engine: dict | None = None, routing: str = "trace",
             quant_linears: bool = False) -> dict:
@@ -250,7 +234,7 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
     m, eng, routers = _load_system(system, ckpt, budget, cfg["num_hidden_layers"],
                                    None if native else ids[:, :start - 1], cfg_engine)
     load_s = time.perf_counter() - t0
-    rss_load = _rss_now()
+    rss_load = rss_bytes()
     if eng is not None:  # the cache's slots fill as the run goes: what loading left resident plus them must fit.
         # Said in the run's log, which a failed run's error quotes (an out-of-memory kill leaves no other word);
         # not refused here: slots a policy fills while loading (pins) are counted in both figures
@@ -275,7 +259,7 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
     res = {"system": system, "load_s": load_s, "tokens_timed": int(len(tpot)),
            "tpot_median_s": float(np.median(tpot)), "tpot_p90_s": float(np.percentile(tpot, 90)),
            "tokens_per_s": float(1 / np.median(tpot)), "tpot_s": [float(x) for x in tpot],
-           "peak_rss_bytes": _rss_peak(), "rss_after_load_bytes": rss_load, "disk_read_bytes_load": io1 - io0,
+           "peak_rss_bytes": peak_rss_bytes(), "rss_after_load_bytes": rss_load, "disk_read_bytes_load": io1 - io0,
            # over the timed steps, as TPOT and the engine's traffic; before, prefill and warmup reads were averaged
            # in over every token, which read as a 1.2-1.4x amplification of the engine's traffic
            "disk_read_bytes_per_token": (io2 - io_mark[0]) / max(n_dec, 1),

@@ -231,7 +231,8 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
     with Progress() as prog:
         task = prog.add_task("bench big: checkpoint layers, then runs", total=None)
         res = run(out_dir, trace, budget_gb, tokens, warmup, prompt_len, rounds, systems, ram_factor, layers,
-                  accelerate_tokens, accelerate_warmup, engine, progress=lambda n, what=None: _step(prog, task, n, what),
+                  accelerate_tokens, accelerate_warmup, engine,
+                  progress=lambda n, what=None: _step(prog, task, n, what),
                   experts=tuple(experts), routing=routing, cgroup=cgroup, keep_gguf=keep_gguf,
                   llamacpp_dir=llamacpp_dir, quant_linears=quant_linears)
     res["git_commit"] = commit

@@ -35,7 +35,6 @@ class _PlainTask:
         self.last = None  # monotonic time of the last line written
         self.shown = None  # `completed` as that line showed it
         self.shown_description = description
-        self.done_shown = False  # the line at (or past) the total, written once
 
     def line(self) -> str:
         done = _count(self.completed) if self.total is None else f"{_count(self.completed)}/{_count(self.total)}"
@@ -110,13 +109,12 @@ class Progress:
 
     def _maybe(self, t: _PlainTask) -> None:
         now = time.monotonic()
-        at_total = t.total is not None and t.completed >= t.total and not t.done_shown
+        at_total = t.total is not None and t.completed >= t.total and not (t.shown is not None and t.shown >= t.total)
         if t.last is None or now - t.last >= self.every_s or at_total or t.description != t.shown_description:
             self._write(t)  # (a new description says what just happened: never dropped)
 
     def _write(self, t: _PlainTask) -> None:
         t.last, t.shown, t.shown_description = time.monotonic(), t.completed, t.description
-        t.done_shown = t.done_shown or (t.total is not None and t.completed >= t.total)
         try:
             print(t.line(), file=self._stream, flush=True)
         except (OSError, ValueError):  # a closed or broken stream never stops the work

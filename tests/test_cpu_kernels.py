@@ -1032,7 +1032,9 @@ def test_a_failed_bench_big_run_says_why_in_its_error(tmp_path):
     assert len(bigbench._last_line(log)) == 300
     assert bigbench._done("mmap", 0, 3, {"tpot_median_s": 0.2871}) == "mmap round 1/3: 0.287 s/token"
     assert bigbench._done("mmap", 2, 3, {"error": "exit -9"}) == "mmap round 3/3: exit -9"
-    before = bigbench._rss_now()
+    from expertcache.runtime.bench import rss_bytes
+
+    before = rss_bytes()
     block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
-    assert bigbench._rss_now() - before > 48 << 20
+    assert rss_bytes() - before > 48 << 20
     del block
