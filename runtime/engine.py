@@ -28,6 +28,7 @@ import copy
 import functools
 import math
 import numbers
+import os
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, wait
@@ -42,7 +43,7 @@ from expertcache.telemetry.cachesim import CacheResult
 from expertcache.telemetry.errors import InputError
 from expertcache.telemetry.registry import Registry
 
-from . import cpu_kernels, quant
+from . import cpu_kernels, fast_step, quant
 from .checkpoint import StoreExperts
 from .layer_view import LayerView
 from .loadqueue import LoadQueue
@@ -605,7 +606,7 @@ class OffloadEngine:
             self.modules.append(mod)
         self._new_states()
         # decode-sized projections (attention, lm head) through the same kernels as the experts
-        self._linears, self._attention = [], []
+        self._linears, self._attention, self._step = [], [], []
         m0 = self.modules[0]
         if cfg.kernel in ("cpu", "auto") and cfg.slot_device == "cpu" and (m0.swiglu_ok or m0.quant is not None) \
                 and cpu_kernels.available():  # built (once, cached) only for a model the kernels can compute
@@ -615,6 +616,8 @@ class OffloadEngine:
             self._linears = (cpu_kernels.patch_linears(model) + routed + cpu_kernels.patch_calls(rest)
                              + cpu_kernels.patch_norms(model) + cpu_kernels.patch_attention_modules(model))
             self._attention = cpu_kernels.patch_attention(model)  # one-token attention over the KV cache
+            if os.environ.get("EXPERTCACHE_NO_FAST_STEP") != "1":  # a decode step in one function (Qwen3-MoE)
+                self._step = fast_step.patch_decode_step(model)
         # loads run nearest-layer first, demand loads before any prefetch (`loadqueue`)
         self.pool_exec = LoadQueue(cfg.workers, "expert-load")
         self._pass = 0  # forward passes begun: with the layer, a prefetch's place in the load queue
@@ -1214,7 +1217,8 @@ class OffloadEngine:
         self._hooks = []
         cpu_kernels.unpatch_linears(self._linears)
         cpu_kernels.unpatch_attention(self._attention)
-        self._linears, self._attention = [], []
+        fast_step.unpatch_decode_step(self._step)
+        self._linears, self._attention, self._step = [], [], []
         self.pool_exec.shutdown(wait=True)
         for mod in self.modules:  # break the engine <-> module cycle: the slot pools go when the engine does
             mod._engine = [None]

@@ -496,14 +496,14 @@ def test_the_fused_norms_router_and_attention_change_no_logit(saved):
     assert calls == {"rms_norm": 5 * (2 * n_l + 1), "qk_norm_rope": 4 * n_l, "route_topk": 5 * n_l}, calls
     mods = [mod for mod in eng._linears if type(mod).__name__ in ("Qwen3MoeRMSNorm", "Qwen3MoeAttention")]
     routers = [mod for mod in eng._linears if type(mod).__name__ == "Qwen3MoeTopKRouter"]
-    saved_fwd = {id(mod): mod.__dict__.pop("forward") for mod in mods}
+    saved_fwd = {id(mod): mod.__dict__.pop("forward") for mod in mods + [m]}  # (m: the whole-step function)
     for r in routers:  # the router as the engine ran it before: F.linear through linear_bf16
         saved_fwd[id(r)] = r.__dict__.pop("forward")
     ck.patch_calls(routers)
     try:
         plain = _logits(m)
     finally:
-        for mod in mods + routers:
+        for mod in mods + routers + [m]:
             mod.forward = saved_fwd[id(mod)]
     assert torch.equal(fused, plain)  # (plain: the attention's own forward, q, k and v one call each)
     eng.close()

@@ -1,0 +1,202 @@
+"""A whole decode step for Qwen3-MoE on the CPU: one function instead of transformers' module tree.
+
+With every expert resident and the expert kernels at memory speed, about a fifth of a Qwen3-MoE decode step on a
+small model was Python around the kernels: the model's decorators, its causal-mask builder and rotary module, every
+decoder layer's and attention module's own forward, output dataclasses. `patch_decode_step` gives a
+`Qwen3MoeForCausalLM` whose parts the engine has already put on the CPU kernels (`cpu_kernels.patch_norms`,
+`patch_attention_modules`, `patch_attention`) a forward that takes a decode step (one token per row, a plain KV
+cache, no grad) straight through the same kernels, in the same order, with the same roundings: its logits are equal
+bit for bit to the module tree's (tested). The MoE blocks (router, engine) and the lm head are still called as
+modules, so their hooks run (telemetry, the engine's router-logits hook, forced routing); a hook on any module the
+step does not call, a global module hook, or any input it does not take (a prefill, labels, embeddings,
+`output_*` flags, a cache other than transformers' plain `DynamicCache`) sends the call to the model's own forward.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+
+from . import cpu_kernels
+
+
+# transformers' output-capturing hook (`utils.output_capturing`): inert unless the decorated forward collects
+_CAPTURE_HOOK = "install_output_capuring_hook.<locals>.output_capturing_hook"
+
+
+class _Qwen3MoeStep:
+    """What a decode step needs, collected once from the model (modules, their kernels' arguments)."""
+
+    def __init__(self, model):
+        inner = model.model
+        self.model = model
+        self.embed = inner.embed_tokens
+        self.norm = inner.norm
+        self.rotary = inner.rotary_emb
+        self.layers = list(inner.layers)
+        self.attn = [L.self_attn for L in self.layers]
+        self.configs = list({id(a.config): a.config for a in self.attn}.values())
+        # the modules the step computes itself: a hook on any of them sends the call to the model's own forward
+        self.bypassed = [inner, self.embed, self.norm, self.rotary]
+        for L, a in zip(self.layers, self.attn):
+            self.bypassed += [L, a, L.input_layernorm, L.post_attention_layernorm, a.q_norm, a.k_norm, a.q_proj,
+                              a.k_proj, a.v_proj, a.o_proj]
+
+    @staticmethod
+    def build(model):
+        """The step for `model`, or None where it does not apply (another family, a rotary type other than the
+        default, sliding windows, modules the engine did not put on the kernels)."""
+        inner = getattr(model, "model", None)
+        cfg = getattr(model, "config", None)
+        if type(model).__name__ != "Qwen3MoeForCausalLM" or inner is None or cfg is None:
+            return None
+        rot = getattr(inner, "rotary_emb", None)
+        if rot is None or getattr(rot, "rope_type", None) != "default" or not isinstance(
+                getattr(rot, "attention_scaling", None), float):
+            return None
+        emb = inner.embed_tokens
+        if type(emb) is not torch.nn.Embedding or emb.max_norm is not None or emb.weight.dtype != torch.bfloat16:
+            return None
+        norms = [inner.norm] + [n for L in inner.layers for n in (L.input_layernorm, L.post_attention_layernorm)]
+        if any(n.__dict__.get("forward") is None or n.__dict__["forward"].__func__ is not cpu_kernels._fast_norm
+               or n.weight.dtype != torch.bfloat16 for n in norms):
+            return None
+        for L in inner.layers:
+            a = L.self_attn
+            fwd = a.__dict__.get("forward")
+            if fwd is None or fwd.__func__ is not cpu_kernels._fast_qwen3_attention:
+                return None
+            if getattr(a, "sliding_window", None) is not None or a.config._attn_implementation != cpu_kernels.ATTENTION:
+                return None
+            hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, a.head_dim
+            if not (0 < d <= 256 and hk > 0 and hq % hk == 0 and hq // hk <= 16):
+                return None
+        return _Qwen3MoeStep(model)
+
+    def hooked(self) -> bool:
+        """Whether a hook would run on a module the step does not call (transformers' own output-capturing hooks,
+        left on the modules after a call that asked for hidden states, do nothing outside such a call: they do not
+        count; a call that asks goes to the model's own forward)."""
+        from torch.nn.modules import module as M
+
+        if M._global_forward_hooks or M._global_forward_pre_hooks:
+            return True
+        for m in self.bypassed:
+            if m._forward_pre_hooks:
+                return True
+            if m._forward_hooks and any(getattr(h, "__qualname__", "") != _CAPTURE_HOOK
+                                        for h in m._forward_hooks.values()):
+                return True
+        return False
+
+    def takes(self, ids, cache, attention_mask, position_ids) -> bool:
+        """Whether this call is a decode step the function computes (the rest go to the model's own forward)."""
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+
+        if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == 1 and not ids.is_cuda
+                and ids.shape[0] <= cpu_kernels.MAX_ROWS and not torch.is_grad_enabled() and not self.model.training):
+            return False
+        B = ids.shape[0]
+        if type(cache) is not DynamicCache or getattr(cache, "offloading", False) \
+                or len(cache.layers) != len(self.layers) \
+                or any(type(c) is not DynamicLayer or not c.is_initialized for c in cache.layers):
+            return False
+        keys = cache.layers[0].keys
+        if keys.dim() != 4 or keys.shape[0] != B or keys.dtype != torch.bfloat16:
+            return False
+        L = keys.shape[2] + 1
+        if attention_mask is not None and (attention_mask.dim() != 2 or tuple(attention_mask.shape) != (B, L)):
+            return False
+        if position_ids is not None and (position_ids.dim() != 2 or tuple(position_ids.shape) != (B, 1)):
+            return False
+        # (a config switched back to sdpa sends the step to the modules' own forward, as it does each layer's)
+        return all(c._attn_implementation == cpu_kernels.ATTENTION for c in self.configs) and not self.hooked()
+
+    def __call__(self, ids, cache, attention_mask, position_ids):
+        """Logits `[B, 1, V]` of one decode step; `cache` grows by one position per layer."""
+        B = ids.shape[0]
+        if position_ids is None:
+            position_ids = torch.full((1, 1), cache.layers[0].keys.shape[2], dtype=torch.long)
+        mask = None  # additive [B, L], as `cpu_kernels.attention` passes the model's padding mask to `attend_one`
+        if attention_mask is not None and not bool(attention_mask.all()):
+            mask = torch.zeros(attention_mask.shape, dtype=torch.float32).masked_fill_(attention_mask == 0,
+                                                                                      float("-inf"))
+        h = F.embedding(ids, self.embed.weight, self.embed.padding_idx)
+        # the rotary embedding as the model's module computes it (the same ops on the same shapes: equal bits)
+        rot = self.rotary
+        freqs = position_ids[..., None].float() * rot.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * rot.attention_scaling).to(h.dtype)
+        sin = (emb.sin() * rot.attention_scaling).to(h.dtype)
+        if cos.shape[0] != B:  # one position for every row (no padding)
+            cos, sin = cos.expand(B, -1, -1).contiguous(), sin.expand(B, -1, -1).contiguous()
+        rms, qk_norm_rope, attend = cpu_kernels.rms_norm, cpu_kernels.qk_norm_rope, cpu_kernels.attend_one
+        for i, (layer, a) in enumerate(zip(self.layers, self.attn)):
+            ln = layer.input_layernorm
+            x = rms(h, ln.weight, ln.variance_epsilon)
+            qkv = a.__dict__.get("_ec_qkv")
+            if qkv is not None and qkv.current((a.q_proj, a.k_proj, a.v_proj)):
+                q, k, v = qkv(x).split(qkv.sizes, -1)
+            else:
+                q, k, v = a.q_proj.forward(x), a.k_proj.forward(x), a.v_proj.forward(x)
+            D = a.head_dim
+            q, k = qk_norm_rope(q.view(B, 1, -1, D), k.view(B, 1, -1, D), a.q_norm.weight, a.k_norm.weight,
+                                a.q_norm.variance_epsilon, a.k_norm.variance_epsilon, cos, sin)
+            kv = cache.layers[i]
+            kv.keys = torch.cat([kv.keys, k], dim=-2)
+            kv.values = torch.cat([kv.values, v.view(B, 1, -1, D).transpose(1, 2)], dim=-2)
+            o = attend(q[:, :, 0], kv.keys, kv.values, mask, a.scaling)
+            h = h + a.o_proj.forward(o.reshape(B, 1, -1))
+            ln = layer.post_attention_layernorm
+            h = h + layer.mlp(rms(h, ln.weight, ln.variance_epsilon))
+        h = rms(h, self.norm.weight, self.norm.variance_epsilon)
+        return self.model.lm_head(h)
+
+
+_OUTPUT_FLAGS = ("output_router_logits", "output_hidden_states", "output_attentions")
+
+
+def _decode_step_forward(self, *args, **kwargs):
+    """The model's forward: a decode step through `_Qwen3MoeStep`, anything else through the class's own."""
+    step = self.__dict__.get("_ec_step")
+    if not args and step is not None:
+        ids = kwargs.get("input_ids")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        extra = set(kwargs) - {"input_ids", "cache", "past_key_values", "attention_mask", "position_ids",
+                               "use_cache", "logits_to_keep"}
+        if (not extra and kwargs.get("use_cache") is not False and kwargs.get("logits_to_keep", 0) in (0, 1)
+                and not any(getattr(self.config, f, False) for f in _OUTPUT_FLAGS)
+                and step.takes(ids, cache, kwargs.get("attention_mask"), kwargs.get("position_ids"))):
+            from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+            logits = step(ids, cache, kwargs.get("attention_mask"), kwargs.get("position_ids"))
+            return MoeCausalLMOutputWithPast(logits=logits, **{_cache_field(type(self)): cache})
+    return type(self).forward(self, *args, **kwargs)
+
+
+def _cache_field(cls) -> str:
+    from .decode import _cache_kw
+
+    return _cache_kw(cls)
+
+
+def patch_decode_step(model) -> list:
+    """`model` (a `Qwen3MoeForCausalLM` whose norms and attention the engine put on the CPU kernels) takes its decode
+    steps through one function (`_Qwen3MoeStep`). Returns `[model]` for `unpatch_decode_step`, or `[]` where the
+    step does not apply (the model keeps its own forward)."""
+    if "forward" in model.__dict__:
+        return []
+    step = _Qwen3MoeStep.build(model)
+    if step is None:
+        return []
+    model.__dict__["_ec_step"] = step
+    model.forward = types.MethodType(_decode_step_forward, model)
+    return [model]
+
+
+def unpatch_decode_step(models) -> None:
+    for m in models:
+        m.__dict__.pop("forward", None)
+        m.__dict__.pop("_ec_step", None)

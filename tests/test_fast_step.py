@@ -1,0 +1,167 @@
+"""The whole-step decode function for Qwen3-MoE (`runtime/fast_step.py`): it takes the decode steps, gives the
+module tree's logits bit for bit, and hands every call it does not take back to the model's own forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from expertcache.runtime import cpu_kernels as ck
+from expertcache.runtime import fast_step
+from expertcache.runtime import quant
+
+needs_ext = pytest.mark.skipif(not ck.available(), reason=f"CPU kernels unavailable: {ck.why_unavailable()}")
+
+
+def _steps(m, ids, steps, mask=None, **kw):
+    """Prefill `ids`, then one decode step per column of `steps` (fixed tokens): every step's last logits. Returns
+    (logits, how many calls the step function computed)."""
+    from transformers import DynamicCache
+
+    taken = []
+    step = m.__dict__.get("_ec_step")
+    if step is not None:
+        real = type(step).__call__
+        step.__class__ = type("Counted", (type(step),), {"__call__": lambda s, *a: taken.append(1) or real(s, *a)})
+    out = []
+    try:
+        with torch.no_grad():
+            cache = DynamicCache(config=m.config)
+            r = m(input_ids=ids, past_key_values=cache, use_cache=True,
+                  **({} if mask is None else {"attention_mask": mask}), **kw)
+            out.append(r.logits[:, -1].float())
+            for col in steps.T:
+                if mask is not None:
+                    mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype)], 1)
+                r = m(input_ids=col[:, None], past_key_values=cache, use_cache=True,
+                      **({} if mask is None else {"attention_mask": mask}), **kw)
+                out.append(r.logits[:, -1].float())
+    finally:
+        if step is not None:
+            step.__class__ = type(step).__mro__[1]
+    return torch.stack(out), len(taken)
+
+
+def _tree(m, *a, **kw):
+    """The same, with the model on its own forward (the modules' patched decode ops still in place)."""
+    fwd = m.__dict__.pop("forward")
+    try:
+        return _steps(m, *a, **kw)
+    finally:
+        m.forward = fwd
+
+
+@pytest.fixture(scope="module")
+def qwen(family_checkpoints):
+    return family_checkpoints / "qwen3_moe"
+
+
+@pytest.fixture(scope="module")
+def qwen_int4(family_checkpoints, tmp_path_factory):
+    """The same family with packed experts and packed attention projections and output head (int4, group 32)."""
+    from tiny_models import build_model, tiny_config
+
+    root = tmp_path_factory.mktemp("fast_step")
+    build_model(tiny_config("qwen3_moe", hidden_size=64, moe_intermediate_size=64, intermediate_size=64,
+                            tie_word_embeddings=False), seed=3, dtype=torch.bfloat16).save_pretrained(root / "src")
+    quant.write_quantized(root / "src", root / "q", 4, 32, linears=True)
+    return root / "q"
+
+
+@needs_ext
+@pytest.mark.parametrize("which", ["bf16", "int4"])
+def test_the_step_function_gives_the_module_trees_logits_bit_for_bit(qwen, qwen_int4, which):
+    """One row, then two rows without padding: every decode step goes through the step function, and its logits
+    equal, bit for bit, those of the model's own forward over the same patched modules."""
+    from expertcache.runtime import load
+
+    m = load(qwen if which == "bf16" else qwen_int4, capacity=1.0, tier="host", kernel="cpu")
+    assert m.__dict__.get("_ec_step") is not None and m.expertcache._step == [m]
+    if which == "int4":
+        assert isinstance(m.model.layers[0].self_attn.q_proj, quant.QuantLinear)
+    ids, steps = torch.tensor([[5, 9, 33, 2, 71, 100, 7, 12]]), torch.tensor([[3, 14, 15, 92, 6]])
+    got, taken = _steps(m, ids, steps)
+    want, _ = _tree(m, ids, steps)
+    assert taken == steps.shape[1] and torch.equal(got, want)
+    ids2, steps2 = torch.cat([ids, ids.flip(1)]), torch.cat([steps, steps.flip(1)])
+    got, taken = _steps(m, ids2, steps2)
+    want, _ = _tree(m, ids2, steps2)
+    assert taken == steps2.shape[1] and torch.equal(got, want)
+    m.expertcache.close()
+    assert "forward" not in m.__dict__ and "_ec_step" not in m.__dict__  # the model's own forward again
+
+
+@needs_ext
+def test_left_padded_rows_decode_through_the_step_with_their_mask_and_positions(qwen):
+    """The decode loop's batch (`decode.Batch`): two prompts of different lengths, left-padded, decoded together,
+    each at its own positions under the padding mask: the same tokens and logits, bit for bit, as the module tree."""
+    from expertcache.runtime import load
+    from expertcache.runtime.decode import Batch
+    from expertcache.runtime.generate import Generation
+    from expertcache.runtime.request import SamplingParams
+
+    m = load(qwen, capacity=1.0, tier="host", kernel="cpu")
+
+    def run():
+        gens = [Generation(m, None, p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3))
+                for p in ([5, 9, 33], [7, 12, 71, 100, 2, 8, 40])]
+        b = Batch(m, max_rows=2)
+        for g in gens:
+            b.admit(g)
+        while len(b):
+            b.step()
+        return [(g.completion_ids, g.token_scores) for g in gens]
+
+    step, taken = m.__dict__["_ec_step"], []
+    real = type(step).__call__
+    step.__class__ = type("Counted", (type(step),), {"__call__": lambda s, *a: taken.append(a[2]) or real(s, *a)})
+    got = run()
+    step.__class__ = type(step).__mro__[1]
+    assert len(taken) == 5 and all(mk is not None and mk.shape[0] == 2 for mk in taken)  # the mask went in
+    fwd = m.__dict__.pop("forward")
+    want = run()
+    m.forward = fwd
+    assert got == want
+    m.expertcache.close()
+
+
+@needs_ext
+def test_calls_the_step_does_not_take_go_to_the_models_own_forward(qwen):
+    """A hook on a module the step does not call (a decoder layer), hidden states asked for, or the attention
+    switched back to sdpa: the model's own forward runs (the hook fires each step) and the logits are unchanged.
+    Hooks on the routers (telemetry, forced routing) stay on the step: it calls the MoE blocks as modules."""
+    from expertcache.runtime import load
+
+    m = load(qwen, capacity=1.0, tier="host", kernel="cpu")
+    ids, steps = torch.tensor([[5, 9, 33, 2]]), torch.tensor([[3, 14, 15]])
+    want, taken = _steps(m, ids, steps)
+    assert taken == 3
+    seen = []
+    h = m.model.layers[1].register_forward_hook(lambda mod, a, o: seen.append(1))
+    got, taken = _steps(m, ids, steps)
+    h.remove()
+    assert taken == 0 and len(seen) == 4 and torch.equal(got, want)
+    got, taken = _steps(m, ids, steps, output_hidden_states=True)
+    assert taken == 0 and torch.equal(got, want)
+    routed = []
+    h = m.model.layers[0].mlp.gate.register_forward_hook(lambda mod, a, o: routed.append(o[2].tolist()))
+    got, taken = _steps(m, ids, steps)
+    h.remove()
+    assert taken == 3 and len(routed) == 4 and torch.equal(got, want)
+    for c in m.expertcache._attention:
+        c._attn_implementation_internal = "sdpa"
+    got, taken = _steps(m, ids, steps)
+    assert taken == 0 and (got - want).abs().max() < 0.1  # sdpa's own rounding
+    m.expertcache.close()
+
+
+@needs_ext
+def test_only_qwen3_moe_on_the_kernels_takes_the_step(family_checkpoints):
+    """Other families, and Qwen3-MoE on the torch path (kernel native), keep the model's own forward."""
+    from expertcache.runtime import load
+
+    for fam, kernel in (("mixtral", "cpu"), ("qwen3_moe", "native")):
+        m = load(family_checkpoints / fam, capacity=1.0, tier="host", kernel=kernel)
+        assert "forward" not in m.__dict__ and m.expertcache._step == [], (fam, kernel)
+        assert fast_step.patch_decode_step(m) == []
+        m.expertcache.close()
