@@ -893,8 +893,9 @@ class OffloadEngine:
                 self.shadow[t] = {e for e in top if self.states[t].lookup(e) is None
                                   and self.states[t].victim(e) is None}
         stall = self._settle(pos, set(needed))
-        hits = [e for e in needed if st.lookup(e) is not None]
-        misses = [e for e in needed if st.lookup(e) is None]
+        slot_of = {e: st.lookup(e) for e in needed}  # (one lookup each: the hits' slots, None for the misses)
+        hits = [e for e in needed if slot_of[e] is not None]
+        misses = [e for e in needed if slot_of[e] is None]
         reused = []  # misses whose bytes a staging slot still holds (victims): served from there, nothing read
         if self._victims_on():
             reused = [e for e in misses if st.victim(e) is not None]
@@ -910,7 +911,7 @@ class OffloadEngine:
         scores_keep = self._scores(pos, hidden, needed)
         # 3. compute: everything resident -> one call of the family's forward over the slots (plain's own path)
         if not misses and not reused and not mod.eager:
-            out = self._compute_in_slots(mod, hidden, [st.lookup(e) for e in flat], top_k_index, top_k_weights)
+            out = self._compute_in_slots(mod, hidden, [slot_of[e] for e in flat], top_k_index, top_k_weights)
             st.retain(needed, {}, scores_keep, protect=self._in_flight(pos))
         elif self.low_tier is not None:  # computed from the packed copy, not admitted; hot ones upgraded after
             self.stats.lowbit_served += len(misses)

@@ -38,6 +38,9 @@ class _Qwen3MoeStep:
         self.layers = list(inner.layers)
         self.attn = [L.self_attn for L in self.layers]
         self.configs = list({id(a.config): a.config for a in self.attn}.values())
+        # each layer's modules, looked up once (not through nn.Module's attribute hook on every step)
+        self.plan = [(a, L.input_layernorm, L.post_attention_layernorm, a.q_norm, a.k_norm,
+                      (a.q_proj, a.k_proj, a.v_proj), a.o_proj, L.mlp, a.head_dim) for L, a in zip(self.layers, self.attn)]
         # the modules the step computes itself: a hook on any of them sends the call to the model's own forward
         self.bypassed = [inner, self.embed, self.norm, self.rotary]
         for L, a in zip(self.layers, self.attn):
@@ -133,24 +136,20 @@ class _Qwen3MoeStep:
         if cos.shape[0] != B:  # one position for every row (no padding)
             cos, sin = cos.expand(B, -1, -1).contiguous(), sin.expand(B, -1, -1).contiguous()
         rms, qk_norm_rope, attend = cpu_kernels.rms_norm, cpu_kernels.qk_norm_rope, cpu_kernels.attend_one
-        for i, (layer, a) in enumerate(zip(self.layers, self.attn)):
-            ln = layer.input_layernorm
-            x = rms(h, ln.weight, ln.variance_epsilon)
+        for kv, (a, ln1, ln2, qn, kn, projs, o_proj, mlp, D) in zip(cache.layers, self.plan):
+            x = rms(h, ln1._parameters["weight"], ln1.variance_epsilon)
             qkv = a.__dict__.get("_ec_qkv")
-            if qkv is not None and qkv.current((a.q_proj, a.k_proj, a.v_proj)):
+            if qkv is not None and qkv.current(projs):
                 q, k, v = qkv(x).split(qkv.sizes, -1)
             else:
-                q, k, v = a.q_proj.forward(x), a.k_proj.forward(x), a.v_proj.forward(x)
-            D = a.head_dim
-            q, k = qk_norm_rope(q.view(B, 1, -1, D), k.view(B, 1, -1, D), a.q_norm.weight, a.k_norm.weight,
-                                a.q_norm.variance_epsilon, a.k_norm.variance_epsilon, cos, sin)
-            kv = cache.layers[i]
+                q, k, v = (p.forward(x) for p in projs)
+            q, k = qk_norm_rope(q.view(B, 1, -1, D), k.view(B, 1, -1, D), qn._parameters["weight"],
+                                kn._parameters["weight"], qn.variance_epsilon, kn.variance_epsilon, cos, sin)
             kv.keys = torch.cat([kv.keys, k], dim=-2)
             kv.values = torch.cat([kv.values, v.view(B, 1, -1, D).transpose(1, 2)], dim=-2)
             o = attend(q[:, :, 0], kv.keys, kv.values, mask, a.scaling)
-            h = h + a.o_proj.forward(o.reshape(B, 1, -1))
-            ln = layer.post_attention_layernorm
-            h = h + layer.mlp(rms(h, ln.weight, ln.variance_epsilon))
+            h = h + o_proj.forward(o.reshape(B, 1, -1))
+            h = h + mlp(rms(h, ln2._parameters["weight"], ln2.variance_epsilon))
         h = rms(h, self.norm.weight, self.norm.variance_epsilon)
         return self.model.lm_head(h)
 
