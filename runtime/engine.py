@@ -1216,9 +1216,9 @@ class OffloadEngine:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        fast_step.unpatch_decode_step(self._step)  # first: the step relies on the modules patched below
         cpu_kernels.unpatch_linears(self._linears)
         cpu_kernels.unpatch_attention(self._attention)
-        fast_step.unpatch_decode_step(self._step)
         self._linears, self._attention, self._step = [], [], []
         self.pool_exec.shutdown(wait=True)
         for mod in self.modules:  # break the engine <-> module cycle: the slot pools go when the engine does

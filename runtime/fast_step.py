@@ -14,6 +14,7 @@ step does not call, a global module hook, or any input it does not take (a prefi
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -41,11 +42,16 @@ class _Qwen3MoeStep:
         # each layer's modules, looked up once (not through nn.Module's attribute hook on every step)
         self.plan = [(a, L.input_layernorm, L.post_attention_layernorm, a.q_norm, a.k_norm,
                       (a.q_proj, a.k_proj, a.v_proj), a.o_proj, L.mlp, a.head_dim) for L, a in zip(self.layers, self.attn)]
-        # the modules the step computes itself: a hook on any of them sends the call to the model's own forward
-        self.bypassed = [inner, self.embed, self.norm, self.rotary]
-        for L, a in zip(self.layers, self.attn):
-            self.bypassed += [L, a, L.input_layernorm, L.post_attention_layernorm, a.q_norm, a.k_norm, a.q_proj,
-                              a.k_proj, a.v_proj, a.o_proj]
+        # the modules the step computes itself, with their parents: a hook on any of them, or one replaced, of
+        # another class (a parametrization) or with another forward since, sends the call to the model's own forward
+        where = [(model, "model"), (inner, "embed_tokens"), (inner, "norm"), (inner, "rotary_emb")]
+        for i, L in enumerate(self.layers):
+            where += [(inner.layers, str(i)), (L, "self_attn"), (L, "input_layernorm"), (L, "post_attention_layernorm"),
+                      (L, "mlp")]
+            where += [(L.self_attn, n) for n in ("q_norm", "k_norm", "q_proj", "k_proj", "v_proj", "o_proj")]
+        # (the MoE blocks are called as modules: their hooks run, so only their identity is checked)
+        self.bypassed = [(p._modules, name, p._modules[name], type(p._modules[name]),
+                          p._modules[name].__dict__.get("forward"), name == "mlp") for p, name in where]
 
     @staticmethod
     def build(model):
@@ -63,13 +69,12 @@ class _Qwen3MoeStep:
         if type(emb) is not torch.nn.Embedding or emb.max_norm is not None or emb.weight.dtype != torch.bfloat16:
             return None
         norms = [inner.norm] + [n for L in inner.layers for n in (L.input_layernorm, L.post_attention_layernorm)]
-        if any(n.__dict__.get("forward") is None or n.__dict__["forward"].__func__ is not cpu_kernels._fast_norm
+        if any(getattr(n.__dict__.get("forward"), "__func__", None) is not cpu_kernels._fast_norm
                or n.weight.dtype != torch.bfloat16 for n in norms):
             return None
         for L in inner.layers:
             a = L.self_attn
-            fwd = a.__dict__.get("forward")
-            if fwd is None or fwd.__func__ is not cpu_kernels._fast_qwen3_attention:
+            if getattr(a.__dict__.get("forward"), "__func__", None) is not cpu_kernels._fast_qwen3_attention:
                 return None
             if getattr(a, "sliding_window", None) is not None or a.config._attn_implementation != cpu_kernels.ATTENTION:
                 return None
@@ -79,14 +84,19 @@ class _Qwen3MoeStep:
         return _Qwen3MoeStep(model)
 
     def hooked(self) -> bool:
-        """Whether a hook would run on a module the step does not call (transformers' own output-capturing hooks,
+        """Whether a module the step does not call was replaced (or re-classed, or given another forward) since it
+        was built, or whether a hook would run on one (transformers' own output-capturing hooks,
         left on the modules after a call that asked for hidden states, do nothing outside such a call: they do not
         count; a call that asks goes to the model's own forward)."""
         from torch.nn.modules import module as M
 
         if M._global_forward_hooks or M._global_forward_pre_hooks:
             return True
-        for m in self.bypassed:
+        for mods, name, m, cls, fwd, called in self.bypassed:
+            if mods.get(name) is not m or type(m) is not cls or m.__dict__.get("forward") is not fwd:
+                return True  # replaced since the step was built (its plan would call the old module)
+            if called:
+                continue
             if m._forward_pre_hooks:
                 return True
             if m._forward_hooks and any(getattr(h, "__qualname__", "") != _CAPTURE_HOOK
@@ -98,7 +108,7 @@ class _Qwen3MoeStep:
         """Whether this call is a decode step the function computes (the rest go to the model's own forward)."""
         from transformers.cache_utils import DynamicCache, DynamicLayer
 
-        if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == 1 and not ids.is_cuda
+        if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == 1 and ids.device.type == "cpu"
                 and ids.shape[0] <= cpu_kernels.MAX_ROWS and not torch.is_grad_enabled() and not self.model.training):
             return False
         B = ids.shape[0]
@@ -110,9 +120,11 @@ class _Qwen3MoeStep:
         if keys.dim() != 4 or keys.shape[0] != B or keys.dtype != torch.bfloat16:
             return False
         L = keys.shape[2] + 1
-        if attention_mask is not None and (attention_mask.dim() != 2 or tuple(attention_mask.shape) != (B, L)):
+        if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2
+                                           or tuple(attention_mask.shape) != (B, L)):
             return False
-        if position_ids is not None and (position_ids.dim() != 2 or tuple(position_ids.shape) != (B, 1)):
+        if position_ids is not None and (not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2
+                                         or tuple(position_ids.shape) != (B, 1)):
             return False
         # (a config switched back to sdpa sends the step to the modules' own forward, as it does each layer's)
         return all(c._attn_implementation == cpu_kernels.ATTENTION for c in self.configs) and not self.hooked()
@@ -165,8 +177,10 @@ def _decode_step_forward(self, *args, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         extra = set(kwargs) - {"input_ids", "cache", "past_key_values", "attention_mask", "position_ids",
                                "use_cache", "logits_to_keep"}
-        if (not extra and kwargs.get("use_cache") is not False and kwargs.get("logits_to_keep", 0) in (0, 1)
+        keep = kwargs.get("logits_to_keep", 0)
+        if (not extra and kwargs.get("use_cache") is not False and type(keep) is int and keep in (0, 1)
                 and not any(getattr(self.config, f, False) for f in _OUTPUT_FLAGS)
+                and getattr(self.config, "return_dict", True) is not False  # (a tuple is asked for)
                 and step.takes(ids, cache, kwargs.get("attention_mask"), kwargs.get("position_ids"))):
             from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
@@ -191,7 +205,10 @@ def patch_decode_step(model) -> list:
     if step is None:
         return []
     model.__dict__["_ec_step"] = step
-    model.forward = types.MethodType(_decode_step_forward, model)
+    # with the class's signature: `generate` reads it to decide what it passes (position ids from the attention
+    # mask, the mask itself, logits_to_keep)
+    fwd = functools.wraps(type(model).forward)(lambda self, *a, **kw: _decode_step_forward(self, *a, **kw))
+    model.forward = types.MethodType(fwd, model)
     return [model]
 
 

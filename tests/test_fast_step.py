@@ -165,3 +165,59 @@ def test_only_qwen3_moe_on_the_kernels_takes_the_step(family_checkpoints):
         assert "forward" not in m.__dict__ and m.expertcache._step == [], (fam, kernel)
         assert fast_step.patch_decode_step(m) == []
         m.expertcache.close()
+
+
+@needs_ext
+def test_generate_sees_the_models_own_signature_and_decodes_a_padded_batch_the_same(qwen):
+    """transformers' `generate` reads the forward's signature to decide what it passes (position ids from the mask,
+    the mask, logits_to_keep): the step keeps the class's, and a left-padded batch decodes the same tokens as with
+    the step off."""
+    import inspect
+
+    from expertcache.runtime import load
+
+    m = load(qwen, capacity=1.0, tier="host", kernel="cpu")
+    params = inspect.signature(m.forward).parameters
+    assert list(params) == list(inspect.signature(type(m).forward).parameters)[1:]  # (less `self`)
+    assert {"position_ids", "attention_mask", "logits_to_keep"} <= set(params)
+    ids = torch.tensor([[0, 0, 5, 9, 33], [7, 12, 71, 100, 2]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    got = m.generate(ids, **kw)
+    fwd = m.__dict__.pop("forward")
+    want = m.generate(ids, **kw)
+    m.forward = fwd
+    assert torch.equal(got, want)
+    m.expertcache.close()
+
+
+@needs_ext
+def test_a_module_replaced_or_a_tuple_asked_for_goes_to_the_models_own_forward(qwen):
+    """A projection replaced after the engine attached (as an adapter library would), `return_dict=False` and a
+    tensor `logits_to_keep`: the model's own forward runs, no error."""
+    from expertcache.runtime import load
+
+    m = load(qwen, capacity=1.0, tier="host", kernel="cpu")
+    ids, steps = torch.tensor([[5, 9, 33, 2]]), torch.tensor([[3, 14]])
+    want, taken = _steps(m, ids, steps)
+    assert taken == 2
+    a = m.model.layers[0].self_attn
+    old = a.o_proj
+    new = torch.nn.Linear(old.in_features, old.out_features, bias=False, dtype=torch.bfloat16)
+    new.weight.data.copy_(old.weight.data)
+    a.o_proj = new
+    got, taken = _steps(m, ids, steps)
+    assert taken == 0 and (got - want).abs().max() < 0.1  # the new module ran (torch's own bf16 linear)
+    a.o_proj = old
+    got, taken = _steps(m, ids, steps)
+    assert taken == 2 and torch.equal(got, want)
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        cache = DynamicCache(config=m.config)
+        m(input_ids=ids, past_key_values=cache, use_cache=True)
+        r = m(input_ids=steps[:, :1], past_key_values=cache, use_cache=True, return_dict=False)
+        assert isinstance(r, tuple)
+        r = m(input_ids=steps[:, 1:], past_key_values=cache, use_cache=True, logits_to_keep=torch.tensor([0]))
+        assert r.logits.shape[-1] == m.config.vocab_size
+    m.expertcache.close()
