@@ -221,3 +221,50 @@ def test_a_module_replaced_or_a_tuple_asked_for_goes_to_the_models_own_forward(q
         r = m(input_ids=steps[:, 1:], past_key_values=cache, use_cache=True, logits_to_keep=torch.tensor([0]))
         assert r.logits.shape[-1] == m.config.vocab_size
     m.expertcache.close()
+
+
+@needs_ext
+def test_the_kv_cache_grows_in_place_and_decodes_as_the_module_tree(qwen, monkeypatch):
+    """The step appends each position into a buffer with room to spare (no concatenation of the whole cache per
+    step): over growths of the buffer, rows leaving a batch mid-way (their cache rows dropped) and a step through
+    the model's own forward in between (a hook), every token and logprob equals the module tree's, and the cache
+    the caller holds has the same keys and values."""
+    from expertcache.runtime import load
+    from expertcache.runtime.decode import Batch
+    from expertcache.runtime.generate import Generation
+    from expertcache.runtime.request import SamplingParams
+
+    monkeypatch.setattr(fast_step, "KV_SPARE", 3)  # a growth every few steps
+    m = load(qwen, capacity=1.0, tier="host", kernel="cpu")
+
+    def run(hook_at=None):
+        gens = [Generation(m, None, p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2))
+                for p, n in (([5, 9, 33], 7), ([7, 12, 71, 100, 2, 8, 40], 16), ([3, 3, 4], 12))]
+        b = Batch(m, max_rows=3)
+        for g in gens:
+            b.admit(g)
+        steps, caches = 0, []
+        while len(b):
+            h = m.model.layers[0].register_forward_hook(lambda *a: None) if steps == hook_at else None
+            b.step()
+            if h is not None:
+                h.remove()
+            steps += 1
+            if b.cache is not None:
+                caches.append([(c.keys.clone(), c.values.clone()) for c in b.cache.layers])
+                step = m.__dict__.get("_ec_step")
+                if step is not None:  # the buffers' lengths (grown past the prompt's + KV_SPARE)
+                    sizes.append(max((kb.shape[2] for kb, _ in step.kv_bufs.values()), default=0))
+        return [(g.completion_ids, g.token_scores) for g in gens], caches
+
+    sizes = []
+
+    got, got_kv = run(hook_at=5)
+    assert max(sizes) > 7 + 3 + 3  # grown more than once past the longest prompt
+    fwd = m.__dict__.pop("forward")
+    want, want_kv = run()
+    m.forward = fwd
+    assert got == want
+    assert len(got_kv) == len(want_kv) and all(
+        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for ga, wa in zip(got_kv, want_kv) for a, b in zip(ga, wa))
+    m.expertcache.close()
