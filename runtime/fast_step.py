@@ -40,7 +40,7 @@ class _Qwen3MoeStep:
         self.layers = list(inner.layers)
         self.attn = [L.self_attn for L in self.layers]
         self.configs = list({id(a.config): a.config for a in self.attn}.values())
-        self.kv_bufs = weakref.WeakKeyDictionary()  # a KV layer -> its (keys, values) buffers (`append`)
+        self.kv_bufs = weakref.WeakKeyDictionary()  # a KV layer -> its buffers and the views it was given
         # each layer's modules, looked up once (not through nn.Module's attribute hook on every step)
         self.plan = [(a, L.input_layernorm, L.post_attention_layernorm, a.q_norm, a.k_norm,
                       (a.q_proj, a.k_proj, a.v_proj), a.o_proj, L.mlp, a.head_dim) for L, a in zip(self.layers, self.attn)]
@@ -168,43 +168,43 @@ class _Qwen3MoeStep:
 
 
     def append(self, kv, k, v):
-        """The KV layer `kv` one position longer: `k`, `v` `[B, H, 1, D]` written after its keys and values in a
-        buffer with room to spare (grown by half its length, at least `KV_SPARE` positions, when full), and views
-        of its first positions returned, where transformers' layer concatenates the whole cache again at every step
-        (O(context) bytes copied per layer and token: 2 MB per layer at 1,024 tokens here). Keys and values that are
-        not the views this function returned last (the prefill's, or changed since: padded, rows dropped, the model's
-        own forward) are copied into a new buffer first. Positions already written are never written again, so a
-        view taken earlier keeps its values."""
-        bufs = self.kv_bufs.get(kv)
+        """The KV layer `kv` one position longer (`k`, `v` `[B, H, 1, D]`). Transformers' layer concatenates the
+        whole cache with the new position at every step: O(context) bytes copied per layer and token (2 MB per layer
+        at 1,024 tokens here). From `KV_BUFFER_FROM` positions on, the position is written into a buffer with room
+        to spare instead (grown by half its length, at least `KV_SPARE` positions, when full) and the layer gets
+        views of its first positions; below it the concatenation is cheaper than the buffer's bookkeeping and stays.
+        Keys and values that are not the views this function returned last (the prefill's, or changed since:
+        padded, rows dropped, a step through the model's own forward) are copied into a new buffer first. Positions
+        already written are never written again, so a view taken earlier keeps its values."""
         keys, values = kv.keys, kv.values
         L = keys.shape[2]
-        if bufs is None or not (_is_prefix(keys, bufs[0], L) and _is_prefix(values, bufs[1], L)):
-            cap = L + max(KV_SPARE, L // 2)
-            kb = keys.new_empty((*keys.shape[:2], cap, keys.shape[3]))
-            vb = values.new_empty((*values.shape[:2], cap, values.shape[3]))
-            kb[:, :, :L].copy_(keys)
-            vb[:, :, :L].copy_(values)
-            bufs = (kb, vb)
-        elif L == bufs[0].shape[2]:  # full: a longer buffer, the positions so far copied once
-            cap = L + max(KV_SPARE, L // 2)
-            kb, vb = bufs
-            bufs = (kb.new_empty((*kb.shape[:2], cap, kb.shape[3])), vb.new_empty((*vb.shape[:2], cap, vb.shape[3])))
-            bufs[0][:, :, :L].copy_(kb[:, :, :L])
-            bufs[1][:, :, :L].copy_(vb[:, :, :L])
-        kb, vb = bufs
+        st = self.kv_bufs.get(kv)
+        if st is None or st[2] is not keys or st[3] is not values:  # not our views: the prefill's, or changed
+            if L < KV_BUFFER_FROM:
+                if st is not None:
+                    del self.kv_bufs[kv]
+                return torch.cat([keys, k], dim=-2), torch.cat([values, v], dim=-2)
+            kb, vb = _grown(keys, L), _grown(values, L)
+        else:
+            kb, vb = st[0], st[1]
+            if L == kb.shape[2]:  # full: a longer buffer, the positions so far copied once
+                kb, vb = _grown(kb, L), _grown(vb, L)
         kb[:, :, L:L + 1].copy_(k)
         vb[:, :, L:L + 1].copy_(v)
-        self.kv_bufs[kv] = bufs
-        return kb[:, :, :L + 1], vb[:, :, :L + 1]
+        kv_, vv = kb[:, :, :L + 1], vb[:, :, :L + 1]
+        self.kv_bufs[kv] = (kb, vb, kv_, vv)
+        return kv_, vv
 
 
+KV_BUFFER_FROM = 256  # context length from which a KV layer grows in place (`_Qwen3MoeStep.append`)
 KV_SPARE = 64  # positions a KV buffer grows by at least
 
 
-def _is_prefix(t, buf, L: int) -> bool:
-    """Whether `t` is the view of `buf`'s first `L` positions that `append` returned (same memory, shape, strides)."""
-    return (t.data_ptr() == buf.data_ptr() and t.dtype == buf.dtype and t.shape[:2] == buf.shape[:2]
-            and t.shape[2] == L and t.shape[3] == buf.shape[3] and L <= buf.shape[2] and t.stride() == buf.stride())
+def _grown(t, L: int):
+    """A buffer `[B, H, L + room, D]` whose first `L` positions hold `t`'s."""
+    buf = t.new_empty((t.shape[0], t.shape[1], L + max(KV_SPARE, L // 2), t.shape[3]))
+    buf[:, :, :L].copy_(t[:, :, :L])
+    return buf
 
 
 _OUTPUT_FLAGS = ("output_router_logits", "output_hidden_states", "output_attentions")

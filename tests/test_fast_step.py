@@ -235,6 +235,7 @@ def test_the_kv_cache_grows_in_place_and_decodes_as_the_module_tree(qwen, monkey
     from expertcache.runtime.request import SamplingParams
 
     monkeypatch.setattr(fast_step, "KV_SPARE", 3)  # a growth every few steps
+    monkeypatch.setattr(fast_step, "KV_BUFFER_FROM", 9)  # (the longest prompt is 7: concatenated, then buffered)
     m = load(qwen, capacity=1.0, tier="host", kernel="cpu")
 
     def run(hook_at=None):
@@ -254,7 +255,7 @@ def test_the_kv_cache_grows_in_place_and_decodes_as_the_module_tree(qwen, monkey
                 caches.append([(c.keys.clone(), c.values.clone()) for c in b.cache.layers])
                 step = m.__dict__.get("_ec_step")
                 if step is not None:  # the buffers' lengths (grown past the prompt's + KV_SPARE)
-                    sizes.append(max((kb.shape[2] for kb, _ in step.kv_bufs.values()), default=0))
+                    sizes.append(max((st[0].shape[2] for st in step.kv_bufs.values()), default=0))
         return [(g.completion_ids, g.token_scores) for g in gens], caches
 
     sizes = []
