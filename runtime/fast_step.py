@@ -40,7 +40,7 @@ class _Qwen3MoeStep:
         self.layers = list(inner.layers)
         self.attn = [L.self_attn for L in self.layers]
         self.configs = list({id(a.config): a.config for a in self.attn}.values())
-        self.kv_bufs = weakref.WeakKeyDictionary()  # a KV layer -> its buffers and the views it was given
+        self.kv_bufs = weakref.WeakKeyDictionary()  # a KV layer -> the views of its buffers it was given
         # each layer's modules, looked up once (not through nn.Module's attribute hook on every step)
         self.plan = [(a, L.input_layernorm, L.post_attention_layernorm, a.q_norm, a.k_norm,
                       (a.q_proj, a.k_proj, a.v_proj), a.o_proj, L.mlp, a.head_dim) for L, a in zip(self.layers, self.attn)]
@@ -178,26 +178,33 @@ class _Qwen3MoeStep:
         already written are never written again, so a view taken earlier keeps its values."""
         keys, values = kv.keys, kv.values
         L = keys.shape[2]
-        st = self.kv_bufs.get(kv)
-        if st is None or st[2] is not keys or st[3] is not values:  # not our views: the prefill's, or changed
+        st = self.kv_bufs.get(kv)  # weak references to the views handed out last: a buffer lives as long as they do
+        if st is None or st[0]() is not keys or st[1]() is not values:  # not our views: the prefill's, or changed
             if L < KV_BUFFER_FROM:
                 if st is not None:
                     del self.kv_bufs[kv]
                 return torch.cat([keys, k], dim=-2), torch.cat([values, v], dim=-2)
             kb, vb = _grown(keys, L), _grown(values, L)
         else:
-            kb, vb = st[0], st[1]
+            kb, vb = keys._base, values._base  # (our views' buffers)
             if L == kb.shape[2]:  # full: a longer buffer, the positions so far copied once
                 kb, vb = _grown(kb, L), _grown(vb, L)
         kb[:, :, L:L + 1].copy_(k)
         vb[:, :, L:L + 1].copy_(v)
         kv_, vv = kb[:, :, :L + 1], vb[:, :, :L + 1]
-        self.kv_bufs[kv] = (kb, vb, kv_, vv)
+        self.kv_bufs[kv] = (weakref.ref(kv_), weakref.ref(vv))
         return kv_, vv
 
 
 KV_BUFFER_FROM = 256  # context length from which a KV layer grows in place (`_Qwen3MoeStep.append`)
 KV_SPARE = 64  # positions a KV buffer grows by at least
+KV_HEADROOM = 1.5  # a buffer holds at most this times its cache's positions (room to spare: half the length)
+
+
+def kv_headroom(model, length: int) -> float:
+    """How many times the bytes of its positions a KV cache of `length` positions may hold on `model` (a budget for
+    a batch's cache at its longest counts this): `KV_HEADROOM` where the decode step grows caches in place."""
+    return KV_HEADROOM if "_ec_step" in model.__dict__ and length >= KV_BUFFER_FROM else 1.0
 
 
 def _grown(t, L: int):

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from expertcache.telemetry.errors import InputError
 from expertcache.telemetry.hf import check_context, context_length
 
+from . import fast_step
 from .generate import Generation
 from .request import MAX_LOGPROBS, SamplingParams, chat_prompt, encode
 
@@ -234,7 +235,9 @@ class Decoder:
         per = sum(layer.keys.numel() + layer.values.numel() for layer in b.cache.layers) \
             * b.cache.layers[0].keys.element_size() / max(1, len(b) * cols)  # bytes per row and column
         left = max([r.params.max_tokens - r.completion_tokens for r in b.rows] + [g.params.max_tokens])
-        return (len(b) + 1) * (max(cols, g.prompt_tokens) + left) * per <= self.kv_cache_bytes
+        longest = max(cols, g.prompt_tokens) + left
+        # (a cache the decode step grows in place holds room to spare beside its positions)
+        return (len(b) + 1) * longest * per * fast_step.kv_headroom(b.model, longest) <= self.kv_cache_bytes
 
     def _admit(self) -> None:
         while True:

@@ -255,7 +255,8 @@ def test_the_kv_cache_grows_in_place_and_decodes_as_the_module_tree(qwen, monkey
                 caches.append([(c.keys.clone(), c.values.clone()) for c in b.cache.layers])
                 step = m.__dict__.get("_ec_step")
                 if step is not None:  # the buffers' lengths (grown past the prompt's + KV_SPARE)
-                    sizes.append(max((st[0].shape[2] for st in step.kv_bufs.values()), default=0))
+                    views = [st[0]() for st in step.kv_bufs.values()]
+                    sizes.append(max((v._base.shape[2] for v in views if v is not None), default=0))
         return [(g.completion_ids, g.token_scores) for g in gens], caches
 
     sizes = []
@@ -269,3 +270,33 @@ def test_the_kv_cache_grows_in_place_and_decodes_as_the_module_tree(qwen, monkey
     assert len(got_kv) == len(want_kv) and all(
         torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for ga, wa in zip(got_kv, want_kv) for a, b in zip(ga, wa))
     m.expertcache.close()
+
+
+@needs_ext
+def test_a_kv_buffer_goes_with_its_views_and_budgets_count_its_room(qwen, monkeypatch):
+    """Only the cache holds a buffer alive: once its layer takes other tensors (rows dropped, padding, a fallback
+    step), the old buffer is freed at once, not at the layer's next step. A KV budget (the server's) counts the
+    buffers' room to spare from the length where the step buffers."""
+    import gc
+    import weakref
+
+    from transformers import DynamicCache
+
+    from expertcache.runtime import load
+
+    monkeypatch.setattr(fast_step, "KV_BUFFER_FROM", 4)
+    m = load(qwen, capacity=1.0, tier="host", kernel="cpu")
+    with torch.no_grad():
+        cache = DynamicCache(config=m.config)
+        m(input_ids=torch.tensor([[5, 9, 33, 2, 71]]), past_key_values=cache, use_cache=True)
+        for t in (3, 14):
+            m(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+    layer = cache.layers[0]
+    buf = weakref.ref(layer.keys._base)
+    assert buf() is not None and buf().shape[2] > layer.keys.shape[2]  # a buffer with room to spare
+    layer.keys, layer.values = layer.keys.clone(), layer.values.clone()  # as `Batch._keep` replaces them
+    gc.collect()
+    assert buf() is None
+    assert fast_step.kv_headroom(m, 4) == fast_step.KV_HEADROOM and fast_step.kv_headroom(m, 3) == 1.0
+    m.expertcache.close()
+    assert fast_step.kv_headroom(m, 4) == 1.0  # (the model's own forward again: plain concatenation)
