@@ -10,6 +10,8 @@ bit for bit to the module tree's (tested). The MoE blocks (router, engine) and t
 modules, so their hooks run (telemetry, the engine's router-logits hook, forced routing); a hook on any module the
 step does not call, a global module hook, or any input it does not take (a prefill, labels, embeddings,
 `output_*` flags, a cache other than transformers' plain `DynamicCache`) sends the call to the model's own forward.
+From `KV_BUFFER_FROM` positions on, the step also grows each layer's KV cache in place (`_Qwen3MoeStep.append`)
+instead of concatenating the whole cache with every new position.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_kernels
+from .decode import _cache_kw
 
 
 # transformers' output-capturing hook (`utils.output_capturing`): inert unless the decorated forward collects
@@ -43,7 +46,8 @@ class _Qwen3MoeStep:
         self.kv_bufs = weakref.WeakKeyDictionary()  # a KV layer -> the views of its buffers it was given
         # each layer's modules, looked up once (not through nn.Module's attribute hook on every step)
         self.plan = [(a, L.input_layernorm, L.post_attention_layernorm, a.q_norm, a.k_norm,
-                      (a.q_proj, a.k_proj, a.v_proj), a.o_proj, L.mlp, a.head_dim) for L, a in zip(self.layers, self.attn)]
+                      (a.q_proj, a.k_proj, a.v_proj), a.o_proj, L.mlp, a.head_dim)
+                     for L, a in zip(self.layers, self.attn)]
         # the modules the step computes itself, with their parents: a hook on any of them, or one replaced, of
         # another class (a parametrization) or with another forward since, sends the call to the model's own forward
         where = [(model, "model"), (inner, "embed_tokens"), (inner, "norm"), (inner, "rotary_emb")]
@@ -166,7 +170,6 @@ class _Qwen3MoeStep:
         h = rms(h, self.norm.weight, self.norm.variance_epsilon)
         return self.model.lm_head(h)
 
-
     def append(self, kv, k, v):
         """The KV layer `kv` one position longer (`k`, `v` `[B, H, 1, D]`). Transformers' layer concatenates the
         whole cache with the new position at every step: O(context) bytes copied per layer and token (2 MB per layer
@@ -233,14 +236,8 @@ def _decode_step_forward(self, *args, **kwargs):
             from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
             logits = step(ids, cache, kwargs.get("attention_mask"), kwargs.get("position_ids"))
-            return MoeCausalLMOutputWithPast(logits=logits, **{_cache_field(type(self)): cache})
+            return MoeCausalLMOutputWithPast(logits=logits, **{_cache_kw(type(self)): cache})
     return type(self).forward(self, *args, **kwargs)
-
-
-def _cache_field(cls) -> str:
-    from .decode import _cache_kw
-
-    return _cache_kw(cls)
 
 
 def patch_decode_step(model) -> list:
@@ -255,8 +252,11 @@ def patch_decode_step(model) -> list:
     model.__dict__["_ec_step"] = step
     # with the class's signature: `generate` reads it to decide what it passes (position ids from the attention
     # mask, the mask itself, logits_to_keep)
-    fwd = functools.wraps(type(model).forward)(lambda self, *a, **kw: _decode_step_forward(self, *a, **kw))
-    model.forward = types.MethodType(fwd, model)
+    @functools.wraps(type(model).forward)
+    def forward(self, *args, **kwargs):
+        return _decode_step_forward(self, *args, **kwargs)
+
+    model.forward = types.MethodType(forward, model)
     return [model]
 
 
