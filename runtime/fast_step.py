@@ -142,15 +142,9 @@ class _Qwen3MoeStep:
             position_ids = torch.full((1, 1), cache.layers[0].keys.shape[2], dtype=torch.long)
         mask = None  # additive [B, L], as `cpu_kernels.attention` passes the model's padding mask to `attend_one`
         if attention_mask is not None and not bool(attention_mask.all()):
-            mask = torch.zeros(attention_mask.shape, dtype=torch.float32).masked_fill_(attention_mask == 0,
-                                                                                      float("-inf"))
+            mask = cpu_kernels._one_token_mask(attention_mask[:, None, None, :].bool(), B, attention_mask.shape[1])
         h = F.embedding(ids, self.embed.weight, self.embed.padding_idx)
-        # the rotary embedding as the model's module computes it (the same ops on the same shapes: equal bits)
-        rot = self.rotary
-        freqs = position_ids[..., None].float() * rot.inv_freq.float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * rot.attention_scaling).to(h.dtype)
-        sin = (emb.sin() * rot.attention_scaling).to(h.dtype)
+        cos, sin = self.rotary.forward(h, position_ids)  # (its hooks checked in `takes`)
         if cos.shape[0] != B:  # one position for every row (no padding)
             cos, sin = cos.expand(B, -1, -1).contiguous(), sin.expand(B, -1, -1).contiguous()
         rms, qk_norm_rope, attend = cpu_kernels.rms_norm, cpu_kernels.qk_norm_rope, cpu_kernels.attend_one
