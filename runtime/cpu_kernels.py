@@ -402,11 +402,11 @@ class _FusedProjections:
 
         sizes = [m.out_features for m in mods]
         if all(type(m) is QuantLinear for m in mods):
-            fmt = {(m.bits, m.group, m.in_features) for m in mods}
+            fmt = {(m.bits, m.group, m.in_features, m.symmetric) for m in mods}
             if len(fmt) != 1 or any(m.bias is not None for m in mods) or mods[0].in_features % 64:
                 return None  # (the kernel takes inputs in 64s: QuantLinear dequantizes the others)
-            bits, group, _ = fmt.pop()
-            names = ["weight_q", "weight_scales"] + (["weight_mins"] if bits == 4 else [])
+            bits, group, _, symmetric = fmt.pop()
+            names = ["weight_q", "weight_scales"] + ([] if symmetric else ["weight_mins"])
             parts = {n: torch.cat([getattr(m, n) for m in mods]) for n in names}
             for n, t in parts.items():
                 for m, piece in zip(mods, t.split(sizes)):

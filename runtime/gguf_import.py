@@ -5,7 +5,8 @@ llama.cpp's Q8_0 and Q4_0 are group-wise integer formats over groups of 32 input
 repacked without any rounding:
 - **Q8_0** (per block: fp16 scale d, 32 int8 q; w = d q) is our int8 at group 32: the same integers and scales.
 - **Q4_0** (per block: fp16 scale d, 16 bytes of nibbles, inputs 0-15 low and 16-31 high; w = d (q - 8)) is our
-  int4 at group 32 with scale d and minimum -8 d (exact in fp16): the same codes, repacked into our nibble order.
+  symmetric int4 at group 32 (`quantize --symmetric true`): the same codes and scales, repacked into our nibble
+  order, 18 bytes per 32 weights as in the file.
 - **BF16 / F16 / F32** experts become a plain bf16 checkpoint (per-expert tensors, as Hugging Face saves them), one
   safetensors shard per MoE layer written as it is converted, so memory holds one layer's experts at a time.
 Other expert types (the K-quants of `Q4_K_M` and friends, IQ*) are refused in one line, unless `--requantize int4`
@@ -106,8 +107,8 @@ def _q8(t) -> dict[str, np.ndarray]:
 
 
 def _q4(t) -> dict[str, np.ndarray]:
-    """Q4_0 -> our int4 group 32: the same codes in our order (per 64 inputs, byte j holds input j low and 32 + j
-    high), scale d, minimum -8 d."""
+    """Q4_0 -> our symmetric int4 group 32: the same codes in our order (per 64 inputs, byte j holds input j low and
+    32 + j high), scale d (w = d (q - 8))."""
     b = _blocks(t, 18)
     d = b[..., :2].copy().view(np.float16)[..., 0]
     qs = b[..., 2:]
@@ -115,7 +116,7 @@ def _q4(t) -> dict[str, np.ndarray]:
     n = codes.shape[-1]
     c = codes.reshape(b.shape[0], b.shape[1], n // 64, 2, 32)
     packed = (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(b.shape[0], b.shape[1], n // 2)
-    return {"q": packed.astype(np.uint8), "scales": d, "mins": (d.astype(np.float32) * -8).astype(np.float16)}
+    return {"q": packed.astype(np.uint8), "scales": d}
 
 
 def rest_is_linear(name: str) -> bool:
@@ -393,7 +394,8 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
             for n in (h, inter):
                 quant.check_group(bits, 32, n, "expert input")
             specs, block = layout(quant.quantized_specs([("gate_up_proj", [2 * inter, h], "bfloat16"),
-                                                         ("down_proj", [h, inter], "bfloat16")], bits, 32))
+                                                         ("down_proj", [h, inter], "bfloat16")], bits, 32,
+                                                        symmetric=native and kind == "Q4_0"))
             err = [[0.0, 0.0] for _ in range(n_l)]
 
             def layer_parts(i) -> dict:
@@ -436,10 +438,12 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
         c = cfg.to_dict()
         if report_kind != "bf16":
             scheme = {"Q8_0": "int8 symmetric, fp16 scale per group (GGUF Q8_0, repacked as it is)",
-                      "Q4_0": "int4, fp16 scale d and minimum -8 d per group (GGUF Q4_0, repacked as it is)"}
+                      "Q4_0": "int4 symmetric, fp16 scale d per group, w = d (q - 8) (GGUF Q4_0, repacked as it "
+                              "is)"}
             c["quantization_config"] = {
                 "quant_method": quant.QUANT_METHOD, "bits": int(report_kind[3:]), "group_size": 32,
                 "experts_file": quant.EXPERTS_FILE, "source_dtype": "bfloat16",
+                "symmetric": native or report_kind == "int8",
                 "scheme": scheme.get(kind) or f"{report_kind} group 32, quantized again from GGUF {kind} (dequantized)",
                 "source": {"gguf": path.name, "type": kind, "requantized": not native}}
             if rel_err is not None:

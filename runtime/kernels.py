@@ -33,11 +33,11 @@ try:  # triton is optional (the `triton` extra); the reference path never needs 
     import triton.language as tl
 
     @triton.jit
-    def _w(q_ptr, s_ptr, m_ptr, rows, cols, mask, QS1, SS1, G, BITS: tl.constexpr):
+    def _w(q_ptr, s_ptr, m_ptr, rows, cols, mask, QS1, SS1, G, BITS: tl.constexpr, SYM: tl.constexpr):
         # the weights [rows, cols] of one slot (rows and cols as index vectors) in fp32: BITS 16 reads them as they
         # are (bf16 / fp32); 8 and 4 dequantize exactly as `runtime.quant.dequantize` does: int8 w = s * q; int4
-        # w = s * q + m, where byte b of each 64-input chunk holds input b in its low nibble and input 32 + b in its
-        # high one
+        # w = s * q + m (SYM, symmetric int4: w = s * (q - 8)), where byte b of each 64-input chunk holds input b in
+        # its low nibble and input 32 + b in its high one
         if BITS == 16:
             w = tl.load(q_ptr + rows[:, None] * QS1 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         else:
@@ -48,15 +48,17 @@ try:  # triton is optional (the `triton` extra); the reference path never needs 
                 shift = ((cols % 64) >= 32).to(tl.int32) * 4
                 b = tl.load(q_ptr + rows[:, None] * QS1 + byte[None, :], mask=mask, other=0).to(tl.int32)
                 q = ((b >> shift[None, :]) & 15).to(tl.float32)
+                if SYM:
+                    q -= 8.0
             g = cols // G
             w = q * tl.load(s_ptr + rows[:, None] * SS1 + g[None, :], mask=mask, other=0.0).to(tl.float32)
-            if BITS == 4:
+            if BITS == 4 and not SYM:
                 w += tl.load(m_ptr + rows[:, None] * SS1 + g[None, :], mask=mask, other=0.0).to(tl.float32)
         return w
 
     @triton.jit
     def _up_kernel(x_ptr, q_ptr, s_ptr, m_ptr, slot_ptr, a_ptr, H, I, K, G, QS0, QS1, SS0, SS1,
-                   BITS: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+                   BITS: tl.constexpr, SYM: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
         # program (t*K + j, i-block): a[t, j, i] = silu(gate[s, i] . x[t]) * (up[s, i] . x[t]); slots QS0 apart
         pid = tl.program_id(0)
         pib = tl.program_id(1)
@@ -71,8 +73,8 @@ try:  # triton is optional (the `triton` extra); the reference path never needs 
             mask_h = offs_h < H
             xv = tl.load(x_ptr + t * H + offs_h, mask=mask_h, other=0.0).to(tl.float32)
             m = mask_i[:, None] & mask_h[None, :]
-            g = _w(q_ptr + s * QS0, s_ptr + s * SS0, m_ptr + s * SS0, offs_i, offs_h, m, QS1, SS1, G, BITS)
-            u = _w(q_ptr + s * QS0, s_ptr + s * SS0, m_ptr + s * SS0, offs_i + I, offs_h, m, QS1, SS1, G, BITS)
+            g = _w(q_ptr + s * QS0, s_ptr + s * SS0, m_ptr + s * SS0, offs_i, offs_h, m, QS1, SS1, G, BITS, SYM)
+            u = _w(q_ptr + s * QS0, s_ptr + s * SS0, m_ptr + s * SS0, offs_i + I, offs_h, m, QS1, SS1, G, BITS, SYM)
             acc_g += tl.sum(g * xv[None, :], axis=1)
             acc_u += tl.sum(u * xv[None, :], axis=1)
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -80,7 +82,7 @@ try:  # triton is optional (the `triton` extra); the reference path never needs 
 
     @triton.jit
     def _down_kernel(a_ptr, q_ptr, s_ptr, m_ptr, slot_ptr, w_ptr, y_ptr, H, I, K, G, QS0, QS1, SS0, SS1,
-                     BITS: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
+                     BITS: tl.constexpr, SYM: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
         # program (t, o-block): y[t, o] = sum_j w[t, j] * down[s_j, o] . a[t, j]
         t = tl.program_id(0)
         pob = tl.program_id(1)
@@ -96,7 +98,7 @@ try:  # triton is optional (the `triton` extra); the reference path never needs 
                 mask_i = offs_i < I
                 av = tl.load(a_ptr + (t * K + j) * I + offs_i, mask=mask_i, other=0.0)
                 m = mask_o[:, None] & mask_i[None, :]
-                dv = _w(q_ptr + s * QS0, s_ptr + s * SS0, m_ptr + s * SS0, offs_o, offs_i, m, QS1, SS1, G, BITS)
+                dv = _w(q_ptr + s * QS0, s_ptr + s * SS0, m_ptr + s * SS0, offs_o, offs_i, m, QS1, SS1, G, BITS, SYM)
                 part += tl.sum(dv * av[None, :], axis=1)
             acc += w * part
         tl.store(y_ptr + t * H + offs_o, acc, mask=mask_o)
@@ -114,10 +116,15 @@ try:  # triton is optional (the `triton` extra); the reference path never needs 
             return (p["q"], s, p.get("mins", s), p["q"].stride(0), p["q"].stride(1), s.stride(0), s.stride(1))
 
         (gq, gs, gm, q0, q1, s0, s1), (dq, ds, dm, r0, r1, t0, t1) = args(gu), args(dn)
+        if (bits == 4) and (("mins" in gu) != ("mins" in dn)):
+            raise ValueError("swiglu_triton_q: gate_up and down must both be symmetric int4 or both not")
+        sym = bits == 4 and "mins" not in gu  # symmetric int4: no minimums
         _up_kernel[(t_ * k, triton.cdiv(inter, block))](x.contiguous(), gq, gs, gm, sl, a, h, inter, k, group,
-                                                        q0, q1, s0, s1, BITS=bits, BLOCK_I=block, BLOCK_H=block)
+                                                        q0, q1, s0, s1, BITS=bits, SYM=sym, BLOCK_I=block,
+                                                        BLOCK_H=block)
         _down_kernel[(t_, triton.cdiv(h, block))](a, dq, ds, dm, sl, weights.float().contiguous(), y, h, inter, k,
-                                                  group, r0, r1, t0, t1, BITS=bits, BLOCK_O=block, BLOCK_I=block)
+                                                  group, r0, r1, t0, t1, BITS=bits, SYM=sym, BLOCK_O=block,
+                                                  BLOCK_I=block)
         return y.to(x.dtype)
 
     def swiglu_triton(x, gate_up, down, slots, weights, block: int = 32):
@@ -129,7 +136,7 @@ try:  # triton is optional (the `triton` extra); the reference path never needs 
 
     def swiglu_triton_q(x, gu: dict, dn: dict, bits: int, group: int, slots, weights, block: int = 32):
         """`swiglu_triton` over packed experts (`runtime.quant`'s int8 / int4 slots: `q`, fp16 `scales`, and int4
-        `mins`, each `[S, rows, ...]` with contiguous rows, the slots any stride apart), dequantized in the
+        `mins` unless symmetric, each `[S, rows, ...]` with contiguous rows, the slots any stride apart), dequantized in the
         kernel, fp32 activations: equal to `swiglu_reference` over `quant.dequantize`'s weights up to summation
         order. The GPU path of a quantized checkpoint (the CPU has `cpu_kernels.swiglu_q`)."""
         for part in (gu, dn):

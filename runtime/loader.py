@@ -129,7 +129,7 @@ def build_offloaded(path: str | Path, dtype=None, verify: bool | None = None):
                 not all(isinstance(n, str) for n in lin["modules"]):
             raise InputError(f"{path}: quantization_config linears is not a list of module names "
                              f"(damaged config.json)")
-        quant.install_linears(model, lin["modules"], qc["bits"], qc["group_size"])
+        quant.install_linears(model, lin["modules"], qc["bits"], qc["group_size"], qc.get("symmetric", False))
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if name.startswith(expert_prefixes):
             continue

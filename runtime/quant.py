@@ -10,8 +10,14 @@ groups of G:
   whichever has the smaller error; a few percent less error than min-max); `w ~ s * q + m`. Stored: `q` uint8 `[rows, n / 2]`, two inputs per byte (in each 64-input chunk, byte b holds
   input b in its low nibble and input 32 + b in its high nibble, so one 32-byte load unpacks into 64 inputs in
   order), `scales` and `mins` fp16 `[rows, n / G]`. n must be a multiple of 64.
+- **int4 symmetric** (`symmetric=True`, llama.cpp's Q4_0 at G = 32): `q = round(w / s) + 8` in [0, 15], where
+  `s = -v / 8` for the group's input of largest magnitude v (its sign kept, so v itself is exact at code 0), then
+  `REFINE` rounds of least squares for `s` given the codes; `w ~ s * (q - 8)`. Stored like int4 without `mins`:
+  half a bit per weight less than min-max at G = 32, for a larger error (no minimum to fit lopsided groups).
 Scales are rounded to fp16 before the integers are computed from them, so dequantizing is exact to what is stored.
-Bytes per weight: int8 1 + 2/G; int4 0.5 + 4/G (G = 32: 0.625, against bf16's 2).
+Bytes per weight: int8 1 + 2/G; int4 0.5 + 4/G (G = 32: 0.625, against bf16's 2); int4 symmetric 0.5 + 2/G (0.5625).
+A stored int4 tensor set without `mins` is symmetric: every reader (kernels, dequantize, the slots) tells the two
+apart by that alone.
 """
 
 from __future__ import annotations
@@ -42,11 +48,14 @@ def check_group(bits: int, group: int, n: int, what: str = "input") -> None:
         raise InputError(f"int4 packs 64 inputs per chunk: the {what} dimension {n} is not a multiple of 64")
 
 
-def quantize(w: torch.Tensor, bits: int, group: int) -> dict[str, torch.Tensor]:
-    """`w [..., rows, n]` (any float dtype) -> `{"q", "scales"[, "mins"]}` with the same leading dims."""
+def quantize(w: torch.Tensor, bits: int, group: int, symmetric: bool = False) -> dict[str, torch.Tensor]:
+    """`w [..., rows, n]` (any float dtype) -> `{"q", "scales"[, "mins"]}` with the same leading dims (`mins` for
+    int4 unless `symmetric`; int8 is always symmetric)."""
     n = w.shape[-1]
     check_group(bits, group, n)
     g = w.float().reshape(*w.shape[:-1], n // group, group)
+    if bits == 4 and symmetric:
+        return _quantize4_symmetric(w, g)
     if bits == 8:
         s = (g.abs().amax(-1) / 127).half()
         sf = s.float().unsqueeze(-1)
@@ -75,6 +84,33 @@ def quantize(w: torch.Tensor, bits: int, group: int) -> dict[str, torch.Tensor]:
 REFINE = 3  # int4: rounds of least-squares refinement of each group's scale and minimum (0: plain min-max)
 
 
+def _quantize4_symmetric(w: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
+    """int4 symmetric (Q4_0's rule, then least-squares refinement of the scale): codes around 8, no minimum."""
+    v = g.gather(-1, g.abs().argmax(-1, keepdim=True)).squeeze(-1)
+    s = (v / -8).half()
+    q, err = _codes4s(g, s)
+    for _ in range(REFINE):
+        c = q - 8
+        den = c.pow(2).sum(-1)
+        s2 = torch.where(den > 0, (c * g).sum(-1) / den.clamp_min(1e-30), s.float()).half()
+        q2, err2 = _codes4s(g, s2)
+        better = err2 < err
+        s = torch.where(better, s2, s)
+        q, err = torch.where(better.unsqueeze(-1), q2, q), torch.where(better, err2, err)
+    n = w.shape[-1]
+    q = q.to(torch.uint8).reshape(*w.shape[:-1], n // 64, 2, 32)
+    packed = q[..., 0, :] | (q[..., 1, :] << 4)
+    return {"q": packed.reshape(*w.shape[:-1], n // 2).contiguous(), "scales": s.contiguous()}
+
+
+def _codes4s(g: torch.Tensor, s: torch.Tensor):
+    """Symmetric int4 codes in [0, 15] (w ~ s (q - 8)) under fp16 scales `[...]`, and each group's squared error."""
+    sf = s.float().unsqueeze(-1)
+    safe = torch.where(sf != 0, sf, torch.ones(()))
+    q = torch.where(sf != 0, torch.round(g / safe) + 8, torch.full((), 8.0)).clamp(0, 15)
+    return q, ((q - 8) * sf - g).pow(2).sum(-1)
+
+
 def _codes4(g: torch.Tensor, s: torch.Tensor, m: torch.Tensor):
     """Codes in [0, 15] for groups `g [..., G]` under fp16 scale/minimum `[...]`, and each group's squared error."""
     sf, mf = s.float().unsqueeze(-1), m.float().unsqueeze(-1)
@@ -94,6 +130,8 @@ def dequantize(t: dict[str, torch.Tensor], bits: int, group: int, dtype=torch.fl
     s = t["scales"].float().repeat_interleave(group, dim=-1)
     if bits == 8:
         return (t["q"].float() * s).to(dtype)
+    if "mins" not in t:  # symmetric
+        return ((unpack4(t["q"]).float() - 8) * s).to(dtype)
     return (unpack4(t["q"]).float() * s + t["mins"].float().repeat_interleave(group, dim=-1)).to(dtype)
 
 
@@ -114,16 +152,16 @@ EXPERTS_FILE = "experts.ecstore"
 PARTS = {8: ("q", "scales"), 4: ("q", "scales", "mins")}
 
 
-def quantized_specs(specs, bits: int, group: int) -> list[tuple[str, list[int], str]]:
+def quantized_specs(specs, bits: int, group: int, symmetric: bool = False) -> list[tuple[str, list[int], str]]:
     """The store tensors `(name, shape, dtype)` standing for bf16 expert tensors `specs` (`gate_up_proj [2I, H]`,
-    `down_proj [H, I]`): `gate_up_proj.q`, `gate_up_proj.scales` (and `.mins` for int4), ..."""
+    `down_proj [H, I]`): `gate_up_proj.q`, `gate_up_proj.scales` (and `.mins` for int4 unless symmetric), ..."""
     out = []
     for name, shape, _ in specs:
         *rows, n = shape
         check_group(bits, group, n, f"{name} input")
         out.append((f"{name}.q", [*rows, n if bits == 8 else n // 2], "int8" if bits == 8 else "uint8"))
         out.append((f"{name}.scales", [*rows, n // group], "float16"))
-        if bits == 4:
+        if bits == 4 and not symmetric:
             out.append((f"{name}.mins", [*rows, n // group], "float16"))
     return out
 
@@ -259,6 +297,9 @@ def read_config(path) -> dict | None:
                          f"group size of 32 or a multiple of 64 (damaged config.json)")
     if not _store_file(path, f):
         raise InputError(f"{path}: quantization_config names experts_file {f!r}, which is not a file beside config.json")
+    if not isinstance(qc.get("symmetric", False), bool):
+        raise InputError(f"{path}: quantization_config symmetric={qc['symmetric']!r}: expected true or false "
+                         f"(damaged config.json)")
     return qc
 
 
@@ -444,7 +485,7 @@ def allocate_by_usage(counts, hi_bytes: int, lo_bytes: int, budget: int):
 
 
 def write_quantized(model, out, bits: int, group: int, progress=None, linears: bool = False, by_usage=None,
-                    hot: tuple[int, int] = (8, 32), max_bytes_ratio: float = 0.35) -> dict:
+                    hot: tuple[int, int] = (8, 32), max_bytes_ratio: float = 0.35, symmetric: bool = False) -> dict:
     """`expertcache quantize`: a checkpoint at `out` whose routed experts are `bits`-bit integers with fp16 group
     scales, in one expert store file (each expert one contiguous 4 KiB-aligned block with its checksum), beside the
     non-expert tensors unchanged (`model.safetensors`) and `config.json` with a `quantization_config`. `linears`:
@@ -454,7 +495,10 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
 
     `by_usage` (a routing trace of this model): precision per expert from telemetry. The most used experts are
     written at `hot` = (bits, group) and the rest at (`bits`, `group`), as many hot as fit `max_bytes_ratio` of the
-    experts' bytes in bf16 (`allocate_by_usage`); one store file per format, holding only its experts."""
+    experts' bytes in bf16 (`allocate_by_usage`); one store file per format, holding only its experts.
+
+    `symmetric`: the int4 format(s) without minimums (Q4_0's layout at group 32: 0.5625 bytes per weight, not
+    0.625), at a larger weight error."""
     import json
     import shutil
     from pathlib import Path
@@ -470,6 +514,8 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
 
     if bits not in BITS:
         raise InputError(f"--bits {bits}: expected 8 or 4")
+    if symmetric and bits != 4 and (by_usage is None or hot[0] != 4):
+        raise InputError("--symmetric true is an int4 option (int8 is always symmetric): use it with --bits 4")
     if by_usage is not None:
         if hot[0] not in BITS:
             raise InputError(f"--hot_bits {hot[0]}: expected 8 or 4")
@@ -501,7 +547,8 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
     if len(formats) == 2 and formats[0] == formats[1]:
         raise InputError(f"--hot_bits {hot[0]} --hot_group_size {hot[1]} is the same format as --bits {bits} "
                          f"--group_size {group}: nothing to mix")
-    fspecs = [layout(quantized_specs([(t.name, t.shape, t.dtype) for t in meta.tensors], b, g)) for b, g in formats]
+    fspecs = [layout(quantized_specs([(t.name, t.shape, t.dtype) for t in meta.tensors], b, g, symmetric and b == 4))
+              for b, g in formats]
     fbytes = [sum(t.nbytes for t in sp) for sp, _ in fspecs]
     bf16_bytes = sum(2 * int(np.prod(t.shape)) for t in meta.tensors) * n_l * n_e
     usage = None
@@ -529,7 +576,7 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
         q = {}
         for n in names:
             w = pool.views[n][0].float()
-            t = quantize(w, b, g)
+            t = quantize(w, b, g, symmetric and b == 4)
             d = dequantize(t, b, g)
             err[n][i][0] += float((w - d).pow(2).sum())
             err[n][i][1] += float(w.pow(2).sum())
@@ -548,7 +595,7 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
         lin_names, lin_skipped = quantizable_linears(m, source.prefixes, routers, bits, group)
         for name in lin_names:
             w = m.get_submodule(name).weight.detach()
-            t = quantize(w, bits, group)
+            t = quantize(w, bits, group, symmetric and bits == 4)
             lin_err[name] = round(relative_error(w, t, bits, group), 6)
             ck = checkpoint_name(f"{name}.weight", source.family)
             if ck not in keep:
@@ -579,14 +626,17 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
                   metadata={"format": "pt"})
         cfg = json.loads((path / "config.json").read_text())
         layer_err = {n: [round((a / b) ** 0.5, 6) if b else 0.0 for a, b in err[n]] for n in names}
-        scheme = {8: "int8 symmetric, fp16 scale per group", 4: "int4 min-max, fp16 scale and minimum per group"}
+        scheme = {8: "int8 symmetric, fp16 scale per group",
+                  4: "int4 symmetric, fp16 scale per group, w = s (q - 8) (GGUF Q4_0's layout at group 32)"
+                  if symmetric else "int4 min-max, fp16 scale and minimum per group"}
         if by_usage is None:
             qc = {"quant_method": QUANT_METHOD, "bits": bits, "group_size": group, "experts_file": EXPERTS_FILE,
-                  "scheme": scheme[bits]}
+                  "scheme": scheme[bits], "symmetric": bits == 8 or symmetric}
         else:
             qc = {"quant_method": QUANT_METHOD, "bits": MIXED,
                   "formats": [{"bits": b, "group_size": g, "experts_file": f, "scheme": scheme[b],
-                               "experts": int((fmt == k).sum())} for k, ((b, g), f) in enumerate(zip(formats, files))],
+                               "symmetric": b == 8 or symmetric, "experts": int((fmt == k).sum())}
+                              for k, ((b, g), f) in enumerate(zip(formats, files))],
                   "expert_formats": ["".join(str(int(v)) for v in row) for row in fmt], "by_usage": usage}
         qc.update({"source_dtype": meta.tensors[0].dtype, "relative_error": layer_err})
         cfg["quantization_config"] = qc
@@ -601,6 +651,7 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
     expert_bytes = sum(fbytes[k] * int((fmt == k).sum()) for k in range(len(formats)))
     source_bytes = meta.expert_bytes * n_l * n_e
     return {"out": str(out), "bits": bits if by_usage is None else MIXED, "group_size": group,
+            "symmetric": bits == 8 or symmetric,
             "formats": [{"bits": b, "group_size": g, "experts": int((fmt == k).sum())}
                         for k, (b, g) in enumerate(formats)],
             "experts": n_l * n_e, "expert_bytes": expert_bytes, "source_expert_bytes": source_bytes,
@@ -622,16 +673,17 @@ class QuantLinear(torch.nn.Module):
     compute with the weight dequantized for the call, in the input's dtype (the same weights)."""
 
     def __init__(self, in_features: int, out_features: int, bits: int, group: int, bias: bool,
-                 dtype: torch.dtype = torch.bfloat16, device="meta"):
+                 dtype: torch.dtype = torch.bfloat16, device="meta", symmetric: bool = False):
         super().__init__()
         check_group(bits, group, in_features)
         self.in_features, self.out_features, self.bits, self.group = in_features, out_features, bits, group
+        self.symmetric = bits == 8 or symmetric  # int4 without minimums (`quantize(symmetric=True)`)
         qshape = [out_features, in_features if bits == 8 else in_features // 2]
         self.register_buffer("weight_q", torch.empty(qshape, dtype=torch.int8 if bits == 8 else torch.uint8,
                                                      device=device))
         sshape = [out_features, in_features // group]
         self.register_buffer("weight_scales", torch.empty(sshape, dtype=torch.float16, device=device))
-        if bits == 4:
+        if not self.symmetric:
             self.register_buffer("weight_mins", torch.empty(sshape, dtype=torch.float16, device=device))
         self.bias = torch.nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
                                        requires_grad=False) if bias else None
@@ -649,8 +701,9 @@ class QuantLinear(torch.nn.Module):
         return torch.nn.functional.linear(x, w, self.bias)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, "
-                f"group={self.group}, bias={self.bias is not None}")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}"
+                f"{' symmetric' if self.bits == 4 and self.symmetric else ''}, group={self.group}, "
+                f"bias={self.bias is not None}")
 
 
 def quantizable_linears(model, expert_prefixes, routers, bits: int, group: int) -> tuple[list[str], list[str]]:
@@ -675,7 +728,7 @@ def quantizable_linears(model, expert_prefixes, routers, bits: int, group: int) 
     return names, skipped
 
 
-def install_linears(model, names: list[str], bits: int, group: int) -> None:
+def install_linears(model, names: list[str], bits: int, group: int, symmetric: bool = False) -> None:
     """Replace the named `nn.Linear`s of a (meta) model by `QuantLinear`s of the same shape (their buffers on meta,
     filled by the loader from the checkpoint)."""
     for name in names:
@@ -689,4 +742,5 @@ def install_linears(model, names: list[str], bits: int, group: int) -> None:
             raise InputError(f"quantization_config lists linear {name!r}, which this model does not have as a linear "
                              f"layer (damaged config.json)")
         dtype = old.weight.dtype
-        setattr(owner, attr, QuantLinear(old.in_features, old.out_features, bits, group, old.bias is not None, dtype))
+        setattr(owner, attr, QuantLinear(old.in_features, old.out_features, bits, group, old.bias is not None, dtype,
+                                         symmetric=symmetric))

@@ -54,12 +54,19 @@ def _emulated(x, gu, dn, slots, w):
 
 # --- formats -----------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("bits,group", [(8, 32), (8, 128), (4, 32), (4, 64)])
-def test_representable_weights_round_trip_exactly(bits, group):
-    """Weights that are exactly s * q (+ m) with fp16 s, m come back bit for bit; the packing keeps inputs in order."""
+@pytest.mark.parametrize("bits,group,sym", [(8, 32, False), (8, 128, False), (4, 32, False), (4, 64, False),
+                                            (4, 32, True), (4, 128, True)])
+def test_representable_weights_round_trip_exactly(bits, group, sym):
+    """Weights that are exactly s * q (+ m) with fp16 s, m (symmetric int4: s * (q - 8)) come back bit for bit; the
+    packing keeps inputs in order."""
     g = torch.Generator().manual_seed(bits + group)
     rows, n = 6, 256
-    if bits == 8:
+    if sym:
+        q = torch.randint(0, 16, (rows, n), generator=g)
+        q[:, ::group] = 0  # every group holds -8 s, its largest magnitude: the scale is recovered exactly
+        s = (torch.rand(rows, n // group, generator=g) * 0.01 + 1e-3).half().float()
+        w = (q - 8) * s.repeat_interleave(group, -1)
+    elif bits == 8:
         q = torch.randint(-127, 128, (rows, n), generator=g)
         q[:, ::group] = 127  # every group reaches the full range: the scale is recovered exactly
         s = (torch.rand(rows, n // group, generator=g) * 0.01 + 1e-3).half().float()
@@ -70,7 +77,8 @@ def test_representable_weights_round_trip_exactly(bits, group):
         s = (torch.rand(rows, n // group, generator=g) * 0.01 + 1e-3).half().float()
         m = (-torch.rand(rows, n // group, generator=g) * 0.05).half().float()
         w = q * s.repeat_interleave(group, -1) + m.repeat_interleave(group, -1)
-    t = quant.quantize(w, bits, group)
+    t = quant.quantize(w, bits, group, symmetric=sym)
+    assert ("mins" in t) == (bits == 4 and not sym)
     if bits == 4:
         assert torch.equal(quant.unpack4(t["q"]).long(), q)
         assert t["q"].shape == (rows, n // 2) and t["q"].dtype == torch.uint8
@@ -79,14 +87,18 @@ def test_representable_weights_round_trip_exactly(bits, group):
     assert torch.allclose(quant.dequantize(t, bits, group), w, rtol=1e-3, atol=1e-6)
 
 
-@pytest.mark.parametrize("bits,group,bound", [(8, 32, 0.01), (8, 128, 0.01), (4, 32, 0.10), (4, 128, 0.12)])
-def test_gaussian_weights_lose_what_the_format_predicts(bits, group, bound):
-    """Relative Frobenius error of N(0, 1) weights: int8 ~0.5%, int4 min-max ~8-10% (uniform rounding)."""
+@pytest.mark.parametrize("bits,group,sym,bound", [(8, 32, False, 0.01), (8, 128, False, 0.01), (4, 32, False, 0.10),
+                                                  (4, 128, False, 0.12), (4, 32, True, 0.12), (4, 128, True, 0.14)])
+def test_gaussian_weights_lose_what_the_format_predicts(bits, group, sym, bound):
+    """Relative Frobenius error of N(0, 1) weights: int8 ~0.5%, int4 min-max ~8-10% (uniform rounding), symmetric
+    int4 a little more (no minimum: half a bit per weight fewer at group 32)."""
     w = torch.randn(64, 512, generator=torch.Generator().manual_seed(1))
-    t = quant.quantize(w, bits, group)
+    t = quant.quantize(w, bits, group, symmetric=sym)
     err = quant.relative_error(w, t, bits, group)
     assert 0 < err < bound
-    assert quant.nbytes(t) == w.numel() * bits // 8 + w.numel() // group * 2 * (1 if bits == 8 else 2)
+    assert quant.nbytes(t) == w.numel() * bits // 8 + w.numel() // group * 2 * (1 if bits == 8 or sym else 2)
+    if sym:  # more error than min-max, never less than a tenth more here
+        assert err > quant.relative_error(w, quant.quantize(w, bits, group), bits, group)
 
 
 @pytest.mark.parametrize("bits,group,n,msg", [(3, 32, 256, "expected 8 or 4"), (8, 48, 192, "32 or a multiple of 64"),
@@ -131,10 +143,12 @@ def test_bf16_kernel_reads_strided_slot_views():
 
 
 @needs_ext
-@pytest.mark.parametrize("bits,group", [(8, 32), (8, 64), (8, 128), (4, 32), (4, 64), (4, 128)])
+@pytest.mark.parametrize("bits,group,sym", [(8, 32, False), (8, 64, False), (8, 128, False), (4, 32, False),
+                                            (4, 64, False), (4, 128, False), (4, 32, True), (4, 64, True),
+                                            (4, 128, True)])
 @pytest.mark.parametrize("K", [1, 3, 8])
 @pytest.mark.parametrize("H,I", [(256, 128), (768, 512)])
-def test_integer_kernels_equal_their_arithmetic_and_stay_near_the_dequantized_weights(bits, group, K, H, I):
+def test_integer_kernels_equal_their_arithmetic_and_stay_near_the_dequantized_weights(bits, group, sym, K, H, I):
     """Against the same arithmetic in float (dequantized weights, activations rounded as the kernel rounds them):
     5e-4 relative (an activation at a rounding tie may round the other way in float32: ~1e-4 per flip; a wrong
     layout or scale is ~1); against the dequantized weights with exact activations: 4% (the int8 activations'
@@ -144,7 +158,7 @@ def test_integer_kernels_equal_their_arithmetic_and_stay_near_the_dequantized_we
     x = torch.randn(T, H, generator=g)
     slots = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(T)])
     w = torch.rand(T, K, generator=g)
-    qg, qd = quant.quantize(gu, bits, group), quant.quantize(dn, bits, group)
+    qg, qd = quant.quantize(gu, bits, group, symmetric=sym), quant.quantize(dn, bits, group, symmetric=sym)
     dg, dd = quant.dequantize(qg, bits, group), quant.dequantize(qd, bits, group)
     got = ck.swiglu_q(x, qg, qd, bits, group, slots, w)
     assert _rel(got, _emulated(x, dg, dd, slots, w)) < 5e-4
@@ -152,8 +166,8 @@ def test_integer_kernels_equal_their_arithmetic_and_stay_near_the_dequantized_we
 
 
 @needs_ext
-@pytest.mark.parametrize("bits,group", [(8, 32), (4, 32), (4, 64)])
-def test_integer_kernels_take_an_odd_number_of_64_input_chunks(bits, group):
+@pytest.mark.parametrize("bits,group,sym", [(8, 32, False), (4, 32, False), (4, 64, False), (4, 32, True)])
+def test_integer_kernels_take_an_odd_number_of_64_input_chunks(bits, group, sym):
     """int4 reads two 64-input chunks per load; an odd count leaves the last chunk to the one-chunk loop (H 320:
     five chunks, I 192: three)."""
     S, T, K, H, I = 6, 2, 3, 320, 192
@@ -161,10 +175,10 @@ def test_integer_kernels_take_an_odd_number_of_64_input_chunks(bits, group):
     x = torch.randn(T, H, generator=g)
     slots = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(T)])
     w = torch.rand(T, K, generator=g)
-    qg, qd = quant.quantize(gu, bits, group), quant.quantize(dn, bits, group)
+    qg, qd = quant.quantize(gu, bits, group, symmetric=sym), quant.quantize(dn, bits, group, symmetric=sym)
     dg, dd = quant.dequantize(qg, bits, group), quant.dequantize(qd, bits, group)
     assert _rel(ck.swiglu_q(x, qg, qd, bits, group, slots, w), _emulated(x, dg, dd, slots, w)) < 5e-4
-    t = quant.quantize(gu[0], bits, group)
+    t = quant.quantize(gu[0], bits, group, symmetric=sym)
     ref = torch.nn.functional.linear(x, quant.dequantize(t, bits, group))
     assert _rel(ck.linear_q(x, t["q"], t["scales"], t.get("mins"), bits, group), ref) < 2e-2
 
@@ -181,9 +195,10 @@ def test_linear_kernel_matches_torch(rows, n, out, bias):
 
 
 @needs_ext
-@pytest.mark.parametrize("bits,group", [(8, 32), (8, 128), (4, 32), (4, 64)])
+@pytest.mark.parametrize("bits,group,sym", [(8, 32, False), (8, 128, False), (4, 32, False), (4, 64, False),
+                                            (4, 32, True)])
 @pytest.mark.parametrize("rows,out,bias", [(1, 130, False), (3, 7, True), (8, 64, True)])
-def test_packed_linear_kernel_stays_near_the_dequantized_weights(bits, group, rows, out, bias):
+def test_packed_linear_kernel_stays_near_the_dequantized_weights(bits, group, sym, rows, out, bias):
     """`linear_q` (every output row, a tail of out % 4 rows included) within 2% of the dequantized weights with
     exact activations (its int8 activations' rounding), and `QuantLinear` takes the same path for a few rows and
     the dequantized one for many (a prefill), agreeing with both."""
@@ -191,12 +206,13 @@ def test_packed_linear_kernel_stays_near_the_dequantized_weights(bits, group, ro
     n = 256
     w = torch.randn(out, n, generator=g)
     b = torch.randn(out, generator=g) if bias else None
-    t = quant.quantize(w, bits, group)
+    t = quant.quantize(w, bits, group, symmetric=sym)
     x = torch.randn(rows, n, generator=g)
     ref = torch.nn.functional.linear(x, quant.dequantize(t, bits, group), b)
     got = ck.linear_q(x, t["q"], t["scales"], t.get("mins"), bits, group, b)
     assert got.shape == (rows, out) and _rel(got, ref) < 2e-2
-    lin = quant.QuantLinear(n, out, bits, group, bias, torch.float32, device="cpu")
+    lin = quant.QuantLinear(n, out, bits, group, bias, torch.float32, device="cpu", symmetric=sym)
+    assert set(lin.packed()) == set(t)
     for part, v in t.items():
         getattr(lin, quant.LINEAR_PARTS[part]).copy_(v)
     if bias:
@@ -627,8 +643,8 @@ def _dequantized_reference(src, qdir, bits, group):
 
 
 @pytest.mark.parametrize("fam", SWIGLU)
-@pytest.mark.parametrize("bits", [8, 4])
-def test_a_quantized_checkpoint_decodes_like_its_dequantized_reference(saved, tmp_path, fam, bits):
+@pytest.mark.parametrize("bits,sym", [(8, False), (4, False), (4, True)])
+def test_a_quantized_checkpoint_decodes_like_its_dequantized_reference(saved, tmp_path, fam, bits, sym):
     """`expertcache quantize`, then `load`: every step's logits within 5% of the original model whose experts hold
     the dequantized integers (the integer kernels also round activations to int8; without the extension the
     dequantized path runs and the bound still holds). The slots hold packed bytes: a quarter or an eighth of the
@@ -642,14 +658,16 @@ def test_a_quantized_checkpoint_decodes_like_its_dequantized_reference(saved, tm
     build_model(tiny_config(fam, hidden_size=64, moe_intermediate_size=64, intermediate_size=64),
                 seed=7, dtype=torch.bfloat16).save_pretrained(src)
     q = tmp_path / "q"
-    rep = quant.write_quantized(src, q, bits, 32)
+    rep = quant.write_quantized(src, q, bits, 32, symmetric=sym)
     assert rep["bytes_ratio"] < (0.6 if bits == 8 else 0.35)
     assert all(0 < e < (0.02 if bits == 8 else 0.15) for v in rep["relative_error"].values() for e in v)
+    assert json.loads((q / "config.json").read_text())["quantization_config"]["symmetric"] == (bits == 8 or sym)
     ref = _logits(_dequantized_reference(src, q, bits, 32))
     m = load(q, capacity=0.5, tier="disk", kernel="auto")
     eng = m.expertcache
     assert eng.modules[0].quant == (bits, 32)
     assert {t.name for t in eng.meta.tensors} >= {"gate_up_proj.q", "down_proj.scales"}
+    assert ("down_proj.mins" in {t.name for t in eng.meta.tensors}) == (bits == 4 and not sym)
     got = _logits(m)
     assert _rel(got, ref) < 5e-2, (fam, bits)
     assert eng.stats.demand_loads > 0 and eng.stats.hits > 0  # misses were read from the store and computed
@@ -658,13 +676,13 @@ def test_a_quantized_checkpoint_decodes_like_its_dequantized_reference(saved, tm
     e0 = plain.model.layers[0].mlp.experts
     fbytes = (e0.gate_up_proj[0].numel() + e0.down_proj[0].numel()) * 2
     assert eng.meta.expert_bytes == fbytes * (1 if bits == 8 else 0.5) / 2 + fbytes // 2 // 32 * 2 * (
-        1 if bits == 8 else 2)
+        1 if bits == 8 or sym else 2)
     eng.close()
 
 
 @pytest.mark.parametrize("fam", SWIGLU)
-@pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_linears_decode_like_their_dequantized_reference(saved, tmp_path, fam, bits):
+@pytest.mark.parametrize("bits,sym", [(8, False), (4, False), (4, True)])
+def test_quantized_linears_decode_like_their_dequantized_reference(saved, tmp_path, fam, bits, sym):
     """`quantize --linears true`: the attention projections and the untied output head are packed too (never the
     routers; a layer whose input size the kernel cannot take is kept, with why). Loaded, those modules are
     `QuantLinear`s and every step's logits are within 5% of the original model holding the dequantized integers in
@@ -678,7 +696,7 @@ def test_quantized_linears_decode_like_their_dequantized_reference(saved, tmp_pa
     build_model(tiny_config(fam, hidden_size=64, moe_intermediate_size=64, intermediate_size=64,
                             tie_word_embeddings=False), seed=7, dtype=torch.bfloat16).save_pretrained(src)
     q = tmp_path / "q"
-    rep = quant.write_quantized(src, q, bits, 32, linears=True)
+    rep = quant.write_quantized(src, q, bits, 32, linears=True, symmetric=sym)
     lin = rep["linears"]
     assert any(n.endswith("q_proj") for n in lin["modules"]) and "lm_head" in lin["modules"], lin
     assert not any(n.endswith((".gate", "router")) for n in lin["modules"])  # routers stay exact
@@ -694,6 +712,7 @@ def test_quantized_linears_decode_like_their_dequantized_reference(saved, tmp_pa
     m = load(q, capacity=1.0, tier="host", kernel="auto")
     for name in lin["modules"]:
         assert isinstance(m.get_submodule(name), quant.QuantLinear)
+        assert hasattr(m.get_submodule(name), "weight_mins") == (bits == 4 and not sym)
     assert _rel(_logits(m), _logits(ref)) < 5e-2, (fam, bits)
     # the batched step-wise evaluation sizes its forwards from the output head, packed here
     import numpy as np
@@ -817,7 +836,8 @@ def test_quantize_refuses_what_it_cannot_write_in_one_line(saved, tmp_path, caps
              (["--bits", "8", "--group_size", "48"], "32 or a multiple of 64"),
              (["--bits", "8", "--group_size", "96"], "32 or a multiple of 64"),
              (["--bits", "8", "--group_size", "128"], "does not divide"),
-             (["--bits", "4", "--model", str(saved / "gpt_oss")], "SwiGLU experts without biases")]
+             (["--bits", "4", "--model", str(saved / "gpt_oss")], "SwiGLU experts without biases"),
+             (["--bits", "8", "--symmetric", "true"], "--symmetric true is an int4 option")]
     for extra, msg in cases:
         argv = ["quantize", "--model", str(src), "--out", str(tmp_path / "o")] + extra
         assert main(argv) == 2, extra
@@ -834,6 +854,9 @@ def test_quantize_refuses_what_it_cannot_write_in_one_line(saved, tmp_path, caps
     from expertcache.runtime import load
 
     with pytest.raises(InputError, match="quant_method 'gptq' is not one this runtime reads"):
+        load(tmp_path / "q8")
+    cfg.write_text(raw.replace('"symmetric": true', '"symmetric": "yes"'))
+    with pytest.raises(InputError, match="symmetric='yes': expected true or false"):
         load(tmp_path / "q8")
 
 

@@ -186,6 +186,13 @@ def test_a_gguf_file_imports_with_llama_cpps_own_expert_weights(src, tmp_path, k
     ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
     qc = quant.read_config(out)
     tier = HostTier(quant.open_source(out, qc)) if qc else None
+    if tier is not None:  # bytes in the store = bytes in the file: Q4_0 is our symmetric int4 (no minimums)
+        assert qc["symmetric"] is True
+        gguf_bytes = sum(int(T0.n_bytes) for T0 in gguf.GGUFReader(str(f)).tensors if "_exps" in T0.name)
+        per_expert = sum(t.nbytes for t in tier.source.meta.tensors)  # (the 4 KiB alignment aside)
+        assert per_expert * cfg.num_hidden_layers * cfg.num_experts == gguf_bytes
+        names = {t.name for t in tier.source.meta.tensors}
+        assert ("gate_up_proj.mins" in names) is False
     for i, layer in enumerate(ref.model.layers):  # the reference holds what llama.cpp would compute with
         g, u, d = (torch.from_numpy(_array(T[f"blk.{i}.{x}"]))
                    for x in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"))

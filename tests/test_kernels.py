@@ -39,10 +39,12 @@ from expertcache.runtime import quant
 from expertcache.runtime.kernels import HAVE_TRITON, swiglu_reference, swiglu_triton_q
 assert HAVE_TRITON
 g = torch.Generator().manual_seed(0)
-for bits, group, H, I in ((8, 32, 128, 64), (8, 128, 256, 128), (4, 32, 128, 64), (4, 64, 192, 128)):
+for bits, group, H, I, sym in ((8, 32, 128, 64, False), (8, 128, 256, 128, False), (4, 32, 128, 64, False),
+                               (4, 64, 192, 128, False), (4, 32, 128, 64, True)):
     S, T, K = 5, 3, 2
-    gu = quant.quantize(torch.randn(S, 2 * I, H, generator=g) * 0.1, bits, group)
-    dn = quant.quantize(torch.randn(S, H, I, generator=g) * 0.1, bits, group)
+    gu = quant.quantize(torch.randn(S, 2 * I, H, generator=g) * 0.1, bits, group, symmetric=sym)
+    dn = quant.quantize(torch.randn(S, H, I, generator=g) * 0.1, bits, group, symmetric=sym)
+    assert ("mins" in gu) == (bits == 4 and not sym)
     def spread(t):  # each slot a block apart, as in the slot pool: rows contiguous, slots strided
         out = {}
         for k, v in t.items():
@@ -84,7 +86,7 @@ def test_triton_kernel_matches_the_reference_in_the_interpreter():
 
 
 def test_packed_triton_kernel_matches_the_dequantized_reference_in_the_interpreter():
-    """int8 and int4 (groups 32 to 128) experts dequantized inside the triton kernel, over slot views a block
+    """int8, int4 (groups 32 to 128) and symmetric int4 experts dequantized inside the triton kernel, over slot views a block
     apart: equal to the torch reference over `quant.dequantize`'s weights up to summation order."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -375,7 +375,9 @@ inline void dot_q(const uint8_t* const* w, const float* const* sf, const float* 
     }
   }
   for (int r = 0; r < R; ++r) {
-    const float mins = BITS == 8 ? -128.0f * vdot(sf[r], x.gsum, groups) : vdot(mf[r], x.gsum, groups);
+    // int8: the minimum is -128 s; symmetric int4 (no minimums, mf[r] null): -8 s
+    const float mins = (BITS == 8 || mf[r] == nullptr) ? (BITS == 8 ? -128.0f : -8.0f) * vdot(sf[r], x.gsum, groups)
+                                                        : vdot(mf[r], x.gsum, groups);
     out[r] = _mm512_reduce_add_ps(acc[r]) + mins;
   }
 }
@@ -388,6 +390,7 @@ inline void half_row(const at::Half* h, int64_t n, float* out) {
 }
 
 // A quantized [S, R, n] matrix stack: q bytes [S, R, n * BITS / 8], scales (and int4 minimums) fp16 [S, R, n / G].
+// Symmetric int4 has no minimums (m null): w = s (q - 8), llama.cpp's Q4_0.
 struct QMat {
   const uint8_t* q;
   const at::Half* s;
@@ -396,7 +399,7 @@ struct QMat {
 };
 
 // Row `row` of slot `s`: its packed bytes `w`, and its scales (and int4 minimums) converted to fp32 into `sc`
-// (`mn`), `groups` of them.
+// (`mn`), `groups` of them; `mr` null where the format has no minimums.
 template <int BITS>
 inline void qrow(const QMat& m, int64_t s, int64_t row, int64_t groups, float* sc, float* mn, const uint8_t*& w,
                  const float*& sr, const float*& mr, bool pf_scales) {
@@ -405,16 +408,16 @@ inline void qrow(const QMat& m, int64_t s, int64_t row, int64_t groups, float* s
     // prefetches the scales and minimums of the row SCALE_PF rows on, streams the hardware left cold; where they
     // are a sixteenth the extra instructions did not pay for int8 (int4 group 128 was not measured)
     const char* ps = reinterpret_cast<const char*>(m.s + s * m.ss0 + (row + SCALE_PF) * m.ss1);
-    const char* pm = reinterpret_cast<const char*>(m.m + s * m.ss0 + (row + SCALE_PF) * m.ss1);
-    for (int64_t o = 0; o < groups * 2; o += 64) {
-      _mm_prefetch(ps + o, _MM_HINT_T0);
-      _mm_prefetch(pm + o, _MM_HINT_T0);
+    for (int64_t o = 0; o < groups * 2; o += 64) _mm_prefetch(ps + o, _MM_HINT_T0);
+    if (m.m) {
+      const char* pm = reinterpret_cast<const char*>(m.m + s * m.ss0 + (row + SCALE_PF) * m.ss1);
+      for (int64_t o = 0; o < groups * 2; o += 64) _mm_prefetch(pm + o, _MM_HINT_T0);
     }
   }
   half_row(m.s + s * m.ss0 + row * m.ss1, groups, sc);
-  if constexpr (BITS == 4) half_row(m.m + s * m.ss0 + row * m.ss1, groups, mn);
+  if (BITS == 4 && m.m) half_row(m.m + s * m.ss0 + row * m.ss1, groups, mn);
   sr = sc;
-  mr = mn;
+  mr = (BITS == 4 && m.m) ? mn : nullptr;
 }
 
 QMat qmat(const at::Tensor& q, const at::Tensor& s, const c10::optional<at::Tensor>& m, int bits, int64_t rows,
@@ -427,9 +430,9 @@ QMat qmat(const at::Tensor& q, const at::Tensor& s, const c10::optional<at::Tens
               ": scales have the wrong shape");
   QMat r{reinterpret_cast<const uint8_t*>(q.data_ptr()), s.data_ptr<at::Half>(), nullptr, q.stride(0), q.stride(1),
          s.stride(0), s.stride(1)};
-  if (bits == 4) {
-    TORCH_CHECK(m.has_value() && m->sizes() == s.sizes() && m->scalar_type() == at::kHalf && m->strides() == s.strides(),
-                what, ": int4 needs fp16 minimums shaped and strided like the scales");
+  if (bits == 4 && m.has_value()) {  // (none: symmetric int4)
+    TORCH_CHECK(m->sizes() == s.sizes() && m->scalar_type() == at::kHalf && m->strides() == s.strides(),
+                what, ": int4 minimums must be fp16, shaped and strided like the scales");
     r.m = m->data_ptr<at::Half>();
   }
   return r;
