@@ -36,12 +36,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-# int4-g128: 4.25 bits per weight against Q4_0's 4.5 (int4 group 32 stores a minimum beside each scale: 5 bits)
-FORMATS = {"bf16": None, "int8": (8, 32), "int4": (4, 32), "int4-g128": (4, 128)}
-PEER = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0", "int4-g128": "q4_0", "q8_0-file": "q8_0",
-        "q4_0-file": "q4_0"}
+# (bits, group[, symmetric]). int4 group 32 stores a minimum beside each scale: 5 bits per weight against Q4_0's
+# 4.5; int4-sym is Q4_0's own layout (one scale, no minimum: 4.5 bits); int4-g128 4.25 bits
+FORMATS = {"bf16": None, "int8": (8, 32), "int4": (4, 32), "int4-sym": (4, 32, True), "int4-g128": (4, 128)}
+PEER = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0", "int4-sym": "q4_0", "int4-g128": "q4_0",
+        "q8_0-file": "q8_0", "q4_0-file": "q4_0"}
 # llama.cpp's own file, read by `expertcache import-gguf`: both sides decode the same expert and attention bytes
 FILE_FORMATS = {"q8_0-file": "q8_0", "q4_0-file": "q4_0"}
+
+
+def _spec(spec) -> tuple[int, int, bool]:
+    """(bits, group, symmetric) of a FORMATS entry."""
+    bits, group, *rest = spec
+    return bits, group, bool(rest and rest[0])
 
 
 def kernel_figures(threads: int, pool: int = 32, k: int = 8, rounds: int = 30) -> list[dict]:
@@ -84,8 +91,8 @@ def kernel_figures(threads: int, pool: int = 32, k: int = 8, rounds: int = 30) -
             nbytes = k * 3 * H * I * 2
             call = lambda s: ck.swiglu_bf16(x, gu, dn, s, w)  # noqa: E731
         else:
-            bits, group = spec
-            qg, qd = quant.quantize(gu, bits, group), quant.quantize(dn, bits, group)
+            bits, group, sym = _spec(spec)
+            qg, qd = quant.quantize(gu, bits, group, sym), quant.quantize(dn, bits, group, sym)
             nbytes = k * (quant.nbytes(qg) + quant.nbytes(qd)) // pool
             call = lambda s, qg=qg, qd=qd, b=bits, gr=group: ck.swiglu_q(x, qg, qd, b, gr, s, w)  # noqa: E731
         measure(call, draw, nbytes, fmt, spec)
@@ -97,8 +104,8 @@ def kernel_figures(threads: int, pool: int = 32, k: int = 8, rounds: int = 30) -
             calls = [lambda w=w: ck.linear_bf16(x, w) for w in ws]
             nbytes = ws[0].numel() * 2
         else:
-            bits, group = spec
-            qs = [quant.quantize(w, bits, group) for w in ws]
+            bits, group, sym = _spec(spec)
+            qs = [quant.quantize(w, bits, group, sym) for w in ws]
             calls = [lambda q=q, b=bits, gr=group: ck.linear_q(x, q["q"], q["scales"], q.get("mins"), b, gr)
                      for q in qs]
             nbytes = quant.nbytes(qs[0])
@@ -155,12 +162,12 @@ def quantized(model: Path, fmt: str, work: Path, linears: bool) -> Path:
         return out
     if FORMATS[fmt] is None:
         return model
-    bits, group = FORMATS[fmt]
-    out = work / f"{model.name}-int{bits}-g{group}{'-linears' if linears else ''}"
+    bits, group, sym = _spec(FORMATS[fmt])
+    out = work / f"{model.name}-int{bits}-g{group}{'-sym' if sym else ''}{'-linears' if linears else ''}"
     if not (out / "config.json").exists():
         from expertcache.runtime.quant import write_quantized
 
-        write_quantized(model, out, bits, group, linears=linears)
+        write_quantized(model, out, bits, group, linears=linears, symmetric=sym)
     return out
 
 

@@ -22,6 +22,9 @@ Mixed by usage (`quantize --by_usage`): the base's routing recorded on the corpu
 --split train`; the evals read the test split), the most used experts written at int8 (group 32) and the rest at
 int4 (group 128) within 0.35x and 0.30x the bf16 expert bytes; served like the others.
 
+`--keep_rows` adds variants to an existing table: the rows of --out this run does not measure are kept, each with
+the command that measured it (`measured_by`).
+
 Targets (#20): int8 gate PASS at Δppl <= +0.3%; the best 4-bit variant gate PASS at <= 0.35x the bf16 expert
 bytes. Resumable: a variant already quantized, or an eval already written, is reused.
 """
@@ -43,7 +46,9 @@ from expertcache.telemetry.atomic import write_json
 VARIANTS = {"int8-g32": (8, 32), "int4-g32": (4, 32), "int4-g64": (4, 64), "int4-g128": (4, 128),
             # the non-expert linears packed too (`quantize --linears true`: attention; the tied output head and the
             # routers stay exact), as llama.cpp's Q8_0 / Q4_0 files pack every matrix
-            "int8-g32+linears": (8, 32), "int4-g32+linears": (4, 32)}
+            "int8-g32+linears": (8, 32), "int4-g32+linears": (4, 32),
+            # symmetric int4 (`quantize --symmetric true`): llama.cpp's Q4_0 layout, 4.5 bits per weight at group 32
+            "int4-sym-g32": (4, 32, True), "int4-sym-g32+linears": (4, 32, True)}
 # precision by usage (`quantize --by_usage`): the experts the base uses most on the corpus's train split at int8
 # (group 32), the rest at int4 (group 128), within a fraction of the bf16 expert bytes
 MIXED = {"mixed-by-usage@0.35": ((8, 32), (4, 128), 0.35), "mixed-by-usage@0.30": ((8, 32), (4, 128), 0.30)}
@@ -96,6 +101,10 @@ def main() -> None:
                     help="capacities (fractions of E) of the 4-bit-on-miss rows (none: skip them)")
     ap.add_argument("--lossy_blocks", type=int, default=8, help="step-wise blocks per domain, on-miss rows")
     ap.add_argument("--lossy_limit", type=int, default=16, help="documents per task, on-miss rows")
+    ap.add_argument("--keep_rows", action="store_true",
+                    help="keep the rows of --out (written by an earlier run) whose names this run does not measure, "
+                         "each marked with the command that measured it: a new variant joins the table without "
+                         "evaluating the others again (the base and bf16 rows are always measured anew)")
     ap.add_argument("--gguf", nargs="*", default=[],
                     help="NAME=FILE[:int4|int8]: llama.cpp GGUF files of the base (llama.cpp's converter and "
                          "llama-quantize), each imported with `expertcache import-gguf` (with --requantize when given) "
@@ -151,8 +160,9 @@ def main() -> None:
             extra = ["--by_usage", str(usage), "--hot_bits", str(hb), "--hot_group_size", str(hg),
                      "--max_bytes_ratio", str(ratio)]
         else:
-            bits, group = VARIANTS[name]
-            extra = ["--linears", "true" if name.endswith("+linears") else "false"]
+            bits, group, *sym = VARIANTS[name]
+            extra = ["--linears", "true" if name.endswith("+linears") else "false"] + \
+                (["--symmetric", "true"] if sym and sym[0] else [])
         if not (out / "config.json").is_file():
             r = subprocess.run(cli + ["quantize", "--model", str(base), "--bits", str(bits), "--group_size",
                                       str(group), "--out", str(out), *extra],
@@ -251,6 +261,12 @@ def main() -> None:
                          "tpot_ratio_vs_blocking": on["tpot_s"] / blk["tpot_s"] if on and blk else None})
             print(f"{name}: Δppl {rows[-1]['dppl_overall_pct']:+.3f}% {g['dppl_overall_ci95']}, gate {g['gate']}, "
                   f"traffic {rows[-1]['traffic_ratio_vs_blocking']}x blocking", file=sys.stderr, flush=True)
+    if a.keep_rows and Path(a.out).is_file():  # an earlier run's rows for what this run did not measure
+        old = json.loads(Path(a.out).read_text())
+        have = {r["name"] for r in rows}
+        carried = [{**r, "measured_by": r.get("measured_by") or old["command"]} for r in old.get("rows", [])
+                   if r["name"] not in have]
+        rows = [rows[0], *carried, *rows[1:]] if rows and rows[0]["name"] == "bf16" else [*carried, *rows]
     int8 = [r for r in rows if r["bits"] == 8]
     four = [r for r in rows if r["bits"] in (4, "mixed") and "capacity" not in r and r["gate"] == "PASS"
             and r["expert_bytes_ratio"] <= 0.35]
