@@ -53,7 +53,7 @@ def kernels_table(d: dict, pairs_only: bool = False) -> str:
         rows += [f"| decode, all experts resident{ctx} | threads | expertcache | llama.cpp | ratio (target <= 1.25) | "
                  "rounds: expertcache / llama.cpp (ms) |" + (" our process's memory read GB/s, by round |" if bw else ""),
                  "|---|---|---|---|---|---|" + ("---|" if bw else "")]
-        order = ("bf16", "int8", "q8_0-file", "int4", "q4_0-file", "int4-g128")
+        order = ("bf16", "int8", "q8_0-file", "int4", "int4-sym", "q4_0-file", "int4-g128")
         for p in sorted(d["pairs"], key=lambda p: (p["threads"], order.index(p["format"]))):
             lin = " (+ linears)" if p.get("expertcache_linears_packed") else ""
             rr = " ".join(f"{x * 1e3:.1f}" for x in p["expertcache_rounds_s"])
