@@ -184,6 +184,22 @@ def test_integer_kernels_take_an_odd_number_of_64_input_chunks(bits, group, sym)
 
 
 @needs_ext
+@pytest.mark.parametrize("sym", [False, True])
+@pytest.mark.parametrize("group,n", [(32, 512), (32, 320), (64, 768), (64, 320), (128, 512), (192, 576)])
+def test_packed_linear_equals_its_integer_arithmetic(sym, group, n):
+    """One packed matrix against the dequantized weights times the activations rounded as the kernel rounds them,
+    in float64: 1e-5 relative (the sums are exact in int32; only the fp32 scaling differs). n = 320 and 576 hold an
+    odd number of 64-input chunks (the int4 loop reads two per 64-byte load, the last one alone); group 192 is
+    three chunks."""
+    g = torch.Generator().manual_seed(n + group)
+    w, x = torch.randn(37, n, generator=g) * 0.05, torch.randn(2, n, generator=g)
+    t = quant.quantize(w, 4, group, symmetric=sym)
+    ref = _act_rounded(x).double() @ quant.dequantize(t, 4, group).double().T
+    got = ck.linear_q(x, t["q"], t["scales"], t.get("mins"), 4, group)
+    assert float((got.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+@needs_ext
 @pytest.mark.parametrize("rows,n,out,bias", [(1, 2048, 130, False), (3, 100, 7, True), (8, 33, 64, True)])
 def test_linear_kernel_matches_torch(rows, n, out, bias):
     g = torch.Generator().manual_seed(n)
