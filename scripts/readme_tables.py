@@ -164,6 +164,11 @@ if (RESULTS / "kernels_file.json").is_file():
     print(f"<!-- results/kernels_file.json ({d['command']}) -->")
     print(kernels_table(d, pairs_only=True), end="\n\n")
 
+if (RESULTS / "kernels_int4_2t.json").is_file():
+    d = json.loads((RESULTS / "kernels_int4_2t.json").read_text())
+    print(f"<!-- results/kernels_int4_2t.json ({d['command']}) -->")
+    print(kernels_table(d, pairs_only=True), end="\n\n")
+
 if (RESULTS / "kernels_depth1024.json").is_file():
     d = json.loads((RESULTS / "kernels_depth1024.json").read_text())
     print(f"<!-- results/kernels_depth1024.json ({d['command']}) -->")
