@@ -154,25 +154,12 @@ if (RESULTS / "serve_load.json").is_file():
     print(f"<!-- results/serve_load.json (python scripts/load_test.py --throughput; git {d.get('commit', '?')}) -->")
     print(serve_load_table(d), end="\n\n")
 
-if (RESULTS / "kernels.json").is_file():
-    d = json.loads((RESULTS / "kernels.json").read_text())
-    print(f"<!-- results/kernels.json ({d['command']}) -->")
-    print(kernels_table(d), end="\n\n")
-
-if (RESULTS / "kernels_file.json").is_file():
-    d = json.loads((RESULTS / "kernels_file.json").read_text())
-    print(f"<!-- results/kernels_file.json ({d['command']}) -->")
-    print(kernels_table(d, pairs_only=True), end="\n\n")
-
-if (RESULTS / "kernels_int4_2t.json").is_file():
-    d = json.loads((RESULTS / "kernels_int4_2t.json").read_text())
-    print(f"<!-- results/kernels_int4_2t.json ({d['command']}) -->")
-    print(kernels_table(d, pairs_only=True), end="\n\n")
-
-if (RESULTS / "kernels_depth1024.json").is_file():
-    d = json.loads((RESULTS / "kernels_depth1024.json").read_text())
-    print(f"<!-- results/kernels_depth1024.json ({d['command']}) -->")
-    print(kernels_table(d, pairs_only=True), end="\n\n")
+# the kernels and every decode against llama.cpp (the first with its kernel rows, the others pairs only)
+for name in ("kernels.json", "kernels_file.json", "kernels_int4_2t.json", "kernels_depth1024.json"):
+    if (RESULTS / name).is_file():
+        d = json.loads((RESULTS / name).read_text())
+        print(f"<!-- results/{name} ({d['command']}) -->")
+        print(kernels_table(d, pairs_only=name != "kernels.json"), end="\n\n")
 
 if (RESULTS / "bench_cachesim.json").is_file():
     d = json.loads((RESULTS / "bench_cachesim.json").read_text())
