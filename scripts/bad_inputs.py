@@ -721,6 +721,9 @@ def cases(P: dict) -> list[dict]:
     add("quantize-out-is-model", [*q, M, "--bits", 8])
     add("quantize-no-out", ["quantize", "--model", M, "--bits", 8])
     add("quantize-linears-not-bool", [*q, S / "q6", "--bits", 8, "--linears", "maybe"])
+    add("quantize-symmetric-int8", [*q, S / "q6s", "--bits", 8, "--symmetric", "true"],
+        note="symmetric is an int4 option: int8 is symmetric already")
+    add("quantize-symmetric-not-bool", [*q, S / "q6t", "--bits", 4, "--symmetric", "maybe"])
     add("quantize-by-usage-other-model", [*q, S / "q7", "--bits", 8, "--by_usage", P["trace_other"]],
         note="a routing trace of another model (8 experts, 2 layers)")
     add("quantize-by-usage-missing", [*q, S / "q8", "--bits", 8, "--by_usage", S / "none.parquet"])
