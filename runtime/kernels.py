@@ -136,9 +136,9 @@ try:  # triton is optional (the `triton` extra); the reference path never needs 
 
     def swiglu_triton_q(x, gu: dict, dn: dict, bits: int, group: int, slots, weights, block: int = 32):
         """`swiglu_triton` over packed experts (`runtime.quant`'s int8 / int4 slots: `q`, fp16 `scales`, and int4
-        `mins` unless symmetric, each `[S, rows, ...]` with contiguous rows, the slots any stride apart), dequantized in the
-        kernel, fp32 activations: equal to `swiglu_reference` over `quant.dequantize`'s weights up to summation
-        order. The GPU path of a quantized checkpoint (the CPU has `cpu_kernels.swiglu_q`)."""
+        `mins` unless symmetric, each `[S, rows, ...]` with contiguous rows, the slots any stride apart),
+        dequantized in the kernel, fp32 activations: equal to `swiglu_reference` over `quant.dequantize`'s weights
+        up to summation order. The GPU path of a quantized checkpoint (the CPU has `cpu_kernels.swiglu_q`)."""
         for part in (gu, dn):
             if part["q"].stride(-1) != 1 or part["scales"].stride(-1) != 1:
                 raise ValueError("swiglu_triton_q: each packed row must be contiguous")

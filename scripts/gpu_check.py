@@ -3,7 +3,7 @@
 1. lossless: greedy tokens of `load(..., device="cuda")` (host tier: pinned RAM -> GPU on a side stream; disk
    tier: O_DIRECT -> staging -> GPU) equal plain `from_pretrained(...).cuda().generate` in bf16, per family;
 2. triton: `kernels.swiglu_triton` against the torch reference over strided slot views, on the GPU, and
-   `kernels.swiglu_triton_q` (int8 / int4 experts dequantized in the kernel) against the dequantized reference;
+   `kernels.swiglu_triton_q` (int8 / int4 / symmetric int4 experts dequantized in the kernel) against the dequantized reference;
 3. TPOT: `bench decode` on a mid-size bf16 checkpoint made here, cuda slots, host and disk tiers, native and
    triton kernels.
 Run it with `bash scripts/gpu_check.sh` from the repository root.
@@ -90,9 +90,11 @@ def triton_q_vs_torch() -> dict:
     res = {}
     h, i, s, t, k = 2048, 768, 24, 1, 8
     g = torch.Generator().manual_seed(0)
-    for bits, group in ((8, 32), (4, 32), (4, 128)):  # packed on the CPU (as `expertcache quantize` does), then moved
-        gu = {n: v.cuda() for n, v in quant.quantize(torch.randn(s, 2 * i, h, generator=g) * 0.02, bits, group).items()}
-        dn = {n: v.cuda() for n, v in quant.quantize(torch.randn(s, h, i, generator=g) * 0.02, bits, group).items()}
+    # packed on the CPU (as `expertcache quantize` does), then moved; symmetric int4 is Q4_0's layout
+    for bits, group, sym in ((8, 32, False), (4, 32, False), (4, 128, False), (4, 32, True)):
+        gu = {n: v.cuda() for n, v in
+              quant.quantize(torch.randn(s, 2 * i, h, generator=g) * 0.02, bits, group, sym).items()}
+        dn = {n: v.cuda() for n, v in quant.quantize(torch.randn(s, h, i, generator=g) * 0.02, bits, group, sym).items()}
         x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
         slots = torch.randint(0, s, (t, k), device="cuda")
         w = torch.rand(t, k, device="cuda").softmax(-1)
@@ -104,7 +106,7 @@ def triton_q_vs_torch() -> dict:
         for _ in range(20):
             swiglu_triton_q(x, gu, dn, bits, group, slots, w)
         torch.cuda.synchronize()
-        res[f"int{bits} group {group}"] = {"rel": float((a.float() - b.float()).norm() / b.float().norm()),
+        res[f"int{bits}{' symmetric' if sym else ''} group {group}"] = {"rel": float((a.float() - b.float()).norm() / b.float().norm()),
                                            "triton_ms": (time.perf_counter() - t0) / 20 * 1e3}
     return res
 

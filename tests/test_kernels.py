@@ -86,8 +86,8 @@ def test_triton_kernel_matches_the_reference_in_the_interpreter():
 
 
 def test_packed_triton_kernel_matches_the_dequantized_reference_in_the_interpreter():
-    """int8, int4 (groups 32 to 128) and symmetric int4 experts dequantized inside the triton kernel, over slot views a block
-    apart: equal to the torch reference over `quant.dequantize`'s weights up to summation order."""
+    """int8, int4 (groups 32 to 128) and symmetric int4 experts dequantized inside the triton kernel, over slot
+    views a block apart: equal to the torch reference over `quant.dequantize`'s weights up to summation order."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", CHECK_Q], env=env, capture_output=True, text=True, timeout=600)
