@@ -106,8 +106,9 @@ def triton_q_vs_torch() -> dict:
         for _ in range(20):
             swiglu_triton_q(x, gu, dn, bits, group, slots, w)
         torch.cuda.synchronize()
-        res[f"int{bits}{' symmetric' if sym else ''} group {group}"] = {"rel": float((a.float() - b.float()).norm() / b.float().norm()),
-                                           "triton_ms": (time.perf_counter() - t0) / 20 * 1e3}
+        res[f"int{bits}{' symmetric' if sym else ''} group {group}"] = {
+            "rel": float((a.float() - b.float()).norm() / b.float().norm()),
+            "triton_ms": (time.perf_counter() - t0) / 20 * 1e3}
     return res
 
 
