@@ -3,7 +3,8 @@
 1. lossless: greedy tokens of `load(..., device="cuda")` (host tier: pinned RAM -> GPU on a side stream; disk
    tier: O_DIRECT -> staging -> GPU) equal plain `from_pretrained(...).cuda().generate` in bf16, per family;
 2. triton: `kernels.swiglu_triton` against the torch reference over strided slot views, on the GPU, and
-   `kernels.swiglu_triton_q` (int8 / int4 / symmetric int4 experts dequantized in the kernel) against the dequantized reference;
+   `kernels.swiglu_triton_q` (int8 / int4 / symmetric int4 experts dequantized in the kernel) against the
+   dequantized reference;
 3. TPOT: `bench decode` on a mid-size bf16 checkpoint made here, cuda slots, host and disk tiers, native and
    triton kernels.
 Run it with `bash scripts/gpu_check.sh` from the repository root.
@@ -94,7 +95,8 @@ def triton_q_vs_torch() -> dict:
     for bits, group, sym in ((8, 32, False), (4, 32, False), (4, 128, False), (4, 32, True)):
         gu = {n: v.cuda() for n, v in
               quant.quantize(torch.randn(s, 2 * i, h, generator=g) * 0.02, bits, group, sym).items()}
-        dn = {n: v.cuda() for n, v in quant.quantize(torch.randn(s, h, i, generator=g) * 0.02, bits, group, sym).items()}
+        dn = {n: v.cuda() for n, v in
+              quant.quantize(torch.randn(s, h, i, generator=g) * 0.02, bits, group, sym).items()}
         x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
         slots = torch.randint(0, s, (t, k), device="cuda")
         w = torch.rand(t, k, device="cuda").softmax(-1)
