@@ -129,7 +129,14 @@ def build_offloaded(path: str | Path, dtype=None, verify: bool | None = None):
                 not all(isinstance(n, str) for n in lin["modules"]):
             raise InputError(f"{path}: quantization_config linears is not a list of module names "
                              f"(damaged config.json)")
-        quant.install_linears(model, lin["modules"], qc["bits"], qc["group_size"], qc.get("symmetric", False))
+        sym = qc.get("symmetric", False)
+        if qc["bits"] == 4:  # symmetric int4 stores no minimums: the file and the config must agree
+            with_mins = [n for n in lin["modules"]
+                         if f"{checkpoint_name(n + '.weight', adapter.family)}_mins" in ckpt.tensors]
+            if with_mins and sym:
+                raise InputError(f"{path}: quantization_config says symmetric, but packed linear {with_mins[0]} "
+                                 f"stores minimums (damaged config.json)")
+        quant.install_linears(model, lin["modules"], qc["bits"], qc["group_size"], sym)
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if name.startswith(expert_prefixes):
             continue
@@ -139,6 +146,10 @@ def build_offloaded(path: str | Path, dtype=None, verify: bool | None = None):
         if ck not in ckpt.tensors:
             if isinstance(p, torch.nn.Parameter) and p.is_meta and not _tied(model, name):
                 raise InputError(f"checkpoint {path} has no tensor {ck} (model parameter {name})")
+            if isinstance(mod, quant.QuantLinear):  # a packed linear's integers, scales or minimums
+                raise InputError(f"checkpoint {path} has no tensor {ck} (packed linear {mod_name}"
+                                 + (": quantization_config says min-max int4, not symmetric" if attr == "weight_mins"
+                                    else "") + "; damaged checkpoint or config.json)")
             continue
         t = ckpt.read(ck)
         if list(t.shape) != list(p.shape):

@@ -775,6 +775,32 @@ def test_a_damaged_linears_list_is_one_line(saved, tmp_path):
             load(d, capacity=1.0, tier="host")
 
 
+def test_a_symmetric_flag_that_contradicts_the_packed_linears_is_one_line(tmp_path):
+    """The packed linears' minimums decide the format as much as config.json does: `symmetric` false over linears
+    stored without minimums, or true over linears that have them, is refused at load in one line (the one would
+    have left meta buffers behind, the other computed min-max codes as if symmetric)."""
+    import json
+    import shutil
+
+    from expertcache.runtime import load
+    from tiny_models import build_model, tiny_config
+
+    src = tmp_path / "src"
+    build_model(tiny_config("qwen3_moe", hidden_size=64, moe_intermediate_size=64, intermediate_size=64,
+                            tie_word_embeddings=False), seed=7, dtype=torch.bfloat16).save_pretrained(src)
+    for sym, msg in ((True, "says min-max int4, not symmetric"), (False, "says symmetric, but packed linear")):
+        q = tmp_path / f"q{sym}"
+        quant.write_quantized(src, q, 4, 32, linears=True, symmetric=sym)
+        load(q, capacity=1.0, tier="host").expertcache.close()  # as written: loads
+        d = tmp_path / f"flipped{sym}"
+        shutil.copytree(q, d)
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["quantization_config"]["symmetric"] = not sym
+        (d / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(InputError, match=msg):
+            load(d, capacity=1.0, tier="host")
+
+
 @pytest.fixture(scope="module")
 def with_int4_copy(tmp_path_factory):
     """A bf16 qwen3_moe checkpoint (dimensions the int4 chunk takes) and its `expertcache quantize --bits 4` copy."""
