@@ -538,7 +538,7 @@ def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "", lin
              by_usage: str | None = None, hot_bits: int = 8, hot_group_size: int = 32,
              max_bytes_ratio: float = 0.35, symmetric: bool = False) -> dict:
     """Write a checkpoint whose routed experts are packed integers with fp16 group scales (int8: symmetric; int4:
-    min-max with a minimum per group), each expert one contiguous 4 KiB-aligned block of an expert store beside
+    min-max with a minimum per group, or with --symmetric true one scale only, llama.cpp's Q4_0 layout), each expert one contiguous 4 KiB-aligned block of an expert store beside
     the non-expert weights (unchanged, or with `--linears true` their linear layers packed the same way);
     `load`, `generate`, `serve`, `eval` and `bench` read it as they read any checkpoint, and the engine's slots hold
     the packed bytes (a byte budget holds 2-4x more experts). Prints the report as JSON: bytes against the
@@ -586,8 +586,10 @@ def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "", lin
     if by_usage:
         u, (hi, lo) = rep["by_usage"], rep["formats"]
         print(f"quantize: by usage ({u['tokens']} tokens of {by_usage}): {hi['experts']} most used experts at "
-              f"int{hi['bits']} (group {hi['group_size']}), serving {100 * u['hot_share_of_routing']:.1f}% of the "
-              f"trace's routing; {lo['experts']} at int{lo['bits']} (group {lo['group_size']})", file=sys.stderr)
+              f"int{hi['bits']}{' symmetric' if hi['bits'] == 4 and symmetric else ''} (group {hi['group_size']}), "
+              f"serving {100 * u['hot_share_of_routing']:.1f}% of the trace's routing; {lo['experts']} at "
+              f"int{lo['bits']}{' symmetric' if lo['bits'] == 4 and symmetric else ''} (group {lo['group_size']})",
+              file=sys.stderr)
         print(f"quantize: {rep['experts']} experts, mixed precision: {rep['expert_bytes'] / 2**30:.3f} GiB, "
               f"{rep['bf16_bytes_ratio']:.3f}x their bf16 bytes; worst layer relative error {worst:.4f}; -> {out}",
               file=sys.stderr)

@@ -342,8 +342,10 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
             parts = [(TOP_NAMES[name], None)]
         else:
             raise InputError(f"--gguf {path}: tensor {name} is not one import-gguf knows for {arch}")
-        if kind in PACKED and t.tensor_type.name == kind and rest_is_linear(name) \
+        if native and kind in PACKED and t.tensor_type.name == kind and rest_is_linear(name) \
                 and (kind == "Q8_0" or int(t.shape[0]) % 64 == 0):  # (our int4 packs 64 inputs per chunk)
+            # (only where the experts stay in the file's type: --requantize to another format dequantizes them,
+            # since a checkpoint's packed linears share its experts' format)
             # a matrix in the experts' packed type (attention, an untied output head): kept packed, as
             # `quantize --linears true` writes it (QuantLinear), without rounding (rows sliced or permuted whole)
             packed = CONVERT[kind](t)

@@ -166,10 +166,11 @@ def quantized_specs(specs, bits: int, group: int, symmetric: bool = False) -> li
     return out
 
 
-def quantize_expert(tensors: dict[str, torch.Tensor], bits: int, group: int) -> dict[str, torch.Tensor]:
+def quantize_expert(tensors: dict[str, torch.Tensor], bits: int, group: int,
+                    symmetric: bool = False) -> dict[str, torch.Tensor]:
     out = {}
     for name, w in tensors.items():
-        for part, v in quantize(w, bits, group).items():
+        for part, v in quantize(w, bits, group, symmetric).items():
             out[f"{name}.{part}"] = v
     return out
 
@@ -328,6 +329,9 @@ def _check_mixed(path, qc: dict) -> dict:
         if not _store_file(path, f.get("experts_file")):
             raise InputError(f"{path}: quantization_config format names experts_file {f.get('experts_file')!r}, "
                              f"which is not a file beside config.json")
+        if not isinstance(f.get("symmetric", False), bool):
+            raise InputError(f"{path}: quantization_config format symmetric={f['symmetric']!r}: expected true or "
+                             f"false (damaged config.json)")
     digits = "".join(str(k) for k in range(len(fm)))
     if (not isinstance(table, list) or not table or not all(isinstance(r, str) and r for r in table)
             or len({len(r) for r in table}) != 1 or not all(set(r) <= set(digits) for r in table)):
@@ -368,6 +372,7 @@ class MixedExperts:
             if format_of_specs(m.tensors) != (bits, group) or m.fingerprint != self.stores[0].fingerprint:
                 raise InputError(f"{p} does not hold the {bits}-bit, group {group} experts config.json describes "
                                  f"(damaged checkpoint: quantize again)")
+            _check_symmetric(p, qc["formats"][k], m.tensors)
         block = max(m.block_bytes for m in self.stores)
         first = self.stores[0]
         self.meta = StoreMeta(first.fingerprint, n_l, n_e, first.tensors, block, str(path),
@@ -413,6 +418,17 @@ class MixedExperts:
                 f"{self.files[k]})")
 
 
+def _check_symmetric(where, fmt: dict, specs) -> None:
+    """A format's `symmetric` flag against its store: symmetric int4 stores no minimums, min-max int4 does (int8 is
+    symmetric either way). An absent flag (checkpoints written before it existed) says nothing."""
+    if fmt.get("bits") != 4 or "symmetric" not in fmt:
+        return
+    has_mins = any(t.name.endswith(".mins") for t in specs)
+    if fmt["symmetric"] == has_mins:
+        raise InputError(f"{where}: quantization_config says symmetric={str(fmt['symmetric']).lower()}, but its "
+                         f"expert store {'holds' if has_mins else 'has no'} minimums (damaged config.json)")
+
+
 def open_source(path, qc: dict, verify: bool | None = None):
     """The expert source of an `expertcache quantize` checkpoint (its `read_config`): one store, or a mixed one."""
     from pathlib import Path
@@ -423,7 +439,9 @@ def open_source(path, qc: dict, verify: bool | None = None):
     if qc.get("bits") == MIXED:
         return MixedExperts(path, qc, verify)
     store = Path(path) / qc["experts_file"]
-    return StoreExperts(store, read_store_meta(store), verify)
+    meta = read_store_meta(store)
+    _check_symmetric(path, qc, meta.tensors)
+    return StoreExperts(store, meta, verify)
 
 
 def copy_source(path, meta):

@@ -776,9 +776,10 @@ def test_a_damaged_linears_list_is_one_line(saved, tmp_path):
 
 
 def test_a_symmetric_flag_that_contradicts_the_packed_linears_is_one_line(tmp_path):
-    """The packed linears' minimums decide the format as much as config.json does: `symmetric` false over linears
-    stored without minimums, or true over linears that have them, is refused at load in one line (the one would
-    have left meta buffers behind, the other computed min-max codes as if symmetric)."""
+    """The stored minimums decide the format as much as config.json does: `symmetric` false over packed linears or
+    experts stored without minimums, or true over ones that have them, is refused at load in one line (for the
+    linears the one would have left meta buffers behind, the other computed min-max codes as if symmetric; the
+    experts compute from what is stored either way, but config.json would describe them wrongly)."""
     import json
     import shutil
 
@@ -788,11 +789,14 @@ def test_a_symmetric_flag_that_contradicts_the_packed_linears_is_one_line(tmp_pa
     src = tmp_path / "src"
     build_model(tiny_config("qwen3_moe", hidden_size=64, moe_intermediate_size=64, intermediate_size=64,
                             tie_word_embeddings=False), seed=7, dtype=torch.bfloat16).save_pretrained(src)
-    for sym, msg in ((True, "says min-max int4, not symmetric"), (False, "says symmetric, but packed linear")):
-        q = tmp_path / f"q{sym}"
-        quant.write_quantized(src, q, 4, 32, linears=True, symmetric=sym)
+    cases = [(True, True, "says min-max int4, not symmetric"), (False, True, "says symmetric, but packed linear"),
+             (True, False, "says symmetric=false, but its expert store has no minimums"),
+             (False, False, "says symmetric=true, but its expert store holds minimums")]
+    for sym, linears, msg in cases:
+        q = tmp_path / f"q{sym}{linears}"
+        quant.write_quantized(src, q, 4, 32, linears=linears, symmetric=sym)
         load(q, capacity=1.0, tier="host").expertcache.close()  # as written: loads
-        d = tmp_path / f"flipped{sym}"
+        d = tmp_path / f"flipped{sym}{linears}"
         shutil.copytree(q, d)
         cfg = json.loads((d / "config.json").read_text())
         cfg["quantization_config"]["symmetric"] = not sym

@@ -328,6 +328,15 @@ def test_requantize_takes_a_native_file_to_another_format(src, tmp_path):
     assert rep["requantized"] and rep["experts"] == "int4" and quant.read_config(tmp_path / "o")["bits"] == 4
     rep = import_gguf(write_gguf(src, tmp_path / "n.gguf", experts=Q.Q8_0), tmp_path / "p", requantize="int8")
     assert not rep["requantized"] and rep["experts"] == "int8"  # the same format: repacked as it is
+    # attention in the file's own Q4_0 while the experts go to int8: the attention is dequantized, not left packed
+    # in a format the checkpoint's config does not describe (it was, and the checkpoint did not load)
+    from expertcache.runtime import load
+
+    f = write_gguf(src, tmp_path / "a.gguf", experts=Q.Q4_0, others=Q.Q4_0)
+    rep = import_gguf(f, tmp_path / "r", requantize="int8")
+    assert rep["requantized"] and rep["experts"] == "int8"
+    assert "linears" not in quant.read_config(tmp_path / "r")
+    load(tmp_path / "r", capacity=1.0, tier="host").expertcache.close()
 
 
 @pytest.fixture(scope="module", params=["mixtral", "olmoe"])

@@ -335,6 +335,17 @@ def test_a_mixed_checkpoint_with_symmetric_int4_decodes_like_its_dequantized_ref
     names = [{t.name for t in s.tensors} for s in source.stores]
     assert not any(n.endswith(".mins") for n in names[1]) and source.formats[1] == (4, 32)
     assert rep["formats"][1]["experts"] > 0
+    import shutil
+
+    for bad, msg in (("yes", "symmetric='yes': expected true or false"),
+                     (False, "says symmetric=false, but its expert store has no minimums")):
+        d = tmp_path / f"bad{bad}"
+        shutil.copytree(q, d)
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["quantization_config"]["formats"][1]["symmetric"] = bad
+        (d / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(InputError, match=msg):
+            load(d, capacity=0.5, tier="disk")
     ref = _logits(_reference(src, q))
     m = load(q, capacity=0.5, tier="disk", kernel="auto")
     assert _rel(_logits(m), ref) < 5e-2
