@@ -538,8 +538,9 @@ def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "", lin
              by_usage: str | None = None, hot_bits: int = 8, hot_group_size: int = 32,
              max_bytes_ratio: float = 0.35, symmetric: bool = False) -> dict:
     """Write a checkpoint whose routed experts are packed integers with fp16 group scales (int8: symmetric; int4:
-    min-max with a minimum per group, or with --symmetric true one scale only, llama.cpp's Q4_0 layout), each expert one contiguous 4 KiB-aligned block of an expert store beside
-    the non-expert weights (unchanged, or with `--linears true` their linear layers packed the same way);
+    min-max with a minimum per group, or with --symmetric true one scale only, llama.cpp's Q4_0 layout), each
+    expert one contiguous 4 KiB-aligned block of an expert store beside the non-expert weights (unchanged, or with
+    `--linears true` their linear layers packed the same way);
     `load`, `generate`, `serve`, `eval` and `bench` read it as they read any checkpoint, and the engine's slots hold
     the packed bytes (a byte budget holds 2-4x more experts). Prints the report as JSON: bytes against the
     original and each MoE layer's (and packed linear's) relative weight error.
