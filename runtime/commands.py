@@ -587,20 +587,23 @@ def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "", lin
     if by_usage:
         u, (hi, lo) = rep["by_usage"], rep["formats"]
         print(f"quantize: by usage ({u['tokens']} tokens of {by_usage}): {hi['experts']} most used experts at "
-              f"int{hi['bits']}{' symmetric' if hi['bits'] == 4 and symmetric else ''} (group {hi['group_size']}), "
-              f"serving {100 * u['hot_share_of_routing']:.1f}% of the trace's routing; {lo['experts']} at "
-              f"int{lo['bits']}{' symmetric' if lo['bits'] == 4 and symmetric else ''} (group {lo['group_size']})",
-              file=sys.stderr)
+              f"{_int_name(hi['bits'], symmetric)} (group {hi['group_size']}), serving "
+              f"{100 * u['hot_share_of_routing']:.1f}% of the trace's routing; {lo['experts']} at "
+              f"{_int_name(lo['bits'], symmetric)} (group {lo['group_size']})", file=sys.stderr)
         print(f"quantize: {rep['experts']} experts, mixed precision: {rep['expert_bytes'] / 2**30:.3f} GiB, "
               f"{rep['bf16_bytes_ratio']:.3f}x their bf16 bytes; worst layer relative error {worst:.4f}; -> {out}",
               file=sys.stderr)
         return rep
-    sym = " symmetric" if bits == 4 and symmetric else ""
-    print(f"quantize: {rep['experts']} experts to int{bits}{sym} (group {group_size}): "
+    print(f"quantize: {rep['experts']} experts to {_int_name(bits, symmetric)} (group {group_size}): "
           f"{rep['expert_bytes'] / 2**30:.2f} "
           f"GiB, {rep['bytes_ratio']:.3f}x the original's expert bytes; worst layer relative error {worst:.4f}; "
           f"-> {out}", file=sys.stderr)
     return rep
+
+
+def _int_name(bits: int, symmetric: bool) -> str:
+    """A format as the quantize summary names it: int8, int4, int4 symmetric."""
+    return f"int{bits}" + (" symmetric" if bits == 4 and symmetric else "")
 
 
 def import_gguf(gguf: str, out: str = "", requantize: str = "") -> dict:

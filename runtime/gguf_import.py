@@ -111,12 +111,11 @@ def _q4(t) -> dict[str, np.ndarray]:
     32 + j high), scale d (w = d (q - 8))."""
     b = _blocks(t, 18)
     d = b[..., :2].copy().view(np.float16)[..., 0]
+    from . import quant
+
     qs = b[..., 2:]
     codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(b.shape[0], b.shape[1], -1)  # inputs in order
-    n = codes.shape[-1]
-    c = codes.reshape(b.shape[0], b.shape[1], n // 64, 2, 32)
-    packed = (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(b.shape[0], b.shape[1], n // 2)
-    return {"q": packed.astype(np.uint8), "scales": d}
+    return {"q": quant.pack4(torch.from_numpy(codes)).numpy(), "scales": d}
 
 
 def rest_is_linear(name: str) -> bool:

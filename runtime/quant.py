@@ -76,9 +76,7 @@ def quantize(w: torch.Tensor, bits: int, group: int, symmetric: bool = False) ->
         better = err2 < err
         s, m = torch.where(better, s2, s), torch.where(better, m2, m)
         q, err = torch.where(better.unsqueeze(-1), q2, q), torch.where(better, err2, err)
-    q = q.to(torch.uint8).reshape(*w.shape[:-1], n // 64, 2, 32)
-    packed = q[..., 0, :] | (q[..., 1, :] << 4)
-    return {"q": packed.reshape(*w.shape[:-1], n // 2).contiguous(), "scales": s.contiguous(), "mins": m.contiguous()}
+    return {"q": pack4(q.reshape(w.shape)), "scales": s.contiguous(), "mins": m.contiguous()}
 
 
 REFINE = 3  # int4: rounds of least-squares refinement of each group's scale and minimum (0: plain min-max)
@@ -97,10 +95,7 @@ def _quantize4_symmetric(w: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Te
         better = err2 < err
         s = torch.where(better, s2, s)
         q, err = torch.where(better.unsqueeze(-1), q2, q), torch.where(better, err2, err)
-    n = w.shape[-1]
-    q = q.to(torch.uint8).reshape(*w.shape[:-1], n // 64, 2, 32)
-    packed = q[..., 0, :] | (q[..., 1, :] << 4)
-    return {"q": packed.reshape(*w.shape[:-1], n // 2).contiguous(), "scales": s.contiguous()}
+    return {"q": pack4(q.reshape(w.shape)), "scales": s.contiguous()}
 
 
 def _codes4s(g: torch.Tensor, s: torch.Tensor):
@@ -117,6 +112,13 @@ def _codes4(g: torch.Tensor, s: torch.Tensor, m: torch.Tensor):
     q = torch.where(sf > 0, torch.round((g - mf) / sf.clamp_min(torch.finfo(torch.float32).tiny)), torch.zeros(()))
     q = q.clamp(0, 15)
     return q, (q * sf + mf - g).pow(2).sum(-1)
+
+
+def pack4(codes: torch.Tensor) -> torch.Tensor:
+    """`[..., n]` codes in [0, 15], inputs in order -> `[..., n / 2]` uint8 (per 64 inputs, byte b holds input b low
+    and 32 + b high): the inverse of `unpack4`."""
+    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 64, 2, 32)
+    return (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(*codes.shape[:-1], codes.shape[-1] // 2).contiguous()
 
 
 def unpack4(q: torch.Tensor) -> torch.Tensor:
@@ -298,9 +300,7 @@ def read_config(path) -> dict | None:
                          f"group size of 32 or a multiple of 64 (damaged config.json)")
     if not _store_file(path, f):
         raise InputError(f"{path}: quantization_config names experts_file {f!r}, which is not a file beside config.json")
-    if not isinstance(qc.get("symmetric", False), bool):
-        raise InputError(f"{path}: quantization_config symmetric={qc['symmetric']!r}: expected true or false "
-                         f"(damaged config.json)")
+    _check_flag(path, qc)
     return qc
 
 
@@ -329,9 +329,7 @@ def _check_mixed(path, qc: dict) -> dict:
         if not _store_file(path, f.get("experts_file")):
             raise InputError(f"{path}: quantization_config format names experts_file {f.get('experts_file')!r}, "
                              f"which is not a file beside config.json")
-        if not isinstance(f.get("symmetric", False), bool):
-            raise InputError(f"{path}: quantization_config format symmetric={f['symmetric']!r}: expected true or "
-                             f"false (damaged config.json)")
+        _check_flag(path, f, "format ")
     digits = "".join(str(k) for k in range(len(fm)))
     if (not isinstance(table, list) or not table or not all(isinstance(r, str) and r for r in table)
             or len({len(r) for r in table}) != 1 or not all(set(r) <= set(digits) for r in table)):
@@ -416,6 +414,13 @@ class MixedExperts:
         k = int(self.fmt[layer, expert])
         return (f"MoE layer {layer} expert {expert} (int{self.formats[k][0]}, block {self.index[layer, expert]} of "
                 f"{self.files[k]})")
+
+
+def _check_flag(path, fmt: dict, what: str = "") -> None:
+    """One line for a `symmetric` that is there and not a bool (absent: written before the flag existed)."""
+    if not isinstance(fmt.get("symmetric", False), bool):
+        raise InputError(f"{path}: quantization_config {what}symmetric={fmt['symmetric']!r}: expected true or false "
+                         f"(damaged config.json)")
 
 
 def _check_symmetric(where, fmt: dict, specs) -> None:
@@ -565,7 +570,10 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
     if len(formats) == 2 and formats[0] == formats[1]:
         raise InputError(f"--hot_bits {hot[0]} --hot_group_size {hot[1]} is the same format as --bits {bits} "
                          f"--group_size {group}: nothing to mix")
-    fspecs = [layout(quantized_specs([(t.name, t.shape, t.dtype) for t in meta.tensors], b, g, symmetric and b == 4))
+    def sym(b: int) -> bool:  # whether format `b` is written without minimums (int8 has none either way)
+        return symmetric and b == 4
+
+    fspecs = [layout(quantized_specs([(t.name, t.shape, t.dtype) for t in meta.tensors], b, g, sym(b)))
               for b, g in formats]
     fbytes = [sum(t.nbytes for t in sp) for sp, _ in fspecs]
     bf16_bytes = sum(2 * int(np.prod(t.shape)) for t in meta.tensors) * n_l * n_e
@@ -594,7 +602,7 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
         q = {}
         for n in names:
             w = pool.views[n][0].float()
-            t = quantize(w, b, g, symmetric and b == 4)
+            t = quantize(w, b, g, sym(b))
             d = dequantize(t, b, g)
             err[n][i][0] += float((w - d).pow(2).sum())
             err[n][i][1] += float(w.pow(2).sum())
@@ -613,7 +621,7 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
         lin_names, lin_skipped = quantizable_linears(m, source.prefixes, routers, bits, group)
         for name in lin_names:
             w = m.get_submodule(name).weight.detach()
-            t = quantize(w, bits, group, symmetric and bits == 4)
+            t = quantize(w, bits, group, sym(bits))
             lin_err[name] = round(relative_error(w, t, bits, group), 6)
             ck = checkpoint_name(f"{name}.weight", source.family)
             if ck not in keep:
@@ -649,11 +657,11 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
                   if symmetric else "int4 min-max, fp16 scale and minimum per group"}
         if by_usage is None:
             qc = {"quant_method": QUANT_METHOD, "bits": bits, "group_size": group, "experts_file": EXPERTS_FILE,
-                  "scheme": scheme[bits], "symmetric": bits == 8 or symmetric}
+                  "scheme": scheme[bits], "symmetric": bits == 8 or sym(bits)}
         else:
             qc = {"quant_method": QUANT_METHOD, "bits": MIXED,
                   "formats": [{"bits": b, "group_size": g, "experts_file": f, "scheme": scheme[b],
-                               "symmetric": b == 8 or symmetric, "experts": int((fmt == k).sum())}
+                               "symmetric": b == 8 or sym(b), "experts": int((fmt == k).sum())}
                               for k, ((b, g), f) in enumerate(zip(formats, files))],
                   "expert_formats": ["".join(str(int(v)) for v in row) for row in fmt], "by_usage": usage}
         qc.update({"source_dtype": meta.tensors[0].dtype, "relative_error": layer_err})
@@ -669,7 +677,7 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
     expert_bytes = sum(fbytes[k] * int((fmt == k).sum()) for k in range(len(formats)))
     source_bytes = meta.expert_bytes * n_l * n_e
     return {"out": str(out), "bits": bits if by_usage is None else MIXED, "group_size": group,
-            "symmetric": bits == 8 or symmetric,
+            "symmetric": bits == 8 or sym(bits),
             "formats": [{"bits": b, "group_size": g, "experts": int((fmt == k).sum())}
                         for k, (b, g) in enumerate(formats)],
             "experts": n_l * n_e, "expert_bytes": expert_bytes, "source_expert_bytes": source_bytes,

@@ -375,9 +375,9 @@ inline void dot_q(const uint8_t* const* w, const float* const* sf, const float* 
     }
   }
   for (int r = 0; r < R; ++r) {
-    // int8: the minimum is -128 s; symmetric int4 (no minimums, mf[r] null): -8 s
-    const float mins = (BITS == 8 || mf[r] == nullptr) ? (BITS == 8 ? -128.0f : -8.0f) * vdot(sf[r], x.gsum, groups)
-                                                        : vdot(mf[r], x.gsum, groups);
+    // stored minimums, or none (mf[r] null: `qrow`): int8's minimum is -128 s, symmetric int4's -8 s
+    const float mins = mf[r] ? vdot(mf[r], x.gsum, groups)
+                             : (BITS == 8 ? -128.0f : -8.0f) * vdot(sf[r], x.gsum, groups);
     out[r] = _mm512_reduce_add_ps(acc[r]) + mins;
   }
 }
