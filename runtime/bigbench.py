@@ -271,6 +271,15 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
         res.update({"hit_rate": d["hit_rate"], "stall_per_token_s": d["stall_per_token_s"],
                     "time_budget_s": dec_stats.time_budget(times[-1] - times[warmup], n_dec),
                     "traffic_bytes_per_token": d["traffic_bytes_per_token"], "engine": eng.describe()})
+        if eng.tier.name == "disk":  # the reads' achieved bandwidth beside this disk's limits, measured after the
+            from .tiers import read_limits  # timed tokens (into buffers of its own: the cache is not touched)
+
+            lim = read_limits(eng.tier, eng.meta, eng.meta.num_layers, cfg_engine.workers)
+            res["read_bandwidth"] = {"in_flight_GBps": d["read_GBps_in_flight"],
+                                     "read_busy_per_token_s": d["read_busy_per_token_s"],
+                                     "one_at_a_time_GBps": lim["one_at_a_time"]["GBps"],
+                                     "at_queue_depth_GBps": lim["at_queue_depth"]["GBps"],
+                                     "queue_depth": lim["at_queue_depth"]["queue_depth"]}
         eng.close()
     return res
 
@@ -503,9 +512,17 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
             for k in ("tpot_is_run_mean", "disk_read_includes_load", "llamacpp_build", "threads", "cmd"):
                 if k in ok[0]:
                     row[k] = ok[0][k]
+            if "read_bandwidth" in ok[0]:  # medians over the runs (the achieved figure is None with no reads)
+                rb = [x["read_bandwidth"] for x in ok]
+                row["read_bandwidth"] = {k: (float(np.median([b[k] for b in rb if b[k] is not None]))
+                                             if any(b[k] is not None for b in rb) else None)
+                                         for k in rb[0]}
             if "time_budget_s" in ok[0]:  # seconds per token, averaged over the runs
                 row["time_budget_s"] = {k: float(np.mean([x["time_budget_s"][k] for x in ok]))
                                         for k in ok[0]["time_budget_s"]}
+            if "time_budget_s" in row and row.get("read_bandwidth") and row.get("traffic_bytes_per_token"):
+                row["roofline"] = roofline(row["time_budget_s"], row["traffic_bytes_per_token"],
+                                           row["read_bandwidth"]["at_queue_depth_GBps"])
         res["systems"][s] = row
     res["comparisons"] = comparisons(res["systems"])
     ec = {s: r["tpot_median_s"] for s, r in res["systems"].items() if s.startswith("expertcache")
@@ -518,6 +535,20 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
         res["best_peer"] = best_peer
         res["tpot_ratio_vs_best_peer"] = ec[best_ec] / peers[best_peer]
     return res
+
+
+def roofline(budget: dict, traffic_bytes: float, disk_GBps: float) -> dict:
+    """This machine's limit for one configuration (METRICS.md's roofline), per token: `t_compute_s` is the time
+    budget without its stall (what a token costs with every expert resident, measured in the same runs),
+    `t_transfer_s` the expert bytes moved over the disk's measured bandwidth at the engine's queue depth. Reads
+    fully overlapped with compute would reach `bound_s` = max of the two; `overlap_efficiency` is that bound over
+    the measured mean TPOT (the budget's, the same tokens), `no_overlap_s` their sum."""
+    from .bench import overlap
+
+    t_c = budget["tpot"] - budget["stall"]
+    t_t = traffic_bytes / (disk_GBps * 1e9) if disk_GBps else float("inf")
+    return {"t_compute_s": t_c, "t_transfer_s": t_t, "bound_s": max(t_c, t_t), "no_overlap_s": t_c + t_t,
+            **overlap(max(t_c, t_t), budget["tpot"])}
 
 
 def comparisons(systems: dict) -> dict:
@@ -542,23 +573,35 @@ def comparisons(systems: dict) -> dict:
 
 def table(res: dict) -> str:
     rows = ["| system | TPOT med (s) | round medians (s) | p90 (s) | peak RSS (GiB) | cgroup peak (GiB) | "
-            "disk read MB/tok | hit | s/tok: experts / stall / other / overhead |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "disk read MB/tok | hit | s/tok: experts / stall / other / overhead | "
+            "reads GB/s: achieved in flight / disk, one expert at a time / disk at the engine's queue depth |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for s, r in res["systems"].items():
         if "skipped" in r:
-            rows.append(f"| {s} | skipped: {r['skipped']} | | | | | | | |")
+            rows.append(f"| {s} | skipped: {r['skipped']} | | | | | | | | |")
             continue
         if "tpot_median_s" not in r:
             why = "; ".join(e[:160] for e in r["errors"]).replace("|", "/")  # one cell: no column breaks
-            rows.append(f"| {s} | failed: {why} | | | | | | | |")
+            rows.append(f"| {s} | failed: {why} | | | | | | | | |")
             continue
         budget = " / ".join(f"{r['time_budget_s'][k]:.3f}" for k in ("expert_compute", "stall", "other_compute",
                                                                      "overhead")) if "time_budget_s" in r else "—"
+        rb = r.get("read_bandwidth")
+        reads = "—" if not rb else (f"{rb['in_flight_GBps']:.2f}" if rb["in_flight_GBps"] is not None else "no reads") \
+            + f" / {rb['one_at_a_time_GBps']:.2f} / {rb['at_queue_depth_GBps']:.2f} (depth {rb['queue_depth']:.0f})"
         peak = f"{r['cgroup_peak_bytes'] / 2**30:.2f}" if r.get("cgroup_peak_bytes") else "unbounded"
         rows.append(f"| {s} | {r['tpot_median_s']:.3f} | "
                     f"{', '.join(f'{x:.3f}' for x in r.get('tpot_round_medians_s', []))} | {r['tpot_p90_s']:.3f} | "
                     f"{r['peak_rss_bytes'] / 2**30:.2f} | {peak} | {r['disk_read_bytes_per_token'] / 1e6:.0f} | "
-                    f"{r.get('hit_rate', float('nan')):.3f} | {budget} |")
+                    f"{r.get('hit_rate', float('nan')):.3f} | {budget} | {reads} |")
+    roof = {s: r["roofline"] for s, r in res["systems"].items() if r.get("roofline")}
+    if roof:
+        rows += ["", "| system | s/tok: compute (no stall) | reads at the disk's queue-depth bandwidth | bound: "
+                 "max of the two | no overlap: their sum | overlap efficiency |", "|---|---|---|---|---|---|"]
+        rows += [f"| {s} | {x['t_compute_s']:.3f} | {x['t_transfer_s']:.3f} | {x['bound_s']:.3f} | "
+                 f"{x['no_overlap_s']:.3f} | {x['overlap_efficiency']:.2f}"
+                 f"{' (bound above TPOT: unreliable)' if x['roofline_unreliable'] else ''} |"
+                 for s, x in roof.items()]
     comp = res.get("comparisons", {})
     if comp:
         rows += ["", "| comparison | TPOT ratio | claimed (rounds apart) |", "|---|---|---|"]

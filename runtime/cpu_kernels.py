@@ -12,6 +12,7 @@ benchmarks). Set `EXPERTCACHE_NO_EXT=1` to skip the extension.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -56,6 +57,27 @@ def _why_not() -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _build_lock(d: Path):
+    """One build at a time in `d`, under a lock the kernel drops when its holder dies (`flock`). torch's own lock
+    is a file that a build killed midway (Ctrl-C, an out-of-memory kill) leaves behind, and every later process
+    then waited on it forever, silently; holding ours, any such file is stale, and it goes."""
+    import fcntl
+    import sys
+
+    with open(d / ".build.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = d / "lock"
+            if stale.exists():
+                print(f"expertcache: removing {stale}, left by a build of the CPU kernels that was killed",
+                      file=sys.stderr, flush=True)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def load(verbose: bool = False) -> bool:
     """Build (once, cached) and load the extension; True when its ops are usable. Never raises."""
     if "ok" in _state:  # decided: no lock on the per-call path (`quant.swiglu` asks on every layer)
@@ -75,9 +97,10 @@ def load(verbose: bool = False) -> bool:
 
                     print(f"expertcache: building the CPU expert kernels once (about 10 s; cached in {d})",
                           file=sys.stderr, flush=True)
-                cpp_extension.load(name="expertcache_cpu", sources=[str(_SRC)], extra_cflags=_FLAGS,
-                                   extra_ldflags=["-fopenmp"],
-                                   build_directory=str(d), is_python_module=False, verbose=verbose)
+                with _build_lock(d):
+                    cpp_extension.load(name="expertcache_cpu", sources=[str(_SRC)], extra_cflags=_FLAGS,
+                                       extra_ldflags=["-fopenmp"],
+                                       build_directory=str(d), is_python_module=False, verbose=verbose)
                 torch.ops.expertcache_cpu.read_bytes  # noqa: B018 - registered?
             except Exception as e:  # noqa: BLE001 - any failure falls back; the line says what it was
                 msg = str(e).strip().splitlines()

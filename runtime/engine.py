@@ -307,6 +307,8 @@ class Stats:
     host_computed: int = 0  # misses computed where their weights live (miss policy host): no bytes moved
     stall_s: float = 0.0
     bytes_moved: int = 0
+    read_busy_s: float = 0.0  # wall time with at least one read in flight: bytes_moved over it is the achieved
+    # read bandwidth, comparable with the tier's measured limits (`tiers.read_limits`)
     # the time budget (seconds, cumulative): expert compute (the kernels over the slots), all of
     # run_layer (compute + stall + the engine's bookkeeping), and the model's whole forward (a hook on the model)
     compute_s: float = 0.0
@@ -353,7 +355,9 @@ class Stats:
             d["traffic_bytes_per_token"] = ((self.demand_loads + self.prefetch_loads + self.upgrade_loads)
                                             * expert_bytes + self.lowbit_bytes) / n
         return {**d, "bytes_moved_per_token": self.bytes_moved / n if n else 0.0,
-                "stall_per_token_s": self.stall_s / n if n else 0.0}
+                "stall_per_token_s": self.stall_s / n if n else 0.0,
+                "read_busy_per_token_s": self.read_busy_s / n if n else 0.0,
+                "read_GBps_in_flight": self.bytes_moved / self.read_busy_s / 1e9 if self.read_busy_s > 0 else None}
 
     def to_dict(self, expert_bytes: int | None, tokens: int | None = None) -> dict:
         return {**asdict(self), **self.per_token(expert_bytes, tokens)}
@@ -629,6 +633,7 @@ class OffloadEngine:
         self._load_pins()
         self.inflight = 0
         self._lock = threading.Lock()
+        self._reading, self._read_t0 = 0, 0.0  # reads in flight, and when the first of them began
         self.stats = Stats()
         self._preload_all()
         self.history: dict[int, list[int]] = {}
@@ -669,11 +674,27 @@ class OffloadEngine:
             self._router_logits[pos] = output[0] if isinstance(output, tuple) else output
         return hook
 
+    def _read(self, tier, pos: int, expert: int, pool: SlotPool, slot: int, lowbit: bool = False) -> None:
+        """`tier.read` with its bytes counted and the time any read is in flight (`Stats.read_busy_s`) measured."""
+        with self._lock:
+            if not self._reading:
+                self._read_t0 = time.perf_counter()
+            self._reading += 1
+        n = 0
+        try:
+            n = tier.read(pos, expert, pool, slot)
+        finally:
+            with self._lock:
+                self._reading -= 1
+                if not self._reading:
+                    self.stats.read_busy_s += time.perf_counter() - self._read_t0
+                self.stats.bytes_moved += n
+                if lowbit:
+                    self.stats.lowbit_bytes += n
+
     def _load(self, pos: int, expert: int, slot: int, pool: SlotPool | None = None) -> None:
         """Copy one expert from the slow tier into a slot of layer `pos`'s pool (or of a transient `pool`)."""
-        n = self.tier.read(pos, expert, pool if pool is not None else self.pools[pos], slot)
-        with self._lock:
-            self.stats.bytes_moved += n
+        self._read(self.tier, pos, expert, pool if pool is not None else self.pools[pos], slot)
 
     def _lowbit_pool(self) -> SlotPool:
         """The packed copy's slots for one layer's misses (every layer uses them in turn), allocated on first use."""
@@ -682,10 +703,7 @@ class OffloadEngine:
         return self._low_pool
 
     def _load_low(self, pos: int, expert: int, slot: int) -> None:
-        n = self.low_tier.read(pos, expert, self._low_pool, slot)
-        with self._lock:
-            self.stats.bytes_moved += n
-            self.stats.lowbit_bytes += n
+        self._read(self.low_tier, pos, expert, self._low_pool, slot, lowbit=True)
 
     def _prefetch_done(self, fut, upgrade: bool = False):
         """A prefetch's read finished (or was cancelled): its bytes leave the in-flight budget, and a read that ran

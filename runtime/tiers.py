@@ -72,6 +72,22 @@ def measure_bandwidth(tier: "Tier", meta: StoreMeta, executor, layers: int, n: i
     return n * meta.expert_bytes / (time.perf_counter() - t0)
 
 
+def read_limits(tier: "Tier", meta: StoreMeta, layers: int, workers: int, n: int = 48, seed: int = 0) -> dict:
+    """This tier's measured read limits for random experts of the first `layers` layers, read as the engine reads
+    them: one expert at a time, and `workers` at a time (the engine's load threads). Each expert read of
+    `SPLIT_MIN` bytes or more goes as `SPLIT` concurrent pieces, so `queue_depth` counts pieces in flight. The
+    engine's achieved bandwidth (`Stats.read_busy_s`) is read against these."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pieces = SPLIT if tier.name == "disk" and meta.expert_bytes >= SPLIT_MIN else 1
+    out = {"expert_bytes": meta.expert_bytes}
+    for key, width in (("one_at_a_time", 1), ("at_queue_depth", max(1, workers))):
+        with ThreadPoolExecutor(max_workers=width) as ex:
+            gbps = measure_bandwidth(tier, meta, ex, layers, n, seed) / 1e9
+        out[key] = {"GBps": gbps, "queue_depth": width * pieces}
+    return out
+
+
 class SlotPool:
     """`n_slots` expert blocks of one layer (or of a global cache) in one aligned buffer; `views[name]` is a
     `[n_slots, *shape]` tensor over it for each expert tensor, so a slot is written by one read and computed

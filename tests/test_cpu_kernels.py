@@ -1107,3 +1107,45 @@ def test_a_failed_bench_big_run_says_why_in_its_error(tmp_path):
     block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
     assert rss_bytes() - before > 48 << 20
     del block
+
+
+def test_bench_big_roofline_bounds_a_token_by_its_compute_and_its_reads():
+    """The physical limit of a `bench big` configuration: compute is the time budget without its stall, reads the
+    bytes moved over the disk's measured queue-depth bandwidth; the bound is the larger, overlap efficiency the
+    bound over TPOT (METRICS.md), and a bound above TPOT is flagged, not reported as an efficiency over 1."""
+    from expertcache.runtime.bigbench import roofline, table
+
+    budget = {"expert_compute": 0.05, "stall": 0.10, "other_compute": 0.04, "overhead": 0.01, "tpot": 0.20}
+    r = roofline(budget, 400e6, 4.0)
+    assert r["t_compute_s"] == pytest.approx(0.10) and r["t_transfer_s"] == pytest.approx(0.10)
+    assert r["bound_s"] == pytest.approx(0.10) and r["no_overlap_s"] == pytest.approx(0.20)
+    assert r["overlap_efficiency"] == pytest.approx(0.5) and not r["roofline_unreliable"]
+    fast = roofline(dict(budget, stall=0.0, tpot=0.09), 800e6, 4.0)  # reads alone (0.2 s) exceed the TPOT
+    assert fast["overlap_efficiency"] == 1.0 and fast["roofline_unreliable"]
+    row = {"tpot_median_s": 0.2, "tpot_round_medians_s": [0.2], "tpot_p90_s": 0.3, "peak_rss_bytes": 2**30,
+           "cgroup_peak_bytes": None, "disk_read_bytes_per_token": 4e8, "hit_rate": 0.8, "time_budget_s": budget,
+           "read_bandwidth": {"in_flight_GBps": 3.5, "read_busy_per_token_s": 0.11, "one_at_a_time_GBps": 1.5,
+                              "at_queue_depth_GBps": 4.0, "queue_depth": 16.0}, "roofline": r}
+    text = table({"systems": {"expertcache:on-demand": row}})
+    assert "| 3.50 / 1.50 / 4.00 (depth 16) |" in text and "| 0.100 | 0.100 | 0.100 | 0.200 | 0.50 |" in text, text
+
+
+@needs_ext
+def test_a_build_killed_midway_does_not_hang_the_next_process(tmp_path):
+    """torch's build lock is a plain file: a build killed midway (Ctrl-C, the OOM killer) left it behind, and every
+    later process waited on it forever without a word (found when a killed benchmark hung the test suite). The
+    loader now builds under an flock of its own and removes such a file, saying so."""
+    import shutil
+
+    from expertcache.runtime import cpu_kernels
+
+    d = tmp_path / "ext" / cpu_kernels.cache_dir().name
+    shutil.copytree(cpu_kernels.cache_dir(), d)  # the built extension (the fixture built it), mtimes kept
+    (d / "lock").write_text("")
+    (d / ".build.flock").unlink(missing_ok=True)
+    p = subprocess.run([sys.executable, "-c", "from expertcache.runtime import cpu_kernels; "
+                        "print(cpu_kernels.load(), cpu_kernels.why_unavailable())"],
+                       env={**os.environ, "EXPERTCACHE_CACHE": str(tmp_path)}, capture_output=True, text=True,
+                       timeout=300)
+    assert p.stdout.split() == ["True", "None"], (p.stdout, p.stderr)
+    assert "left by a build of the CPU kernels that was killed" in p.stderr and not (d / "lock").exists()

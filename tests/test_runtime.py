@@ -492,8 +492,34 @@ def test_the_time_budget_adds_up_and_puts_the_time_where_it_went(family_models):
         assert b["expert_compute"] > 0 and b["other_compute"] > 0 and b["overhead"] > 0
         if slow:
             assert b["stall"] > 0.5 * b["tpot"] and b["stall"] > b["expert_compute"], b
+            # reads were in flight at least while the step waited on them, and at the link's pace while they were
+            assert st.read_busy_s >= 0.95 * st.stall_s > 0, (st.read_busy_s, st.stall_s)
+            gbps = st.per_token(None)["read_GBps_in_flight"]
+            assert 0.0006 <= gbps <= 0.00105, gbps
         else:
             assert b["stall"] < 0.05 * b["tpot"], b
+            assert st.read_busy_s == 0 and st.per_token(None)["read_GBps_in_flight"] is None
+
+
+def test_read_limits_measure_the_tier_as_the_engine_reads_it(family_models):
+    """`read_limits`: one expert at a time and `workers` at a time, each at the pace the tier really moves (a
+    1 MB/s link moves 1 MB/s however many read at once), with the queue depth counted in reads in flight."""
+    from expertcache.runtime.engine import _as_source
+    from expertcache.runtime.tiers import make_tier, read_limits
+
+    _, path = family_models["qwen3_moe"]
+    src = _as_source(path)
+    tier = make_tier("throttled:0.002", src)
+    lim = read_limits(tier, src.meta, src.meta.num_layers, workers=3, n=6)
+    assert lim["one_at_a_time"]["queue_depth"] == 1 and lim["at_queue_depth"]["queue_depth"] == 3
+    for k in ("one_at_a_time", "at_queue_depth"):
+        assert 0.0012 <= lim[k]["GBps"] <= 0.0021, lim
+    disk = make_tier("disk", src)
+    try:
+        d = read_limits(disk, src.meta, src.meta.num_layers, workers=4, n=8)
+    finally:
+        disk.close()
+    assert d["at_queue_depth"]["queue_depth"] == 4 and d["one_at_a_time"]["GBps"] > 0, d  # small experts: whole
 
 
 def test_a_budget_in_gib_buys_as_many_slots_as_fit(family_models):
@@ -593,8 +619,10 @@ def test_per_token_figures_come_from_one_place():
     the engine's counters, plus bytes moved and stall, over the tokens given."""
     from expertcache.runtime.engine import Stats
 
-    s = Stats(tokens=10, accesses=80, hits=60, demand_loads=20, prefetch_loads=5, stall_s=0.5, bytes_moved=2500)
+    s = Stats(tokens=10, accesses=80, hits=60, demand_loads=20, prefetch_loads=5, stall_s=0.5, bytes_moved=2500,
+              read_busy_s=0.625)
     d = s.per_token(expert_bytes=100)
+    assert d["read_busy_per_token_s"] == 0.0625 and d["read_GBps_in_flight"] == 2500 / 0.625 / 1e9
     assert d["hit_rate"] == 0.75 and d["adjusted_hit_rate"] == 1 - 25 / 80
     assert d["demand_loads_per_token"] == 2.0 and d["prefetch_loads_per_token"] == 0.5
     assert d["misses_per_token"] == 2.0 and d["traffic_bytes_per_token"] == 250.0
@@ -602,7 +630,8 @@ def test_per_token_figures_come_from_one_place():
     half = s.per_token(expert_bytes=100, tokens=20)  # the same counts over twice the tokens
     assert half["traffic_bytes_per_token"] == 125.0 and half["hit_rate"] == d["hit_rate"]
     assert s.to_dict(100)["stall_per_token_s"] == 0.05 and s.counters().per_step(100, "token") == \
-        {k: d[k] for k in d if k not in ("bytes_moved_per_token", "stall_per_token_s")}
+        {k: d[k] for k in d if k not in ("bytes_moved_per_token", "stall_per_token_s", "read_busy_per_token_s",
+                                         "read_GBps_in_flight")}
     assert Stats().per_token(100)["traffic_bytes_per_token"] == 0.0  # no tokens: zeros, not a division error
 
 
