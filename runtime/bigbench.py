@@ -299,6 +299,10 @@ def prepare_llamacpp(systems, routing: str, ckpt: Path, out_dir: Path, llamacpp_
     try:
         src = llamacpp.source_dir(Path(llamacpp_dir) if llamacpp_dir else None)
         bins = llamacpp.build(src)
+        gguf = out_dir / f"{ckpt.name}-bf16.gguf"  # llamacpp.gguf's name: a GGUF is about the checkpoint's size
+        if not gguf.exists() and free_disk(out_dir) < have_ckpt(ckpt) + (1 << 30):
+            raise llamacpp.LlamaCppError("convert", f"the GGUF needs about {have_ckpt(ckpt) / 1e9:.1f} GB of disk "
+                                         f"and {free_disk(out_dir) / 1e9:.1f} GB are free in {out_dir}")
         return bins, llamacpp.gguf(ckpt, "bf16", src, bins, out_dir), {}
     except llamacpp.LlamaCppError as e:
         return None, None, {s: str(e) for s in want}
@@ -326,6 +330,25 @@ def run_llamacpp(system: str, bins: Path, gguf: Path, tokens: int, warmup: int, 
             "disk_read_bytes_run": r["read_bytes"],
             "output_tokens_sha": None, "routing_positions": None, "llamacpp_build": r["build"],
             "threads": r["threads"], "cmd": r["cmd"]}
+
+
+def accelerate_disk(ckpt: Path, budget_gb: float, out_dir: Path, beside_gguf: bool = False) -> str | None:
+    """Why accelerate cannot run here (None: it can): its converted copy of what the budget leaves out (about
+    the checkpoint less the budget; 26.6 GB for the 33.9 GB checkpoint at 8 GiB) must fit on the disk, which it
+    would otherwise fill midway."""
+    off = ckpt.parent / (ckpt.name + "-accelerate-offload")
+    need = max(0, have_ckpt(ckpt) - int(budget_gb * 2**30)) + (2 << 30)
+    held = sum(p.stat().st_size for p in off.rglob("*") if p.is_file()) if off.is_dir() else 0  # rewritten
+    free = free_disk(out_dir) + held
+    if free >= need:
+        return None
+    return (f"its offload copy needs about {need / 1e9:.1f} GB of disk and {free / 1e9:.1f} GB are free beside the "
+            f"checkpoint" + (" and the GGUF" if beside_gguf else ""))
+
+
+def have_ckpt(ckpt: Path) -> int:
+    """Bytes of the checkpoint's safetensors files."""
+    return sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
 
 
 def _read_bytes() -> int:
@@ -410,6 +433,10 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
     systems = system_names(systems, experts)
     threads = torch.get_num_threads()  # what each system's own process gets (torch's default here)
     bins, gguf_path, skipped = prepare_llamacpp(systems, routing, ckpt, out_dir, llamacpp_dir)
+    off = ckpt.parent / (ckpt.name + "-accelerate-offload")
+    why = accelerate_disk(ckpt, budget_gb, out_dir, gguf_path is not None) if "accelerate" in systems else None
+    if why:
+        skipped["accelerate"] = why
     systems = [s for s in systems if s not in skipped]
     start = 2000  # decode window of the trace; the predictor is fitted on tokens before it
     runs: dict[str, list] = {s: [] for s in systems}
@@ -463,7 +490,6 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
     disk_used = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
     quant_used = {f: sum(p.stat().st_size for p in quantized_path(ckpt, f, quant_linears).iterdir() if p.is_file())
                   for f in experts if f != "bf16"}
-    off = ckpt.parent / (ckpt.name + "-accelerate-offload")
     res = {"inputs": {"shape": {"hidden": HIDDEN, "experts": EXPERTS, "expert": [HIDDEN, INTER], "top_k": TOP_K,
                                 "heads": [HEADS, KV_HEADS, HEAD_DIM], "vocab": 32768, "dtype": "bfloat16"},
                       "layers": n_layers, "expert_bytes_total": n_layers * per_layer, "physical_ram": physical_ram(),
@@ -485,6 +511,10 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                                   f"memory cgroup (v{2 if cg.v2 else 1}: resident memory and page cache)")
            if cg is not None else f"no memory cgroup ({cg_note}): every system ran unbounded",
            "skipped": skipped, "systems": {}}
+    if off.is_dir():  # accelerate rewrites its copy at every load: nothing to keep (its size is counted above)
+        import shutil
+
+        shutil.rmtree(off, ignore_errors=True)
     for s, why in skipped.items():
         res["systems"][s] = {"runs": 0, "errors": [], "skipped": why}
     for s, rs in runs.items():

@@ -161,7 +161,9 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
     """A Qwen3-30B-A3B-shaped checkpoint larger than RAM, decoded by expertcache (disk tier, cache within the
     budget), transformers + accelerate disk offload and the page cache (mmap), on the same routing, alternated,
     each inside one memory cgroup of the budget (as root; `mmap:unbounded` outside it: the page cache a user gets
-    by default).
+    by default). Each expertcache row reports its time budget per token (expert compute, stall, other compute,
+    overhead), its reads' bandwidth while in flight beside the disk's measured limits, and its roofline (the
+    token with reads fully overlapped).
 
     Args:
         out_dir: where the checkpoint is written (reused) and the logs go
@@ -176,7 +178,9 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
         systems: which systems run: expertcache:on-demand, expertcache:prefetch, accelerate, mmap (in the
             cgroup), mmap:unbounded, llama.cpp (in the cgroup), llama.cpp:unbounded (llama.cpp only with
             --routing native: it is built from the PyPI sdist's source and the checkpoint converted to a BF16
-            GGUF the first time, which takes tens of minutes and as much disk as the checkpoint). An expertcache
+            GGUF the first time, which takes tens of minutes and as much disk as the checkpoint; accelerate writes
+            a converted copy of what the budget leaves out, deleted when done. Either is skipped, with the reason
+            in the JSON, when the disk cannot hold it). An expertcache
             system may add engine options after slashes, over --engine's, to compare configurations in one
             alternated run: e.g. [expertcache:on-demand,expertcache:on-demand/victims=false]
         layers: MoE layers (default: experts >= ram_factor x RAM)

@@ -1149,3 +1149,21 @@ def test_a_build_killed_midway_does_not_hang_the_next_process(tmp_path):
                        timeout=300)
     assert p.stdout.split() == ["True", "None"], (p.stdout, p.stderr)
     assert "left by a build of the CPU kernels that was killed" in p.stderr and not (d / "lock").exists()
+
+
+def test_bench_big_skips_accelerate_with_its_reason_when_the_disk_cannot_hold_its_copy(tmp_path, monkeypatch):
+    """accelerate writes a converted copy of what the budget leaves out (26.6 GB beside a 33.9 GB checkpoint): where
+    the disk cannot hold it, the row is skipped with the figures in its reason, before anything is written; a copy
+    already there (it is rewritten in place) counts as room."""
+    from expertcache.runtime import bigbench
+
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"\0" * 4096)
+    monkeypatch.setattr(bigbench, "have_ckpt", lambda c: 30 * 2**30)
+    monkeypatch.setattr(bigbench, "free_disk", lambda d: 10 * 2**30)
+    why = bigbench.accelerate_disk(ckpt, 8.0, tmp_path, beside_gguf=True)
+    assert why == ("its offload copy needs about 25.8 GB of disk and 10.7 GB are free beside the checkpoint and "
+                   "the GGUF"), why
+    monkeypatch.setattr(bigbench, "free_disk", lambda d: 25 * 2**30)
+    assert bigbench.accelerate_disk(ckpt, 8.0, tmp_path) is None
