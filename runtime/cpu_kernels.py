@@ -65,17 +65,17 @@ def _build_lock(d: Path):
     import fcntl
     import sys
 
-    with open(d / ".build.flock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            stale = d / "lock"
-            if stale.exists():
-                print(f"expertcache: removing {stale}, left by a build of the CPU kernels that was killed",
-                      file=sys.stderr, flush=True)
-                stale.unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    fd = os.open(d / ".build.flock", os.O_RDWR | os.O_CREAT, 0o644)  # a lock, never written
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        stale = d / "lock"
+        if stale.exists():
+            print(f"expertcache: removing {stale}, left by a build of the CPU kernels that was killed",
+                  file=sys.stderr, flush=True)
+            stale.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)  # the flock goes with it
 
 
 def load(verbose: bool = False) -> bool:
