@@ -238,12 +238,12 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
     if eng is not None:  # the cache's slots fill as the run goes: what loading left resident plus them must fit.
         # Said in the run's log, which a failed run's error quotes (an out-of-memory kill leaves no other word);
         # not refused here: slots a policy fills while loading (pins) are counted in both figures
-        cache = eng.fast_bytes + eng.host_bytes
-        over = " (over the budget: a cgroup of this size will kill the run as its cache fills)" \
-            if rss_load + cache > budget else ""
-        print(f"{system}: resident after loading {rss_load / 2**30:.2f} GiB + cache slots {cache / 2**30:.2f} GiB "
-              f"(streaming buffers and activations come on top), budget {budget / 2**30:.2f} GiB{over}",
-              file=sys.stderr, flush=True)
+        # the cache's slots are touched as they are made: resident already
+        over = " (over the budget: a cgroup of this size will kill the run)" if rss_load + eng.host_bytes > budget \
+            else ""
+        print(f"{system}: resident after loading {rss_load / 2**30:.2f} GiB, of which cache slots "
+              f"{eng.fast_bytes / 2**30:.2f} GiB (streaming buffers and activations come on top), budget "
+              f"{budget / 2**30:.2f} GiB{over}", file=sys.stderr, flush=True)
     forced = None if native else TraceRouting(routers, ids, start)
     prompt = torch.randint(2, cfg["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(0))
     from .decode import timed_greedy

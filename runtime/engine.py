@@ -599,9 +599,9 @@ class OffloadEngine:
         self.shadow: dict[int, set[int]] = {}  # layer -> what the predictor named for it while not prefetching
         self.decode_rows: int | None = None  # set by the decode loop (decode.Batch) during a batched decode step
         self.guard = PrefetchGuard(cfg.prefetch_guard)
-        shared = SlotPool(self.meta, n_slots, fast) if cfg.budget == "global" else None
+        shared = SlotPool(self.meta, n_slots, fast, touch=True) if cfg.budget == "global" else None
         for i, layer in enumerate(self.layers):
-            pool = shared or SlotPool(self.meta, n_slots, fast)
+            pool = shared or SlotPool(self.meta, n_slots, fast, touch=True)
             self.pools.append(pool)
             mod = OffloadedExperts(self, i, layer.experts, pool)
             if i == 0 and cfg.kernel == "cpu":  # before the model is touched
@@ -1124,7 +1124,7 @@ class OffloadEngine:
         at a time, so every layer shares them; `describe()` reports their bytes once allocated."""
         if self._spool is None:
             n = min(STREAM_SLOTS_PER_K * self.adapter.top_k, self.adapter.num_experts)
-            self._spool = SlotPool(self.meta, n, self.cfg.slot_device)
+            self._spool = SlotPool(self.meta, n, self.cfg.slot_device, touch=True)
         return self._spool
 
     def _host_views(self, pos: int) -> dict[str, torch.Tensor]:
