@@ -32,9 +32,9 @@ SPLIT, SPLIT_MIN = 4, 4 << 20  # reads of 4 MiB and more go as 4 concurrent piec
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """`dst.copy_(src)` for a load thread. Between contiguous CPU tensors of one dtype it is a `memmove` on this
-    thread alone, with the GIL released: torch's `copy_` splits a large copy over the intra-op (OpenMP) threads,
-    which the decoding thread is using, and from a load thread it then waited on their barrier. A 9.4 MB expert read
-    (6 ms of disk) took a median of 30 ms beside a decode step, and a lone miss loaded at 0.6 GB/s."""
+    thread alone, with the GIL released: torch's `copy_` would split a large copy over the intra-op (OpenMP)
+    threads, which the decoding thread is using. (The slow loads once blamed on this copy were the slots' first-touch
+    page faults: see `SlotPool`.)"""
     if (dst.device.type == "cpu" and src.device.type == "cpu" and dst.dtype == src.dtype
             and dst.is_contiguous() and src.is_contiguous() and dst.numel() == src.numel()):
         ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
