@@ -153,9 +153,8 @@ def _load_system(system: str, ckpt: Path, budget: int, layers: int, ids_fit: np.
     if system == "accelerate":
         from expertcache.telemetry.hf import load_causal_lm
 
-        off = ckpt.parent / (ckpt.name + "-accelerate-offload")
         m = load_causal_lm(ckpt, dtype=torch.bfloat16, device_map="auto", max_memory={"cpu": budget},
-                           offload_folder=str(off)).eval()
+                           offload_folder=str(offload_dir(ckpt))).eval()
         return m, None, [L.router for L in adapter_for(m).moe_layers(m)]
     if system in ("mmap", "mmap:unbounded"):  # the same process; the cgroup (or none) is the difference
         m = _mmap_model(ckpt)
@@ -240,10 +239,9 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
                                    None if native else ids[:, :start - 1], cfg_engine)
     load_s = time.perf_counter() - t0
     rss_load = rss_bytes()
-    if eng is not None:  # the cache's slots fill as the run goes: what loading left resident plus them must fit.
-        # Said in the run's log, which a failed run's error quotes (an out-of-memory kill leaves no other word);
-        # not refused here: slots a policy fills while loading (pins) are counted in both figures
-        # the cache's slots are touched as they are made: resident already
+    if eng is not None:  # the cache's slots are touched as they are made, so loading left them resident: that
+        # and the tier's host buffers must fit. Said in the run's log, which a failed run's error quotes (an
+        # out-of-memory kill leaves no other word)
         over = " (over the budget: a cgroup of this size will kill the run)" if rss_load + eng.host_bytes > budget \
             else ""
         print(f"{system}: resident after loading {rss_load / 2**30:.2f} GiB, of which cache slots "
@@ -304,10 +302,10 @@ def prepare_llamacpp(systems, routing: str, ckpt: Path, out_dir: Path, llamacpp_
     try:
         src = llamacpp.source_dir(Path(llamacpp_dir) if llamacpp_dir else None)
         bins = llamacpp.build(src)
-        gguf = out_dir / f"{ckpt.name}-bf16.gguf"  # llamacpp.gguf's name: a GGUF is about the checkpoint's size
-        if not gguf.exists() and free_disk(out_dir) < have_ckpt(ckpt) + (1 << 30):
-            raise llamacpp.LlamaCppError("convert", f"the GGUF needs about {have_ckpt(ckpt) / 1e9:.1f} GB of disk "
-                                         f"and {free_disk(out_dir) / 1e9:.1f} GB are free in {out_dir}")
+        need, free = have_ckpt(ckpt), free_disk(out_dir)  # a BF16 GGUF is about the checkpoint's size
+        if not llamacpp.gguf_path(ckpt, "bf16", out_dir).exists() and free < need + (1 << 30):
+            raise llamacpp.LlamaCppError("convert", f"the GGUF needs about {need / 1e9:.1f} GB of disk and "
+                                         f"{free / 1e9:.1f} GB are free in {out_dir}")
         return bins, llamacpp.gguf(ckpt, "bf16", src, bins, out_dir), {}
     except llamacpp.LlamaCppError as e:
         return None, None, {s: str(e) for s in want}
@@ -341,10 +339,8 @@ def accelerate_disk(ckpt: Path, budget_gb: float, out_dir: Path, beside_gguf: bo
     """Why accelerate cannot run here (None: it can): its converted copy of what the budget leaves out (about
     the checkpoint less the budget; 26.6 GB for the 33.9 GB checkpoint at 8 GiB) must fit on the disk, which it
     would otherwise fill midway."""
-    off = ckpt.parent / (ckpt.name + "-accelerate-offload")
     need = max(0, have_ckpt(ckpt) - int(budget_gb * 2**30)) + (2 << 30)
-    held = sum(p.stat().st_size for p in off.rglob("*") if p.is_file()) if off.is_dir() else 0  # rewritten
-    free = free_disk(out_dir) + held
+    free = free_disk(out_dir) + dir_bytes(offload_dir(ckpt))  # a copy already there is rewritten in place
     if free >= need:
         return None
     return (f"its offload copy needs about {need / 1e9:.1f} GB of disk and {free / 1e9:.1f} GB are free beside the "
@@ -352,8 +348,18 @@ def accelerate_disk(ckpt: Path, budget_gb: float, out_dir: Path, beside_gguf: bo
 
 
 def have_ckpt(ckpt: Path) -> int:
-    """Bytes of the checkpoint's safetensors files."""
+    """Bytes of the checkpoint's safetensors files (0 where there is none yet)."""
     return sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+
+
+def offload_dir(ckpt: Path) -> Path:
+    """Where accelerate writes its converted copy of what the budget leaves out, beside the checkpoint."""
+    return ckpt.parent / (ckpt.name + "-accelerate-offload")
+
+
+def dir_bytes(d: Path) -> int:
+    """Bytes of the files under `d` (0 when it does not exist)."""
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file()) if d.is_dir() else 0
 
 
 def _read_bytes() -> int:
@@ -421,7 +427,7 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
     per_layer = EXPERTS * expert_bytes()
     want = layers or int(np.ceil(ram_factor * physical_ram() / per_layer))
     ckpt = out_dir / "qwen3-30b-a3b-shaped"
-    have = sum(p.stat().st_size for p in ckpt.glob("*.safetensors")) if ckpt.is_dir() else 0
+    have = have_ckpt(ckpt)
     fits = int((free_disk(out_dir) + have - (4 << 30)) // per_layer)  # 4 GiB kept free
     n_layers = min(want, fits, 48)
     note = None if n_layers >= want else f"disk holds {n_layers} layers; {want} wanted for {ram_factor}x RAM"
@@ -438,7 +444,6 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
     systems = system_names(systems, experts)
     threads = torch.get_num_threads()  # what each system's own process gets (torch's default here)
     bins, gguf_path, skipped = prepare_llamacpp(systems, routing, ckpt, out_dir, llamacpp_dir)
-    off = ckpt.parent / (ckpt.name + "-accelerate-offload")
     why = accelerate_disk(ckpt, budget_gb, out_dir, gguf_path is not None) if "accelerate" in systems else None
     if why:
         skipped["accelerate"] = why
@@ -492,7 +497,8 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
     gguf_bytes = gguf_path.stat().st_size if gguf_path is not None and gguf_path.exists() else 0
     if gguf_path is not None and not keep_gguf:
         gguf_path.unlink(missing_ok=True)
-    disk_used = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+    disk_used = have_ckpt(ckpt)
+    off = offload_dir(ckpt)
     quant_used = {f: sum(p.stat().st_size for p in quantized_path(ckpt, f, quant_linears).iterdir() if p.is_file())
                   for f in experts if f != "bf16"}
     res = {"inputs": {"shape": {"hidden": HIDDEN, "experts": EXPERTS, "expert": [HIDDEN, INTER], "top_k": TOP_K,
@@ -507,8 +513,7 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                       "torch_threads": threads, "llamacpp_threads": threads,
                       "page_cache_dropped_before_each": all(cold)},
            "disk_used_bytes": {"checkpoint": disk_used, **{f"checkpoint_{f}": b for f, b in quant_used.items()},
-                               "accelerate_offload": sum(p.stat().st_size for p in off.rglob("*") if p.is_file())
-                               if off.is_dir() else 0,
+                               "accelerate_offload": dir_bytes(off),
                                "llamacpp_gguf": gguf_bytes, "llamacpp_gguf_kept": bool(gguf_bytes and keep_gguf)},
            "rounds": rounds, "routing": routing,
            "memory_cgroup_bytes": cg.limit_bytes if cg is not None else None,

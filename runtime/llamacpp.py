@@ -105,6 +105,11 @@ runpy.run_path({src!r} + "/convert_hf_to_gguf.py", run_name="__main__")
 """
 
 
+def gguf_path(model: Path, fmt: str, out_dir: Path) -> Path:
+    """Where `gguf` writes (and finds) the checkpoint `model` in `fmt`."""
+    return out_dir / f"{model.name}-{fmt}.gguf"
+
+
 def gguf(model: Path, fmt: str, src: Path, bins: Path, out_dir: Path | None = None) -> Path:
     """The checkpoint as GGUF in `fmt` (bf16 | q8_0 | q4_0), in `out_dir` (default: the cache, by the model's
     folder name) and reused there; each file is written under a temporary name and renamed when complete."""
@@ -112,7 +117,7 @@ def gguf(model: Path, fmt: str, src: Path, bins: Path, out_dir: Path | None = No
         raise LlamaCppError("convert", f"format {fmt!r}; expected one of {', '.join(QUANTS)}")
     out_dir = out_dir or cache_dir() / "gguf" / model.name
     out_dir.mkdir(parents=True, exist_ok=True)
-    bf16 = out_dir / f"{model.name}-bf16.gguf"
+    bf16 = gguf_path(model, "bf16", out_dir)
     if not bf16.exists():
         if not (model / "tokenizer.json").is_file():
             raise LlamaCppError("convert", f"{model} has no tokenizer.json (the converter needs one)")
@@ -126,7 +131,7 @@ def gguf(model: Path, fmt: str, src: Path, bins: Path, out_dir: Path | None = No
         tmp.rename(bf16)
     if QUANTS[fmt] is None:
         return bf16
-    out = out_dir / f"{model.name}-{fmt}.gguf"
+    out = gguf_path(model, fmt, out_dir)
     if not out.exists():
         tmp = out.with_suffix(".tmp")
         try:
