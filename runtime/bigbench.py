@@ -95,9 +95,10 @@ class TraceRouting:
     """Forward hooks on every router that replace its choice with a trace's: token p of a pass (prefill
     positions first) takes trace token `start + p` at the same layer, weights uniform over the k."""
 
-    def __init__(self, routers, ids: np.ndarray, start: int):
+    def __init__(self, routers, ids: np.ndarray, start: int, predictor=None):
+        """`predictor`: a `TracePredictor` over the same trace, told which trace token each pass decodes."""
         self.ids, self.start, self.pos = torch.as_tensor(ids.astype(np.int64)), start, 0
-        self.n = 0
+        self.n, self.predictor = 0, predictor
         self.handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(routers)]
 
     def _hook(self, layer):
@@ -106,6 +107,8 @@ class TraceRouting:
             t = logits.shape[0]
             if layer == 0:
                 self.pos, self.n = self.pos + self.n, t
+                if self.predictor is not None:  # the pass's last row: the token whose next layers it names
+                    self.predictor.t = self.start + self.pos + t - 1
             idx = self.ids[layer, self.start + self.pos:self.start + self.pos + t].to(logits.device)
             w = torch.full(idx.shape, 1.0 / idx.shape[1], dtype=weights.dtype, device=logits.device)
             return logits, w, idx
@@ -120,17 +123,42 @@ def _slot_bytes(ckpt: Path) -> int:
     return open_source(ckpt, qc).meta.block_bytes if qc else expert_bytes() + ALIGN
 
 
-def _load_system(system: str, ckpt: Path, budget: int, layers: int, ids_fit: np.ndarray | None,
+def replay_only(spec: str) -> bool:
+    """Whether a predictor name is one only a routing trace can serve (cooccurrence, oracle[:recall]): in bench big,
+    the trace-routing prefetch rows only."""
+    from .predictors import LIVE_PREDICTORS, REPLAY_PREDICTORS
+
+    return spec not in LIVE_PREDICTORS and spec in REPLAY_PREDICTORS
+
+
+def check_system_predictor(name: str, engine: EngineConfig, routing: str) -> None:
+    """A prefetch row's predictor, before anything runs: a live one (probe:D, persistence, ...) as everywhere; a
+    trace's own (cooccurrence, oracle[:recall]) only with --routing trace, where the trace is the routing."""
+    from .predictors import check_predictor_spec
+
+    spec = system_engine(name, engine).predictor
+    if parse_system(name)[0] != "expertcache:prefetch" or spec == "none":
+        return
+    if replay_only(spec):
+        if routing != "trace":
+            raise InputError(f"system {name!r}: predictor {spec} reads the routing trace; with --routing {routing} "
+                             f"there is none (use probe:D or lookahead:D)")
+        return
+    check_predictor_spec(spec)
+
+
+def _load_system(system: str, ckpt: Path, budget: int, layers: int, trace_ids: np.ndarray | None, start: int,
                  engine: EngineConfig):
     """`(model, engine or None, routers)` for one system; expertcache's under `engine` with the capacity the budget
-    leaves. The prefetch row predicts with `engine.predictor` when one is given; else with the co-occurrence
-    predictor fitted on `ids_fit`, the trace's routing (trace routing), or, with None (the checkpoint's own
+    leaves. The prefetch row predicts with `engine.predictor` when one is given (a trace's own, cooccurrence or
+    oracle[:recall], over `trace_ids`, the routing replayed from `start`); else with the co-occurrence predictor
+    fitted on the trace's tokens before `start` (trace routing), or, with `trace_ids` None (the checkpoint's own
     routing), the probe of the next layer's router."""
     from expertcache.telemetry.adapters import adapter_for
 
     if system.startswith("expertcache"):  # expertcache:on-demand | :prefetch, then :int8 / :int4 for quantized
         from .loader import load
-        from .trace_predictors import CooccurrenceEstimator, CooccurrencePredictor
+        from .trace_predictors import CooccurrenceEstimator, CooccurrencePredictor, TracePredictor
 
         from .engine import STREAM_SLOTS_PER_K
 
@@ -142,7 +170,12 @@ def _load_system(system: str, ckpt: Path, budget: int, layers: int, ids_fit: np.
             raise InputError(f"a budget of {budget / 2**30:.1f} GiB leaves no cache slots after the non-expert weights")
         cfg, pred = replace(engine, capacity=cap, predictor="none"), "none"  # "none": the config's predictor
         prefetch = parse_system(system)[0] == "expertcache:prefetch"
-        if prefetch and engine.predictor != "none":  # the one asked for (--engine.predictor)
+        ids_fit = None if trace_ids is None else trace_ids[:, :start - 1]
+        if prefetch and replay_only(engine.predictor) and trace_ids is not None:  # the trace's own (an oracle reads
+            spec = engine.predictor  # its future): the routing's token is set by TraceRouting at each pass
+            est = CooccurrenceEstimator(ids_fit, EXPERTS) if spec == "cooccurrence" else None
+            pred = TracePredictor(spec, trace_ids, est)
+        elif prefetch and engine.predictor != "none":  # the one asked for (--engine.predictor)
             cfg = replace(cfg, predictor=engine.predictor)
         elif prefetch and ids_fit is None:
             cfg = replace(cfg, predictor="probe:1")
@@ -235,8 +268,8 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
     t0 = time.perf_counter()
     cfg_engine = system_engine(system, EngineConfig(**engine) if engine else EngineConfig(tier="disk"))
     native = routing == "native"
-    m, eng, routers = _load_system(system, ckpt, budget, cfg["num_hidden_layers"],
-                                   None if native else ids[:, :start - 1], cfg_engine)
+    m, eng, routers = _load_system(system, ckpt, budget, cfg["num_hidden_layers"], None if native else ids, start,
+                                   cfg_engine)
     load_s = time.perf_counter() - t0
     rss_load = rss_bytes()
     if eng is not None:  # the cache's slots are touched as they are made, so loading left them resident: that
@@ -247,7 +280,10 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
         print(f"{system}: resident after loading {rss_load / 2**30:.2f} GiB, of which cache slots "
               f"{eng.fast_bytes / 2**30:.2f} GiB (streaming buffers and activations come on top), budget "
               f"{budget / 2**30:.2f} GiB{over}", file=sys.stderr, flush=True)
-    forced = None if native else TraceRouting(routers, ids, start)
+    from .trace_predictors import TracePredictor
+
+    told = eng.predictor if eng is not None and isinstance(eng.predictor, TracePredictor) else None
+    forced = None if native else TraceRouting(routers, ids, start, told)
     prompt = torch.randint(2, cfg["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(0))
     from .decode import timed_greedy
 
@@ -272,6 +308,11 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
     if eng is not None:
         d = dec_stats.per_token(eng.traffic_expert_bytes, n_dec)
         res.update({"hit_rate": d["hit_rate"], "stall_per_token_s": d["stall_per_token_s"],
+                    # what was read, and why: on demand, or ahead by the predictor (and of those, how many the
+                    # layer then used): a prefetch row that names only resident experts reads as on-demand here
+                    "demand_loads_per_token": d["demand_loads_per_token"],
+                    "prefetch_loads_per_token": d["prefetch_loads_per_token"],
+                    "prefetch_hits_per_token": dec_stats.prefetch_hits / max(n_dec, 1),
                     "time_budget_s": dec_stats.time_budget(times[-1] - times[warmup], n_dec),
                     "traffic_bytes_per_token": d["traffic_bytes_per_token"], "engine": eng.describe()})
         if eng.tier.name == "disk":  # the reads' achieved bandwidth beside this disk's limits, measured after the
@@ -544,11 +585,15 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                         "in_memory_cgroup": ok[0]["cgroup_peak_bytes"] is not None,
                         "cgroup_peak_bytes": max(x["cgroup_peak_bytes"] for x in ok)
                         if ok[0]["cgroup_peak_bytes"] is not None else None})
-            for k in ("hit_rate", "stall_per_token_s", "traffic_bytes_per_token"):
+            for k in ("hit_rate", "stall_per_token_s", "traffic_bytes_per_token", "demand_loads_per_token",
+                      "prefetch_loads_per_token", "prefetch_hits_per_token"):
                 if k in ok[0]:
                     row[k] = float(np.mean([x[k] for x in ok]))
             if "engine" in ok[0]:
                 row["engine"] = ok[0]["engine"]
+                # an oracle reads the trace's future: the limit of prefetching on this disk, not a configuration
+                # anyone can run (never the best expertcache row)
+                row["realisable"] = not str(row["engine"].get("predictor", "")).startswith("oracle")
             for k in ("tpot_is_run_mean", "disk_read_includes_load", "llamacpp_build", "threads", "cmd"):
                 if k in ok[0]:
                     row[k] = ok[0][k]
@@ -566,7 +611,7 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
         res["systems"][s] = row
     res["comparisons"] = comparisons(res["systems"])
     ec = {s: r["tpot_median_s"] for s, r in res["systems"].items() if s.startswith("expertcache")
-          and "tpot_median_s" in r}
+          and "tpot_median_s" in r and r.get("realisable", True)}
     peers = {s: r["tpot_median_s"] for s, r in res["systems"].items() if not s.startswith("expertcache")
              and "tpot_median_s" in r}
     if ec and peers:

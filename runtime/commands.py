@@ -187,7 +187,10 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
         ram_factor: size of the experts against this machine's RAM
         engine: how expertcache serves (tier, workers, policy, prefetch guard, ...; its capacity is what
             --budget_gb leaves after the non-expert weights). --engine.predictor is the expertcache:prefetch
-            row's predictor (default: co-occurrence fitted on the trace; probe:1 with --routing native)
+            row's predictor (default: co-occurrence fitted on the trace; probe:1 with --routing native); with
+            --routing trace it may be one of the trace's own: cooccurrence, or oracle[:recall] (the trace's true
+            next experts: the limit of prefetching on this disk, marked not realisable in the JSON), e.g.
+            [expertcache:on-demand,expertcache:prefetch,expertcache:prefetch/predictor=oracle]
         experts: the formats expertcache serves, each against the same budget: bf16 (the checkpoint) | int8 |
             int4 (`expertcache quantize` copies, group 32, written beside the checkpoint once); e.g. [bf16,int4]
         quant_linears: the int8/int4 copies pack the non-expert linear layers too (attention, the output head;
@@ -203,7 +206,7 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
     """
     from expertcache.telemetry.progress import Progress
 
-    from .bigbench import ROUTINGS, bench_big as run, plot, system_engine, table
+    from .bigbench import ROUTINGS, bench_big as run, check_system_predictor, plot, system_engine, table
 
     if routing not in ROUTINGS:
         raise InputError(f"--routing {routing!r}; expected one of: {', '.join(ROUTINGS)}")
@@ -214,8 +217,9 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
     check_output(out)
     engine.check()
     commit = _git_commit()  # the code that runs, before it runs
-    for x in systems:  # a known system; its engine options (`/key=value`) valid over --engine
+    for x in systems:  # a known system; its engine options (`/key=value`) valid over --engine; its predictor
         system_engine(x, engine)
+        check_system_predictor(x, engine, routing)
     if len(set(systems)) < len(systems):
         raise InputError(f"--systems {systems}: a system is named twice")
     import math

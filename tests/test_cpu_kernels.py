@@ -1015,6 +1015,31 @@ def test_bench_big_claims_a_ratio_only_where_the_rounds_do_not_overlap():
     assert not two["expertcache:on-demand vs mmap"]["claimed"]  # apart, but 2 rounds claim nothing
 
 
+def test_bench_big_checks_a_prefetch_rows_predictor_before_anything_runs(tmp_path, capsys):
+    """A trace's own predictor (cooccurrence, oracle[:recall]) serves the trace-routing rows only; a live one is
+    checked as everywhere; either is one line and exit 2 before the checkpoint is written."""
+    from expertcache.recipes.cli import main
+    from expertcache.runtime.bigbench import check_system_predictor
+    from expertcache.runtime.engine import EngineConfig
+    from expertcache.telemetry.errors import InputError
+
+    base = EngineConfig(tier="disk")
+    for ok in ("expertcache:prefetch/predictor=oracle", "expertcache:prefetch/predictor=oracle:0.5",
+               "expertcache:prefetch/predictor=cooccurrence", "expertcache:prefetch/predictor=probe:2",
+               "expertcache:on-demand"):
+        check_system_predictor(ok, base, "trace")
+    check_system_predictor("expertcache:prefetch/predictor=probe:2", base, "native")
+    with pytest.raises(InputError, match="reads the routing trace; with --routing native there is none"):
+        check_system_predictor("expertcache:prefetch/predictor=oracle", base, "native")
+    with pytest.raises(InputError):
+        check_system_predictor("expertcache:prefetch/predictor=orakel", base, "trace")
+    assert main(["bench", "big", "--routing", "native", "--systems", "[expertcache:prefetch/predictor=oracle]",
+                 "--out_dir", str(tmp_path / "d"), "--out", str(tmp_path / "b.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "predictor oracle reads the routing trace" in err[0]
+    assert not (tmp_path / "d").exists()
+
+
 def test_bench_big_refuses_an_unknown_routing_before_writing_anything(tmp_path, capsys):
     from expertcache.recipes.cli import main
 

@@ -185,6 +185,61 @@ def test_blocking_decode_is_bit_identical_to_generate(family_models, fam):
     assert not any(p.shape[0] == 8 for n, p in m.named_parameters() if "experts" in n)  # experts left the model
 
 
+def test_a_prefetch_keeps_the_expert_it_evicts_as_a_victim():
+    """With victims, the resident a prefetch evicts keeps its bytes (its slot turns staging, as a miss's eviction
+    does) and the prefetch lands in the staging slot whose victim is oldest. A prefetch used to overwrite the
+    evicted expert's slot: on bench big's trace, an oracle that named only the experts each layer then used read
+    1.4x what demand loading read."""
+    cs = CacheState(2, 2, "lru", victims=True)
+    for r in ([0, 1], [2, 3], [0, 1]):  # 2 and 3 leave at the third step: victims in the staging slots
+        cs.retain(r, cs.stage([e for e in r if cs.lookup(e) is None]))  # a victim is staged in its own slot
+    assert set(cs.res) == {0, 1} and cs.victim(2) is not None and cs.victim(3) is not None
+    oldest = cs.victim(2)
+    slot_of_0 = cs.lookup(0)
+    s = cs.prefetch_slot(5, {5})
+    assert s == oldest and cs.lookup(5) == s  # written where the oldest victim was
+    assert cs.victim(0) == slot_of_0 and cs.victim(2) is None and cs.victim(3) is not None  # 0 kept, 2 gone
+    assert sorted(list(cs.res.values()) + cs.staging + cs.free) == list(range(4))
+    assert not set(cs.held) & set(cs.res.values())
+    cs.drop(5)  # a cancelled prefetch: its slot is free again, 0 still a victim
+    assert cs.lookup(5) is None and cs.victim(0) == slot_of_0
+    assert sorted(list(cs.res.values()) + cs.staging + cs.free) == list(range(4))
+
+
+def test_an_oracle_over_a_replayed_trace_prefetches_only_what_is_used_and_keeps_the_victims(family_models):
+    """bench big's limit row: a routing trace replayed through the routers (`TraceRouting`) and its own next
+    experts prefetched one layer ahead (`TracePredictor` oracle, told each pass's token by the routing). Every
+    prefetch is used, the experts prefetches evict are still served as victims, the reads stay near demand
+    loading's, and the tokens are on-demand's under the same routing."""
+    from expertcache.runtime.bigbench import TraceRouting
+    from expertcache.runtime.trace_predictors import TracePredictor
+    from expertcache.telemetry.adapters import adapter_for
+
+    model, path = family_models["qwen3_moe"]
+    n_l, e, k = model.config.num_hidden_layers, model.config.num_experts, model.config.num_experts_per_tok
+    rng = np.random.default_rng(0)
+    p = 1 / np.arange(1, e + 1)
+    ids = np.stack([np.stack([rng.choice(e, k, replace=False, p=p / p.sum()) for _ in range(40)])
+                    for _ in range(n_l)])
+    prompt = torch.randint(0, 128, (1, 1), generator=torch.Generator().manual_seed(5))
+    got = {}
+    for name in ("on-demand", "oracle"):
+        m = _fresh("qwen3_moe")
+        pred = TracePredictor("oracle", ids, None) if name == "oracle" else None
+        eng = offload(m, path, EngineConfig(capacity=2, tier="disk", prefetch_guard=0.0), predictor=pred)
+        TraceRouting([x.router for x in adapter_for(m).moe_layers(m)], ids, 0, pred)
+        try:
+            got[name] = (_greedy(m, prompt, 24), eng.stats)
+        finally:
+            eng.close()
+    (want, od), (toks, s) = got["on-demand"], got["oracle"]
+    assert torch.equal(want, toks)
+    assert s.prefetch_loads > 0 and s.prefetch_hits == s.prefetch_loads  # named only what its layer then used
+    assert s.victim_hits > 0 and od.victim_hits > 0
+    # layer 0 of each token is not predicted (nothing names it): those stay demand loads
+    assert s.demand_loads + s.prefetch_loads <= 1.2 * od.demand_loads
+
+
 def test_victims_serve_misses_from_the_staging_slots_losslessly_and_hit_as_the_simulator_says(family_models):
     """One token per step (a one-token prompt): each layer's steps are the simulator's token steps, so the engine's
     LRU hits with victims are exactly the simulator's at C + k, and without them at C."""
