@@ -675,17 +675,26 @@ def table(res: dict) -> str:
         reads = "—" if not rb else (f"{rb['in_flight_GBps']:.2f}" if rb["in_flight_GBps"] is not None else "no reads") \
             + f" / {rb['one_at_a_time_GBps']:.2f} / {rb['at_queue_depth_GBps']:.2f} (depth {rb['queue_depth']:.0f})"
         peak = f"{r['cgroup_peak_bytes'] / 2**30:.2f}" if r.get("cgroup_peak_bytes") else "unbounded"
-        rows.append(f"| {s} | {r['tpot_median_s']:.3f} | "
+        name = s + (" (a limit: reads the trace's future)" if r.get("realisable") is False else "")
+        rows.append(f"| {name} | {r['tpot_median_s']:.3f} | "
                     f"{', '.join(f'{x:.3f}' for x in r.get('tpot_round_medians_s', []))} | {r['tpot_p90_s']:.3f} | "
                     f"{r['peak_rss_bytes'] / 2**30:.2f} | {peak} | {r['disk_read_bytes_per_token'] / 1e6:.0f} | "
                     f"{r.get('hit_rate', float('nan')):.3f} | {budget} | {reads} |")
     roof = {s: r["roofline"] for s, r in res["systems"].items() if r.get("roofline")}
     if roof:
+        def loads(r):  # rows written before these counters existed show none
+            if "prefetch_loads_per_token" not in r:
+                return "—"
+            return (f"{r['demand_loads_per_token']:.1f} / {r['prefetch_loads_per_token']:.1f} "
+                    f"({r['prefetch_hits_per_token']:.1f})")
+
         rows += ["", "| system | s/tok: compute (no stall) | reads at the disk's queue-depth bandwidth | bound: "
-                 "max of the two | no overlap: their sum | overlap efficiency |", "|---|---|---|---|---|---|"]
+                 "max of the two | no overlap: their sum | overlap efficiency | expert reads/tok: on demand / "
+                 "prefetched (of those, used) |", "|---|---|---|---|---|---|---|"]
         rows += [f"| {s} | {x['t_compute_s']:.3f} | {x['t_transfer_s']:.3f} | {x['bound_s']:.3f} | "
                  f"{x['no_overlap_s']:.3f} | {x['overlap_efficiency']:.2f}"
-                 f"{' (bound above TPOT: unreliable)' if x['roofline_unreliable'] else ''} |"
+                 f"{' (bound above TPOT: unreliable)' if x['roofline_unreliable'] else ''} | "
+                 f"{loads(res['systems'][s])} |"
                  for s, x in roof.items()]
     comp = res.get("comparisons", {})
     if comp:

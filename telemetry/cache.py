@@ -201,7 +201,8 @@ class CacheState:
         """A resident slot for `e` before it is accessed: a free one, or the lowest-priority resident's not in
         `protect`. None if every resident is protected (or the policy pins its set). With victims, the resident
         it evicts keeps its bytes, as a miss's eviction does: its slot becomes a staging slot holding it, and `e`
-        is written into the staging slot whose victim left longest ago (or that holds nothing). Without that, every
+        is written into the staging slot whose victim left longest ago (or that holds nothing), never one holding
+        an expert in `protect` (named by the same prediction: it is served from there). Without that, every
         prefetch threw away the victim cache's newest entry, and prefetching read more than demand loading."""
         if e in self.res:
             return self.res[e]
@@ -221,8 +222,9 @@ class CacheState:
             else:
                 victim = cands[0]
             s = self.res.pop(victim)
-            if self.victims and self.staging:
-                ev, s = s, min(self.staging, key=lambda x: self._seq.get(x, -1))
+            spare = [x for x in self.staging if self.held.get(x) not in protect]  # a named victim stays
+            if self.victims and spare:
+                ev, s = s, min(spare, key=lambda x: self._seq.get(x, -1))
                 self._forget(s)  # about to be written
                 self.staging[self.staging.index(s)] = ev
                 self._hold(ev, victim)

@@ -1152,7 +1152,12 @@ def test_bench_big_roofline_bounds_a_token_by_its_compute_and_its_reads():
            "read_bandwidth": {"in_flight_GBps": 3.5, "read_busy_per_token_s": 0.11, "one_at_a_time_GBps": 1.5,
                               "at_queue_depth_GBps": 4.0, "queue_depth": 16.0}, "roofline": r}
     text = table({"systems": {"expertcache:on-demand": row}})
-    assert "| 3.50 / 1.50 / 4.00 (depth 16) |" in text and "| 0.100 | 0.100 | 0.100 | 0.200 | 0.50 |" in text, text
+    assert "| 3.50 / 1.50 / 4.00 (depth 16) |" in text and "| 0.100 | 0.100 | 0.100 | 0.200 | 0.50 | — |" in text, text
+    oracle = dict(row, realisable=False, demand_loads_per_token=2.0, prefetch_loads_per_token=40.0,
+                  prefetch_hits_per_token=39.5)
+    text = table({"systems": {"expertcache:prefetch/predictor=oracle": oracle}})
+    assert "| expertcache:prefetch/predictor=oracle (a limit: reads the trace's future) | 0.200 |" in text, text
+    assert "| 0.50 | 2.0 / 40.0 (39.5) |" in text, text
 
 
 @needs_ext

@@ -204,13 +204,19 @@ def test_a_prefetch_keeps_the_expert_it_evicts_as_a_victim():
     cs.drop(5)  # a cancelled prefetch: its slot is free again, 0 still a victim
     assert cs.lookup(5) is None and cs.victim(0) == slot_of_0
     assert sorted(list(cs.res.values()) + cs.staging + cs.free) == list(range(4))
+    cs = CacheState(2, 2, "lru", victims=True)
+    for r in ([0, 1], [2, 3], [0, 1]):
+        cs.retain(r, cs.stage([e for e in r if cs.lookup(e) is None]))
+    held_3 = cs.victim(3)
+    assert cs.prefetch_slot(5, {5, 2}) == held_3  # 2 is named by the same prediction: its victim stays
+    assert cs.victim(2) is not None and cs.victim(3) is None
 
 
 def test_an_oracle_over_a_replayed_trace_prefetches_only_what_is_used_and_keeps_the_victims(family_models):
     """bench big's limit row: a routing trace replayed through the routers (`TraceRouting`) and its own next
     experts prefetched one layer ahead (`TracePredictor` oracle, told each pass's token by the routing). Every
-    prefetch is used, the experts prefetches evict are still served as victims, the reads stay near demand
-    loading's, and the tokens are on-demand's under the same routing."""
+    prefetch is used, the experts prefetches evict are still served as victims, the reads are demand loading's,
+    and the tokens are on-demand's under the same routing."""
     from expertcache.runtime.bigbench import TraceRouting
     from expertcache.runtime.trace_predictors import TracePredictor
     from expertcache.telemetry.adapters import adapter_for
@@ -235,9 +241,10 @@ def test_an_oracle_over_a_replayed_trace_prefetches_only_what_is_used_and_keeps_
     (want, od), (toks, s) = got["on-demand"], got["oracle"]
     assert torch.equal(want, toks)
     assert s.prefetch_loads > 0 and s.prefetch_hits == s.prefetch_loads  # named only what its layer then used
-    assert s.victim_hits > 0 and od.victim_hits > 0
-    # layer 0 of each token is not predicted (nothing names it): those stay demand loads
-    assert s.demand_loads + s.prefetch_loads <= 1.2 * od.demand_loads
+    assert s.victim_hits > 0
+    # an oracle reads what demand loading reads, only earlier (it read 56 experts against 43 when a prefetch
+    # overwrote the expert it evicted); layer 0 of each token is not predicted (nothing names it): demand loads
+    assert s.demand_loads + s.prefetch_loads == od.demand_loads and s.victim_hits == od.victim_hits
 
 
 def test_victims_serve_misses_from_the_staging_slots_losslessly_and_hit_as_the_simulator_says(family_models):
