@@ -1175,8 +1175,10 @@ class OffloadEngine:
         """Empty caches: one state per layer, or one over `layer * E + expert` keys behind every layer's view."""
         e, k, n_l, c = self.adapter.num_experts, self.adapter.top_k, len(self.layers), self.capacity
         if self.cfg.budget == "layer":
+            # victims only where the engine serves them: under miss=host or a packed miss copy, a prefetch (an
+            # upgrade) that kept the expert it evicts as a victim would make `prefetch` skip that expert for good
             self.states = [LayerView(CacheState(c, k, self.cache_policy, self.pinned.get(i),
-                                                victims=self.cfg.victims)) for i in range(n_l)]
+                                                victims=self._victims_on())) for i in range(n_l)]
         else:
             pins = [i * e + x for i in range(n_l) for x in self.pinned.get(i, [])[:c]] if self.pinned else None
             shared = CacheState(c * n_l, k, self.cache_policy, pins)
