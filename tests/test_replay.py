@@ -107,3 +107,25 @@ def test_overlap_efficiency_is_never_above_one():
 
     assert overlap(0.5, 1.0) == {"overlap_efficiency": 0.5, "roofline_unreliable": False}
     assert overlap(5.94, 1.0) == {"overlap_efficiency": 1.0, "roofline_unreliable": True}
+
+
+def test_the_replay_claims_a_ratio_to_on_demand_only_when_every_round_agrees():
+    """The replay's rows ran 0.77x-1.37x on-demand round by round while doing on-demand's work (the guard paused
+    them): a median of such ratios is printed as noise, and only a ratio whose >= 3 paired rounds all fall on one
+    side of 1 is claimed."""
+    from expertcache.runtime.replay import ratio_claimed, table
+
+    assert ratio_claimed([0.8, 0.9, 0.95]) and ratio_claimed([1.1, 1.2, 1.05])
+    assert not ratio_claimed([0.8, 1.1, 0.9]) and not ratio_claimed([0.8, 0.9])
+    row = {"tpot_median_s": 0.016, "tpot_p90_s": 0.03, "tokens_per_s": 62.0, "hit_rate": 0.89,
+           "adjusted_hit_rate": 0.89, "traffic_bytes_per_token": 49e6, "stall_per_token_s": 0.012,
+           "roofline_s": 0.012, "overlap_efficiency": 0.75, "prefetch_loads_per_token": 0.0}
+    res = {"configs": {"on-demand": row,
+                       "persistence": dict(row, prefetch_loads_per_token=0.11, tpot_ratio_median=1.094,
+                                           tpot_ratio_claimed=False),
+                       "oracle": dict(row, prefetch_loads_per_token=4.17, tpot_ratio_median=0.82,
+                                      tpot_ratio_claimed=True)}}
+    lines = table(res).splitlines()
+    assert lines[2].endswith("| 0.00 | 12.0 | 12.0 | 0.75 | 1.000 |"), lines[2]
+    assert "| 0.11 |" in lines[3] and lines[3].endswith("| 1.094 (rounds on both sides of 1: noise) |"), lines[3]
+    assert "| 4.17 |" in lines[4] and lines[4].endswith("| 0.820 |"), lines[4]
