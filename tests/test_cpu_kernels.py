@@ -1110,6 +1110,19 @@ def test_bench_decode_marks_a_ratio_to_on_demand_its_rounds_cannot_carry():
     assert "| 1.171 (rounds overlap: noise) |" in lines[3] and "| 0.700 |" in lines[4], lines
 
 
+def test_a_bench_big_process_that_fails_returns_its_last_line_not_a_traceback(tmp_path):
+    """`run_process`, which runs every expertcache round and the untimed settling run: a run that fails in its own
+    process comes back as one error naming its exit status, its log and the log's last line."""
+    from expertcache.runtime.bigbench import run_process
+
+    job = {"system": "expertcache:on-demand", "ckpt": str(tmp_path / "absent"), "trace": "x.npz", "budget_gb": 8.0,
+           "tokens": 1, "warmup": 0, "prompt_len": 1, "start": 2000, "engine": None}
+    r = run_process(job, tmp_path / "one.log")
+    assert set(r) == {"error"} and r["error"].startswith("exit 1; see ") and str(tmp_path / "one.log") in r["error"]
+    last = (tmp_path / "one.log").read_text().strip().splitlines()[-1]
+    assert r["error"].endswith(last[:300])
+
+
 def test_a_failed_bench_big_run_says_why_in_its_error(tmp_path):
     """An out-of-memory kill leaves no message of its own: a failed run's error quotes the last line its log holds
     (the run writes what loading left resident and the cache's size there first); the progress line names the run
