@@ -512,17 +512,7 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
     cg, cg_note = MemoryCgroup.create(int(budget_gb * 2**30)) if cgroup else (None, "--cgroup false")
     job = {"ckpt": str(ckpt), "trace": str(trace), "budget_gb": budget_gb, "prompt_len": prompt_len, "start": start,
            "engine": asdict(engine), "routing": routing, "quant_linears": quant_linears}
-    # the first process of a run came out slower than the same system's later rounds in three runs of three
-    # (0.232/0.248/0.236 s against 0.193-0.213 s; why is not known), and alternation puts the same system first
-    # every time: one short untimed run takes that place
-    settle = next((s for s in systems if s.startswith("expertcache")), None)
     try:
-        if settle is not None:
-            drop_page_cache()
-            x = run_process(dict(job, system=settle, tokens=min(tokens, 8), warmup=2), out_dir / "settle.log", cg,
-                            timeout_s)
-            if progress:
-                progress(0, f"untimed settling run ({settle}): " + (x["error"] if "error" in x else "done"))
         for r in range(rounds):
             order = list(systems) if r % 2 == 0 else list(systems)[::-1]
             for s in order:
@@ -569,7 +559,7 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                       "engine": asdict(engine),
                       "experts": list(experts), "quant_group": QUANT_GROUP, "quant_linears": quant_linears,
                       "torch_threads": threads, "llamacpp_threads": threads,
-                      "page_cache_dropped_before_each": all(cold), "untimed_settling_run": settle},
+                      "page_cache_dropped_before_each": all(cold)},
            "disk_used_bytes": {"checkpoint": disk_used, **{f"checkpoint_{f}": b for f, b in quant_used.items()},
                                "accelerate_offload": dir_bytes(off),
                                "llamacpp_gguf": gguf_bytes, "llamacpp_gguf_kept": bool(gguf_bytes and keep_gguf)},
