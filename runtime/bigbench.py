@@ -501,6 +501,10 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                             linears=quant_linears)
     systems = system_names(systems, experts)
     threads = torch.get_num_threads()  # what each system's own process gets (torch's default here)
+    if any(s.startswith("expertcache") for s in systems):  # the CPU kernels built here if they must be, not by the
+        from .cpu_kernels import load as load_kernels  # first round: inside the cgroup, beside a loaded model, a
+
+        load_kernels()  # build crawled along at half a core for over ten minutes, its time the run's
     bins, gguf_path, skipped = prepare_llamacpp(systems, routing, ckpt, out_dir, llamacpp_dir)
     why = accelerate_disk(ckpt, budget_gb, out_dir, gguf_path is not None) if "accelerate" in systems else None
     if why:

@@ -1174,6 +1174,20 @@ def test_bench_big_roofline_bounds_a_token_by_its_compute_and_its_reads():
 
 
 @needs_ext
+def test_the_extension_builds_from_a_copy_in_its_cache_so_checkouts_share_it():
+    """ninja's build file names the source by path: built from the package's own file, a clean clone's `make test`
+    and the working tree rebuilt each other's extension (the cache folder is keyed by the source's content, so they
+    share it), and inside bench big's cgroup such a rebuild crawled for over ten minutes. The build reads a copy
+    kept in the cache folder, the same path from every checkout."""
+    from expertcache.runtime import cpu_kernels
+
+    d = cpu_kernels.cache_dir()
+    ninja = (d / "build.ninja").read_text()
+    assert str(d / cpu_kernels._SRC.name) in ninja and str(cpu_kernels._SRC) not in ninja
+    assert (d / cpu_kernels._SRC.name).read_bytes() == cpu_kernels._SRC.read_bytes()
+
+
+@needs_ext
 def test_a_build_killed_midway_does_not_hang_the_next_process(tmp_path):
     """torch's build lock is a plain file: a build killed midway (Ctrl-C, the OOM killer) left it behind, and every
     later process waited on it forever without a word (found when a killed benchmark hung the test suite). The
