@@ -32,7 +32,11 @@ _state: dict = {}
 
 def cache_dir() -> Path:
     base = os.environ.get("EXPERTCACHE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "expertcache")
-    digest = hashlib.sha256(_SRC.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    # keyed by the source, the flags and the torch it builds against (its headers' path is in ninja's build file:
+    # two environments sharing one folder, a clean clone's `make test` venv beside the working tree's, rebuilt
+    # each other's extension on every switch)
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    digest = hashlib.sha256(_SRC.read_bytes() + " ".join(_FLAGS).encode() + torch_dir.encode()).hexdigest()[:16]
     return Path(base) / "ext" / f"torch{torch.__version__.replace('+', '_')}-{digest}"
 
 

@@ -1187,6 +1187,17 @@ def test_the_extension_builds_from_a_copy_in_its_cache_so_checkouts_share_it():
     assert (d / cpu_kernels._SRC.name).read_bytes() == cpu_kernels._SRC.read_bytes()
 
 
+def test_each_torch_install_builds_the_extension_in_a_folder_of_its_own(monkeypatch):
+    """The build file also names torch's headers by path: a second environment with the same torch version (the
+    clean clone's venv) gets a folder of its own instead of rebuilding the working tree's."""
+    from expertcache.runtime import cpu_kernels
+
+    here = cpu_kernels.cache_dir()
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/lib/torch/__init__.py")
+    there = cpu_kernels.cache_dir()
+    assert there != here and there.parent == here.parent and there.name.startswith(here.name.split("-")[0])
+
+
 @needs_ext
 def test_a_build_killed_midway_does_not_hang_the_next_process(tmp_path):
     """torch's build lock is a plain file: a build killed midway (Ctrl-C, the OOM killer) left it behind, and every
