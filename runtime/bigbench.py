@@ -131,9 +131,10 @@ def replay_only(spec: str) -> bool:
     return spec not in LIVE_PREDICTORS and spec in REPLAY_PREDICTORS
 
 
-def check_system_predictor(name: str, engine: EngineConfig, routing: str) -> None:
-    """A prefetch row's predictor, before anything runs: a live one (probe:D, persistence, ...) as everywhere; a
-    trace's own (cooccurrence, oracle[:recall]) only with --routing trace, where the trace is the routing."""
+def check_system(name: str, engine: EngineConfig, routing: str) -> None:
+    """A system of bench big, before anything runs: its name and engine options (`system_engine`), and a prefetch
+    row's predictor: a live one (probe:D, persistence, ...) as everywhere; a trace's own (cooccurrence,
+    oracle[:recall]) only with --routing trace, where the trace is the routing."""
     from .predictors import check_predictor_spec
 
     spec = system_engine(name, engine).predictor
@@ -522,12 +523,12 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
             for s in order:
                 cold.append(drop_page_cache())
                 bounded = cg is not None and not s.endswith(":unbounded")
-                if bounded:
-                    cg.reset_peak()
                 log = out_dir / f"{s.replace(':', '-').replace('/', '+')}-round{r}.log"
                 if s in NATIVE_ONLY:
                     from .llamacpp import LlamaCppError
 
+                    if bounded:
+                        cg.reset_peak()
                     try:
                         x = run_llamacpp(s, bins, gguf_path, tokens, warmup, prompt_len, threads,
                                          cg.preexec if bounded else None, timeout_s, log)

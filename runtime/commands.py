@@ -206,7 +206,7 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
     """
     from expertcache.telemetry.progress import Progress
 
-    from .bigbench import ROUTINGS, bench_big as run, check_system_predictor, plot, system_engine, table
+    from .bigbench import ROUTINGS, bench_big as run, check_system, plot, table
 
     if routing not in ROUTINGS:
         raise InputError(f"--routing {routing!r}; expected one of: {', '.join(ROUTINGS)}")
@@ -217,9 +217,8 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
     check_output(out)
     engine.check()
     commit = _git_commit()  # the code that runs, before it runs
-    for x in systems:  # a known system; its engine options (`/key=value`) valid over --engine; its predictor
-        system_engine(x, engine)
-        check_system_predictor(x, engine, routing)
+    for x in systems:  # a known system, its engine options (`/key=value`) valid over --engine, and its predictor
+        check_system(x, engine, routing)
     if len(set(systems)) < len(systems):
         raise InputError(f"--systems {systems}: a system is named twice")
     import math

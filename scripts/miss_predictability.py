@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from expertcache.runtime.commands import _git_commit
 from expertcache.runtime.replay import REFERENCE_TRACE
 from expertcache.runtime.trace_predictors import CooccurrenceEstimator
 from expertcache.telemetry.parquet_trace import load_routing
@@ -121,11 +121,7 @@ def main() -> None:
         used = sum(int(u[x].sum()) for x, (_, u, _) in zip(named, ev))
         confident[f"p>={th}"] = {"per_step": round(k / n, 3), "precision": round(used / max(k, 1), 4),
                                  "recall": round(used / misses, 4)}
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip() or None
-    except OSError:
-        commit = None
+    commit = _git_commit(Path(__file__).parent) or None
     res = {"what": "how well the trace's own routing ids predict an LRU cache's misses one layer ahead",
            "command": "python scripts/miss_predictability.py --out results/miss_predictability.json",
            "trace": Path(a.trace).name, "layers": int(ids.shape[0]), "slots_per_layer": a.slots,

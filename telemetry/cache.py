@@ -222,8 +222,8 @@ class CacheState:
             else:
                 victim = cands[0]
             s = self.res.pop(victim)
-            spare = [x for x in self.staging if self.held.get(x) not in protect]  # a named victim stays
-            if self.victims and spare:
+            spare = [x for x in self.staging if self.held.get(x) not in protect] if self.victims else []
+            if spare:  # (a named victim stays)
                 ev, s = s, min(spare, key=lambda x: self._seq.get(x, -1))
                 self._forget(s)  # about to be written
                 self.staging[self.staging.index(s)] = ev

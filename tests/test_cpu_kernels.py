@@ -1019,7 +1019,7 @@ def test_bench_big_checks_a_prefetch_rows_predictor_before_anything_runs(tmp_pat
     """A trace's own predictor (cooccurrence, oracle[:recall]) serves the trace-routing rows only; a live one is
     checked as everywhere; either is one line and exit 2 before the checkpoint is written."""
     from expertcache.recipes.cli import main
-    from expertcache.runtime.bigbench import check_system_predictor
+    from expertcache.runtime.bigbench import check_system
     from expertcache.runtime.engine import EngineConfig
     from expertcache.telemetry.errors import InputError
 
@@ -1027,12 +1027,12 @@ def test_bench_big_checks_a_prefetch_rows_predictor_before_anything_runs(tmp_pat
     for ok in ("expertcache:prefetch/predictor=oracle", "expertcache:prefetch/predictor=oracle:0.5",
                "expertcache:prefetch/predictor=cooccurrence", "expertcache:prefetch/predictor=probe:2",
                "expertcache:on-demand"):
-        check_system_predictor(ok, base, "trace")
-    check_system_predictor("expertcache:prefetch/predictor=probe:2", base, "native")
+        check_system(ok, base, "trace")
+    check_system("expertcache:prefetch/predictor=probe:2", base, "native")
     with pytest.raises(InputError, match="reads the routing trace; with --routing native there is none"):
-        check_system_predictor("expertcache:prefetch/predictor=oracle", base, "native")
+        check_system("expertcache:prefetch/predictor=oracle", base, "native")
     with pytest.raises(InputError):
-        check_system_predictor("expertcache:prefetch/predictor=orakel", base, "trace")
+        check_system("expertcache:prefetch/predictor=orakel", base, "trace")
     assert main(["bench", "big", "--routing", "native", "--systems", "[expertcache:prefetch/predictor=oracle]",
                  "--out_dir", str(tmp_path / "d"), "--out", str(tmp_path / "b.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

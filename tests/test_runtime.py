@@ -190,9 +190,13 @@ def test_a_prefetch_keeps_the_expert_it_evicts_as_a_victim():
     does) and the prefetch lands in the staging slot whose victim is oldest. A prefetch used to overwrite the
     evicted expert's slot: on bench big's trace, an oracle that named only the experts each layer then used read
     1.4x what demand loading read."""
-    cs = CacheState(2, 2, "lru", victims=True)
-    for r in ([0, 1], [2, 3], [0, 1]):  # 2 and 3 leave at the third step: victims in the staging slots
-        cs.retain(r, cs.stage([e for e in r if cs.lookup(e) is None]))  # a victim is staged in its own slot
+    def victims_2_and_3():  # 2 and 3 leave at the third step: victims in the staging slots
+        cs = CacheState(2, 2, "lru", victims=True)
+        for r in ([0, 1], [2, 3], [0, 1]):
+            cs.retain(r, cs.stage([e for e in r if cs.lookup(e) is None]))  # a victim is staged in its own slot
+        return cs
+
+    cs = victims_2_and_3()
     assert set(cs.res) == {0, 1} and cs.victim(2) is not None and cs.victim(3) is not None
     oldest = cs.victim(2)
     slot_of_0 = cs.lookup(0)
@@ -204,9 +208,7 @@ def test_a_prefetch_keeps_the_expert_it_evicts_as_a_victim():
     cs.drop(5)  # a cancelled prefetch: its slot is free again, 0 still a victim
     assert cs.lookup(5) is None and cs.victim(0) == slot_of_0
     assert sorted(list(cs.res.values()) + cs.staging + cs.free) == list(range(4))
-    cs = CacheState(2, 2, "lru", victims=True)
-    for r in ([0, 1], [2, 3], [0, 1]):
-        cs.retain(r, cs.stage([e for e in r if cs.lookup(e) is None]))
+    cs = victims_2_and_3()
     held_3 = cs.victim(3)
     assert cs.prefetch_slot(5, {5, 2}) == held_3  # 2 is named by the same prediction: its victim stays
     assert cs.victim(2) is not None and cs.victim(3) is None
