@@ -19,8 +19,8 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from expertcache.runtime.engine import EngineConfig
-from expertcache.runtime.quant import QUANT_METHOD
+from expertcache.runtime.engine.engine import EngineConfig
+from expertcache.runtime.kernels.quant import QUANT_METHOD
 
 from .served import open_model
 
@@ -37,7 +37,7 @@ def engine_from_args(args: dict) -> EngineConfig | None:
 class ExpertCacheLM(HFLM):
     def __init__(self, pretrained: str, batch_size: int = 8, max_length: int = 512, dtype: str = "fp32",
                  device: str = "cpu", **kwargs):
-        from expertcache.runtime.loader import parse_device, resolve
+        from expertcache.runtime.storage.loader import parse_device, resolve
         from expertcache.telemetry.hf import load_tokenizer
 
         path = resolve(pretrained)

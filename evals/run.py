@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from expertcache.runtime.engine import EngineConfig
+from expertcache.runtime.engine.engine import EngineConfig
 from expertcache.telemetry.atomic import write_json
 from expertcache.telemetry.errors import InputError
 
@@ -140,7 +140,7 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
 
     import expertcache.evals.lm  # noqa: F401 - registers the "expertcache" lm-eval model
 
-    from expertcache.runtime.loader import parse_device, parse_dtype, resolve
+    from expertcache.runtime.storage.loader import parse_device, parse_dtype, resolve
 
     model_dir = resolve(model_dir)  # a local checkpoint or a cached hub id; a one-line error otherwise
     parse_dtype(dtype)

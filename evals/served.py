@@ -3,7 +3,7 @@ offload engine under an `EngineConfig` (the runtime's one set of engine options)
 
 from __future__ import annotations
 
-from expertcache.runtime.engine import EngineConfig
+from expertcache.runtime.engine.engine import EngineConfig
 
 
 def label(engine: EngineConfig | None) -> str:
@@ -15,7 +15,7 @@ def open_model(model_dir, engine: EngineConfig | None, dtype="fp32", device="cpu
     Offloaded, it goes through the runtime's loader (experts stay in the checkpoint's files, read by byte range);
     plain (`engine` None), through `from_pretrained` (engine None). fp32 by default: the figures the gates
     compare were measured in fp32 (`auto`: the checkpoint's own dtype)."""
-    from expertcache.runtime.loader import load, parse_device, parse_dtype, resolve
+    from expertcache.runtime.storage.loader import load, parse_device, parse_dtype, resolve
 
     path = resolve(model_dir)
     device = parse_device(device)
@@ -25,7 +25,7 @@ def open_model(model_dir, engine: EngineConfig | None, dtype="fp32", device="cpu
         m = load_causal_lm(path, dtype=parse_dtype(dtype) or "auto")
         return m.eval().to(device), None
 
-    from expertcache.runtime.predictors import set_aux_routers_loader
+    from expertcache.runtime.engine.predictors import set_aux_routers_loader
     from expertcache.trainer.aux_routers import load_aux_routers
 
     set_aux_routers_loader(load_aux_routers)  # the routers saved beside the checkpoint (spatio, scored)

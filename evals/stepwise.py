@@ -20,7 +20,7 @@ from expertcache.telemetry.errors import InputError
 def step(model, token: torch.Tensor, cache):
     """One forward of `token [B, 1]` through `cache` (a DynamicCache, updated in place): the decode loop's own
     forward (`runtime.decode.forward`, where the KV-cache argument's name is handled once)."""
-    from expertcache.runtime.decode import forward
+    from expertcache.runtime.serve.decode import forward
 
     return forward(model, token, cache)
 

@@ -69,9 +69,16 @@ def commands(only: str | None = None) -> dict:
 def resolve_recipe(name_or_path: str, folder: Path = RECIPE_DIR) -> Path:
     """A recipe is a YAML path, or the name of one shipped in `folder` of this package: pretraining recipes
     (`smoke`, `base-tiny`) in recipes/, cache-aware ones (`locality`, `smoke`, ...) in recipes/cache-aware/."""
-    from expertcache.trainer.config import shipped_recipe
+    from expertcache.trainer.config import RecipeError
 
-    return shipped_recipe(name_or_path, str(folder.relative_to(RECIPE_DIR)) if folder != RECIPE_DIR else "")
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    shipped = folder / f"{name_or_path.removesuffix('.yaml')}.yaml"
+    if shipped.is_file():
+        return shipped
+    names = sorted(f.stem for f in folder.glob("*.yaml"))
+    raise RecipeError(f"recipe {name_or_path!r} is neither a file nor a shipped recipe ({', '.join(names)})")
 
 
 def _document(cls, seen=None) -> None:
@@ -198,7 +205,7 @@ def _call(fn, sub_cfg, parser):
     import inspect
 
     if fn.__module__.startswith("expertcache.runtime"):  # the trainer's aux routers, for the runtime's commands
-        from expertcache.runtime.predictors import set_aux_routers_loader
+        from expertcache.runtime.engine.predictors import set_aux_routers_loader
         from expertcache.trainer.aux_routers import load_aux_routers
 
         set_aux_routers_loader(load_aux_routers)

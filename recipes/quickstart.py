@@ -112,7 +112,7 @@ def gate_table(rows: list[dict]) -> list[str]:
 
 
 def _report(rep: Path, smoke: Path, ca: Path, bench: Path, ev: dict, gates: dict, steps: list, total_s: float) -> dict:
-    from expertcache.runtime.bench import table as bench_table
+    from expertcache.runtime.bench.bench import table as bench_table
     from expertcache.trainer.cache_aware import results_table
 
     for src, dst in ((smoke / "training_curve.png", "base_training_curve.png"),

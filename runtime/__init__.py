@@ -4,7 +4,7 @@
 attaches the engine to a model already in memory.
 """
 
-from .engine import EngineConfig, OffloadEngine, Stats, offload
-from .loader import load, reattach
+from expertcache.runtime.engine.engine import EngineConfig, OffloadEngine, Stats, offload
+from expertcache.runtime.storage.loader import load, reattach
 
 __all__ = ["EngineConfig", "OffloadEngine", "Stats", "load", "offload", "reattach"]

@@ -12,8 +12,8 @@ from typing import Optional
 from expertcache.telemetry.atomic import check_output
 from expertcache.telemetry.errors import InputError
 
-from .engine import EngineConfig
-from .store import STORE_DIR
+from expertcache.runtime.engine.engine import EngineConfig
+from expertcache.runtime.storage.store import STORE_DIR
 
 
 def _table(text: str) -> None:
@@ -90,8 +90,8 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
     if (model is None) == (replay is None):
         raise InputError("bench decode needs exactly one of --model CKPT or --replay TRACE")
     if replay is not None:
-        from .replay import REFERENCE_TRACE, plot_recall, replay_benchmark, table
-        from .trace_predictors import REPLAY_DEFAULTS, check_replay_predictor
+        from expertcache.runtime.bench.replay import REFERENCE_TRACE, plot_recall, replay_benchmark, table
+        from expertcache.runtime.engine.trace_predictors import REPLAY_DEFAULTS, check_replay_predictor
 
         preds = [p for p in (predictors or []) if p != "none"] or list(REPLAY_DEFAULTS)
         for p in preds:
@@ -108,7 +108,7 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
 
         from expertcache.telemetry.corpus import packed_blocks
 
-        from .bench import bench_decode as run, table
+        from expertcache.runtime.bench.bench import bench_decode as run, table
 
         if Path(corpus).is_dir():
             blocks = packed_blocks(corpus, model, "test", domain, prompt_len)
@@ -119,12 +119,12 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
         else:  # a checkpoint of its own, no corpus here: fixed random token ids (timing does not need text)
             from expertcache.telemetry.hf import load_config
 
-            from .loader import resolve
+            from expertcache.runtime.storage.loader import resolve
 
             vocab = load_config(resolve(model)).get_text_config().vocab_size
             ids = torch.randint(0, vocab, (prompts, prompt_len), generator=torch.Generator().manual_seed(0))
         preds = predictors or ["probe:1"]
-        from .predictors import check_predictor_spec
+        from expertcache.runtime.engine.predictors import check_predictor_spec
 
         for p in preds:  # every name before the first pass runs
             check_predictor_spec(p)
@@ -206,7 +206,7 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
     """
     from expertcache.telemetry.progress import Progress
 
-    from .bigbench import ROUTINGS, bench_big as run, check_system, plot, table
+    from expertcache.runtime.bench.bigbench import ROUTINGS, bench_big as run, check_system, plot, table
 
     if routing not in ROUTINGS:
         raise InputError(f"--routing {routing!r}; expected one of: {', '.join(ROUTINGS)}")
@@ -230,7 +230,7 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
     if layers is not None and layers < 2:
         raise InputError(f"--layers {layers}: expected at least 2 MoE layers")
     if trace is not None:  # read before the (large) checkpoint is written, not after
-        from expertcache.telemetry.parquet_trace import load_routing
+        from expertcache.telemetry.routing import load_routing
 
         load_routing(trace)
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
@@ -282,8 +282,8 @@ def simulate(trace: str, hardware: str, model_shape: str = "qwen3-30b-a3b",
     """
     import math
 
-    from .bandwidth import HARDWARE, MODEL_SHAPES, Hardware, project
-    from expertcache.telemetry.parquet_trace import load_routing
+    from expertcache.runtime.bench.bandwidth import HARDWARE, MODEL_SHAPES, Hardware, project
+    from expertcache.telemetry.routing import load_routing
 
     def span(s: Optional[str], n: int, what: str) -> slice:
         if s is None:
@@ -341,7 +341,7 @@ def fit_predictor(trace: str, out: str, ridge: float = 1.0) -> dict:
 
     from expertcache.telemetry.parquet_trace import read_meta
 
-    from .predictors import EstimatorPredictor
+    from expertcache.runtime.engine.predictors import EstimatorPredictor
 
     if not (math.isfinite(ridge) and ridge > 0):
         raise InputError(f"--ridge {ridge}: expected a finite number > 0")
@@ -354,7 +354,7 @@ def fit_predictor(trace: str, out: str, ridge: float = 1.0) -> dict:
 
 def _talk_model(model: Optional[str], engine: EngineConfig, dtype: Optional[str], plain: bool):
     """(model, tokenizer, path) for generate/serve: --model or the quickstart's checkpoint."""
-    from .loader import load_model, resolve_model_arg
+    from expertcache.runtime.storage.loader import load_model, resolve_model_arg
 
     path = resolve_model_arg(model)
     engine.check()
@@ -395,8 +395,8 @@ def generate(prompt: Optional[str] = None, model: Optional[str] = None,
         field: the JSONL field holding each prompt
         max_batch: sequences decoded together with --prompts
     """
-    from .generate import generate_text
-    from .request import SamplingParams, checkpoint_sampling
+    from expertcache.runtime.serve.generate import generate_text
+    from expertcache.runtime.serve.request import SamplingParams, checkpoint_sampling
 
     given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty}
     fallback = {"temperature": 0.8, "top_p": 0.95, "top_k": 0, "repetition_penalty": 1.0}
@@ -425,8 +425,8 @@ def generate(prompt: Optional[str] = None, model: Optional[str] = None,
 def _generate_file(m, tok, prompts: list[str], params, max_batch: int, raw: bool) -> int:
     import json
 
-    from .generate import generate_many
-    from .request import user_prompt
+    from expertcache.runtime.serve.generate import generate_many
+    from expertcache.runtime.serve.request import user_prompt
 
     turns = [user_prompt(tok, p, raw) for p in prompts]  # (text, templated): the same templating for every prompt
     texts, templated = [t for t, _ in turns], turns[0][1]
@@ -476,7 +476,7 @@ def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(),
     """
     import os
 
-    from .serve import serve as run
+    from expertcache.runtime.serve.serve import serve as run
 
     if not 0 < port < 65536:
         raise InputError(f"--port {port}: expected 1..65535")
@@ -530,8 +530,8 @@ def verify(model: str, write_index: bool = True, rebless: bool = False) -> dict:
     """
     from expertcache.telemetry.progress import Progress
 
-    from .verify import verdict_line
-    from .verify import verify as run
+    from expertcache.runtime.storage.verify import verdict_line
+    from expertcache.runtime.storage.verify import verify as run
 
     with Progress(transient=True) as prog:
         task = prog.add_task("experts checked", total=None)
@@ -575,7 +575,7 @@ def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "", lin
     """
     from expertcache.telemetry.progress import Progress
 
-    from .quant import write_quantized
+    from expertcache.runtime.kernels.quant_write import write_quantized
 
     if not out:
         raise InputError("--out is required: the folder the quantized checkpoint is written to")
@@ -631,7 +631,7 @@ def import_gguf(gguf: str, out: str = "", requantize: str = "") -> dict:
     """
     from expertcache.telemetry.progress import Progress
 
-    from .gguf_import import import_gguf as run
+    from expertcache.runtime.kernels.gguf_import import import_gguf as run
 
     if not out:
         raise InputError("--out is required: the folder the checkpoint is written to")

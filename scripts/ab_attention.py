@@ -29,9 +29,9 @@ def main() -> None:
         raise SystemExit("ab_attention: --context, --tokens, --rounds and --threads must be >= 1")
     import torch
 
-    from expertcache.runtime import cpu_kernels as ck
+    from expertcache.runtime.kernels import cpu_kernels as ck, patches
     from expertcache.runtime import load
-    from expertcache.runtime.decode import timed_greedy
+    from expertcache.runtime.serve.generate import timed_greedy
 
     torch.set_num_threads(a.threads)
     m = load(a.model, capacity=1.0, tier="host", kernel="cpu", verify=False)
@@ -45,7 +45,7 @@ def main() -> None:
 
     def run(arm: str, keep: bool = True) -> None:
         for c in cfgs:
-            c._attn_implementation_internal = ck.ATTENTION if arm == "kernel" else "sdpa"
+            c._attn_implementation_internal = patches.ATTENTION if arm == "kernel" else "sdpa"
         t, out, _ = timed_greedy(m, ids, a.tokens + 1)
         if keep:
             times[arm].append((t[-1] - t[0]) / a.tokens)

@@ -252,7 +252,7 @@ def damaged(root: Path, P: dict) -> None:
     P["model_bin"] = model_copy("model-bin")
     (P["model_bin"] / "model.safetensors").rename(P["model_bin"] / "pytorch_model.bin")
     P["model_flip"] = model_copy("model-flipped")  # indexed by `verify` first, then damaged in place (same mtime)
-    from expertcache.runtime.verify import verify
+    from expertcache.runtime.storage.verify import verify
 
     verify(str(P["model_flip"]), write_index=True)
     f = P["model_flip"] / "model.safetensors"
@@ -275,8 +275,8 @@ def damaged(root: Path, P: dict) -> None:
     import pyarrow.parquet as pq
     import torch
 
-    from expertcache.runtime.loader import expert_source
-    from expertcache.runtime.verify import verify as verify_now
+    from expertcache.runtime.storage.loader import expert_source
+    from expertcache.runtime.storage.verify import verify as verify_now
     from expertcache.telemetry.parquet_trace import META_KEY
 
     t = pq.read_table(P["trace"])
@@ -322,7 +322,7 @@ def damaged(root: Path, P: dict) -> None:
     P["scratch"] = root / "scratch"
     P["scratch"].mkdir()
     P["scratch"].chmod(0o777)
-    from expertcache.runtime.quant import write_quantized  # an int8 copy (`expertcache quantize`), and one whose
+    from expertcache.runtime.kernels.quant_write import write_quantized  # an int8 copy (`expertcache quantize`), and one whose
 
     P["model_q8"] = root / "model-q8"  # quantization_config names a method this runtime does not read
     write_quantized(P["model"], P["model_q8"], 8, 32)

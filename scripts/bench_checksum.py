@@ -26,7 +26,7 @@ import torch
 
 
 def _decode(model, prompt, n_new: int, warmup: int) -> list[float]:
-    from expertcache.runtime.decode import timed_greedy
+    from expertcache.runtime.serve.generate import timed_greedy
 
     times, _, _ = timed_greedy(model, prompt, n_new)  # the decode loop of generate and serve, its clock
     return np.diff(times).tolist()[warmup:]
@@ -50,8 +50,8 @@ def main() -> None:
     torch.set_num_threads(a.threads)
 
     from expertcache.runtime import load
-    from expertcache.runtime.store import checksum
-    from expertcache.runtime.verify import verify
+    from expertcache.runtime.storage.store import checksum
+    from expertcache.runtime.storage.verify import verify
 
     rep = verify(a.model)
     if not rep["ok"]:

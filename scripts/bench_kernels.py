@@ -10,7 +10,7 @@
   extension's streaming read of 1 GiB, median of 5). Target: >= 0.7 of it at one thread.
 - `pairs` (with `--model`, a bf16 Hugging Face checkpoint with its tokenizer): the model decoded with every expert
   resident (`load(capacity=1.0, tier="host", kernel="cpu")`, greedy decode through the decode loop of generate and
-  serve (`decode.timed_greedy`), time per output token = the N decode steps after the prefill / N), against
+  serve (`generate.timed_greedy`), time per output token = the N decode steps after the prefill / N), against
   `llama-bench -p 0 -n N` on the GGUF conversion of the same weights (`scripts/llamacpp_peer.py`): bf16 vs BF16,
   int8 vs Q8_0, int4 vs Q4_0. Our int8/int4 checkpoints come from `expertcache quantize --linears true` (routed
   experts and the attention and output matrices packed, as llama-quantize packs every matrix; the routers stay
@@ -54,8 +54,8 @@ def _spec(spec) -> tuple[int, int, bool]:
 def kernel_figures(threads: int, pool: int = 32, k: int = 8, rounds: int = 30) -> list[dict]:
     import torch
 
-    from expertcache.runtime import cpu_kernels as ck
-    from expertcache.runtime import quant
+    from expertcache.runtime.kernels import cpu_kernels as ck
+    from expertcache.runtime.kernels import quant
 
     if not ck.available():
         raise SystemExit(f"bench_kernels: the CPU kernels are unavailable here ({ck.why_unavailable()})")
@@ -124,7 +124,7 @@ def worker(model: str, threads: int, tokens: int, reps: int, depth: int = 0) -> 
     m = load(model, capacity=1.0, tier="host", kernel="cpu", verify=False)
     load_s = time.perf_counter() - t0
 
-    from expertcache.runtime.decode import timed_greedy
+    from expertcache.runtime.serve.generate import timed_greedy
 
     def tpot(n, seed):  # the decode loop of generate and serve; its clock excludes the prefill
         ids = torch.randint(2, 4000, (1, max(8, depth)), generator=torch.Generator().manual_seed(seed))
@@ -136,7 +136,7 @@ def worker(model: str, threads: int, tokens: int, reps: int, depth: int = 0) -> 
     # this process's memory read bandwidth at its thread count, right after the timed runs: on a shared host it
     # moves between states (about 50 against 80 GB/s at two threads here, per process), which a round's figure
     # then carries; kept beside each round so the spread has its cause in the JSON
-    from expertcache.runtime import cpu_kernels as ck
+    from expertcache.runtime.kernels import cpu_kernels as ck
 
     bw = ck.read_bandwidth(512 << 20, rounds=3) / 1e9 if ck.available() else None
     return {"tpot_s": statistics.median(tp), "tpot_runs_s": tp, "load_s": load_s, "read_bandwidth_gbps": bw}
@@ -154,8 +154,8 @@ def quantized(model: Path, fmt: str, work: Path, linears: bool) -> Path:
     if fmt in FILE_FORMATS:  # the GGUF llama.cpp decodes (its converter, llama-quantize), imported as it is
         out = work / f"{model.name}-{fmt}"
         if not (out / "config.json").exists():
-            from expertcache.runtime import llamacpp
-            from expertcache.runtime.gguf_import import import_gguf
+            from expertcache.runtime.bench import llamacpp
+            from expertcache.runtime.kernels.gguf_import import import_gguf
 
             src = llamacpp.source_dir()
             import_gguf(llamacpp.gguf(model, FILE_FORMATS[fmt], src, llamacpp.build(src)), out)
@@ -165,7 +165,7 @@ def quantized(model: Path, fmt: str, work: Path, linears: bool) -> Path:
     bits, group, sym = _spec(FORMATS[fmt])
     out = work / f"{model.name}-int{bits}-g{group}{'-sym' if sym else ''}{'-linears' if linears else ''}"
     if not (out / "config.json").exists():
-        from expertcache.runtime.quant import write_quantized
+        from expertcache.runtime.kernels.quant_write import write_quantized
 
         write_quantized(model, out, bits, group, linears=linears, symmetric=sym)
     return out

@@ -7,10 +7,10 @@ import json
 
 import numpy as np
 
-from expertcache.runtime import tiers
-from expertcache.runtime.engine import EngineConfig
-from expertcache.runtime.replay import REFERENCE_TRACE, ReplayConfig, Replayer, ensure_store
-from expertcache.telemetry.parquet_trace import load_routing
+from expertcache.runtime.storage import tiers
+from expertcache.runtime.engine.engine import EngineConfig
+from expertcache.runtime.bench.replay import REFERENCE_TRACE, ReplayConfig, Replayer, ensure_store
+from expertcache.telemetry.routing import load_routing
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--capacity", type=float, default=0.125)

@@ -40,11 +40,11 @@ def main() -> int:
     if Path(a.model, "config.json").is_file():
         model, source = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32), a.model
     else:
-        from expertcache.trainer.config import shipped_recipe
+        from expertcache.recipes.cli import resolve_recipe
         from expertcache.trainer.config import load_recipe
         from expertcache.trainer.pretrain import PretrainRecipe
 
-        r = load_recipe(PretrainRecipe, shipped_recipe("base-tiny"))
+        r = load_recipe(PretrainRecipe, resolve_recipe("base-tiny"))
         torch.manual_seed(0)
         model, source = AutoModelForCausalLM.from_config(r.model.to_hf_config(8192, 0, 1)), "base-tiny shape, random"
     model.eval()

@@ -97,13 +97,13 @@ def main() -> int:
 
     from transformers import AutoModelForCausalLM
 
-    from expertcache.trainer.config import shipped_recipe
+    from expertcache.recipes.cli import resolve_recipe
     from expertcache.trainer.config import load_recipe
     from expertcache.trainer.pretrain import PretrainRecipe
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    recipe = load_recipe(PretrainRecipe, shipped_recipe(a.recipe))
+    recipe = load_recipe(PretrainRecipe, resolve_recipe(a.recipe))
     vocab = 8192
     cfg = recipe.model.to_hf_config(vocab, 0, 1)
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 
 For each family: a random tiny checkpoint (tests/tiny_lm.py, our byte-level BPE), converted by the
 `convert_hf_to_gguf.py` that ships in the llama.cpp source vendored by the PyPI sdist `llama-cpp-python`
-(runtime/llamacpp.py: downloaded once, cached outside the repository; the converter's own `--outtype bf16` and
+(runtime/bench/llamacpp.py: downloaded once, cached outside the repository; the converter's own `--outtype bf16` and
 `q8_0`, each also with `--fuse-qkv`), then `import-gguf`. Checked per file: the tokenizer splits a test string as the
 source's does; a BF16 import loads with `from_pretrained` to the source's weights exactly (tensor names, Mixtral's
 query/key row order, config); the imported model decodes through the engine (disk tier, half the experts cached)
@@ -33,7 +33,7 @@ TEXT = "thou art\n\n\nthe cat é ü 字 and 42"
 def convert(src: Path, model: Path, outtype: str, out: Path, extra: list[str], pydeps: Path) -> None:
     import os
 
-    from expertcache.runtime.llamacpp import _CONVERT, LlamaCppError
+    from expertcache.runtime.bench.llamacpp import _CONVERT, LlamaCppError
 
     code = _CONVERT.format(src=str(src), args=[str(model), "--outtype", outtype, "--outfile", str(out), *extra])
     env = {**os.environ, "PYTHONPATH": str(pydeps)}
@@ -52,8 +52,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from expertcache.runtime import load
-    from expertcache.runtime.gguf_import import import_gguf
-    from expertcache.runtime.llamacpp import cache_dir, source_dir
+    from expertcache.runtime.kernels.gguf_import import import_gguf
+    from expertcache.runtime.bench.llamacpp import cache_dir, source_dir
     from expertcache.telemetry.atomic import write_json
 
     src = source_dir()

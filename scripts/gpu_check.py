@@ -28,7 +28,7 @@ def lossless(root: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     from expertcache.runtime import load
-    from expertcache.runtime.decode import timed_greedy
+    from expertcache.runtime.serve.generate import timed_greedy
     from tiny_models import FAMILIES, build_model, tiny_config
 
     out = {}
@@ -37,7 +37,7 @@ def lossless(root: Path) -> dict:
         d = root / fam
         build_model(tiny_config(fam), seed=3, dtype=torch.bfloat16).save_pretrained(d)
         # transformers' own greedy generate is the reference; the engine decodes through the decode loop of
-        # generate and serve (`decode.timed_greedy`, 16 tokens, end-of-sequence ignored as min_new_tokens does)
+        # generate and serve (`generate.timed_greedy`, 16 tokens, end-of-sequence ignored as min_new_tokens does)
         gen = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, attention_mask=torch.ones_like(prompt),
                    pad_token_id=1)
         ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval().generate(prompt, **gen)
@@ -52,9 +52,9 @@ def lossless(root: Path) -> dict:
 
 
 def triton_vs_torch() -> dict:
-    from expertcache.runtime.kernels import HAVE_TRITON, swiglu_reference, swiglu_triton
-    from expertcache.runtime.store import StoreMeta, layout
-    from expertcache.runtime.tiers import SlotPool
+    from expertcache.runtime.kernels.triton_experts import HAVE_TRITON, swiglu_reference, swiglu_triton
+    from expertcache.runtime.storage.store import StoreMeta, layout
+    from expertcache.runtime.storage.tiers import SlotPool
 
     if not HAVE_TRITON:
         return {"error": "triton not importable"}
@@ -83,8 +83,8 @@ def triton_vs_torch() -> dict:
 def triton_q_vs_torch() -> dict:
     """The packed (int8 / int4) triton kernel against the torch reference over the dequantized weights, at the
     Qwen3-30B-A3B expert shape, with its time per call."""
-    from expertcache.runtime import quant
-    from expertcache.runtime.kernels import HAVE_TRITON, swiglu_reference, swiglu_triton_q
+    from expertcache.runtime.kernels import quant
+    from expertcache.runtime.kernels.triton_experts import HAVE_TRITON, swiglu_reference, swiglu_triton_q
 
     if not HAVE_TRITON:
         return {"error": "triton not importable"}
@@ -117,8 +117,8 @@ def triton_q_vs_torch() -> dict:
 def tpot(root: Path) -> dict:
     from transformers import Qwen3MoeConfig
 
-    from expertcache.runtime.bench import bench_decode
-    from expertcache.runtime.engine import EngineConfig
+    from expertcache.runtime.bench.bench import bench_decode
+    from expertcache.runtime.engine.engine import EngineConfig
     from tiny_models import build_model
 
     d = root / "mid"

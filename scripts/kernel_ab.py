@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""A/B of a change to the CPU expert kernels (runtime/csrc/experts_cpu.cpp): the working tree's source against the
+"""A/B of a change to the CPU expert kernels (runtime/kernels/csrc/experts_cpu.cpp): the working tree's source against the
 same file at a git revision, built side by side (each in its own cached build folder), in alternated fresh
 processes on the same inputs.
 
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SRC = ROOT / "runtime" / "csrc" / "experts_cpu.cpp"
+SRC = ROOT / "runtime" / "kernels" / "csrc" / "experts_cpu.cpp"
 FORMATS = {"int8-g32": (8, 32), "int4-g32": (4, 32), "int4-g64": (4, 64), "int4-g128": (4, 128)}
 
 
@@ -33,8 +33,8 @@ def child(src: str, build: str, mode: str, bits: int, group: int, pool: int, thr
     import torch
     from torch.utils import cpp_extension
 
-    from expertcache.runtime import cpu_kernels as ck
-    from expertcache.runtime import quant
+    from expertcache.runtime.kernels import cpu_kernels as ck
+    from expertcache.runtime.kernels import quant
 
     Path(build).mkdir(parents=True, exist_ok=True)
     cpp_extension.load(name="expertcache_cpu", sources=[src], extra_cflags=ck._FLAGS, extra_ldflags=["-fopenmp"],
@@ -91,12 +91,12 @@ def main() -> None:
         return child(src, build, mode, int(bits), int(group), int(pool), int(threads), out)
     import torch
 
-    from expertcache.runtime.cpu_kernels import cache_dir
+    from expertcache.runtime.kernels.cpu_kernels import cache_dir
     from expertcache.telemetry.atomic import write_json
 
     rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", a.base], capture_output=True, text=True,
                          check=True).stdout.strip()
-    base_src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:runtime/csrc/experts_cpu.cpp"],
+    base_src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:runtime/kernels/csrc/experts_cpu.cpp"],
                               capture_output=True, text=True, check=True).stdout
     tmp = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
     (tmp / "a.cpp").write_text(base_src)

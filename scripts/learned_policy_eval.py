@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 from expertcache.telemetry.cachesim import capacity_count, simulate  # noqa: E402
 from expertcache.telemetry.learned_policy import fit, simulate_learned  # noqa: E402
-from expertcache.telemetry.parquet_trace import load_routing  # noqa: E402
+from expertcache.telemetry.routing import load_routing  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_REF = REPO / "telemetry" / "reference" / "qwen3-30b-a3b-routing"

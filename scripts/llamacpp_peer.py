@@ -10,7 +10,7 @@ Building (once, about 10-30 minutes on 2 cores; `--build_only` to do just that):
     cmake --build build -j2 --target llama-bench llama-quantize
 The converter refuses a BPE tokenizer whose pre-tokenizer hash it does not know (ours); this script maps an
 unknown one to "gpt-2" (the same byte-level rules) by wrapping the converter, without editing llama.cpp's files.
-The steps live in `expertcache.runtime.llamacpp` (what `bench big --systems [llama.cpp,...]` uses too); the cache
+The steps live in `expertcache.runtime.bench.llamacpp` (what `bench big --systems [llama.cpp,...]` uses too); the cache
 is $EXPERTCACHE_LLAMACPP or ~/.cache/expertcache/llamacpp.
 """
 
@@ -20,7 +20,7 @@ import argparse
 import json
 import sys
 
-from expertcache.runtime.llamacpp import LlamaCppError, build, decode, source_dir
+from expertcache.runtime.bench.llamacpp import LlamaCppError, build, decode, source_dir
 
 
 def main() -> int:

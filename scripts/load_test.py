@@ -48,9 +48,9 @@ def child(ckpt: str, port: int, max_positions: int) -> None:
     from tiny_lm import make_tiny_checkpoint
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from expertcache.runtime.engine import EngineConfig, offload
-    from expertcache.runtime.serve import create_app
-    from expertcache.runtime.store import write_store
+    from expertcache.runtime.engine.engine import EngineConfig, offload
+    from expertcache.runtime.serve.serve import create_app
+    from expertcache.runtime.storage.store import write_store
 
     root = Path(ckpt)
     make_tiny_checkpoint(root / "ckpt", max_positions=max_positions)

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from expertcache.runtime.commands import _git_commit
-from expertcache.runtime.replay import REFERENCE_TRACE
-from expertcache.runtime.trace_predictors import CooccurrenceEstimator
-from expertcache.telemetry.parquet_trace import load_routing
+from expertcache.runtime.bench.replay import REFERENCE_TRACE
+from expertcache.runtime.engine.trace_predictors import CooccurrenceEstimator
+from expertcache.telemetry.routing import load_routing
 
 
 def features(ids: np.ndarray, m: np.ndarray, slots: int, t0: int, t1: int, warm: int = 200):

@@ -16,7 +16,7 @@ import json
 import numpy as np
 import torch
 
-from expertcache.runtime.predictors import EstimatorPredictor
+from expertcache.runtime.engine.predictors import EstimatorPredictor
 from expertcache.telemetry.adapters import adapter_for
 from expertcache.telemetry.analysis import lookahead_recall
 from expertcache.telemetry.parquet_trace import check_compatible, read_trace

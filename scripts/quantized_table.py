@@ -40,7 +40,7 @@ from pathlib import Path
 
 from expertcache.evals.gate import EVAL_FORMAT_VERSION, gate
 from expertcache.evals.run import evaluate
-from expertcache.runtime.engine import EngineConfig
+from expertcache.runtime.engine.engine import EngineConfig
 from expertcache.telemetry.atomic import write_json
 
 VARIANTS = {"int8-g32": (8, 32), "int4-g32": (4, 32), "int4-g64": (4, 64), "int4-g128": (4, 128),
@@ -81,7 +81,7 @@ def bf16_expert_bytes(model_dir: Path) -> int:
     """What the checkpoint's routed experts take in bf16: 2 bytes a weight."""
     import math
 
-    from expertcache.runtime.checkpoint import Checkpoint
+    from expertcache.runtime.storage.checkpoint import Checkpoint
 
     return sum(2 * math.prod(t.shape) for k, t in Checkpoint(model_dir).tensors.items() if ".mlp.experts." in k)
 

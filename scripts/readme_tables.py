@@ -6,7 +6,9 @@
 import json
 from pathlib import Path
 
-from expertcache.runtime import bench, bigbench, replay
+from expertcache.runtime.bench import bench
+from expertcache.runtime.bench import bigbench
+from expertcache.runtime.bench import replay
 from expertcache.trainer.cache_aware import frontier_table
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"

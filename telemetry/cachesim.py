@@ -31,6 +31,7 @@ import numpy as np
 
 from .cache import POLICY_REGISTRY, CacheState, check_slots
 from .errors import InputError
+from .rows import check_rows
 
 # The simulator's view of the one policy registry (`cache.POLICY_REGISTRY`): CacheState's policies with `belady`,
 # the scored policy ranked by each key's next use in the trace (the offline optimum), in place of `scored`.
@@ -144,18 +145,6 @@ def _check(steps: np.ndarray, capacity: int, policy: str, semantics: str) -> np.
     steps = np.ascontiguousarray(steps, dtype=np.int64)
     check_rows(steps)
     return steps
-
-
-def check_rows(ids: np.ndarray, num_experts: int | None = None, what: str = "steps") -> None:
-    """Routing rows (`[..., k]`) hold distinct experts in [0, E): else one InputError naming the first bad row."""
-    from .parquet_trace import check_distinct
-
-    if not ids.size:
-        return
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or (num_experts is not None and hi >= num_experts):
-        raise InputError(f"{what}: expert id {lo if lo < 0 else hi} outside [0, {num_experts or 'E'})")
-    check_distinct(ids, what)
 
 
 def _n_keys(steps: np.ndarray) -> int:

@@ -335,7 +335,7 @@ def fit(traces: list[str | Path], hidden: int = 32, epochs: int = 4, rows_per_st
 
     t0 = time.perf_counter()
     data, shape, names = [], None, []
-    from .parquet_trace import load_routing
+    from .routing import load_routing
 
     for p in traces:
         r = load_routing(p, phase)

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from .errors import InputError
-from .parquet_trace import TraceMeta, TraceWriter, check_distinct
+from .parquet_trace import TraceMeta, TraceWriter
+from .rows import check_distinct
 
 _HEADER = struct.Struct("<iii")
 MAX_LAYERS = 1 << 15

@@ -33,6 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .errors import InputError
+from .rows import check_distinct
 
 FORMAT_VERSION = 1
 META_KEY = b"expertcache"
@@ -130,23 +131,6 @@ def _same_file(a: Path, b: str | Path) -> bool:
         return a.resolve() == Path(b).resolve() or (a.exists() and Path(b).exists() and a.samefile(b))
     except OSError:
         return False
-
-
-def check_distinct(ids, where: str) -> None:
-    """Every routing row names k distinct experts (a router's top-k never picks one twice): a row like [3, 3, 5, 7]
-    is refused where a trace enters (import, write, read), before any analysis or fit counts it."""
-    ids = np.asarray(ids)
-    if ids.ndim < 2 or ids.size == 0 or ids.shape[-1] < 2:
-        return
-    rows = ids.reshape(-1, ids.shape[-1])
-    s = np.sort(rows, axis=1)
-    dup = (s[:, 1:] == s[:, :-1]).any(axis=1)
-    if dup.any():
-        i = int(np.argmax(dup))
-        at = ", ".join(f"{n} {int(v)}" for n, v in zip(("layer", "token") if ids.ndim == 3 else ("row",),
-                                                          np.unravel_index(i, ids.shape[:-1])))
-        raise InputError(f"{where}: the routing of {at} repeats an expert ({rows[i].tolist()[:16]}); each row's "
-                         f"top-{ids.shape[-1]} experts must be distinct ({int(dup.sum())} such row(s))")
 
 
 class TraceWriter:
@@ -307,49 +291,6 @@ class Trace:
 
     def domains(self) -> list[str]:
         return sorted(set(self.table["domain"].to_pylist()))
-
-
-@dataclass
-class Routing:
-    """A trace's routing as arrays: what the simulator, the replay and the learned policy read."""
-    ids: np.ndarray  # [layers, tokens, k] int64, token order
-    probs: np.ndarray | None  # router probabilities of those ids [layers, tokens, k] (float64), None if not recorded
-    num_experts: int
-    meta: dict  # model, num_experts, top_k, num_layers (and the rest of the trace's metadata)
-
-
-def load_routing(path: str | Path, phase: str | None = "decode") -> Routing:
-    """The one trace reader for routing arrays: a Parquet trace (its `phase` tokens, or every token if it has
-    none) or a llama-moe-trace `.npz` (which has no probabilities). Rows are checked: distinct experts below E."""
-    from .cachesim import check_rows
-
-    path = Path(path)
-    if path.suffix == ".npz":
-        from .llamacpp import read_npz
-
-        ids, meta = read_npz(path)
-        e = meta.get("num_experts")
-        if not isinstance(e, int) or e < 1:
-            raise InputError(f"{path}: its meta has no num_experts (re-export it with the count of experts per "
-                             f"layer, or import it with `expertcache trace import --num_experts N`)")
-        ids = ids.astype(np.int64)
-        meta = {**meta, "model": meta.get("model", path.stem), "num_experts": int(e), "top_k": int(ids.shape[2]),
-                "num_layers": int(ids.shape[0])}
-        probs = None
-    else:
-        tr = read_trace(path)
-        if phase and phase in set(tr.table["phase"].to_pylist()):
-            tr = tr.filter(phase=phase)
-        if tr.num_rows == 0:
-            raise InputError(f"trace {path} has no rows")
-        order = tr._token_order()
-        ids = tr.layer_matrix("ids", order).astype(np.int64)
-        w = tr.layer_matrix("weights", order).astype(np.float64)
-        probs = None if np.isnan(w).any() else w
-        e = int(tr.meta.num_experts)
-        meta = {**tr.meta.__dict__, "num_experts": e, "top_k": int(tr.meta.top_k), "num_layers": int(ids.shape[0])}
-    check_rows(ids, int(e), str(path))
-    return Routing(ids, probs, int(e), meta)
 
 
 def _unreadable(path, e: Exception) -> InputError:

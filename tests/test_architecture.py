@@ -37,22 +37,24 @@ def sources(areas=AREAS) -> dict[str, ast.Module]:
 # --- the checkers: source tree -> list of "file:line: what" ----------------------------------------------------
 
 def import_violations(trees: dict[str, ast.Module]) -> list[str]:
+    """An import against the arrows of the diagram, in any form: absolute, relative (resolved through the mapping
+    in pyproject.toml), or `importlib.import_module("...")` with a constant name; and bare area names."""
     bad = []
     for rel, tree in trees.items():
         area = rel.split("/")[0]
+        mod = module_name(rel)
         for node in ast.walk(tree):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
+            if isinstance(node, ast.ImportFrom):
+                names = [_imported(node, mod, rel.endswith("__init__.py"))[-1]]
+            else:
+                names = _imported(node, mod, rel.endswith("__init__.py"))
             for name in names:
                 parts = name.split(".")
                 if parts[0] in AREAS or parts[0] == "scripts":
                     bad.append(f"{rel}:{node.lineno}: imports {name} (bare area name; use expertcache.{name})")
-                elif parts[0] == "expertcache" and len(parts) > 1:
+                elif parts[0] == "expertcache" and len(parts) > 1 and parts[1] in AREAS:
                     target = parts[1]
-                    if target != area and target not in MAY_IMPORT[area]:
+                    if target != area and target not in MAY_IMPORT.get(area, set(AREAS)):
                         bad.append(f"{rel}:{node.lineno}: {area} imports {name}")
     return bad
 
@@ -225,6 +227,125 @@ def _name(node) -> str | None:
     return None
 
 
+# --- the import graph, resolved through pyproject's package-dir mapping ---------------------------------------
+
+def package_dirs() -> dict[str, str]:
+    """pyproject's `[tool.setuptools.package-dir]`: import name -> folder (the one mapping pip also installs)."""
+    import tomllib
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+
+
+def module_files() -> dict[str, str]:
+    """Every module of the installed package: dotted name -> repository path, through the mapping (the longest
+    mapped prefix wins, as setuptools resolves it)."""
+    out = {}
+    for pkg, folder in sorted(package_dirs().items(), key=lambda kv: -len(kv[0])):
+        for p in sorted((ROOT / folder).rglob("*.py")):
+            rel = p.relative_to(ROOT).as_posix()
+            if rel in out.values():
+                continue
+            parts = list(p.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join([pkg, *parts])] = rel
+    return out
+
+
+def module_name(rel: str) -> str:
+    """The dotted name a repository file installs as (through the mapping), e.g. runtime/storage/loader.py ->
+    expertcache.runtime.storage.loader."""
+    for pkg, folder in sorted(package_dirs().items(), key=lambda kv: -len(kv[1])):
+        if rel.startswith(folder.rstrip("/") + "/"):
+            parts = list(Path(rel[len(folder) + 1:]).with_suffix("").parts)
+            return ".".join([pkg, *(parts[:-1] if parts[-1] == "__init__" else parts)])
+    return Path(rel).with_suffix("").as_posix().replace("/", ".")
+
+
+def _imported(node, module: str, is_pkg: bool) -> list[str]:
+    """The dotted names one import statement (or `importlib.import_module("...")` with a constant) asks for, in
+    absolute form; `from X import a` gives both `X.a` and `X` (the caller keeps whichever is a module).
+    `importlib.resources.files("expertcache.X")` counts as importing X: reading an area's files is depending on it."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom):
+        if node.level:
+            base = module.split(".")
+            base = base[:len(base) - node.level + (1 if is_pkg else 0)]
+            mod = ".".join(base + ([node.module] if node.module else []))
+        else:
+            mod = node.module or ""
+        return [f"{mod}.{a.name}" for a in node.names] + [mod]
+    if isinstance(node, ast.Call) and _name(node.func) in ("import_module", "__import__", "files") and node.args and \
+            isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+        return [node.args[0].value]
+    return []
+
+
+def import_graph(trees: dict[str, ast.Module] | None = None) -> dict[str, set[str]]:
+    """module -> the package's modules it imports, at module level or inside functions alike."""
+    files = module_files()
+    trees = trees if trees is not None else {rel: ast.parse((ROOT / rel).read_text(), rel) for rel in files.values()}
+    files.update({module_name(rel): rel for rel in trees})  # planted modules too
+    by_file = {rel: mod for mod, rel in files.items()}
+    graph: dict[str, set[str]] = {}
+    for rel, tree in trees.items():
+        mod = by_file.get(rel) or module_name(rel)
+        is_pkg = rel.endswith("__init__.py")
+        edges = graph.setdefault(mod, set())
+        for node in ast.walk(tree):
+            names = _imported(node, mod, is_pkg)
+            if isinstance(node, ast.ImportFrom):  # X.a when a is a module, else X
+                subs = [n for n in names[:-1] if n in files]
+                names = subs if len(subs) == len(names) - 1 else subs + names[-1:]
+            for name in names:
+                while name and name not in files and "." in name:
+                    name = name.rsplit(".", 1)[0]
+                if name in files and name != mod:
+                    edges.add(name)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    import sys
+    sys.setrecursionlimit(max(10000, sys.getrecursionlimit()))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def cycle_violations(trees: dict[str, ast.Module]) -> list[str]:
+    """An import cycle anywhere in the package, counting imports inside functions and relative imports."""
+    return [" -> ".join(c) for c in cycles(import_graph(trees))]
+
+
 # --- the tests -----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -232,7 +353,7 @@ def trees():
     return sources()
 
 
-@pytest.mark.parametrize("check", [import_violations, write_violations, from_pretrained_violations,
+@pytest.mark.parametrize("check", [import_violations, cycle_violations, write_violations, from_pretrained_violations,
                                    argparse_violations, capacity_violations, name_list_violations,
                                    flag_violations],
                          ids=lambda f: f.__name__)
@@ -243,6 +364,9 @@ def test_rule_holds(trees, check):
 @pytest.mark.parametrize("check,snippet", [
     (import_violations, "from expertcache.trainer.models import x"),
     (import_violations, "import expertcache.recipes.cli"),
+    (import_violations, "from ..recipes import cli"),  # relative, resolved through the mapping
+    (import_violations, "importlib.import_module('expertcache.recipes.cli')"),
+    (import_violations, "importlib.resources.files('expertcache.recipes')"),
     (write_violations, "open(p, 'w').write('x')"),
     (write_violations, "Path(p).write_text('x')"),
     (write_violations, "torch.save(obj, p)"),
@@ -286,3 +410,20 @@ def test_the_document_states_these_rules():
     doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
     for phrase in ("test_architecture.py", "atomic.py", "capacity_count", "load_causal_lm", "registry.py"):
         assert phrase in doc, phrase
+
+
+def test_a_cycle_is_caught_through_function_imports_and_relative_imports():
+    a = ast.parse("from expertcache.runtime.engine import b_stray\n")
+    b = ast.parse("def f():\n    from . import a_stray\n")
+    found = cycle_violations({"runtime/engine/a_stray.py": a, "runtime/engine/b_stray.py": b})
+    assert found == ["expertcache.runtime.engine.a_stray -> expertcache.runtime.engine.b_stray"]
+
+
+def test_the_mapping_is_what_pip_installs():
+    """Every folder the mapping names is a package pyproject lists, and every package of the tree is listed."""
+    import tomllib
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    found = {m for m, rel in module_files().items() if rel.endswith("__init__.py")}
+    assert found == listed, (sorted(found - listed), sorted(listed - found))

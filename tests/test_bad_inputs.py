@@ -51,7 +51,7 @@ def test_bench_big_reads_its_trace_before_writing_a_checkpoint(tmp_path):
 
 
 def test_a_replay_store_that_does_not_fit_is_refused_before_it_is_written(tmp_path):
-    from expertcache.runtime.replay import check_replay_fits
+    from expertcache.runtime.bench.replay import check_replay_fits
     from expertcache.telemetry.errors import InputError
 
     with pytest.raises(InputError, match="does not fit the free disk"):

@@ -1,4 +1,4 @@
-"""The CPU expert kernels (`runtime/csrc/experts_cpu.cpp`) and the integer formats (`runtime/quant.py`):
+"""The CPU expert kernels (`runtime/kernels/csrc/experts_cpu.cpp`) and the integer formats (`runtime/kernels/quant.py`):
 round trips, every kernel against a float reference for odd shapes and k = 1..8 (tolerances stated per test), the
 engine's `kernel` option on every SwiGLU family, and the fallback when the extension cannot be built."""
 
@@ -11,9 +11,9 @@ import textwrap
 import pytest
 import torch
 
-from expertcache.runtime import cpu_kernels as ck
-from expertcache.runtime import quant
-from expertcache.runtime.kernels import swiglu_reference
+from expertcache.runtime.kernels import cpu_kernels as ck, patches
+from expertcache.runtime.kernels import qlinear, quant, quant_write
+from expertcache.runtime.kernels.triton_experts import swiglu_reference
 from expertcache.telemetry.errors import InputError
 
 needs_ext = pytest.mark.skipif(not ck.available(), reason=f"CPU kernels unavailable: {ck.why_unavailable()}")
@@ -227,10 +227,10 @@ def test_packed_linear_kernel_stays_near_the_dequantized_weights(bits, group, sy
     ref = torch.nn.functional.linear(x, quant.dequantize(t, bits, group), b)
     got = ck.linear_q(x, t["q"], t["scales"], t.get("mins"), bits, group, b)
     assert got.shape == (rows, out) and _rel(got, ref) < 2e-2
-    lin = quant.QuantLinear(n, out, bits, group, bias, torch.float32, device="cpu", symmetric=sym)
+    lin = qlinear.QuantLinear(n, out, bits, group, bias, torch.float32, device="cpu", symmetric=sym)
     assert set(lin.packed()) == set(t)
     for part, v in t.items():
-        getattr(lin, quant.LINEAR_PARTS[part]).copy_(v)
+        getattr(lin, qlinear.LINEAR_PARTS[part]).copy_(v)
     if bias:
         lin.bias.data.copy_(b)
     with torch.no_grad():
@@ -295,17 +295,17 @@ def test_the_attention_function_takes_one_token_steps_and_hands_the_rest_to_sdpa
     try:
         ck.attend_one = lambda *a: calls.append(1) or real(*a)
         with torch.no_grad():
-            out, w = ck.attention(Attn(), q, k, v, keep, scaling=0.125)
+            out, w = patches.attention(Attn(), q, k, v, keep, scaling=0.125)
         assert calls and w is None and out.shape == (2, 1, 8, 64)
         ref, _ = sdpa_attention_forward(Attn(), q, k, v, keep, scaling=0.125)
         assert (out - ref).abs().max().item() < 1e-5
         calls.clear()
         with torch.no_grad():  # a prefill: sdpa
             q3 = torch.randn(2, 8, 3, 64, generator=g)
-            ck.attention(Attn(), q3, k, v, None, scaling=0.125)
-        ck.attention(Attn(), q, k, v, keep, scaling=0.125)  # grad enabled (training): sdpa
+            patches.attention(Attn(), q3, k, v, None, scaling=0.125)
+        patches.attention(Attn(), q, k, v, keep, scaling=0.125)  # grad enabled (training): sdpa
         with torch.no_grad():  # a one-row query against two rows of keys (sdpa broadcasts it): sdpa
-            out1, _ = ck.attention(Attn(), q[:1], k, v, None, scaling=0.125)
+            out1, _ = patches.attention(Attn(), q[:1], k, v, None, scaling=0.125)
         assert out1.shape == (2, 1, 8, 64) and not calls
     finally:
         ck.attend_one = real
@@ -346,10 +346,10 @@ def test_the_decode_steps_small_ops_equal_the_modules_they_replace_bit_for_bit()
         torch.nn.init.normal_(r.weight, std=0.05, generator=g)
         for i in range(60):  # bf16 logits tie often: the experts must come in torch.topk's order
             x = torch.randn(1 + i % 4, 256, generator=g).bfloat16()
-            want, got = ck._own_router(r, x), ck.route_topk(x, r.weight, 8, True)
+            want, got = patches._own_router(r, x), ck.route_topk(x, r.weight, 8, True)
             assert all(torch.equal(a, b) for a, b in zip(want, got)), i
         r.norm_topk_prob = False
-        assert all(torch.equal(a, b) for a, b in zip(ck._own_router(r, x), ck.route_topk(x, r.weight, 8, False)))
+        assert all(torch.equal(a, b) for a, b in zip(patches._own_router(r, x), ck.route_topk(x, r.weight, 8, False)))
 
 
 @needs_ext
@@ -365,7 +365,7 @@ def test_fused_projections_give_each_module_its_own_rows_bit_for_bit(bits):
         lin.weight.copy_((torch.randn(out, 128, generator=g) * 0.05).bfloat16())
         if bits is not None:
             q = quant.quantize(lin.weight, bits, 32)
-            ql = quant.QuantLinear(128, out, bits, 32, False, device="cpu")
+            ql = qlinear.QuantLinear(128, out, bits, 32, False, device="cpu")
             ql.weight_q, ql.weight_scales = q["q"], q["scales"]
             if bits == 4:
                 ql.weight_mins = q["mins"]
@@ -374,7 +374,7 @@ def test_fused_projections_give_each_module_its_own_rows_bit_for_bit(bits):
     x = torch.randn(2, 1, 128, generator=g).bfloat16()
     with torch.no_grad():
         own = [m(x) if bits is not None else ck.linear_bf16(x, m.weight) for m in mods]
-        f = ck._FusedProjections.make(mods)
+        f = patches._FusedProjections.make(mods)
         assert f is not None and f.sizes == [256, 64, 64]
         for got, want in zip(f(x).split(f.sizes, -1), own):
             assert torch.equal(got, want)
@@ -390,7 +390,7 @@ def test_fused_projections_give_each_module_its_own_rows_bit_for_bit(bits):
             mods[2].weight_q = mods[2].weight_q.clone()
         assert not f.current(mods)
     odd = torch.nn.Linear(128, 64, bias=True).bfloat16()
-    assert ck._FusedProjections.make([torch.nn.Linear(128, 64, bias=False).bfloat16().requires_grad_(False), odd]) \
+    assert patches._FusedProjections.make([torch.nn.Linear(128, 64, bias=False).bfloat16().requires_grad_(False), odd]) \
         is None
 
 
@@ -415,14 +415,14 @@ def test_only_norms_and_routers_that_compute_the_kernels_formula_are_patched():
                                  "c": OneRoundingRMSNorm(64).bfloat16()})
     with torch.no_grad():
         model["c"].weight.copy_((torch.randn(64, generator=torch.Generator().manual_seed(0)) * 0.3 + 1).bfloat16())
-    done = ck.patch_norms(model)
+    done = patches.patch_norms(model)
     assert done == [model["a"]] and "forward" not in model["b"].__dict__ and "forward" not in model["c"].__dict__
     cfg = Qwen3MoeConfig(hidden_size=128, num_experts=16, num_experts_per_tok=4)
     good, odd = qm.Qwen3MoeTopKRouter(cfg).bfloat16(), qm.Qwen3MoeTopKRouter(cfg).bfloat16()
     del odd.hidden_dim  # not the layout route_topk takes
-    patched, rest = ck.patch_routers([good, odd])
+    patched, rest = patches.patch_routers([good, odd])
     assert patched == [good] and rest == [odd]
-    ck.unpatch_linears(done + patched)
+    patches.unpatch_linears(done + patched)
     assert "forward" not in model["a"].__dict__ and "forward" not in good.__dict__
 
 
@@ -472,7 +472,7 @@ def test_engine_kernel_cpu_agrees_with_the_family_forward(saved, fam):
     m = load(saved / fam, capacity=1.0, tier="host", kernel="cpu")
     eng = m.expertcache
     assert eng._linears and all(mod.fast_kernel(torch.zeros(1, 1, dtype=torch.bfloat16)) for mod in eng.modules)
-    assert m.config._attn_implementation == ck.ATTENTION  # the decode steps' attention: attend_one
+    assert m.config._attn_implementation == patches.ATTENTION  # the decode steps' attention: attend_one
     calls, real = [], ck.attend_one
     ck.attend_one = lambda *a: calls.append(1) or real(*a)
     try:
@@ -531,7 +531,7 @@ def test_the_fused_norms_router_and_attention_change_no_logit(saved):
     saved_fwd = {id(mod): mod.__dict__.pop("forward") for mod in mods + [m]}  # (m: the whole-step function)
     for r in routers:  # the router as the engine ran it before: F.linear through linear_bf16
         saved_fwd[id(r)] = r.__dict__.pop("forward")
-    ck.patch_calls(routers)
+    patches.patch_calls(routers)
     try:
         plain = _logits(m)
     finally:
@@ -572,7 +572,7 @@ def test_left_padded_batched_decode_attends_through_the_padding_mask(saved):
 
     try:
         ck.attend_one = lambda q, k, v, mk=None, sc=None: masks.append(mk) or real(q, k, v, mk, sc)
-        got = run(ck.ATTENTION)
+        got = run(patches.ATTENTION)
         ref = run("sdpa")
     finally:
         ck.attend_one = real
@@ -599,7 +599,8 @@ def test_kernel_cpu_refuses_what_it_cannot_compute_and_auto_falls_back(saved, tm
 
 FALLBACK = textwrap.dedent("""
     import sys, warnings, torch
-    from expertcache.runtime import cpu_kernels as ck, load
+    from expertcache.runtime import load
+    from expertcache.runtime.kernels import cpu_kernels as ck
     from expertcache.telemetry.errors import InputError
     if sys.argv[1] == "broken":
         ck._SRC = ck.Path(sys.argv[2])
@@ -643,9 +644,9 @@ def _dequantized_reference(src, qdir, bits, group):
     """The original model with every routed expert replaced by what the quantized store's integers stand for."""
     from transformers import AutoModelForCausalLM
 
-    from expertcache.runtime.checkpoint import StoreExperts
-    from expertcache.runtime.store import read_store_meta
-    from expertcache.runtime.tiers import HostTier
+    from expertcache.runtime.storage.checkpoint import StoreExperts
+    from expertcache.runtime.storage.store import read_store_meta
+    from expertcache.runtime.storage.tiers import HostTier
     from expertcache.telemetry.adapters import adapter_for
 
     ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
@@ -674,7 +675,7 @@ def test_a_quantized_checkpoint_decodes_like_its_dequantized_reference(saved, tm
     build_model(tiny_config(fam, hidden_size=64, moe_intermediate_size=64, intermediate_size=64),
                 seed=7, dtype=torch.bfloat16).save_pretrained(src)
     q = tmp_path / "q"
-    rep = quant.write_quantized(src, q, bits, 32, symmetric=sym)
+    rep = quant_write.write_quantized(src, q, bits, 32, symmetric=sym)
     assert rep["bytes_ratio"] < (0.6 if bits == 8 else 0.35)
     assert all(0 < e < (0.02 if bits == 8 else 0.15) for v in rep["relative_error"].values() for e in v)
     assert json.loads((q / "config.json").read_text())["quantization_config"]["symmetric"] == (bits == 8 or sym)
@@ -712,7 +713,7 @@ def test_quantized_linears_decode_like_their_dequantized_reference(saved, tmp_pa
     build_model(tiny_config(fam, hidden_size=64, moe_intermediate_size=64, intermediate_size=64,
                             tie_word_embeddings=False), seed=7, dtype=torch.bfloat16).save_pretrained(src)
     q = tmp_path / "q"
-    rep = quant.write_quantized(src, q, bits, 32, linears=True, symmetric=sym)
+    rep = quant_write.write_quantized(src, q, bits, 32, linears=True, symmetric=sym)
     lin = rep["linears"]
     assert any(n.endswith("q_proj") for n in lin["modules"]) and "lm_head" in lin["modules"], lin
     assert not any(n.endswith((".gate", "router")) for n in lin["modules"])  # routers stay exact
@@ -727,7 +728,7 @@ def test_quantized_linears_decode_like_their_dequantized_reference(saved, tmp_pa
         ref.get_submodule(name).weight.data.copy_(quant.dequantize(t, bits, 32))
     m = load(q, capacity=1.0, tier="host", kernel="auto")
     for name in lin["modules"]:
-        assert isinstance(m.get_submodule(name), quant.QuantLinear)
+        assert isinstance(m.get_submodule(name), qlinear.QuantLinear)
         assert hasattr(m.get_submodule(name), "weight_mins") == (bits == 4 and not sym)
     assert _rel(_logits(m), _logits(ref)) < 5e-2, (fam, bits)
     # the batched step-wise evaluation sizes its forwards from the output head, packed here
@@ -748,7 +749,7 @@ def adapter_family(model) -> str:
 
 
 def checkpoint_name(name, family):
-    from expertcache.runtime.checkpoint import checkpoint_name as cn
+    from expertcache.runtime.storage.checkpoint import checkpoint_name as cn
 
     return cn(name, family)
 
@@ -763,7 +764,7 @@ def test_a_damaged_linears_list_is_one_line(saved, tmp_path):
     src = tmp_path / "src"
     build_model(tiny_config("qwen3_moe", hidden_size=64, moe_intermediate_size=64, intermediate_size=64,
                             tie_word_embeddings=False), seed=7, dtype=torch.bfloat16).save_pretrained(src)
-    quant.write_quantized(src, tmp_path / "q", 8, 32, linears=True)
+    quant_write.write_quantized(src, tmp_path / "q", 8, 32, linears=True)
     for bad, msg in ((["model.norm"], "does not have as a linear"), ("lm_head", "not a list of module names"),
                      (["model.layers.0.self_attn.q_proj", "no.such.module"], "'no.such.module'")):
         d = tmp_path / f"bad{len(msg)}"
@@ -794,7 +795,7 @@ def test_a_symmetric_flag_that_contradicts_the_packed_linears_is_one_line(tmp_pa
              (False, False, "says symmetric=true, but its expert store holds minimums")]
     for sym, linears, msg in cases:
         q = tmp_path / f"q{sym}{linears}"
-        quant.write_quantized(src, q, 4, 32, linears=linears, symmetric=sym)
+        quant_write.write_quantized(src, q, 4, 32, linears=linears, symmetric=sym)
         load(q, capacity=1.0, tier="host").expertcache.close()  # as written: loads
         d = tmp_path / f"flipped{sym}{linears}"
         shutil.copytree(q, d)
@@ -814,7 +815,7 @@ def with_int4_copy(tmp_path_factory):
     src, q = root / "src", root / "q4"
     build_model(tiny_config("qwen3_moe", hidden_size=64, moe_intermediate_size=64, intermediate_size=64),
                 seed=7, dtype=torch.bfloat16).save_pretrained(src)
-    quant.write_quantized(src, q, 4, 32)
+    quant_write.write_quantized(src, q, 4, 32)
     return src, q
 
 
@@ -848,7 +849,7 @@ def test_a_miss_is_served_from_the_packed_copy_and_hot_experts_are_upgraded(with
 
 def test_miss_precision_refuses_what_it_cannot_serve_in_one_line(with_int4_copy, tmp_path):
     from expertcache.runtime import load
-    from expertcache.runtime.engine import EngineConfig
+    from expertcache.runtime.engine.engine import EngineConfig
 
     src, q = with_int4_copy
     for cfg, msg in ((dict(miss_precision=3), "miss_precision=3; expected 0 \\(off\\), 4 or 8 bits"),
@@ -865,7 +866,7 @@ def test_miss_precision_refuses_what_it_cannot_serve_in_one_line(with_int4_copy,
     other = tmp_path / "other"  # another model's copy: 3 layers, not 2
     build_model(tiny_config("qwen3_moe", hidden_size=64, moe_intermediate_size=64, intermediate_size=64,
                             num_hidden_layers=3), seed=7, dtype=torch.bfloat16).save_pretrained(other)
-    quant.write_quantized(other, tmp_path / "other-q4", 4, 32)
+    quant_write.write_quantized(other, tmp_path / "other-q4", 4, 32)
     with pytest.raises(InputError, match="has 3 layers x .* experts; the model has 2 x .*: it is not a copy"):
         load(src, capacity=0.5, tier="disk", miss_precision=4, miss_copy=str(tmp_path / "other-q4"))
 
@@ -909,7 +910,7 @@ def test_quantize_refuses_what_it_cannot_write_in_one_line(saved, tmp_path, caps
 def test_bench_big_serves_each_format_against_the_same_byte_budget(tmp_path):
     """`bench big --experts [bf16,int4]`: one expertcache system per format, the peers once; a quantized copy's
     slot is its store block (packed bytes), so the same budget buys about 3x the int4 slots."""
-    from expertcache.runtime import bigbench
+    from expertcache.runtime.bench import bigbench
     from tiny_models import build_model, tiny_config
 
     assert bigbench.system_names(["expertcache:on-demand", "mmap"], ("bf16", "int4")) == [
@@ -918,8 +919,8 @@ def test_bench_big_serves_each_format_against_the_same_byte_budget(tmp_path):
     build_model(tiny_config("qwen3_moe", hidden_size=64, moe_intermediate_size=64, intermediate_size=64),
                 seed=7, dtype=torch.bfloat16).save_pretrained(src)
     q = bigbench.quantized_path(src, "int4")
-    quant.write_quantized(src, q, 4, bigbench.QUANT_GROUP)
-    from expertcache.runtime.store import read_store_meta
+    quant_write.write_quantized(src, q, 4, bigbench.QUANT_GROUP)
+    from expertcache.runtime.storage.store import read_store_meta
 
     assert bigbench._slot_bytes(q) == read_store_meta(q / quant.EXPERTS_FILE).block_bytes
     assert bigbench._slot_bytes(src) == bigbench.expert_bytes() + bigbench.ALIGN  # the bf16 checkpoint's
@@ -929,8 +930,8 @@ def test_bench_big_systems_carry_engine_options_and_formats():
     """`expertcache:on-demand/victims=false`: that row serves with those options over --engine's (a value may be a
     path with slashes); the format goes before the options; a peer takes none; the packed-linears copy has its own
     folder."""
-    from expertcache.runtime import bigbench
-    from expertcache.runtime.engine import EngineConfig
+    from expertcache.runtime.bench import bigbench
+    from expertcache.runtime.engine.engine import EngineConfig
 
     base = EngineConfig(tier="disk", policy="lfu")
     cfg = bigbench.system_engine("expertcache:on-demand/victims=false/policy=learned:/a/b=c/p.safetensors", base)
@@ -959,7 +960,7 @@ _MMAP_ROW = {"runs": 1, "errors": [], "tpot_median_s": 0.3, "tpot_p90_s": 0.4, "
 
 def _bench_big_returns(monkeypatch, res):
     """`bench big`'s runs replaced by `res` (what the command does with a result is under test, not the runs)."""
-    from expertcache.runtime import bigbench
+    from expertcache.runtime.bench import bigbench
 
     monkeypatch.setattr(bigbench, "bench_big", lambda *a, **kw: res)
     monkeypatch.setattr(bigbench, "plot", lambda res, png: None)
@@ -995,7 +996,7 @@ def test_bench_big_says_which_systems_it_skipped_and_exits_1(tmp_path, monkeypat
 
 
 def test_bench_big_claims_a_ratio_only_where_the_rounds_do_not_overlap():
-    from expertcache.runtime.bigbench import comparisons
+    from expertcache.runtime.bench.bigbench import comparisons
 
     rows = {"expertcache:on-demand": {"tpot_round_medians_s": [0.50, 0.52, 0.55]},
             "expertcache:prefetch": {"tpot_round_medians_s": [0.49, 0.56, 0.51]},
@@ -1019,8 +1020,8 @@ def test_bench_big_checks_a_prefetch_rows_predictor_before_anything_runs(tmp_pat
     """A trace's own predictor (cooccurrence, oracle[:recall]) serves the trace-routing rows only; a live one is
     checked as everywhere; either is one line and exit 2 before the checkpoint is written."""
     from expertcache.recipes.cli import main
-    from expertcache.runtime.bigbench import check_system
-    from expertcache.runtime.engine import EngineConfig
+    from expertcache.runtime.bench.bigbench import check_system
+    from expertcache.runtime.engine.engine import EngineConfig
     from expertcache.telemetry.errors import InputError
 
     base = EngineConfig(tier="disk")
@@ -1053,7 +1054,7 @@ def test_bench_big_refuses_an_unknown_routing_before_writing_anything(tmp_path, 
 def test_a_memory_cgroup_bounds_a_childs_page_cache(tmp_path):
     """What `bench big` relies on for equal memory: a child in the cgroup reads 3x the limit through mmap and the
     cgroup's peak (its resident memory and page cache) stays at the limit. Needs root and a memory controller."""
-    from expertcache.runtime.memcg import MemoryCgroup
+    from expertcache.runtime.bench.memcg import MemoryCgroup
 
     cg, why = MemoryCgroup.create(48 << 20, f"expertcache-test-{os.getpid()}")
     if cg is None:
@@ -1084,7 +1085,7 @@ def test_shapes_the_integer_kernels_do_not_take_are_dequantized_or_refused(tmp_p
     src = tmp_path / "src"
     build_model(tiny_config("qwen3_moe", moe_intermediate_size=32), seed=3, dtype=torch.bfloat16).save_pretrained(src)
     q = tmp_path / "q"
-    quant.write_quantized(src, q, 8, 32)
+    quant_write.write_quantized(src, q, 8, 32)
     ref = _logits(_dequantized_reference(src, q, 8, 32))
     m = load(q, capacity=0.5, tier="disk", kernel="auto")
     assert not quant.kernel_fits(m.expertcache.modules[0]._views)
@@ -1098,7 +1099,7 @@ def test_bench_decode_marks_a_ratio_to_on_demand_its_rounds_cannot_carry():
     """The quickstart's decode table printed probe:1 at 1.17x on-demand with the guard paused the whole run (no
     prefetch read: identical work); three re-runs of 10 rounds read 1.19x, 0.82x and 1.02x. A ratio whose round
     medians overlap on-demand's is printed as noise, and only apart rounds (>= 3) claim one."""
-    from expertcache.runtime.bench import rounds_apart, table
+    from expertcache.runtime.bench.bench import rounds_apart, table
 
     assert rounds_apart([1.0, 1.1, 1.2], [1.3, 1.4, 1.5]) and not rounds_apart([1.0, 1.4, 1.2], [1.3, 1.5, 1.6])
     assert not rounds_apart([1.0, 1.1], [2.0, 2.1])  # two rounds claim nothing
@@ -1113,7 +1114,7 @@ def test_bench_decode_marks_a_ratio_to_on_demand_its_rounds_cannot_carry():
 def test_a_bench_big_process_that_fails_returns_its_last_line_not_a_traceback(tmp_path):
     """`run_process`, which runs every expertcache round and the untimed settling run: a run that fails in its own
     process comes back as one error naming its exit status, its log and the log's last line."""
-    from expertcache.runtime.bigbench import run_process
+    from expertcache.runtime.bench.bigbench import run_process
 
     job = {"system": "expertcache:on-demand", "ckpt": str(tmp_path / "absent"), "trace": "x.npz", "budget_gb": 8.0,
            "tokens": 1, "warmup": 0, "prompt_len": 1, "start": 2000, "engine": None}
@@ -1127,7 +1128,7 @@ def test_a_failed_bench_big_run_says_why_in_its_error(tmp_path):
     """An out-of-memory kill leaves no message of its own: a failed run's error quotes the last line its log holds
     (the run writes what loading left resident and the cache's size there first); the progress line names the run
     and its TPOT or error."""
-    from expertcache.runtime import bigbench
+    from expertcache.runtime.bench import bigbench
 
     log = tmp_path / "expertcache-on-demand-round0.log"
     log.write_text("expertcache:on-demand: resident after loading 2.08 GiB + cache slots 5.93 GiB (streaming buffers "
@@ -1139,7 +1140,7 @@ def test_a_failed_bench_big_run_says_why_in_its_error(tmp_path):
     assert len(bigbench._last_line(log)) == 300
     assert bigbench._done("mmap", 0, 3, {"tpot_median_s": 0.2871}) == "mmap round 1/3: 0.287 s/token"
     assert bigbench._done("mmap", 2, 3, {"error": "exit -9"}) == "mmap round 3/3: exit -9"
-    from expertcache.runtime.bench import rss_bytes
+    from expertcache.runtime.bench.bench import rss_bytes
 
     before = rss_bytes()
     block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
@@ -1151,7 +1152,7 @@ def test_bench_big_roofline_bounds_a_token_by_its_compute_and_its_reads():
     """The physical limit of a `bench big` configuration: compute is the time budget without its stall, reads the
     bytes moved over the disk's measured queue-depth bandwidth; the bound is the larger, overlap efficiency the
     bound over TPOT (METRICS.md), and a bound above TPOT is flagged, not reported as an efficiency over 1."""
-    from expertcache.runtime.bigbench import roofline, table
+    from expertcache.runtime.bench.bigbench import roofline, table
 
     budget = {"expert_compute": 0.05, "stall": 0.10, "other_compute": 0.04, "overhead": 0.01, "tpot": 0.20}
     r = roofline(budget, 400e6, 4.0)
@@ -1179,7 +1180,7 @@ def test_the_extension_builds_from_a_copy_in_its_cache_so_checkouts_share_it():
     and the working tree rebuilt each other's extension (the cache folder is keyed by the source's content, so they
     share it), and inside bench big's cgroup such a rebuild crawled for over ten minutes. The build reads a copy
     kept in the cache folder, the same path from every checkout."""
-    from expertcache.runtime import cpu_kernels
+    from expertcache.runtime.kernels import cpu_kernels
 
     d = cpu_kernels.cache_dir()
     ninja = (d / "build.ninja").read_text()
@@ -1190,7 +1191,7 @@ def test_the_extension_builds_from_a_copy_in_its_cache_so_checkouts_share_it():
 def test_each_torch_install_builds_the_extension_in_a_folder_of_its_own(monkeypatch):
     """The build file also names torch's headers by path: a second environment with the same torch version (the
     clean clone's venv) gets a folder of its own instead of rebuilding the working tree's."""
-    from expertcache.runtime import cpu_kernels
+    from expertcache.runtime.kernels import cpu_kernels
 
     here = cpu_kernels.cache_dir()
     monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/lib/torch/__init__.py")
@@ -1205,13 +1206,13 @@ def test_a_build_killed_midway_does_not_hang_the_next_process(tmp_path):
     loader now builds under an flock of its own and removes such a file, saying so."""
     import shutil
 
-    from expertcache.runtime import cpu_kernels
+    from expertcache.runtime.kernels import cpu_kernels
 
     d = tmp_path / "ext" / cpu_kernels.cache_dir().name
     shutil.copytree(cpu_kernels.cache_dir(), d)  # the built extension (the fixture built it), mtimes kept
     (d / "lock").write_text("")
     (d / ".build.flock").unlink(missing_ok=True)
-    p = subprocess.run([sys.executable, "-c", "from expertcache.runtime import cpu_kernels; "
+    p = subprocess.run([sys.executable, "-c", "from expertcache.runtime.kernels import cpu_kernels; "
                         "print(cpu_kernels.load(), cpu_kernels.why_unavailable())"],
                        env={**os.environ, "EXPERTCACHE_CACHE": str(tmp_path)}, capture_output=True, text=True,
                        timeout=300)
@@ -1223,7 +1224,7 @@ def test_bench_big_skips_accelerate_with_its_reason_when_the_disk_cannot_hold_it
     """accelerate writes a converted copy of what the budget leaves out (26.6 GB beside a 33.9 GB checkpoint): where
     the disk cannot hold it, the row is skipped with the figures in its reason, before anything is written; a copy
     already there (it is rewritten in place) counts as room."""
-    from expertcache.runtime import bigbench
+    from expertcache.runtime.bench import bigbench
 
     ckpt = tmp_path / "ck"
     ckpt.mkdir()

@@ -1,4 +1,4 @@
-"""The whole-step decode function for Qwen3-MoE (`runtime/fast_step.py`): it takes the decode steps, gives the
+"""The whole-step decode function for Qwen3-MoE (`runtime/kernels/fast_step.py`): it takes the decode steps, gives the
 module tree's logits bit for bit, and hands every call it does not take back to the model's own forward."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from expertcache.runtime import cpu_kernels as ck
-from expertcache.runtime import fast_step
-from expertcache.runtime import quant
+from expertcache.runtime.kernels import cpu_kernels as ck
+from expertcache.runtime.kernels import fast_step
+from expertcache.runtime.kernels import qlinear, quant, quant_write
 
 needs_ext = pytest.mark.skipif(not ck.available(), reason=f"CPU kernels unavailable: {ck.why_unavailable()}")
 
@@ -64,7 +64,7 @@ def qwen_int4(family_checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp("fast_step")
     build_model(tiny_config("qwen3_moe", hidden_size=64, moe_intermediate_size=64, intermediate_size=64,
                             tie_word_embeddings=False), seed=3, dtype=torch.bfloat16).save_pretrained(root / "src")
-    quant.write_quantized(root / "src", root / "q", 4, 32, linears=True)
+    quant_write.write_quantized(root / "src", root / "q", 4, 32, linears=True)
     return root / "q"
 
 
@@ -78,7 +78,7 @@ def test_the_step_function_gives_the_module_trees_logits_bit_for_bit(qwen, qwen_
     m = load(qwen if which == "bf16" else qwen_int4, capacity=1.0, tier="host", kernel="cpu")
     assert m.__dict__.get("_ec_step") is not None and m.expertcache._step == [m]
     if which == "int4":
-        assert isinstance(m.model.layers[0].self_attn.q_proj, quant.QuantLinear)
+        assert isinstance(m.model.layers[0].self_attn.q_proj, qlinear.QuantLinear)
     ids, steps = torch.tensor([[5, 9, 33, 2, 71, 100, 7, 12]]), torch.tensor([[3, 14, 15, 92, 6]])
     got, taken = _steps(m, ids, steps)
     want, _ = _tree(m, ids, steps)
@@ -96,9 +96,9 @@ def test_left_padded_rows_decode_through_the_step_with_their_mask_and_positions(
     """The decode loop's batch (`decode.Batch`): two prompts of different lengths, left-padded, decoded together,
     each at its own positions under the padding mask: the same tokens and logits, bit for bit, as the module tree."""
     from expertcache.runtime import load
-    from expertcache.runtime.decode import Batch
-    from expertcache.runtime.generate import Generation
-    from expertcache.runtime.request import SamplingParams
+    from expertcache.runtime.serve.decode import Batch
+    from expertcache.runtime.serve.generate import Generation
+    from expertcache.runtime.serve.request import SamplingParams
 
     m = load(qwen, capacity=1.0, tier="host", kernel="cpu")
 
@@ -230,9 +230,9 @@ def test_the_kv_cache_grows_in_place_and_decodes_as_the_module_tree(qwen, monkey
     the model's own forward in between (a hook), every token and logprob equals the module tree's, and the cache
     the caller holds has the same keys and values."""
     from expertcache.runtime import load
-    from expertcache.runtime.decode import Batch
-    from expertcache.runtime.generate import Generation
-    from expertcache.runtime.request import SamplingParams
+    from expertcache.runtime.serve.decode import Batch
+    from expertcache.runtime.serve.generate import Generation
+    from expertcache.runtime.serve.request import SamplingParams
 
     monkeypatch.setattr(fast_step, "KV_SPARE", 3)  # a growth every few steps
     monkeypatch.setattr(fast_step, "KV_BUFFER_FROM", 9)  # (the longest prompt is 7: concatenated, then buffered)

@@ -74,7 +74,7 @@ def files(tmp_path_factory):
     import torch
     from safetensors.torch import save_file
 
-    from expertcache.runtime.store import write_random_store
+    from expertcache.runtime.storage.store import write_random_store
     from expertcache.telemetry.parquet_trace import TraceMeta, TraceWriter
 
     root = tmp_path_factory.mktemp("fuzz")
@@ -189,7 +189,7 @@ def test_llamacpp_npz_any_arrays(files, experts, meta):
 # --- (c) the safetensors header parser and the store header reader -------------------------------------------
 
 def _read_header(path):
-    from expertcache.runtime.checkpoint import Checkpoint, read_header
+    from expertcache.runtime.storage.checkpoint import Checkpoint, read_header
 
     h = _accepts_or_input_error(read_header, path)
     if h is not None:
@@ -232,9 +232,9 @@ def test_safetensors_header_any_json(files, entries, pad):
 
 
 def _read_store(path):
-    from expertcache.runtime.checkpoint import StoreExperts
-    from expertcache.runtime.store import read_store_meta
-    from expertcache.runtime.verify import verify
+    from expertcache.runtime.storage.checkpoint import StoreExperts
+    from expertcache.runtime.storage.store import read_store_meta
+    from expertcache.runtime.storage.verify import verify
 
     meta = _accepts_or_input_error(read_store_meta, path)
     if meta is not None:

@@ -8,11 +8,11 @@ import torch
 from tiny_lm import make_tiny_checkpoint, one_torch_thread  # noqa: F401 - autouse fixture
 
 from expertcache.recipes.cli import main
-from expertcache.runtime.engine import EngineConfig, offload
-from expertcache.runtime.generate import Generation, generate_text
-from expertcache.runtime.loader import load_model
-from expertcache.runtime.request import SamplingParams, chat_prompt, encode
-from expertcache.runtime.store import write_store
+from expertcache.runtime.engine.engine import EngineConfig, offload
+from expertcache.runtime.serve.generate import Generation, generate_text
+from expertcache.runtime.storage.loader import load_model
+from expertcache.runtime.serve.request import SamplingParams, chat_prompt, encode
+from expertcache.runtime.storage.store import write_store
 
 PROMPT = "thou art the king"
 
@@ -167,8 +167,8 @@ def test_the_checkpoint_generation_config_gives_the_sampling_defaults():
 
     from transformers import GenerationConfig
 
-    from expertcache.runtime.request import checkpoint_sampling
-    from expertcache.runtime.serve import CompletionRequest, _params
+    from expertcache.runtime.serve.request import checkpoint_sampling
+    from expertcache.runtime.serve.serve import CompletionRequest, _params
 
     def ck(**kw):
         return checkpoint_sampling(SimpleNamespace(generation_config=GenerationConfig(**kw)))
@@ -194,7 +194,7 @@ def test_a_batch_of_prompts_decodes_as_each_alone_and_the_cli_prints_one_json_li
     the engine at 1/4 capacity too."""
     import json
 
-    from expertcache.runtime.generate import generate_many
+    from expertcache.runtime.serve.generate import generate_many
 
     model, tok = plain
     prompts = ["thou", "thou art the king of night and day", "my lord", "come hither sweet love", "what say you now"]
@@ -206,7 +206,7 @@ def test_a_batch_of_prompts_decodes_as_each_alone_and_the_cli_prints_one_json_li
             assert g.completion_ids == _hf_greedy(model, encode(tok, p), 12), p
         assert any(g.shared for g in gens)
     # different max_tokens per prompt: the batch shrinks and grows while it decodes
-    from expertcache.runtime.decode import Batch
+    from expertcache.runtime.serve.decode import Batch
 
     b = Batch(model, 3)
     gs = [Generation(model, tok, encode(tok, p), SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))

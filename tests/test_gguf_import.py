@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import tiny_file
 
-from expertcache.runtime import quant
+from expertcache.runtime.kernels import quant
 from expertcache.telemetry.errors import InputError
 
 Q = gguf.GGMLQuantizationType
@@ -166,8 +166,8 @@ def test_a_gguf_file_imports_with_llama_cpps_own_expert_weights(src, tmp_path, k
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from expertcache.runtime import load
-    from expertcache.runtime.gguf_import import _array, import_gguf
-    from expertcache.runtime.tiers import HostTier
+    from expertcache.runtime.kernels.gguf_import import _array, import_gguf
+    from expertcache.runtime.storage.tiers import HostTier
 
     f = write_gguf(src, tmp_path / "m.gguf", experts=kind)
     out = tmp_path / "imported"
@@ -247,7 +247,7 @@ def test_attention_in_the_experts_type_stays_packed(src, tmp_path, kind):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from expertcache.runtime import load
-    from expertcache.runtime.gguf_import import _array, import_gguf
+    from expertcache.runtime.kernels.gguf_import import _array, import_gguf
 
     f = write_gguf(src, tmp_path / "m.gguf", experts=kind, others=kind)
     out = tmp_path / "imported"
@@ -281,8 +281,8 @@ def test_other_expert_types_are_quantized_again_on_request(src, tmp_path, kind, 
     dequantized by gguf and quantized again; the report gives each layer's relative error against the file's weights,
     and it is the error of what the store holds."""
     from expertcache.runtime import load
-    from expertcache.runtime.gguf_import import _array, import_gguf
-    from expertcache.runtime.tiers import HostTier
+    from expertcache.runtime.kernels.gguf_import import _array, import_gguf
+    from expertcache.runtime.storage.tiers import HostTier
 
     f = write_gguf(src, tmp_path / "m.gguf", experts=kind)
     out = tmp_path / "imported"
@@ -322,7 +322,7 @@ def test_import_gguf_never_writes_over_the_file_it_reads(src, tmp_path, capsys):
 
 def test_requantize_takes_a_native_file_to_another_format(src, tmp_path):
     """--requantize int4 on a Q8_0 file gives int4 experts (quantized again), not a silent int8 import."""
-    from expertcache.runtime.gguf_import import import_gguf
+    from expertcache.runtime.kernels.gguf_import import import_gguf
 
     rep = import_gguf(write_gguf(src, tmp_path / "m.gguf", experts=Q.Q8_0), tmp_path / "o", requantize="int4")
     assert rep["requantized"] and rep["experts"] == "int4" and quant.read_config(tmp_path / "o")["bits"] == 4
@@ -366,7 +366,7 @@ def test_mixtral_and_olmoe_files_import(family_src, tmp_path, kind, fuse_qkv):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from expertcache.runtime import load
-    from expertcache.runtime.gguf_import import import_gguf
+    from expertcache.runtime.kernels.gguf_import import import_gguf
 
     src = family_src
     f = write_gguf(src, tmp_path / "m.gguf", experts=kind, others=Q.F32 if kind == Q.BF16 else kind, fuse_qkv=fuse_qkv)
@@ -423,7 +423,7 @@ def test_rope_scaling_is_read_as_llama_cpp_applies_it(family_src, tmp_path, caps
     """Linear and YaRN rope scaling become the config's rope_parameters; a type or YaRN setting the import cannot
     reproduce is refused in one line, as are damaged files of these families (nothing written)."""
     from expertcache.recipes.cli import main
-    from expertcache.runtime.gguf_import import import_gguf
+    from expertcache.runtime.kernels.gguf_import import import_gguf
 
     arch = GGUF_ARCH["mixtral" if "mixtral" in str(family_src) else "olmoe"]
     import_gguf(write_gguf(family_src, tmp_path / "lin.gguf", meta={"rope.scaling.type": "linear",

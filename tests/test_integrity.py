@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from expertcache.runtime import load
-from expertcache.runtime.checkpoint import CHECKSUM_INDEX, StoreExperts, expert_order
-from expertcache.runtime.loader import expert_source
-from expertcache.runtime.store import read_store_meta, write_store
-from expertcache.runtime.tiers import DiskTier, SlotPool
-from expertcache.runtime.verify import verify
+from expertcache.runtime.storage.checkpoint import CHECKSUM_INDEX, StoreExperts, expert_order
+from expertcache.runtime.storage.loader import expert_source
+from expertcache.runtime.storage.store import read_store_meta, write_store
+from expertcache.runtime.storage.tiers import DiskTier, SlotPool
+from expertcache.runtime.storage.verify import verify
 from expertcache.telemetry.errors import InputError
 from tiny_models import FAMILIES, build_model, tiny_config
 
@@ -219,7 +219,7 @@ def test_an_exponent_flip_in_an_unverified_checkpoint_is_flagged_and_served_as_u
     """#24 finding 2: a fresh checkpoint has no reference; layer 0's experts 2^14 times larger (still finite)
     used to pass the first verify, which then wrote its index from the damaged bytes."""
     from expertcache.recipes.cli import main
-    from expertcache.runtime.generate import summary_line
+    from expertcache.runtime.serve.generate import summary_line
 
     m = load(ckpt, capacity=2, tier="disk")  # served without a reference: it says so
     try:
@@ -252,7 +252,7 @@ def test_a_healthy_fresh_checkpoint_is_unverified_then_ok(ckpt, capsys):
 
 def test_verify_on_read_only_storage_keeps_its_index_in_the_user_cache(ckpt, tmp_path, monkeypatch):
     """#24 finding 9: a shared, read-only model folder: verify used to die writing its index beside it."""
-    import expertcache.runtime.checkpoint as ck
+    import expertcache.runtime.storage.checkpoint as ck
 
     monkeypatch.setenv("EXPERTCACHE_CACHE", str(tmp_path / "cache"))
     mode = ckpt.stat().st_mode

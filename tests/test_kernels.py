@@ -7,14 +7,14 @@ import sys
 import pytest
 import torch
 
-from expertcache.runtime.kernels import swiglu_reference
+from expertcache.runtime.kernels.triton_experts import swiglu_reference
 
 CHECK = r"""
 import torch
-from expertcache.runtime.kernels import HAVE_TRITON, swiglu_reference, swiglu_triton
-from expertcache.runtime.store import layout
-from expertcache.runtime.tiers import SlotPool
-from expertcache.runtime.store import StoreMeta
+from expertcache.runtime.kernels.triton_experts import HAVE_TRITON, swiglu_reference, swiglu_triton
+from expertcache.runtime.storage.store import layout
+from expertcache.runtime.storage.tiers import SlotPool
+from expertcache.runtime.storage.store import StoreMeta
 assert HAVE_TRITON
 g = torch.Generator().manual_seed(0)
 H, I, S, T, K = 48, 40, 5, 3, 2
@@ -35,8 +35,8 @@ print("max abs err", err)
 
 CHECK_Q = r"""
 import torch
-from expertcache.runtime import quant
-from expertcache.runtime.kernels import HAVE_TRITON, swiglu_reference, swiglu_triton_q
+from expertcache.runtime.kernels import quant
+from expertcache.runtime.kernels.triton_experts import HAVE_TRITON, swiglu_reference, swiglu_triton_q
 assert HAVE_TRITON
 g = torch.Generator().manual_seed(0)
 for bits, group, H, I, sym in ((8, 32, 128, 64, False), (8, 128, 256, 128, False), (4, 32, 128, 64, False),

@@ -7,7 +7,7 @@ import pickle
 import numpy as np
 import pytest
 
-from expertcache.runtime.layer_view import LayerView
+from expertcache.runtime.engine.layer_view import LayerView
 from expertcache.telemetry.cache import CacheState
 from expertcache.telemetry.cachesim import simulate
 from expertcache.telemetry.errors import InputError

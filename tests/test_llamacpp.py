@@ -11,8 +11,9 @@ import stat
 
 import pytest
 
-from expertcache.runtime import bigbench, llamacpp
-from expertcache.runtime.llamacpp import LlamaCppError
+from expertcache.runtime.bench import bigbench
+from expertcache.runtime.bench import llamacpp
+from expertcache.runtime.bench.llamacpp import LlamaCppError
 
 
 def _one_line(e: Exception) -> str:

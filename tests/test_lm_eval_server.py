@@ -26,9 +26,9 @@ def test_import_expertcache_registers_the_lm_eval_model(tmp_path):
 
 @pytest.fixture(scope="module")
 def served(tiny_data, tmp_path_factory):
-    from expertcache.runtime.engine import EngineConfig
-    from expertcache.runtime.loader import load_model
-    from expertcache.runtime.serve import create_app
+    from expertcache.runtime.engine.engine import EngineConfig
+    from expertcache.runtime.storage.loader import load_model
+    from expertcache.runtime.serve.serve import create_app
 
     root = tmp_path_factory.mktemp("lm_eval_server")
     ckpt = make_tiny_checkpoint(root / "ckpt", max_positions=1024)

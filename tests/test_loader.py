@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from expertcache.recipes.cli import main
 from expertcache.runtime import EngineConfig, load
-from expertcache.runtime.checkpoint import Checkpoint
+from expertcache.runtime.storage.checkpoint import Checkpoint
 from expertcache.telemetry.errors import InputError
 from helpers import greedy
 from tiny_models import FAMILIES
@@ -140,7 +140,7 @@ def test_bad_checkpoints_are_one_line_errors(saved, tmp_path, monkeypatch, capsy
         load(trunc)
     with pytest.raises(InputError, match="capacity 0: a fraction of E"):
         load(d, capacity=0)
-    import expertcache.runtime.engine as engine_mod
+    import expertcache.runtime.engine.engine as engine_mod
 
     monkeypatch.setattr(engine_mod, "available_memory", lambda: 1 << 16)  # less than one layer's k experts
     with pytest.raises(InputError, match="needs .* GiB; only"):
@@ -166,9 +166,9 @@ def test_engine_config_is_checked_before_anything_is_allocated():
 
 def test_large_reads_go_in_concurrent_pieces_and_land_intact(tmp_path, monkeypatch):
     """An expert of >= 4 MiB is read as four aligned pieces at once; the slot holds exactly the file's bytes."""
-    from expertcache.runtime.checkpoint import StoreExperts
-    from expertcache.runtime.store import read_store_meta, write_random_store
-    from expertcache.runtime.tiers import DiskTier, SlotPool
+    from expertcache.runtime.storage.checkpoint import StoreExperts
+    from expertcache.runtime.storage.store import read_store_meta, write_random_store
+    from expertcache.runtime.storage.tiers import DiskTier, SlotPool
 
     path = tmp_path / "big.store"
     write_random_store(path, 2, 2, [("gate_up_proj", [2048, 1024], "bfloat16"), ("down_proj", [1024, 1024], "bfloat16")])
@@ -204,7 +204,7 @@ def test_one_engine_config_carries_every_option(saved):
 def test_aux_routers_reach_the_runtime_one_way(saved, monkeypatch):
     """The spatio predictor and the scored policy get the checkpoint's aux routers from the loader an entry point
     installed (`set_aux_routers_loader`), asked by `load` itself; with none installed, one line says how."""
-    from expertcache.runtime import predictors
+    from expertcache.runtime.engine import predictors
 
     d = saved["qwen3_moe"][0]
     monkeypatch.setattr(predictors, "_AUX_LOADER", None)

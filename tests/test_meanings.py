@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from expertcache.runtime.engine import EngineConfig
+from expertcache.runtime.engine.engine import EngineConfig
 from expertcache.telemetry.cachesim import capacity_count
 from expertcache.telemetry.errors import InputError
 
@@ -31,8 +31,8 @@ def test_capacity_a_float_is_a_fraction_an_int_a_count_and_nothing_else():
 
 
 def test_capacity_one_point_zero_keeps_all_experts_resident(tmp_path):
-    from expertcache.runtime.engine import offload
-    from expertcache.runtime.store import write_store
+    from expertcache.runtime.engine.engine import offload
+    from expertcache.runtime.storage.store import write_store
     from tiny_models import build_model, tiny_config
 
     model = build_model(tiny_config("qwen3_moe"), seed=1).eval()
@@ -89,7 +89,8 @@ def test_a_routing_row_repeating_an_expert_is_refused_at_every_entry(tmp_path):
     import pyarrow.parquet as pq
 
     from expertcache.telemetry.llamacpp import import_trace, read_npz
-    from expertcache.telemetry.parquet_trace import TraceMeta, TraceWriter, load_routing, read_trace
+    from expertcache.telemetry.parquet_trace import TraceMeta, TraceWriter, read_trace
+    from expertcache.telemetry.routing import load_routing
 
     ids = _dup_routing()
     np.savez(tmp_path / "t.npz", experts=ids, meta=json.dumps({"num_experts": 16}))
@@ -132,7 +133,7 @@ def test_a_non_finite_estimator_or_policy_file_is_refused(tmp_path):
     from safetensors.numpy import save_file as save_np
     from safetensors.torch import save_file
 
-    from expertcache.runtime.predictors import EstimatorPredictor, make_predictor
+    from expertcache.runtime.engine.predictors import EstimatorPredictor, make_predictor
     from expertcache.telemetry.learned_policy import KIND, LearnedPolicy
     from tiny_models import build_model, tiny_config
 
@@ -182,9 +183,9 @@ def test_every_decode_path_checks_prompt_and_new_tokens_against_the_models_posit
     from tiny_lm import make_tiny_checkpoint
 
     from expertcache.recipes.cli import main
-    from expertcache.runtime.generate import Generation
-    from expertcache.runtime.loader import load_model
-    from expertcache.runtime.request import SamplingParams
+    from expertcache.runtime.serve.generate import Generation
+    from expertcache.runtime.storage.loader import load_model
+    from expertcache.runtime.serve.request import SamplingParams
     from expertcache.telemetry.recorder import record_blocks
 
     ckpt = make_tiny_checkpoint(tmp_path / "m", max_positions=64)
@@ -208,7 +209,7 @@ def test_names_are_checked_before_work_and_the_cli_reads_what_it_documents(tmp_p
     from tiny_lm import make_tiny_checkpoint
 
     from expertcache.recipes.cli import _rewrite, main
-    from expertcache.runtime.predictors import check_predictor_spec
+    from expertcache.runtime.engine.predictors import check_predictor_spec
 
     with pytest.raises(InputError, match="kernel triton runs on CUDA slots only"):
         EngineConfig(kernel="triton").check()  # on a CPU it used to run the native path without a word

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from expertcache.runtime import quant
+from expertcache.runtime.kernels import quant, quant_write
 from expertcache.telemetry.errors import InputError
 
 HOT, COLD = (8, 32), (4, 64)
@@ -48,7 +48,7 @@ def mixed(tmp_path_factory):
     src = _src(root)
     trace = _trace(src, root / "usage.parquet")
     q = root / "q"
-    rep = quant.write_quantized(src, q, *COLD, by_usage=trace, hot=HOT, max_bytes_ratio=0.4)
+    rep = quant_write.write_quantized(src, q, *COLD, by_usage=trace, hot=HOT, max_bytes_ratio=0.4)
     return src, trace, q, rep
 
 
@@ -70,7 +70,7 @@ def _reference(src, q):
     """The original model with each routed expert replaced by what its own format's integers stand for."""
     from transformers import AutoModelForCausalLM
 
-    from expertcache.runtime.tiers import HostTier
+    from expertcache.runtime.storage.tiers import HostTier
     from expertcache.telemetry.adapters import adapter_for
 
     qc = quant.read_config(q)
@@ -94,17 +94,17 @@ def test_allocation_raises_the_most_used_experts_while_the_size_allows():
         counts = rng.integers(0, 100, (int(rng.integers(1, 5)), int(rng.integers(2, 20))))
         hi, lo = int(rng.integers(200, 400)), int(rng.integers(50, 199))
         budget = int(counts.size * lo + rng.integers(0, counts.size * (hi - lo) + 1))
-        fmt = quant.allocate_by_usage(counts, hi, lo, budget)
+        fmt = quant_write.allocate_by_usage(counts, hi, lo, budget)
         size = int((fmt == 0).sum()) * hi + int((fmt == 1).sum()) * lo
         assert size <= budget and (size + hi - lo > budget or (fmt == 0).all())  # fits; one more would not
         if (fmt == 0).any() and (fmt == 1).any():
             assert counts[fmt == 0].min() >= counts[fmt == 1].max()  # no colder expert outranks a hotter one
     with pytest.raises(InputError, match="below every expert at the smaller format"):
-        quant.allocate_by_usage(np.ones((2, 4)), 300, 100, 799)
+        quant_write.allocate_by_usage(np.ones((2, 4)), 300, 100, 799)
 
 
 def test_by_usage_writes_one_store_per_format_within_the_size(mixed):
-    from expertcache.telemetry.parquet_trace import load_routing
+    from expertcache.telemetry.routing import load_routing
 
     src, trace, q, rep = mixed
     qc = json.loads((q / "config.json").read_text())["quantization_config"]
@@ -119,7 +119,7 @@ def test_by_usage_writes_one_store_per_format_within_the_size(mixed):
     source = quant.MixedExperts(q, qc)
     assert source.total_bytes() == rep["expert_bytes"] == (fmt == 0).sum() * 13056 + (fmt == 1).sum() * 6912
     for f, k in zip(qc["formats"], (0, 1)):  # each store holds its own experts only (4 KiB blocks)
-        from expertcache.runtime.store import read_store_meta
+        from expertcache.runtime.storage.store import read_store_meta
 
         m = read_store_meta(q / f["experts_file"])
         assert (m.num_layers, m.num_experts) == (1, int((fmt == k).sum())) and f["experts"] == m.num_experts
@@ -157,8 +157,8 @@ def test_a_mixed_checkpoint_decodes_like_its_dequantized_reference(mixed, tier, 
 def test_mixed_slots_compute_each_pair_in_its_own_format(mixed):
     """Several tokens whose choices mix formats in different numbers per row (the padded path): each (token, choice)
     pair equals the dequantized reference of its own format."""
-    from expertcache.runtime.kernels import swiglu_reference
-    from expertcache.runtime.tiers import DiskTier, SlotPool
+    from expertcache.runtime.kernels.triton_experts import swiglu_reference
+    from expertcache.runtime.storage.tiers import DiskTier, SlotPool
 
     _, _, q, _ = mixed
     source = quant.MixedExperts(q, quant.read_config(q))
@@ -244,13 +244,13 @@ def test_verify_checks_every_store_of_a_quantized_checkpoint(mixed, tmp_path):
 
     from expertcache.recipes.cli import main
     from expertcache.runtime import load
-    from expertcache.runtime.verify import verify
+    from expertcache.runtime.storage.verify import verify
 
     src, _, q, _ = mixed
     rep = verify(q)
     assert rep["verdict"] == "ok" and rep["experts"] == 2 * 16 and rep["checked_against_index"] == 32
     one = tmp_path / "q8"
-    quant.write_quantized(src, one, 8, 32)
+    quant_write.write_quantized(src, one, 8, 32)
     assert verify(one)["verdict"] == "ok"
     d = tmp_path / "damaged"
     shutil.copytree(q, d)
@@ -290,7 +290,7 @@ def test_traffic_of_a_mixed_checkpoint_counts_each_load_at_its_own_size(mixed):
 
 def test_the_host_tier_copies_each_expert_at_its_own_block(mixed):
     """A host-tier copy into a slot moves the expert's own format block, not the larger format's."""
-    from expertcache.runtime.tiers import HostTier, SlotPool
+    from expertcache.runtime.storage.tiers import HostTier, SlotPool
 
     _, _, q, _ = mixed
     source = quant.MixedExperts(q, quant.read_config(q))
@@ -328,7 +328,7 @@ def test_a_mixed_checkpoint_with_symmetric_int4_decodes_like_its_dequantized_ref
 
     src, trace, _, _ = mixed
     q = tmp_path / "qs"
-    rep = quant.write_quantized(src, q, 4, 32, by_usage=trace, hot=HOT, max_bytes_ratio=0.4, symmetric=True)
+    rep = quant_write.write_quantized(src, q, 4, 32, by_usage=trace, hot=HOT, max_bytes_ratio=0.4, symmetric=True)
     qc = quant.read_config(q)
     assert [f["symmetric"] for f in qc["formats"]] == [True, True]  # int8 is symmetric by construction
     source = quant.MixedExperts(q, qc)

@@ -9,11 +9,11 @@ import re
 import numpy as np
 import pytest
 
-from expertcache.runtime.engine import MISS_POLICIES, MISS_REGISTRY, EngineConfig
-from expertcache.runtime.predictors import (LIVE_PREDICTORS, PREDICTOR_REGISTRY, REPLAY_PREDICTORS,
+from expertcache.runtime.engine.engine import MISS_POLICIES, MISS_REGISTRY, EngineConfig
+from expertcache.runtime.engine.predictors import (LIVE_PREDICTORS, PREDICTOR_REGISTRY, REPLAY_PREDICTORS,
                                             check_predictor_spec, make_predictor)
-from expertcache.runtime.trace_predictors import check_replay_predictor
-from expertcache.runtime.tiers import TIER_REGISTRY, TierSpec, make_tier
+from expertcache.runtime.engine.trace_predictors import check_replay_predictor
+from expertcache.runtime.storage.tiers import TIER_REGISTRY, TierSpec, make_tier
 from expertcache.telemetry import cachesim
 from expertcache.telemetry.cache import POLICIES, POLICY_REGISTRY, CacheState
 from expertcache.telemetry.errors import InputError

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from expertcache.runtime.bandwidth import Hardware, ModelShape, project
-from expertcache.runtime.engine import EngineConfig
-from expertcache.runtime.replay import replay_benchmark
-from expertcache.runtime.trace_predictors import CooccurrenceEstimator
+from expertcache.runtime.bench.bandwidth import Hardware, ModelShape, project
+from expertcache.runtime.engine.engine import EngineConfig
+from expertcache.runtime.bench.replay import replay_benchmark
+from expertcache.runtime.engine.trace_predictors import CooccurrenceEstimator
 from expertcache.telemetry.errors import InputError
 
 
@@ -78,8 +78,8 @@ def test_bandwidth_model_arithmetic():
 
 def test_the_engine_keeps_what_the_simulator_keeps_under_a_learned_policy(trace_npz, tmp_path):
     """Driven through the engine's own step (the replay), a learned policy file gives the simulator's hits."""
-    from expertcache.runtime.replay import ReplayConfig, Replayer, ensure_store
-    from expertcache.telemetry.parquet_trace import load_routing
+    from expertcache.runtime.bench.replay import ReplayConfig, Replayer, ensure_store
+    from expertcache.telemetry.routing import load_routing
     from expertcache.telemetry.learned_policy import LearnedPolicy, fit, simulate_learned
 
     r = load_routing(trace_npz)
@@ -103,7 +103,7 @@ def test_the_engine_keeps_what_the_simulator_keeps_under_a_learned_policy(trace_
 def test_overlap_efficiency_is_never_above_one():
     """The roofline bound over the measured TPOT is capped at 1 (METRICS.md); above it the bound was mismeasured,
     and the row says so instead of printing 5.94."""
-    from expertcache.runtime.bench import overlap
+    from expertcache.runtime.bench.bench import overlap
 
     assert overlap(0.5, 1.0) == {"overlap_efficiency": 0.5, "roofline_unreliable": False}
     assert overlap(5.94, 1.0) == {"overlap_efficiency": 1.0, "roofline_unreliable": True}
@@ -113,7 +113,7 @@ def test_the_replay_claims_a_ratio_to_on_demand_only_when_every_round_agrees():
     """The replay's rows ran 0.77x-1.37x on-demand round by round while doing on-demand's work (the guard paused
     them): a median of such ratios is printed as noise, and only a ratio whose >= 3 paired rounds all fall on one
     side of 1 is claimed."""
-    from expertcache.runtime.replay import ratio_claimed, table
+    from expertcache.runtime.bench.replay import ratio_claimed, table
 
     assert ratio_claimed([0.8, 0.9, 0.95]) and ratio_claimed([1.1, 1.2, 1.05])
     assert not ratio_claimed([0.8, 1.1, 0.9]) and not ratio_claimed([0.8, 0.9])

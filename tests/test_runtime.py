@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from expertcache.runtime.engine import EngineConfig, offload
-from expertcache.runtime.predictors import make_predictor
-from expertcache.runtime.store import HEADER, read_store_meta, write_store
+from expertcache.runtime.engine.engine import EngineConfig, offload
+from expertcache.runtime.engine.predictors import make_predictor
+from expertcache.runtime.storage.store import HEADER, read_store_meta, write_store
 from expertcache.telemetry.cache import CacheState
 from expertcache.telemetry.cachesim import simulate, simulate_scored
 from expertcache.telemetry.errors import InputError
@@ -219,8 +219,8 @@ def test_an_oracle_over_a_replayed_trace_prefetches_only_what_is_used_and_keeps_
     experts prefetched one layer ahead (`TracePredictor` oracle, told each pass's token by the routing). Every
     prefetch is used, the experts prefetches evict are still served as victims, the reads are demand loading's,
     and the tokens are on-demand's under the same routing."""
-    from expertcache.runtime.bigbench import TraceRouting
-    from expertcache.runtime.trace_predictors import TracePredictor
+    from expertcache.runtime.bench.bigbench import TraceRouting
+    from expertcache.runtime.engine.trace_predictors import TracePredictor
     from expertcache.telemetry.adapters import adapter_for
 
     model, path = family_models["qwen3_moe"]
@@ -461,7 +461,7 @@ def test_bad_stores_and_capacities_are_refused(family_models, tmp_path, monkeypa
         offload(_fresh("qwen3_moe"), path, EngineConfig(capacity=2.5))
     with pytest.raises(InputError, match="unknown tier"):
         offload(_fresh("qwen3_moe"), path, EngineConfig(tier="nvme"))
-    import expertcache.runtime.engine as engine_mod
+    import expertcache.runtime.engine.engine as engine_mod
 
     monkeypatch.setattr(engine_mod, "available_memory", lambda: 1 << 16)
     with pytest.raises(InputError, match="GiB is available"):
@@ -531,7 +531,7 @@ def test_the_time_budget_adds_up_and_puts_the_time_where_it_went(family_models):
     waits, the model's forward, run_layer, the decode loop's clock), none negative, summing to TPOT within 5%. All
     resident: no stall, compute on both sides. A paced link at 1 MB/s with 2 of 8 experts resident: waiting
     dominates (at 5 MB/s, a busy machine's inflated compute once outweighed it)."""
-    from expertcache.runtime.decode import timed_greedy
+    from expertcache.runtime.serve.generate import timed_greedy
 
     model, path = family_models["qwen3_moe"]
     prompt = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(9))
@@ -569,8 +569,8 @@ def test_the_time_budget_adds_up_and_puts_the_time_where_it_went(family_models):
 def test_read_limits_measure_the_tier_as_the_engine_reads_it(family_models):
     """`read_limits`: one expert at a time and `workers` at a time, each at the pace the tier really moves (a
     1 MB/s link moves 1 MB/s however many read at once), with the queue depth counted in reads in flight."""
-    from expertcache.runtime.engine import _as_source
-    from expertcache.runtime.tiers import make_tier, read_limits
+    from expertcache.runtime.engine.engine import _as_source
+    from expertcache.runtime.storage.tiers import make_tier, read_limits
 
     _, path = family_models["qwen3_moe"]
     src = _as_source(path)
@@ -616,8 +616,8 @@ def test_the_prefetch_guard_stops_a_predictor_that_does_not_pay_and_keeps_one_th
     """A predictor starts in shadow (predicting, reading nothing) and prefetches only once its measured precision
     pays: a wrong one (it names experts the layer will not use) never reads an expert and ends paused; a right one
     (an oracle of the next layer's true choice) goes on and prefetches. Tokens are the same either way."""
-    from expertcache.runtime.engine import PrefetchGuard
-    from expertcache.runtime.predictors import Predictor
+    from expertcache.runtime.engine.engine import PrefetchGuard
+    from expertcache.runtime.engine.predictors import Predictor
 
     g = PrefetchGuard(0.5, window=4, pause=3, first=4)
     assert g.step() == "shadow"
@@ -660,7 +660,7 @@ def test_the_prefetch_guard_stops_a_predictor_that_does_not_pay_and_keeps_one_th
     truth = {}
     hook = [L.router.register_forward_hook(lambda mod, a, out, i=i: truth.setdefault(i, []).append(
         set(out[2][-1].tolist()))) for i, L in enumerate(eng.layers)]
-    from expertcache.runtime.decode import timed_greedy
+    from expertcache.runtime.serve.generate import timed_greedy
 
     _, ref, _ = timed_greedy(m, prompt, 40, eng)
     for h in hook:
@@ -682,7 +682,7 @@ def test_the_prefetch_guard_stops_a_predictor_that_does_not_pay_and_keeps_one_th
 def test_per_token_figures_come_from_one_place():
     """`Stats.per_token` (what generate, serve, bench decode and bench big print) is `CacheResult.per_step` of
     the engine's counters, plus bytes moved and stall, over the tokens given."""
-    from expertcache.runtime.engine import Stats
+    from expertcache.runtime.engine.engine import Stats
 
     s = Stats(tokens=10, accesses=80, hits=60, demand_loads=20, prefetch_loads=5, stall_s=0.5, bytes_moved=2500,
               read_busy_s=0.625)
@@ -728,7 +728,7 @@ def test_the_load_queue_runs_demand_loads_first_then_nearer_layers_and_never_a_c
     runs."""
     import threading
 
-    from expertcache.runtime.loadqueue import URGENT, LoadQueue
+    from expertcache.runtime.storage.loadqueue import URGENT, LoadQueue
 
     q, ran, gate = LoadQueue(1), [], threading.Event()
     q.submit(gate.wait)  # holds the one worker while the rest queue up
@@ -838,8 +838,8 @@ def test_the_engines_slots_are_resident_before_the_first_load(family_models):
     """A slot's first write used to take its page faults inside the load, on the decode's time (a lone 9.4 MB miss
     into a fresh slot loaded at 0.4-0.6 GB/s beside a decode step, 2.4 GB/s into a touched one): the engine's pools
     are touched when they are made, so the memory is resident (and counted) from the start."""
-    from expertcache.runtime.store import read_store_meta
-    from expertcache.runtime.tiers import SlotPool
+    from expertcache.runtime.storage.store import read_store_meta
+    from expertcache.runtime.storage.tiers import SlotPool
 
     def rss() -> int:
         with open("/proc/self/statm") as f:

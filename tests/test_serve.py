@@ -10,10 +10,10 @@ import pytest
 from helpers import LiveServer
 from tiny_lm import make_tiny_checkpoint, one_torch_thread  # noqa: F401 - autouse fixture
 
-from expertcache.runtime.engine import EngineConfig, offload
-from expertcache.runtime.request import encode
-from expertcache.runtime.serve import create_app
-from expertcache.runtime.store import write_store
+from expertcache.runtime.engine.engine import EngineConfig, offload
+from expertcache.runtime.serve.request import encode
+from expertcache.runtime.serve.serve import create_app
+from expertcache.runtime.storage.store import write_store
 
 NAME = "tiny-moe"
 

@@ -9,7 +9,8 @@ import torch
 from tiny_lm import make_tiny_checkpoint, one_torch_thread  # noqa: F401 - autouse fixture
 
 from expertcache.recipes.cli import main
-from expertcache.telemetry.parquet_trace import load_routing, read_meta
+from expertcache.telemetry.parquet_trace import read_meta
+from expertcache.telemetry.routing import load_routing
 
 
 @pytest.fixture(scope="module")

@@ -151,21 +151,6 @@ def load_recipe(cls, path: str | Path | None, overrides: list[str] = ()):
     return from_dict(cls, data)
 
 
-def shipped_recipe(name_or_path: str, folder: str = "") -> Path:
-    """A recipe YAML: a path, or the name of one shipped with the package (recipes/, or recipes/<folder>/)."""
-    p = Path(name_or_path)
-    if p.is_file():
-        return p
-    import importlib.resources
-
-    root = Path(str(importlib.resources.files("expertcache.recipes"))) / folder
-    shipped = root / f"{name_or_path.removesuffix('.yaml')}.yaml"
-    if shipped.is_file():
-        return shipped
-    names = sorted(f.stem for f in root.glob("*.yaml"))
-    raise RecipeError(f"recipe {name_or_path!r} is neither a file nor a shipped recipe ({', '.join(names)})")
-
-
 def describe(cls, prefix: str = "") -> list[str]:
     """One line per key: `section.key (type, default): help`."""
     lines = []

@@ -88,7 +88,7 @@ def write_checkpoint(out: str | Path, layers: int, vocab: int = 32768, layers_pe
     out = Path(out)
     cfg = big_config(layers, vocab)
     if (out / "model.safetensors.index.json").is_file() and (out / "config.json").is_file():
-        from .checkpoint import Checkpoint
+        from expertcache.runtime.storage.checkpoint import Checkpoint
 
         have = json.loads((out / "config.json").read_text())
         if have["num_hidden_layers"] == layers:

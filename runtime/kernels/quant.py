@@ -1,5 +1,5 @@
 """Group-wise integer formats of routed experts: what `expertcache quantize` writes, what the slots hold and what
-the CPU kernels (`runtime/csrc/experts_cpu.cpp`) multiply.
+the CPU kernels (`runtime/kernels/csrc/experts_cpu.cpp`) multiply.
 
 For a weight matrix `[rows, n]` and a group size G (32 or a multiple of 64, dividing n), each row's inputs are cut into
 groups of G:
@@ -26,7 +26,7 @@ import torch
 
 from expertcache.telemetry.errors import InputError
 
-from .store import FMT
+from expertcache.runtime.storage.store import FMT
 
 BITS = (8, 4)
 
@@ -232,15 +232,15 @@ def swiglu(x, views: dict[str, torch.Tensor], slots, weights) -> torch.Tensor:
     inside (`kernels.swiglu_triton_q`); on the CPU the integer kernel where the extension is built and takes the
     shapes (`kernel_fits`); else the slots that are used dequantized and computed in float (the same weights,
     exact activations)."""
-    from . import cpu_kernels
-    from .kernels import swiglu_reference
+    from expertcache.runtime.kernels import cpu_kernels
+    from expertcache.runtime.kernels.triton_experts import swiglu_reference
 
     if FMT in views:
         return _swiglu_mixed(x, views, slots, weights)
     bits, group = format_of(views)
     gu, dn = parts(views, "gate_up_proj"), parts(views, "down_proj")
     if x.is_cuda:
-        from .kernels import HAVE_TRITON, swiglu_triton_q
+        from expertcache.runtime.kernels.triton_experts import HAVE_TRITON, swiglu_triton_q
 
         if HAVE_TRITON and all(t.stride(-1) == 1 for t in views.values()):  # dequantized inside the kernel
             return swiglu_triton_q(x, gu, dn, bits, group, slots, weights)
@@ -351,8 +351,8 @@ class MixedExperts:
         import numpy as np
         from pathlib import Path
 
-        from .checkpoint import VERIFY_DEFAULT
-        from .store import StoreMeta, read_store_meta
+        from expertcache.runtime.storage.checkpoint import VERIFY_DEFAULT
+        from expertcache.runtime.storage.store import StoreMeta, read_store_meta
 
         path = Path(path)
         self.formats = [(f["bits"], f["group_size"]) for f in qc["formats"]]
@@ -393,7 +393,7 @@ class MixedExperts:
         return sum(m.expert_bytes * m.num_experts for m in self.stores)
 
     def spans(self, layer: int, expert: int):
-        from .checkpoint import Span
+        from expertcache.runtime.storage.checkpoint import Span
 
         k = int(self.fmt[layer, expert])
         m = self.stores[k]
@@ -438,8 +438,8 @@ def open_source(path, qc: dict, verify: bool | None = None):
     """The expert source of an `expertcache quantize` checkpoint (its `read_config`): one store, or a mixed one."""
     from pathlib import Path
 
-    from .checkpoint import StoreExperts
-    from .store import read_store_meta
+    from expertcache.runtime.storage.checkpoint import StoreExperts
+    from expertcache.runtime.storage.store import read_store_meta
 
     if qc.get("bits") == MIXED:
         return MixedExperts(path, qc, verify)
@@ -467,306 +467,3 @@ def copy_source(path, meta):
     if not {"down_proj.q", "down_proj.scales"} <= {t.name for t in m.tensors}:
         raise InputError(f"miss_copy {path}: its experts are not packed integers")
     return source
-
-
-def usage_counts(trace, model, num_layers: int, num_experts: int) -> tuple:
-    """`(counts [layers, E], tokens)`: how often each expert of each MoE layer was chosen in a routing trace of this
-    model (every token it holds, prefill and decode). A trace of another model's shape is one line."""
-    import numpy as np
-
-    from expertcache.telemetry.adapters import adapter_for
-    from expertcache.telemetry.parquet_trace import load_routing
-
-    r = load_routing(trace, phase=None)
-    a = adapter_for(model.config)
-    got = (r.ids.shape[0], r.num_experts, r.ids.shape[2], int(r.meta.get("hidden_size") or a.hidden_size))
-    want = (num_layers, num_experts, a.top_k, a.hidden_size)
-    if got != want:
-        raise InputError(f"--by_usage {trace} is a trace of another model: {got[0]} MoE layers x {got[1]} experts, "
-                         f"top-{got[2]}, hidden size {got[3]}; this model has {want[0]} x {want[1]}, top-{want[2]}, "
-                         f"hidden size {want[3]} (record one with `expertcache trace record --model` this checkpoint)")
-    counts = np.stack([np.bincount(r.ids[i].ravel(), minlength=num_experts) for i in range(num_layers)])
-    return counts, int(r.ids.shape[1])
-
-
-def allocate_by_usage(counts, hi_bytes: int, lo_bytes: int, budget: int):
-    """Each expert's format, 0 (the larger, `hi_bytes`) or 1 (`lo_bytes`), within `budget` bytes in all: every
-    expert starts at format 1 and the most used (`counts [layers, E]`; ties by position) are raised to format 0
-    while the total fits. A budget below every expert at format 1 is one line."""
-    import numpy as np
-
-    n = counts.size
-    floor = n * lo_bytes
-    if budget < floor:
-        raise InputError(f"the size allowed ({budget / 2**20:.1f} MiB) is below every expert at the smaller format "
-                         f"({floor / 2**20:.1f} MiB): raise --max_bytes_ratio or choose a smaller --bits/--group_size")
-    n_hi = min(n, int((budget - floor) // max(hi_bytes - lo_bytes, 1)))
-    order = np.lexsort((np.arange(n), -counts.ravel()))
-    fmt = np.ones(n, dtype=np.int8)
-    fmt[order[:n_hi]] = 0
-    return fmt.reshape(counts.shape)
-
-
-def write_quantized(model, out, bits: int, group: int, progress=None, linears: bool = False, by_usage=None,
-                    hot: tuple[int, int] = (8, 32), max_bytes_ratio: float = 0.35, symmetric: bool = False) -> dict:
-    """`expertcache quantize`: a checkpoint at `out` whose routed experts are `bits`-bit integers with fp16 group
-    scales, in one expert store file (each expert one contiguous 4 KiB-aligned block with its checksum), beside the
-    non-expert tensors unchanged (`model.safetensors`) and `config.json` with a `quantization_config`. `linears`:
-    the non-expert linear layers too (`quantizable_linears`: attention, dense and shared MLPs, the untied output
-    head; not the routers), packed in the same format inside `model.safetensors`. Returns the report: bytes, and
-    each MoE layer's (and packed linear's) relative weight error.
-
-    `by_usage` (a routing trace of this model): precision per expert from telemetry. The most used experts are
-    written at `hot` = (bits, group) and the rest at (`bits`, `group`), as many hot as fit `max_bytes_ratio` of the
-    experts' bytes in bf16 (`allocate_by_usage`); one store file per format, holding only its experts.
-
-    `symmetric`: the int4 format(s) without minimums (Q4_0's layout at group 32: 0.5625 bytes per weight, not
-    0.625), at a larger weight error."""
-    import json
-    import shutil
-    from pathlib import Path
-
-    import numpy as np
-    from safetensors.torch import save_file
-
-    from expertcache.telemetry.atomic import atomic_dir
-
-    from .loader import build_offloaded, resolve
-    from .store import StoreMeta, _write, layout
-    from .tiers import DiskTier, SlotPool
-
-    if bits not in BITS:
-        raise InputError(f"--bits {bits}: expected 8 or 4")
-    if symmetric and bits != 4 and (by_usage is None or hot[0] != 4):
-        raise InputError("--symmetric true is an int4 option (int8 is always symmetric): use it with --bits 4")
-    if by_usage is not None:
-        if hot[0] not in BITS:
-            raise InputError(f"--hot_bits {hot[0]}: expected 8 or 4")
-        if linears:
-            raise InputError("--by_usage with --linears true is not supported: pack the linears in a one-format "
-                             "checkpoint")
-        if not 0 < max_bytes_ratio < 1:
-            raise InputError(f"--max_bytes_ratio {max_bytes_ratio}: expected a fraction of the bf16 expert bytes in "
-                             f"(0, 1)")
-    path = resolve(model)
-    if read_config(path) is not None or "quantization_config" in json.loads((path / "config.json").read_text()):
-        raise InputError(f"{path} is already quantized: quantize its unquantized original")
-    out = Path(out)
-    if out.resolve() == path.resolve() or out.resolve() in path.resolve().parents:
-        raise InputError(f"--out {out} is the model's own folder or holds it (writing it would delete the model); "
-                         f"write the quantized checkpoint elsewhere")
-    m, source = build_offloaded(path, verify=False)
-    meta = source.meta
-    names = [t.name for t in meta.tensors]
-    if sorted(names) != ["down_proj", "gate_up_proj"]:
-        raise InputError(f"quantize handles SwiGLU experts without biases (gate_up_proj, down_proj); this model's "
-                         f"experts hold {', '.join(names)}")
-    if meta.tensors[0].dtype not in ("bfloat16", "float16", "float32"):
-        raise InputError(f"{path}: experts in {meta.tensors[0].dtype}; expected float weights")
-    n_l, n_e = meta.num_layers, meta.num_experts
-    if by_usage is not None:  # the trace is checked where it enters, before any format is laid out
-        counts, tokens = usage_counts(by_usage, m, n_l, n_e)
-    formats = [(bits, group)] if by_usage is None else [tuple(hot), (bits, group)]
-    if len(formats) == 2 and formats[0] == formats[1]:
-        raise InputError(f"--hot_bits {hot[0]} --hot_group_size {hot[1]} is the same format as --bits {bits} "
-                         f"--group_size {group}: nothing to mix")
-    def sym(b: int) -> bool:  # whether format `b` is written without minimums (int8 has none either way)
-        return symmetric and b == 4
-
-    fspecs = [layout(quantized_specs([(t.name, t.shape, t.dtype) for t in meta.tensors], b, g, sym(b)))
-              for b, g in formats]
-    fbytes = [sum(t.nbytes for t in sp) for sp, _ in fspecs]
-    bf16_bytes = sum(2 * int(np.prod(t.shape)) for t in meta.tensors) * n_l * n_e
-    usage = None
-    if by_usage is None:
-        fmt = np.zeros((n_l, n_e), dtype=np.int8)
-    else:
-        if fbytes[0] <= fbytes[1]:
-            raise InputError(f"the hot format (int{hot[0]}, group {hot[1]}) is not larger than the others (int{bits}, "
-                             f"group {group}): hot experts get the more precise format")
-        fmt = allocate_by_usage(counts, fbytes[0], fbytes[1], int(max_bytes_ratio * bf16_bytes))
-        for k, (b, g) in enumerate(formats):  # before anything is written
-            if not (fmt == k).any():
-                raise InputError(f"no expert gets int{b} (group {g}) at --max_bytes_ratio {max_bytes_ratio}: use a "
-                                 f"one-format checkpoint (`quantize` without --by_usage)")
-        total = counts.sum()
-        usage = {"trace": str(by_usage), "tokens": tokens, "max_bytes_ratio": max_bytes_ratio,
-                 "hot_experts": int((fmt == 0).sum()),
-                 "hot_share_of_routing": round(float(counts[fmt == 0].sum() / total), 6) if total else 0.0}
-    disk, pool = DiskTier(source), SlotPool(meta, 1)
-    err = {n: [[0.0, 0.0] for _ in range(n_l)] for n in names}  # per layer: sum d^2, sum w^2
-
-    def expert(i, e):
-        disk.read(i, e, pool, 0)
-        b, g = formats[fmt[i, e]]
-        q = {}
-        for n in names:
-            w = pool.views[n][0].float()
-            t = quantize(w, b, g, sym(b))
-            d = dequantize(t, b, g)
-            err[n][i][0] += float((w - d).pow(2).sum())
-            err[n][i][1] += float(w.pow(2).sum())
-            q.update({f"{n}.{p}": v for p, v in t.items()})
-        return q
-
-    ckpt = source.ckpt
-    keep = sorted(set(ckpt.tensors) - source.names)
-    lin_names, lin_skipped, lin_err, packed = [], [], {}, {}
-    if linears:
-        from expertcache.telemetry.adapters import adapter_for
-
-        from .checkpoint import checkpoint_name
-
-        routers = [L.router for L in adapter_for(m.config).moe_layers(m)]
-        lin_names, lin_skipped = quantizable_linears(m, source.prefixes, routers, bits, group)
-        for name in lin_names:
-            w = m.get_submodule(name).weight.detach()
-            t = quantize(w, bits, group, sym(bits))
-            lin_err[name] = round(relative_error(w, t, bits, group), 6)
-            ck = checkpoint_name(f"{name}.weight", source.family)
-            if ck not in keep:
-                raise InputError(f"{path}: linear {name} has no tensor {ck} in the checkpoint to quantize")
-            keep.remove(ck)
-            packed.update({f"{ck}_{part}": v.contiguous() for part, v in t.items()})
-    files = [EXPERTS_FILE] if by_usage is None else [f"experts-int{b}-g{g}.ecstore" for b, g in formats]
-    with atomic_dir(out) as tmp:
-        try:
-            if by_usage is None:
-                specs, block = fspecs[0]
-                _write(tmp / EXPERTS_FILE, StoreMeta(meta.fingerprint, n_l, n_e, specs, block, str(path)), expert,
-                       progress)
-            else:  # one store per format, its experts in (layer, expert) order as one row of blocks
-                for k, ((specs, block), f) in enumerate(zip(fspecs, files)):
-                    pairs = [(int(i), int(e)) for i, e in zip(*np.nonzero(fmt == k))]
-                    done = [0]
-
-                    def one(_, j, pairs=pairs):
-                        done[0] += 1
-                        if progress and done[0] % n_e == 0:  # one tick per layer's worth of experts
-                            progress()
-                        return expert(*pairs[j])
-                    _write(tmp / f, StoreMeta(meta.fingerprint, 1, len(pairs), specs, block, str(path)), one)
-        finally:
-            disk.close()
-        save_file({**{n: ckpt.read(n).contiguous() for n in keep}, **packed}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
-        cfg = json.loads((path / "config.json").read_text())
-        layer_err = {n: [round((a / b) ** 0.5, 6) if b else 0.0 for a, b in err[n]] for n in names}
-        scheme = {8: "int8 symmetric, fp16 scale per group",
-                  4: "int4 symmetric, fp16 scale per group, w = s (q - 8) (GGUF Q4_0's layout at group 32)"
-                  if symmetric else "int4 min-max, fp16 scale and minimum per group"}
-        if by_usage is None:
-            qc = {"quant_method": QUANT_METHOD, "bits": bits, "group_size": group, "experts_file": EXPERTS_FILE,
-                  "scheme": scheme[bits], "symmetric": bits == 8 or sym(bits)}
-        else:
-            qc = {"quant_method": QUANT_METHOD, "bits": MIXED,
-                  "formats": [{"bits": b, "group_size": g, "experts_file": f, "scheme": scheme[b],
-                               "symmetric": b == 8 or sym(b), "experts": int((fmt == k).sum())}
-                              for k, ((b, g), f) in enumerate(zip(formats, files))],
-                  "expert_formats": ["".join(str(int(v)) for v in row) for row in fmt], "by_usage": usage}
-        qc.update({"source_dtype": meta.tensors[0].dtype, "relative_error": layer_err})
-        cfg["quantization_config"] = qc
-        if lin_names:
-            cfg["quantization_config"]["linears"] = {"modules": lin_names, "relative_error": lin_err}
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        for f in path.iterdir():  # tokenizer, generation config, chat template
-            if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json" and not f.name.startswith(".") \
-                    and f.name != "model.safetensors.index.json":
-                shutil.copy2(f, tmp / f.name)
-    del m
-    expert_bytes = sum(fbytes[k] * int((fmt == k).sum()) for k in range(len(formats)))
-    source_bytes = meta.expert_bytes * n_l * n_e
-    return {"out": str(out), "bits": bits if by_usage is None else MIXED, "group_size": group,
-            "symmetric": bits == 8 or sym(bits),
-            "formats": [{"bits": b, "group_size": g, "experts": int((fmt == k).sum())}
-                        for k, (b, g) in enumerate(formats)],
-            "experts": n_l * n_e, "expert_bytes": expert_bytes, "source_expert_bytes": source_bytes,
-            "bytes_ratio": expert_bytes / source_bytes, "bf16_bytes_ratio": expert_bytes / bf16_bytes,
-            "by_usage": usage, "relative_error": layer_err,
-            "linears": {"modules": lin_names, "relative_error": lin_err, "skipped": lin_skipped,
-                        "bytes": nbytes(packed)}}
-
-
-# --- quantized non-expert linears (`expertcache quantize --linears true`) ---------------------------------------
-
-LINEAR_PARTS = {"q": "weight_q", "scales": "weight_scales", "mins": "weight_mins"}  # part -> buffer name
-
-
-class QuantLinear(torch.nn.Module):
-    """An `nn.Linear` whose weight is packed group-wise integers (the format above, for one `[out, in]` matrix).
-    Decode-sized inputs (at most `cpu_kernels.MAX_ROWS` rows, CPU) go through the integer kernel, which reads the
-    packed bytes once; larger inputs (a prefill, a batched evaluation), GPUs and machines without the extension
-    compute with the weight dequantized for the call, in the input's dtype (the same weights)."""
-
-    def __init__(self, in_features: int, out_features: int, bits: int, group: int, bias: bool,
-                 dtype: torch.dtype = torch.bfloat16, device="meta", symmetric: bool = False):
-        super().__init__()
-        check_group(bits, group, in_features)
-        self.in_features, self.out_features, self.bits, self.group = in_features, out_features, bits, group
-        self.symmetric = bits == 8 or symmetric  # int4 without minimums (`quantize(symmetric=True)`)
-        qshape = [out_features, in_features if bits == 8 else in_features // 2]
-        self.register_buffer("weight_q", torch.empty(qshape, dtype=torch.int8 if bits == 8 else torch.uint8,
-                                                     device=device))
-        sshape = [out_features, in_features // group]
-        self.register_buffer("weight_scales", torch.empty(sshape, dtype=torch.float16, device=device))
-        if not self.symmetric:
-            self.register_buffer("weight_mins", torch.empty(sshape, dtype=torch.float16, device=device))
-        self.bias = torch.nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
-                                       requires_grad=False) if bias else None
-
-    def packed(self) -> dict[str, torch.Tensor]:
-        return {p: getattr(self, b) for p, b in LINEAR_PARTS.items() if hasattr(self, b)}
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from . import cpu_kernels
-
-        if cpu_kernels.decode_input(x) and self.in_features % 64 == 0 and cpu_kernels.available():
-            return cpu_kernels.linear_q(x, self.weight_q, self.weight_scales, getattr(self, "weight_mins", None),
-                                        self.bits, self.group, self.bias)
-        w = dequantize(self.packed(), self.bits, self.group, x.dtype)
-        return torch.nn.functional.linear(x, w, self.bias)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}"
-                f"{' symmetric' if self.bits == 4 and self.symmetric else ''}, group={self.group}, "
-                f"bias={self.bias is not None}")
-
-
-def quantizable_linears(model, expert_prefixes, routers, bits: int, group: int) -> tuple[list[str], list[str]]:
-    """(names, skipped with why) of the non-expert `nn.Linear`s `--linears true` packs: every one outside the
-    routed experts whose input size the kernel takes (a multiple of 64 and of the group), except the routers (their
-    top-k decides which experts run: kept exact) and an output head tied to the input embeddings."""
-    tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
-    out_emb = model.get_output_embeddings()
-    router_ids = {id(r) for r in routers}
-    names, skipped = [], []
-    for name, mod in model.named_modules():
-        if type(mod) is not torch.nn.Linear or name.startswith(tuple(expert_prefixes)):
-            continue
-        if id(mod) in router_ids:
-            continue
-        if tied and mod is out_emb:
-            skipped.append(f"{name}: tied to the input embeddings")
-        elif mod.in_features % group or mod.in_features % 64:
-            skipped.append(f"{name}: input size {mod.in_features} is not a multiple of 64 and of group {group}")
-        else:
-            names.append(name)
-    return names, skipped
-
-
-def install_linears(model, names: list[str], bits: int, group: int, symmetric: bool = False) -> None:
-    """Replace the named `nn.Linear`s of a (meta) model by `QuantLinear`s of the same shape (their buffers on meta,
-    filled by the loader from the checkpoint)."""
-    for name in names:
-        parent, _, attr = name.rpartition(".")
-        try:
-            owner = model.get_submodule(parent) if parent else model
-        except AttributeError:
-            owner = None
-        old = getattr(owner, attr, None)
-        if type(old) is not torch.nn.Linear:
-            raise InputError(f"quantization_config lists linear {name!r}, which this model does not have as a linear "
-                             f"layer (damaged config.json)")
-        dtype = old.weight.dtype
-        setattr(owner, attr, QuantLinear(old.in_features, old.out_features, bits, group, old.bias is not None, dtype,
-                                         symmetric=symmetric))

@@ -111,7 +111,7 @@ def _q4(t) -> dict[str, np.ndarray]:
     32 + j high), scale d (w = d (q - 8))."""
     b = _blocks(t, 18)
     d = b[..., :2].copy().view(np.float16)[..., 0]
-    from . import quant
+    from expertcache.runtime.kernels import quant
 
     qs = b[..., 2:]
     codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(b.shape[0], b.shape[1], -1)  # inputs in order
@@ -237,9 +237,9 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
     from expertcache.telemetry.adapters import weights_fingerprint
     from expertcache.telemetry.atomic import atomic_dir
 
-    from . import quant
-    from .checkpoint import INDEX, PARTS, checkpoint_name
-    from .store import StoreMeta, _write, layout
+    from expertcache.runtime.kernels import quant
+    from expertcache.runtime.storage.checkpoint import INDEX, PARTS, checkpoint_name
+    from expertcache.runtime.storage.store import StoreMeta, _write, layout
 
     path = Path(gguf_file).expanduser()
     r = _reader(path)
@@ -474,7 +474,7 @@ def _check_state(path: Path, cfg, state: dict, linears: list[str]) -> None:
     nothing else; one line for the first that is not."""
     from transformers import AutoModelForCausalLM
 
-    from .checkpoint import checkpoint_name
+    from expertcache.runtime.storage.checkpoint import checkpoint_name
 
     with torch.device("meta"):
         m = AutoModelForCausalLM.from_config(cfg)

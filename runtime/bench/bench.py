@@ -6,7 +6,7 @@ For every (capacity, predictor) configuration, on the same prompts, alternated p
 - ``resident``: the engine with every expert resident (its overhead; the roofline's T_compute);
 - ``on-demand``: the engine at that capacity, no predictor, blocking loads;
 - the configuration itself (predictor + prefetch, the chosen miss policy).
-Every pass is greedy through the decode loop of generate and serve (`decode.timed_greedy`); TPOT comes from the
+Every pass is greedy through the decode loop of generate and serve (`generate.timed_greedy`); TPOT comes from the
 time between successive tokens by its clock, prefill excluded.
 """
 
@@ -20,15 +20,15 @@ import torch
 
 from expertcache.telemetry.errors import InputError
 
-from .engine import EngineConfig, Stats
-from .predictors import TemporalKeep, aux_routers_for, make_predictor
-from .tiers import available_memory, measure_bandwidth
+from expertcache.runtime.engine.engine import EngineConfig, Stats
+from expertcache.runtime.engine.predictors import TemporalKeep, aux_routers_for, make_predictor
+from expertcache.runtime.storage.tiers import available_memory, measure_bandwidth
 
 
 def _pass(model, prompt, n_new, engine=None, warmup: int = 0) -> tuple[list[float], Stats | None, torch.Tensor]:
-    """One timed greedy pass through the decode loop (`decode.timed_greedy`): the decode steps' TPOTs (all of
+    """One timed greedy pass through the decode loop (`generate.timed_greedy`): the decode steps' TPOTs (all of
     them), the engine's counters over the steps after the first `warmup` and the output ids."""
-    from .decode import timed_greedy
+    from expertcache.runtime.serve.generate import timed_greedy
 
     if engine is not None:
         engine.reset()
@@ -80,13 +80,13 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineCon
     alternated. `plain` (the unmodified model, every expert in memory, loaded with
     `from_pretrained`) is the reference when the checkpoint fits in half the available memory (None: decide so).
     The `spatio` predictor and the `scored` policy read the checkpoint's aux routers (`predictors.aux_routers_for`)."""
-    from .checkpoint import Checkpoint
-    from .loader import load, parse_device, parse_dtype, reattach, resolve
+    from expertcache.runtime.storage.checkpoint import Checkpoint
+    from expertcache.runtime.storage.loader import load, parse_device, parse_dtype, reattach, resolve
 
     tier, policy, miss, device = engine.tier, engine.policy, engine.miss, parse_device(engine.device)
     path = resolve(model_dir)
     ckpt_bytes = Checkpoint(path).bytes_on_disk()
-    from .quant import read_config
+    from expertcache.runtime.kernels.quant import read_config
 
     quantized = read_config(path) is not None  # packed experts: transformers has no plain form of them
     if plain and quantized:

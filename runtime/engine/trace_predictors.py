@@ -12,7 +12,7 @@ import functools
 import numpy as np
 import torch
 
-from .predictors import REPLAY_PREDICTORS, Predictor
+from expertcache.runtime.engine.predictors import REPLAY_PREDICTORS, Predictor
 
 # what a replay compares against on-demand when no predictor is named (`bench decode --replay`)
 REPLAY_DEFAULTS = ("persistence", "cooccurrence", "oracle:0.25", "oracle:0.5", "oracle:0.75", "oracle")

@@ -43,13 +43,13 @@ from expertcache.telemetry.cachesim import CacheResult
 from expertcache.telemetry.errors import InputError
 from expertcache.telemetry.registry import Registry
 
-from . import cpu_kernels, fast_step, quant
-from .checkpoint import StoreExperts
-from .layer_view import LayerView
-from .loadqueue import LoadQueue
-from .predictors import Predictor
-from .store import check_store, read_store_meta
-from .tiers import SlotPool, TierSpec, available_memory, choose_tier, make_tier, tier_host_bytes
+from expertcache.runtime.kernels import cpu_kernels, fast_step, patches, quant
+from expertcache.runtime.storage.checkpoint import StoreExperts
+from expertcache.runtime.engine.layer_view import LayerView
+from expertcache.runtime.storage.loadqueue import LoadQueue
+from expertcache.runtime.engine.predictors import Predictor
+from expertcache.runtime.storage.store import check_store, read_store_meta
+from expertcache.runtime.storage.tiers import SlotPool, TierSpec, available_memory, choose_tier, make_tier, tier_host_bytes
 
 # What a step does about a missing expert (the module's docstring, step 1 and 3; `OffloadEngine.run_layer`):
 # wait for it, swap it for a resident one within tau, run the prediction instead, or compute it where it lives.
@@ -247,7 +247,7 @@ class EngineConfig:
             if self.slot_device != "cuda":
                 raise InputError("kernel triton runs on CUDA slots only: add --engine.device cuda (or --engine.tier "
                                  "cuda), or use --engine.kernel native")
-            from .kernels import HAVE_TRITON
+            from expertcache.runtime.kernels.triton_experts import HAVE_TRITON
 
             if not HAVE_TRITON:
                 raise InputError("kernel triton: the triton package is not installed here; use --engine.kernel "
@@ -459,7 +459,7 @@ class OffloadedExperts(nn.Module):
         when the engine is configured for them)."""
         if self._engine[0].cfg.kernel == "triton" and hidden.is_cuda and not getattr(self._tmpl, "has_bias", False) \
                 and tensors is None and self.quant is None:  # (packed experts: quant.swiglu's own triton kernel)
-            from .kernels import swiglu_experts
+            from expertcache.runtime.kernels.triton_experts import swiglu_experts
 
             v = self._tmpl
             return swiglu_experts(hidden, v.gate_up_proj, v.down_proj, slot_index, weights)
@@ -616,10 +616,10 @@ class OffloadEngine:
                 and cpu_kernels.available():  # built (once, cached) only for a model the kernels can compute
             for mod in self.modules:
                 mod.cpu_kernel = mod.swiglu_ok
-            routed, rest = cpu_kernels.patch_routers([L.router for L in self.layers])
-            self._linears = (cpu_kernels.patch_linears(model) + routed + cpu_kernels.patch_calls(rest)
-                             + cpu_kernels.patch_norms(model) + cpu_kernels.patch_attention_modules(model))
-            self._attention = cpu_kernels.patch_attention(model)  # one-token attention over the KV cache
+            routed, rest = patches.patch_routers([L.router for L in self.layers])
+            self._linears = (patches.patch_linears(model) + routed + patches.patch_calls(rest)
+                             + patches.patch_norms(model) + patches.patch_attention_modules(model))
+            self._attention = patches.patch_attention(model)  # one-token attention over the KV cache
             if os.environ.get("EXPERTCACHE_NO_FAST_STEP") != "1":  # a decode step in one function (Qwen3-MoE)
                 self._step = fast_step.patch_decode_step(model)
         # loads run nearest-layer first, demand loads before any prefetch (`loadqueue`)
@@ -1237,8 +1237,8 @@ class OffloadEngine:
             h.remove()
         self._hooks = []
         fast_step.unpatch_decode_step(self._step)  # first: the step relies on the modules patched below
-        cpu_kernels.unpatch_linears(self._linears)
-        cpu_kernels.unpatch_attention(self._attention)
+        patches.unpatch_linears(self._linears)
+        patches.unpatch_attention(self._attention)
         self._linears, self._attention, self._step = [], [], []
         self.pool_exec.shutdown(wait=True)
         for mod in self.modules:  # break the engine <-> module cycle: the slot pools go when the engine does

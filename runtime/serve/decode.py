@@ -201,37 +201,3 @@ class Batch:
         """Drop every row (an error in a step: the cache may be half-updated). Returns them."""
         rows, self.rows, self.cache, self.mask = self.rows, [], None, None
         return rows
-
-
-@torch.no_grad()
-def timed_greedy(model, prompt: torch.Tensor, n_new: int, engine=None, warmup: int = 0, at_mark=None):
-    """The benchmarks' pass: `prompt [1, L]` decoded greedily for exactly `n_new` tokens through the decode loop
-    (no detokenization). Returns (perf_counter at each new token, output ids `[1, L + n_new]`, the engine's
-    counters over the decode steps after the first `warmup` ones, the steps between `times[warmup]` and `times[-1]`
-    (None without an engine; `engine`: one not attached as `model.expertcache`)). `at_mark()`, when given, is
-    called at `times[warmup]`, where the timed steps begin (a benchmark reads its own counters there)."""
-    import copy
-
-    from .generate import Generation
-    from .request import SamplingParams
-
-    g = Generation(model, None, prompt[0].tolist(), SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True))
-    if engine is not None:
-        g.engine = engine
-    batch = Batch(model)
-    batch.admit(g)
-    mark = None  # the engine's counters at times[warmup]
-    marked = False
-    while g.finish_reason is None:
-        batch.step()
-        if not marked and len(g.token_times) > warmup:
-            marked = True
-            if warmup and engine is not None:
-                mark = copy.copy(engine.stats)
-            if at_mark is not None:
-                at_mark()
-    out = torch.tensor([g.prompt_ids + g.completion_ids], dtype=torch.long, device=prompt.device)
-    stats = g.stats
-    if mark is not None and stats is not None:
-        stats = copy.copy(engine.stats) - mark
-    return g.token_times, out, stats

@@ -69,7 +69,7 @@ def aux_routers_for(checkpoint_dir, model) -> AuxRouters:
     """The aux routers saved beside `checkpoint_dir`, checked against `model`, through the installed loader."""
     if _AUX_LOADER is None:
         raise InputError("the spatio predictor and the scored policy need the checkpoint's aux routers, and no "
-                         "loader is installed: call expertcache.runtime.predictors.set_aux_routers_loader("
+                         "loader is installed: call expertcache.runtime.engine.predictors.set_aux_routers_loader("
                          "expertcache.trainer.aux_routers.load_aux_routers) first (the expertcache CLI does)")
     return _AUX_LOADER(checkpoint_dir, model)
 

@@ -3,7 +3,7 @@
 With every expert resident and the expert kernels at memory speed, about a fifth of a Qwen3-MoE decode step on a
 small model was Python around the kernels: the model's decorators, its causal-mask builder and rotary module, every
 decoder layer's and attention module's own forward, output dataclasses. `patch_decode_step` gives a
-`Qwen3MoeForCausalLM` whose parts the engine has already put on the CPU kernels (`cpu_kernels.patch_norms`,
+`Qwen3MoeForCausalLM` whose parts the engine has already put on the CPU kernels (`patches.patch_norms`,
 `patch_attention_modules`, `patch_attention`) a forward that takes a decode step (one token per row, a plain KV
 cache, no grad) straight through the same kernels, in the same order, with the same roundings: its logits are equal
 bit for bit to the module tree's (tested). The MoE blocks (router, engine) and the lm head are still called as
@@ -23,8 +23,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
-from .decode import _cache_kw
+from expertcache.runtime.kernels import cpu_kernels, patches
+from expertcache.runtime.serve.decode import _cache_kw
 
 
 # transformers' output-capturing hook (`utils.output_capturing`): inert unless the decorated forward collects
@@ -75,14 +75,14 @@ class _Qwen3MoeStep:
         if type(emb) is not torch.nn.Embedding or emb.max_norm is not None or emb.weight.dtype != torch.bfloat16:
             return None
         norms = [inner.norm] + [n for L in inner.layers for n in (L.input_layernorm, L.post_attention_layernorm)]
-        if any(getattr(n.__dict__.get("forward"), "__func__", None) is not cpu_kernels._fast_norm
+        if any(getattr(n.__dict__.get("forward"), "__func__", None) is not patches._fast_norm
                or n.weight.dtype != torch.bfloat16 for n in norms):
             return None
         for L in inner.layers:
             a = L.self_attn
-            if getattr(a.__dict__.get("forward"), "__func__", None) is not cpu_kernels._fast_qwen3_attention:
+            if getattr(a.__dict__.get("forward"), "__func__", None) is not patches._fast_qwen3_attention:
                 return None
-            if getattr(a, "sliding_window", None) is not None or a.config._attn_implementation != cpu_kernels.ATTENTION:
+            if getattr(a, "sliding_window", None) is not None or a.config._attn_implementation != patches.ATTENTION:
                 return None
             hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, a.head_dim
             if not (0 < d <= 256 and hk > 0 and hq % hk == 0 and hq // hk <= 16):
@@ -133,16 +133,16 @@ class _Qwen3MoeStep:
                                          or tuple(position_ids.shape) != (B, 1)):
             return False
         # (a config switched back to sdpa sends the step to the modules' own forward, as it does each layer's)
-        return all(c._attn_implementation == cpu_kernels.ATTENTION for c in self.configs) and not self.hooked()
+        return all(c._attn_implementation == patches.ATTENTION for c in self.configs) and not self.hooked()
 
     def __call__(self, ids, cache, attention_mask, position_ids):
         """Logits `[B, 1, V]` of one decode step; `cache` grows by one position per layer."""
         B = ids.shape[0]
         if position_ids is None:
             position_ids = torch.full((1, 1), cache.layers[0].keys.shape[2], dtype=torch.long)
-        mask = None  # additive [B, L], as `cpu_kernels.attention` passes the model's padding mask to `attend_one`
+        mask = None  # additive [B, L], as `patches.attention` passes the model's padding mask to `attend_one`
         if attention_mask is not None and not bool(attention_mask.all()):
-            mask = cpu_kernels._one_token_mask(attention_mask[:, None, None, :].bool(), B, attention_mask.shape[1])
+            mask = patches._one_token_mask(attention_mask[:, None, None, :].bool(), B, attention_mask.shape[1])
         h = F.embedding(ids, self.embed.weight, self.embed.padding_idx)
         cos, sin = self.rotary.forward(h, position_ids)  # (its hooks checked in `takes`)
         if cos.shape[0] != B:  # one position for every row (no padding)

@@ -37,9 +37,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from expertcache.telemetry.errors import InputError
 from expertcache.telemetry.hf import check_context, context_length
 
-from . import fast_step
-from .generate import Generation
-from .request import MAX_LOGPROBS, SamplingParams, chat_prompt, encode
+from expertcache.runtime.kernels import fast_step
+from expertcache.runtime.serve.generate import Generation
+from expertcache.runtime.serve.request import MAX_LOGPROBS, SamplingParams, chat_prompt, encode
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 8  # choices per prompt
@@ -152,7 +152,7 @@ class Decoder:
 
         import torch
 
-        from .decode import Batch
+        from expertcache.runtime.serve.decode import Batch
 
         self.metrics = metrics
         self.batch = Batch(model, max_batch)
@@ -505,7 +505,7 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
         metrics.registry.register(_TraceCollector(trace))
     created = int(time.time())
     context = context_length(model)
-    from .request import checkpoint_sampling
+    from expertcache.runtime.serve.request import checkpoint_sampling
 
     sampling = checkpoint_sampling(model)  # the checkpoint's generation_config: defaults for what a request omits
 

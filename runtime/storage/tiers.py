@@ -25,7 +25,7 @@ import torch
 from expertcache.telemetry.errors import InputError
 from expertcache.telemetry.registry import Registry
 
-from .store import ALIGN, CHECKSUM, FMT, StoreMeta, aligned_buffer, hasher, open_direct
+from expertcache.runtime.storage.store import ALIGN, CHECKSUM, FMT, StoreMeta, aligned_buffer, hasher, open_direct
 
 SPLIT, SPLIT_MIN = 4, 4 << 20  # reads of 4 MiB and more go as 4 concurrent pieces
 

@@ -22,18 +22,18 @@ import torch
 from expertcache.telemetry.cachesim import capacity_count
 from expertcache.telemetry.errors import InputError
 
-from expertcache.telemetry.parquet_trace import load_routing
+from expertcache.telemetry.routing import load_routing
 
-from .checkpoint import StoreExperts
-from .engine import ENGINE_POLICIES, EngineConfig, OffloadEngine
-from .predictors import Predictor
-from .trace_predictors import (REPLAY_DEFAULTS, CooccurrenceEstimator, TracePredictor, check_replay_predictor,
+from expertcache.runtime.storage.checkpoint import StoreExperts
+from expertcache.runtime.engine.engine import ENGINE_POLICIES, EngineConfig, OffloadEngine
+from expertcache.runtime.engine.predictors import Predictor
+from expertcache.runtime.engine.trace_predictors import (REPLAY_DEFAULTS, CooccurrenceEstimator, TracePredictor, check_replay_predictor,
                                next_use_scores, predicted)
-from .store import STORE_DIR, read_store_meta, write_random_store
-from .tiers import make_tier, measure_bandwidth
+from expertcache.runtime.storage.store import STORE_DIR, read_store_meta, write_random_store
+from expertcache.runtime.storage.tiers import make_tier, measure_bandwidth
 
 # the reference Qwen3-30B-A3B traces ship with the package (MIT; telemetry/reference/README.md)
-REFERENCE_DIR = Path(__file__).resolve().parents[1] / "telemetry" / "reference" / "qwen3-30b-a3b-routing"
+REFERENCE_DIR = Path(__file__).resolve().parents[2] / "telemetry" / "reference" / "qwen3-30b-a3b-routing"
 REFERENCE_TRACE = str(REFERENCE_DIR / "code.npz")
 
 
@@ -51,7 +51,7 @@ def check_replay_fits(store_dir, layers: int, num_experts: int, hidden: int, int
     in RAM fits in the memory available."""
     import shutil
 
-    from .tiers import TierSpec, available_memory
+    from expertcache.runtime.storage.tiers import TierSpec, available_memory
 
     total = layers * num_experts * per_expert
     path = Path(store_dir) / f"replay-{layers}x{num_experts}-{hidden}x{inter}-{dtype}.store"
@@ -101,7 +101,7 @@ def replay_model(layers: int, num_experts: int, top_k: int, hidden: int, inter: 
     engine replaces them); nothing else is ever materialised."""
     from transformers import Qwen3MoeConfig
 
-    from .loader import _meta_model
+    from expertcache.runtime.storage.loader import _meta_model
 
     cfg = Qwen3MoeConfig(vocab_size=16, hidden_size=hidden, intermediate_size=inter, moe_intermediate_size=inter,
                          num_hidden_layers=layers, num_attention_heads=1, num_key_value_heads=1, head_dim=8,
@@ -297,7 +297,7 @@ def replay_benchmark(trace: str | Path = REFERENCE_TRACE, expert_shape: str = "2
         t_transfer = s["traffic_bytes_per_token"] / bw
         s["t_transfer_s"] = t_transfer
         s["roofline_s"] = max(t_compute, t_transfer)
-        from .bench import overlap
+        from expertcache.runtime.bench.bench import overlap
 
         s.update(overlap(max(t_compute, t_transfer), s["tpot_median_s"]))
         if c.name != "on-demand":

@@ -32,8 +32,8 @@ import torch
 from expertcache.telemetry.atomic import write_json
 from expertcache.telemetry.errors import InputError
 
-from .checkpoint import (CHECKSUM_INDEX, INDEX_FORMAT, INDEX_VERSION, CheckpointExperts, Span, expert_order)
-from .store import CHECKSUM, checksum, hasher, read_store_meta
+from expertcache.runtime.storage.checkpoint import (CHECKSUM_INDEX, INDEX_FORMAT, INDEX_VERSION, CheckpointExperts, Span, expert_order)
+from expertcache.runtime.storage.store import CHECKSUM, checksum, hasher, read_store_meta
 
 LIST_MAX = 100  # entries of each problem list in the report (the counts are complete)
 OUTLIER_RATIO = 1000.0  # a tensor's max |w| above this many times its siblings' lower quartile is an outlier
@@ -193,7 +193,7 @@ def verify_checkpoint(path: str | Path, write_index: bool = True, progress=None,
     magnitude outlier among its siblings. The index is written when there was none and nothing failed, or on
     `rebless` (the current bytes become the reference; non-finite weights and outliers are still refused); a
     changed file never rewrites it silently."""
-    from .loader import expert_source
+    from expertcache.runtime.storage.loader import expert_source
 
     t0 = time.perf_counter()
     path = Path(path)
@@ -289,8 +289,8 @@ def verify_quantized(path: Path, qc: dict, progress=None) -> dict:
     """An `expertcache quantize` checkpoint: every expert block of its store file(s) against the store's checksum
     table, every float tensor (the experts' fp16 scales and minimums, the non-expert weights) finite and no
     magnitude outlier among its siblings. Its stores carry their own reference: nothing is written."""
-    from .checkpoint import Checkpoint
-    from .quant import open_source
+    from expertcache.runtime.storage.checkpoint import Checkpoint
+    from expertcache.runtime.kernels.quant import open_source
 
     t0 = time.perf_counter()
     src = open_source(path, qc, verify=True)
@@ -360,7 +360,7 @@ def verify(model: str | Path, *, write_index: bool = True, progress=None, rebles
     if p.is_file():
         return verify_store(p, progress)
     if p.is_dir():
-        from .quant import read_config
+        from expertcache.runtime.kernels.quant import read_config
 
         qc = read_config(p)
         if qc is not None:  # packed experts in store files, which carry their own checksum tables

@@ -12,7 +12,7 @@ runs today, side by side.
    - ``mmap``: the page cache as the expert cache (the safetensors file mapped, experts computed in place, as
      llama.cpp does by default);
    - ``llama.cpp``: llama.cpp itself (`llama-bench`, mmap) on a BF16 GGUF conversion of the same checkpoint
-     (`runtime/llamacpp.py`); it routes with the model's own routers, so it runs with `routing="native"` only.
+     (`runtime/bench/llamacpp.py`); it routes with the model's own routers, so it runs with `routing="native"` only.
    Every system but the ``:unbounded`` ones runs inside one memory cgroup of the budget (resident memory and page
    cache) when one can be made (root); ``mmap:unbounded``/``llama.cpp:unbounded`` are what a user gets by default.
    Each run is its own process (its peak RSS is its own); the page cache is dropped before each when this
@@ -32,16 +32,16 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench import peak_rss_bytes, rounds_apart, rss_bytes
+from expertcache.runtime.bench.bench import peak_rss_bytes, rounds_apart, rss_bytes
 import torch
 
 from expertcache.telemetry.atomic import open_log
 from expertcache.telemetry.errors import InputError
 
-from .bigckpt import ALIGN, EXPERTS, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, TOP_K, expert_bytes, physical_ram, \
+from expertcache.runtime.bench.bigckpt import ALIGN, EXPERTS, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, TOP_K, expert_bytes, physical_ram, \
     write_checkpoint
-from .checkpoint import free_disk
-from .engine import EngineConfig
+from expertcache.runtime.storage.checkpoint import free_disk
+from expertcache.runtime.engine.engine import EngineConfig
 
 # `mmap` (and every system but the `:unbounded` one) runs inside a memory cgroup of the budget when one can be made;
 # `mmap:unbounded` is the page cache a user gets by default (all the free RAM)
@@ -117,7 +117,7 @@ class TraceRouting:
 
 def _slot_bytes(ckpt: Path) -> int:
     """Bytes one cached expert takes: a quantized checkpoint's store block, else the bf16 expert (+ alignment)."""
-    from .quant import open_source, read_config
+    from expertcache.runtime.kernels.quant import open_source, read_config
 
     qc = read_config(ckpt)
     return open_source(ckpt, qc).meta.block_bytes if qc else expert_bytes() + ALIGN
@@ -126,7 +126,7 @@ def _slot_bytes(ckpt: Path) -> int:
 def replay_only(spec: str) -> bool:
     """Whether a predictor name is one only a routing trace can serve (cooccurrence, oracle[:recall]): in bench big,
     the trace-routing prefetch rows only."""
-    from .predictors import LIVE_PREDICTORS, REPLAY_PREDICTORS
+    from expertcache.runtime.engine.predictors import LIVE_PREDICTORS, REPLAY_PREDICTORS
 
     return spec not in LIVE_PREDICTORS and spec in REPLAY_PREDICTORS
 
@@ -135,7 +135,7 @@ def check_system(name: str, engine: EngineConfig, routing: str) -> None:
     """A system of bench big, before anything runs: its name and engine options (`system_engine`), and a prefetch
     row's predictor: a live one (probe:D, persistence, ...) as everywhere; a trace's own (cooccurrence,
     oracle[:recall]) only with --routing trace, where the trace is the routing."""
-    from .predictors import check_predictor_spec
+    from expertcache.runtime.engine.predictors import check_predictor_spec
 
     spec = system_engine(name, engine).predictor
     if parse_system(name)[0] != "expertcache:prefetch" or spec == "none":
@@ -158,10 +158,10 @@ def _load_system(system: str, ckpt: Path, budget: int, layers: int, trace_ids: n
     from expertcache.telemetry.adapters import adapter_for
 
     if system.startswith("expertcache"):  # expertcache:on-demand | :prefetch, then :int8 / :int4 for quantized
-        from .loader import load
-        from .trace_predictors import CooccurrenceEstimator, CooccurrencePredictor, TracePredictor
+        from expertcache.runtime.storage.loader import load
+        from expertcache.runtime.engine.trace_predictors import CooccurrenceEstimator, CooccurrencePredictor, TracePredictor
 
-        from .engine import STREAM_SLOTS_PER_K
+        from expertcache.runtime.engine.engine import STREAM_SLOTS_PER_K
 
         # the stream slots (a prefill's misses) come out of the budget too: with every slot touched when it is
         # made, the cache's whole size is resident from the start, and a cgroup of the budget holds no slack
@@ -202,8 +202,8 @@ def _mmap_model(ckpt: Path):
     and the page cache keeps what it keeps."""
     import mmap
 
-    from .checkpoint import Checkpoint
-    from .loader import build_offloaded
+    from expertcache.runtime.storage.checkpoint import Checkpoint
+    from expertcache.runtime.storage.loader import build_offloaded
 
     m, source = build_offloaded(ckpt)
     ck: Checkpoint = source.ckpt
@@ -254,7 +254,7 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
     `ckpt`: the bf16 checkpoint; an expertcache system named `...:int8`/`...:int4` reads its quantized copy.
     `engine`: expertcache's `EngineConfig` fields (default: the disk tier). `routing`: trace (every router's
     choice replaced by the trace's) or native (the checkpoint's own routers)."""
-    from expertcache.telemetry.parquet_trace import load_routing
+    from expertcache.telemetry.routing import load_routing
 
     ckpt = Path(ckpt)
     fmt = parse_system(system)[1]
@@ -281,12 +281,12 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
         print(f"{system}: resident after loading {rss_load / 2**30:.2f} GiB, of which cache slots "
               f"{eng.fast_bytes / 2**30:.2f} GiB (streaming buffers and activations come on top), budget "
               f"{budget / 2**30:.2f} GiB{over}", file=sys.stderr, flush=True)
-    from .trace_predictors import TracePredictor
+    from expertcache.runtime.engine.trace_predictors import TracePredictor
 
     told = eng.predictor if eng is not None and isinstance(eng.predictor, TracePredictor) else None
     forced = None if native else TraceRouting(routers, ids, start, told)
     prompt = torch.randint(2, cfg["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(0))
-    from .decode import timed_greedy
+    from expertcache.runtime.serve.generate import timed_greedy
 
     io1 = _read_bytes()
     # the decode loop of generate and serve; the engine's counters over the timed steps (after the warmup)
@@ -317,7 +317,7 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
                     "time_budget_s": dec_stats.time_budget(times[-1] - times[warmup], n_dec),
                     "traffic_bytes_per_token": d["traffic_bytes_per_token"], "engine": eng.describe()})
         if eng.tier.name == "disk":  # the reads' achieved bandwidth beside this disk's limits, measured after the
-            from .tiers import read_limits  # timed tokens (into buffers of its own: the cache is not touched)
+            from expertcache.runtime.storage.tiers import read_limits  # timed tokens (into buffers of its own: the cache is not touched)
 
             lim = read_limits(eng.tier, eng.meta, eng.meta.num_layers, cfg_engine.workers)
             res["read_bandwidth"] = {"in_flight_GBps": d["read_GBps_in_flight"],
@@ -334,7 +334,7 @@ def run_process(job: dict, log: Path, cg=None, timeout_s: float = 3600) -> dict:
     its result with the cgroup's peak, or `{"error": ...}` quoting the log's last line."""
     if cg is not None:
         cg.reset_peak()
-    cmd = [sys.executable, "-m", "expertcache.runtime.bigbench", json.dumps(job)]
+    cmd = [sys.executable, "-m", "expertcache.runtime.bench.bigbench", json.dumps(job)]
     with open_log(log, fresh=True) as lf:
         p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=lf, text=True, timeout=timeout_s,
                            preexec_fn=cg.preexec if cg is not None else None)
@@ -356,7 +356,7 @@ def prepare_llamacpp(systems, routing: str, ckpt: Path, out_dir: Path, llamacpp_
     if routing != "native":
         return None, None, {s: "llama.cpp routes with the model's own routers: run with --routing native"
                             for s in want}
-    from . import llamacpp
+    from expertcache.runtime.bench import llamacpp
 
     try:
         src = llamacpp.source_dir(Path(llamacpp_dir) if llamacpp_dir else None)
@@ -377,7 +377,7 @@ def run_llamacpp(system: str, bins: Path, gguf: Path, tokens: int, warmup: int, 
     `tpot_s` holds one figure, llama-bench's mean over the timed tokens (it times the run, not each token); the
     bytes read per token are the child's own during the timed test (with no warm-up: the whole run's, loading
     included, and `disk_read_includes_load` says so)."""
-    from .llamacpp import bench
+    from expertcache.runtime.bench.llamacpp import bench
 
     r = bench(bins, gguf, threads, tokens, warmup, prompt_len, 1, preexec, timeout_s, log)
     if r["read_bytes_timed"] is not None:  # from the end of the warm-up test: the timed test (its context and
@@ -477,8 +477,8 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
     (llama.cpp built from the PyPI sdist's source in `llamacpp_dir`, default `runtime.llamacpp.cache_dir()`); the
     GGUF is deleted when done unless `keep_gguf`. A llama.cpp step that fails skips its systems with the reason in
     the JSON (`skipped`)."""
-    from .memcg import MemoryCgroup
-    from .replay import REFERENCE_TRACE
+    from expertcache.runtime.bench.memcg import MemoryCgroup
+    from expertcache.runtime.bench.replay import REFERENCE_TRACE
 
     trace = trace or REFERENCE_TRACE
     out_dir = Path(out_dir)
@@ -496,14 +496,14 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
     for f in experts:
         q = quantized_path(ckpt, f, quant_linears)
         if f != "bf16" and not (q / "config.json").is_file():
-            from .quant import write_quantized
+            from expertcache.runtime.kernels.quant_write import write_quantized
 
             write_quantized(ckpt, q, 8 if f == "int8" else 4, QUANT_GROUP, progress=lambda: progress and progress(1),
                             linears=quant_linears)
     systems = system_names(systems, experts)
     threads = torch.get_num_threads()  # what each system's own process gets (torch's default here)
     if any(s.startswith("expertcache") for s in systems):  # the CPU kernels built here if they must be, not by the
-        from .cpu_kernels import load as load_kernels  # first round: inside the cgroup, beside a loaded model, a
+        from expertcache.runtime.kernels.cpu_kernels import load as load_kernels  # first round: inside the cgroup, beside a loaded model, a
 
         load_kernels()  # build crawled along at half a core for over ten minutes, its time the run's
     bins, gguf_path, skipped = prepare_llamacpp(systems, routing, ckpt, out_dir, llamacpp_dir)
@@ -525,7 +525,7 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                 bounded = cg is not None and not s.endswith(":unbounded")
                 log = out_dir / f"{s.replace(':', '-').replace('/', '+')}-round{r}.log"
                 if s in NATIVE_ONLY:
-                    from .llamacpp import LlamaCppError
+                    from expertcache.runtime.bench.llamacpp import LlamaCppError
 
                     if bounded:
                         cg.reset_peak()
@@ -640,7 +640,7 @@ def roofline(budget: dict, traffic_bytes: float, disk_GBps: float) -> dict:
     `t_transfer_s` the expert bytes moved over the disk's measured bandwidth at the engine's queue depth. Reads
     fully overlapped with compute would reach `bound_s` = max of the two; `overlap_efficiency` is that bound over
     the measured mean TPOT (the budget's, the same tokens), `no_overlap_s` their sum."""
-    from .bench import overlap
+    from expertcache.runtime.bench.bench import overlap
 
     t_c = budget["tpot"] - budget["stall"]
     t_t = traffic_bytes / (disk_GBps * 1e9) if disk_GBps else float("inf")
@@ -752,7 +752,7 @@ def main(argv=None) -> int:
     object of `run_one`'s arguments (written by `bench_big`; this is no user command); prints one JSON line."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m expertcache.runtime.bigbench JOB_JSON (run by `expertcache bench big`)",
+        print("usage: python -m expertcache.runtime.bench.bigbench JOB_JSON (run by `expertcache bench big`)",
               file=sys.stderr)
         return 2
     job = json.loads(argv[0])

@@ -22,7 +22,8 @@ import torch
 
 from expertcache.telemetry.errors import InputError
 
-from .request import SamplingParams, chat_prompt, encode, eos_ids, user_prompt
+from expertcache.runtime.serve.decode import Batch
+from expertcache.runtime.serve.request import SamplingParams, chat_prompt, encode, eos_ids, user_prompt
 
 
 # --- the decode loop -----------------------------------------------------------------------------------------
@@ -196,8 +197,6 @@ class Generation:
 
     def __iter__(self):
         """Decode alone (a batch of one), yielding text as it comes; the `cancel` event stops it at the next token."""
-        from .decode import Batch
-
         batch = Batch(self.model)
         if self.cancel.is_set():
             self._begin()
@@ -337,8 +336,6 @@ def generate_many(model, tokenizer, prompts: list[str], params: SamplingParams, 
     """Decode every prompt through the one decode loop, up to `max_batch` sequences together: a finished one leaves
     the batch and the next prompt joins it (continuous batching, as `serve`). `on_done(i, generation)` as each
     finishes. Returns the generations in prompt order and the wall time."""
-    from .decode import Batch
-
     gens = [Generation(model, tokenizer, encode(tokenizer, p, templated), copy.copy(params)) for p in prompts]
     batch, queue, t0 = Batch(model, max_batch), list(range(len(gens))), time.perf_counter()
     index = {id(g): i for i, g in enumerate(gens)}
@@ -352,3 +349,34 @@ def generate_many(model, tokenizer, prompts: list[str], params: SamplingParams, 
             if g.finish_reason is not None and on_done:
                 on_done(index[id(g)], g)
     return gens, time.perf_counter() - t0
+
+
+@torch.no_grad()
+def timed_greedy(model, prompt: torch.Tensor, n_new: int, engine=None, warmup: int = 0, at_mark=None):
+    """The benchmarks' pass: `prompt [1, L]` decoded greedily for exactly `n_new` tokens through the decode loop
+    (no detokenization). Returns (perf_counter at each new token, output ids `[1, L + n_new]`, the engine's
+    counters over the decode steps after the first `warmup` ones, the steps between `times[warmup]` and `times[-1]`
+    (None without an engine; `engine`: one not attached as `model.expertcache`)). `at_mark()`, when given, is
+    called at `times[warmup]`, where the timed steps begin (a benchmark reads its own counters there)."""
+    import copy
+
+    g = Generation(model, None, prompt[0].tolist(), SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True))
+    if engine is not None:
+        g.engine = engine
+    batch = Batch(model)
+    batch.admit(g)
+    mark = None  # the engine's counters at times[warmup]
+    marked = False
+    while g.finish_reason is None:
+        batch.step()
+        if not marked and len(g.token_times) > warmup:
+            marked = True
+            if warmup and engine is not None:
+                mark = copy.copy(engine.stats)
+            if at_mark is not None:
+                at_mark()
+    out = torch.tensor([g.prompt_ids + g.completion_ids], dtype=torch.long, device=prompt.device)
+    stats = g.stats
+    if mark is not None and stats is not None:
+        stats = copy.copy(engine.stats) - mark
+    return g.token_times, out, stats

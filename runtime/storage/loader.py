@@ -23,8 +23,8 @@ import torch
 
 from expertcache.telemetry.errors import InputError
 
-from .checkpoint import Checkpoint, CheckpointExperts, checkpoint_name
-from .engine import EngineConfig, OffloadEngine
+from expertcache.runtime.storage.checkpoint import Checkpoint, CheckpointExperts, checkpoint_name
+from expertcache.runtime.engine.engine import EngineConfig, OffloadEngine
 
 from expertcache.telemetry.hf import DTYPE_NAMES as DTYPES, parse_dtype  # noqa: E402,F401 - the one dtype map
 
@@ -106,8 +106,7 @@ def build_offloaded(path: str | Path, dtype=None, verify: bool | None = None):
     each expert read against the checkpoint's checksum index (`CheckpointExperts.use_index`)."""
     from expertcache.telemetry.adapters import router_fingerprint
 
-    from . import quant
-
+    from expertcache.runtime.kernels import qlinear, quant
     path = Path(path)
     dtype = parse_dtype(dtype)
     qc = quant.read_config(path)  # a checkpoint of `expertcache quantize`: experts in its store file
@@ -136,7 +135,7 @@ def build_offloaded(path: str | Path, dtype=None, verify: bool | None = None):
             if with_mins and sym:
                 raise InputError(f"{path}: quantization_config says symmetric, but packed linear {with_mins[0]} "
                                  f"stores minimums (damaged config.json)")
-        quant.install_linears(model, lin["modules"], qc["bits"], qc["group_size"], sym)
+        qlinear.install_linears(model, lin["modules"], qc["bits"], qc["group_size"], sym)
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if name.startswith(expert_prefixes):
             continue
@@ -146,7 +145,7 @@ def build_offloaded(path: str | Path, dtype=None, verify: bool | None = None):
         if ck not in ckpt.tensors:
             if isinstance(p, torch.nn.Parameter) and p.is_meta and not _tied(model, name):
                 raise InputError(f"checkpoint {path} has no tensor {ck} (model parameter {name})")
-            if isinstance(mod, quant.QuantLinear):  # a packed linear's integers, scales or minimums
+            if isinstance(mod, qlinear.QuantLinear):  # a packed linear's integers, scales or minimums
                 raise InputError(f"checkpoint {path} has no tensor {ck} (packed linear {mod_name}"
                                  + (": quantization_config says min-max int4, not symmetric" if attr == "weight_mins"
                                     else "") + "; damaged checkpoint or config.json)")
@@ -164,7 +163,7 @@ def build_offloaded(path: str | Path, dtype=None, verify: bool | None = None):
     if getattr(config.get_text_config(), "tie_word_embeddings", False):
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     if qc is not None:
-        from .store import check_store
+        from expertcache.runtime.storage.store import check_store
 
         source = quant.open_source(path, qc, verify)  # one store, or one per format (mixed precision)
         check_store(source.meta, model)
@@ -215,7 +214,7 @@ def load(model: str | Path, capacity: float = 0.25, tier: str = "auto", device: 
     max_inflight_bytes); or give one `engine: EngineConfig` (what the commands take) instead of them (a `Predictor`
     object may go beside it). The engine is `model.expertcache`.
     """
-    from .predictors import Predictor, TemporalKeep, aux_routers_for, check_predictor_spec, make_predictor
+    from expertcache.runtime.engine.predictors import Predictor, TemporalKeep, aux_routers_for, check_predictor_spec, make_predictor
 
     if engine is not None:  # the one carrier of engine options: its fields, nothing given beside it
         given = sorted(engine_options) + (["predictor"] if isinstance(predictor, str) and predictor != "none" else [])

@@ -1,0 +1,236 @@
+"""The CPU expert kernels (`runtime/kernels/csrc/experts_cpu.cpp`): one or a few tokens through k experts' SwiGLU MLPs in
+bf16, int8 or int4, reading each weight once, with AVX-512 BF16 / VNNI.
+
+The extension is compiled on first use with `torch.utils.cpp_extension` (a C++ compiler and ninja are needed; `make
+install` builds it once) into a cache folder keyed by the source's hash and torch's version. Where it cannot be built
+or loaded (no compiler, a CPU without AVX-512 BF16 and VNNI, a failed build), `available()` is False, one warning line
+says why, and every caller keeps the torch path: nothing here ever raises on import.
+
+Threads: the kernels split their work over torch's intra-op threads (`torch.set_num_threads`; `--threads` in the
+benchmarks). Set `EXPERTCACHE_NO_EXT=1` to skip the extension.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import platform
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+_SRC = Path(__file__).parent / "csrc" / "experts_cpu.cpp"
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma",
+          "-mf16c", "-std=c++17", "-fopenmp"]  # at::parallel_for is OpenMP in torch's CPU wheels
+_NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("EXPERTCACHE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "expertcache")
+    # keyed by the source, the flags and the torch it builds against (its headers' path is in ninja's build file:
+    # two environments sharing one folder, a clean clone's `make test` venv beside the working tree's, rebuilt
+    # each other's extension on every switch)
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    digest = hashlib.sha256(_SRC.read_bytes() + " ".join(_FLAGS).encode() + torch_dir.encode()).hexdigest()[:16]
+    return Path(base) / "ext" / f"torch{torch.__version__.replace('+', '_')}-{digest}"
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _why_not() -> str | None:
+    if os.environ.get("EXPERTCACHE_NO_EXT"):
+        return "EXPERTCACHE_NO_EXT is set"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"the kernels are written for x86-64 with AVX-512, not {platform.machine()}"
+    missing = [f for f in _NEEDS if f not in cpu_flags()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    return None
+
+
+@contextlib.contextmanager
+def _build_lock(d: Path):
+    """One build at a time in `d`, under a lock the kernel drops when its holder dies (`flock`). torch's own lock
+    is a file that a build killed midway (Ctrl-C, an out-of-memory kill) leaves behind, and every later process
+    then waited on it forever, silently; holding ours, any such file is stale, and it goes."""
+    import fcntl
+    import sys
+
+    fd = os.open(d / ".build.flock", os.O_RDWR | os.O_CREAT, 0o644)  # a lock, never written
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        stale = d / "lock"
+        if stale.exists():
+            print(f"expertcache: removing {stale}, left by a build of the CPU kernels that was killed",
+                  file=sys.stderr, flush=True)
+            stale.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)  # the flock goes with it
+
+
+def load(verbose: bool = False) -> bool:
+    """Build (once, cached) and load the extension; True when its ops are usable. Never raises."""
+    if "ok" in _state:  # decided: no lock on the per-call path (`quant.swiglu` asks on every layer)
+        return _state["ok"]
+    with _lock:
+        if "ok" in _state:
+            return _state["ok"]
+        why = _why_not()
+        if why is None:
+            try:
+                from torch.utils import cpp_extension
+
+                d = cache_dir()
+                d.mkdir(parents=True, exist_ok=True)
+                if not (d / "expertcache_cpu.so").is_file():  # the first use on this machine: say why it waits
+                    import sys
+
+                    print(f"expertcache: building the CPU expert kernels once (about 10 s; cached in {d})",
+                          file=sys.stderr, flush=True)
+                with _build_lock(d):
+                    # built from a copy inside the (content-keyed) folder: ninja's build file names its source by
+                    # path, so two checkouts of the same code (a clean clone's `make test` beside the working tree)
+                    # rebuilt each other's extension, minutes each time, and inside `bench big`'s memory cgroup
+                    src = d / _SRC.name  # the folder is keyed by the source's bytes: a copy there is this one
+                    if not src.is_file():
+                        from expertcache.telemetry.atomic import write_bytes
+
+                        write_bytes(src, _SRC.read_bytes())
+                    cpp_extension.load(name="expertcache_cpu", sources=[str(src)], extra_cflags=_FLAGS,
+                                       extra_ldflags=["-fopenmp"],
+                                       build_directory=str(d), is_python_module=False, verbose=verbose)
+                torch.ops.expertcache_cpu.read_bytes  # noqa: B018 - registered?
+            except Exception as e:  # noqa: BLE001 - any failure falls back; the line says what it was
+                msg = str(e).strip().splitlines()
+                why = f"the build failed ({type(e).__name__}: {msg[-1] if msg else ''})"
+        _state["ok"] = why is None
+        _state["why"] = why
+        if why is not None:
+            warnings.warn(f"expertcache: CPU expert kernels unavailable ({why}); experts compute with torch",
+                          RuntimeWarning, stacklevel=2)
+        return _state["ok"]
+
+
+def available() -> bool:
+    return load()
+
+
+def why_unavailable() -> str | None:
+    load()
+    return _state.get("why")
+
+
+def swiglu_bf16(x, gate_up, down, slots, weights) -> torch.Tensor:
+    """x [T, H], gate_up [S, 2I, H] bf16, down [S, H, I] bf16, slots [T, k], weights [T, k] -> y [T, H] in x's
+    dtype (fp32 accumulation)."""
+    return torch.ops.expertcache_cpu.swiglu_bf16(x, gate_up, down, slots, weights).to(x.dtype)
+
+
+def linear_bf16(x, weight, bias=None) -> torch.Tensor:
+    """`F.linear` for a few rows of bf16 weights: x [..., in] -> [..., out] in x's dtype (fp32 accumulation)."""
+    lead = x.shape[:-1]
+    y = torch.ops.expertcache_cpu.linear_bf16(x.reshape(-1, x.shape[-1]), weight, bias)
+    return y.to(x.dtype).reshape(*lead, weight.shape[0])
+
+
+MAX_ROWS = 8  # decode-sized calls take the kernels; a prefill's GEMM stays with torch (oneDNN)
+
+
+def decode_input(x) -> bool:
+    """Whether `x` is an input the decode kernels take: on the CPU, at most `MAX_ROWS` rows, no grad (training
+    keeps torch's autograd path; a prefill's GEMM stays with torch)."""
+    return (isinstance(x, torch.Tensor) and not x.is_cuda and x.dim() >= 1
+            and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and not torch.is_grad_enabled())
+
+
+def decode_sized(x, w) -> bool:
+    """Whether `F.linear(x, w)` is one `linear_bf16` takes: a `decode_input` in bf16 and a 2-D bf16 weight with
+    contiguous rows on the CPU."""
+    return (decode_input(x) and x.dtype == torch.bfloat16 and isinstance(w, torch.Tensor)
+            and w.dtype == torch.bfloat16 and w.dim() == 2 and not w.is_cuda and w.stride(-1) == 1)
+
+
+def rms_norm(x, weight, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm in one call: `weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`, fp32 inside; x and
+    weight both bf16 or both fp32."""
+    return torch.ops.expertcache_cpu.rms_norm(x, weight, eps)
+
+
+def route_topk(x, weight, k: int, norm: bool):
+    """A top-k router in one call: (logits [T, E] bf16, weights [T, k] bf16, experts [T, k] int64) for bf16 x [T, H]
+    and weight [E, H]: the logits as `linear_bf16` computes them, then softmax in fp32, `torch.topk`, renormalized
+    to sum 1 when `norm`, as transformers' top-k routers do."""
+    return torch.ops.expertcache_cpu.route_topk(x, weight, k, norm)
+
+
+def qk_norm_rope(q, k, wq, wk, eps_q: float, eps_k: float, cos, sin):
+    """The decode step's query and key heads through their RMSNorms and the rotary embedding: q [B, 1, Hq, D] and
+    k [B, 1, Hk, D] bf16 (the projections viewed per head), norm weights [D], cos / sin [B, 1, D] -> (q, k)
+    [B, H, 1, D], bit for bit what `q_norm`, `k_norm`, the transpose and `apply_rotary_pos_emb` give."""
+    return torch.ops.expertcache_cpu.qk_norm_rope(q, k, wq, wk, eps_q, eps_k, cos, sin)
+
+
+def swiglu_q(x, gu: dict, dn: dict, bits: int, group: int, slots, weights) -> torch.Tensor:
+    """The integer path: `gu`/`dn` hold `q`, `scales` (and `mins` for int4) as written by `runtime.quant`."""
+    return torch.ops.expertcache_cpu.swiglu_q(x, gu["q"], gu["scales"], gu.get("mins"), dn["q"], dn["scales"],
+                                              dn.get("mins"), bits, group, slots, weights).to(x.dtype)
+
+
+def linear_q(x, q, scales, mins, bits: int, group: int, bias=None) -> torch.Tensor:
+    """A packed linear layer: x [..., in] -> [..., out] in x's dtype; q/scales/mins as `runtime.quant.quantize`
+    writes them for a 2-D weight (int8 activations per 32 inputs, fp32 accumulation)."""
+    lead = x.shape[:-1]
+    y = torch.ops.expertcache_cpu.linear_q(x.reshape(-1, x.shape[-1]), q, scales, mins, bits, group, bias)
+    return y.to(x.dtype).reshape(*lead, q.shape[0])
+
+
+def attend_one(q, k, v, mask=None, scale: float | None = None) -> torch.Tensor:
+    """One query per (row, head) against a KV cache: q [B, Hq, D], k and v [B, Hkv, L, D] (rows contiguous; Hq a
+    multiple of Hkv: grouped-query attention), mask an additive [B, L] (0 or -inf) or None -> [B, Hq, D] in q's
+    dtype (bf16 or fp32; fp32 scores and sums)."""
+    return torch.ops.expertcache_cpu.attend_one(q, k, v, mask, scale if scale is not None else q.shape[-1] ** -0.5)
+
+
+def release_freed() -> None:
+    """Hands memory the process has freed back to the system (glibc's `malloc_trim`; a no-op elsewhere). The
+    replaced weights of fused projections are freed from the heap, where glibc keeps them: on the 27-layer
+    Qwen3-30B-A3B shape they stayed resident (0.41 GiB more RSS), and `bench big`'s engine, sized to its memory
+    cgroup, was killed for it."""
+    import ctypes
+
+    try:  # the process's own symbols (no `ldconfig` run to find libc): glibc's malloc_trim where there is one
+        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except OSError:
+        trim = None
+    if trim is not None:
+        trim(0)
+
+
+def read_bandwidth(nbytes: int = 1 << 30, rounds: int = 5) -> float:
+    """This machine's memory read bandwidth in bytes/s at torch's current thread count: the median of `rounds`
+    passes over a buffer far larger than the caches (the extension's streaming read)."""
+    import statistics
+    import time
+
+    buf = torch.ones(nbytes, dtype=torch.uint8)
+    torch.ops.expertcache_cpu.read_bytes(buf)  # first touch
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        torch.ops.expertcache_cpu.read_bytes(buf)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times)
