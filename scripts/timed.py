@@ -1,0 +1,49 @@
+"""Run a command and record its wall time in results/make_times.json (`make quickstart`, `make test`, `make test-fast`
+call it, so the times the README quotes are the last ones measured, with the machine and the commit).
+
+    python scripts/timed.py NAME -- CMD [ARGS ...]
+
+Exits with the command's status; the time is recorded whatever the status, marked with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from expertcache.telemetry.atomic import write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "results" / "make_times.json"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3 or argv[1] != "--":
+        print("usage: python scripts/timed.py NAME -- CMD [ARGS ...]", file=sys.stderr)
+        return 2
+    name, cmd = argv[0], argv[2:]
+    t0 = time.perf_counter()
+    rc = subprocess.call(cmd)
+    wall = time.perf_counter() - t0
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    try:
+        times = json.loads(OUT.read_text())
+    except (OSError, ValueError):
+        times = {}
+    load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    times[name] = {"wall_s": round(wall, 1), "exit": rc, "command": " ".join(cmd), "commit": head.strip(),
+                   "cpus": os.cpu_count(), "machine": platform.machine(), "load_after_1min": load1,
+                   "ci": bool(os.environ.get("CI")),
+                   "when": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    write_json(OUT, times)  # silently: the command's own last line (pytest's summary) stays the last line
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
