@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from expertcache.runtime.engine.engine import EngineConfig
+from expertcache.runtime.engine.config import EngineConfig
 from expertcache.telemetry.errors import InputError
 
 from .taskdata import DEFAULT_TASKS, LOCAL_TASKS

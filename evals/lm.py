@@ -19,7 +19,7 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from expertcache.runtime.engine.engine import EngineConfig
+from expertcache.runtime.engine.config import EngineConfig
 from expertcache.runtime.kernels.quant import QUANT_METHOD
 
 from .served import open_model

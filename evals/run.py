@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from expertcache.runtime.engine.engine import EngineConfig
+from expertcache.runtime.engine.config import EngineConfig
 from expertcache.telemetry.atomic import write_json
 from expertcache.telemetry.errors import InputError
 

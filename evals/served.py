@@ -3,7 +3,7 @@ offload engine under an `EngineConfig` (the runtime's one set of engine options)
 
 from __future__ import annotations
 
-from expertcache.runtime.engine.engine import EngineConfig
+from expertcache.runtime.engine.config import EngineConfig
 
 
 def label(engine: EngineConfig | None) -> str:

@@ -64,7 +64,7 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
     written (JSON and plot) after each one, so an interrupted frontier keeps what it measured."""
     from expertcache.evals.gate import EVAL_FORMAT_VERSION, gate
     from expertcache.evals.run import evaluate
-    from expertcache.runtime.engine.engine import EngineConfig
+    from expertcache.runtime.engine.config import EngineConfig
     from expertcache.trainer.cache_aware import run_cache_aware
 
     f = recipe.frontier

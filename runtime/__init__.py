@@ -4,7 +4,9 @@
 attaches the engine to a model already in memory.
 """
 
-from expertcache.runtime.engine.engine import EngineConfig, OffloadEngine, Stats, offload
+from expertcache.runtime.engine.config import EngineConfig
+from expertcache.runtime.engine.engine import OffloadEngine, offload
+from expertcache.runtime.engine.stats import Stats
 from expertcache.runtime.storage.loader import load, reattach
 
 __all__ = ["EngineConfig", "OffloadEngine", "Stats", "load", "offload", "reattach"]

@@ -12,7 +12,7 @@ from typing import Optional
 from expertcache.telemetry.atomic import check_output
 from expertcache.telemetry.errors import InputError
 
-from expertcache.runtime.engine.engine import EngineConfig
+from expertcache.runtime.engine.config import EngineConfig
 from expertcache.runtime.storage.store import STORE_DIR
 
 

@@ -8,7 +8,7 @@ import json
 import numpy as np
 
 from expertcache.runtime.storage import tiers
-from expertcache.runtime.engine.engine import EngineConfig
+from expertcache.runtime.engine.config import EngineConfig
 from expertcache.runtime.bench.replay import REFERENCE_TRACE, ReplayConfig, Replayer, ensure_store
 from expertcache.telemetry.routing import load_routing
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from expertcache.evals.gate import EVAL_FORMAT_VERSION, gate
 from expertcache.evals.run import evaluate
-from expertcache.runtime.engine.engine import EngineConfig
+from expertcache.runtime.engine.config import EngineConfig
 
 PLAIN_TASKS = ["ec_ppl_code", "ec_ppl_prose", "ec_ppl_math", "ec_cloze_code", "ec_cloze_prose", "ec_cloze_math",
                "ec_math_em"]

@@ -118,7 +118,7 @@ def tpot(root: Path) -> dict:
     from transformers import Qwen3MoeConfig
 
     from expertcache.runtime.bench.bench import bench_decode
-    from expertcache.runtime.engine.engine import EngineConfig
+    from expertcache.runtime.engine.config import EngineConfig
     from tiny_models import build_model
 
     d = root / "mid"

@@ -48,7 +48,8 @@ def child(ckpt: str, port: int, max_positions: int) -> None:
     from tiny_lm import make_tiny_checkpoint
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from expertcache.runtime.engine.engine import EngineConfig, offload
+    from expertcache.runtime.engine.config import EngineConfig
+    from expertcache.runtime.engine.engine import offload
     from expertcache.runtime.serve.serve import create_app
     from expertcache.runtime.storage.store import write_store
 

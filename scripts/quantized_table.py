@@ -40,7 +40,7 @@ from pathlib import Path
 
 from expertcache.evals.gate import EVAL_FORMAT_VERSION, gate
 from expertcache.evals.run import evaluate
-from expertcache.runtime.engine.engine import EngineConfig
+from expertcache.runtime.engine.config import EngineConfig
 from expertcache.telemetry.atomic import write_json
 
 VARIANTS = {"int8-g32": (8, 32), "int4-g32": (4, 32), "int4-g64": (4, 64), "int4-g128": (4, 128),

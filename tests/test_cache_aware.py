@@ -385,7 +385,7 @@ def test_runtime_reloads_the_routers_and_serves_losslessly_with_them(tiny_data, 
     from transformers import AutoModelForCausalLM
 
     from expertcache.evals.served import open_model
-    from expertcache.runtime.engine.engine import EngineConfig
+    from expertcache.runtime.engine.config import EngineConfig
     from expertcache.trainer.cache_aware import run_cache_aware
 
     run_cache_aware(_ca_recipe(tiny_data, tiny_base, tmp_path / "r", "aux-only", **{"routers.rank": 4,

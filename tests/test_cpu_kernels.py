@@ -849,7 +849,7 @@ def test_a_miss_is_served_from_the_packed_copy_and_hot_experts_are_upgraded(with
 
 def test_miss_precision_refuses_what_it_cannot_serve_in_one_line(with_int4_copy, tmp_path):
     from expertcache.runtime import load
-    from expertcache.runtime.engine.engine import EngineConfig
+    from expertcache.runtime.engine.config import EngineConfig
 
     src, q = with_int4_copy
     for cfg, msg in ((dict(miss_precision=3), "miss_precision=3; expected 0 \\(off\\), 4 or 8 bits"),
@@ -931,7 +931,7 @@ def test_bench_big_systems_carry_engine_options_and_formats():
     path with slashes); the format goes before the options; a peer takes none; the packed-linears copy has its own
     folder."""
     from expertcache.runtime.bench import bigbench
-    from expertcache.runtime.engine.engine import EngineConfig
+    from expertcache.runtime.engine.config import EngineConfig
 
     base = EngineConfig(tier="disk", policy="lfu")
     cfg = bigbench.system_engine("expertcache:on-demand/victims=false/policy=learned:/a/b=c/p.safetensors", base)
@@ -1021,7 +1021,7 @@ def test_bench_big_checks_a_prefetch_rows_predictor_before_anything_runs(tmp_pat
     checked as everywhere; either is one line and exit 2 before the checkpoint is written."""
     from expertcache.recipes.cli import main
     from expertcache.runtime.bench.bigbench import check_system
-    from expertcache.runtime.engine.engine import EngineConfig
+    from expertcache.runtime.engine.config import EngineConfig
     from expertcache.telemetry.errors import InputError
 
     base = EngineConfig(tier="disk")

@@ -7,7 +7,7 @@ import torch
 
 from expertcache.evals.gate import gate
 from expertcache.evals.run import evaluate
-from expertcache.runtime.engine.engine import EngineConfig
+from expertcache.runtime.engine.config import EngineConfig
 from expertcache.telemetry.errors import InputError
 
 pytestmark = pytest.mark.slow  # end-to-end: trains, evaluates or runs the CLI in subprocesses (`make test-fast` skips)

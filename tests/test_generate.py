@@ -8,7 +8,8 @@ import torch
 from tiny_lm import make_tiny_checkpoint, one_torch_thread  # noqa: F401 - autouse fixture
 
 from expertcache.recipes.cli import main
-from expertcache.runtime.engine.engine import EngineConfig, offload
+from expertcache.runtime.engine.config import EngineConfig
+from expertcache.runtime.engine.engine import offload
 from expertcache.runtime.serve.generate import Generation, generate_text
 from expertcache.runtime.storage.loader import load_model
 from expertcache.runtime.serve.request import SamplingParams, chat_prompt, encode

@@ -26,7 +26,7 @@ def test_import_expertcache_registers_the_lm_eval_model(tmp_path):
 
 @pytest.fixture(scope="module")
 def served(tiny_data, tmp_path_factory):
-    from expertcache.runtime.engine.engine import EngineConfig
+    from expertcache.runtime.engine.config import EngineConfig
     from expertcache.runtime.storage.loader import load_model
     from expertcache.runtime.serve.serve import create_app
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from expertcache.runtime.engine.engine import EngineConfig
+from expertcache.runtime.engine.config import EngineConfig
 from expertcache.telemetry.cachesim import capacity_count
 from expertcache.telemetry.errors import InputError
 

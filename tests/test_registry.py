@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from expertcache.runtime.engine.engine import MISS_POLICIES, MISS_REGISTRY, EngineConfig
+from expertcache.runtime.engine.config import MISS_POLICIES, MISS_REGISTRY, EngineConfig
 from expertcache.runtime.engine.predictors import (LIVE_PREDICTORS, PREDICTOR_REGISTRY, REPLAY_PREDICTORS,
                                             check_predictor_spec, make_predictor)
 from expertcache.runtime.engine.trace_predictors import check_replay_predictor

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from expertcache.runtime.bench.bandwidth import Hardware, ModelShape, project
-from expertcache.runtime.engine.engine import EngineConfig
+from expertcache.runtime.engine.config import EngineConfig
 from expertcache.runtime.bench.replay import replay_benchmark
 from expertcache.runtime.engine.trace_predictors import CooccurrenceEstimator
 from expertcache.telemetry.errors import InputError

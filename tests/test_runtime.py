@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from expertcache.runtime.engine.engine import EngineConfig, offload
+from expertcache.runtime.engine.config import EngineConfig
+from expertcache.runtime.engine.engine import offload
 from expertcache.runtime.engine.predictors import make_predictor
 from expertcache.runtime.storage.store import HEADER, read_store_meta, write_store
 from expertcache.telemetry.cache import CacheState
@@ -616,7 +617,7 @@ def test_the_prefetch_guard_stops_a_predictor_that_does_not_pay_and_keeps_one_th
     """A predictor starts in shadow (predicting, reading nothing) and prefetches only once its measured precision
     pays: a wrong one (it names experts the layer will not use) never reads an expert and ends paused; a right one
     (an oracle of the next layer's true choice) goes on and prefetches. Tokens are the same either way."""
-    from expertcache.runtime.engine.engine import PrefetchGuard
+    from expertcache.runtime.engine.stats import PrefetchGuard
     from expertcache.runtime.engine.predictors import Predictor
 
     g = PrefetchGuard(0.5, window=4, pause=3, first=4)
@@ -682,7 +683,7 @@ def test_the_prefetch_guard_stops_a_predictor_that_does_not_pay_and_keeps_one_th
 def test_per_token_figures_come_from_one_place():
     """`Stats.per_token` (what generate, serve, bench decode and bench big print) is `CacheResult.per_step` of
     the engine's counters, plus bytes moved and stall, over the tokens given."""
-    from expertcache.runtime.engine.engine import Stats
+    from expertcache.runtime.engine.stats import Stats
 
     s = Stats(tokens=10, accesses=80, hits=60, demand_loads=20, prefetch_loads=5, stall_s=0.5, bytes_moved=2500,
               read_busy_s=0.625)

@@ -10,7 +10,8 @@ import pytest
 from helpers import LiveServer
 from tiny_lm import make_tiny_checkpoint, one_torch_thread  # noqa: F401 - autouse fixture
 
-from expertcache.runtime.engine.engine import EngineConfig, offload
+from expertcache.runtime.engine.config import EngineConfig
+from expertcache.runtime.engine.engine import offload
 from expertcache.runtime.serve.request import encode
 from expertcache.runtime.serve.serve import create_app
 from expertcache.runtime.storage.store import write_store

@@ -20,7 +20,8 @@ import torch
 
 from expertcache.telemetry.errors import InputError
 
-from expertcache.runtime.engine.engine import EngineConfig, Stats
+from expertcache.runtime.engine.config import EngineConfig
+from expertcache.runtime.engine.stats import Stats
 from expertcache.runtime.engine.predictors import TemporalKeep, aux_routers_for, make_predictor
 from expertcache.runtime.storage.tiers import available_memory, measure_bandwidth
 

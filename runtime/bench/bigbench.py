@@ -41,7 +41,7 @@ from expertcache.telemetry.errors import InputError
 from expertcache.runtime.bench.bigckpt import ALIGN, EXPERTS, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, TOP_K, expert_bytes, physical_ram, \
     write_checkpoint
 from expertcache.runtime.storage.checkpoint import free_disk
-from expertcache.runtime.engine.engine import EngineConfig
+from expertcache.runtime.engine.config import EngineConfig
 
 # `mmap` (and every system but the `:unbounded` one) runs inside a memory cgroup of the budget when one can be made;
 # `mmap:unbounded` is the page cache a user gets by default (all the free RAM)
@@ -161,7 +161,7 @@ def _load_system(system: str, ckpt: Path, budget: int, layers: int, trace_ids: n
         from expertcache.runtime.storage.loader import load
         from expertcache.runtime.engine.trace_predictors import CooccurrenceEstimator, CooccurrencePredictor, TracePredictor
 
-        from expertcache.runtime.engine.engine import STREAM_SLOTS_PER_K
+        from expertcache.runtime.engine.config import STREAM_SLOTS_PER_K
 
         # the stream slots (a prefill's misses) come out of the budget too: with every slot touched when it is
         # made, the cache's whole size is resident from the start, and a cgroup of the budget holds no slack

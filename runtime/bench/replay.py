@@ -25,7 +25,8 @@ from expertcache.telemetry.errors import InputError
 from expertcache.telemetry.routing import load_routing
 
 from expertcache.runtime.storage.checkpoint import StoreExperts
-from expertcache.runtime.engine.engine import ENGINE_POLICIES, EngineConfig, OffloadEngine
+from expertcache.runtime.engine.config import ENGINE_POLICIES, EngineConfig
+from expertcache.runtime.engine.engine import OffloadEngine
 from expertcache.runtime.engine.predictors import Predictor
 from expertcache.runtime.engine.trace_predictors import (REPLAY_DEFAULTS, CooccurrenceEstimator, TracePredictor, check_replay_predictor,
                                next_use_scores, predicted)

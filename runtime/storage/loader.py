@@ -24,7 +24,8 @@ import torch
 from expertcache.telemetry.errors import InputError
 
 from expertcache.runtime.storage.checkpoint import Checkpoint, CheckpointExperts, checkpoint_name
-from expertcache.runtime.engine.engine import EngineConfig, OffloadEngine
+from expertcache.runtime.engine.config import EngineConfig
+from expertcache.runtime.engine.engine import OffloadEngine
 
 from expertcache.telemetry.hf import DTYPE_NAMES as DTYPES, parse_dtype  # noqa: E402,F401 - the one dtype map
 
