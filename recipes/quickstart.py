@@ -48,7 +48,7 @@ def run_quickstart(data: str, runs: str, prose_sdist: str, max_mb: float = 24.0)
     step("trace", ["trace", "record", "--model", str(smoke / "model"), "--corpus", corpus, "--out", str(trace),
                    "--prompt_len", "64", "--decode_tokens", "32", "--max_seqs", "8", "--hidden", "true"])
     step("analysis", ["analyze", "--trace", str(trace), "--out", str(smoke / "analysis"), "--model",
-                      str(smoke / "model")])
+                      str(smoke / "model"), "--overwrite", "true"])  # a re-run replaces its own earlier analysis
     step("cache-aware post-training", ["train-cache-aware", "--recipe", "smoke", f"base={smoke / 'model'}",
                                        f"data.corpus={corpus}", f"data.tokenizer={smoke / 'model'}",
                                        f"out_dir={ca}"],

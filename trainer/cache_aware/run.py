@@ -97,10 +97,10 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     from ..data import CorpusDataModule
     from ..evaluate import check_vocab
     from ..models import count_parameters, save_model_dir
-    from ..runfolder import fit_resumable, plot_training_curve, prepare_run
+    from ..runfolder import finish_run, fit_resumable, plot_training_curve, prepare_run
 
     base = _check_base(recipe.base)
-    tok, out, done = prepare_run(recipe, resume, ("result.json", "model/config.json"))
+    tok, out, done = prepare_run(recipe, resume, ("result.json", "model/config.json"), command="train-cache-aware")
     if done is not None:
         return done
     from expertcache.telemetry.hf import load_causal_lm
@@ -164,6 +164,7 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     write_json(out / "result.json", result)
     write_text(out / "result.md", results_table([result]) + "\n")
     plot_cache(result, out / "cache.png")
+    finish_run(out, "train-cache-aware")
     return result
 
 
