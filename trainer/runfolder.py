@@ -264,13 +264,13 @@ def prepare_run(recipe, resume: bool = True, outputs: tuple[str, ...] = ("metric
     from expertcache.telemetry.corpus import load_corpus
     from expertcache.telemetry.hf import load_tokenizer
 
-    load_corpus(recipe.data.corpus)
-    tok = load_tokenizer(recipe.data.tokenizer)
     out = Path(recipe.out_dir)
     if out.exists() and not out.is_dir():
         raise InputError(f"out_dir {out} is a file; expected a run folder")
     # a folder of anything but this command's runs is never written (an interrupted run of it is resumed)
     claim_dir(out, command, resume=True, legacy=is_run_folder)
+    load_corpus(recipe.data.corpus)
+    tok = load_tokenizer(recipe.data.tokenizer)
     done = check_resume(recipe, out, resume, outputs)
     if done is not None:
         print(f"{out}: finished at step {recipe.train.max_steps} with this recipe; nothing to do (raise "
