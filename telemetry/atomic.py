@@ -249,10 +249,6 @@ def check_output(out: str | Path | None, *inputs, folder: bool = False, command:
     if out is None:
         return None
     p = Path(out)
-    if folder and p.exists() and not p.is_dir():
-        raise InputError(f"output folder {out} is a file")
-    if not folder and p.is_dir():
-        raise InputError(f"output {out} is a folder; expected a file path")
     for i in inputs:
         for one in (i if isinstance(i, (list, tuple)) else [i]):
             if one is not None and Path(one).exists() and p.resolve() == Path(one).resolve():
@@ -262,6 +258,10 @@ def check_output(out: str | Path | None, *inputs, folder: bool = False, command:
             if folder and one is not None and Path(one).exists() and p.resolve() in Path(one).resolve().parents:
                 raise InputError(f"output folder {out} holds the input {one} (writing it would delete the input); "
                                  f"write the result elsewhere")
+    if folder and p.exists() and not p.is_dir():
+        raise InputError(f"output folder {out} is a file")
+    if not folder and p.is_dir():
+        raise InputError(f"output {out} is a folder; expected a file path")
     parent = p if folder and p.is_dir() and (resume or command is None) else p.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
