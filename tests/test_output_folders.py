@@ -230,6 +230,8 @@ def test_a_folder_of_user_files_survives_every_writing_commands_out(ckpt, tmp_pa
         "bench decode": ["bench", "decode", "--replay", "reference", "--store_dir", u, "--out", tmp_path / "bd.json"],
         "pretrain": ["pretrain", "--recipe", smoke, f"out_dir={u}"],
         "train-cache-aware": ["train-cache-aware", "--recipe", "smoke", f"out_dir={u}", f"base={ckpt}"],
+        "train-cache-aware sweep": ["train-cache-aware", "--recipe", "sweep", f"out_dir={u}", f"base={ckpt}"],
+        "train-cache-aware frontier": ["train-cache-aware", "--recipe", "frontier", f"out_dir={u}", f"base={ckpt}"],
         "serve --trace": ["serve", "--model", ckpt, "--trace", u],
         "trace record": ["trace", "record", "--model", ckpt, "--out", u],
     }

@@ -250,6 +250,20 @@ def is_run_folder(p: Path) -> bool:
     return (p / "recipe.yaml").is_file()
 
 
+def holds_runs(p: Path) -> bool:
+    """A sweep's or a frontier's folder from before output markers: a run folder (recipe.yaml) inside it."""
+    return any((d / "recipe.yaml").is_file() for d in p.iterdir() if d.is_dir())
+
+
+def claim_runs_folder(out: Path, command: str = "train-cache-aware") -> None:
+    """A sweep's or a frontier's folder (one run folder per point, their table, their evaluations): its own, or
+    new, or empty; a folder of anything else is refused before the first point trains."""
+    from expertcache.telemetry.atomic import own_dir
+
+    if _rank_zero():
+        own_dir(out, command, legacy=holds_runs)
+
+
 def prepare_run(recipe, resume: bool = True, outputs: tuple[str, ...] = ("metrics.json",),
                 command: str = "pretrain") -> tuple:
     """What every training run does first, for a recipe with `data`, `train` and `out_dir`: reject bad input

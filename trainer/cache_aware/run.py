@@ -171,6 +171,9 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
 def run_sweep(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     """Every value of `sweep.key` as its own run under out_dir, then one table (sweep.md, sweep.json)."""
     out = Path(recipe.out_dir)
+    from ..runfolder import claim_runs_folder
+
+    claim_runs_folder(out)
     base = to_dict(recipe)
     base["sweep"] = {"key": "", "values": []}
     results = []
