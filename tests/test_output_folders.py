@@ -240,7 +240,14 @@ def test_a_folder_of_user_files_survives_every_writing_commands_out(ckpt, tmp_pa
         assert rc == 2 and len(err) == 1, (name, rc, err)
         assert ("keep.txt, notes/" in err[0]) if name != "trace record" else ("is a folder" in err[0]), (name, err)
         assert _snapshot(u) == before, name
-    # verify's index goes to the user cache's folder when the checkpoint's own is read-only (as root nothing is:
+    import shutil
+
+    proj = tmp_path / "proj"  # data build rebuilds OUT/corpus and OUT/tokenizer whole
+    shutil.copytree(u, proj / "tokenizer")
+    rc, err = _cli(["data", "build", "--out", proj, "--tiny", "true", "--prose_sdist", dummy], capsys)
+    assert rc == 2 and len(err) == 1 and "keep.txt, notes/" in err[0] and "`data build`" in err[0], err
+    assert _snapshot(proj / "tokenizer") == before and sorted(x.name for x in proj.iterdir()) == ["tokenizer"]
+        # verify's index goes to the user cache's folder when the checkpoint's own is read-only (as root nothing is:
     # the one thing stood in for is that permission answer)
     monkeypatch.setenv("EXPERTCACHE_CACHE", str(tmp_path))
     monkeypatch.setattr(checkpoint, "_writable", lambda folder: Path(folder).resolve() != ckpt.resolve())
@@ -304,3 +311,20 @@ def test_quantize_keeps_everything_the_checkpoint_carries(ckpt, tmp_path, capsys
                     holder / "trace.parquet"], capsys)
     assert rc == 2 and len(err) == 1 and "holds the input" in err[0], err
     assert (holder / "trace.parquet").read_bytes() == b"PAR1"
+
+
+def test_data_build_rebuilds_its_own_folders(tmp_path, capsys):
+    """`data build` replaces its own corpus and tokenizer (an earlier build's, marked or from before markers)."""
+    from helpers import make_fake_sdist
+
+    sdist = make_fake_sdist(tmp_path / "s.tar.gz", works=2)
+    argv = ["data", "build", "--out", tmp_path / "data", "--tiny", "true", "--prose_sdist", sdist, "--vocab_size",
+            "300", "--stdlib_dir", Path(json.__file__).parent]
+    for _ in range(2):
+        rc, err = _cli(argv, capsys)
+        assert rc == 0, err
+        for sub in ("corpus", "tokenizer"):
+            assert output_marker(tmp_path / "data" / sub) == {"command": "data build", "complete": True}
+    (tmp_path / "data" / "corpus" / OUTPUT_MARKER).unlink()  # built before markers: its corpus.json says what it is
+    rc, err = _cli(argv, capsys)
+    assert rc == 0 and output_marker(tmp_path / "data" / "corpus")["command"] == "data build", err
