@@ -30,18 +30,19 @@ def atomic_open(path: str | Path):
 
 
 @contextmanager
-def atomic_dir(path: str | Path, command: str | None = None, overwrite: bool = False):
+def atomic_dir(path: str | Path, command: str | None = None, overwrite: bool = False, legacy=None):
     """A folder written whole: the block fills a temporary folder beside `path` (yielded), which then replaces
     `path` (the old one renamed away first, removed after). A failed block leaves the previous folder as it was,
     so a half-written folder (a checkpoint, a tokenizer) never reads as complete. With `command` (a command's
     output folder): `path` is claimed by `claim_dir`'s rule before the block and again before the swap (it may
-    have changed meanwhile), and the marker naming `command` is the last file written into the new folder."""
+    have changed meanwhile; `overwrite`, `legacy` as there), and the marker naming `command` is the last file
+    written into the new folder."""
     import shutil
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if command is not None:
-        claim_dir(path, command, overwrite=overwrite)
+        claim_dir(path, command, overwrite=overwrite, legacy=legacy)
     else:
         clean_stale(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -51,7 +52,7 @@ def atomic_dir(path: str | Path, command: str | None = None, overwrite: bool = F
     try:
         yield tmp
         if command is not None:
-            claim_dir(path, command, overwrite=overwrite)
+            claim_dir(path, command, overwrite=overwrite, legacy=legacy)
             mark_output(tmp, command)
         if path.exists():
             path.rename(old)

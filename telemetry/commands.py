@@ -123,7 +123,7 @@ def analyze(trace: str, out: str, model: Optional[str] = None, phase: Phase = "d
                  legacy=_analysis_folder)
     # written whole: an interrupted analysis leaves the earlier one as it was, never a new summary.json beside
     # an older run's plots
-    with atomic_dir(out, command="analyze", overwrite=overwrite) as tmp:
+    with atomic_dir(out, command="analyze", overwrite=overwrite, legacy=_analysis_folder) as tmp:
         s = run(trace, tmp, model_dir=model, phase=None if phase == "all" else phase, semantics=semantics,
                 fit_trace=static_fit, by_domain=domains, policy_file=policy_file)
     print(text_summary(s), file=sys.stderr)

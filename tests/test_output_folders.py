@@ -328,3 +328,34 @@ def test_data_build_rebuilds_its_own_folders(tmp_path, capsys):
     (tmp_path / "data" / "corpus" / OUTPUT_MARKER).unlink()  # built before markers: its corpus.json says what it is
     rc, err = _cli(argv, capsys)
     assert rc == 0 and output_marker(tmp_path / "data" / "corpus")["command"] == "data build", err
+
+
+def test_analyze_replaces_only_its_own_analysis(tmp_path, capsys):
+    """A re-run asks for --overwrite; an analysis from before markers (summary.json and plots) counts as analyze's
+    own; the quickstart's re-run passes --overwrite true."""
+    import numpy as np
+    from helpers import distinct_ids
+
+    from expertcache.telemetry.llamacpp import import_trace
+
+    np.savez(tmp_path / "r.npz", experts=distinct_ids(np.random.default_rng(0), 16, (2, 40, 2)),
+             meta=json.dumps({"num_experts": 16}))
+    import_trace(tmp_path / "r.npz", tmp_path / "t.parquet")
+    out = tmp_path / "an"
+    argv = ["analyze", "--trace", tmp_path / "t.parquet", "--out", out, "--domains", "false"]
+    rc, err = _cli(argv, capsys)
+    assert rc == 0 and output_marker(out) == {"command": "analyze", "complete": True}, err
+    assert {"summary.json", "summary.txt", "hit_rate.png", "config.yaml"} <= {f.name for f in out.iterdir()}
+    first = (out / "summary.json").read_bytes()
+    rc, err = _cli(argv, capsys)
+    assert rc == 2 and len(err) == 1 and "pass --overwrite true" in err[0], err
+    (out / OUTPUT_MARKER).unlink()  # an analysis written before markers
+    (out / "summary.json").write_text('{"stale": true}')
+    rc, err = _cli(argv + ["--overwrite", "true"], capsys)
+    assert rc == 0 and (out / "summary.json").read_bytes() == first, err
+    assert output_marker(out)["command"] == "analyze"
+    (out / "mine.csv").write_text("a user's file")  # no longer only what analyze writes: not analyze's to replace
+    (out / OUTPUT_MARKER).unlink()
+    rc, err = _cli(argv + ["--overwrite", "true"], capsys)
+    assert rc == 2 and len(err) == 1 and "mine.csv" in err[0], err
+    assert (out / "mine.csv").read_text() == "a user's file"
