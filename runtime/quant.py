@@ -684,7 +684,7 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
                         "bytes": nbytes(packed)}}
 
 
-def copy_beside_weights(src: Path, dst: Path, weights: set[str]) -> list[str]:
+def copy_beside_weights(src, dst, weights: set[str]) -> list[str]:
     """Everything a checkpoint folder carries besides its weights and config.json (which a converted copy writes
     anew): aux routers, tokenizer files, generation config, chat templates (a file or a folder of them), a
     README. Hidden files (the checksum index, an output marker) are the source's own and stay behind."""
