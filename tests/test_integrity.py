@@ -262,7 +262,7 @@ def test_verify_on_read_only_storage_keeps_its_index_in_the_user_cache(ckpt, tmp
             monkeypatch.setattr(ck, "_writable", lambda folder: False)
         rep = verify(ckpt)
         assert rep["ok"] and "not writable" in rep["index"]["after"] and not (ckpt / CHECKSUM_INDEX).exists()
-        cached = list((tmp_path / "cache" / "checksums").glob("*.json"))
+        cached = list((tmp_path / "cache" / "checksums").glob("[!.]*.json"))  # not the output marker
         assert len(cached) == 1 and rep["index"]["path"] == str(cached[0])
         again = verify(ckpt)
         assert again["verdict"] == "ok" and again["checked_against_index"] == 16

@@ -316,7 +316,7 @@ def test_quantize_never_writes_over_the_model_it_reads(mixed, tmp_path, capsys):
     shutil.copytree(src, m)
     capsys.readouterr()
     assert main(["quantize", "--model", str(m), "--out", str(tmp_path / "a"), "--bits", "8"]) == 2
-    assert "writing it would delete the model" in capsys.readouterr().err
+    assert "writing it would delete the" in capsys.readouterr().err
     assert (m / "config.json").is_file()
 
 

@@ -14,7 +14,7 @@ from .config import RecipeError, opt
 from .data import CorpusDataModule, DataSpec
 from .lm_module import CausalLMModule, TrainSpec
 from .models import BaseModelSpec, count_parameters, save_model_dir
-from .runfolder import fit_resumable, plot_training_curve, prepare_run
+from .runfolder import finish_run, fit_resumable, plot_training_curve, prepare_run
 
 
 @dataclass
@@ -40,7 +40,7 @@ def run_pretrain(recipe: PretrainRecipe, resume: bool = True) -> dict:
 
     from .evaluate import check_vocab, evaluate_lm
 
-    tok, out, done = prepare_run(recipe, resume, ("metrics.json", "model/config.json"))
+    tok, out, done = prepare_run(recipe, resume, ("metrics.json", "model/config.json"), command="pretrain")
     if done is not None:
         return done
     hf_config = recipe.model.to_hf_config(len(tok), tok.eos_token_id, tok.pad_token_id)
@@ -63,4 +63,5 @@ def run_pretrain(recipe: PretrainRecipe, resume: bool = True) -> dict:
                "parameters": count_parameters(model), "validation": final}
     write_json(out / "metrics.json", metrics)
     plot_training_curve(out / "logs", out / "training_curve.png")
+    finish_run(out, "pretrain")
     return metrics

@@ -215,10 +215,22 @@ def check_resume(recipe, out: Path, resume: bool, outputs: tuple[str, ...]) -> d
     return None
 
 
+def _rank_zero() -> bool:
+    """Not a data-parallel worker process (rank 0 sets the run folder up before launching them)."""
+    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
+
+
+def finish_run(out: Path, command: str) -> None:
+    """Mark a run folder complete: its outputs are written (a resume of it reports them)."""
+    from expertcache.telemetry.atomic import mark_output
+
+    mark_output(out, command, complete=True)
+
+
 def _set_aside(out: Path) -> None:
     """Start over (resume=false) in a folder holding a run: its files go to out/PREVIOUS, deleted once the new run
     has written its first checkpoint (fit_resumable), so a start-over killed before that loses nothing."""
-    if os.environ.get("LOCAL_RANK", "0") != "0" or os.environ.get("NODE_RANK", "0") != "0":
+    if not _rank_zero():
         return  # a data-parallel worker: rank 0 did it before launching it
     if not any((out / "checkpoints").glob("*.ckpt")):
         return
@@ -233,23 +245,46 @@ def _set_aside(out: Path) -> None:
           file=sys.stderr)
 
 
-def prepare_run(recipe, resume: bool = True, outputs: tuple[str, ...] = ("metrics.json",)) -> tuple:
+def is_run_folder(p: Path) -> bool:
+    """A run folder from before output markers: it holds the resolved recipe a run writes first."""
+    return (p / "recipe.yaml").is_file()
+
+
+def holds_runs(p: Path) -> bool:
+    """A sweep's or a frontier's folder from before output markers: a run folder (recipe.yaml) inside it."""
+    return any((d / "recipe.yaml").is_file() for d in p.iterdir() if d.is_dir())
+
+
+def claim_runs_folder(out: Path, command: str = "train-cache-aware") -> None:
+    """A sweep's or a frontier's folder (one run folder per point, their table, their evaluations): its own, or
+    new, or empty; a folder of anything else is refused before the first point trains."""
+    from expertcache.telemetry.atomic import own_dir
+
+    if _rank_zero():
+        own_dir(out, command, legacy=holds_runs)
+
+
+def prepare_run(recipe, resume: bool = True, outputs: tuple[str, ...] = ("metrics.json",),
+                command: str = "pretrain") -> tuple:
     """What every training run does first, for a recipe with `data`, `train` and `out_dir`: reject bad input
-    (corpus, tokenizer, a resume the checkpoint cannot follow) before anything is written, set threads, write the
-    resolved recipe (atomically), seed. Returns (tokenizer, run folder, the saved result of a finished run or
-    None): a finished run resumed with the same recipe is reported as it is, nothing rewritten."""
+    (corpus, tokenizer, a folder that is not this command's run, a resume the checkpoint cannot follow) before
+    anything is written, set threads, write the resolved recipe (atomically), seed. Returns (tokenizer, run
+    folder, the saved result of a finished run or None): a finished run resumed with the same recipe is reported
+    as it is, nothing rewritten. The folder is marked as `command`'s run (incomplete until `finish_run`)."""
     import lightning as L
     import torch
 
-    from expertcache.telemetry.atomic import write_text
+    from expertcache.telemetry.atomic import claim_dir, mark_output, output_marker, write_text
     from expertcache.telemetry.corpus import load_corpus
     from expertcache.telemetry.hf import load_tokenizer
 
-    load_corpus(recipe.data.corpus)
-    tok = load_tokenizer(recipe.data.tokenizer)
     out = Path(recipe.out_dir)
     if out.exists() and not out.is_dir():
         raise InputError(f"out_dir {out} is a file; expected a run folder")
+    # a folder of anything but this command's runs is never written (an interrupted run of it is resumed)
+    claim_dir(out, command, resume=True, legacy=is_run_folder)
+    load_corpus(recipe.data.corpus)
+    tok = load_tokenizer(recipe.data.tokenizer)
     done = check_resume(recipe, out, resume, outputs)
     if done is not None:
         print(f"{out}: finished at step {recipe.train.max_steps} with this recipe; nothing to do (raise "
@@ -257,6 +292,8 @@ def prepare_run(recipe, resume: bool = True, outputs: tuple[str, ...] = ("metric
         return tok, out, done
     try:
         out.mkdir(parents=True, exist_ok=True)
+        if output_marker(out) is None and _rank_zero():
+            mark_output(out, command, complete=False)
         if not resume:
             _set_aside(out)
         import yaml

@@ -227,7 +227,7 @@ def _own_config(path: Path, r, arch: str, tensors: dict):
 REQUANTIZE = {"int8": (8, 32), "int4": (4, 32)}
 
 
-def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
+def import_gguf(gguf_file, out, progress=None, requantize: str = "", overwrite: bool = False) -> dict:
     """Write the checkpoint (see the module's docstring) at `out`, whole or not at all; returns the report.
     `requantize` (int8 | int4): experts in any other type (the K-quants of a `Q4_K_M` file, IQ*) are dequantized
     with gguf's own dequantization and quantized again into our format at group 32; a second rounding, so each
@@ -368,7 +368,7 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "") -> dict:
         return tuple(read(tensors[f"blk.{i}.{x}"]) for x in EXPERTS)
     expert_bytes, report_kind, rel_err = 0, None, None
     shards: dict[str, str] = {}  # tensor -> shard file (the bf16 checkpoint)
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, command="import-gguf", overwrite=overwrite) as tmp:
         if native and kind in FLOAT:
             # a plain bf16 checkpoint, per-expert tensors, one shard per MoE layer written as it is converted (a
             # 30B model's experts are 57 GiB in bf16: only one layer's are ever in memory) and an index

@@ -49,7 +49,8 @@ def allocate_by_usage(counts, hi_bytes: int, lo_bytes: int, budget: int):
 
 
 def write_quantized(model, out, bits: int, group: int, progress=None, linears: bool = False, by_usage=None,
-                    hot: tuple[int, int] = (8, 32), max_bytes_ratio: float = 0.35, symmetric: bool = False) -> dict:
+                    hot: tuple[int, int] = (8, 32), max_bytes_ratio: float = 0.35, symmetric: bool = False,
+                    overwrite: bool = False) -> dict:
     """`expertcache quantize`: a checkpoint at `out` whose routed experts are `bits`-bit integers with fp16 group
     scales, in one expert store file (each expert one contiguous 4 KiB-aligned block with its checksum), beside the
     non-expert tensors unchanged (`model.safetensors`) and `config.json` with a `quantization_config`. `linears`:
@@ -64,7 +65,6 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
     `symmetric`: the int4 format(s) without minimums (Q4_0's layout at group 32: 0.5625 bytes per weight, not
     0.625), at a larger weight error."""
     import json
-    import shutil
     from pathlib import Path
 
     import numpy as np
@@ -170,7 +170,7 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
             keep.remove(ck)
             packed.update({f"{ck}_{part}": v.contiguous() for part, v in t.items()})
     files = [EXPERTS_FILE] if by_usage is None else [f"experts-int{b}-g{g}.ecstore" for b, g in formats]
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, command="quantize", overwrite=overwrite) as tmp:
         try:
             if by_usage is None:
                 specs, block = fspecs[0]
@@ -210,10 +210,7 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
         if lin_names:
             cfg["quantization_config"]["linears"] = {"modules": lin_names, "relative_error": lin_err}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        for f in path.iterdir():  # tokenizer, generation config, chat template
-            if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json" and not f.name.startswith(".") \
-                    and f.name != "model.safetensors.index.json":
-                shutil.copy2(f, tmp / f.name)
+        copy_beside_weights(path, tmp, {p.name for p in ckpt.files})
     del m
     expert_bytes = sum(fbytes[k] * int((fmt == k).sum()) for k in range(len(formats)))
     source_bytes = meta.expert_bytes * n_l * n_e
@@ -229,3 +226,22 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
 
 
 # --- quantized non-expert linears (`expertcache quantize --linears true`) ---------------------------------------
+
+
+def copy_beside_weights(src, dst, weights: set[str]) -> list[str]:
+    """Everything a checkpoint folder carries besides its weights and config.json (which a converted copy writes
+    anew): aux routers, tokenizer files, generation config, chat templates (a file or a folder of them), a
+    README. Hidden files (the checksum index, an output marker) are the source's own and stay behind."""
+    import shutil
+
+    skip = weights | {"config.json", "model.safetensors.index.json"}
+    copied = []
+    for f in sorted(src.iterdir()):
+        if f.name in skip or f.name.startswith("."):
+            continue
+        if f.is_dir():
+            shutil.copytree(f, dst / f.name)
+        else:
+            shutil.copy2(f, dst / f.name)
+        copied.append(f.name)
+    return copied

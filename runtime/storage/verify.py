@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from expertcache.telemetry.atomic import write_json
+from expertcache.telemetry.atomic import claim_dir, own_dir, write_json
 from expertcache.telemetry.errors import InputError
 
 from expertcache.runtime.storage.checkpoint import (CHECKSUM_INDEX, INDEX_FORMAT, INDEX_VERSION, CheckpointExperts, Span, expert_order)
@@ -199,6 +199,8 @@ def verify_checkpoint(path: str | Path, write_index: bool = True, progress=None,
     path = Path(path)
     src: CheckpointExperts = expert_source(path)
     stamps = src.file_stamps()  # before reading: a file changed during the pass is seen next time
+    if write_index and src.index_write_path().parent != src.ckpt.dir:  # the user cache's folder of indexes: before
+        claim_dir(src.index_write_path().parent, "verify", resume=True, legacy=_index_folder)  # the pass, verify's
     read_from = src.index_path
     before, problem, expected, changed = "none", None, None, []
     try:
@@ -275,6 +277,8 @@ def verify_checkpoint(path: str | Path, write_index: bool = True, progress=None,
 
 def _write_index(src: CheckpointExperts, target: Path, stamps: dict, sums: list, done: str) -> str:
     try:
+        if target.parent != src.ckpt.dir:  # the user cache's folder of indexes: verify's alone
+            own_dir(target.parent, "verify", legacy=_index_folder)
         write_json(target, {"format": INDEX_FORMAT, "version": INDEX_VERSION, "algorithm": CHECKSUM,
                             "layout_sha256": src.layout_sha256(), "files": stamps, "layers": src.prefixes,
                             "checkpoint": str(src.ckpt.dir.absolute()),
@@ -283,6 +287,11 @@ def _write_index(src: CheckpointExperts, target: Path, stamps: dict, sums: list,
         return f"not written ({target}: {e.strerror or e})"
     beside = target.parent == src.ckpt.dir
     return done + ("" if beside else f" to {target} (the checkpoint's folder is not writable)")
+
+
+def _index_folder(p: Path) -> bool:
+    """The user cache's checksum indexes from before output markers: nothing but `NAME-KEY.json` files."""
+    return all(f.is_file() and f.suffix == ".json" for f in p.iterdir())
 
 
 def verify_quantized(path: Path, qc: dict, progress=None) -> dict:

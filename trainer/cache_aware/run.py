@@ -97,10 +97,10 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     from ..data import CorpusDataModule
     from ..evaluate import check_vocab
     from ..models import count_parameters, save_model_dir
-    from ..runfolder import fit_resumable, plot_training_curve, prepare_run
+    from ..runfolder import finish_run, fit_resumable, plot_training_curve, prepare_run
 
     base = _check_base(recipe.base)
-    tok, out, done = prepare_run(recipe, resume, ("result.json", "model/config.json"))
+    tok, out, done = prepare_run(recipe, resume, ("result.json", "model/config.json"), command="train-cache-aware")
     if done is not None:
         return done
     from expertcache.telemetry.hf import load_causal_lm
@@ -164,12 +164,16 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     write_json(out / "result.json", result)
     write_text(out / "result.md", results_table([result]) + "\n")
     plot_cache(result, out / "cache.png")
+    finish_run(out, "train-cache-aware")
     return result
 
 
 def run_sweep(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     """Every value of `sweep.key` as its own run under out_dir, then one table (sweep.md, sweep.json)."""
     out = Path(recipe.out_dir)
+    from ..runfolder import claim_runs_folder
+
+    claim_runs_folder(out)
     base = to_dict(recipe)
     base["sweep"] = {"key": "", "values": []}
     results = []
