@@ -215,7 +215,7 @@ def _cli(argv, capsys) -> tuple[int, list[str]]:
 
 
 def test_a_folder_of_user_files_survives_every_writing_commands_out(ckpt, tmp_path, capsys, monkeypatch):
-    import expertcache.runtime.checkpoint as checkpoint
+    import expertcache.runtime.storage.checkpoint as checkpoint
 
     u, before = _user_folder(tmp_path)
     dummy = tmp_path / "input.bin"
@@ -271,7 +271,7 @@ def test_eval_never_builds_its_task_data_in_a_folder_of_user_files(ckpt, tmp_pat
 
 
 def test_quantize_keeps_everything_the_checkpoint_carries(ckpt, tmp_path, capsys):
-    from expertcache.runtime.quant import read_config
+    from expertcache.runtime.kernels.quant import read_config
     from expertcache.trainer.aux_routers import load_aux_routers
     from expertcache.telemetry.hf import load_causal_lm
 
