@@ -1,0 +1,329 @@
+"""Router training on a checkpoint whose experts do not fit in memory: the experts stay frozen in the checkpoint
+(bf16 in place, or an `expertcache quantize` store of int8/int4) and are read through the decode side's tiers.
+
+    base = open_streamed("ckpt/", tier="disk")    # non-expert weights read (`loader.build_offloaded`); experts not
+    base.model(input_ids=ids, labels=ids)          # every MoE block's experts are a `StreamedExperts`
+    base.save_into(folder, base.model)             # the checkpoint copied, its router tensors rewritten in place
+
+Per pass (a forward, or a backward) each MoE layer reads every expert its tokens selected once, into one layer's
+slot pool (`tiers.SlotPool` of E slots, reused by every layer), and computes all of that expert's tokens with the
+family's own experts forward over the slots (packed experts dequantized first). The backward reads them again and
+recomputes the layer's expert outputs under autograd (`_Streamed`): gradients reach the routing weights (so the
+routers) and the hidden states (so earlier layers' routers), never the experts, and no expert outlives its layer.
+
+`plan` sizes a run from the checkpoint's headers alone (nothing is read but the config and the safetensors or store
+headers), so a budget too small is refused before any work (`floor_bytes`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from expertcache.telemetry.errors import InputError
+
+from . import quant
+from .store import FMT
+from .tiers import SlotPool, make_tier, tier_host_bytes, TIER_REGISTRY
+
+WORKERS = 4  # concurrent expert reads (the disk tier splits each large one further: `tiers.SPLIT`)
+
+
+@dataclass
+class StreamPlan:
+    """What a streamed run holds, from headers only: bytes of each part (for `floor_bytes`)."""
+
+    path: str
+    family: str
+    num_layers: int  # MoE layers
+    num_experts: int
+    top_k: int
+    hidden: int
+    vocab: int
+    expert_params: int  # parameters of one expert
+    expert_bytes: int  # one expert as stored (bf16, or packed)
+    block_bytes: int  # one slot
+    experts_bytes: int  # every routed expert as stored
+    non_expert_params: int
+    router_params: int
+    dtype_bytes: int  # the compute dtype's element size
+    quant_bits: int | None  # 8 / 4 for an `expertcache quantize` checkpoint
+    tier: str
+
+    def describe(self) -> dict:
+        return dict(self.__dict__)
+
+
+def plan(path: str | Path, dtype: torch.dtype, tier: str = "disk") -> StreamPlan:
+    """Sizes of a streamed run on the checkpoint at `path` (config, headers, a meta-device model: no weight read).
+    A mixed-precision checkpoint or an unknown tier is refused here."""
+    from .loader import _skeleton, resolve
+
+    TIER_REGISTRY.parse(tier)  # a bad name: one line listing the tiers
+    if tier == "auto":
+        raise InputError("train.expert_tier=auto: name the tier experts are read from while training: disk (the "
+                         "checkpoint, page cache bypassed) or host (every expert in RAM)")
+    path = resolve(path)
+    qc = quant.read_config(path)
+    if qc is not None and qc["bits"] == quant.MIXED:
+        raise InputError(f"{path} holds mixed-precision experts (quantize --by_usage); streamed training reads one "
+                         f"format: quantize the base with one --bits")
+    ckpt, config, adapter, model, prefixes, params = _skeleton(path, dtype)
+    pre = tuple(p + "." for p in prefixes)
+    es = dtype.itemsize
+    e_params = sum(int(torch.Size(s).numel()) for s, _ in params.values())
+    if qc is not None:
+        source = quant.open_source(path, qc, False)
+        meta = source.meta
+    else:
+        from .loader import expert_source
+
+        meta = expert_source(path).meta  # as stored: the slots hold the checkpoint's dtype, converted per use
+    non_expert = sum(p.numel() for n, p in model.named_parameters() if not n.startswith(pre))
+    routers = sum(p.numel() for L in adapter.moe_layers(model) for p in L.router.parameters())
+    cfg = model.config.get_text_config()
+    return StreamPlan(str(path), adapter.family, len(prefixes), adapter.num_experts, adapter.top_k,
+                      adapter.hidden_size, int(cfg.vocab_size), e_params, meta.expert_bytes, meta.block_bytes,
+                      len(prefixes) * adapter.num_experts * meta.expert_bytes, non_expert, routers, es,
+                      qc["bits"] if qc is not None else None, tier)
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (VmRSS)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def floor_bytes(p: StreamPlan, tokens: int, distill: bool) -> dict:
+    """The least memory a streamed router-training step on `tokens` tokens (batch x sequence) needs, by part, in
+    bytes. Activations are counted tensor by tensor as a decoder layer keeps them for the backward (about 16 H-wide
+    and 4 attention-wide rows per token; per choice the expert's recomputed gate, up and output; the router's E
+    logits), the logits four times (logits, log-softmax, their gradient, the teacher's log-probabilities)."""
+    b = p.dtype_bytes
+    one_layer = p.num_experts * p.block_bytes  # the slot pool
+    if p.quant_bits is not None or p.expert_bytes != p.expert_params * b:
+        one_layer += p.num_experts * p.expert_params * b  # dequantized (or converted) for compute
+    inter = p.expert_params // (3 * p.hidden) if p.hidden else 0
+    per_token_layer = 20 * p.hidden + p.top_k * (3 * inter + 2 * p.hidden) + 2 * p.num_experts
+    parts = {
+        "process": rss_bytes(),  # python, torch, the tokenizer: measured, not estimated
+        "non_expert_weights": p.non_expert_params * b,
+        "router_state": p.router_params * (4 * 4 + (b if distill else 0)),  # fp32 weight, grad, 2 Adam; KD copy
+        "one_layer_experts": one_layer,
+        "staging": tier_host_bytes(p.tier, _meta_like(p), WORKERS) if p.tier == "disk" else
+        p.num_layers * p.num_experts * p.block_bytes,
+        "activations": tokens * (p.num_layers * per_token_layer * b + 4 * p.vocab * 4),
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def _meta_like(p: StreamPlan):
+    class M:  # what `tier_host_bytes` reads of a store's meta
+        block_bytes = p.block_bytes
+        num_layers = p.num_layers
+        num_experts = p.num_experts
+    return M
+
+
+def check_budget(p: StreamPlan, memory_gb: float, tokens: int, distill: bool) -> dict:
+    """The floor's parts; `InputError` (one line, the floor printed) when `memory_gb` is below it."""
+    parts = floor_bytes(p, tokens, distill)
+    if memory_gb * 1e9 < parts["total"]:
+        gb = {k: v / 1e9 for k, v in parts.items()}
+        raise InputError(
+            f"train.memory_gb={memory_gb:g} is below the floor of {gb['total']:.3f} GB for streamed training of "
+            f"{p.path} ({tokens} tokens per step): non-expert weights {gb['non_expert_weights']:.3f}, one layer's "
+            f"experts {gb['one_layer_experts']:.3f}, activations {gb['activations']:.3f}, router state "
+            f"{gb['router_state']:.3f}, reads {gb['staging']:.3f}, this process {gb['process']:.3f} GB; raise "
+            f"train.memory_gb to at least {gb['total']:.3f} or lower data.batch_size / data.seq_len")
+    return parts
+
+
+class LayerReader:
+    """One layer's slot pool over a tier: `fetch(layer, experts)` reads each expert once into slot i (concurrently)
+    and returns `[n, ...]` views of them; counts what it moved."""
+
+    def __init__(self, source, tier: str, workers: int = WORKERS):
+        self.tier = make_tier(tier, source, "cpu")
+        self.meta = source.meta
+        if FMT in SlotPool(self.meta, 1).views:
+            raise InputError("mixed-precision experts are not streamed for training; quantize with one --bits")
+        self.pool = SlotPool(self.meta, self.meta.num_experts, touch=True)
+        self.ex = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="train-read")
+        self.reads = self.bytes_read = 0
+        self.read_s = 0.0
+
+    def fetch(self, layer: int, experts: list[int]) -> dict[str, torch.Tensor]:
+        t0 = time.perf_counter()
+        futs = [self.ex.submit(self.tier.read, layer, e, self.pool, i) for i, e in enumerate(experts)]
+        self.bytes_read += sum(f.result() for f in futs)
+        self.reads += len(experts)
+        self.read_s += time.perf_counter() - t0
+        n = len(experts)
+        return {k: v[:n] for k, v in self.pool.views.items()}
+
+    def counters(self) -> dict:
+        return {"reads": self.reads, "bytes_read": self.bytes_read, "read_s": self.read_s}
+
+    def close(self) -> None:
+        self.ex.shutdown(wait=True)
+        self.tier.close()
+
+
+def compute_weights(views: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The experts' tensors as the family's forward takes them, in `dtype`: views of the slots as they are, or
+    packed ones dequantized (`quant.dequantize`: exactly the weights the integer kernels multiply)."""
+    fmt = quant.format_of(views)
+    if fmt is None:
+        return {k: v if v.dtype == dtype else v.to(dtype) for k, v in views.items()}
+    bits, group = fmt
+    names = sorted({k.rsplit(".", 1)[0] for k in views})
+    return {n: quant.dequantize(quant.parts(views, n), bits, group, dtype) for n in names}
+
+
+class _Streamed(torch.autograd.Function):
+    """out = experts(x, ids, w) with the experts read by `mod` in the forward and again in the backward (nothing of
+    them is saved: only x, w and ids). Gradients for x and w, none for the experts."""
+
+    @staticmethod
+    def forward(ctx, x, w, ids, mod):
+        ctx.mod = mod
+        ctx.save_for_backward(x, w, ids)
+        return mod.compute(x, w, ids)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, ids = ctx.saved_tensors
+        need = ctx.needs_input_grad[:2]
+        if not any(need):
+            return None, None, None, None
+        with torch.enable_grad():
+            xi, wi = x.detach().requires_grad_(need[0]), w.detach().requires_grad_(need[1])
+            out = ctx.mod.compute(xi, wi, ids)
+            grads = iter(torch.autograd.grad(out, [t for t, n in zip((xi, wi), need) if n], g))
+        return (next(grads) if need[0] else None), (next(grads) if need[1] else None), None, None
+
+
+class StreamedExperts(nn.Module):
+    """Stands in for a MoE block's experts module: `forward(hidden [T, H], top_k_index [T, k], top_k_weights
+    [T, k])` as the original, computed by the original class's forward over the experts read for this call."""
+
+    def __init__(self, reader: LayerReader, pos: int, original: nn.Module):
+        super().__init__()
+        self._reader = [reader]  # a list: not a submodule
+        self.pos = pos
+        proto = copy.copy(original)  # config, act_fn, ...; no parameters (the experts stay in the checkpoint)
+        proto._parameters = {}
+        proto._modules = dict(original._modules)
+        self._proto = proto
+        self._forward = type(original).forward
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return _Streamed.apply(hidden_states, top_k_weights, top_k_index, self)
+
+    def compute(self, x, w, ids):
+        used, inv = ids.unique(return_inverse=True)  # [n] sorted: slot i computes in expert order, as in memory
+        tensors = compute_weights(self._reader[0].fetch(self.pos, used.tolist()), x.dtype)
+        t = copy.copy(self._proto)
+        for k, v in tensors.items():
+            setattr(t, k, v)
+        t.num_experts = int(used.numel())
+        return self._forward(t, x, inv.view_as(ids), w)
+
+
+class StreamedBase:
+    """A checkpoint opened for router training with its experts streamed: `model` (non-expert weights in memory,
+    frozen; every MoE block's experts a `StreamedExperts`), the `reader` and the `plan`."""
+
+    def __init__(self, path: str | Path, tier: str = "disk", dtype: torch.dtype = torch.float32,
+                 workers: int = WORKERS):
+        from .loader import build_offloaded, resolve
+        from expertcache.telemetry.adapters import adapter_for
+
+        self.path = resolve(path)
+        self.plan = plan(self.path, dtype, tier)
+        self.model, source = build_offloaded(self.path, dtype, verify=None)
+        if self.plan.quant_bits is None:  # read in the checkpoint's own dtype (bytes read = bytes on disk)
+            from .loader import expert_source
+
+            source = expert_source(self.path)
+            source.use_index(None)
+        self.reader = LayerReader(source, tier, workers)
+        for i, L in enumerate(adapter_for(self.model).moe_layers(self.model)):
+            L.block.experts = StreamedExperts(self.reader, i, L.experts)
+        self.num_parameters = self.plan.non_expert_params + self.plan.num_layers * self.plan.num_experts * \
+            self.plan.expert_params
+
+    def counters(self) -> dict:
+        return self.reader.counters()
+
+    def save_into(self, folder: str | Path, model) -> None:
+        """The base checkpoint copied into `folder` (a temporary folder of `atomic_dir`), its router tensors
+        rewritten in place with `model`'s (same dtype and shape; nothing else changes, experts are copied as bytes).
+        A quantized base's store gets the new router fingerprint in its header. Memory: one tensor at a time."""
+        from expertcache.telemetry.adapters import adapter_for, router_fingerprint
+
+        from .checkpoint import Checkpoint, checkpoint_name
+
+        folder = Path(folder)
+        for f in sorted(self.path.iterdir()):
+            if f.is_file() and not f.name.startswith("."):  # the checksum index: stamped for the base's files
+                shutil.copyfile(f, folder / f.name)
+        ckpt = Checkpoint(folder)
+        a = adapter_for(model)
+        names = {id(p): n for n, p in model.named_parameters()}
+        for L in a.moe_layers(model):
+            for p in L.router.parameters():
+                ck = checkpoint_name(names[id(p)], a.family)
+                t = ckpt.tensors.get(ck)
+                if t is None or tuple(t.shape) != tuple(p.shape):
+                    raise InputError(f"{self.path}: router tensor {ck} not found with shape {list(p.shape)}")
+                raw = p.detach().to(t.dtype).contiguous().view(torch.uint8).numpy().tobytes()
+                fd = os.open(ckpt.files[t.file], os.O_WRONLY)
+                try:
+                    os.pwrite(fd, raw, t.start)
+                finally:
+                    os.close(fd)
+        qc = quant.read_config(folder)
+        if qc is not None:
+            from .store import read_store_meta
+
+            store = folder / qc.get("experts_file", quant.EXPERTS_FILE)
+            meta = read_store_meta(store)
+            meta.fingerprint = router_fingerprint(model)
+            fd = os.open(store, os.O_WRONLY)
+            try:
+                os.pwrite(fd, meta.to_json(), 0)
+            finally:
+                os.close(fd)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def open_streamed(path: str | Path, tier: str = "disk", dtype: torch.dtype = torch.float32) -> StreamedBase:
+    """The checkpoint at `path` for router training with frozen, streamed experts (`StreamedBase`)."""
+    return StreamedBase(path, tier, dtype)
+
+
+def measure_read_gbps(base: StreamedBase, n: int = 32) -> float:
+    """GB/s the run's tier sustains reading random experts `WORKERS` at a time (`tiers.read_limits`): the roofline's
+    bandwidth, measured where the run reads."""
+    from .tiers import read_limits
+
+    r = read_limits(base.reader.tier, base.reader.meta, base.plan.num_layers, WORKERS, n=n)
+    return r["at_queue_depth"]["GBps"]
