@@ -141,10 +141,10 @@ def test_quantized_base_trains_its_routers_packed(tiny_data, fp32_base, tmp_path
     """An int8 base: experts read packed and dequantized per use; the routers train, the store keeps its bytes and
     takes the new routers' fingerprint, so `load` opens the trained checkpoint."""
     from expertcache.runtime import load, quant
-    from expertcache.telemetry.hf import load_causal_lm, load_tokenizer
+    from expertcache.telemetry.hf import load_tokenizer
 
     q = tmp_path / "int8"
-    quant.write_quantized(load_causal_lm(fp32_base, dtype=torch.float32), q, 8, 32)
+    quant.write_quantized(fp32_base, q, 8, 32)
     load_tokenizer(str(fp32_base)).save_pretrained(q)
     st = __import__("expertcache.trainer.cache_aware", fromlist=["run_cache_aware"]).run_cache_aware(
         _recipe(tiny_data, q, tmp_path / "q", **{"train.memory_gb": 8, "train.max_steps": 2}))
@@ -182,14 +182,13 @@ def test_bad_streamed_recipes_are_one_line_before_any_work(tiny_data, fp32_base,
 def test_quantized_base_asked_to_train_its_experts_is_one_line(tiny_data, fp32_base, tmp_path, capsys):
     from expertcache.recipes.cli import main
     from expertcache.runtime import quant
-    from expertcache.telemetry.hf import load_causal_lm
 
-    q = tmp_path / "int4"
-    quant.write_quantized(load_causal_lm(fp32_base, dtype=torch.float32), q, 4, 32)
+    q = tmp_path / "int8"
+    quant.write_quantized(fp32_base, q, 8, 32)
     for trainable in ("moe", "all"):
         rc = main(["train-cache-aware", "--recipe", "locality", f"base={q}", f"out_dir={tmp_path}/o",
                    f"data.corpus={tiny_data['corpus']}", f"data.tokenizer={fp32_base}", "train.memory_gb=8",
                    f"quality.trainable={trainable}"])
         err = capsys.readouterr().err.strip()
         assert rc == 2 and len(err.splitlines()) == 1, err
-        assert "holds int4 experts" in err and "cannot train" in err and "quality.trainable=routers" in err
+        assert "holds int8 experts" in err and "cannot train" in err and "quality.trainable=routers" in err
