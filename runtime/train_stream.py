@@ -35,6 +35,7 @@ from .store import FMT
 from .tiers import SlotPool, make_tier, tier_host_bytes, TIER_REGISTRY
 
 WORKERS = 4  # concurrent expert reads (the disk tier splits each large one further: `tiers.SPLIT`)
+CHUNK = 16  # experts per compute chunk; two chunks' slots are held (one computing, one reading)
 
 
 @dataclass
@@ -107,22 +108,23 @@ def rss_bytes() -> int:
     return 0
 
 
-def floor_bytes(p: StreamPlan, tokens: int, distill: bool) -> dict:
+def floor_bytes(p: StreamPlan, tokens: int, distill: bool, chunk: int = CHUNK) -> dict:
     """The least memory a streamed router-training step on `tokens` tokens (batch x sequence) needs, by part, in
-    bytes. Activations are counted tensor by tensor as a decoder layer keeps them for the backward (about 16 H-wide
-    and 4 attention-wide rows per token; per choice the expert's recomputed gate, up and output; the router's E
+    bytes. Activations are counted as a decoder layer keeps them for the backward (about 20 H-wide rows per token,
+    attention's included; per choice the expert's recomputed gate, up and output; the router's E
     logits), the logits four times (logits, log-softmax, their gradient, the teacher's log-probabilities)."""
     b = p.dtype_bytes
-    one_layer = p.num_experts * p.block_bytes  # the slot pool
+    c = min(chunk, p.num_experts)
+    one_layer = min(2 * c, p.num_experts) * p.block_bytes  # the slot pool: two chunks (computing, reading)
     if p.quant_bits is not None or p.expert_bytes != p.expert_params * b:
-        one_layer += p.num_experts * p.expert_params * b  # dequantized (or converted) for compute
+        one_layer += 2 * c * p.expert_params * b  # a chunk dequantized (or converted) for compute, and its gradient
     inter = p.expert_params // (3 * p.hidden) if p.hidden else 0
     per_token_layer = 20 * p.hidden + p.top_k * (3 * inter + 2 * p.hidden) + 2 * p.num_experts
     parts = {
         "process": rss_bytes(),  # python, torch, the tokenizer: measured, not estimated
         "non_expert_weights": p.non_expert_params * b,
         "router_state": p.router_params * (4 * 4 + (b if distill else 0)),  # fp32 weight, grad, 2 Adam; KD copy
-        "one_layer_experts": one_layer,
+        "experts_in_flight": one_layer,
         "staging": tier_host_bytes(p.tier, _meta_like(p), WORKERS) if p.tier == "disk" else
         p.num_layers * p.num_experts * p.block_bytes,
         "activations": tokens * (p.num_layers * per_token_layer * b + 4 * p.vocab * 4),
@@ -146,38 +148,56 @@ def check_budget(p: StreamPlan, memory_gb: float, tokens: int, distill: bool) ->
         gb = {k: v / 1e9 for k, v in parts.items()}
         raise InputError(
             f"train.memory_gb={memory_gb:g} is below the floor of {gb['total']:.3f} GB for streamed training of "
-            f"{p.path} ({tokens} tokens per step): non-expert weights {gb['non_expert_weights']:.3f}, one layer's "
-            f"experts {gb['one_layer_experts']:.3f}, activations {gb['activations']:.3f}, router state "
+            f"{p.path} ({tokens} tokens per step): non-expert weights {gb['non_expert_weights']:.3f}, experts in "
+            f"flight {gb['experts_in_flight']:.3f}, activations {gb['activations']:.3f}, router state "
             f"{gb['router_state']:.3f}, reads {gb['staging']:.3f}, this process {gb['process']:.3f} GB; raise "
             f"train.memory_gb to at least {gb['total']:.3f} or lower data.batch_size / data.seq_len")
     return parts
 
 
 class LayerReader:
-    """One layer's slot pool over a tier: `fetch(layer, experts)` reads each expert once into slot i (concurrently)
-    and returns `[n, ...]` views of them; counts what it moved."""
+    """Expert reads for one layer at a time over a tier, in chunks of `chunk` experts: `chunks(layer, experts)`
+    yields each chunk's `[n, ...]` slot views as it lands, the next chunk already reading into the other half of a
+    pool of 2 x `chunk` slots (reads overlap compute). Each expert asked for is read once; counts what it moved."""
 
-    def __init__(self, source, tier: str, workers: int = WORKERS):
+    def __init__(self, source, tier: str, workers: int = WORKERS, chunk: int = CHUNK):
         self.tier = make_tier(tier, source, "cpu")
         self.meta = source.meta
         if FMT in SlotPool(self.meta, 1).views:
             raise InputError("mixed-precision experts are not streamed for training; quantize with one --bits")
-        self.pool = SlotPool(self.meta, self.meta.num_experts, touch=True)
+        e = self.meta.num_experts
+        self.chunk = max(1, min(chunk, e))
+        self.pool = SlotPool(self.meta, min(2 * self.chunk, e), touch=True)  # chunk g in slots (g % 2) * chunk on
         self.ex = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="train-read")
         self.reads = self.bytes_read = 0
-        self.read_s = 0.0
+        self.wait_s = 0.0  # time compute waited for reads (what overlap did not hide)
 
-    def fetch(self, layer: int, experts: list[int]) -> dict[str, torch.Tensor]:
-        t0 = time.perf_counter()
-        futs = [self.ex.submit(self.tier.read, layer, e, self.pool, i) for i, e in enumerate(experts)]
-        self.bytes_read += sum(f.result() for f in futs)
-        self.reads += len(experts)
-        self.read_s += time.perf_counter() - t0
-        n = len(experts)
-        return {k: v[:n] for k, v in self.pool.views.items()}
+    def chunks(self, layer: int, experts: list[int]):
+        """`(index of the chunk's first expert in experts, {name: [n, ...] views})` per chunk, in order."""
+        c = self.chunk
+        groups = [experts[i:i + c] for i in range(0, len(experts), c)]
+
+        def submit(g):  # (at most 2 chunks per pass share the pool when 2 chunks exceed E: then g < 2)
+            return [self.ex.submit(self.tier.read, layer, e, self.pool, (g % 2) * c + j)
+                    for j, e in enumerate(groups[g])]
+        pending = submit(0) if groups else []
+        try:
+            for g, group in enumerate(groups):
+                t0 = time.perf_counter()
+                futs, pending = pending, []
+                self.bytes_read += sum(f.result() for f in futs)
+                self.wait_s += time.perf_counter() - t0
+                self.reads += len(group)
+                if g + 1 < len(groups):
+                    pending = submit(g + 1)  # into the other half, while this chunk computes
+                b = (g % 2) * c
+                yield g * c, {k: v[b:b + len(group)] for k, v in self.pool.views.items()}
+        finally:  # an abandoned pass: no read may still be writing a slot when the next one starts
+            for f in pending:
+                f.exception()
 
     def counters(self) -> dict:
-        return {"reads": self.reads, "bytes_read": self.bytes_read, "read_s": self.read_s}
+        return {"reads": self.reads, "bytes_read": self.bytes_read, "read_wait_s": self.wait_s}
 
     def close(self) -> None:
         self.ex.shutdown(wait=True)
@@ -197,13 +217,17 @@ def compute_weights(views: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[
 
 class _Streamed(torch.autograd.Function):
     """out = experts(x, ids, w) with the experts read by `mod` in the forward and again in the backward (nothing of
-    them is saved: only x, w and ids). Gradients for x and w, none for the experts."""
+    them is saved: only x, w and ids). Gradients for x and w, none for the experts; the backward takes them chunk
+    by chunk, so no more than a chunk's recomputation is alive at once."""
 
     @staticmethod
     def forward(ctx, x, w, ids, mod):
         ctx.mod = mod
         ctx.save_for_backward(x, w, ids)
-        return mod.compute(x, w, ids)
+        out = None
+        for y in mod.chunk_outputs(x, w, ids):
+            out = y if out is None else out + y
+        return out if out is not None else torch.zeros_like(x)
 
     @staticmethod
     def backward(ctx, g):
@@ -211,16 +235,23 @@ class _Streamed(torch.autograd.Function):
         need = ctx.needs_input_grad[:2]
         if not any(need):
             return None, None, None, None
+        grads = [None, None]
         with torch.enable_grad():
             xi, wi = x.detach().requires_grad_(need[0]), w.detach().requires_grad_(need[1])
-            out = ctx.mod.compute(xi, wi, ids)
-            grads = iter(torch.autograd.grad(out, [t for t, n in zip((xi, wi), need) if n], g))
-        return (next(grads) if need[0] else None), (next(grads) if need[1] else None), None, None
+            ins = [t for t, n in zip((xi, wi), need) if n]
+            for y in ctx.mod.chunk_outputs(xi, wi, ids):
+                part = iter(torch.autograd.grad(y, ins, g))
+                for i in (0, 1):
+                    if need[i]:
+                        d = next(part)
+                        grads[i] = d if grads[i] is None else grads[i] + d
+        return grads[0], grads[1], None, None
 
 
 class StreamedExperts(nn.Module):
     """Stands in for a MoE block's experts module: `forward(hidden [T, H], top_k_index [T, k], top_k_weights
-    [T, k])` as the original, computed by the original class's forward over the experts read for this call."""
+    [T, k])` as the original, computed by the original class's forward over the experts read for this call, one
+    chunk of experts at a time."""
 
     def __init__(self, reader: LayerReader, pos: int, original: nn.Module):
         super().__init__()
@@ -235,14 +266,26 @@ class StreamedExperts(nn.Module):
     def forward(self, hidden_states, top_k_index, top_k_weights):
         return _Streamed.apply(hidden_states, top_k_weights, top_k_index, self)
 
-    def compute(self, x, w, ids):
-        used, inv = ids.unique(return_inverse=True)  # [n] sorted: slot i computes in expert order, as in memory
-        tensors = compute_weights(self._reader[0].fetch(self.pos, used.tolist()), x.dtype)
-        t = copy.copy(self._proto)
-        for k, v in tensors.items():
-            setattr(t, k, v)
-        t.num_experts = int(used.numel())
-        return self._forward(t, x, inv.view_as(ids), w)
+    def chunk_outputs(self, x, w, ids):
+        """Each chunk's part of the layer's output `[T, H]` (their sum is the output)."""
+        used, inv = ids.unique(return_inverse=True)  # [n] sorted: slots in expert order, as in memory
+        inv = inv.view_as(ids)
+        for start, views in self._reader[0].chunks(self.pos, used.tolist()):
+            tensors = compute_weights(views, x.dtype)
+            n = next(iter(tensors.values())).shape[0]
+            t = copy.copy(self._proto)
+            for k, v in tensors.items():
+                setattr(t, k, v)
+            t.num_experts = n
+            if n == used.numel():  # one chunk: the family's forward on the whole call, as in memory
+                yield self._forward(t, x, inv, w)
+                continue
+            # the chunk's (token, choice) pairs as rows of k = 1 (not the others sent to a skipped index: the
+            # grouped_mm backward leaves such rows' input gradient unwritten), summed back per token
+            local = inv - start
+            tok, j = ((local >= 0) & (local < n)).nonzero(as_tuple=True)  # [P] pairs this chunk computes
+            y = self._forward(t, x[tok], local[tok, j][:, None], w[tok, j][:, None])  # [P, H]
+            yield torch.zeros_like(x).index_add(0, tok, y.to(x.dtype))
 
 
 class StreamedBase:
@@ -250,7 +293,7 @@ class StreamedBase:
     frozen; every MoE block's experts a `StreamedExperts`), the `reader` and the `plan`."""
 
     def __init__(self, path: str | Path, tier: str = "disk", dtype: torch.dtype = torch.float32,
-                 workers: int = WORKERS):
+                 workers: int = WORKERS, chunk: int = CHUNK):
         from .loader import build_offloaded, resolve
         from expertcache.telemetry.adapters import adapter_for
 
@@ -262,7 +305,7 @@ class StreamedBase:
 
             source = expert_source(self.path)
             source.use_index(None)
-        self.reader = LayerReader(source, tier, workers)
+        self.reader = LayerReader(source, tier, workers, chunk)
         for i, L in enumerate(adapter_for(self.model).moe_layers(self.model)):
             L.block.experts = StreamedExperts(self.reader, i, L.experts)
         self.num_parameters = self.plan.non_expert_params + self.plan.num_layers * self.plan.num_experts * \
@@ -315,9 +358,10 @@ class StreamedBase:
         self.reader.close()
 
 
-def open_streamed(path: str | Path, tier: str = "disk", dtype: torch.dtype = torch.float32) -> StreamedBase:
+def open_streamed(path: str | Path, tier: str = "disk", dtype: torch.dtype = torch.float32,
+                  chunk: int = CHUNK) -> StreamedBase:
     """The checkpoint at `path` for router training with frozen, streamed experts (`StreamedBase`)."""
-    return StreamedBase(path, tier, dtype)
+    return StreamedBase(path, tier, dtype, chunk=chunk)
 
 
 def measure_read_gbps(base: StreamedBase, n: int = 32) -> float:

@@ -59,10 +59,12 @@ def _recipe(tiny_data, base, out, **extra):
     return load_recipe(CacheAwareRecipe, CA_RECIPES / "locality.yaml", [f"{k}={v}" for k, v in o.items()])
 
 
-def test_streamed_layer_matches_memory_and_reads_each_touched_expert_once_per_pass(fp32_base):
+@pytest.mark.parametrize("chunk", [16, 3])
+def test_streamed_layer_matches_memory_and_reads_each_touched_expert_once_per_pass(fp32_base, chunk):
     """One forward and backward: the streamed model's logits, loss and router gradients equal the in-memory
-    model's; the experts read are exactly each layer's distinct selected experts, once in the forward and once in
-    the backward; no gradient reaches an expert."""
+    model's, whether a layer's experts come in one chunk or in chunks of 3 (read while the previous computes); the
+    experts read are exactly each layer's distinct selected experts, once in the forward and once in the backward;
+    no gradient reaches an expert."""
     from expertcache.runtime.train_stream import StreamedExperts, open_streamed
     from expertcache.telemetry.hf import load_causal_lm
 
@@ -76,7 +78,7 @@ def test_streamed_layer_matches_memory_and_reads_each_touched_expert_once_per_pa
     out.loss.backward()
     touched = sum(int(lg.float().softmax(-1).topk(2, dim=-1).indices.unique().numel()) for lg in out.router_logits)
 
-    base = open_streamed(fp32_base, "disk")
+    base = open_streamed(fp32_base, "disk", chunk=chunk)
     try:
         m = base.model
         assert all(isinstance(L.mlp.experts, StreamedExperts) for L in m.model.layers)
@@ -90,6 +92,7 @@ def test_streamed_layer_matches_memory_and_reads_each_touched_expert_once_per_pa
         c = base.counters()
         assert c["reads"] == 2 * touched  # and once more in the backward
         assert c["bytes_read"] == 2 * touched * base.reader.meta.expert_bytes
+        assert base.reader.pool.n_slots == min(2 * chunk, 8)
         torch.testing.assert_close(so.logits, out.logits, rtol=1e-5, atol=1e-6)
         for a, b in zip(sg, gates):
             assert float(b.grad.abs().sum()) > 0
