@@ -116,8 +116,8 @@ def floor_bytes(p: StreamPlan, tokens: int, distill: bool, chunk: int = CHUNK) -
     b = p.dtype_bytes
     c = min(chunk, p.num_experts)
     one_layer = min(2 * c, p.num_experts) * p.block_bytes  # the slot pool: two chunks (computing, reading)
-    if p.quant_bits is not None or p.expert_bytes != p.expert_params * b:
-        one_layer += 2 * c * p.expert_params * b  # a chunk dequantized (or converted) for compute, and its gradient
+    if p.quant_bits is not None:  # a chunk dequantized to bf16, one expert's fp32 intermediates (x3)
+        one_layer += c * p.expert_params * 2 + 3 * p.expert_params * 4
     inter = p.expert_params // (3 * p.hidden) if p.hidden else 0
     per_token_layer = 20 * p.hidden + p.top_k * (3 * inter + 2 * p.hidden) + 2 * p.num_experts
     parts = {
@@ -155,6 +155,21 @@ def check_budget(p: StreamPlan, memory_gb: float, tokens: int, distill: bool) ->
     return parts
 
 
+def check_resident(base: "StreamedBase", memory_gb: float, parts: dict) -> int:
+    """After the base is open and the data ready (before the first step): what this process holds now (measured)
+    plus what a step adds (`floor_bytes`' activations, router state and dequantized chunk; the slot pool is
+    already resident) must fit `memory_gb`. Returns that need in bytes; `InputError` (one line) when it does not fit:
+    the header-only floor cannot see the corpus's tokens or the allocator's overhead."""
+    now = rss_bytes()
+    pool = base.reader.pool.n_slots * base.reader.meta.block_bytes
+    need = now + max(0, parts["experts_in_flight"] - pool) + parts["activations"] + parts["router_state"]
+    if memory_gb * 1e9 < need:
+        raise InputError(f"train.memory_gb={memory_gb:g}: with the base open and the data ready this process holds "
+                         f"{now / 1e9:.3f} GB, and a step adds {(need - now) / 1e9:.3f} GB: {need / 1e9:.3f} GB in "
+                         f"all; raise train.memory_gb or lower data.batch_size / data.seq_len")
+    return need
+
+
 class LayerReader:
     """Expert reads for one layer at a time over a tier, in chunks of `chunk` experts: `chunks(layer, experts)`
     yields each chunk's `[n, ...]` slot views as it lands, the next chunk already reading into the other half of a
@@ -167,6 +182,7 @@ class LayerReader:
             raise InputError("mixed-precision experts are not streamed for training; quantize with one --bits")
         e = self.meta.num_experts
         self.chunk = max(1, min(chunk, e))
+        self.dtype = weights_dtype(self.meta)
         self.pool = SlotPool(self.meta, min(2 * self.chunk, e), touch=True)  # chunk g in slots (g % 2) * chunk on
         self.ex = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="train-read")
         self.reads = self.bytes_read = 0
@@ -204,15 +220,30 @@ class LayerReader:
         self.tier.close()
 
 
+def weights_dtype(meta) -> torch.dtype:
+    """The dtype experts compute in: the checkpoint's own float dtype (bf16 in place: no copy, the CPU's bf16
+    matrix units), bf16 for packed experts (dequantized per use)."""
+    dt = meta.tensors[0].torch_dtype
+    return dt if dt.is_floating_point else torch.bfloat16
+
+
 def compute_weights(views: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The experts' tensors as the family's forward takes them, in `dtype`: views of the slots as they are, or
-    packed ones dequantized (`quant.dequantize`: exactly the weights the integer kernels multiply)."""
+    packed ones dequantized (`quant.dequantize`: exactly the weights the integer kernels multiply) one expert at a
+    time into a `[n, ...]` tensor (the fp32 intermediates of one expert, not of the chunk)."""
     fmt = quant.format_of(views)
     if fmt is None:
         return {k: v if v.dtype == dtype else v.to(dtype) for k, v in views.items()}
     bits, group = fmt
-    names = sorted({k.rsplit(".", 1)[0] for k in views})
-    return {n: quant.dequantize(quant.parts(views, n), bits, group, dtype) for n in names}
+    out = {}
+    for name in sorted({k.rsplit(".", 1)[0] for k in views}):
+        parts = quant.parts(views, name)
+        first = quant.dequantize({k: v[0] for k, v in parts.items()}, bits, group, dtype)
+        t = out[name] = torch.empty((parts["q"].shape[0], *first.shape), dtype=dtype)
+        t[0] = first
+        for i in range(1, t.shape[0]):
+            t[i] = quant.dequantize({k: v[i] for k, v in parts.items()}, bits, group, dtype)
+    return out
 
 
 class _Streamed(torch.autograd.Function):
@@ -270,22 +301,25 @@ class StreamedExperts(nn.Module):
         """Each chunk's part of the layer's output `[T, H]` (their sum is the output)."""
         used, inv = ids.unique(return_inverse=True)  # [n] sorted: slots in expert order, as in memory
         inv = inv.view_as(ids)
+        wdt = self._reader[0].dtype
+        out_dt = x.dtype
+        x, w = x.to(wdt), w.to(wdt)  # the experts' dtype (no-ops for an fp32 checkpoint); gradients pass the casts
         for start, views in self._reader[0].chunks(self.pos, used.tolist()):
-            tensors = compute_weights(views, x.dtype)
+            tensors = compute_weights(views, wdt)
             n = next(iter(tensors.values())).shape[0]
             t = copy.copy(self._proto)
             for k, v in tensors.items():
                 setattr(t, k, v)
             t.num_experts = n
             if n == used.numel():  # one chunk: the family's forward on the whole call, as in memory
-                yield self._forward(t, x, inv, w)
+                yield self._forward(t, x, inv, w).to(out_dt)
                 continue
             # the chunk's (token, choice) pairs as rows of k = 1 (not the others sent to a skipped index: the
             # grouped_mm backward leaves such rows' input gradient unwritten), summed back per token
             local = inv - start
             tok, j = ((local >= 0) & (local < n)).nonzero(as_tuple=True)  # [P] pairs this chunk computes
             y = self._forward(t, x[tok], local[tok, j][:, None], w[tok, j][:, None])  # [P, H]
-            yield torch.zeros_like(x).index_add(0, tok, y.to(x.dtype))
+            yield torch.zeros_like(x, dtype=out_dt).index_add(0, tok, y.to(out_dt))
 
 
 class StreamedBase:

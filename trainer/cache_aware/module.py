@@ -20,6 +20,7 @@ class CacheAwareModule(CausalLMModule):
         self._teacher = [teacher] if teacher is not None else []  # a list: not a submodule, never saved
         self._base_routers = base_routers
         self.step_losses: list[float] = []  # each training step's total loss (what the optimizer minimised)
+        self.save_frozen = True
         from expertcache.telemetry.adapters import adapter_for
 
         from ..locality import layer_weights
@@ -133,6 +134,13 @@ class CacheAwareModule(CausalLMModule):
         self.step_losses.append(float(total.detach()))
         return total
 
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """With `save_frozen` off (streamed experts: the frozen weights are the base's, on disk already), a
+        resumable checkpoint holds only the parameters that train; resuming then loads it non-strictly."""
+        if not self.save_frozen:
+            frozen = {f"model.{n}" for n, p in self.model.named_parameters() if not p.requires_grad}
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
 
     def on_fit_start(self) -> None:
         for t in self._teacher:

@@ -155,6 +155,10 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
         else:
             teacher = load_causal_lm(base, dtype=torch.float32).eval().requires_grad_(False)
     module = CacheAwareModule(model, recipe, dm.val_domains(), aux, allowed, teacher, base_routers)
+    if streamed is not None:
+        module.save_frozen = False  # resumable checkpoints hold what trains; the frozen rest is the base's
+        module.strict_loading = False
+        parts["resident_check"] = stream._RUNTIME.check_resident(streamed, recipe.train.memory_gb, parts)
     try:
         start_step, train_s, trainer = fit_resumable(recipe, module, dm, out, resume)
         if trainer.global_rank != 0:  # data-parallel workers: rank 0 alone writes the checkpoint and the reports

@@ -29,6 +29,8 @@ class StreamedRuntime(Protocol):
 
     def open_streamed(self, path, tier: str = "disk", dtype: torch.dtype = torch.float32): ...
 
+    def check_resident(self, base, memory_gb: float, parts: dict) -> int: ...
+
 
 _RUNTIME: Optional[StreamedRuntime] = None
 
