@@ -68,9 +68,6 @@ def wants_stream(recipe, base: Path) -> bool:
     if bits is not None and recipe.train.memory_gb <= 0:
         raise InputError(f"the base {base} holds int{bits} experts (expertcache quantize), which are only read "
                          f"streamed: set train.memory_gb to the memory the run may use")
-    if streamed and recipe.serving.reroute:
-        raise InputError("serving.reroute with streamed experts is not supported (the served replay is per token); "
-                         "set serving.reroute=false or train.memory_gb=0")
     return streamed
 
 
