@@ -219,3 +219,26 @@ def test_quantized_base_asked_to_train_its_experts_is_one_line(tiny_data, fp32_b
         err = capsys.readouterr().err.strip()
         assert rc == 2 and len(err.splitlines()) == 1, err
         assert "holds int8 experts" in err and "cannot train" in err and "quality.trainable=routers" in err
+
+
+def test_the_floor_from_headers_and_the_resident_check_before_the_first_step(fp32_base):
+    """The header-only floor adds up its parts and grows with the tokens per step; once the base is open, the
+    second check counts what the process holds (measured) and refuses a budget below it in one line."""
+    from expertcache.runtime.train_stream import check_resident, floor_bytes, open_streamed, plan
+    from expertcache.telemetry.errors import InputError
+
+    p = plan(fp32_base, torch.float32, "disk")
+    assert p.num_layers == 2 and p.num_experts == 8 and p.quant_bits is None
+    assert p.experts_bytes == 2 * 8 * 3 * 32 * 32 * 4  # fp32 experts, gate_up [64, 32] + down [32, 32]
+    small, big = floor_bytes(p, 64, False), floor_bytes(p, 64 * 1024, True)
+    assert small["total"] == sum(v for k, v in small.items() if k != "total")
+    assert big["activations"] == 1024 * small["activations"] and big["router_state"] > small["router_state"]
+    base = open_streamed(fp32_base, "disk")
+    try:
+        need = check_resident(base, 100.0, small)
+        assert need > small["activations"]
+        with pytest.raises(InputError, match="this process holds") as e:
+            check_resident(base, need / 1e9 * 0.99, small)
+        assert len(str(e.value).splitlines()) == 1
+    finally:
+        base.close()
