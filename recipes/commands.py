@@ -78,8 +78,11 @@ def train_cache_aware(recipe: CacheAwareRecipe, resume: bool = True,
     """
     import sys
 
+    from expertcache.runtime.engine import train_stream
     from expertcache.trainer.cache_aware import result_row, results_table, run_cache_aware
+    from expertcache.trainer.cache_aware.stream import set_streamed_runtime
 
+    set_streamed_runtime(train_stream)  # train.memory_gb: experts streamed through the runtime's tiers
     if table:
         results = []
         for d in table:
@@ -96,6 +99,8 @@ def train_cache_aware(recipe: CacheAwareRecipe, resume: bool = True,
     result = run_cache_aware(recipe, resume=resume)
     if result is None:  # a data-parallel worker process: rank 0 reports
         return None
+    if result.get("streamed"):  # training figures only: evaluate with `expertcache eval --model OUT/model`
+        return {k: v for k, v in result.items() if k != "losses"}
     if "table" in result:  # a sweep
         print("\n" + Path(result["table"]).read_text(), file=sys.stderr)
         return result["rows"]

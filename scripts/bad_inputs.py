@@ -322,7 +322,7 @@ def damaged(root: Path, P: dict) -> None:
     P["scratch"] = root / "scratch"
     P["scratch"].mkdir()
     P["scratch"].chmod(0o777)
-    from expertcache.runtime.kernels.quant_write import write_quantized  # an int8 copy (`expertcache quantize`), and one whose
+    from expertcache.runtime.kernels.triton_experts.quant_write import write_quantized  # an int8 copy (`expertcache quantize`), and one whose
 
     P["model_q8"] = root / "model-q8"  # quantization_config names a method this runtime does not read
     write_quantized(P["model"], P["model_q8"], 8, 32)
@@ -423,6 +423,15 @@ def cases(P: dict) -> list[dict]:
                  ("routers.horizon_decay", 2), ("quality.trainable", "head")):
         add(f"ca-{k}={v}", [*ca(), f"{k}={v}"])
     add("ca-quality-both-zero", [*ca(), "quality.lm_weight=0", "quality.distill=0"])
+    # train-cache-aware with its experts streamed (train.memory_gb, issue 44): what trains, the budget, the tier
+    add("ca-stream-trainable-all", [*ca(), "train.memory_gb=8"])
+    add("ca-stream-memory-below-floor", [*ca(), "train.memory_gb=0.01", "quality.trainable=routers"])
+    add("ca-stream-quantized-trains-experts", [*ca(), f"base={P['model_q8']}", "train.memory_gb=8",
+                                               "quality.trainable=moe"])
+    add("ca-stream-tier-unknown", [*ca(), "train.memory_gb=8", "quality.trainable=routers",
+                                   "train.expert_tier=floppy"])
+    add("ca-stream-memory-nan", [*ca(), "train.memory_gb=nan"])
+    add("pretrain-memory-gb", [*pre(), "train.memory_gb=4"])
     add("ca-table-missing", ["train-cache-aware", "--table", S / "no-run"])
     add("ca-table-pretrain-run", ["train-cache-aware", "--table", RUN])
     # trace record

@@ -37,6 +37,11 @@ class TrainSpec:
     wandb_project: str = opt("expertcache", "wandb project name")
     balance: str = opt("per_layer", "load-balancing loss: per_layer (Switch loss in every MoE layer, averaged) or "
                        "hf (transformers' loss, which pools all layers' experts and can hide per-layer imbalance)")
+    memory_gb: float = opt(0.0, "train-cache-aware: the memory (GB) the run may use with its routed experts frozen "
+                           "and streamed from the checkpoint, layer by layer (routers train; a budget below the "
+                           "floor is refused, the floor printed); 0: the whole model in memory")
+    expert_tier: str = opt("disk", "with train.memory_gb: where streamed experts are read from (disk: the "
+                           "checkpoint, page cache bypassed; host: every expert in RAM; throttled:<GB/s>)")
 
 
     def __post_init__(self):
@@ -59,6 +64,8 @@ class TrainSpec:
                 raise RecipeError(f"train.{name}={getattr(self, name)}; expected a finite number >= 0")
         if self.devices != "auto" and not (str(self.devices).isdigit() and int(self.devices) >= 1):
             raise RecipeError(f"train.devices={self.devices!r}; expected auto or a count >= 1")
+        if not (math.isfinite(self.memory_gb) and self.memory_gb >= 0):
+            raise RecipeError(f"train.memory_gb={self.memory_gb}; expected a finite number >= 0 (0: no streaming)")
         if self.balance not in BALANCE_LOSSES:
             raise RecipeError(f"train.balance={self.balance!r}; expected one of {', '.join(BALANCE_LOSSES)}")
 

@@ -31,6 +31,9 @@ class PretrainRecipe:
             raise RecipeError(f"eval_blocks={self.eval_blocks}; expected an integer >= 1")
         if not self.out_dir:
             raise RecipeError("out_dir is empty; expected the run folder")
+        if self.train.memory_gb:
+            raise RecipeError(f"train.memory_gb={self.train.memory_gb:g}: pretraining trains every expert, so none "
+                              f"can be streamed frozen (train-cache-aware streams them); set it to 0")
 
 
 def run_pretrain(recipe: PretrainRecipe, resume: bool = True) -> dict:

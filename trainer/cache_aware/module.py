@@ -12,9 +12,15 @@ from .recipe import CacheAwareRecipe
 
 class CacheAwareModule(CausalLMModule):
     def __init__(self, model, recipe: CacheAwareRecipe, val_domains: list[str], aux=None,
-                 allowed: torch.Tensor | None = None, teacher=None):
+                 allowed: torch.Tensor | None = None, teacher=None, base_routers: dict | None = None):
+        """`teacher`: a second model, the frozen base for distillation; or `base_routers` ({parameter name:
+        tensor}, copies of the routers before training) when only the routers train: the base is then this model
+        with those routers (`torch.func.functional_call`), never a second copy of it."""
         super().__init__(model, recipe.train, val_domains)
         self._teacher = [teacher] if teacher is not None else []  # a list: not a submodule, never saved
+        self._base_routers = base_routers
+        self.step_losses: list[float] = []  # each training step's total loss (what the optimizer minimised)
+        self.save_frozen = True
         from expertcache.telemetry.adapters import adapter_for
 
         from ..locality import layer_weights
@@ -125,17 +131,44 @@ class CacheAwareModule(CausalLMModule):
             if self.served is not None:
                 self.served.active = False
                 self.served.clear()
+        self.step_losses.append(float(total.detach()))
         return total
 
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """With `save_frozen` off (streamed experts: the frozen weights are the base's, on disk already), a
+        resumable checkpoint holds only the parameters that train; resuming then loads it non-strictly."""
+        if not self.save_frozen:
+            frozen = {f"model.{n}" for n, p in self.model.named_parameters() if not p.requires_grad}
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
 
     def on_fit_start(self) -> None:
         for t in self._teacher:
             t.to(self.device)
+        if self._base_routers is not None:
+            self._base_routers = {k: v.to(self.device) for k, v in self._base_routers.items()}
+
+    def _base_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """The frozen base's logits: the teacher model, or this model with the base's routers (its capture and
+        served-routing hooks off: the base routes natively, as a separate copy would)."""
+        if self._teacher:
+            return self._teacher[0](input_ids=ids, use_cache=False).logits
+        capture, self._capture = self._capture, False
+        served = self.served.active if self.served is not None else None
+        if self.served is not None:
+            self.served.active = False
+        try:
+            return torch.func.functional_call(self.model, self._base_routers, (),
+                                              {"input_ids": ids, "use_cache": False}).logits
+        finally:
+            self._capture = capture
+            if self.served is not None:
+                self.served.active = served
 
     def distill_loss(self, ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """KL(base || model) of the next-token distributions, summed over the vocabulary, mean over tokens."""
         with torch.no_grad():
-            ref = self._teacher[0](input_ids=ids, use_cache=False).logits.float().log_softmax(-1)
+            ref = self._base_logits(ids).float().log_softmax(-1)
         own = logits.float().log_softmax(-1)
         return torch.nn.functional.kl_div(own.flatten(0, 1), ref.flatten(0, 1), log_target=True,
                                           reduction="batchmean")

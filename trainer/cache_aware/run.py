@@ -100,12 +100,21 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     from ..runfolder import finish_run, fit_resumable, plot_training_curve, prepare_run
 
     base = _check_base(recipe.base)
+    from . import stream
+
+    streamed = parts = None
+    if stream.wants_stream(recipe, base):  # experts frozen in the checkpoint: the budget checked before any work
+        plan, parts = stream.open_base(recipe, base)
     tok, out, done = prepare_run(recipe, resume, ("result.json", "model/config.json"), command="train-cache-aware")
     if done is not None:
         return done
     from expertcache.telemetry.hf import load_causal_lm
 
-    model = load_causal_lm(base, dtype=torch.float32)
+    if parts is not None:
+        streamed = stream._RUNTIME.open_streamed(base, recipe.train.expert_tier, stream.compute_dtype(recipe))
+        model = streamed.model
+    else:
+        model = load_causal_lm(base, dtype=torch.float32)
     check_vocab(tok, model.config)
     if (base / "tokenizer.json").is_file():
         from expertcache.telemetry.hf import load_tokenizer
@@ -117,7 +126,7 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     aux = AuxRouters(config_for(model, r.temporal, r.spatio, r.rank, r.refine_budget, r.prefetch_threshold,
                                 r.horizon, r.horizon_decay, r.history)) \
         if recipe.mode != "locality-only" else None
-    n_backbone = count_parameters(model)["total"]
+    n_backbone = streamed.num_parameters if streamed is not None else count_parameters(model)["total"]
     n_aux = aux.num_parameters() if aux is not None else 0
     if n_aux > 0.01 * n_backbone:
         raise RecipeError(f"auxiliary routers have {n_aux} parameters, over 1% of the backbone's {n_backbone}; "
@@ -135,13 +144,30 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     dm = CorpusDataModule(recipe.data, seed=recipe.train.seed)
     dm.setup("fit")
     model.train()  # from_pretrained returns eval mode
-    teacher = None
+    teacher = base_routers = None
     if recipe.quality.distill and recipe.mode != "aux-only":
-        teacher = load_causal_lm(base, dtype=torch.float32).eval().requires_grad_(False)
-    module = CacheAwareModule(model, recipe, dm.val_domains(), aux, allowed, teacher)
-    start_step, train_s, trainer = fit_resumable(recipe, module, dm, out, resume)
-    if trainer.global_rank != 0:  # data-parallel workers: rank 0 alone writes the checkpoint and the reports
-        return None
+        if streamed is not None or recipe.quality.trainable == "routers":  # the base = this model, its routers
+            from expertcache.telemetry.adapters import adapter_for
+
+            names = {id(p): n for n, p in model.named_parameters()}
+            base_routers = {names[id(p)]: p.detach().clone() for L in adapter_for(model).moe_layers(model)
+                            for p in L.router.parameters()}
+        else:
+            teacher = load_causal_lm(base, dtype=torch.float32).eval().requires_grad_(False)
+    module = CacheAwareModule(model, recipe, dm.val_domains(), aux, allowed, teacher, base_routers)
+    if streamed is not None:
+        module.save_frozen = False  # resumable checkpoints hold what trains; the frozen rest is the base's
+        module.strict_loading = False
+        parts["resident_check"] = stream._RUNTIME.check_resident(streamed, recipe.train.memory_gb, parts)
+    try:
+        start_step, train_s, trainer = fit_resumable(recipe, module, dm, out, resume)
+        if trainer.global_rank != 0:  # data-parallel workers: rank 0 alone writes the checkpoint and the reports
+            return None
+        if streamed is not None:
+            return _finish_streamed(recipe, streamed, parts, module, trainer, train_s, start_step, tok, out, aux)
+    finally:
+        if streamed is not None:
+            streamed.close()
 
     model_dir = out / "model"
     save_model_dir(model, tok, model_dir, aux)
@@ -158,6 +184,7 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
               "locality": to_dict(recipe.locality), "routers": to_dict(recipe.routers) if aux is not None else None,
               "parameters": {"backbone": n_backbone, "aux_routers": n_aux,
                              "aux_fraction_of_backbone": n_aux / n_backbone},
+              "losses": module.step_losses,
               "baseline": base_res, "candidate": cand, "summary": summarize(recipe, base_res, cand)}
     from expertcache.telemetry.atomic import write_json
 
@@ -165,6 +192,23 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     write_text(out / "result.md", results_table([result]) + "\n")
     plot_cache(result, out / "cache.png")
     finish_run(out, "train-cache-aware")
+    return result
+
+
+def _finish_streamed(recipe, streamed, parts, module, trainer, train_s, start_step, tok, out, aux) -> dict:
+    """A streamed run's end: the checkpoint (the base's files, routers rewritten) and result.json with the
+    training figures (`stream.stream_result`). The end-of-run evaluation, which loads the model whole, is left to
+    `expertcache eval --model OUT/model` (it serves through the offload engine)."""
+    from ..runfolder import plot_training_curve
+    from . import stream
+
+    stream.save_model(streamed, module.model, tok, out / "model", aux)
+    plot_training_curve(out / "logs", out / "training_curve.png")
+    result = {"name": recipe.name, "mode": recipe.mode, "base": str(recipe.base), "out_dir": str(out),
+              "streamed": True, "global_step": trainer.global_step, "resumed_from_step": start_step,
+              "train_seconds_this_run": round(train_s, 1), "locality": to_dict(recipe.locality),
+              **stream.stream_result(recipe, streamed, parts, module, trainer, train_s, start_step)}
+    write_json(out / "result.json", result)
     return result
 
 

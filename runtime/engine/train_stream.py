@@ -1,0 +1,407 @@
+"""Router training on a checkpoint whose experts do not fit in memory: the experts stay frozen in the checkpoint
+(bf16 in place, or an `expertcache quantize` store of int8/int4) and are read through the decode side's tiers.
+
+    base = open_streamed("ckpt/", tier="disk")    # non-expert weights read (`loader.build_offloaded`); experts not
+    base.model(input_ids=ids, labels=ids)          # every MoE block's experts are a `StreamedExperts`
+    base.save_into(folder, base.model)             # the checkpoint copied, its router tensors rewritten in place
+
+Per pass (a forward, or a backward) each MoE layer reads every expert its tokens selected once, into one layer's
+slot pool (`tiers.SlotPool` of E slots, reused by every layer), and computes all of that expert's tokens with the
+family's own experts forward over the slots (packed experts dequantized first). The backward reads them again and
+recomputes the layer's expert outputs under autograd (`_Streamed`): gradients reach the routing weights (so the
+routers) and the hidden states (so earlier layers' routers), never the experts, and no expert outlives its layer.
+
+`plan` sizes a run from the checkpoint's headers alone (nothing is read but the config and the safetensors or store
+headers), so a budget too small is refused before any work (`floor_bytes`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from expertcache.telemetry.errors import InputError
+
+from expertcache.runtime.kernels import quant
+from expertcache.runtime.storage.store import FMT
+from expertcache.runtime.storage.tiers import SlotPool, make_tier, tier_host_bytes, TIER_REGISTRY
+
+WORKERS = 4  # concurrent expert reads (the disk tier splits each large one further: `tiers.SPLIT`)
+CHUNK = 16  # experts per compute chunk; two chunks' slots are held (one computing, one reading)
+
+
+@dataclass
+class StreamPlan:
+    """What a streamed run holds, from headers only: bytes of each part (for `floor_bytes`)."""
+
+    path: str
+    family: str
+    num_layers: int  # MoE layers
+    num_experts: int
+    top_k: int
+    hidden: int
+    vocab: int
+    expert_params: int  # parameters of one expert
+    expert_bytes: int  # one expert as stored (bf16, or packed)
+    block_bytes: int  # one slot
+    experts_bytes: int  # every routed expert as stored
+    non_expert_params: int
+    router_params: int
+    dtype_bytes: int  # the compute dtype's element size
+    quant_bits: int | None  # 8 / 4 for an `expertcache quantize` checkpoint
+    tier: str
+
+    def describe(self) -> dict:
+        return dict(self.__dict__)
+
+
+def plan(path: str | Path, dtype: torch.dtype, tier: str = "disk") -> StreamPlan:
+    """Sizes of a streamed run on the checkpoint at `path` (config, headers, a meta-device model: no weight read).
+    A mixed-precision checkpoint or an unknown tier is refused here."""
+    from expertcache.runtime.storage.loader import _skeleton, resolve
+
+    TIER_REGISTRY.parse(tier)  # a bad name: one line listing the tiers
+    if tier == "auto":
+        raise InputError("train.expert_tier=auto: name the tier experts are read from while training: disk (the "
+                         "checkpoint, page cache bypassed) or host (every expert in RAM)")
+    path = resolve(path)
+    qc = quant.read_config(path)
+    if qc is not None and qc["bits"] == quant.MIXED:
+        raise InputError(f"{path} holds mixed-precision experts (quantize --by_usage); streamed training reads one "
+                         f"format: quantize the base with one --bits")
+    ckpt, config, adapter, model, prefixes, params = _skeleton(path, dtype)
+    pre = tuple(p + "." for p in prefixes)
+    es = dtype.itemsize
+    e_params = sum(int(torch.Size(s).numel()) for s, _ in params.values())
+    if qc is not None:
+        source = quant.open_source(path, qc, False)
+        meta = source.meta
+    else:
+        from expertcache.runtime.storage.loader import expert_source
+
+        meta = expert_source(path).meta  # as stored: the slots hold the checkpoint's dtype, converted per use
+    non_expert = sum(p.numel() for n, p in model.named_parameters() if not n.startswith(pre))
+    routers = sum(p.numel() for L in adapter.moe_layers(model) for p in L.router.parameters())
+    cfg = model.config.get_text_config()
+    return StreamPlan(str(path), adapter.family, len(prefixes), adapter.num_experts, adapter.top_k,
+                      adapter.hidden_size, int(cfg.vocab_size), e_params, meta.expert_bytes, meta.block_bytes,
+                      len(prefixes) * adapter.num_experts * meta.expert_bytes, non_expert, routers, es,
+                      qc["bits"] if qc is not None else None, tier)
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (VmRSS)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def floor_bytes(p: StreamPlan, tokens: int, distill: bool, chunk: int = CHUNK) -> dict:
+    """The least memory a streamed router-training step on `tokens` tokens (batch x sequence) needs, by part, in
+    bytes. Activations are counted as a decoder layer keeps them for the backward (about 20 H-wide rows per token,
+    attention's included; per choice the expert's recomputed gate, up and output; the router's E
+    logits), the logits four times (logits, log-softmax, their gradient, the teacher's log-probabilities)."""
+    b = p.dtype_bytes
+    c = min(chunk, p.num_experts)
+    one_layer = min(2 * c, p.num_experts) * p.block_bytes  # the slot pool: two chunks (computing, reading)
+    if p.quant_bits is not None:  # a chunk dequantized to bf16, one expert's fp32 intermediates (x3)
+        one_layer += c * p.expert_params * 2 + 3 * p.expert_params * 4
+    inter = p.expert_params // (3 * p.hidden) if p.hidden else 0
+    per_token_layer = 20 * p.hidden + p.top_k * (3 * inter + 2 * p.hidden) + 2 * p.num_experts
+    parts = {
+        "process": rss_bytes(),  # python, torch, the tokenizer: measured, not estimated
+        "non_expert_weights": p.non_expert_params * b,
+        "router_state": p.router_params * (4 * 4 + (b if distill else 0)),  # fp32 weight, grad, 2 Adam; KD copy
+        "experts_in_flight": one_layer,
+        "staging": tier_host_bytes(p.tier, _meta_like(p), WORKERS) if p.tier == "disk" else
+        p.num_layers * p.num_experts * p.block_bytes,
+        "activations": tokens * (p.num_layers * per_token_layer * b + 4 * p.vocab * 4),
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def _meta_like(p: StreamPlan):
+    class M:  # what `tier_host_bytes` reads of a store's meta
+        block_bytes = p.block_bytes
+        num_layers = p.num_layers
+        num_experts = p.num_experts
+    return M
+
+
+def check_budget(p: StreamPlan, memory_gb: float, tokens: int, distill: bool) -> dict:
+    """The floor's parts; `InputError` (one line, the floor printed) when `memory_gb` is below it."""
+    parts = floor_bytes(p, tokens, distill)
+    if memory_gb * 1e9 < parts["total"]:
+        gb = {k: v / 1e9 for k, v in parts.items()}
+        raise InputError(
+            f"train.memory_gb={memory_gb:g} is below the floor of {gb['total']:.3f} GB for streamed training of "
+            f"{p.path} ({tokens} tokens per step): non-expert weights {gb['non_expert_weights']:.3f}, experts in "
+            f"flight {gb['experts_in_flight']:.3f}, activations {gb['activations']:.3f}, router state "
+            f"{gb['router_state']:.3f}, reads {gb['staging']:.3f}, this process {gb['process']:.3f} GB; raise "
+            f"train.memory_gb to at least {gb['total']:.3f} or lower data.batch_size / data.seq_len")
+    return parts
+
+
+def check_resident(base: "StreamedBase", memory_gb: float, parts: dict) -> int:
+    """After the base is open and the data ready (before the first step): what this process holds now (measured)
+    plus what a step adds (`floor_bytes`' activations, router state and dequantized chunk; the slot pool is
+    already resident) must fit `memory_gb`. Returns that need in bytes; `InputError` (one line) when it does not fit:
+    the header-only floor cannot see the corpus's tokens or the allocator's overhead."""
+    now = rss_bytes()
+    pool = base.reader.pool.n_slots * base.reader.meta.block_bytes
+    need = now + max(0, parts["experts_in_flight"] - pool) + parts["activations"] + parts["router_state"]
+    if memory_gb * 1e9 < need:
+        raise InputError(f"train.memory_gb={memory_gb:g}: with the base open and the data ready this process holds "
+                         f"{now / 1e9:.3f} GB, and a step adds {(need - now) / 1e9:.3f} GB: {need / 1e9:.3f} GB in "
+                         f"all; raise train.memory_gb or lower data.batch_size / data.seq_len")
+    return need
+
+
+class LayerReader:
+    """Expert reads for one layer at a time over a tier, in chunks of `chunk` experts: `chunks(layer, experts)`
+    yields each chunk's `[n, ...]` slot views as it lands, the next chunk already reading into the other half of a
+    pool of 2 x `chunk` slots (reads overlap compute). Each expert asked for is read once; counts what it moved."""
+
+    def __init__(self, source, tier: str, workers: int = WORKERS, chunk: int = CHUNK):
+        self.tier = make_tier(tier, source, "cpu")
+        self.meta = source.meta
+        if FMT in SlotPool(self.meta, 1).views:
+            raise InputError("mixed-precision experts are not streamed for training; quantize with one --bits")
+        e = self.meta.num_experts
+        self.chunk = max(1, min(chunk, e))
+        self.dtype = weights_dtype(self.meta)
+        self.pool = SlotPool(self.meta, min(2 * self.chunk, e), touch=True)  # chunk g in slots (g % 2) * chunk on
+        self.ex = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="train-read")
+        self.reads = self.bytes_read = 0
+        self.wait_s = 0.0  # time compute waited for reads (what overlap did not hide)
+
+    def chunks(self, layer: int, experts: list[int]):
+        """`(index of the chunk's first expert in experts, {name: [n, ...] views})` per chunk, in order."""
+        c = self.chunk
+        groups = [experts[i:i + c] for i in range(0, len(experts), c)]
+
+        def submit(g):  # (at most 2 chunks per pass share the pool when 2 chunks exceed E: then g < 2)
+            return [self.ex.submit(self.tier.read, layer, e, self.pool, (g % 2) * c + j)
+                    for j, e in enumerate(groups[g])]
+        pending = submit(0) if groups else []
+        try:
+            for g, group in enumerate(groups):
+                t0 = time.perf_counter()
+                futs, pending = pending, []
+                self.bytes_read += sum(f.result() for f in futs)
+                self.wait_s += time.perf_counter() - t0
+                self.reads += len(group)
+                if g + 1 < len(groups):
+                    pending = submit(g + 1)  # into the other half, while this chunk computes
+                b = (g % 2) * c
+                yield g * c, {k: v[b:b + len(group)] for k, v in self.pool.views.items()}
+        finally:  # an abandoned pass: no read may still be writing a slot when the next one starts
+            for f in pending:
+                f.exception()
+
+    def counters(self) -> dict:
+        return {"reads": self.reads, "bytes_read": self.bytes_read, "read_wait_s": self.wait_s}
+
+    def close(self) -> None:
+        self.ex.shutdown(wait=True)
+        self.tier.close()
+
+
+def weights_dtype(meta) -> torch.dtype:
+    """The dtype experts compute in: the checkpoint's own float dtype (bf16 in place: no copy, the CPU's bf16
+    matrix units), bf16 for packed experts (dequantized per use)."""
+    dt = meta.tensors[0].torch_dtype
+    return dt if dt.is_floating_point else torch.bfloat16
+
+
+def compute_weights(views: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The experts' tensors as the family's forward takes them, in `dtype`: views of the slots as they are, or
+    packed ones dequantized (`quant.dequantize`: exactly the weights the integer kernels multiply) one expert at a
+    time into a `[n, ...]` tensor (the fp32 intermediates of one expert, not of the chunk)."""
+    fmt = quant.format_of(views)
+    if fmt is None:
+        return {k: v if v.dtype == dtype else v.to(dtype) for k, v in views.items()}
+    bits, group = fmt
+    out = {}
+    for name in sorted({k.rsplit(".", 1)[0] for k in views}):
+        parts = quant.parts(views, name)
+        first = quant.dequantize({k: v[0] for k, v in parts.items()}, bits, group, dtype)
+        t = out[name] = torch.empty((parts["q"].shape[0], *first.shape), dtype=dtype)
+        t[0] = first
+        for i in range(1, t.shape[0]):
+            t[i] = quant.dequantize({k: v[i] for k, v in parts.items()}, bits, group, dtype)
+    return out
+
+
+class _Streamed(torch.autograd.Function):
+    """out = experts(x, ids, w) with the experts read by `mod` in the forward and again in the backward (nothing of
+    them is saved: only x, w and ids). Gradients for x and w, none for the experts; the backward takes them chunk
+    by chunk, so no more than a chunk's recomputation is alive at once."""
+
+    @staticmethod
+    def forward(ctx, x, w, ids, mod):
+        ctx.mod = mod
+        ctx.save_for_backward(x, w, ids)
+        out = None
+        for y in mod.chunk_outputs(x, w, ids):
+            out = y if out is None else out + y
+        return out if out is not None else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, ids = ctx.saved_tensors
+        need = ctx.needs_input_grad[:2]
+        if not any(need):
+            return None, None, None, None
+        grads = [None, None]
+        with torch.enable_grad():
+            xi, wi = x.detach().requires_grad_(need[0]), w.detach().requires_grad_(need[1])
+            ins = [t for t, n in zip((xi, wi), need) if n]
+            for y in ctx.mod.chunk_outputs(xi, wi, ids):
+                part = iter(torch.autograd.grad(y, ins, g))
+                for i in (0, 1):
+                    if need[i]:
+                        d = next(part)
+                        grads[i] = d if grads[i] is None else grads[i] + d
+        return grads[0], grads[1], None, None
+
+
+class StreamedExperts(nn.Module):
+    """Stands in for a MoE block's experts module: `forward(hidden [T, H], top_k_index [T, k], top_k_weights
+    [T, k])` as the original, computed by the original class's forward over the experts read for this call, one
+    chunk of experts at a time."""
+
+    def __init__(self, reader: LayerReader, pos: int, original: nn.Module):
+        super().__init__()
+        self._reader = [reader]  # a list: not a submodule
+        self.pos = pos
+        proto = copy.copy(original)  # config, act_fn, ...; no parameters (the experts stay in the checkpoint)
+        proto._parameters = {}
+        proto._modules = dict(original._modules)
+        self._proto = proto
+        self._forward = type(original).forward
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return _Streamed.apply(hidden_states, top_k_weights, top_k_index, self)
+
+    def chunk_outputs(self, x, w, ids):
+        """Each chunk's part of the layer's output `[T, H]` (their sum is the output)."""
+        used, inv = ids.unique(return_inverse=True)  # [n] sorted: slots in expert order, as in memory
+        inv = inv.view_as(ids)
+        wdt = self._reader[0].dtype
+        out_dt = x.dtype
+        x, w = x.to(wdt), w.to(wdt)  # the experts' dtype (no-ops for an fp32 checkpoint); gradients pass the casts
+        for start, views in self._reader[0].chunks(self.pos, used.tolist()):
+            tensors = compute_weights(views, wdt)
+            n = next(iter(tensors.values())).shape[0]
+            t = copy.copy(self._proto)
+            for k, v in tensors.items():
+                setattr(t, k, v)
+            t.num_experts = n
+            if n == used.numel():  # one chunk: the family's forward on the whole call, as in memory
+                yield self._forward(t, x, inv, w).to(out_dt)
+                continue
+            # the chunk's (token, choice) pairs as rows of k = 1 (not the others sent to a skipped index: the
+            # grouped_mm backward leaves such rows' input gradient unwritten), summed back per token
+            local = inv - start
+            tok, j = ((local >= 0) & (local < n)).nonzero(as_tuple=True)  # [P] pairs this chunk computes
+            y = self._forward(t, x[tok], local[tok, j][:, None], w[tok, j][:, None])  # [P, H]
+            yield torch.zeros_like(x, dtype=out_dt).index_add(0, tok, y.to(out_dt))
+
+
+class StreamedBase:
+    """A checkpoint opened for router training with its experts streamed: `model` (non-expert weights in memory,
+    frozen; every MoE block's experts a `StreamedExperts`), the `reader` and the `plan`."""
+
+    def __init__(self, path: str | Path, tier: str = "disk", dtype: torch.dtype = torch.float32,
+                 workers: int = WORKERS, chunk: int = CHUNK):
+        from expertcache.runtime.storage.loader import build_offloaded, resolve
+        from expertcache.telemetry.adapters import adapter_for
+
+        self.path = resolve(path)
+        self.plan = plan(self.path, dtype, tier)
+        self.model, source = build_offloaded(self.path, dtype, verify=None)
+        if self.plan.quant_bits is None:  # read in the checkpoint's own dtype (bytes read = bytes on disk)
+            from expertcache.runtime.storage.loader import expert_source
+
+            source = expert_source(self.path)
+            source.use_index(None)
+        self.reader = LayerReader(source, tier, workers, chunk)
+        for i, L in enumerate(adapter_for(self.model).moe_layers(self.model)):
+            L.block.experts = StreamedExperts(self.reader, i, L.experts)
+        self.num_parameters = self.plan.non_expert_params + self.plan.num_layers * self.plan.num_experts * \
+            self.plan.expert_params
+
+    def counters(self) -> dict:
+        return self.reader.counters()
+
+    def save_into(self, folder: str | Path, model) -> None:
+        """The base checkpoint copied into `folder` (a temporary folder of `atomic_dir`), its router tensors
+        rewritten in place with `model`'s (same dtype and shape; nothing else changes, experts are copied as bytes).
+        A quantized base's store gets the new router fingerprint in its header. Memory: one tensor at a time."""
+        from expertcache.telemetry.adapters import adapter_for, router_fingerprint
+
+        from expertcache.runtime.storage.checkpoint import Checkpoint, checkpoint_name
+
+        folder = Path(folder)
+        for f in sorted(self.path.iterdir()):
+            if f.is_file() and not f.name.startswith("."):  # the checksum index: stamped for the base's files
+                shutil.copyfile(f, folder / f.name)
+        ckpt = Checkpoint(folder)
+        a = adapter_for(model)
+        names = {id(p): n for n, p in model.named_parameters()}
+        for L in a.moe_layers(model):
+            for p in L.router.parameters():
+                ck = checkpoint_name(names[id(p)], a.family)
+                t = ckpt.tensors.get(ck)
+                if t is None or tuple(t.shape) != tuple(p.shape):
+                    raise InputError(f"{self.path}: router tensor {ck} not found with shape {list(p.shape)}")
+                raw = p.detach().to(t.dtype).contiguous().view(torch.uint8).numpy().tobytes()
+                fd = os.open(ckpt.files[t.file], os.O_WRONLY)
+                try:
+                    os.pwrite(fd, raw, t.start)
+                finally:
+                    os.close(fd)
+        qc = quant.read_config(folder)
+        if qc is not None:
+            from expertcache.runtime.storage.store import read_store_meta
+
+            store = folder / qc.get("experts_file", quant.EXPERTS_FILE)
+            meta = read_store_meta(store)
+            meta.fingerprint = router_fingerprint(model)
+            fd = os.open(store, os.O_WRONLY)
+            try:
+                os.pwrite(fd, meta.to_json(), 0)
+            finally:
+                os.close(fd)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def open_streamed(path: str | Path, tier: str = "disk", dtype: torch.dtype = torch.float32,
+                  chunk: int = CHUNK) -> StreamedBase:
+    """The checkpoint at `path` for router training with frozen, streamed experts (`StreamedBase`)."""
+    return StreamedBase(path, tier, dtype, chunk=chunk)
+
+
+def measure_read_gbps(base: StreamedBase, n: int = 32) -> float:
+    """GB/s the run's tier sustains reading random experts `WORKERS` at a time (`tiers.read_limits`): the roofline's
+    bandwidth, measured where the run reads."""
+    from expertcache.runtime.storage.tiers import read_limits
+
+    r = read_limits(base.reader.tier, base.reader.meta, base.plan.num_layers, WORKERS, n=n)
+    return r["at_queue_depth"]["GBps"]

@@ -1,0 +1,110 @@
+"""Router post-training of a checkpoint bigger than memory, inside a memory cgroup: the runs of
+results/train_big.json (issue 44). Each run is `expertcache train-cache-aware` with its experts streamed
+(`train.memory_gb`), in a process of its own inside the cgroup; the bf16 checkpoint first, then (`--bits 4`) the
+same checkpoint quantized (`expertcache quantize`'s writer).
+
+    # bench big's 27-layer Qwen3-30B-A3B-shaped checkpoint (written once by bench big), an 8 GiB cgroup:
+    nice -n 19 .venv/bin/python scripts/train_big.py --model runs/big/ckpt --corpus data/corpus \\
+        --cgroup_gb 8 --memory_gb 7.5 --steps 8 --batch_size 1 --seq_len 256 --bits 4 --out results/train_big.json
+    # a small one to try it: --make_layers 2 --model /tmp/big2 writes a 2-layer checkpoint of that shape first
+
+The JSON: `commit`, `runs` (each: checkpoint, experts_bytes, memory_cgroup_bytes, trainable, steps,
+tokens_per_step, tokens_per_s, bytes_read_per_step, disk_read_gbps (measured at the run's end, as the run reads),
+roofline_tokens_per_s, peak_rss_bytes, cgroup_peak_bytes, loss_first, loss_last, completed), the host's memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FIELDS = ("checkpoint", "experts_bytes", "quant_bits", "trainable", "steps", "tokens_per_step", "tokens_per_s",
+          "bytes_read_per_step", "disk_read_gbps", "roofline_tokens_per_s", "read_wait_s", "peak_rss_bytes",
+          "loss_first", "loss_last", "completed", "floor_bytes", "memory_budget_bytes")
+
+
+def run_one(ckpt: Path, out: Path, a, cg) -> dict:
+    args = ["train-cache-aware", "--recipe", "locality", f"base={ckpt}", f"out_dir={out}", f"data.corpus={a.corpus}",
+            f"data.tokenizer={ckpt}", f"data.batch_size={a.batch_size}", f"data.seq_len={a.seq_len}",
+            "data.val_batches=1", f"train.max_steps={a.steps}", "train.warmup_steps=1", "train.log_every=1",
+            f"train.val_every={a.steps + 1}", f"train.ckpt_every={a.steps}", "train.wandb=false",
+            f"train.memory_gb={a.memory_gb}", f"train.expert_tier={a.tier}", "quality.trainable=routers",
+            f"quality.distill={a.distill}", "locality.weight=1.0", "--resume", "false"]
+    cmd = [sys.executable, "-c", "import sys; from expertcache.recipes.cli import main; sys.exit(main())", *args]
+    if cg is not None:
+        cg.reset_peak()
+    p = subprocess.run(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                       preexec_fn=cg.preexec if cg is not None else None)
+    row = {"memory_cgroup_bytes": cg.limit_bytes if cg is not None else None,
+           "cgroup_peak_bytes": cg.peak_bytes() if cg is not None else None, "exit": p.returncode}
+    res = out / "result.json"
+    if p.returncode != 0 or not res.is_file():
+        last = [ln for ln in p.stderr.splitlines() if ln.strip()][-1:] or [""]
+        return {"checkpoint": str(ckpt), "completed": False, **row,
+                "error": f"exit {p.returncode}" + (" (killed: out of memory in the cgroup?)" if p.returncode in
+                                                   (-9, 137) else "") + f": {last[0][:300]}"}
+    r = json.loads(res.read_text())
+    return {**{k: r.get(k) for k in FIELDS}, **row}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="checkpoint folder (bf16)")
+    ap.add_argument("--make_layers", type=int, default=0, help="first write bench big's checkpoint with this many "
+                    "layers at --model (0: use --model as it is)")
+    ap.add_argument("--corpus", required=True)
+    ap.add_argument("--work", default="runs/train-big", help="run folders (and the quantized checkpoint)")
+    ap.add_argument("--memory_gb", type=float, default=7.5, help="train.memory_gb (the floor is checked)")
+    ap.add_argument("--cgroup_gb", type=float, default=8.0, help="the memory cgroup (GiB; 0: none)")
+    ap.add_argument("--tier", default="disk")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--batch_size", type=int, default=1)
+    ap.add_argument("--seq_len", type=int, default=256)
+    ap.add_argument("--distill", type=float, default=0.0, help="quality.distill (a third read pass per step)")
+    ap.add_argument("--bits", type=int, default=0, help="also the run on the checkpoint quantized to 4 or 8 bits")
+    ap.add_argument("--group", type=int, default=64)
+    ap.add_argument("--out", default="results/train_big.json")
+    a = ap.parse_args()
+
+    from expertcache.runtime.commands import _git_commit
+    from expertcache.runtime.bench.memcg import MemoryCgroup
+    from expertcache.telemetry.atomic import write_json
+
+    commit = _git_commit(REPO / "runtime")
+    ckpt, work = Path(a.model), Path(a.work)
+    if a.make_layers:
+        from expertcache.runtime.bench.bigckpt import write_checkpoint
+
+        write_checkpoint(ckpt, a.make_layers)
+    cg, why = MemoryCgroup.create(int(a.cgroup_gb * 2 ** 30)) if a.cgroup_gb else (None, "not asked")
+    runs = []
+    try:
+        runs.append(run_one(ckpt, work / "bf16", a, cg))
+        if a.bits:
+            from expertcache.runtime.kernels import quant_write
+
+            q = work / f"int{a.bits}-ckpt"
+            if not (q / "config.json").is_file():  # written outside the cgroup, once
+                quant_write.write_quantized(ckpt, q, a.bits, a.group)
+                import shutil
+
+                for f in ckpt.glob("tokenizer*"):  # the run tokenizes its corpus with the checkpoint's tokenizer
+                    if not (q / f.name).exists():
+                        shutil.copyfile(f, q / f.name)
+            runs.append(run_one(q, work / f"int{a.bits}", a, cg))
+    finally:
+        if cg is not None:
+            cg.close()
+    from expertcache.runtime.bench.bigckpt import physical_ram
+
+    doc = {"commit": commit, "host_ram_bytes": physical_ram(), "cgroup": why or "memory cgroup", "runs": runs}
+    write_json(a.out, doc)
+    print(json.dumps(doc))
+
+
+if __name__ == "__main__":
+    main()

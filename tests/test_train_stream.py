@@ -1,0 +1,245 @@
+"""Router training with the experts streamed from the checkpoint (train.memory_gb): the same losses and routers as
+in memory, each touched expert read once per pass, gradients to the routers and hidden states only, a quantized
+base trained packed, and the bad inputs refused in one line before any work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import REPO
+
+CA_RECIPES = REPO / "recipes" / "cache-aware"
+
+
+def _base(tiny_data, folder: Path, seed: int = 1) -> Path:
+    """A tiny random Qwen3-MoE base in fp32 (2 layers, 8 experts, hidden 32, expert width 32: int8 group 32 fits),
+    with the corpus's tokenizer beside it."""
+    from tiny_models import build_model, tiny_config
+
+    from expertcache.telemetry.hf import load_tokenizer
+
+    tok = load_tokenizer(tiny_data["tokenizer"])
+    model = build_model(tiny_config("qwen3_moe", vocab_size=len(tok), moe_intermediate_size=32), seed=seed)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def fp32_base(tiny_data, tmp_path_factory):
+    return _base(tiny_data, tmp_path_factory.mktemp("stream-base"))
+
+
+@pytest.fixture(autouse=True)
+def _runtime_installed():
+    from expertcache.runtime.engine import train_stream
+    from expertcache.trainer.cache_aware.stream import set_streamed_runtime
+
+    set_streamed_runtime(train_stream)
+    yield
+    set_streamed_runtime(None)
+
+
+def _recipe(tiny_data, base, out, **extra):
+    from expertcache.trainer.cache_aware import CacheAwareRecipe
+    from expertcache.trainer.config import load_recipe
+
+    o = {"base": str(base), "out_dir": str(out), "data.corpus": tiny_data["corpus"], "data.tokenizer": str(base),
+         "data.seq_len": 32, "data.batch_size": 4, "data.val_batches": 1, "train.max_steps": 4,
+         "train.warmup_steps": 1, "train.ckpt_every": 4, "train.val_every": 100, "train.log_every": 1,
+         "train.wandb": False, "train.lr": 1e-2, "quality.trainable": "routers", "quality.distill": 1.0,
+         "locality.weight": 0.5, "locality.kind": "dot", "eval.prompt_len": 8, "eval.decode_tokens": 4,
+         "eval.max_seqs": 1, "eval.ppl_blocks": 1, "eval.seq_len": 32, "eval.capacities": "[0.25]"}
+    o.update(extra)
+    return load_recipe(CacheAwareRecipe, CA_RECIPES / "locality.yaml", [f"{k}={v}" for k, v in o.items()])
+
+
+@pytest.mark.parametrize("chunk", [16, 3])
+def test_streamed_layer_matches_memory_and_reads_each_touched_expert_once_per_pass(fp32_base, chunk):
+    """One forward and backward: the streamed model's logits, loss and router gradients equal the in-memory
+    model's, whether a layer's experts come in one chunk or in chunks of 3 (read while the previous computes); the
+    experts read are exactly each layer's distinct selected experts, once in the forward and once in the backward;
+    no gradient reaches an expert."""
+    from expertcache.runtime.engine.train_stream import StreamedExperts, open_streamed
+    from expertcache.telemetry.hf import load_causal_lm
+
+    ids = torch.randint(2, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    ref = load_causal_lm(fp32_base, dtype=torch.float32)
+    ref.requires_grad_(False)
+    gates = [L.mlp.gate.weight for L in ref.model.layers]
+    for g in gates:
+        g.requires_grad_(True)
+    out = ref(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False)
+    out.loss.backward()
+    touched = sum(int(lg.float().softmax(-1).topk(2, dim=-1).indices.unique().numel()) for lg in out.router_logits)
+
+    base = open_streamed(fp32_base, "disk", chunk=chunk)
+    try:
+        m = base.model
+        assert all(isinstance(L.mlp.experts, StreamedExperts) for L in m.model.layers)
+        assert not any(p.is_meta for p in m.parameters())  # the experts hold no parameters at all
+        sg = [L.mlp.gate.weight for L in m.model.layers]
+        for g in sg:
+            g.requires_grad_(True)
+        so = m(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False)
+        assert base.counters()["reads"] == touched  # the forward: each layer's distinct experts, once
+        so.loss.backward()
+        c = base.counters()
+        assert c["reads"] == 2 * touched  # and once more in the backward
+        assert c["bytes_read"] == 2 * touched * base.reader.meta.expert_bytes
+        assert base.reader.pool.n_slots == min(2 * chunk, 8)
+        torch.testing.assert_close(so.logits, out.logits, rtol=1e-5, atol=1e-6)
+        for a, b in zip(sg, gates):
+            assert float(b.grad.abs().sum()) > 0
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-7)
+    finally:
+        base.close()
+
+
+def test_streamed_router_training_matches_in_memory_training(tiny_data, fp32_base, tmp_path):
+    """The key claim: the same recipe (routers only, LM + distillation to the base + locality) trained with the
+    experts streamed gives the in-memory run's loss at every step and its final routers (fp32, rtol 1e-4); the
+    saved checkpoint differs from the base in the router tensors alone, and loads and serves through `load`."""
+    from safetensors.torch import load_file
+
+    from expertcache.trainer.cache_aware import run_cache_aware
+
+    mem = run_cache_aware(_recipe(tiny_data, fp32_base, tmp_path / "mem"))
+    st = run_cache_aware(_recipe(tiny_data, fp32_base, tmp_path / "st", **{"train.memory_gb": 8}))
+    assert st["streamed"] and st["completed"] and st["steps"] == 4
+    assert len(mem["losses"]) == len(st["losses"]) == 4
+    np.testing.assert_allclose(st["losses"], mem["losses"], rtol=1e-4)
+    assert len(set(st["losses"])) == 4  # four different steps (each its own batch), not one value repeated
+    base = load_file(str(fp32_base / "model.safetensors"))
+    a = load_file(str(tmp_path / "mem" / "model" / "model.safetensors"))
+    b = load_file(str(tmp_path / "st" / "model" / "model.safetensors"))
+    assert a.keys() == b.keys() == base.keys()
+    moved = {k for k in base if not torch.equal(base[k], b[k])}
+    assert moved == {f"model.layers.{i}.mlp.gate.weight" for i in range(2)}
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6)
+    # figures of the run: reads per step within one pass-count of every expert, a measured read bandwidth
+    e_bytes, per_pass = st["experts_bytes"] / 16, st["experts_bytes"]
+    assert 0 < st["bytes_read_per_step"] <= 3 * per_pass and st["bytes_read_per_step"] % e_bytes == 0
+    assert st["disk_read_gbps"] > 0 and st["roofline_tokens_per_s"] > 0 and st["tokens_per_s"] > 0
+    assert json.loads((tmp_path / "st" / "result.json").read_text())["loss_last"] == st["losses"][-1]
+
+    from expertcache.runtime import load
+
+    served = load(tmp_path / "st" / "model", capacity=1.0, tier="disk")
+    ref = load(tmp_path / "mem" / "model", capacity=1.0, tier="disk")
+    ids = torch.arange(3, 19)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(served(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+    served.expertcache.close()
+    ref.expertcache.close()
+
+
+def test_streamed_run_resumes_from_checkpoints_that_hold_only_what_trains(tiny_data, fp32_base, tmp_path):
+    """A streamed run's resumable checkpoints hold the routers (and the optimizer state), not the frozen weights; a
+    run stopped at step 2 and resumed to 4 ends with the routers (and losses) of the in-memory run stopped and
+    resumed the same way."""
+    from safetensors.torch import load_file
+
+    from expertcache.trainer.cache_aware import run_cache_aware
+
+    def stop_and_resume(out, **kw):
+        run_cache_aware(_recipe(tiny_data, fp32_base, out, **kw, **{"train.ckpt_every": 2, "train.max_steps": 2}))
+        return run_cache_aware(_recipe(tiny_data, fp32_base, out, **kw, **{"train.ckpt_every": 2}))
+
+    st = stop_and_resume(tmp_path / "st", **{"train.memory_gb": 8})
+    ck = torch.load(tmp_path / "st" / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+    assert set(ck["state_dict"]) == {f"model.model.layers.{i}.mlp.gate.weight" for i in range(2)}
+    mem = stop_and_resume(tmp_path / "mem")
+    assert st["resumed_from_step"] == mem["resumed_from_step"] == 2 and st["global_step"] == 4
+    np.testing.assert_allclose(st["losses"], mem["losses"], rtol=1e-4)  # the resumed steps 3 and 4
+    a = load_file(str(tmp_path / "st" / "model" / "model.safetensors"))
+    b = load_file(str(tmp_path / "mem" / "model" / "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+
+
+def test_quantized_base_trains_its_routers_packed(tiny_data, fp32_base, tmp_path):
+    """An int8 base: experts read packed and dequantized per use; the routers train, the store keeps its bytes and
+    takes the new routers' fingerprint, so `load` opens the trained checkpoint."""
+    from expertcache.runtime import load
+    from expertcache.runtime.kernels import quant, quant_write
+    from expertcache.telemetry.hf import load_tokenizer
+
+    q = tmp_path / "int8"
+    quant_write.write_quantized(fp32_base, q, 8, 32)
+    load_tokenizer(str(fp32_base)).save_pretrained(q)
+    st = __import__("expertcache.trainer.cache_aware", fromlist=["run_cache_aware"]).run_cache_aware(
+        _recipe(tiny_data, q, tmp_path / "q", **{"train.memory_gb": 8, "train.max_steps": 2}))
+    assert st["streamed"] and st["quant_bits"] == 8 and st["steps"] == 2
+    assert st["bytes_read_per_step"] % (st["experts_bytes"] / 16) == 0
+    before = (q / quant.EXPERTS_FILE).read_bytes()
+    after = (tmp_path / "q" / "model" / quant.EXPERTS_FILE).read_bytes()
+    assert before[65536:] == after[65536:] and before[:65536] != after[:65536]  # the header's fingerprint only
+    m = load(tmp_path / "q" / "model", capacity=1.0, tier="disk")
+    with torch.no_grad():
+        assert torch.isfinite(m(input_ids=torch.arange(3, 11)[None]).logits).all()
+    m.expertcache.close()
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({"train.memory_gb": 8, "quality.trainable": "all"}, "streamed experts are frozen; supported: "
+                                                         "quality.trainable=routers"),
+    ({"train.memory_gb": 0.001}, "is below the floor of"),
+    ({"train.memory_gb": 8, "train.expert_tier": "floppy"}, "floppy"),
+])
+def test_bad_streamed_recipes_are_one_line_before_any_work(tiny_data, fp32_base, tmp_path, capsys, extra, needle):
+    from expertcache.recipes.cli import main
+
+    o = {"base": str(fp32_base), "out_dir": str(tmp_path / "o"), "data.corpus": tiny_data["corpus"],
+         "data.tokenizer": str(fp32_base), "quality.trainable": "routers", **extra}
+    rc = main(["train-cache-aware", "--recipe", "locality", *[f"{k}={v}" for k, v in o.items()]])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and needle in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()  # refused before the run folder was made
+    if "floor" in needle:  # the floor is printed, and a budget just above it is accepted
+        floor = float(err.split("floor of ")[1].split()[0])
+        assert floor > 0.001
+
+
+def test_quantized_base_asked_to_train_its_experts_is_one_line(tiny_data, fp32_base, tmp_path, capsys):
+    from expertcache.recipes.cli import main
+    from expertcache.runtime.kernels import quant_write
+
+    q = tmp_path / "int8"
+    quant_write.write_quantized(fp32_base, q, 8, 32)
+    for trainable in ("moe", "all"):
+        rc = main(["train-cache-aware", "--recipe", "locality", f"base={q}", f"out_dir={tmp_path}/o",
+                   f"data.corpus={tiny_data['corpus']}", f"data.tokenizer={fp32_base}", "train.memory_gb=8",
+                   f"quality.trainable={trainable}"])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and len(err.splitlines()) == 1, err
+        assert "holds int8 experts" in err and "cannot train" in err and "quality.trainable=routers" in err
+
+
+def test_the_floor_from_headers_and_the_resident_check_before_the_first_step(fp32_base):
+    """The header-only floor adds up its parts and grows with the tokens per step; once the base is open, the
+    second check counts what the process holds (measured) and refuses a budget below it in one line."""
+    from expertcache.runtime.engine.train_stream import check_resident, floor_bytes, open_streamed, plan
+    from expertcache.telemetry.errors import InputError
+
+    p = plan(fp32_base, torch.float32, "disk")
+    assert p.num_layers == 2 and p.num_experts == 8 and p.quant_bits is None
+    assert p.experts_bytes == 2 * 8 * 3 * 32 * 32 * 4  # fp32 experts, gate_up [64, 32] + down [32, 32]
+    small, big = floor_bytes(p, 64, False), floor_bytes(p, 64 * 1024, True)
+    assert small["total"] == sum(v for k, v in small.items() if k != "total")
+    assert big["activations"] == 1024 * small["activations"] and big["router_state"] > small["router_state"]
+    base = open_streamed(fp32_base, "disk")
+    try:
+        need = check_resident(base, 100.0, small)
+        assert need > small["activations"]
+        with pytest.raises(InputError, match="this process holds") as e:
+            check_resident(base, need / 1e9 * 0.99, small)
+        assert len(str(e.value).splitlines()) == 1
+    finally:
+        base.close()

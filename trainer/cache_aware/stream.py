@@ -1,0 +1,132 @@
+"""Cache-aware post-training of a base whose experts do not fit in memory (`train.memory_gb > 0`, or any
+`expertcache quantize`d base): the experts stay frozen in the checkpoint and are streamed layer by layer through
+the runtime's tiers; the routers (and the aux routers) train. The trainer does not import the runtime: the entry
+point installs it (`set_streamed_runtime(expertcache.runtime.engine.train_stream)`; `expertcache train-cache-aware` does).
+
+Checks, each one line before any work: what trains (routers only: `trainable=all|moe` names what is supported; a
+quantized base's packed experts cannot train), and the budget (`train.memory_gb` below the floor of non-expert
+weights, one layer's experts, activations and this process: the floor printed)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+from typing import Optional, Protocol
+
+import torch
+
+from expertcache.telemetry.errors import InputError
+
+
+class StreamedRuntime(Protocol):
+    """What the trainer needs of `expertcache.runtime.engine.train_stream`."""
+
+    def plan(self, path, dtype: torch.dtype, tier: str = "disk"): ...
+
+    def check_budget(self, plan, memory_gb: float, tokens: int, distill: bool) -> dict: ...
+
+    def open_streamed(self, path, tier: str = "disk", dtype: torch.dtype = torch.float32): ...
+
+    def check_resident(self, base, memory_gb: float, parts: dict) -> int: ...
+
+
+_RUNTIME: Optional[StreamedRuntime] = None
+
+
+def set_streamed_runtime(rt: Optional[StreamedRuntime]) -> None:
+    """Install the runtime's streamed-training module (None uninstalls it)."""
+    global _RUNTIME
+    _RUNTIME = rt
+
+
+def quantized_bits(base: Path) -> int | str | None:
+    """The bits of an `expertcache quantize`d base (its config's quantization_config), None for a plain one."""
+    try:
+        qc = json.loads((base / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return qc.get("bits", "?") if isinstance(qc, dict) else None
+
+
+def wants_stream(recipe, base: Path) -> bool:
+    """Whether the run streams its experts; the recipe is refused (one line) where streamed experts cannot do what
+    it asks."""
+    bits = quantized_bits(base)
+    streamed = recipe.train.memory_gb > 0 or bits is not None
+    trains = recipe.quality.trainable if recipe.mode != "aux-only" else "routers"  # aux-only: the backbone frozen
+    if bits is not None and trains != "routers":
+        raise InputError(f"quality.trainable={trains}: the base {base} holds int{bits} experts (expertcache "
+                         f"quantize), which cannot train; supported on a quantized base: quality.trainable=routers "
+                         f"(routers and aux routers, experts read packed)")
+    if streamed and trains != "routers":
+        raise InputError(f"quality.trainable={trains} with streamed experts (train.memory_gb="
+                         f"{recipe.train.memory_gb:g}): streamed experts are frozen; supported: "
+                         f"quality.trainable=routers (routers and aux routers), or train.memory_gb=0 to load the "
+                         f"whole model")
+    if bits is not None and recipe.train.memory_gb <= 0:
+        raise InputError(f"the base {base} holds int{bits} experts (expertcache quantize), which are only read "
+                         f"streamed: set train.memory_gb to the memory the run may use")
+    return streamed
+
+
+def compute_dtype(recipe) -> torch.dtype:
+    """The non-expert weights' dtype: bf16 under `train.precision=bf16-true`, else fp32 (what the in-memory path
+    loads); the experts are converted to it per use."""
+    return torch.bfloat16 if recipe.train.precision == "bf16-true" else torch.float32
+
+
+def open_base(recipe, base: Path):
+    """`(StreamedBase, floor parts)`: the budget checked from the checkpoint's headers, then the base opened."""
+    if _RUNTIME is None:
+        raise InputError("streamed training (train.memory_gb > 0) needs the runtime's expert tiers, and none is "
+                         "installed: call expertcache.trainer.cache_aware.stream.set_streamed_runtime("
+                         "expertcache.runtime.engine.train_stream) first (the expertcache CLI does)")
+    dtype = compute_dtype(recipe)
+    plan = _RUNTIME.plan(base, dtype, recipe.train.expert_tier)
+    tokens = recipe.data.batch_size * recipe.data.seq_len
+    parts = _RUNTIME.check_budget(plan, recipe.train.memory_gb, tokens, bool(recipe.quality.distill))
+    return plan, parts
+
+
+def save_model(streamed, model, tok, model_dir: Path, aux=None) -> None:
+    """The trained checkpoint: the base's files copied, router tensors rewritten (`StreamedBase.save_into`), the
+    tokenizer and the aux routers beside them; swapped into place whole."""
+    from expertcache.telemetry.atomic import atomic_dir
+
+    with atomic_dir(model_dir) as tmp:
+        streamed.save_into(tmp, model)
+        tok.save_pretrained(str(tmp))
+        if aux is not None:
+            aux.save(tmp, model)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (ru_maxrss, KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def stream_result(recipe, streamed, parts: dict, module, trainer, train_s: float, start_step: int) -> dict:
+    """The run's figures (the fields of results/train_big.json's runs): tokens per second against the read
+    roofline (bytes per step over the tier's measured bandwidth), bytes read per step, peak memory, first and last
+    loss."""
+    c = streamed.counters()
+    steps = trainer.global_step - start_step
+    tokens = recipe.data.batch_size * recipe.data.seq_len
+    p = streamed.plan
+    bw = _RUNTIME.measure_read_gbps(streamed) if hasattr(_RUNTIME, "measure_read_gbps") else None
+    per_step = c["bytes_read"] / steps if steps else None
+    losses = module.step_losses
+    return {"checkpoint": p.path, "experts_bytes": p.experts_bytes, "quant_bits": p.quant_bits, "tier": p.tier,
+            "memory_budget_bytes": int(recipe.train.memory_gb * 1e9), "floor_bytes": parts,
+            "trainable": "routers" if recipe.mode != "aux-only" else "aux routers", "mode": recipe.mode,
+            "steps": steps, "tokens_per_step": tokens,
+            "tokens_per_s": steps * tokens / train_s if train_s > 0 else None,
+            "expert_reads": c["reads"], "bytes_read_per_step": per_step,
+            "read_wait_s": c["read_wait_s"],  # compute waiting on reads (what the overlap did not hide)
+            "disk_read_gbps": bw, "roofline_tokens_per_s": tokens / (per_step / (bw * 1e9)) if bw and per_step
+            else None, "peak_rss_bytes": peak_rss_bytes(),
+            "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+            "losses": losses, "completed": trainer.global_step == recipe.train.max_steps,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
