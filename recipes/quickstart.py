@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import shlex
-import shutil
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from expertcache.telemetry.atomic import write_json, write_text
+from expertcache.telemetry.atomic import copy_file, write_json, write_text
 
 
 def run_quickstart(data: str, runs: str, prose_sdist: str, max_mb: float = 24.0) -> dict:
@@ -118,9 +117,9 @@ def _report(rep: Path, smoke: Path, ca: Path, bench: Path, ev: dict, gates: dict
     for src, dst in ((smoke / "training_curve.png", "base_training_curve.png"),
                      (ca / "training_curve.png", "post_training_curve.png"), (ca / "cache.png", "cache.png")):
         if src.is_file():
-            shutil.copy(src, rep / dst)
+            copy_file(src, rep / dst)
     for png in sorted((smoke / "analysis").glob("*.png")):
-        shutil.copy(png, rep / f"analysis_{png.name}")
+        copy_file(png, rep / f"analysis_{png.name}")
     base_metrics = json.loads((smoke / "metrics.json").read_text())
     analysis = json.loads((smoke / "analysis" / "summary.json").read_text())
     ca_res = json.loads((ca / "result.json").read_text())

@@ -94,8 +94,12 @@ def main() -> None:
     from expertcache.runtime.kernels.cpu_kernels import cache_dir
     from expertcache.telemetry.atomic import write_json
 
-    rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", a.base], capture_output=True, text=True,
-                         check=True).stdout.strip()
+    from expertcache.telemetry.provenance import rev_parse
+
+    rev = rev_parse(a.base, ROOT)
+    if not rev:
+        print(f"kernel_ab: {a.base!r} names no commit in {ROOT}", file=sys.stderr)
+        return 2
     base_src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:runtime/kernels/csrc/experts_cpu.cpp"],
                               capture_output=True, text=True, check=True).stdout
     tmp = Path(tempfile.mkdtemp(prefix="kernel-ab-"))

@@ -165,7 +165,7 @@ for name in ("kernels.json", "kernels_file.json", "kernels_int4_2t.json", "kerne
 
 if (RESULTS / "bench_cachesim.json").is_file():
     d = json.loads((RESULTS / "bench_cachesim.json").read_text())
-    print(f"<!-- results/bench_cachesim.json (python scripts/bench_cachesim.py; git {d.get('commit', '?')[:7]}) -->")
+    print(f"<!-- results/bench_cachesim.json (python scripts/bench_cachesim.py; git {(d.get('commit') or '?')[:7]}) -->")
     print(cachesim_table(d), end="\n\n")
 
 for name, fn in TABLES:

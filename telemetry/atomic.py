@@ -95,6 +95,26 @@ def write_json(path: str | Path, obj) -> Path:
     return write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
+def copy_file(src: str | Path, dst: str | Path) -> Path:
+    """A file copied whole: its bytes streamed through a temporary name beside `dst` (fsynced, renamed), then its
+    permission bits and times (as `shutil.copy2`). An interrupted copy leaves `dst` as it was."""
+    import shutil
+
+    with open(src, "rb") as r, atomic_open(dst) as w:
+        shutil.copyfileobj(r, w, 1 << 20)
+    shutil.copystat(src, dst)
+    return Path(dst)
+
+
+def copy_tree(src: str | Path, dst: str | Path) -> Path:
+    """A folder copied whole (`atomic_dir`: a failed copy leaves the previous `dst`, or none)."""
+    import shutil
+
+    with atomic_dir(dst) as tmp:
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+    return Path(dst)
+
+
 def write_setting(path: str | Path, value: str) -> None:
     """A kernel setting (a file under /proc or /sys: drop_caches, a cgroup's limit or its member list), written
     in place: it is not a file that can be half-written, and a temporary name beside it cannot exist."""

@@ -131,6 +131,17 @@ def capacity_count(capacity: int | float, num_experts: int | None) -> int | None
     return None if num_experts is None else max(1, round(c * num_experts))
 
 
+def budget_capacity(budget_bytes: int | float, slot_bytes: int, layers: int, top_k: int, num_experts: int,
+                    scope: str = "layer") -> int:
+    """The one budget rule (the engine's `budget_gb`, bench big's memory budget): experts per layer that
+    `budget_bytes` of cache slots of `slot_bytes` each hold, at most E. Each pool keeps `top_k` staging slots
+    (a miss reads into one): one pool per layer (`scope` "layer"), or one pool over every layer ("global").
+    Below 1 when the budget holds too few slots; the caller says so in its own terms."""
+    slots = int(budget_bytes // slot_bytes)
+    cap = slots // layers - top_k if scope == "layer" else (slots - top_k) // layers
+    return min(cap, num_experts)
+
+
 def _check(steps: np.ndarray, capacity: int, policy: str, semantics: str) -> np.ndarray:
     """`steps` as a C-contiguous int64 `[S, k]` array of distinct non-negative keys per row, or InputError."""
     SIM_POLICIES.parse(policy)

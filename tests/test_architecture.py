@@ -59,9 +59,14 @@ def import_violations(trees: dict[str, ast.Module]) -> list[str]:
     return bad
 
 
+_MODE = re.compile(r"^[rwxabt+]{1,4}(:\w*)?$")  # a file mode ("w", "ab", "r+b", tarfile's "w:gz")
 _WRITE_MODES = re.compile(r"[wax+]")
 _WRITE_CALLS = {"write_text", "write_bytes", "savez", "savez_compressed", "save_file", "to_parquet", "to_csv",
                 "write_table", "savefig", "save_pretrained"}
+# shutil's copies and moves write their destination by name
+_COPY_CALLS = {"copy", "copy2", "copyfile", "copytree", "move"}
+# module-level openers whose second argument is the mode (a method `.open(mode)` on a path takes it first)
+_OPENERS = {"os", "io", "gzip", "bz2", "lzma", "tarfile", "zipfile", "codecs", "builtins"}
 
 
 # Writers that are not results written whole, each with the reason it may stream: the Parquet trace writer
@@ -79,6 +84,8 @@ def write_violations(trees: dict[str, ast.Module]) -> list[str]:
             continue
         from_atomic = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                        and (node.module or "").endswith("atomic") for a in node.names}
+        from_shutil = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                       and node.module == "shutil" for a in node.names if a.name in _COPY_CALLS}
         inside_atomic_dir = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.With) and any(isinstance(i.context_expr, ast.Call) and
@@ -94,16 +101,37 @@ def write_violations(trees: dict[str, ast.Module]) -> list[str]:
             if (rel, name) in STREAMING or _proc_path(f):
                 continue
             if name == "open":
-                mode = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords
-                                                                     if k.arg == "mode"), None)
-                if isinstance(mode, ast.Constant) and isinstance(mode.value, str) and _WRITE_MODES.search(mode.value):
-                    bad.append(f"{rel}:{node.lineno}: open(..., {mode.value!r})")
+                mode = _open_mode(node)
+                if mode is not None and _WRITE_MODES.search(mode):
+                    bad.append(f"{rel}:{node.lineno}: open(..., {mode!r})")
+            elif name in _COPY_CALLS and (name in from_shutil or isinstance(f, ast.Attribute) and
+                                          isinstance(f.value, ast.Name) and f.value.id == "shutil"):
+                bad.append(f"{rel}:{node.lineno}: shutil.{name}(...) into a named path")
             elif name in _WRITE_CALLS:
                 bad.append(f"{rel}:{node.lineno}: {name}(...)")
             elif name == "save" and isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) \
                     and f.value.id in ("torch", "np", "numpy"):
                 bad.append(f"{rel}:{node.lineno}: {f.value.id}.save(...)")
     return bad
+
+
+def _open_mode(node: ast.Call) -> str | None:
+    """The constant mode an `open` call is given, wherever it stands: `open(p, m)`, `gzip.open(p, m)`,
+    `Path(p).open(m)`, `mode=m`. None when it names no mode (a read) or writes into an object already open
+    (`tarfile.open(fileobj=f, mode="w:gz")`: the object's own writer is what the rule checks)."""
+    if any(k.arg == "fileobj" for k in node.keywords):
+        return None
+    f = node.func
+    if isinstance(f, ast.Name) or isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and \
+            f.value.id in _OPENERS:
+        cands = node.args[1:2]
+    else:  # a method on a path: Path(p).open("w"), self.path.open("a")
+        cands = node.args[0:1]
+    cands = cands + [k.value for k in node.keywords if k.arg == "mode"]
+    for c in cands:
+        if isinstance(c, ast.Constant) and isinstance(c.value, str) and _MODE.match(c.value):
+            return c.value
+    return None
 
 
 def _proc_path(f) -> bool:
@@ -130,23 +158,64 @@ def argparse_violations(trees: dict[str, ast.Module]) -> list[str]:
     return bad
 
 
+# the rules' own homes: the fraction-or-count rule and the budget rule
+CAPACITY_HOMES = {("telemetry/cachesim.py", "capacity_count"), ("telemetry/cachesim.py", "budget_capacity")}
+# a floor division by a byte size that is not a cache's slot count, each with what it counts
+BYTE_COUNTS = {("runtime/kernels/quant_write.py", "allocate_by_usage")}  # experts a precision budget upgrades
+# a value that is E, the experts of a layer, however the code spells it
+_EXPERTS = re.compile(r"^(num_experts|num_local_experts|n_routed_experts|n_experts|EXPERTS|E|e|n_e)$")
+
+
+def _mentions(node, pred) -> bool:
+    return any(pred(n) for sub in ast.walk(node) for n in [_name(sub)] if n)
+
+
+def _defs(tree: ast.Module):
+    """(function name, node) for every node: the innermost function each node is in ("" at module level)."""
+    out = {}
+
+    def visit(n, fn):
+        for c in ast.iter_child_nodes(n):
+            name = c.name if isinstance(c, (ast.FunctionDef, ast.AsyncFunctionDef)) else fn
+            out[id(c)] = name
+            visit(c, name)
+    visit(tree, "")
+    return out
+
+
 def capacity_violations(trees: dict[str, ast.Module]) -> list[str]:
-    """The capacity rule (fraction of E or a count) is `cachesim.capacity_count`'s alone: no other code turns a
-    capacity into a count (`capacity * num_experts`, `round(capacity ...)`) or compares one with 1."""
+    """The capacity rule (a fraction of E or a count: `cachesim.capacity_count`) and the budget rule (bytes of
+    slots -> experts per layer: `cachesim.budget_capacity`) each live once. Found by what the code computes, not by
+    what it names its variables: E (any spelling) times a float constant, or a product with E rounded (`round`,
+    `int`, `ceil`, `floor`): a fraction of E turned into a count; a floor division by a byte size (a `*bytes*`
+    name, attribute or call): bytes turned into slots; and, by name, a capacity times E or compared with 1."""
     bad = []
     for rel, tree in trees.items():
+        where = _defs(tree)
         for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and node.name == "capacity_count" and rel == "telemetry/cachesim.py":
-                node.body = []  # the rule's own home
-        for node in ast.walk(tree):
+            if (rel, where.get(id(node), "")) in CAPACITY_HOMES:
+                continue
+            is_e = lambda n: bool(_EXPERTS.match(n))
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+                sides = (node.left, node.right)
                 names = {_name(node.left), _name(node.right)}
                 if any(n and "capacity" in n for n in names) and any(n and "expert" in n for n in names):
                     bad.append(f"{rel}:{node.lineno}: capacity times experts outside capacity_count")
+                elif any(_mentions(a, is_e) and isinstance(b, ast.Constant) and isinstance(b.value, float)
+                         for a, b in (sides, sides[::-1])):
+                    bad.append(f"{rel}:{node.lineno}: a float fraction of E outside capacity_count")
+            elif isinstance(node, ast.Call) and _name(node.func) in ("round", "int", "ceil", "floor") and node.args \
+                    and isinstance(node.args[0], ast.BinOp) and isinstance(node.args[0].op, ast.Mult) \
+                    and _mentions(node.args[0], is_e):
+                bad.append(f"{rel}:{node.lineno}: a product with E rounded to a count outside capacity_count")
+            elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv) and \
+                    _mentions(node.right, lambda n: "bytes" in n.lower()) and \
+                    (rel, where.get(id(node), "")) not in BYTE_COUNTS:
+                bad.append(f"{rel}:{node.lineno}: bytes divided into slots outside cachesim.budget_capacity")
             elif isinstance(node, ast.Compare) and _name(node.left) and "capacity" in _name(node.left) and \
                     any(isinstance(c, ast.Constant) and c.value == 1 for c in node.comparators):
                 bad.append(f"{rel}:{node.lineno}: capacity compared with 1 outside capacity_count")
-    return bad
+    return sorted(set(bad))
 
 
 # names of a kind of name a user gives (cache and miss policies, predictors, tiers): each list is a registry
@@ -372,8 +441,22 @@ def test_rule_holds(trees, check):
     (write_violations, "torch.save(obj, p)"),
     (from_pretrained_violations, "AutoModelForCausalLM.from_pretrained(d)"),
     (argparse_violations, "import argparse"),
+    (write_violations, "Path(p).open('w').write('x')"),  # a path's own open, mode first
+    (write_violations, "out.open(mode='a')"),
+    (write_violations, "gzip.open(p, 'wt')"),
+    (write_violations, "shutil.copy(src, dst)"),
+    (write_violations, "shutil.copy2(src, dst)"),
+    (write_violations, "from shutil import copyfile\ncopyfile(src, dst)"),
+    (write_violations, "shutil.copytree(src, dst)"),
+    (write_violations, "shutil.move(src, dst)"),
     (capacity_violations, "c = round(capacity * num_experts)"),
     (capacity_violations, "ok = capacity < 1"),
+    (capacity_violations, "slots = int(0.25 * model.config.num_experts)"),  # no capacity in any name
+    (capacity_violations, "k = max(1, round(f * self.num_experts))"),
+    (capacity_violations, "k = E * 0.5"),
+    (capacity_violations, "cap = (budget - other) // (slot_bytes * layers) - k"),  # a second budget rule
+    (capacity_violations, "cap = int(cfg.budget_gb * 2**30 // self.meta.block_bytes)"),
+    (capacity_violations, "def capacity_count(c, e):\n    return round(c * e)"),  # its name, in another file
     (name_list_violations, "POLICIES = ('lru', 'lfu')"),
     (name_list_violations, "MISS_POLICIES: tuple = ['blocking', 'host']"),
     (name_list_violations, "REPLAY_PREDICTORS = ('none', 'oracle')"),
@@ -387,7 +470,20 @@ def test_rules_catch_a_violation(check, snippet):
 
 
 def test_reading_is_not_writing():
-    assert write_violations({"runtime/stray.py": ast.parse("open(p).read(); open(p, 'rb').read()")}) == []
+    reads = ("open(p).read(); open(p, 'rb').read(); Path(p).open().read(); Path(p).open('rb').read()\n"
+             "tarfile.open(p); os.open(p, os.O_RDONLY); gzip.open(p, 'rt')\n"
+             "with atomic_open(p) as f, tarfile.open(fileobj=f, mode='w:gz') as t: t.add(x)\n"
+             "shutil.rmtree(d); shutil.copyfileobj(r, w)\n")
+    assert write_violations({"runtime/stray.py": ast.parse(reads)}) == []
+
+
+def test_the_capacity_rules_own_homes_and_other_arithmetic_are_not_violations():
+    homes = ("def capacity_count(capacity, num_experts):\n    return max(1, round(capacity * num_experts))\n"
+             "def budget_capacity(b, slot_bytes, layers, k, e):\n    return min((b // slot_bytes) // layers - k, e)\n")
+    assert capacity_violations({"telemetry/cachesim.py": ast.parse(homes)}) == []
+    other = ("n = e * k\nbytes_per_token = loads * expert_bytes\nrows = int(n_tokens * 0.5)\n"
+             "layers = int(min(n, budget // (per_expert * e)))\n")
+    assert capacity_violations({"runtime/stray.py": ast.parse(other)}) == []
 
 
 def test_atomic_writes_are_not_violations():

@@ -162,11 +162,12 @@ def _load_system(system: str, ckpt: Path, budget: int, layers: int, trace_ids: n
         from expertcache.runtime.engine.trace_predictors import CooccurrenceEstimator, CooccurrencePredictor, TracePredictor
 
         from expertcache.runtime.engine.engine import STREAM_SLOTS_PER_K
+        from expertcache.telemetry.cachesim import budget_capacity
 
         # the stream slots (a prefill's misses) come out of the budget too: with every slot touched when it is
         # made, the cache's whole size is resident from the start, and a cgroup of the budget holds no slack
         stream = min(STREAM_SLOTS_PER_K * TOP_K, EXPERTS) * _slot_bytes(ckpt)
-        cap = min(EXPERTS, int((budget - RAM_OTHER - stream) // (_slot_bytes(ckpt) * layers)) - TOP_K)  # packed: more
+        cap = budget_capacity(budget - RAM_OTHER - stream, _slot_bytes(ckpt), layers, TOP_K, EXPERTS)  # packed: more
         if cap < 1:
             raise InputError(f"a budget of {budget / 2**30:.1f} GiB leaves no cache slots after the non-expert weights")
         cfg, pred = replace(engine, capacity=cap, predictor="none"), "none"  # "none": the config's predictor
