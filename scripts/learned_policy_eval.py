@@ -128,8 +128,9 @@ def main() -> int:
     out = json.dumps(res, indent=2)
     print(out)
     if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(out + "\n")
+        from expertcache.telemetry.atomic import write_text
+
+        write_text(a.out, out + "\n")
     return 0
 
 

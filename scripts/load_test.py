@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from expertcache.telemetry.atomic import open_log
+
 REPO = Path(__file__).resolve().parents[1]
 NAME = "tiny-moe"
 WORDS = "thou art the king of night and day my lord what say you now come hither sweet love".split()
@@ -294,7 +296,7 @@ def _start_server(model: str, engine_args: list[str], port: int, log_path: Path,
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "expertcache.recipes.cli", "serve", "--model", model, "--port", str(port),
            "--log_level", "warning", "--max_batch", str(max_batch), "--engine.threads", "1", *engine_args]
-    log_f = open(log_path, "w")
+    log_f = open_log(log_path, fresh=True)
     p = subprocess.Popen(cmd, env=env, stderr=log_f, stdout=log_f)
     url = f"http://127.0.0.1:{port}"
     t0 = time.time()
@@ -431,7 +433,7 @@ def main() -> None:
         port = s.getsockname()[1]
         s.close()
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-        log_f = open(Path(d) / "server.log", "w")
+        log_f = open_log(Path(d) / "server.log", fresh=True)
         p = subprocess.Popen([sys.executable, __file__, "--child", "--dir", d, "--port", str(port),
                               "--max-positions", str(a.max_positions)], env=env, stderr=log_f)
         url = f"http://127.0.0.1:{port}"

@@ -25,9 +25,18 @@ LOADERS = {"telemetry/hf.py"}
 CLI = {"recipes/cli.py"}
 
 
+# programs outside the package (not installed): their own argparse, but files written and commits looked up the
+# package's one way; experiments/ (one-off studies, when there is one) counts as scripts
+SCRIPTS = ("scripts", "experiments")
+# the one place that asks git which commit the code is
+PROVENANCE = {"telemetry/provenance.py"}
+
+
 def sources(areas=AREAS) -> dict[str, ast.Module]:
     out = {}
     for area in areas:
+        if not (ROOT / area).is_dir():
+            continue
         for p in sorted((ROOT / area).rglob("*.py")):
             rel = p.relative_to(ROOT).as_posix()
             out[rel] = ast.parse(p.read_text(), rel)
@@ -75,9 +84,11 @@ STREAMING = {("telemetry/parquet_trace.py", "write_table")}
 
 
 def write_violations(trees: dict[str, ast.Module]) -> list[str]:
-    """A file written by name outside atomic.py: open() in a writing mode, Path.write_*, np.save*, torch.save,
-    safetensors' save_file, pyarrow's write_table, savefig, save_pretrained. Allowed: the functions imported from
-    atomic.py, writes into the temporary folder of `with atomic_dir(...)`, the kernel's /proc knobs."""
+    """A file written by name outside atomic.py: open() in a writing mode (the builtin, a module's `gzip.open(p,
+    "w")`, a path's `.open("w")`, `mode=`), Path.write_*, np.save*, torch.save, safetensors' save_file, pyarrow's
+    write_table, savefig, save_pretrained, shutil's copy/copy2/copyfile/copytree/move. Allowed: the functions
+    imported from atomic.py, writes into the temporary folder of `with atomic_dir(...)` or into the file object of
+    `with atomic_open(...) as f`, the kernel's /proc knobs."""
     bad = []
     for rel, tree in trees.items():
         if rel in WRITERS:
@@ -86,14 +97,23 @@ def write_violations(trees: dict[str, ast.Module]) -> list[str]:
                        and (node.module or "").endswith("atomic") for a in node.names}
         from_shutil = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                        and node.module == "shutil" for a in node.names if a.name in _COPY_CALLS}
-        inside_atomic_dir = set()
+        inside_atomic_dir, into_atomic_file = set(), {}
         for node in ast.walk(tree):
-            if isinstance(node, ast.With) and any(isinstance(i.context_expr, ast.Call) and
-                                                  _name(i.context_expr.func) == "atomic_dir" for i in node.items):
-                inside_atomic_dir |= {id(n) for n in ast.walk(node)}
+            if not isinstance(node, (ast.With, ast.AsyncWith)):
+                continue
+            for i in node.items:
+                if isinstance(i.context_expr, ast.Call) and _name(i.context_expr.func) == "atomic_dir":
+                    inside_atomic_dir |= {id(n) for n in ast.walk(node)}
+                elif isinstance(i.context_expr, ast.Call) and _name(i.context_expr.func) == "atomic_open" and \
+                        isinstance(i.optional_vars, ast.Name):
+                    for n in ast.walk(node):
+                        into_atomic_file.setdefault(id(n), set()).add(i.optional_vars.id)
         for node in ast.walk(tree):
             if not isinstance(node, ast.Call) or id(node) in inside_atomic_dir:
                 continue
+            if any(isinstance(a, ast.Name) and a.id in into_atomic_file.get(id(node), ())
+                   for a in [*node.args, *(k.value for k in node.keywords)]):
+                continue  # writes into the temporary file of `with atomic_open(...) as f` (np.savez(f, ...))
             f = node.func
             name = _name(f) or ""
             if isinstance(f, ast.Name) and name in from_atomic:
@@ -155,6 +175,44 @@ def argparse_violations(trees: dict[str, ast.Module]) -> list[str]:
             if isinstance(node, ast.Import) and any(a.name == "argparse" for a in node.names) or \
                     isinstance(node, ast.ImportFrom) and node.module == "argparse":
                 bad.append(f"{rel}:{node.lineno}: argparse outside the generated CLI")
+    return bad
+
+
+def script_argparse_violations(trees: dict[str, ast.Module]) -> list[str]:
+    """A script is a program, not a library: its parser is built inside a function or under
+    `if __name__ == "__main__":`, never at module level (importing it would parse the importer's argv)."""
+    bad = []
+    for rel, tree in trees.items():
+        for node in tree.body:
+            if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+                continue
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Call) and _name(sub.func) in ("ArgumentParser", "parse_args"):
+                    bad.append(f"{rel}:{sub.lineno}: argparse run at module level (put it in main())")
+    return bad
+
+
+def commit_violations(trees: dict[str, ast.Module]) -> list[str]:
+    """The commit a result came from is looked up once: `telemetry/provenance.py` (`git_commit`, `provenance`,
+    `rev_parse`), which says whether the code is dirty too. Any other `git rev-parse` (a command list or a string
+    naming it) is a second lookup."""
+    return [f"{rel}:{node.lineno}: git rev-parse outside {sorted(PROVENANCE)} (use telemetry.provenance)"
+            for rel, tree in trees.items() if rel not in PROVENANCE for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and "rev-parse" in node.value]
+
+
+def pip_violations(trees: dict[str, ast.Module]) -> list[str]:
+    """`pip download --no-binary :all:` builds every build dependency from source too (over 8 minutes for
+    llama-cpp-python's, against 23 s for `--no-binary llama-cpp-python`): a command list names the package."""
+    bad = []
+    for rel, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.List, ast.Tuple)):
+                vals = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
+                if any(a == "--no-binary" and b == ":all:" for a, b in zip(vals, vals[1:])):
+                    bad.append(f"{rel}:{node.lineno}: --no-binary :all: (name the package instead)")
     return bad
 
 
@@ -422,9 +480,43 @@ def trees():
     return sources()
 
 
+@pytest.fixture(scope="module")
+def script_trees():
+    return sources(SCRIPTS)
+
+
+@pytest.mark.parametrize("check", [write_violations, commit_violations, script_argparse_violations, pip_violations,
+                                   import_violations], ids=lambda f: f.__name__)
+def test_scripts_follow_the_rules(script_trees, check):
+    """scripts/ (and experiments/) write files through atomic.py, look up the commit through provenance.py and
+    import the package by its installed name; argparse is theirs, run from main()."""
+    assert script_trees, "no scripts found"
+    assert check(script_trees) == []
+
+
+@pytest.mark.parametrize("check,snippet", [
+    (write_violations, "Path(args.out).write_text(json.dumps(res))"),
+    (write_violations, "open(a.out, 'w').write(x)"),
+    (write_violations, "shutil.copytree(src, dst)"),
+    (commit_violations, "c = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True).stdout"),
+    (script_argparse_violations, "import argparse\nap = argparse.ArgumentParser()\na = ap.parse_args()"),
+    (pip_violations, "cmd = ['pip', 'download', '--no-binary', ':all:', 'llama-cpp-python']"),
+    (import_violations, "from runtime.engine import EngineConfig"),
+], ids=lambda x: x.__name__ if callable(x) else "")
+def test_script_rules_catch_a_violation(check, snippet):
+    assert check({"scripts/stray.py": ast.parse(snippet)}) != []
+
+
+def test_a_script_may_parse_its_arguments_in_main():
+    ok = ("import argparse\ndef main():\n    a = argparse.ArgumentParser().parse_args()\n"
+          "if __name__ == '__main__':\n    ap = argparse.ArgumentParser()\n")
+    assert script_argparse_violations({"scripts/ok.py": ast.parse(ok)}) == []
+    assert argparse_violations({"scripts/ok.py": ast.parse(ok)}) != []  # the package's rule would refuse it
+
+
 @pytest.mark.parametrize("check", [import_violations, cycle_violations, write_violations, from_pretrained_violations,
                                    argparse_violations, capacity_violations, name_list_violations,
-                                   flag_violations],
+                                   flag_violations, commit_violations, pip_violations],
                          ids=lambda f: f.__name__)
 def test_rule_holds(trees, check):
     assert check(trees) == []
