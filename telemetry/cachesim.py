@@ -31,6 +31,7 @@ import numpy as np
 
 from .cache import POLICY_REGISTRY, CacheState, check_slots
 from .errors import InputError
+from .registry import Registry
 from .rows import check_rows
 
 # The simulator's view of the one policy registry (`cache.POLICY_REGISTRY`): CacheState's policies with `belady`,
@@ -38,7 +39,10 @@ from .rows import check_rows
 SIM_POLICIES = POLICY_REGISTRY.view("sim")
 POLICIES = SIM_POLICIES.names()  # ("lru", "lfu", "static", "belady")
 LEARNED = "learned"  # a fitted policy file's keep scores through the scored path (not in POLICIES: needs a file)
-SEMANTICS = ("token", "reference")
+SEMANTICS_REGISTRY = Registry("semantics")  # analyze --semantics
+for _s in ("token", "reference"):
+    SEMANTICS_REGISTRY.register(_s)
+SEMANTICS = SEMANTICS_REGISTRY.names()
 _INF = 1 << 60
 
 

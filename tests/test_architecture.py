@@ -278,12 +278,15 @@ def capacity_violations(trees: dict[str, ast.Module]) -> list[str]:
 
 # names of a kind of name a user gives (cache and miss policies, predictors, tiers): each list is a registry
 # (`telemetry/registry.py`), and a constant by such a name is derived from it (`POLICIES = REGISTRY.names()`)
-_REGISTERED = re.compile(r"(POLICIES|PREDICTORS|TIERS)$")
+_REGISTERED = re.compile(r"(POLICIES|PREDICTORS|TIERS|SYSTEMS|FORMATS|ROUTINGS|KERNELS|SEMANTICS)$")
+# literal lists still waiting for their registry, each with why: bench big's systems carry ':' variants
+# (`mmap:unbounded`, `expertcache:on-demand`) that a Registry name cannot; issue 43 item 3 makes them runners
+PENDING_LISTS = {("runtime/bench/bigbench.py", "SYSTEMS")}
 
 
 def name_list_violations(trees: dict[str, ast.Module]) -> list[str]:
-    """A module-level or class-level `*POLICIES`/`*PREDICTORS`/`*TIERS` bound to a literal tuple, list or set of
-    names: a second list beside its registry."""
+    """A `*POLICIES`/`*PREDICTORS`/`*TIERS`/`*SYSTEMS`/`*FORMATS`/`*ROUTINGS`/`*KERNELS`/`*SEMANTICS` bound to a
+    literal tuple, list or set of names: a second list beside its registry (or a list with none)."""
     bad = []
     for rel, tree in trees.items():
         for node in ast.walk(tree):
@@ -296,7 +299,7 @@ def name_list_violations(trees: dict[str, ast.Module]) -> list[str]:
             if not isinstance(value, (ast.Tuple, ast.List, ast.Set)):
                 continue
             for t in targets:
-                if isinstance(t, ast.Name) and _REGISTERED.search(t.id):
+                if isinstance(t, ast.Name) and _REGISTERED.search(t.id) and (rel, t.id) not in PENDING_LISTS:
                     bad.append(f"{rel}:{node.lineno}: {t.id} is a literal list of names; register them in a "
                                f"telemetry.registry.Registry and derive it")
     return bad
@@ -552,6 +555,10 @@ def test_rule_holds(trees, check):
     (name_list_violations, "POLICIES = ('lru', 'lfu')"),
     (name_list_violations, "MISS_POLICIES: tuple = ['blocking', 'host']"),
     (name_list_violations, "REPLAY_PREDICTORS = ('none', 'oracle')"),
+    (name_list_violations, "SYSTEMS = ('mmap', 'accelerate')"),
+    (name_list_violations, "FORMATS = ['bf16', 'int4']"),
+    (name_list_violations, "KERNELS = ('native', 'cpu')"),
+    (name_list_violations, "ROUTINGS = {'trace', 'native'}"),
     (flag_violations, "raise InputError(f'{x}: pass --seq-len')"),
     (flag_violations, "raise InputError('set --engine.no_such_option')"),
     (flag_violations, "err = RecipeError('try --include-path')"),
@@ -586,7 +593,7 @@ def test_atomic_writes_are_not_violations():
 
 
 def test_names_derived_from_a_registry_are_not_violations():
-    ok = "POLICIES = POLICY_REGISTRY.view('sim').names()\nSYSTEMS = ('mmap', 'accelerate')\n"
+    ok = "POLICIES = POLICY_REGISTRY.view('sim').names()\nKERNELS = KERNEL_REGISTRY.names()\nDOMAINS = ('code',)\n"
     assert name_list_violations({"runtime/stray.py": ast.parse(ok)}) == []
 
 
@@ -595,9 +602,65 @@ def test_the_flags_are_read_from_the_cli():
 
 
 def test_the_document_states_these_rules():
+    """Each row of ARCHITECTURE.md's rules table names the checks that hold it, and every check here is in a row."""
     doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
-    for phrase in ("test_architecture.py", "atomic.py", "capacity_count", "load_causal_lm", "registry.py"):
+    for phrase in ("test_architecture.py", "atomic.py", "capacity_count", "budget_capacity", "load_causal_lm",
+                   "registry.py", "provenance.py"):
         assert phrase in doc, phrase
+    table = doc.split("## Rules the tests check", 1)[1].split("\n## ", 1)[0]
+    rows = [ln for ln in table.splitlines() if ln.startswith("| ") and not ln.startswith(("| rule", "| ---"))]
+    named = {n for ln in rows for n in re.findall(r"`(\w+_violations)`", ln.rsplit("|", 2)[-2])}
+    assert all(re.search(r"`\w+_violations`", ln.rsplit("|", 2)[-2]) for ln in rows), "a rule without its check"
+    checks = {n for n, f in globals().items() if n.endswith("_violations") and not n.startswith("test_")}
+    assert named == checks, (sorted(named - checks), sorted(checks - named))
+
+
+_PATH = r"(?:telemetry|runtime|trainer|evals|recipes|scripts|tests|docs)/[\w/.-]+\.(?:py|md|sh|cpp)"
+
+
+def _defined(rel: str) -> set[str]:
+    tree = ast.parse((ROOT / rel).read_text())
+    out = set()
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(n.name)
+        elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+                out |= {e.id for e in ast.walk(t) if isinstance(e, ast.Name)}
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            out |= {a.asname or a.name.split(".")[0] for a in n.names}
+    return out
+
+
+def stale_places(doc: str) -> list[str]:
+    """The files a document names that do not exist, and the names it gives in a file (`file.py: a, b`) that the
+    file does not define."""
+    wrong = [m for m in re.findall(rf"`({_PATH})", doc) if not (ROOT / m).exists()]
+    for rel, rest in re.findall(rf"`({_PATH}): ([^`]+)`", doc):
+        if not rel.endswith(".py") or not (ROOT / rel).exists():
+            continue
+        have = _defined(rel)
+        wrong += [f"{rel}: {name}" for name in re.findall(r"[A-Za-z_][\w.]*", rest.split("(")[0])
+                  if name.split(".")[0] not in have]
+    return wrong
+
+
+def test_every_place_the_document_names_exists():
+    """The move into rooms left parquet_trace's `load_routing`, decode's `timed_greedy` and quant's
+    `write_quantized` named where they no longer were; a stale line is caught."""
+    assert stale_places((ROOT / "docs" / "ARCHITECTURE.md").read_text()) == []
+    assert stale_places("| traces | `telemetry/parquet_trace.py: load_routing` |") == [
+        "telemetry/parquet_trace.py: load_routing"]
+    assert stale_places("see `runtime/loader.py`") == ["runtime/loader.py"]
+
+
+def test_every_docs_page_that_is_referenced_exists():
+    """docs/serving.md was referenced (by the package's docstring) and did not exist."""
+    pages = set()
+    for p in [*ROOT.glob("*.md"), *(ROOT / "docs").glob("*.md"), *(f for a in (*AREAS, "src", *SCRIPTS)
+                                                                    for f in (ROOT / a).rglob("*.py"))]:
+        pages |= set(re.findall(r"docs/[\w-]+\.md", p.read_text()))
+    assert pages and not [d for d in sorted(pages) if not (ROOT / d).exists()]
 
 
 def test_a_cycle_is_caught_through_function_imports_and_relative_imports():

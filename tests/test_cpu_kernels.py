@@ -947,6 +947,7 @@ def test_each_torch_install_builds_the_extension_in_a_folder_of_its_own(monkeypa
 
 
 @needs_ext
+@pytest.mark.slow  # a fresh process that imports torch and loads the extension (12 s of the fast suite's 110 s)
 def test_a_build_killed_midway_does_not_hang_the_next_process(tmp_path):
     """torch's build lock is a plain file: a build killed midway (Ctrl-C, the OOM killer) left it behind, and every
     later process waited on it forever without a word (found when a killed benchmark hung the test suite). The

@@ -37,6 +37,7 @@ import torch
 
 from expertcache.telemetry.atomic import open_log
 from expertcache.telemetry.errors import InputError
+from expertcache.telemetry.registry import Registry
 
 from expertcache.runtime.bench.bigckpt import ALIGN, EXPERTS, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, TOP_K, expert_bytes, physical_ram, \
     write_checkpoint
@@ -48,8 +49,14 @@ from expertcache.runtime.engine.engine import EngineConfig
 SYSTEMS = ("expertcache:on-demand", "expertcache:prefetch", "accelerate", "mmap", "mmap:unbounded", "llama.cpp",
            "llama.cpp:unbounded")
 NATIVE_ONLY = ("llama.cpp", "llama.cpp:unbounded")  # route with the checkpoint's own routers (no hook to force)
-ROUTINGS = ("trace", "native")
-FORMATS = ("bf16", "int8", "int4")
+ROUTING_REGISTRY = Registry("routing")  # --routing
+for _r in ("trace", "native"):
+    ROUTING_REGISTRY.register(_r)
+ROUTINGS = ROUTING_REGISTRY.names()
+FORMAT_REGISTRY = Registry("experts format")  # --experts, and an expertcache system's `:int4` suffix
+for _f in ("bf16", "int8", "int4"):
+    FORMAT_REGISTRY.register(_f)
+FORMATS = FORMAT_REGISTRY.names()
 RAM_OTHER = 2 << 30  # what an expertcache system's budget leaves beside its cache: non-expert weights (~1.3 GB at
 # this shape; 1.67 GiB resident after loading), interpreter, activations
 
