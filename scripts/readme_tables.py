@@ -148,7 +148,7 @@ if (RESULTS / "quantized.json").is_file():
 
 if (RESULTS / "gate_calibration.json").is_file():
     d = json.loads((RESULTS / "gate_calibration.json").read_text())
-    print(f"<!-- results/gate_calibration.json ({d['command']}; git {d.get('git_commit', '?')}) -->")
+    print(f"<!-- results/gate_calibration.json ({d['command']}; git {d.get('commit') or d.get('git_commit', '?')}) -->")
     print(calibration_table(d), end="\n\n")
 
 if (RESULTS / "serve_load.json").is_file():
