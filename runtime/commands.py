@@ -11,6 +11,7 @@ from typing import Optional
 
 from expertcache.telemetry.atomic import check_output, own_dir
 from expertcache.telemetry.errors import InputError
+from expertcache.telemetry.provenance import git_commit as _git_commit  # the one lookup, results record it
 
 from expertcache.runtime.engine.config import EngineConfig
 from expertcache.runtime.storage.store import STORE_DIR
@@ -18,29 +19,6 @@ from expertcache.runtime.storage.store import STORE_DIR
 
 def _table(text: str) -> None:
     print("\n" + text, file=sys.stderr)
-
-
-def _git_commit(here: Path | None = None) -> str:
-    """The commit the code runs from, with "+dirty" when tracked code differs from it (results, docs and markdown
-    excluded: a benchmark writes its own results file). Taken before the work starts: edits made while a long
-    benchmark runs are not its code. Empty outside a git checkout. `here`: a folder in the checkout (this file's)."""
-    import subprocess
-
-    here = here or Path(__file__).resolve().parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here,
-                              timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    if not head:
-        return ""
-    try:
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ":/", ":(top,exclude)results",
-                                ":(top,exclude)docs", ":(top,exclude,glob)**/*.md"], capture_output=True, cwd=here,
-                               timeout=10).returncode == 1
-    except (OSError, subprocess.SubprocessError):
-        return head
-    return head + ("+dirty" if dirty else "")
 
 
 def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,

@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from expertcache.telemetry.atomic import atomic_open, copy_tree, write_bytes, write_text
+
 REPO = Path(__file__).resolve().parents[1]
 # as root, permissions do not stop a read or a write: the `as_nobody` cases drop the two capabilities that let
 # root pass them (the files are root's own, so chmod 000 and a read-only folder then apply)
@@ -107,15 +109,18 @@ def build(root: Path, env: dict) -> dict:
     rng = np.random.default_rng(0)
     ids = np.argsort(rng.random((4, 64, 16)), axis=-1)[..., :4].astype(np.int16)  # distinct experts per row
     P["npz"] = root / "routing.npz"
-    np.savez(P["npz"], experts=ids, meta=np.array(json.dumps({"num_experts": 16, "model": "x"})))
+    with atomic_open(P["npz"]) as f:
+        np.savez(f, experts=ids, meta=np.array(json.dumps({"num_experts": 16, "model": "x"})))
     P["npz_dup"] = root / "routing-dup.npz"  # one routing row names an expert twice ([a, a, c, d])
     dup = ids.copy()
     dup[1, 5, 1] = dup[1, 5, 0]
-    np.savez(P["npz_dup"], experts=dup, meta=np.array(json.dumps({"num_experts": 16, "model": "x"})))
+    with atomic_open(P["npz_dup"]) as f:
+        np.savez(f, experts=dup, meta=np.array(json.dumps({"num_experts": 16, "model": "x"})))
     P["npz_range"] = root / "routing-range.npz"
-    np.savez(P["npz_range"], experts=(ids + 40).astype(np.int16), meta=np.array(json.dumps({"num_experts": 16})))
+    with atomic_open(P["npz_range"]) as f:
+        np.savez(f, experts=(ids + 40).astype(np.int16), meta=np.array(json.dumps({"num_experts": 16})))
     P["stream"] = root / "routing.bin"
-    with open(P["stream"], "wb") as f:
+    with atomic_open(P["stream"]) as f:
         for layer in range(4):
             f.write(np.array([layer, 64, 4], "<i4").tobytes() + ids[layer].astype("<i4").tobytes())
     # eval JSONs (step-wise perplexity only: no lm-eval task, so they take seconds)
@@ -142,7 +147,7 @@ def _drop_masque(sdist: Path) -> None:
 
     with tarfile.open(sdist) as t:
         members = [(m, t.extractfile(m).read()) for m in t.getmembers() if "comus" not in m.name]
-    with tarfile.open(sdist, "w:gz") as t:
+    with atomic_open(sdist) as f, tarfile.open(fileobj=f, mode="w:gz") as t:
         for m, data in members:
             t.addfile(m, io.BytesIO(data))
 
@@ -153,7 +158,7 @@ def damaged(root: Path, P: dict) -> None:
 
     def put(name: str, data: bytes | str) -> Path:
         p = bad / name
-        p.write_bytes(data.encode() if isinstance(data, str) else data)
+        write_bytes(p, data.encode() if isinstance(data, str) else data)
         return p
 
     tr = P["trace"].read_bytes()
@@ -226,7 +231,7 @@ def damaged(root: Path, P: dict) -> None:
         p.chmod(0)
         P[name] = p
     P["unreadable_model"] = bad / "model-unreadable"
-    shutil.copytree(P["model"], P["unreadable_model"])
+    copy_tree(P["model"], P["unreadable_model"])
     (P["unreadable_model"] / "model.safetensors").chmod(0)
     # a folder nobody may write into
     P["ro_dir"] = bad / "read-only"
@@ -235,20 +240,20 @@ def damaged(root: Path, P: dict) -> None:
     # damaged checkpoints
     def model_copy(name: str) -> Path:
         d = bad / name
-        shutil.copytree(P["model"], d)
+        copy_tree(P["model"], d)
         return d
 
     P["model_trunc"] = model_copy("model-truncated")
     w = (P["model_trunc"] / "model.safetensors").read_bytes()
-    (P["model_trunc"] / "model.safetensors").write_bytes(w[: len(w) * 2 // 3])
+    write_bytes(P["model_trunc"] / "model.safetensors", w[: len(w) * 2 // 3])
     P["model_nocfg"] = model_copy("model-noconfig")
     (P["model_nocfg"] / "config.json").unlink()
     P["model_badcfg"] = model_copy("model-badconfig")
-    (P["model_badcfg"] / "config.json").write_text('{"model_type": "qwen3_moe", ')
+    write_text(P["model_badcfg"] / "config.json", '{"model_type": "qwen3_moe", ')
     P["model_wrongcfg"] = model_copy("model-wrongconfig")
     cfg = json.loads((P["model_wrongcfg"] / "config.json").read_text())
     cfg["hidden_size"] = 2 * cfg["hidden_size"]
-    (P["model_wrongcfg"] / "config.json").write_text(json.dumps(cfg))
+    write_text(P["model_wrongcfg"] / "config.json", json.dumps(cfg))
     P["model_bin"] = model_copy("model-bin")
     (P["model_bin"] / "model.safetensors").rename(P["model_bin"] / "pytorch_model.bin")
     P["model_flip"] = model_copy("model-flipped")  # indexed by `verify` first, then damaged in place (same mtime)
@@ -260,16 +265,16 @@ def damaged(root: Path, P: dict) -> None:
     raw = bytearray(f.read_bytes())
     for i in range(len(raw) // 2, len(raw) // 2 + 256):
         raw[i] ^= 0x01
-    f.write_bytes(bytes(raw))
+    write_bytes(f, bytes(raw))
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
     P["model_nan"] = model_copy("model-nan")
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file, save as st_bytes
 
     sd = load_file(str(P["model_nan"] / "model.safetensors"))
     k = next(k for k in sd if ".experts." in k or "experts" in k)
     sd[k] = sd[k].clone()
     sd[k].view(-1)[0] = float("nan")
-    save_file(sd, str(P["model_nan"] / "model.safetensors"), metadata={"format": "pt"})
+    write_bytes(P["model_nan"] / "model.safetensors", st_bytes(sd, metadata={"format": "pt"}))
     # issue #24: results that look fine and are not
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -284,33 +289,35 @@ def damaged(root: Path, P: dict) -> None:
     rows = t["ids"].combine_chunks().values.to_numpy().reshape(-1, k).copy()
     rows[3, 1] = rows[3, 0]
     P["dup_parquet"] = bad / "trace-dup.parquet"  # written by another tool: one row repeats an expert
-    pq.write_table(t.set_column(t.column_names.index("ids"), "ids",
-                                pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), k)), P["dup_parquet"])
+    with atomic_open(P["dup_parquet"]) as f:
+        pq.write_table(t.set_column(t.column_names.index("ids"), "ids",
+                                    pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), k)), f)
     meta = json.loads(t.schema.metadata[META_KEY])
     meta["moe_layers"] = meta["moe_layers"] + [max(meta["moe_layers"]) + 1]
     meta["num_layers"] = max(meta["num_layers"], len(meta["moe_layers"]))
     P["meta_parquet"] = bad / "trace-meta.parquet"  # its metadata names a MoE layer no row holds
-    pq.write_table(t.replace_schema_metadata(dict(t.schema.metadata) | {META_KEY: json.dumps(meta).encode()}),
-                   P["meta_parquet"])
+    with atomic_open(P["meta_parquet"]) as f:
+        pq.write_table(t.replace_schema_metadata(dict(t.schema.metadata) | {META_KEY: json.dumps(meta).encode()}), f)
     est = load_file(str(P["estimator"]))
     from safetensors import safe_open
 
     with safe_open(str(P["estimator"]), "pt") as f:
         est_meta = f.metadata()
     P["estimator_nan"] = bad / "est-nan.safetensors"
-    save_file({n: torch.full_like(v, float("nan")) for n, v in est.items()}, str(P["estimator_nan"]),
-              metadata=est_meta)
+    write_bytes(P["estimator_nan"], st_bytes({n: torch.full_like(v, float("nan")) for n, v in est.items()},
+                                             metadata=est_meta))
 
-    def expert_bytes(d: Path, fn) -> None:
+    def expert_bytes(d: Path, fn) -> None:  # layer 0's experts rewritten by `fn`, the file rewritten whole
         src = expert_source(d)
+        files = {}
         for e in range(src.num_experts):
             for s in src.spans(0, e):
-                with open(src.files[s.file], "r+b") as f:
-                    f.seek(s.offset)
-                    raw = bytearray(f.read(s.nbytes))
-                    f.seek(s.offset)
-                    f.write(fn(torch.frombuffer(raw, dtype=torch.uint8).view(s.src_dtype)).view(torch.uint8)
-                            .numpy().tobytes())
+                raw = files.setdefault(s.file, bytearray(Path(src.files[s.file]).read_bytes()))
+                piece = bytearray(raw[s.offset:s.offset + s.nbytes])
+                raw[s.offset:s.offset + s.nbytes] = fn(torch.frombuffer(piece, dtype=torch.uint8)
+                                                       .view(s.src_dtype)).view(torch.uint8).numpy().tobytes()
+        for i, raw in files.items():
+            write_bytes(src.files[i], bytes(raw))
 
     P["model_edited"] = model_copy("model-edited")  # indexed by `verify`, then edited in place (the mtime moves)
     verify_now(str(P["model_edited"]))
@@ -318,25 +325,25 @@ def damaged(root: Path, P: dict) -> None:
     P["model_expflip"] = model_copy("model-expflip")  # no index; layer 0's experts 2^14 times larger, finite
     expert_bytes(P["model_expflip"], lambda w: w * 2.0 ** 14)
     P["model_ro"] = P["ro_dir"] / "model"  # a shared, read-only model folder
-    shutil.copytree(P["model"], P["model_ro"])
+    copy_tree(P["model"], P["model_ro"])
     P["scratch"] = root / "scratch"
     P["scratch"].mkdir()
     P["scratch"].chmod(0o777)
-    from expertcache.runtime.kernels.triton_experts.quant_write import write_quantized  # an int8 copy (`expertcache quantize`), and one whose
+    from expertcache.runtime.kernels.quant_write import write_quantized  # an int8 copy (`expertcache quantize`), and one whose
 
     P["model_q8"] = root / "model-q8"  # quantization_config names a method this runtime does not read
     write_quantized(P["model"], P["model_q8"], 8, 32)
     P["prompts_blank"] = bad / "prompts-blank.txt"  # `trace record --prompts` inputs with nothing to record
-    P["prompts_blank"].write_text("\n  \n\n")
+    write_text(P["prompts_blank"], "\n  \n\n")
     P["prompts_nofield"] = bad / "prompts-nofield.jsonl"
-    P["prompts_nofield"].write_text('{"prompt": "thou art"}\n')
+    write_text(P["prompts_nofield"], '{"prompt": "thou art"}\n')
     P["prompts_notjson"] = bad / "prompts-notjson.jsonl"
-    P["prompts_notjson"].write_text('{"text": "thou art"}\nthou art\n')
+    write_text(P["prompts_notjson"], '{"text": "thou art"}\nthou art\n')
     P["model_gptq"] = bad / "model-gptq"
-    shutil.copytree(P["model_q8"], P["model_gptq"])
+    copy_tree(P["model_q8"], P["model_gptq"])
     cfg = json.loads((P["model_gptq"] / "config.json").read_text())
     cfg["quantization_config"]["quant_method"] = "gptq"
-    (P["model_gptq"] / "config.json").write_text(json.dumps(cfg))
+    write_text(P["model_gptq"] / "config.json", json.dumps(cfg))
 
 
 # --- the cases -------------------------------------------------------------------------------------------------

@@ -38,11 +38,10 @@ REF = ROOT / "telemetry" / "reference" / "qwen3-30b-a3b-routing"
 TARGETS = {"lru": 2e6, "lfu": 2e6, "static": 2e6, "learned": 5e5}
 
 
-def _git() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return ""
+def _git() -> dict:
+    from expertcache.telemetry.provenance import provenance
+
+    return provenance(ROOT)
 
 
 def _time(fn, rounds: int) -> tuple[float, float, object]:
@@ -128,7 +127,7 @@ def main() -> int:
                        capture_output=True, env=env)
         fit_s = round(time.perf_counter() - t, 1)
 
-    out = {"benchmark": "cachesim", "command": "python scripts/bench_cachesim.py", "commit": _git(),
+    out = {"benchmark": "cachesim", "command": "python scripts/bench_cachesim.py", **_git(),
            "input": f"{REF.relative_to(ROOT)}/code.npz: {n_l} layers x {n_t} tokens x top-{k}, E={e}",
            "accesses_per_pass": acc, "capacity": {"per_layer": cap, "global": cap * n_l, "fraction_of_e": 0.125},
            "semantics": "token", "rounds": a.rounds,

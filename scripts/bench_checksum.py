@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -94,11 +93,9 @@ def main() -> None:
     t_cold = (time.perf_counter() - t0) / n_cold
     med = {k: float(np.median(v)) for k, v in tpot.items()}
     per_tok = loads["on"] / tokens["on"]  # experts read per token (demand + prefetch, prefill included)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parents[1]).stdout.strip()
-    except OSError:
-        commit = ""
+    from expertcache.telemetry.provenance import provenance
+
+    prov = provenance(Path(__file__).resolve().parents[1])
     out = {"inputs": {"model": a.model, "checkpoint_bytes": sum(p.stat().st_size for p in src.files),
                       "capacity": a.capacity, "tier": "disk", "predictor": "none", "tokens": a.tokens,
                       "warmup": a.warmup, "rounds": a.rounds, "prompt_len": a.prompt_len, "torch_threads": a.threads,
@@ -110,7 +107,7 @@ def main() -> None:
            "hash_GBps": nbytes / t_hash / 1e9, "hash_s_per_expert_cold": t_cold, "hash_GBps_cold": nbytes / t_cold / 1e9,
            "share_of_tpot": {"ab": med["on"] / med["off"] - 1, "hash": per_tok * t_hash / med["off"],
                              "hash_cold": per_tok * t_cold / med["off"]},
-           "commit": commit}
+           **prov}
     print(json.dumps(out, indent=2))
     if a.out:
         from expertcache.telemetry.atomic import write_json

@@ -12,29 +12,34 @@ from expertcache.runtime.engine.config import EngineConfig
 from expertcache.runtime.bench.replay import REFERENCE_TRACE, ReplayConfig, Replayer, ensure_store
 from expertcache.telemetry.routing import load_routing
 
-ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-ap.add_argument("--capacity", type=float, default=0.125)
-ap.add_argument("--rounds", type=int, default=3)
-ap.add_argument("--tokens", type=int, default=64)
-ap.add_argument("--warmup", type=int, default=8)
-ap.add_argument("--store-dir", default="runs/stores")
-a = ap.parse_args()
-r = load_routing(REFERENCE_TRACE)
-ids, e = r.ids, r.num_experts
-ids = ids[21:27]
-store = ensure_store(a.store_dir, 6, e, 2048, 768, "bfloat16")
-rp = Replayer(store, ids, EngineConfig(capacity=a.capacity, tier="disk"))
-span = range(2000, 2000 + a.warmup + a.tokens)
-res = {"whole": [], "split": []}
-stall = {"whole": [], "split": []}
-try:
-    for r in range(a.rounds):
-        for mode in (("whole", "split") if r % 2 == 0 else ("split", "whole")):
-            tiers.SPLIT_MIN = 4 << 20 if mode == "split" else 1 << 62
-            out = rp.run(ReplayConfig("on-demand"), span)
-            res[mode].append(float(np.median(out["times"][a.warmup:])))
-            stall[mode].append(out["stall"] / len(out["times"]))
-finally:
-    rp.close()
-print(json.dumps({"capacity": a.capacity, "tpot_median_s": res, "stall_per_token_s": stall,
-                  "split_over_whole": [s / w for s, w in zip(res["split"], res["whole"])]}, indent=1))
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--capacity", type=float, default=0.125)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--store-dir", default="runs/stores")
+    a = ap.parse_args()
+    r = load_routing(REFERENCE_TRACE)
+    ids, e = r.ids, r.num_experts
+    ids = ids[21:27]
+    store = ensure_store(a.store_dir, 6, e, 2048, 768, "bfloat16")
+    rp = Replayer(store, ids, EngineConfig(capacity=a.capacity, tier="disk"))
+    span = range(2000, 2000 + a.warmup + a.tokens)
+    res = {"whole": [], "split": []}
+    stall = {"whole": [], "split": []}
+    try:
+        for r in range(a.rounds):
+            for mode in (("whole", "split") if r % 2 == 0 else ("split", "whole")):
+                tiers.SPLIT_MIN = 4 << 20 if mode == "split" else 1 << 62
+                out = rp.run(ReplayConfig("on-demand"), span)
+                res[mode].append(float(np.median(out["times"][a.warmup:])))
+                stall[mode].append(out["stall"] / len(out["times"]))
+    finally:
+        rp.close()
+    print(json.dumps({"capacity": a.capacity, "tpot_median_s": res, "stall_per_token_s": stall,
+                      "split_over_whole": [s / w for s, w in zip(res["split"], res["whole"])]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

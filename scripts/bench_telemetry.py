@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -87,15 +86,16 @@ def main() -> int:
                     writes[k].append(wt)
     med = {k: statistics.median(v) for k, v in times.items()}
     over = {k: med[k] / med["plain"] - 1 for k in ("ids_weights", "with_hidden", "plain_control")}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
+    from expertcache.telemetry.provenance import provenance
+
+    prov = provenance(Path(__file__).parent)
     out = {"benchmark": "telemetry_overhead", "model": source, "batch": [a.batch, a.seq], "reps": a.reps,
            "threads": torch.get_num_threads(),
            "forward_s_median": {k: round(v, 4) for k, v in med.items()},
            "overhead": {k: round(v, 4) for k, v in over.items()},
            "parquet_write_s_median": {k: round(statistics.median(writes[k]), 4) for k in ("ids_weights", "with_hidden")},
            "targets": {"ids_weights": 0.03, "with_hidden": 0.15},
-           "pass": over["ids_weights"] <= 0.03 and over["with_hidden"] <= 0.15, "commit": commit}
+           "pass": over["ids_weights"] <= 0.03 and over["with_hidden"] <= 0.15, **prov}
     print(json.dumps(out, indent=2))
     return 0
 

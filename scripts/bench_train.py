@@ -16,7 +16,6 @@ import argparse
 import copy
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -127,11 +126,9 @@ def main() -> int:
             else:
                 bare += bare_block(fresh(), recipe.train, batches, a.steps)[a.warmup:]
     ml, mb = statistics.median(light), statistics.median(bare)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = ""
+    from expertcache.telemetry.provenance import provenance
+
+    prov = provenance(Path(__file__).parent)
     out = {
         "benchmark": "train_loop", "recipe": a.recipe, "model_parameters": sum(p.numel() for p in fresh().parameters()),
         "batch": [recipe.data.batch_size, recipe.data.seq_len], "precision": recipe.train.precision,
@@ -139,7 +136,7 @@ def main() -> int:
         "lightning": {"median_step_s": round(ml, 4), "tokens_per_s": round(tokens / ml, 1), "steps": len(light)},
         "bare": {"median_step_s": round(mb, 4), "tokens_per_s": round(tokens / mb, 1), "steps": len(bare)},
         "lightning_over_bare_tokens_per_s": round(mb / ml, 4),
-        "target": "lightning within 10% of bare (ratio >= 0.90)", "pass": mb / ml >= 0.90, "commit": commit,
+        "target": "lightning within 10% of bare (ratio >= 0.90)", "pass": mb / ml >= 0.90, **prov,
     }
     print(json.dumps(out, indent=2))
     return 0

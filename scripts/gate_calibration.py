@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -181,8 +180,10 @@ def main() -> int:
                                       for n in ("null_exact", "null_harmless")),
               "degraded_fails_at_the_default_sample": conds["degraded"]["verdicts_sample"].get("FAIL", 0),
               "degraded_fails_on_the_pool": conds["degraded"]["verdicts_pool"].get("FAIL", 0)}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    out = {"command": "python " + " ".join(sys.argv), "base": str(a.base), "git_commit": commit,
+    from expertcache.telemetry.provenance import provenance
+
+    prov = provenance(Path(__file__).parent)
+    out = {"command": "python " + " ".join(sys.argv), "base": str(a.base), **prov,
            "split": "test", "seq_len": a.seq_len, "pool_blocks_per_domain": pool, "sample_blocks_per_domain": a.sample,
            "seeds": a.seeds, "threads": a.threads, "target_pct": a.target, "harmless_pct": a.harmless,
            "calib_blocks_per_domain": a.calib_blocks, "thresholds": {"ppl_overall_pct": 1.0, "ppl_domain_pct": 2.0},

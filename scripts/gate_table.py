@@ -18,6 +18,7 @@ from pathlib import Path
 from expertcache.evals.gate import EVAL_FORMAT_VERSION, gate
 from expertcache.evals.run import evaluate
 from expertcache.runtime.engine.config import EngineConfig
+from expertcache.telemetry.atomic import write_json, write_text
 
 PLAIN_TASKS = ["ec_ppl_code", "ec_ppl_prose", "ec_ppl_math", "ec_cloze_code", "ec_cloze_prose", "ec_cloze_math",
                "ec_math_em"]
@@ -80,7 +81,7 @@ def main() -> None:
                          "gate": g["gate"], "failures": g["failures"]})
     res = {"base": a.base, "capacity": a.capacity, "tau": a.tau, "base_lru_demand_loads": base_misses,
            "stepwise_tokens": base["stepwise"]["tokens"], "rows": rows}
-    (out / "gates.json").write_text(json.dumps(res, indent=2))
+    write_json(out / "gates.json", res)
     md = [f"Capacity {a.capacity:g} E per layer (host tier), reroute τ = {a.tau:g}; miss reduction = demand loads "
           f"per token during the step-wise evaluation vs the base with LRU (blocking) on the same tokens "
           f"({base['stepwise']['tokens']['overall']} tokens). Δacc: plain rows on {a.limit} documents per task, "
@@ -94,7 +95,7 @@ def main() -> None:
         md.append(f"| {r['checkpoint']} | {r['serving']} | {100 * r['miss_reduction_vs_base_lru']:+.1f}% | "
                   f"{d['overall']:+.2f}% [{lo:+.2f}, {hi:+.2f}] | {d['code']:+.2f}% | {d['prose']:+.2f}% | "
                   f"{d['math']:+.2f}% | {acc} | {r['gate']} |")
-    (out / "gates.md").write_text("\n".join(md) + "\n")
+    write_text(out / "gates.md", "\n".join(md) + "\n")
     print(json.dumps(res, indent=2))
     print("\n" + "\n".join(md))
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from expertcache.telemetry.atomic import atomic_dir, write_json
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tiny_models: the tests' tiny models
 
 
@@ -35,7 +37,8 @@ def lossless(root: Path) -> dict:
     prompt = torch.tensor([[5, 9, 33, 2, 71, 100, 7, 12]], device="cuda")
     for fam in FAMILIES:
         d = root / fam
-        build_model(tiny_config(fam), seed=3, dtype=torch.bfloat16).save_pretrained(d)
+        with atomic_dir(d) as tmp:
+            build_model(tiny_config(fam), seed=3, dtype=torch.bfloat16).save_pretrained(tmp)
         # transformers' own greedy generate is the reference; the engine decodes through the decode loop of
         # generate and serve (`generate.timed_greedy`, 16 tokens, end-of-sequence ignored as min_new_tokens does)
         gen = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, attention_mask=torch.ones_like(prompt),
@@ -126,7 +129,8 @@ def tpot(root: Path) -> dict:
                          num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                          num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, norm_topk_prob=True,
                          tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=1)
-    build_model(cfg, seed=0, dtype=torch.bfloat16).save_pretrained(d)  # 8 Qwen3-30B-A3B-sized layers, 9.7 GB
+    with atomic_dir(d) as tmp:  # 8 Qwen3-30B-A3B-sized layers, 9.7 GB
+        build_model(cfg, seed=0, dtype=torch.bfloat16).save_pretrained(tmp)
     prompts = torch.randint(2, 32768, (1, 32), generator=torch.Generator().manual_seed(0))
     out = {}
     for tier in ("host", "disk"):
@@ -162,7 +166,7 @@ def main() -> int:
             print(json.dumps({name: res[name]}), flush=True)
     out = Path(os.environ.get("OUT", "runs/gpu-check"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps(res, indent=2))
+    write_json(out / "gpu_check.json", res)
     ok = all(all(v for k, v in r.items() if not k.endswith("loads")) for r in res["lossless"].values()) \
         if "error" not in res["lossless"] else False
     print(json.dumps(res, indent=2))

@@ -55,7 +55,10 @@ def child(src: str, build: str, mode: str, bits: int, group: int, pool: int, thr
             res[f"swiglu-{t}"] = ck.swiglu_q(x[:t], qg, qd, bits, group, s, w[:t])
         lin = quant.quantize((torch.randn(4096, h, generator=g) * 0.02).bfloat16(), bits, group)
         res["linear"] = ck.linear_q(x, lin["q"], lin["scales"], lin.get("mins"), bits, group)
-        torch.save(res, out)
+        from expertcache.telemetry.atomic import atomic_open
+
+        with atomic_open(out) as f:
+            torch.save(res, f)
         return
     nbytes = k * (quant.nbytes(qg) + quant.nbytes(qd)) // pool
     times = []
@@ -92,14 +95,18 @@ def main() -> None:
     import torch
 
     from expertcache.runtime.kernels.cpu_kernels import cache_dir
-    from expertcache.telemetry.atomic import write_json
+    from expertcache.telemetry.atomic import write_json, write_text
 
-    rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", a.base], capture_output=True, text=True,
-                         check=True).stdout.strip()
+    from expertcache.telemetry.provenance import rev_parse
+
+    rev = rev_parse(a.base, ROOT)
+    if not rev:
+        print(f"kernel_ab: {a.base!r} names no commit in {ROOT}", file=sys.stderr)
+        return 2
     base_src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:runtime/kernels/csrc/experts_cpu.cpp"],
                               capture_output=True, text=True, check=True).stdout
     tmp = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
-    (tmp / "a.cpp").write_text(base_src)
+    write_text(tmp / "a.cpp", base_src)
     builds = cache_dir().parent
     sides = {"A": (str(tmp / "a.cpp"), str(builds / f"ab-{rev}")), "B": (str(SRC), str(builds / "ab-worktree"))}
     rows = []

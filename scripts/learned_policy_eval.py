@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -101,13 +100,12 @@ def main() -> int:
     if not (ref / "code.npz").is_file():
         print(f"reference data not found at {ref}", file=sys.stderr)
         return 2
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
+    from expertcache.telemetry.provenance import provenance
+
+    prov = provenance(REPO)
     res = {"what": "learned eviction policy vs LRU and Belady; fitted on one trace, scored on another; token "
                    "semantics, one cache per layer, all layers",
-           "command": "python scripts/learned_policy_eval.py", "commit": commit,
+           "command": "python scripts/learned_policy_eval.py", **prov,
            "machine": {"threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()},
            "reference": []}
     res["reference"].append(pair(ref / "code.npz", ref / "general.npz", a.seed))
@@ -130,8 +128,9 @@ def main() -> int:
     out = json.dumps(res, indent=2)
     print(out)
     if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(out + "\n")
+        from expertcache.telemetry.atomic import write_text
+
+        write_text(a.out, out + "\n")
     return 0
 
 

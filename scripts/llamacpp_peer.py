@@ -5,7 +5,7 @@ with `llama-bench`. `scripts/bench_kernels.py` calls `decode()`; run alone it pr
     python scripts/llamacpp_peer.py --model /work/ckpt/q30-4l --threads 1 --tokens 32
 
 Building (once, about 10-30 minutes on 2 cores; `--build_only` to do just that):
-    pip download --no-deps --no-binary :all: llama-cpp-python      # the sdist, from the package registry
+    pip download --no-deps --no-binary llama-cpp-python llama-cpp-python      # the sdist, from the package registry
     cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DGGML_NATIVE=ON
     cmake --build build -j2 --target llama-bench llama-quantize
 The converter refuses a BPE tokenizer whose pre-tokenizer hash it does not know (ours); this script maps an

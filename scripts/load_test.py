@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from expertcache.telemetry.atomic import open_log
+
 REPO = Path(__file__).resolve().parents[1]
 NAME = "tiny-moe"
 WORDS = "thou art the king of night and day my lord what say you now come hither sweet love".split()
@@ -295,7 +297,7 @@ def _start_server(model: str, engine_args: list[str], port: int, log_path: Path,
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "expertcache.recipes.cli", "serve", "--model", model, "--port", str(port),
            "--log_level", "warning", "--max_batch", str(max_batch), "--engine.threads", "1", *engine_args]
-    log_f = open(log_path, "w")
+    log_f = open_log(log_path, fresh=True)
     p = subprocess.Popen(cmd, env=env, stderr=log_f, stdout=log_f)
     url = f"http://127.0.0.1:{port}"
     t0 = time.time()
@@ -382,11 +384,9 @@ def throughput(a) -> dict:
                                                 for v in res["systems"].values() for r in v["rounds"])}
     res["targets"]["met"] = bool((at8.get("all_resident") or 0) >= 3 and (at8.get("quarter") or 0) >= 2
                                  and res["targets"]["all_equal_to_alone"])
-    try:
-        res["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                       cwd=REPO).stdout.strip()
-    except OSError:
-        pass
+    from expertcache.telemetry.provenance import provenance
+
+    res.update(provenance(REPO))
     return res
 
 
@@ -434,7 +434,7 @@ def main() -> None:
         port = s.getsockname()[1]
         s.close()
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-        log_f = open(Path(d) / "server.log", "w")
+        log_f = open_log(Path(d) / "server.log", fresh=True)
         p = subprocess.Popen([sys.executable, __file__, "--child", "--dir", d, "--port", str(port),
                               "--max-positions", str(a.max_positions)], env=env, stderr=log_f)
         url = f"http://127.0.0.1:{port}"
@@ -485,11 +485,9 @@ def main() -> None:
     server_errors = sum(1 for r in res if (r["status"] or 0) >= 500)
     malformed_not_refused = sum(1 for r in res if r["group"] == "malformed" and r["outcome"] != "refused_4xx")
     req_lines = [ln for ln in metrics.splitlines() if ln.startswith("expertcache_requests_total")]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=REPO).stdout.strip()
-    except OSError:
-        commit = ""
+    from expertcache.telemetry.provenance import provenance
+
+    prov = provenance(REPO)
     out = {"inputs": {"seconds": a.seconds, "clients": a.clients, "seed": a.seed, "client_timeout_s": a.timeout,
                       "mix_weights": MIX, "model": f"tiny qwen3_moe (tests/tiny_lm.py, {a.max_positions} positions)",
                       "engine": "capacity 0.25, disk tier, repacked store", "scheduling": health.get("scheduling"),
@@ -503,7 +501,7 @@ def main() -> None:
                       "final_request_status": final.status_code,
                       "final_request_ok": final.status_code == 200 and bool(final.json().get("choices")),
                       "log_tracebacks": log.count("Traceback")},
-           "metrics_requests": req_lines, "commit": commit}
+           "metrics_requests": req_lines, **prov}
     out["pass"] = bool(alive and out["server"]["final_request_ok"] and not server_errors and not malformed_not_refused
                        and out["server"]["delta"]["open_fds"] <= 2 and not out["server"]["log_tracebacks"])
     print(json.dumps(out, indent=2))

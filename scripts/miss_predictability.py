@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from expertcache.runtime.commands import _git_commit
+from expertcache.telemetry.provenance import provenance
 from expertcache.runtime.bench.replay import REFERENCE_TRACE
 from expertcache.runtime.engine.trace_predictors import CooccurrenceEstimator
 from expertcache.telemetry.routing import load_routing
@@ -121,7 +121,7 @@ def main() -> None:
         used = sum(int(u[x].sum()) for x, (_, u, _) in zip(named, ev))
         confident[f"p>={th}"] = {"per_step": round(k / n, 3), "precision": round(used / max(k, 1), 4),
                                  "recall": round(used / misses, 4)}
-    commit = _git_commit(Path(__file__).parent) or None
+    prov = provenance(Path(__file__).parent)
     res = {"what": "how well the trace's own routing ids predict an LRU cache's misses one layer ahead",
            "command": "python scripts/miss_predictability.py --out results/miss_predictability.json",
            "trace": Path(a.trace).name, "layers": int(ids.shape[0]), "slots_per_layer": a.slots,
@@ -130,7 +130,7 @@ def main() -> None:
            "logistic": {**score(ev, prob), "by_confidence": confident,
                         "features": ["cooccurrence", "log1p(tokens since last use)", "decayed use count",
                                      "log1p(100 cooccurrence)"], "weights": [round(x, 4) for x in w.tolist()]},
-           "git_commit": commit}
+           **prov}
     text = json.dumps(res, indent=1)
     print(text)
     if a.out:

@@ -66,7 +66,9 @@ def main() -> None:
         out["spatio_router_d1"] = float(np.mean(r))
     print(json.dumps(out, indent=2))
     if a.out:
-        open(a.out, "w").write(json.dumps(out, indent=2))
+        from expertcache.telemetry.atomic import write_json
+
+        write_json(a.out, out)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from pathlib import Path
 from expertcache.evals.gate import EVAL_FORMAT_VERSION, gate
 from expertcache.evals.run import evaluate
 from expertcache.runtime.engine.config import EngineConfig
-from expertcache.telemetry.atomic import write_json
+from expertcache.telemetry.atomic import atomic_dir, write_json, write_text
 
 VARIANTS = {"int8-g32": (8, 32), "int4-g32": (4, 32), "int4-g64": (4, 64), "int4-g128": (4, 128),
             # the non-expert linears packed too (`quantize --linears true`: attention; the tied output head and the
@@ -70,10 +70,11 @@ def bf16_copy(base: Path, out: Path) -> Path:
         for name, p in m.named_parameters():
             if ".mlp.experts." in name:
                 p.copy_(p.to(torch.bfloat16).to(p.dtype))
-    m.save_pretrained(out)
-    for f in base.iterdir():
-        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "generation_config.json"):
-            shutil.copy2(f, out / f.name)
+    with atomic_dir(out) as tmp:
+        m.save_pretrained(tmp)
+        for f in base.iterdir():
+            if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "generation_config.json"):
+                shutil.copy2(f, tmp / f.name)
     return out
 
 
@@ -171,7 +172,7 @@ def main() -> None:
                 skipped[name] = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
                 print(f"{name}: skipped: {skipped[name]}", file=sys.stderr, flush=True)
                 continue
-            rep_f.write_text(r.stdout)
+            write_text(rep_f, r.stdout)
         reports[name] = json.loads(rep_f.read_text())
         models[name] = ("mixed" if name in MIXED else bits, group, out)
     for spec in a.gguf:  # llama.cpp's own quantization of the same base, read through import-gguf
@@ -184,7 +185,7 @@ def main() -> None:
             if r.returncode:
                 skipped[name] = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
                 continue
-            rep_f.write_text(r.stdout)
+            write_text(rep_f, r.stdout)
         reports[name] = {**json.loads(rep_f.read_text()), "relative_error": None}
         qc = json.loads((out / "config.json").read_text()).get("quantization_config") or {}
         models[name] = (qc.get("bits", 16), qc.get("group_size"), out)

@@ -148,7 +148,7 @@ if (RESULTS / "quantized.json").is_file():
 
 if (RESULTS / "gate_calibration.json").is_file():
     d = json.loads((RESULTS / "gate_calibration.json").read_text())
-    print(f"<!-- results/gate_calibration.json ({d['command']}; git {d.get('git_commit', '?')}) -->")
+    print(f"<!-- results/gate_calibration.json ({d['command']}; git {d.get('commit') or d.get('git_commit', '?')}) -->")
     print(calibration_table(d), end="\n\n")
 
 if (RESULTS / "serve_load.json").is_file():
@@ -165,7 +165,7 @@ for name in ("kernels.json", "kernels_file.json", "kernels_int4_2t.json", "kerne
 
 if (RESULTS / "bench_cachesim.json").is_file():
     d = json.loads((RESULTS / "bench_cachesim.json").read_text())
-    print(f"<!-- results/bench_cachesim.json (python scripts/bench_cachesim.py; git {d.get('commit', '?')[:7]}) -->")
+    print(f"<!-- results/bench_cachesim.json (python scripts/bench_cachesim.py; git {(d.get('commit') or '?')[:7]}) -->")
     print(cachesim_table(d), end="\n\n")
 
 for name, fn in TABLES:

@@ -105,7 +105,9 @@ def main() -> int:
     out = json.dumps(result, indent=2)
     print(out)
     if a.out:
-        Path(a.out).write_text(out)
+        from expertcache.telemetry.atomic import write_text
+
+        write_text(a.out, out)
     return 0
 
 

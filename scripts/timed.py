@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from expertcache.telemetry.atomic import write_json
+from expertcache.telemetry.provenance import rev_parse
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "results" / "make_times.json"
@@ -31,13 +32,13 @@ def main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     rc = subprocess.call(cmd)
     wall = time.perf_counter() - t0
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    head = rev_parse("HEAD", ROOT)
     try:
         times = json.loads(OUT.read_text())
     except (OSError, ValueError):
         times = {}
     load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    times[name] = {"wall_s": round(wall, 1), "exit": rc, "command": " ".join(cmd), "commit": head.strip(),
+    times[name] = {"wall_s": round(wall, 1), "exit": rc, "command": " ".join(cmd), "commit": head,
                    "cpus": os.cpu_count(), "machine": platform.machine(), "load_after_1min": load1,
                    "ci": bool(os.environ.get("CI")),
                    "when": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}

@@ -89,12 +89,7 @@ def main() -> None:
 
             q = work / f"int{a.bits}-ckpt"
             if not (q / "config.json").is_file():  # written outside the cgroup, once
-                quant_write.write_quantized(ckpt, q, a.bits, a.group)
-                import shutil
-
-                for f in ckpt.glob("tokenizer*"):  # the run tokenizes its corpus with the checkpoint's tokenizer
-                    if not (q / f.name).exists():
-                        shutil.copyfile(f, q / f.name)
+                quant_write.write_quantized(ckpt, q, a.bits, a.group)  # (the tokenizer files come along)
             runs.append(run_one(q, work / f"int{a.bits}", a, cg))
     finally:
         if cg is not None:

@@ -211,14 +211,6 @@ def write_bytes(path: str | Path, data: bytes) -> Path:
     return Path(path)
 
 
-def copy_file(src: str | Path, dst: str | Path, chunk: int = 1 << 20) -> Path:
-    """A copy of `src` at `dst`, atomically (streamed into the temporary name, fsynced, renamed)."""
-    with open(src, "rb") as f, atomic_open(dst) as out:
-        while block := f.read(chunk):
-            out.write(block)
-    return Path(dst)
-
-
 def write_figure(fig, path: str | Path, dpi: int = 120) -> Path:
     """A matplotlib figure as a PNG, atomically (rendered in memory, then written and renamed)."""
     import io
@@ -234,6 +226,26 @@ def write_text(path: str | Path, text: str) -> Path:
 
 def write_json(path: str | Path, obj) -> Path:
     return write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def copy_file(src: str | Path, dst: str | Path) -> Path:
+    """A file copied whole: its bytes streamed through a temporary name beside `dst` (fsynced, renamed), then its
+    permission bits and times (as `shutil.copy2`). An interrupted copy leaves `dst` as it was."""
+    import shutil
+
+    with open(src, "rb") as r, atomic_open(dst) as w:
+        shutil.copyfileobj(r, w, 1 << 20)
+    shutil.copystat(src, dst)
+    return Path(dst)
+
+
+def copy_tree(src: str | Path, dst: str | Path) -> Path:
+    """A folder copied whole (`atomic_dir`: a failed copy leaves the previous `dst`, or none)."""
+    import shutil
+
+    with atomic_dir(dst) as tmp:
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+    return Path(dst)
 
 
 def write_setting(path: str | Path, value: str) -> None:

@@ -31,6 +31,7 @@ import numpy as np
 
 from .cache import POLICY_REGISTRY, CacheState, check_slots
 from .errors import InputError
+from .registry import Registry
 from .rows import check_rows
 
 # The simulator's view of the one policy registry (`cache.POLICY_REGISTRY`): CacheState's policies with `belady`,
@@ -38,7 +39,10 @@ from .rows import check_rows
 SIM_POLICIES = POLICY_REGISTRY.view("sim")
 POLICIES = SIM_POLICIES.names()  # ("lru", "lfu", "static", "belady")
 LEARNED = "learned"  # a fitted policy file's keep scores through the scored path (not in POLICIES: needs a file)
-SEMANTICS = ("token", "reference")
+SEMANTICS_REGISTRY = Registry("semantics")  # analyze --semantics
+for _s in ("token", "reference"):
+    SEMANTICS_REGISTRY.register(_s)
+SEMANTICS = SEMANTICS_REGISTRY.names()
 _INF = 1 << 60
 
 
@@ -129,6 +133,17 @@ def capacity_count(capacity: int | float, num_experts: int | None) -> int | None
             else ""
         raise InputError(f"capacity {c!r}: {form}{hint}")
     return None if num_experts is None else max(1, round(c * num_experts))
+
+
+def budget_capacity(budget_bytes: int | float, slot_bytes: int, layers: int, top_k: int, num_experts: int,
+                    scope: str = "layer") -> int:
+    """The one budget rule (the engine's `budget_gb`, bench big's memory budget): experts per layer that
+    `budget_bytes` of cache slots of `slot_bytes` each hold, at most E. Each pool keeps `top_k` staging slots
+    (a miss reads into one): one pool per layer (`scope` "layer"), or one pool over every layer ("global").
+    Below 1 when the budget holds too few slots; the caller says so in its own terms."""
+    slots = int(budget_bytes // slot_bytes)
+    cap = slots // layers - top_k if scope == "layer" else (slots - top_k) // layers
+    return min(cap, num_experts)
 
 
 def _check(steps: np.ndarray, capacity: int, policy: str, semantics: str) -> np.ndarray:

@@ -260,3 +260,17 @@ def test_repeated_or_negative_keys_are_refused():
         simulate(np.array([[3, 3, 5, 7]]), 2)
     with pytest.raises(InputError, match="outside"):
         simulate(np.array([[-1, 2]]), 2)
+
+
+def test_one_budget_rule_for_the_engine_and_bench_big():
+    """`budget_capacity`: slots the bytes hold, less k staging slots per pool, per layer or over one global pool,
+    at most E; below 1 when too small (the caller's error)."""
+    from expertcache.telemetry.cachesim import budget_capacity
+
+    slot = 1000
+    assert budget_capacity(4 * 5 * slot + 999, slot, 4, 2, 8) == 3  # 20 slots, 5 per layer, 2 staging
+    assert budget_capacity(4 * 5 * slot, slot, 4, 2, 8, "global") == 4  # (20 - 2) // 4
+    assert budget_capacity(10**9, slot, 4, 2, 8) == 8  # at most E
+    assert budget_capacity(4 * 2 * slot, slot, 4, 2, 8) == 0  # nothing left beside the staging slots
+    assert budget_capacity(-5 * slot, slot, 4, 2, 8) < 1  # a budget the non-expert weights already exceed
+

@@ -4,7 +4,6 @@ three verdicts, calibration (a model against itself never FAILs) and the refusal
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import pytest
@@ -62,12 +61,12 @@ def test_dacc_interval_covers_the_true_difference_at_about_the_stated_rate():
     assert hits / trials >= 0.90, hits
 
 
-def test_bootstrap_is_seeded_vectorised_and_fast():
+def test_bootstrap_is_seeded():
+    """Seeded and reproducible (its speed, one multinomial draw and one product per domain, is not a test's
+    wall-clock bound: a busy machine would fail it)."""
     rng = np.random.default_rng(2)
     b, c, t = _blocks(rng, 64, {d: 0.005 for d in DOMS})
-    t0 = time.perf_counter()
     iv = dppl_intervals(b, c, t, resamples=2000, seed=7)
-    assert time.perf_counter() - t0 < 2.0  # one multinomial draw and one product per domain, no loop per resample
     assert iv == dppl_intervals(b, c, t, resamples=2000, seed=7)
     assert iv != dppl_intervals(b, c, t, resamples=2000, seed=8)
     w = resample_counts({"a": 5, "b": 9}, 100, seed=1)

@@ -76,8 +76,13 @@ def test_a_result_names_its_commit_and_says_when_the_code_differs(tmp_path):
     (tmp_path / "results" / "bench.json").write_text('{"a": 1}\n')
     (tmp_path / "README.md").write_text("# r2\n")
     assert _git_commit(here) == head  # a result and the README written: still the commit's code
+    from expertcache.telemetry.provenance import provenance, rev_parse
+
+    assert provenance(here) == {"commit": head, "dirty": False} and rev_parse("HEAD", here) == head
     (tmp_path / "runtime" / "engine.py").write_text("x = 2\n")
     assert _git_commit(here) == head + "+dirty"
+    assert provenance(here) == {"commit": head, "dirty": True}  # what every script's JSON records
+    assert rev_parse("no-such-branch", here) == "" and provenance(tmp_path.parent) == {"commit": None, "dirty": None}
 
 
 def test_descriptions_are_never_dropped_or_read_as_markup_and_counts_stay_integers():

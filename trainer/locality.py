@@ -150,9 +150,10 @@ def allowed_experts(model, blocks_by_domain: list[torch.Tensor], frac: float) ->
     """`[D, layers, E]` bool: per domain and layer, the `round(frac * E)` experts with the most routing mass of
     the model on that domain's blocks (the base model's own specialisation, sharpened by the domain loss)."""
     from expertcache.telemetry.adapters import adapter_for
+    from expertcache.telemetry.cachesim import capacity_count
 
     a = adapter_for(model)
-    m = max(a.top_k, round(frac * a.num_experts))
+    m = max(a.top_k, capacity_count(float(frac), a.num_experts))  # the one fraction-of-E rule
     out = []
     for blocks in blocks_by_domain:
         res = model(input_ids=blocks, output_router_logits=True, use_cache=False)

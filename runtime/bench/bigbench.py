@@ -37,6 +37,7 @@ import torch
 
 from expertcache.telemetry.atomic import open_log
 from expertcache.telemetry.errors import InputError
+from expertcache.telemetry.registry import Registry
 
 from expertcache.runtime.bench.bigckpt import ALIGN, EXPERTS, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, TOP_K, expert_bytes, physical_ram, \
     write_checkpoint
@@ -48,8 +49,14 @@ from expertcache.runtime.engine.config import EngineConfig
 SYSTEMS = ("expertcache:on-demand", "expertcache:prefetch", "accelerate", "mmap", "mmap:unbounded", "llama.cpp",
            "llama.cpp:unbounded")
 NATIVE_ONLY = ("llama.cpp", "llama.cpp:unbounded")  # route with the checkpoint's own routers (no hook to force)
-ROUTINGS = ("trace", "native")
-FORMATS = ("bf16", "int8", "int4")
+ROUTING_REGISTRY = Registry("routing")  # --routing
+for _r in ("trace", "native"):
+    ROUTING_REGISTRY.register(_r)
+ROUTINGS = ROUTING_REGISTRY.names()
+FORMAT_REGISTRY = Registry("experts format")  # --experts, and an expertcache system's `:int4` suffix
+for _f in ("bf16", "int8", "int4"):
+    FORMAT_REGISTRY.register(_f)
+FORMATS = FORMAT_REGISTRY.names()
 RAM_OTHER = 2 << 30  # what an expertcache system's budget leaves beside its cache: non-expert weights (~1.3 GB at
 # this shape; 1.67 GiB resident after loading), interpreter, activations
 
@@ -162,11 +169,12 @@ def _load_system(system: str, ckpt: Path, budget: int, layers: int, trace_ids: n
         from expertcache.runtime.engine.trace_predictors import CooccurrenceEstimator, CooccurrencePredictor, TracePredictor
 
         from expertcache.runtime.engine.config import STREAM_SLOTS_PER_K
+        from expertcache.telemetry.cachesim import budget_capacity
 
         # the stream slots (a prefill's misses) come out of the budget too: with every slot touched when it is
         # made, the cache's whole size is resident from the start, and a cgroup of the budget holds no slack
         stream = min(STREAM_SLOTS_PER_K * TOP_K, EXPERTS) * _slot_bytes(ckpt)
-        cap = min(EXPERTS, int((budget - RAM_OTHER - stream) // (_slot_bytes(ckpt) * layers)) - TOP_K)  # packed: more
+        cap = budget_capacity(budget - RAM_OTHER - stream, _slot_bytes(ckpt), layers, TOP_K, EXPERTS)  # packed: more
         if cap < 1:
             raise InputError(f"a budget of {budget / 2**30:.1f} GiB leaves no cache slots after the non-expert weights")
         cfg, pred = replace(engine, capacity=cap, predictor="none"), "none"  # "none": the config's predictor

@@ -64,7 +64,7 @@ def source_dir(cache: Path | None = None) -> Path:
     for d in sorted(cache.glob("llama_cpp_python-*/vendor/llama.cpp")):
         return d
     cache.mkdir(parents=True, exist_ok=True)
-    _run("download", [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+    _run("download", [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", "llama-cpp-python",
                       "llama-cpp-python", "-d", str(cache)])
     sdists = sorted(cache.glob("llama_cpp_python-*.tar.gz"))
     if not sdists:

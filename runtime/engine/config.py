@@ -28,7 +28,10 @@ MISS_REGISTRY.register("host")
 MISS_POLICIES = MISS_REGISTRY.names()
 LOSSY_MISS = MISS_REGISTRY.view("lossy")
 ENGINE_POLICIES = POLICY_REGISTRY.view("engine")  # lru, lfu, static, scored, learned:FILE
-KERNELS = ("native", "cpu", "auto", "triton")
+KERNEL_REGISTRY = Registry("kernel")  # --engine.kernel
+for _k in ("native", "cpu", "auto", "triton"):
+    KERNEL_REGISTRY.register(_k)
+KERNELS = KERNEL_REGISTRY.names()
 # shared stream slots per staging slot: a step that misses more than k experts (a batch of sequences, a prefill)
 # has up to (1 + this) x k loads in flight at once instead of waves of k (on the quickstart's model, 8 clients at
 # 1/4 capacity from disk: see results/serve_load.json)

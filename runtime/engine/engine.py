@@ -191,13 +191,15 @@ class OffloadEngine:
 
     def _fit_budget(self, cfg: EngineConfig, e: int, k: int, n_l: int) -> int:
         """Experts per layer that `budget_gb` of slots holds (k staging slots per pool included), at most E."""
-        slots = int(cfg.budget_gb * 2**30 // self.meta.block_bytes)
-        cap = slots // n_l - k if cfg.budget == "layer" else (slots - k) // n_l
+        from expertcache.telemetry.cachesim import budget_capacity
+
+        cap = budget_capacity(cfg.budget_gb * 2**30, self.meta.block_bytes, n_l, k, e, cfg.budget)
         if cap < 1:
+            slots = budget_capacity(cfg.budget_gb * 2**30, self.meta.block_bytes, 1, 0, 1 << 62)  # slots it holds
             raise InputError(f"budget_gb={cfg.budget_gb:g} holds {slots} slots of {self.meta.block_bytes / 2**20:.2f} "
                              f"MiB; {n_l} layers need at least {n_l * (k + 1) if cfg.budget == 'layer' else n_l + k} "
                              f"(raise --engine.budget_gb, or give --engine.capacity)")
-        return min(cap, e)
+        return cap
 
     # --- bookkeeping helpers ---------------------------------------------------------------------------------
 

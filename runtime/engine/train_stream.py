@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -355,11 +354,12 @@ class StreamedBase:
         from expertcache.telemetry.adapters import adapter_for, router_fingerprint
 
         from expertcache.runtime.storage.checkpoint import Checkpoint, checkpoint_name
+        from expertcache.telemetry.atomic import copy_file
 
         folder = Path(folder)
         for f in sorted(self.path.iterdir()):
             if f.is_file() and not f.name.startswith("."):  # the checksum index: stamped for the base's files
-                shutil.copyfile(f, folder / f.name)
+                copy_file(f, folder / f.name)
         ckpt = Checkpoint(folder)
         a = adapter_for(model)
         names = {id(p): n for n, p in model.named_parameters()}

@@ -232,7 +232,7 @@ def copy_beside_weights(src, dst, weights: set[str]) -> list[str]:
     """Everything a checkpoint folder carries besides its weights and config.json (which a converted copy writes
     anew): aux routers, tokenizer files, generation config, chat templates (a file or a folder of them), a
     README. Hidden files (the checksum index, an output marker) are the source's own and stay behind."""
-    import shutil
+    from expertcache.telemetry.atomic import copy_file, copy_tree
 
     skip = weights | {"config.json", "model.safetensors.index.json"}
     copied = []
@@ -240,8 +240,8 @@ def copy_beside_weights(src, dst, weights: set[str]) -> list[str]:
         if f.name in skip or f.name.startswith("."):
             continue
         if f.is_dir():
-            shutil.copytree(f, dst / f.name)
+            copy_tree(f, dst / f.name)
         else:
-            shutil.copy2(f, dst / f.name)
+            copy_file(f, dst / f.name)
         copied.append(f.name)
     return copied

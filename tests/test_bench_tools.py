@@ -1,0 +1,278 @@
+"""The benchmarks' own logic, on tiny inputs (no timing: what a benchmark measures is asserted by counts and by
+the rules it applies): bench big's systems, formats, claims, failures, roofline and memory cgroup, and bench
+decode's claim rule. Moved out of tests/test_cpu_kernels.py, which tests the kernels."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from expertcache.runtime.kernels import quant, quant_write
+from expertcache.telemetry.errors import InputError
+
+_MMAP_ROW = {"runs": 1, "errors": [], "tpot_median_s": 0.3, "tpot_p90_s": 0.4, "tpot_mean_s": 0.3,
+             "tokens_per_s": 3.3, "peak_rss_bytes": 1, "disk_read_bytes_per_token": 1.0}
+
+
+def test_bench_big_serves_each_format_against_the_same_byte_budget(tmp_path):
+    """`bench big --experts [bf16,int4]`: one expertcache system per format, the peers once; a quantized copy's
+    slot is its store block (packed bytes), so the same budget buys about 3x the int4 slots."""
+    from expertcache.runtime.bench.bench import bigbench
+    from tiny_models import build_model, tiny_config
+
+    assert bigbench.system_names(["expertcache:on-demand", "mmap"], ("bf16", "int4")) == [
+        "expertcache:on-demand", "expertcache:on-demand:int4", "mmap"]
+    src = tmp_path / "src"
+    build_model(tiny_config("qwen3_moe", hidden_size=64, moe_intermediate_size=64, intermediate_size=64),
+                seed=7, dtype=torch.bfloat16).save_pretrained(src)
+    q = bigbench.quantized_path(src, "int4")
+    quant_write.write_quantized(src, q, 4, bigbench.QUANT_GROUP)
+    from expertcache.runtime.storage.store import read_store_meta
+
+    assert bigbench._slot_bytes(q) == read_store_meta(q / quant.EXPERTS_FILE).block_bytes
+    assert bigbench._slot_bytes(src) == bigbench.expert_bytes() + bigbench.ALIGN  # the bf16 checkpoint's
+
+
+def test_bench_big_systems_carry_engine_options_and_formats():
+    """`expertcache:on-demand/victims=false`: that row serves with those options over --engine's (a value may be a
+    path with slashes); the format goes before the options; a peer takes none; the packed-linears copy has its own
+    folder."""
+    from expertcache.runtime.bench.bench import bigbench
+    from expertcache.runtime.engine.engine import EngineConfig
+
+    base = EngineConfig(tier="disk", policy="lfu")
+    cfg = bigbench.system_engine("expertcache:on-demand/victims=false/policy=learned:/a/b=c/p.safetensors", base)
+    assert (cfg.victims, cfg.policy, cfg.tier) == (False, "learned:/a/b=c/p.safetensors", "disk")
+    assert bigbench.system_engine("expertcache:prefetch", base) is base
+    assert bigbench.system_engine("expertcache:prefetch/predictor=persistence", base).predictor == "persistence"
+    assert bigbench.system_names(["expertcache:on-demand/victims=false", "mmap"], ("bf16", "int4")) == [
+        "expertcache:on-demand/victims=false", "expertcache:on-demand:int4/victims=false", "mmap"]
+    assert bigbench.parse_system("expertcache:on-demand:int4/victims=false") == (
+        "expertcache:on-demand", "int4", {"victims": "false"})
+    for bad, why in [("expertcache:on-demand/victims=maybe", "true or false"), ("mmap/victims=false", "only"),
+                     ("expertcache:on-demand/zzz=1", "not an engine option"),
+                     ("expertcache:on-demand/victims", "not an engine option"),
+                     ("expertcache:on-demand/capacity=4", "set by bench big"),
+                     ("expertcache:on-demand/predictor=persistence", "set by bench big")]:
+        with pytest.raises(InputError, match=why):
+            bigbench.system_engine(bad, base)
+    from pathlib import Path
+
+    assert bigbench.quantized_path(Path("/x/ck"), "int4", True).name == "ck-int4-g32-linears"
+
+
+def _bench_big_returns(monkeypatch, res):
+    """`bench big`'s runs replaced by `res` (what the command does with a result is under test, not the runs)."""
+    from expertcache.runtime.bench.bench import bigbench
+
+    monkeypatch.setattr(bigbench, "bench_big", lambda *a, **kw: res)
+    monkeypatch.setattr(bigbench, "plot", lambda res, png: None)
+
+
+def test_bench_big_exits_1_when_a_system_it_ran_failed(tmp_path, monkeypatch, capsys):
+    """A system asked for that failed is not a success: exit 1, one stderr line naming it, the reason in the JSON."""
+    from expertcache.recipes.cli import main
+
+    _bench_big_returns(monkeypatch, {"inputs": {}, "systems": {
+        "expertcache:on-demand": {"runs": 1, "errors": ["exit 1; see x.log"]}, "mmap": _MMAP_ROW}})
+    out = tmp_path / "b.json"
+    assert main(["bench", "big", "--out_dir", str(tmp_path / "d"), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "1 system(s) failed: expertcache:on-demand: exit 1; see x.log" in err
+    assert json.loads(out.read_text())["ok"] is False
+
+
+def test_bench_big_says_which_systems_it_skipped_and_exits_1(tmp_path, monkeypatch, capsys):
+    """A skipped system (llama.cpp whose build failed) is not a success either: one stderr line each, exit 1, the
+    reason in the JSON."""
+    from expertcache.recipes.cli import main
+
+    why = "llama.cpp build failed: exit 1: CMake Error: no CMakeLists.txt"
+    _bench_big_returns(monkeypatch, {"inputs": {}, "skipped": {"llama.cpp": why}, "systems": {
+        "llama.cpp": {"runs": 0, "errors": [], "skipped": why}, "mmap": _MMAP_ROW}})
+    out = tmp_path / "b.json"
+    assert main(["bench", "big", "--routing", "native", "--systems", "[llama.cpp,mmap]", "--out_dir",
+                 str(tmp_path / "d"), "--out", str(out)]) == 1
+    assert f"bench big: skipped llama.cpp: {why}" in capsys.readouterr().err.splitlines()
+    res = json.loads(out.read_text())
+    assert res["ok"] is False and res["systems"]["llama.cpp"]["skipped"] == why
+
+
+def test_bench_big_claims_a_ratio_only_where_the_rounds_do_not_overlap():
+    from expertcache.runtime.bench.bigbench import comparisons
+
+    rows = {"expertcache:on-demand": {"tpot_round_medians_s": [0.50, 0.52, 0.55]},
+            "expertcache:prefetch": {"tpot_round_medians_s": [0.49, 0.56, 0.51]},
+            "mmap": {"tpot_round_medians_s": [1.4, 1.5, 1.6]},
+            "mmap:unbounded": {"tpot_round_medians_s": [0.45, 0.60, 0.70]},
+            "accelerate": {"errors": ["exit 1"]}}  # a failed system is compared with nothing
+    c = comparisons(rows)
+    assert set(c) == {"expertcache:on-demand vs mmap", "expertcache:on-demand vs mmap:unbounded",
+                      "expertcache:prefetch vs mmap", "expertcache:prefetch vs mmap:unbounded",
+                      "expertcache:prefetch vs expertcache:on-demand"}
+    assert c["expertcache:on-demand vs mmap"]["claimed"] and abs(c["expertcache:on-demand vs mmap"]["ratio"] -
+                                                                 0.52 / 1.5) < 1e-12
+    assert not c["expertcache:on-demand vs mmap:unbounded"]["claimed"]  # 0.45..0.70 overlaps 0.50..0.55
+    assert not c["expertcache:prefetch vs expertcache:on-demand"]["claimed"]
+    two = comparisons({"expertcache:on-demand": {"tpot_round_medians_s": [0.5, 0.5]},
+                       "mmap": {"tpot_round_medians_s": [1.0, 1.0]}})
+    assert not two["expertcache:on-demand vs mmap"]["claimed"]  # apart, but 2 rounds claim nothing
+
+
+def test_bench_big_checks_a_prefetch_rows_predictor_before_anything_runs(tmp_path, capsys):
+    """A trace's own predictor (cooccurrence, oracle[:recall]) serves the trace-routing rows only; a live one is
+    checked as everywhere; either is one line and exit 2 before the checkpoint is written."""
+    from expertcache.recipes.cli import main
+    from expertcache.runtime.bench.bigbench import check_system
+    from expertcache.runtime.engine.engine import EngineConfig
+    from expertcache.telemetry.errors import InputError
+
+    base = EngineConfig(tier="disk")
+    for ok in ("expertcache:prefetch/predictor=oracle", "expertcache:prefetch/predictor=oracle:0.5",
+               "expertcache:prefetch/predictor=cooccurrence", "expertcache:prefetch/predictor=probe:2",
+               "expertcache:on-demand"):
+        check_system(ok, base, "trace")
+    check_system("expertcache:prefetch/predictor=probe:2", base, "native")
+    with pytest.raises(InputError, match="reads the routing trace; with --routing native there is none"):
+        check_system("expertcache:prefetch/predictor=oracle", base, "native")
+    with pytest.raises(InputError):
+        check_system("expertcache:prefetch/predictor=orakel", base, "trace")
+    assert main(["bench", "big", "--routing", "native", "--systems", "[expertcache:prefetch/predictor=oracle]",
+                 "--out_dir", str(tmp_path / "d"), "--out", str(tmp_path / "b.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "predictor oracle reads the routing trace" in err[0]
+    assert not (tmp_path / "d").exists()
+
+
+def test_bench_big_refuses_an_unknown_routing_before_writing_anything(tmp_path, capsys):
+    from expertcache.recipes.cli import main
+
+    assert main(["bench", "big", "--routing", "forced", "--out_dir", str(tmp_path / "d"),
+                 "--out", str(tmp_path / "b.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--routing 'forced'; expected one of: trace, native" in err[0]
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_memory_cgroup_bounds_a_childs_page_cache(tmp_path):
+    """What `bench big` relies on for equal memory: a child in the cgroup reads 3x the limit through mmap and the
+    cgroup's peak (its resident memory and page cache) stays at the limit. Needs root and a memory controller."""
+    from expertcache.runtime.bench.memcg import MemoryCgroup
+
+    cg, why = MemoryCgroup.create(48 << 20, f"expertcache-test-{os.getpid()}")
+    if cg is None:
+        pytest.skip(why)
+    big = tmp_path / "big.bin"
+    with open(big, "wb") as f:
+        for _ in range(144):
+            f.write(os.urandom(1 << 20))
+    code = ("import mmap, sys; f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)\n"
+            "print(sum(m[i] for i in range(0, len(m), 4096)))")
+    try:
+        cg.reset_peak()
+        r = subprocess.run([sys.executable, "-c", code, str(big)], preexec_fn=cg.preexec, capture_output=True,
+                           text=True)
+        assert r.returncode == 0, r.stderr
+        assert 0 < cg.peak_bytes() <= (48 << 20) + (1 << 20)
+    finally:
+        cg.close()
+
+
+def test_bench_decode_marks_a_ratio_to_on_demand_its_rounds_cannot_carry():
+    """The quickstart's decode table printed probe:1 at 1.17x on-demand with the guard paused the whole run (no
+    prefetch read: identical work); three re-runs of 10 rounds read 1.19x, 0.82x and 1.02x. A ratio whose round
+    medians overlap on-demand's is printed as noise, and only apart rounds (>= 3) claim one."""
+    from expertcache.runtime.bench.bench import rounds_apart, table
+
+    assert rounds_apart([1.0, 1.1, 1.2], [1.3, 1.4, 1.5]) and not rounds_apart([1.0, 1.4, 1.2], [1.3, 1.5, 1.6])
+    assert not rounds_apart([1.0, 1.1], [2.0, 2.1])  # two rounds claim nothing
+    row = {"tpot_median_s": 0.0027, "tpot_p90_s": 0.0035, "tokens_per_s": 370.0, "greedy_tokens_equal_plain": True}
+    res = {"configs": {"on-demand@0.25": dict(row, tpot_median_s=0.0023),
+                       "probe:1+blocking@0.25": dict(row, vs_on_demand=1.171, vs_on_demand_claimed=False),
+                       "lookahead:3+blocking@0.25": dict(row, vs_on_demand=0.700, vs_on_demand_claimed=True)}}
+    lines = table(res).splitlines()
+    assert "| 1.171 (rounds overlap: noise) |" in lines[3] and "| 0.700 |" in lines[4], lines
+
+
+def test_a_bench_big_process_that_fails_returns_its_last_line_not_a_traceback(tmp_path):
+    """`run_process`, which runs every expertcache round and the untimed settling run: a run that fails in its own
+    process comes back as one error naming its exit status, its log and the log's last line."""
+    from expertcache.runtime.bench.bigbench import run_process
+
+    job = {"system": "expertcache:on-demand", "ckpt": str(tmp_path / "absent"), "trace": "x.npz", "budget_gb": 8.0,
+           "tokens": 1, "warmup": 0, "prompt_len": 1, "start": 2000, "engine": None}
+    r = run_process(job, tmp_path / "one.log")
+    assert set(r) == {"error"} and r["error"].startswith("exit 1; see ") and str(tmp_path / "one.log") in r["error"]
+    last = (tmp_path / "one.log").read_text().strip().splitlines()[-1]
+    assert r["error"].endswith(last[:300])
+
+
+def test_a_failed_bench_big_run_says_why_in_its_error(tmp_path):
+    """An out-of-memory kill leaves no message of its own: a failed run's error quotes the last line its log holds
+    (the run writes what loading left resident and the cache's size there first); the progress line names the run
+    and its TPOT or error."""
+    from expertcache.runtime.bench.bench import bigbench
+
+    log = tmp_path / "expertcache-on-demand-round0.log"
+    log.write_text("expertcache:on-demand: resident after loading 2.08 GiB + cache slots 5.93 GiB (streaming buffers "
+                   "and activations come on top), budget 8.00 GiB (over the budget: a cgroup of this size will kill "
+                   "the run as its cache fills)\n\n")
+    assert bigbench._last_line(log).startswith("expertcache:on-demand: resident after loading 2.08 GiB")
+    assert bigbench._last_line(tmp_path / "absent.log") == ""
+    log.write_text("x" * 1000)
+    assert len(bigbench._last_line(log)) == 300
+    assert bigbench._done("mmap", 0, 3, {"tpot_median_s": 0.2871}) == "mmap round 1/3: 0.287 s/token"
+    assert bigbench._done("mmap", 2, 3, {"error": "exit -9"}) == "mmap round 3/3: exit -9"
+    from expertcache.runtime.bench.bench import rss_bytes
+
+    before = rss_bytes()
+    block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
+    assert rss_bytes() - before > 48 << 20
+    del block
+
+
+def test_bench_big_roofline_bounds_a_token_by_its_compute_and_its_reads():
+    """The physical limit of a `bench big` configuration: compute is the time budget without its stall, reads the
+    bytes moved over the disk's measured queue-depth bandwidth; the bound is the larger, overlap efficiency the
+    bound over TPOT (METRICS.md), and a bound above TPOT is flagged, not reported as an efficiency over 1."""
+    from expertcache.runtime.bench.bigbench import roofline, table
+
+    budget = {"expert_compute": 0.05, "stall": 0.10, "other_compute": 0.04, "overhead": 0.01, "tpot": 0.20}
+    r = roofline(budget, 400e6, 4.0)
+    assert r["t_compute_s"] == pytest.approx(0.10) and r["t_transfer_s"] == pytest.approx(0.10)
+    assert r["bound_s"] == pytest.approx(0.10) and r["no_overlap_s"] == pytest.approx(0.20)
+    assert r["overlap_efficiency"] == pytest.approx(0.5) and not r["roofline_unreliable"]
+    fast = roofline(dict(budget, stall=0.0, tpot=0.09), 800e6, 4.0)  # reads alone (0.2 s) exceed the TPOT
+    assert fast["overlap_efficiency"] == 1.0 and fast["roofline_unreliable"]
+    row = {"tpot_median_s": 0.2, "tpot_round_medians_s": [0.2], "tpot_p90_s": 0.3, "peak_rss_bytes": 2**30,
+           "cgroup_peak_bytes": None, "disk_read_bytes_per_token": 4e8, "hit_rate": 0.8, "time_budget_s": budget,
+           "read_bandwidth": {"in_flight_GBps": 3.5, "read_busy_per_token_s": 0.11, "one_at_a_time_GBps": 1.5,
+                              "at_queue_depth_GBps": 4.0, "queue_depth": 16.0}, "roofline": r}
+    text = table({"systems": {"expertcache:on-demand": row}})
+    assert "| 3.50 / 1.50 / 4.00 (depth 16) |" in text and "| 0.100 | 0.100 | 0.100 | 0.200 | 0.50 | — |" in text, text
+    oracle = dict(row, realisable=False, demand_loads_per_token=2.0, prefetch_loads_per_token=40.0,
+                  prefetch_hits_per_token=39.5)
+    text = table({"systems": {"expertcache:prefetch/predictor=oracle": oracle}})
+    assert "| expertcache:prefetch/predictor=oracle (a limit: reads the trace's future) | 0.200 |" in text, text
+    assert "| 0.50 | 2.0 / 40.0 (39.5) |" in text, text
+
+
+def test_bench_big_skips_accelerate_with_its_reason_when_the_disk_cannot_hold_its_copy(tmp_path, monkeypatch):
+    """accelerate writes a converted copy of what the budget leaves out (26.6 GB beside a 33.9 GB checkpoint): where
+    the disk cannot hold it, the row is skipped with the figures in its reason, before anything is written; a copy
+    already there (it is rewritten in place) counts as room."""
+    from expertcache.runtime.bench.bench import bigbench
+
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"\0" * 4096)
+    monkeypatch.setattr(bigbench, "have_ckpt", lambda c: 30 * 2**30)
+    monkeypatch.setattr(bigbench, "free_disk", lambda d: 10 * 2**30)
+    why = bigbench.accelerate_disk(ckpt, 8.0, tmp_path, beside_gguf=True)
+    assert why == ("its offload copy needs about 25.8 GB of disk and 10.7 GB are free beside the checkpoint and "
+                   "the GGUF"), why
+    monkeypatch.setattr(bigbench, "free_disk", lambda d: 25 * 2**30)
+    assert bigbench.accelerate_disk(ckpt, 8.0, tmp_path) is None
