@@ -50,6 +50,7 @@ from .loadqueue import LoadQueue
 from .predictors import Predictor
 from .store import check_store, read_store_meta
 from .tiers import SlotPool, TierSpec, available_memory, choose_tier, make_tier, tier_host_bytes
+from .weight_checks import INTEGRITY_DEFAULT, check_integrity, expert_checks
 
 # What a step does about a missing expert (the module's docstring, step 1 and 3; `OffloadEngine.run_layer`):
 # wait for it, swap it for a resident one within tau, run the prediction instead, or compute it where it lives.
@@ -127,6 +128,9 @@ class EngineConfig:
             host, not miss_precision); `describe()` says whether it is on. In one-token steps without prefetch,
             LRU over C slots then hits as LRU over C + k would without it (the simulator's figure at C + k); batched
             and prefill steps, which stream extra misses through other slots, differ. false: the simulator's C
+        integrity: on (every expert's first read, and the non-expert weights at load, pass `verify`'s reference-free
+            checks: finite, and no tensor over 1000x its siblings' magnitude (an exponent flip); a failure is refused
+            naming the tensor) | off (served as read)
     """
 
     capacity: int | float = 0.25
@@ -148,6 +152,7 @@ class EngineConfig:
     miss_copy: str = ""
     miss_upgrade: int = 2
     victims: bool = True
+    integrity: str = INTEGRITY_DEFAULT
 
     @classmethod
     def from_text(cls, options: dict) -> "EngineConfig":
@@ -200,7 +205,8 @@ class EngineConfig:
         """Every field in range, before anything is allocated."""
         from expertcache.telemetry.cachesim import capacity_count
 
-        for name in ("tier", "policy", "miss", "predictor", "budget", "device", "kernel", "miss_copy"):  # types
+        for name in ("tier", "policy", "miss", "predictor", "budget", "device", "kernel", "miss_copy",
+                     "integrity"):  # types
             if not isinstance(getattr(self, name), str):  # first: the Python API takes anything
                 raise InputError(f"{name}={getattr(self, name)!r}; expected a string")
         for name in ("prefetch_budget", "max_inflight_bytes", "workers", "threads", "miss_precision", "miss_upgrade"):
@@ -238,6 +244,7 @@ class EngineConfig:
         if self.workers < 1:
             raise InputError(f"workers={self.workers}; expected >= 1")
         self._check_miss_precision()
+        check_integrity(self.integrity, "integrity")
         if self.kernel not in KERNELS:
             raise InputError(f"kernel={self.kernel!r}; expected one of {', '.join(KERNELS)}")
         if self.kernel == "cpu" and self.slot_device != "cpu":
@@ -578,6 +585,9 @@ class OffloadEngine:
         self._low_count: list[dict[int, int]] = [{} for _ in self.layers]
         if cfg.miss_precision:
             self.low_tier = make_tier(cfg.tier, quant.copy_source(cfg.miss_copy, self.meta), fast)
+        # `verify`'s reference-free checks on every expert's first read (`weight_checks.ExpertChecks`), by tier
+        self._checks = {id(t): expert_checks(t) for t in (self.tier, self.low_tier)
+                        if t is not None and cfg.integrity == "on"}
         self.predictor = predictor or Predictor()
         policy = ENGINE_POLICIES.parse(cfg.policy)
         self.cache_policy = policy.name
@@ -683,6 +693,7 @@ class OffloadEngine:
         n = 0
         try:
             n = tier.read(pos, expert, pool, slot)
+            self._check(tier, pos, expert, pool, slot)
         finally:
             with self._lock:
                 self._reading -= 1
@@ -691,6 +702,11 @@ class OffloadEngine:
                 self.stats.bytes_moved += n
                 if lowbit:
                     self.stats.lowbit_bytes += n
+
+    def _check(self, tier, pos: int, expert: int, pool: SlotPool, slot: int) -> None:
+        c = self._checks.get(id(tier))
+        if c is not None:
+            c.check(pos, expert, pool, slot)
 
     def _load(self, pos: int, expert: int, slot: int, pool: SlotPool | None = None) -> None:
         """Copy one expert from the slow tier into a slot of layer `pos`'s pool (or of a transient `pool`)."""
@@ -1192,6 +1208,7 @@ class OffloadEngine:
                 pos = key // e if self.cfg.budget == "global" else next(
                     i for i, v in enumerate(self.states) if v.state is state)
                 self.tier.read(pos, key % e, self.pools[pos], slot)
+                self._check(self.tier, pos, key % e, self.pools[pos], slot)
 
     def _preload_all(self) -> None:
         """A cache as large as the layer holds every expert from the start (the all-resident configuration)."""
@@ -1201,6 +1218,7 @@ class OffloadEngine:
             for e in range(self.adapter.num_experts):
                 slot = st.prefetch_slot(e, set())
                 self.tier.read(pos, e, self.pools[pos], slot)
+                self._check(self.tier, pos, e, self.pools[pos], slot)
 
     def describe(self) -> dict:
         return {"capacity": self.capacity, "capacity_frac": self.capacity / self.adapter.num_experts,
@@ -1216,7 +1234,7 @@ class OffloadEngine:
                 "fast_tier_bytes": self.fast_bytes, "tier_host_bytes": self.host_bytes,
                 "tier_choice": self.tier_choice,
                 "stream_slot_bytes": self._spool.n_slots * self.meta.block_bytes if self._spool is not None else 0,
-                "integrity": self.integrity()}
+                "integrity": self.integrity(), "weight_checks": self.cfg.integrity}
 
     def _victims_on(self) -> bool:
         """Whether victims serve misses here: asked for, a per-layer budget, a policy that evicts (not static), and

@@ -27,6 +27,7 @@ import torch
 from expertcache.telemetry.errors import InputError
 
 from .store import FMT
+from .weight_checks import INTEGRITY_DEFAULT
 
 BITS = (8, 4)
 
@@ -508,7 +509,8 @@ def allocate_by_usage(counts, hi_bytes: int, lo_bytes: int, budget: int):
 
 
 def write_quantized(model, out, bits: int, group: int, progress=None, linears: bool = False, by_usage=None,
-                    hot: tuple[int, int] = (8, 32), max_bytes_ratio: float = 0.35, symmetric: bool = False) -> dict:
+                    hot: tuple[int, int] = (8, 32), max_bytes_ratio: float = 0.35, symmetric: bool = False,
+                    integrity: str = INTEGRITY_DEFAULT) -> dict:
     """`expertcache quantize`: a checkpoint at `out` whose routed experts are `bits`-bit integers with fp16 group
     scales, in one expert store file (each expert one contiguous 4 KiB-aligned block with its checksum), beside the
     non-expert tensors unchanged (`model.safetensors`) and `config.json` with a `quantization_config`. `linears`:
@@ -521,7 +523,10 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
     experts' bytes in bf16 (`allocate_by_usage`); one store file per format, holding only its experts.
 
     `symmetric`: the int4 format(s) without minimums (Q4_0's layout at group 32: 0.5625 bytes per weight, not
-    0.625), at a larger weight error."""
+    0.625), at a larger weight error.
+
+    `integrity` on: the weights read and the folder written pass `verify`'s reference-free checks before it is
+    published (`weight_checks`); off: written as computed."""
     import json
     import shutil
     from pathlib import Path
@@ -534,6 +539,9 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
     from .loader import build_offloaded, resolve
     from .store import StoreMeta, _write, layout
     from .tiers import DiskTier, SlotPool
+    from .weight_checks import check_integrity, check_written
+
+    checks = check_integrity(integrity)
 
     if bits not in BITS:
         raise InputError(f"--bits {bits}: expected 8 or 4")
@@ -555,7 +563,7 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
     if out.resolve() == path.resolve() or out.resolve() in path.resolve().parents:
         raise InputError(f"--out {out} is the model's own folder or holds it (writing it would delete the model); "
                          f"write the quantized checkpoint elsewhere")
-    m, source = build_offloaded(path, verify=False)
+    m, source = build_offloaded(path, verify=False, integrity=integrity, off="--integrity off")
     meta = source.meta
     names = [t.name for t in meta.tensors]
     if sorted(names) != ["down_proj", "gate_up_proj"]:
@@ -673,6 +681,8 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
             if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json" and not f.name.startswith(".") \
                     and f.name != "model.safetensors.index.json":
                 shutil.copy2(f, tmp / f.name)
+        if checks:  # before it is published: a NaN or exponent-flipped input makes damaged scales
+            check_written(tmp, "quantize")
     del m
     expert_bytes = sum(fbytes[k] * int((fmt == k).sum()) for k in range(len(formats)))
     source_bytes = meta.expert_bytes * n_l * n_e

@@ -34,9 +34,9 @@ from expertcache.telemetry.errors import InputError
 
 from .checkpoint import (CHECKSUM_INDEX, INDEX_FORMAT, INDEX_VERSION, CheckpointExperts, Span, expert_order)
 from .store import CHECKSUM, checksum, hasher, read_store_meta
+from .weight_checks import OUTLIER_RATIO, outliers  # noqa: F401 - the one sibling-magnitude rule (load, engine too)
 
 LIST_MAX = 100  # entries of each problem list in the report (the counts are complete)
-OUTLIER_RATIO = 1000.0  # a tensor's max |w| above this many times its siblings' lower quartile is an outlier
 
 
 def _finite(raw: bytearray, dtype: torch.dtype) -> bool:
@@ -74,27 +74,6 @@ def _expert(fds: list[int], spans: list[Span], what: str) -> tuple[int, bool, li
         finite = finite and ok
         mags[id(s)] = _max_abs(data, s.src_dtype) if ok else None
     return h.intdigest(), finite, [mags[id(s)] for s in spans]
-
-
-def outliers(groups: dict, ratio: float = OUTLIER_RATIO) -> list[dict]:
-    """`groups`: {group: [(max |w|, where-dict)]} of sibling tensors. Each member above `ratio` times the group's
-    lower quartile (a robust reference while fewer than 3/4 of a group are damaged) is returned, with its
-    ratio. Groups of one, or whose lower quartile is 0, say nothing."""
-    import numpy as np
-
-    out = []
-    for group, members in groups.items():
-        vals = np.array([m for m, _ in members if m is not None], dtype=np.float64)
-        if len(vals) < 2:
-            continue
-        ref = float(np.quantile(vals, 0.25, method="lower"))
-        if ref <= 0:
-            continue
-        for m, where in members:
-            if m is not None and m > ratio * ref:
-                out.append({**where, "max_abs": float(f"{m:.4g}"), "siblings_q25_max_abs": float(f"{ref:.4g}"),
-                            "ratio": float(f"{m / ref:.3g}"), "group": group})
-    return out
 
 
 def _report(kind: str, path: Path, n: int, nbytes: int, mismatches: list, non_finite: list, t0: float,
