@@ -257,19 +257,20 @@ def check_written(folder, what: str) -> None:
     rep = verify(folder, write_index=False)
     if rep["non_finite"]:
         x = rep["non_finite_list"][0]
-        name = _entry(x)
-        raise InputError(f"{what}: the output's {name} holds NaN/inf (from the input); nothing was written "
+        raise InputError(f"{_entry(x)} of the {what} output holds NaN/inf (from its input); nothing was published "
                          f"(--integrity off writes it anyway)")
     if rep["outliers"]:
         x = rep["outlier_list"][0]
-        raise InputError(f"{what}: the output's {_entry(x)} has max |w| {x['max_abs']:g}, {x['ratio']:g}x its "
+        raise InputError(f"{_entry(x)} of the {what} output has max |w| {x['max_abs']:g}, {x['ratio']:g}x its "
                          f"siblings' {x['siblings_q25_max_abs']:g} (damaged input: an exponent flip?); nothing was "
-                         f"written (--integrity off writes it anyway)")
+                         f"published (--integrity off writes it anyway)")
 
 
 def _entry(x: dict) -> str:
     """A verify report entry as the tensor it names."""
     if "tensor" in x:
         return f"tensor {x['tensor']}"
-    parts = x.get("tensors") or ([x["group"]] if "group" in x else [])
-    return f"MoE layer {x['layer']} expert {x['expert']}" + (f" ({', '.join(parts)})" if parts else "")
+    at = f"MoE layer {x['layer']} expert {x['expert']}"
+    if x.get("tensors"):
+        return f"{at} {', '.join(x['tensors'])}"
+    return f"{at} ({x['group']})" if "group" in x else at
