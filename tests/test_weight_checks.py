@@ -258,3 +258,37 @@ def test_quantize_of_a_nan_expert_is_refused_before_anything_is_published(talk, 
                   "MoE layer 1 expert 3 down_proj.scales of the quantize output holds NaN/inf", out, capsys)
     assert main(["quantize", "--model", str(d), "--bits", "8", "--out", str(out), "--integrity", "off"]) == 0
     assert (out / "config.json").is_file()
+
+
+def test_serve_refuses_a_request_that_meets_a_damaged_expert_and_goes_on(talk, monkeypatch):
+    """The disk tier's start sample misses the damaged expert: the request whose decode reads it gets a 400 naming
+    it (never its tokens); the server keeps serving, and refuses it again when it is read again."""
+    import httpx
+    from helpers import LiveServer
+    from transformers import AutoTokenizer
+
+    from expertcache.runtime.serve import create_app
+
+    d, _ = talk
+    monkeypatch.setattr(weight_checks, "SAMPLE", 1)
+    tier = DiskTier(expert_source(d))
+    try:
+        sampled = expert_checks(tier).checked
+        assert not sampled[1, 3]  # the damaged one is left to a miss
+    finally:
+        tier.close()
+    m = load(d, capacity=1, tier="disk")
+    app = create_app(m, AutoTokenizer.from_pretrained(str(d)), "tiny", max_tokens_default=8, torch_threads=1)
+    body = {"model": "tiny", "prompt": "the cat sat on the mat and the dog " * 6, "max_tokens": 8,
+            "temperature": 0}
+    try:
+        with LiveServer(app) as url:
+            for _ in range(2):
+                r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+                assert r.status_code == 400 and "choices" not in r.json(), r.text
+                msg = r.json()["error"]["message"]
+                assert "damaged weights: down_proj of MoE layer 1" in msg and "expert 3 " in msg and \
+                    "holds NaN/inf" in msg, msg
+            assert httpx.get(url + "/health", timeout=10).status_code == 200
+    finally:
+        m.expertcache.close()
