@@ -15,6 +15,7 @@ from expertcache.telemetry.provenance import git_commit as _git_commit  # the on
 
 from expertcache.runtime.engine.config import EngineConfig
 from expertcache.runtime.storage.store import STORE_DIR
+from expertcache.runtime.storage.weight_checks import INTEGRITY_DEFAULT
 
 
 def _table(text: str) -> None:
@@ -529,7 +530,8 @@ def verify(model: str, write_index: bool = True, rebless: bool = False) -> dict:
 
 def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "", linears: bool = False,
              by_usage: str | None = None, hot_bits: int = 8, hot_group_size: int = 32,
-             max_bytes_ratio: float = 0.35, symmetric: bool = False, overwrite: bool = False) -> dict:
+             max_bytes_ratio: float = 0.35, symmetric: bool = False, overwrite: bool = False,
+             integrity: str = INTEGRITY_DEFAULT) -> dict:
     """Write a checkpoint whose routed experts are packed integers with fp16 group scales (int8: symmetric; int4:
     min-max with a minimum per group, or with --symmetric true one scale only, llama.cpp's Q4_0 layout), each
     expert one contiguous 4 KiB-aligned block of an expert store beside the non-expert weights (unchanged, or with
@@ -559,6 +561,9 @@ def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "", lin
             bytes per weight at group 32 instead of 0.625 (a tenth fewer bytes to read per token), for a larger
             weight error than min-max; price it with `expertcache gate`
         overwrite: replace an earlier `quantize` output in --out (a folder of anything else is never written)
+        integrity: on (the weights read, and the folder written before it is published, pass `verify`'s
+            reference-free checks: finite, no tensor over 1000x its siblings' magnitude; a failure is refused naming
+            the tensor and nothing is written) | off
     """
     from expertcache.telemetry.progress import Progress
 
@@ -571,7 +576,8 @@ def quantize(model: str, bits: int = 8, group_size: int = 32, out: str = "", lin
         task = prog.add_task("MoE layers quantized", total=None)
         rep = write_quantized(model, out, bits, group_size, progress=lambda: prog.advance(task), linears=linears,
                               by_usage=by_usage, hot=(hot_bits, hot_group_size), max_bytes_ratio=max_bytes_ratio,
-                              symmetric=symmetric, overwrite=overwrite)
+                              symmetric=symmetric, overwrite=overwrite,
+                              integrity=integrity)
     worst = max(max(v) for v in rep["relative_error"].values())
     lin = rep["linears"]
     if linears:
@@ -601,7 +607,8 @@ def _int_name(bits: int, symmetric: bool) -> str:
     return f"int{bits}" + (" symmetric" if bits == 4 and symmetric else "")
 
 
-def import_gguf(gguf: str, out: str = "", requantize: str = "", overwrite: bool = False) -> dict:
+def import_gguf(gguf: str, out: str = "", requantize: str = "", overwrite: bool = False,
+                integrity: str = INTEGRITY_DEFAULT) -> dict:
     """Turn a llama.cpp GGUF file (Qwen3-MoE, OLMoE, or Mixtral: llama.cpp's `llama` architecture with experts) into
     an expertcache checkpoint that every command reads. Experts in
     Q8_0 or Q4_0 are repacked without rounding into the int8 / int4 (group 32) store `expertcache quantize` writes,
@@ -617,6 +624,8 @@ def import_gguf(gguf: str, out: str = "", requantize: str = "", overwrite: bool 
             quantized again into our group-32 format (a second rounding: each layer's relative error against the
             file's weights is reported); without it such files are refused
         overwrite: replace an earlier `import-gguf` output in --out (a folder of anything else is never written)
+        integrity: on (the folder written passes `verify`'s reference-free checks before it is published: NaN or
+            exponent-flipped experts in the file are refused naming the tensor, nothing is written) | off
     """
     from expertcache.telemetry.progress import Progress
 
@@ -627,7 +636,8 @@ def import_gguf(gguf: str, out: str = "", requantize: str = "", overwrite: bool 
     check_output(out, gguf, folder=True, command="import-gguf", overwrite=overwrite)
     with Progress(transient=True) as prog:
         task = prog.add_task("layers converted", total=None)
-        rep = run(gguf, out, progress=lambda: prog.advance(task), requantize=requantize, overwrite=overwrite)
+        rep = run(gguf, out, progress=lambda: prog.advance(task), requantize=requantize, overwrite=overwrite,
+                  integrity=integrity)
     print(f"import-gguf: {rep['architecture']}, {rep['layers']} layers x {rep['experts_per_layer']} experts stored "
           f"as {rep['experts_type']} -> {rep['experts']} experts ({rep['expert_bytes'] / 2**30:.2f} GiB); "
           f"{rep['packed_linears']} linears packed as stored, {rep['non_expert_tensors']} other tensors in bf16 -> "

@@ -712,6 +712,17 @@ def cases(P: dict) -> list[dict]:
         note="the engine refuses the changed experts")
     add("verify-exponent-flip-no-index", ["verify", "--model", P["model_expflip"]], expect=(1,),
         note="no reference: the magnitude check against the siblings finds it")
+    # issue #45: weights that fail the reference-free checks are never served nor written (no index needed)
+    add("generate-exponent-flip-no-index", [*gen, P["model_expflip"]], note="refused at load, naming the tensor")
+    add("generate-nan-expert-no-index-disk", [*gen, P["model_nan"], "--engine.tier", "disk"],
+        note="the disk tier's start sample or the miss that reads it refuses it")
+    add("eval-exponent-flip-no-index", [*ev, "--model", P["model_expflip"], "--engine.capacity", 0.25,
+                                        "--out", S / "ev-expflip.json"])
+    add("serve-exponent-flip-no-index", ["serve", "--model", P["model_expflip"], "--port", 8199],
+        note="refused before the server starts")
+    add("quantize-nan-expert", ["quantize", "--model", P["model_nan"], "--bits", 8, "--out", S / "q-nan"],
+        note="refused before anything is published")
+    add("generate-integrity-bogus", [*gen, M, "--engine.integrity", "maybe"])
     add("verify-read-only-model", ["verify", "--model", P["model_ro"]], expect=(0,), nobody=True,
         note="not bad input: the index goes to the user cache folder")
     add("import-npz-repeated-expert", ["trace", "import", "--src", P["npz_dup"], "--out", S / "i11.parquet"])

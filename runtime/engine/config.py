@@ -15,6 +15,7 @@ from expertcache.telemetry.registry import Registry
 
 from expertcache.runtime.kernels import quant
 from expertcache.runtime.storage.tiers import TierSpec
+from expertcache.runtime.storage.weight_checks import INTEGRITY_DEFAULT, check_integrity
 
 
 # What a step does about a missing expert (the module's docstring, step 1 and 3; `OffloadEngine.run_layer`):
@@ -96,6 +97,9 @@ class EngineConfig:
             host, not miss_precision); `describe()` says whether it is on. In one-token steps without prefetch,
             LRU over C slots then hits as LRU over C + k would without it (the simulator's figure at C + k); batched
             and prefill steps, which stream extra misses through other slots, differ. false: the simulator's C
+        integrity: on (every expert's first read, and the non-expert weights at load, pass `verify`'s reference-free
+            checks: finite, and no tensor over 1000x its siblings' magnitude (an exponent flip); a failure is refused
+            naming the tensor) | off (served as read)
     """
 
     capacity: int | float = 0.25
@@ -117,6 +121,7 @@ class EngineConfig:
     miss_copy: str = ""
     miss_upgrade: int = 2
     victims: bool = True
+    integrity: str = INTEGRITY_DEFAULT
 
     @classmethod
     def from_text(cls, options: dict) -> "EngineConfig":
@@ -169,7 +174,8 @@ class EngineConfig:
         """Every field in range, before anything is allocated."""
         from expertcache.telemetry.cachesim import capacity_count
 
-        for name in ("tier", "policy", "miss", "predictor", "budget", "device", "kernel", "miss_copy"):  # types
+        for name in ("tier", "policy", "miss", "predictor", "budget", "device", "kernel", "miss_copy",
+                     "integrity"):  # types
             if not isinstance(getattr(self, name), str):  # first: the Python API takes anything
                 raise InputError(f"{name}={getattr(self, name)!r}; expected a string")
         for name in ("prefetch_budget", "max_inflight_bytes", "workers", "threads", "miss_precision", "miss_upgrade"):
@@ -207,6 +213,7 @@ class EngineConfig:
         if self.workers < 1:
             raise InputError(f"workers={self.workers}; expected >= 1")
         self._check_miss_precision()
+        check_integrity(self.integrity, "integrity")
         if self.kernel not in KERNELS:
             raise InputError(f"kernel={self.kernel!r}; expected one of {', '.join(KERNELS)}")
         if self.kernel == "cpu" and self.slot_device != "cpu":

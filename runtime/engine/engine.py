@@ -43,6 +43,7 @@ from expertcache.runtime.storage.loadqueue import LoadQueue
 from expertcache.runtime.engine.predictors import Predictor
 from expertcache.runtime.storage.store import check_store, read_store_meta
 from expertcache.runtime.storage.tiers import SlotPool, available_memory, choose_tier, make_tier, tier_host_bytes
+from expertcache.runtime.storage.weight_checks import expert_checks
 
 from expertcache.runtime.engine.config import ENGINE_POLICIES, OVERLAP_MIN_BYTES, STREAM_SLOTS_PER_K, EngineConfig
 from expertcache.runtime.engine.experts import OffloadedExperts, _check_cpu_kernel
@@ -118,6 +119,9 @@ class OffloadEngine:
         self._low_count: list[dict[int, int]] = [{} for _ in self.layers]
         if cfg.miss_precision:
             self.low_tier = make_tier(cfg.tier, quant.copy_source(cfg.miss_copy, self.meta), fast)
+        # `verify`'s reference-free checks on every expert's first read (`weight_checks.ExpertChecks`), by tier
+        self._checks = {id(t): expert_checks(t) for t in (self.tier, self.low_tier)
+                        if t is not None and cfg.integrity == "on"}
         self.predictor = predictor or Predictor()
         policy = ENGINE_POLICIES.parse(cfg.policy)
         self.cache_policy = policy.name
@@ -225,6 +229,7 @@ class OffloadEngine:
         n = 0
         try:
             n = tier.read(pos, expert, pool, slot)
+            self._check(tier, pos, expert, pool, slot)
         finally:
             with self._lock:
                 self._reading -= 1
@@ -233,6 +238,11 @@ class OffloadEngine:
                 self.stats.bytes_moved += n
                 if lowbit:
                     self.stats.lowbit_bytes += n
+
+    def _check(self, tier, pos: int, expert: int, pool: SlotPool, slot: int) -> None:
+        c = self._checks.get(id(tier))
+        if c is not None:
+            c.check(pos, expert, pool, slot)
 
     def _load(self, pos: int, expert: int, slot: int, pool: SlotPool | None = None) -> None:
         """Copy one expert from the slow tier into a slot of layer `pos`'s pool (or of a transient `pool`)."""
@@ -734,6 +744,7 @@ class OffloadEngine:
                 pos = key // e if self.cfg.budget == "global" else next(
                     i for i, v in enumerate(self.states) if v.state is state)
                 self.tier.read(pos, key % e, self.pools[pos], slot)
+                self._check(self.tier, pos, key % e, self.pools[pos], slot)
 
     def _preload_all(self) -> None:
         """A cache as large as the layer holds every expert from the start (the all-resident configuration)."""
@@ -743,6 +754,7 @@ class OffloadEngine:
             for e in range(self.adapter.num_experts):
                 slot = st.prefetch_slot(e, set())
                 self.tier.read(pos, e, self.pools[pos], slot)
+                self._check(self.tier, pos, e, self.pools[pos], slot)
 
     def describe(self) -> dict:
         return {"capacity": self.capacity, "capacity_frac": self.capacity / self.adapter.num_experts,
@@ -758,7 +770,7 @@ class OffloadEngine:
                 "fast_tier_bytes": self.fast_bytes, "tier_host_bytes": self.host_bytes,
                 "tier_choice": self.tier_choice,
                 "stream_slot_bytes": self._spool.n_slots * self.meta.block_bytes if self._spool is not None else 0,
-                "integrity": self.integrity()}
+                "integrity": self.integrity(), "weight_checks": self.cfg.integrity}
 
     def _victims_on(self) -> bool:
         """Whether victims serve misses here: asked for, a per-layer budget, a policy that evicts (not static), and

@@ -36,6 +36,8 @@ import torch
 
 from expertcache.telemetry.errors import InputError
 
+from expertcache.runtime.storage.weight_checks import INTEGRITY_DEFAULT
+
 ARCHS = {"qwen3moe": "qwen3_moe", "olmoe": "olmoe", "llama": "mixtral"}  # GGUF architecture -> our family
 FAMILY = {"qwen3_moe": ("Qwen3-MoE", "Qwen3MoeForCausalLM"), "olmoe": ("OLMoE", "OlmoeForCausalLM"),
           "mixtral": ("Mixtral", "MixtralForCausalLM")}
@@ -227,11 +229,13 @@ def _own_config(path: Path, r, arch: str, tensors: dict):
 REQUANTIZE = {"int8": (8, 32), "int4": (4, 32)}
 
 
-def import_gguf(gguf_file, out, progress=None, requantize: str = "", overwrite: bool = False) -> dict:
+def import_gguf(gguf_file, out, progress=None, requantize: str = "", overwrite: bool = False,
+                integrity: str = INTEGRITY_DEFAULT) -> dict:
     """Write the checkpoint (see the module's docstring) at `out`, whole or not at all; returns the report.
     `requantize` (int8 | int4): experts in any other type (the K-quants of a `Q4_K_M` file, IQ*) are dequantized
     with gguf's own dequantization and quantized again into our format at group 32; a second rounding, so each
-    layer's relative error against the file's weights is reported."""
+    layer's relative error against the file's weights is reported. `integrity` on: the folder written passes
+    `verify`'s reference-free checks (finite, no magnitude outlier) before it is published (`weight_checks`)."""
     from safetensors.torch import save_file
 
     from expertcache.telemetry.adapters import weights_fingerprint
@@ -240,7 +244,10 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "", overwrite: 
     from expertcache.runtime.kernels import quant
     from expertcache.runtime.storage.checkpoint import INDEX, PARTS, checkpoint_name
     from expertcache.runtime.storage.store import StoreMeta, _write, layout
+    from expertcache.runtime.storage.verify import check_written
+    from expertcache.runtime.storage.weight_checks import check_integrity
 
+    checks = check_integrity(integrity)
     path = Path(gguf_file).expanduser()
     r = _reader(path)
     split = r.fields.get("split.count")
@@ -459,6 +466,8 @@ def import_gguf(gguf_file, out, progress=None, requantize: str = "", overwrite: 
             tc = _gpt2_config(path, json.loads((tmp / "tokenizer_config.json").read_text()),
                               json.loads((tmp / "tokenizer.json").read_text()))
             (tmp / "tokenizer_config.json").write_text(json.dumps(tc, indent=2))
+        if checks:  # before it is published: NaN or scaled experts in the file are refused, nothing written
+            check_written(tmp, "import-gguf")
     return {"out": str(out), "gguf": str(path), "architecture": arch, "experts_type": kind, "experts": report_kind,
             "requantized": not native, "relative_error_vs_gguf": rel_err,
             "layers": n_l, "experts_per_layer": n_e, "expert_bytes": expert_bytes,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 
 from expertcache.telemetry.errors import InputError
+from expertcache.runtime.storage.weight_checks import INTEGRITY_DEFAULT
 from expertcache.runtime.kernels.qlinear import quantizable_linears
 from expertcache.runtime.kernels.quant import (BITS, EXPERTS_FILE, MIXED, QUANT_METHOD, dequantize, nbytes, quantize,
                                               quantized_specs, read_config, relative_error)
@@ -50,7 +51,7 @@ def allocate_by_usage(counts, hi_bytes: int, lo_bytes: int, budget: int):
 
 def write_quantized(model, out, bits: int, group: int, progress=None, linears: bool = False, by_usage=None,
                     hot: tuple[int, int] = (8, 32), max_bytes_ratio: float = 0.35, symmetric: bool = False,
-                    overwrite: bool = False) -> dict:
+                    overwrite: bool = False, integrity: str = INTEGRITY_DEFAULT) -> dict:
     """`expertcache quantize`: a checkpoint at `out` whose routed experts are `bits`-bit integers with fp16 group
     scales, in one expert store file (each expert one contiguous 4 KiB-aligned block with its checksum), beside the
     non-expert tensors unchanged (`model.safetensors`) and `config.json` with a `quantization_config`. `linears`:
@@ -63,7 +64,10 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
     experts' bytes in bf16 (`allocate_by_usage`); one store file per format, holding only its experts.
 
     `symmetric`: the int4 format(s) without minimums (Q4_0's layout at group 32: 0.5625 bytes per weight, not
-    0.625), at a larger weight error."""
+    0.625), at a larger weight error.
+
+    `integrity` on: the weights read and the folder written pass `verify`'s reference-free checks before it is
+    published (`weight_checks`); off: written as computed."""
     import json
     from pathlib import Path
 
@@ -75,6 +79,10 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
     from expertcache.runtime.storage.loader import build_offloaded, resolve
     from expertcache.runtime.storage.store import StoreMeta, _write, layout
     from expertcache.runtime.storage.tiers import DiskTier, SlotPool
+    from expertcache.runtime.storage.verify import check_written
+    from expertcache.runtime.storage.weight_checks import check_integrity
+
+    checks = check_integrity(integrity)
 
     if bits not in BITS:
         raise InputError(f"--bits {bits}: expected 8 or 4")
@@ -96,7 +104,7 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
     if out.resolve() == path.resolve() or out.resolve() in path.resolve().parents:
         raise InputError(f"--out {out} is the model's own folder or holds it (writing it would delete the model); "
                          f"write the quantized checkpoint elsewhere")
-    m, source = build_offloaded(path, verify=False)
+    m, source = build_offloaded(path, verify=False, integrity=integrity, off="--integrity off")
     meta = source.meta
     names = [t.name for t in meta.tensors]
     if sorted(names) != ["down_proj", "gate_up_proj"]:
@@ -211,6 +219,8 @@ def write_quantized(model, out, bits: int, group: int, progress=None, linears: b
             cfg["quantization_config"]["linears"] = {"modules": lin_names, "relative_error": lin_err}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         copy_beside_weights(path, tmp, {p.name for p in ckpt.files})
+        if checks:  # before it is published: a NaN or exponent-flipped input makes damaged scales
+            check_written(tmp, "quantize")
     del m
     expert_bytes = sum(fbytes[k] * int((fmt == k).sum()) for k in range(len(formats)))
     source_bytes = meta.expert_bytes * n_l * n_e

@@ -26,6 +26,7 @@ from expertcache.telemetry.errors import InputError
 from expertcache.runtime.storage.checkpoint import Checkpoint, CheckpointExperts, checkpoint_name
 from expertcache.runtime.engine.config import EngineConfig
 from expertcache.runtime.engine.engine import OffloadEngine
+from expertcache.runtime.storage.weight_checks import INTEGRITY_DEFAULT, check_integrity, check_weights, max_abs
 
 from expertcache.telemetry.hf import DTYPE_NAMES as DTYPES, parse_dtype  # noqa: E402,F401 - the one dtype map
 
@@ -101,10 +102,12 @@ def expert_source(path: str | Path, dtype=None) -> CheckpointExperts:
     return CheckpointExperts(ckpt, adapter.family, prefixes, adapter.num_experts, params, "", parse_dtype(dtype))
 
 
-def build_offloaded(path: str | Path, dtype=None, verify: bool | None = None):
+def build_offloaded(path: str | Path, dtype=None, verify: bool | None = None, integrity: str = INTEGRITY_DEFAULT,
+                    off: str = "--engine.integrity off"):
     """`(model, source)`: the model with its non-expert weights read and its experts' modules still on meta,
     and where each expert's bytes lie. The engine (attached by `load`) replaces those modules. `verify`: check
-    each expert read against the checkpoint's checksum index (`CheckpointExperts.use_index`)."""
+    each expert read against the checkpoint's checksum index (`CheckpointExperts.use_index`); `integrity` on: the
+    weights read pass `weight_checks.check_weights` (`off`: the option that turns that off, for the message)."""
     from expertcache.telemetry.adapters import router_fingerprint
 
     from expertcache.runtime.kernels import qlinear, quant
@@ -123,6 +126,7 @@ def build_offloaded(path: str | Path, dtype=None, verify: bool | None = None):
         dtype = probe.dtype
         model = _meta_model(config, dtype)
     expert_prefixes = tuple(p + "." for p in prefixes)
+    read = [] if check_integrity(integrity) else None  # (name, max |w| as read) for the weight checks
     lin = (qc or {}).get("linears")
     if lin:  # non-expert linears packed too (`quantize --linears true`): their modules become QuantLinear
         if not isinstance(lin, dict) or not isinstance(lin.get("modules"), list) or \
@@ -152,6 +156,8 @@ def build_offloaded(path: str | Path, dtype=None, verify: bool | None = None):
                                     else "") + "; damaged checkpoint or config.json)")
             continue
         t = ckpt.read(ck)
+        if read is not None and t.dtype.is_floating_point:
+            read.append((ck, max_abs(t)))
         if list(t.shape) != list(p.shape):
             raise InputError(f"checkpoint tensor {ck} has shape {list(t.shape)}; the model expects {list(p.shape)}")
         if attr == "weight_q" and t.dtype != p.dtype:  # a packed linear's integers: int8 (8 bits) or uint8 (4 bits)
@@ -161,6 +167,8 @@ def build_offloaded(path: str | Path, dtype=None, verify: bool | None = None):
             mod._parameters[attr] = torch.nn.Parameter(t, requires_grad=False)
         else:
             mod._buffers[attr] = t
+    if read is not None:
+        check_weights(read, str(path), off)
     if getattr(config.get_text_config(), "tie_word_embeddings", False):
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     if qc is not None:
@@ -243,7 +251,7 @@ def load(model: str | Path, capacity: float = 0.25, tier: str = "auto", device: 
     cfg.check()
     dev = cfg.device
     path = resolve(model, revision)
-    m, source = build_offloaded(path, dtype, verify)
+    m, source = build_offloaded(path, dtype, verify, cfg.integrity)
     if dev == "cuda":
         m.to(dev)  # the non-expert model; the experts' modules are still meta and are replaced below
     aux_routers = aux_routers_for(path, m) if predictor == "spatio" or cfg.policy == "scored" else None

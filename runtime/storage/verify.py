@@ -34,9 +34,9 @@ from expertcache.telemetry.errors import InputError
 
 from expertcache.runtime.storage.checkpoint import (CHECKSUM_INDEX, INDEX_FORMAT, INDEX_VERSION, CheckpointExperts, Span, expert_order)
 from expertcache.runtime.storage.store import CHECKSUM, checksum, hasher, read_store_meta
+from expertcache.runtime.storage.weight_checks import OUTLIER_RATIO, outliers  # noqa: F401 - the one sibling-magnitude rule (load, engine too)
 
 LIST_MAX = 100  # entries of each problem list in the report (the counts are complete)
-OUTLIER_RATIO = 1000.0  # a tensor's max |w| above this many times its siblings' lower quartile is an outlier
 
 
 def _finite(raw: bytearray, dtype: torch.dtype) -> bool:
@@ -74,27 +74,6 @@ def _expert(fds: list[int], spans: list[Span], what: str) -> tuple[int, bool, li
         finite = finite and ok
         mags[id(s)] = _max_abs(data, s.src_dtype) if ok else None
     return h.intdigest(), finite, [mags[id(s)] for s in spans]
-
-
-def outliers(groups: dict, ratio: float = OUTLIER_RATIO) -> list[dict]:
-    """`groups`: {group: [(max |w|, where-dict)]} of sibling tensors. Each member above `ratio` times the group's
-    lower quartile (a robust reference while fewer than 3/4 of a group are damaged) is returned, with its
-    ratio. Groups of one, or whose lower quartile is 0, say nothing."""
-    import numpy as np
-
-    out = []
-    for group, members in groups.items():
-        vals = np.array([m for m, _ in members if m is not None], dtype=np.float64)
-        if len(vals) < 2:
-            continue
-        ref = float(np.quantile(vals, 0.25, method="lower"))
-        if ref <= 0:
-            continue
-        for m, where in members:
-            if m is not None and m > ratio * ref:
-                out.append({**where, "max_abs": float(f"{m:.4g}"), "siblings_q25_max_abs": float(f"{ref:.4g}"),
-                            "ratio": float(f"{m / ref:.3g}"), "group": group})
-    return out
 
 
 def _report(kind: str, path: Path, n: int, nbytes: int, mismatches: list, non_finite: list, t0: float,
@@ -382,3 +361,29 @@ def verify(model: str | Path, *, write_index: bool = True, progress=None, rebles
 
 
 __all__ = ["verify", "verify_checkpoint", "verify_quantized", "verify_store", "CHECKSUM_INDEX"]
+
+
+def check_written(folder, what: str) -> None:
+    """A folder `quantize` or `import-gguf` wrote, before it is published: every float weight finite and no
+    magnitude outlier among its siblings (`verify.verify`, no index written). The first problem is refused, naming
+    the tensor."""
+    rep = verify(folder, write_index=False)
+    if rep["non_finite"]:
+        x = rep["non_finite_list"][0]
+        raise InputError(f"{_entry(x)} of the {what} output holds NaN/inf (from its input); nothing was published "
+                         f"(--integrity off writes it anyway)")
+    if rep["outliers"]:
+        x = rep["outlier_list"][0]
+        raise InputError(f"{_entry(x)} of the {what} output has max |w| {x['max_abs']:g}, {x['ratio']:g}x its "
+                         f"siblings' {x['siblings_q25_max_abs']:g} (damaged input: an exponent flip?); nothing was "
+                         f"published (--integrity off writes it anyway)")
+
+
+def _entry(x: dict) -> str:
+    """A verify report entry as the tensor it names."""
+    if "tensor" in x:
+        return f"tensor {x['tensor']}"
+    at = f"MoE layer {x['layer']} expert {x['expert']}"
+    if x.get("tensors"):
+        return f"{at} {', '.join(x['tensors'])}"
+    return f"{at} ({x['group']})" if "group" in x else at
