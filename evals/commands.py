@@ -156,8 +156,10 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
          ppl_blocks: int = 8, seq_len: int = 128, include_path: Optional[str] = None, dtype: str = "fp32",
          device: str = "cpu", out: Optional[str] = None, confidence: float = 0.95, resamples: int = 2000,
          seed: int = 0, grow: int = 0, max_blocks: int = 256, max_documents: int = 128) -> dict:
-    """PASS / FAIL / INCONCLUSIVE of a candidate against a baseline on paired bootstrap intervals (METRICS.md
-    thresholds and rule); exit status 0 PASS, 1 FAIL, 3 INCONCLUSIVE, 2 bad input.
+    """PASS / FAIL / INCONCLUSIVE of a candidate against a baseline on paired intervals (METRICS.md thresholds and
+    rule): Δppl a seeded paired bootstrap, Δacc Tango's score interval for paired proportions (documents on which
+    both answer alike still leave an interval, ±z²/(n+z²): 16 such documents cannot PASS a -1 point limit, ~400
+    can); exit status 0 PASS, 1 FAIL, 3 INCONCLUSIVE, 2 bad input.
 
     PASS: every interval inside its threshold (upper bounds of Δppl, lower bounds of Δacc); FAIL: one outside;
     INCONCLUSIVE: one across it, with the blocks per domain or documents per task that would resolve it.
@@ -182,7 +184,7 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
         device: cpu | cuda | auto
         out: write the gate's JSON here
         confidence: interval level, in (0, 1)
-        resamples: paired bootstrap resamples (1 to 200000)
+        resamples: paired bootstrap resamples of the Δppl and bits-per-byte intervals (1 to 200000)
         seed: the bootstrap's seed (the same inputs and seed give the same intervals)
         grow: rounds of re-evaluation while INCONCLUSIVE, each on the sample the intervals ask for (0: none;
             checkpoint directories only; a lossy --engine policy runs token by token, so each round costs about
