@@ -151,8 +151,8 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
     task_dir = Path(task_dir or Path(out or "runs/eval").parent / "task-data")
     if any(t in LOCAL_TASKS for t in tasks or ()):
         # the local ec_* tasks' documents (only these need the corpus): as many per task as --limit asks, where the
-        # held-out text has them (24 by default); a folder built for fewer than --limit is built again
-        if not (task_dir / "math_em.jsonl").is_file() or (limit or 0) > task_docs_built(task_dir):
+        # held-out text has them (2,000 by default); a folder built for fewer, or by an older version, is built again
+        if not (task_dir / "math_em.jsonl").is_file() or max(TASK_DOCS, limit or 0) > task_docs_built(task_dir):
             build_task_data(corpus, task_dir, split, per_domain=max(TASK_DOCS, limit or 0))
         elif not (task_dir / "lm_eval_tasks").is_dir():
             write_task_yamls(task_dir)
@@ -210,6 +210,9 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
         res["n_documents"] = {t: len(d["doc_id"]) for t, d in res["lm_eval_docs"].items()}
         notes += [f"{t}: {n} documents, {limit} asked (the task data has no more)"
                   for t, n in res["n_documents"].items() if limit and n < limit]
+        notes += [f"{t}: {n} documents, {TASK_DOCS} wanted (the held-out text has no more)" for t, n in
+                  res["n_documents"].items() if not limit and t in LOCAL_TASKS and not t.startswith("ec_ppl_")
+                  and n < TASK_DOCS]
         if out:
             write_json(Path(out).with_suffix(".lm_eval.json"), r)
     res["n_blocks"] = {d: len(b) for d, b in blocks.items()}  # the samples the gate's intervals rest on
