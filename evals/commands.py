@@ -12,7 +12,7 @@ from typing import Optional
 from expertcache.runtime.engine import EngineConfig
 from expertcache.telemetry.errors import InputError
 
-from .taskdata import DEFAULT_TASKS, LOCAL_TASKS
+from .taskdata import DEFAULT_TASKS, LOCAL_TASKS, PPL_BLOCKS, TASK_DOCS
 
 from expertcache.telemetry.hf import DTYPE_NAMES as DTYPES  # noqa: E402 - the one dtype map
 
@@ -31,7 +31,8 @@ def _check(dtype: str, limit: Optional[int], ppl_blocks: int, seq_len: int, incl
 
 def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = list(DEFAULT_TASKS),
          corpus: str = "data/corpus", out: Optional[str] = None, task_dir: Optional[str] = None,
-         limit: Optional[int] = None, ppl_blocks: int = 8, seq_len: int = 128, include_path: Optional[str] = None,
+         limit: Optional[int] = None, ppl_blocks: int = PPL_BLOCKS, seq_len: int = 128,
+         include_path: Optional[str] = None,
          dtype: str = "fp32", device: str = "cpu", size_from: Optional[str] = None, ppl_file: Optional[str] = None,
          ppl_field: str = "text", stepwise: str = "auto", target_width: Optional[float] = None) -> dict:
     """lm-eval tasks and the step-wise token perplexity of a checkpoint, plain or served by the offload engine.
@@ -50,7 +51,8 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = l
             read when neither needs it: other tasks and --ppl_file or --ppl_blocks 0)
         out: JSON to write (lm-eval's own JSON beside it)
         task_dir: where the task files are built (default: beside --out)
-        limit: documents per task (lm-eval's limit)
+        limit: documents per task (lm-eval's limit; the local tasks hold 2,000 each, from held-out text only, or
+            as many as this asks where the held-out text has them)
         ppl_blocks: step-wise perplexity blocks per domain (0: none; a gate on this eval then decides on accuracy
             alone, and says so)
         seq_len: tokens per step-wise block
@@ -153,9 +155,9 @@ def sample_from_gate(path: str, ppl_blocks: int, limit: Optional[int], target_wi
 def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, max_dppl: float = 1.0,
          max_dppl_domain: float = 2.0, min_dacc: float = -1.0, tasks: list[str] = list(DEFAULT_TASKS),
          corpus: str = "data/corpus", task_dir: str = "runs/task-data", limit: Optional[int] = None,
-         ppl_blocks: int = 8, seq_len: int = 128, include_path: Optional[str] = None, dtype: str = "fp32",
+         ppl_blocks: int = PPL_BLOCKS, seq_len: int = 128, include_path: Optional[str] = None, dtype: str = "fp32",
          device: str = "cpu", out: Optional[str] = None, confidence: float = 0.95, resamples: int = 2000,
-         seed: int = 0, grow: int = 0, max_blocks: int = 256, max_documents: int = 128) -> dict:
+         seed: int = 0, grow: int = 0, max_blocks: int = 256, max_documents: int = 4 * TASK_DOCS) -> dict:
     """PASS / FAIL / INCONCLUSIVE of a candidate against a baseline on paired intervals (METRICS.md thresholds and
     rule): Δppl a seeded paired bootstrap, Δacc Tango's score interval for paired proportions (documents on which
     both answer alike still leave an interval, ±z²/(n+z²): 16 such documents cannot PASS a -1 point limit, ~400
