@@ -1,12 +1,12 @@
-"""The local lm-eval tasks' data, built from the held-out split of our corpus (no hub), and the task configs.
+"""The local lm-eval tasks' data, built from held-out text of our corpus (no hub), and the task configs.
 
 Files (JSON lines, in `out_dir`): `ppl_<domain>.jsonl` ({text}: chunks for rolling perplexity),
 `cloze_<domain>.jsonl` ({context, choices, gold}: the true continuation among 3 continuations taken from other
 places of the same domain), `math_em.jsonl` ({question, answer}: held-out generated problems); 2,000 documents
 per accuracy task by default (what resolving the gate's -1 point limit takes: ~400 documents when the two runs
 answer every one alike, ~2,000 when they disagree on 5%), from held-out text only, and `built.json` says how
-many and from which text. The task YAMLs in
-`evals/tasks/` name these files relative to `out_dir`; `task_configs` resolves them.
+many and from which text. The task YAMLs in `evals/tasks/` name these files relative to `out_dir`;
+`task_configs` resolves them.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ TASK_DOCS = 2000  # documents per accuracy task unless --limit asks for more (is
 # estimates that near them; 64 narrows them by 1/sqrt(2) (the plain base: ~7 s batched)
 PPL_BLOCKS = 64
 PPL_DOCS = 24  # rolling-perplexity documents per domain (lm-eval's bits per byte: the gate's cross-check)
-LEGACY_DOCS = 24  # what a folder built before built.json recorded its size holds
 TASK_DATA_VERSION = 2  # 2: cloze items from every window of the held-out text, which goes past the test split
 BUILT = "built.json"  # how many documents per task the folder was built for, and from which text
 
