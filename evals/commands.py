@@ -12,7 +12,7 @@ from typing import Optional
 from expertcache.runtime.engine.config import EngineConfig
 from expertcache.telemetry.errors import InputError
 
-from .taskdata import DEFAULT_TASKS, LOCAL_TASKS
+from .taskdata import DEFAULT_TASKS, LOCAL_TASKS, PPL_BLOCKS, TASK_DOCS
 
 from expertcache.telemetry.hf import DTYPE_NAMES as DTYPES  # noqa: E402 - the one dtype map
 
@@ -31,7 +31,8 @@ def _check(dtype: str, limit: Optional[int], ppl_blocks: int, seq_len: int, incl
 
 def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = list(DEFAULT_TASKS),
          corpus: str = "data/corpus", out: Optional[str] = None, task_dir: Optional[str] = None,
-         limit: Optional[int] = None, ppl_blocks: int = 8, seq_len: int = 128, include_path: Optional[str] = None,
+         limit: Optional[int] = None, ppl_blocks: int = PPL_BLOCKS, seq_len: int = 128,
+         include_path: Optional[str] = None,
          dtype: str = "fp32", device: str = "cpu", size_from: Optional[str] = None, ppl_file: Optional[str] = None,
          ppl_field: str = "text", stepwise: str = "auto", target_width: Optional[float] = None) -> dict:
     """lm-eval tasks and the step-wise token perplexity of a checkpoint, plain or served by the offload engine.
@@ -50,7 +51,8 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = l
             read when neither needs it: other tasks and --ppl_file or --ppl_blocks 0)
         out: JSON to write (lm-eval's own JSON beside it)
         task_dir: where the task files are built (default: beside --out)
-        limit: documents per task (lm-eval's limit)
+        limit: documents per task (lm-eval's limit; the local tasks hold 2,000 each, from held-out text only, or
+            as many as this asks where the held-out text has them)
         ppl_blocks: step-wise perplexity blocks per domain (0: none; a gate on this eval then decides on accuracy
             alone, and says so)
         seq_len: tokens per step-wise block
@@ -153,11 +155,13 @@ def sample_from_gate(path: str, ppl_blocks: int, limit: Optional[int], target_wi
 def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, max_dppl: float = 1.0,
          max_dppl_domain: float = 2.0, min_dacc: float = -1.0, tasks: list[str] = list(DEFAULT_TASKS),
          corpus: str = "data/corpus", task_dir: str = "runs/task-data", limit: Optional[int] = None,
-         ppl_blocks: int = 8, seq_len: int = 128, include_path: Optional[str] = None, dtype: str = "fp32",
+         ppl_blocks: int = PPL_BLOCKS, seq_len: int = 128, include_path: Optional[str] = None, dtype: str = "fp32",
          device: str = "cpu", out: Optional[str] = None, confidence: float = 0.95, resamples: int = 2000,
-         seed: int = 0, grow: int = 0, max_blocks: int = 256, max_documents: int = 128) -> dict:
-    """PASS / FAIL / INCONCLUSIVE of a candidate against a baseline on paired bootstrap intervals (METRICS.md
-    thresholds and rule); exit status 0 PASS, 1 FAIL, 3 INCONCLUSIVE, 2 bad input.
+         seed: int = 0, grow: int = 0, max_blocks: int = 256, max_documents: int = 4 * TASK_DOCS) -> dict:
+    """PASS / FAIL / INCONCLUSIVE of a candidate against a baseline on paired intervals (METRICS.md thresholds and
+    rule): Δppl a seeded paired bootstrap, Δacc Tango's score interval for paired proportions (documents on which
+    both answer alike still leave an interval, ±z²/(n+z²): 16 such documents cannot PASS a -1 point limit, ~400
+    can); exit status 0 PASS, 1 FAIL, 3 INCONCLUSIVE, 2 bad input.
 
     PASS: every interval inside its threshold (upper bounds of Δppl, lower bounds of Δacc); FAIL: one outside;
     INCONCLUSIVE: one across it, with the blocks per domain or documents per task that would resolve it.
@@ -182,7 +186,7 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
         device: cpu | cuda | auto
         out: write the gate's JSON here
         confidence: interval level, in (0, 1)
-        resamples: paired bootstrap resamples (1 to 200000)
+        resamples: paired bootstrap resamples of the Δppl and bits-per-byte intervals (1 to 200000)
         seed: the bootstrap's seed (the same inputs and seed give the same intervals)
         grow: rounds of re-evaluation while INCONCLUSIVE, each on the sample the intervals ask for (0: none;
             checkpoint directories only; a lossy --engine policy runs token by token, so each round costs about

@@ -2,7 +2,8 @@
 
 Δppl: relative change of the step-wise token perplexity (same tokens, cache in order), overall and per domain.
 Δacc: change in points of every accuracy task both ran (cloze acc, math exact match). Each comes with a paired
-bootstrap interval (`telemetry.stats`: the same blocks and documents resampled for both runs, seeded), and the
+interval (`telemetry.stats`): Δppl a seeded paired bootstrap (the same blocks resampled for both runs), Δacc
+Tango's score interval for paired proportions (honest where the runs disagree on few documents or none), and the
 verdict is PASS / FAIL / INCONCLUSIVE by the rule in `telemetry.metrics.gate_verdict` (PASS: every interval
 inside its threshold; FAIL: one outside; INCONCLUSIVE: one across it, with the sample size that would resolve it).
 lm-eval's bits per byte is the cross-check: it fails the gate only when its interval and the token Δppl's
@@ -26,9 +27,10 @@ from pathlib import Path
 from expertcache.telemetry.errors import InputError
 from expertcache.telemetry.metrics import PASS, GateThresholds, gate_verdict
 from expertcache.telemetry.stats import (DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, check_bootstrap, dacc_interval,
-                                         dbpb_interval, dppl_intervals)
+                                         dacc_samples_to_resolve, dbpb_interval, dppl_intervals)
 
 ACC_METRICS = {"acc": "acc,none", "exact_match": "exact_match,answer"}
+DACC_METHOD = "Tango's paired score interval"  # recorded in the gate JSON beside the intervals
 # evals/run.py writes it; 1 (no field) lacks the tokenizer and token-set fingerprints, 2 the per-block NLLs and
 # per-document scores of the gate's intervals
 EVAL_FORMAT_VERSION = 3
@@ -237,8 +239,9 @@ def load_eval(path: str | Path, name: str | None = None) -> dict:
 
 def gate(baseline: dict, candidate: dict, th: GateThresholds = GateThresholds(),
          confidence: float = DEFAULT_CONFIDENCE, resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> dict:
-    """PASS / FAIL / INCONCLUSIVE of `candidate` against `baseline` on paired bootstrap intervals at `confidence`
-    (`resamples` resamples, seeded); an `InputError` when the two cannot be compared (see above)."""
+    """PASS / FAIL / INCONCLUSIVE of `candidate` against `baseline` on paired intervals at `confidence` (Δppl and
+    bits per byte: `resamples` bootstrap resamples, seeded; Δacc: Tango's score interval); an `InputError` when
+    the two cannot be compared (see above)."""
     check_bootstrap(confidence, resamples)
     check_eval(baseline, "baseline")
     check_eval(candidate, "candidate")
@@ -258,12 +261,13 @@ def gate(baseline: dict, candidate: dict, th: GateThresholds = GateThresholds(),
     dacc = {t: ca[t] - ba[t] for t in ba if t in ca}
     lm_b, docs_b, docs_c = baseline.get("lm_eval") or {}, baseline.get("lm_eval_docs") or {}, \
         candidate.get("lm_eval_docs") or {}
-    dacc_iv, n_docs = {}, {}
+    dacc_iv, n_docs, dacc_need = {}, {}, {}
     for t in dacc:
         m = _doc_metric(lm_b[t])
-        dacc_iv[t] = [dacc[t], *dacc_interval(docs_b[t][m], docs_c[t][m], name=t, **kw)[1:]]
+        dacc_iv[t] = [dacc[t], *dacc_interval(docs_b[t][m], docs_c[t][m], confidence, name=t)[1:]]
+        dacc_need[t] = dacc_samples_to_resolve(docs_b[t][m], docs_c[t][m], th.acc_points, confidence, name=t)
         n_docs[t] = len(docs_b[t]["doc_id"])
-    v = gate_verdict(dppl_iv, dacc_iv, iv["n_blocks"], n_docs, th)
+    v = gate_verdict(dppl_iv, dacc_iv, iv["n_blocks"], n_docs, th, dacc_need)
     fails = v["failures"]
     shared = _ppl_tasks(baseline) & _ppl_tasks(candidate)
     b0, b1 = _bpb(baseline, shared), _bpb(candidate, shared)
@@ -296,7 +300,7 @@ def gate(baseline: dict, candidate: dict, th: GateThresholds = GateThresholds(),
             "dppl_ci95": {d: x[1:] for d, x in dppl_iv.items()}, "dacc_ci95": {t: x[1:] for t, x in dacc_iv.items()},
             "n_blocks": min(iv["n_blocks"].values(), default=0), "n_blocks_per_domain": iv["n_blocks"],
             "n_documents": n_docs,
-            "confidence": confidence, "resamples": resamples, "seed": seed,
+            "confidence": confidence, "resamples": resamples, "seed": seed, "dacc_method": DACC_METHOD,
             "bpb_crosscheck": cross, "thresholds": asdict(th),
             "failures": fails, "unresolved": v["unresolved"], "resolve": v["resolve"]}
 
@@ -304,8 +308,8 @@ def gate(baseline: dict, candidate: dict, th: GateThresholds = GateThresholds(),
 def format_gate(g: dict) -> str:
     c = g.get("confidence", DEFAULT_CONFIDENCE)
     lines = [f"gate: {g['gate']}  ({g['candidate']['model']} [{g['candidate']['policy']}] vs "
-             f"{g['baseline']['model']} [{g['baseline']['policy']}]; {100 * c:g}% paired bootstrap intervals, "
-             f"{g['resamples']} resamples, seed {g['seed']})"]
+             f"{g['baseline']['model']} [{g['baseline']['policy']}]; {100 * c:g}% paired intervals: Δppl bootstrap, "
+             f"{g['resamples']} resamples, seed {g['seed']}; Δacc {DACC_METHOD})"]
     if g.get("accuracy_only"):
         lines.append("  no step-wise perplexity in either eval (--ppl_blocks 0): this verdict rests on accuracy alone")
     nb = {d: f"{n} blocks" for d, n in g["n_blocks_per_domain"].items()}

@@ -17,8 +17,8 @@ from expertcache.telemetry.atomic import write_json
 from expertcache.telemetry.errors import InputError
 
 from .served import label, open_model
-from .taskdata import (DEFAULT_TASKS, DOMAINS, LOCAL_TASKS, TASK_DOCS, build_task_data, lm_eval_tasks, task_docs_built,
-                       write_task_yamls)
+from .taskdata import (DEFAULT_TASKS, DOMAINS, LOCAL_TASKS, PPL_BLOCKS, TASK_DOCS, build_task_data, lm_eval_tasks,
+                       task_docs_built, write_task_yamls)
 
 
 def stepwise_blocks(corpus: str, tokenizer: str, split: str, seq_len: int, per_domain: int) -> dict[str, np.ndarray]:
@@ -130,7 +130,7 @@ def per_document(samples: dict) -> dict:
 
 def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineConfig | None = None, tasks=DEFAULT_TASKS,
              out: str | Path | None = None, task_dir: str | Path | None = None, limit: int | None = None,
-             ppl_blocks: int = 8, seq_len: int = 128, split: str = "test",
+             ppl_blocks: int = PPL_BLOCKS, seq_len: int = 128, split: str = "test",
              batch_size: int = 8, include_path: str | Path | None = None, dtype: str = "fp32",
              device: str = "cpu", progress=None, ppl_file: str | Path | None = None, ppl_field: str = "text",
              stepwise: str = "auto") -> dict:
@@ -151,11 +151,11 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
     task_dir = Path(task_dir or Path(out or "runs/eval").parent / "task-data")
     if any(t in LOCAL_TASKS for t in tasks or ()):
         # the local ec_* tasks' documents (only these need the corpus): as many per task as --limit asks, where the
-        # held-out text has them (24 by default); a folder built for fewer than --limit is built again
+        # held-out text has them (2,000 by default); a folder built for fewer, or by an older version, is built again
         from expertcache.telemetry.atomic import own_dir
 
         own_dir(task_dir, "eval", legacy=lambda p: (p / "math_em.jsonl").is_file())  # never a folder of other files
-        if not (task_dir / "math_em.jsonl").is_file() or (limit or 0) > task_docs_built(task_dir):
+        if not (task_dir / "math_em.jsonl").is_file() or (limit or TASK_DOCS) > task_docs_built(task_dir):
             build_task_data(corpus, task_dir, split, per_domain=max(TASK_DOCS, limit or 0))
         elif not (task_dir / "lm_eval_tasks").is_dir():
             write_task_yamls(task_dir)
@@ -213,6 +213,9 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
         res["n_documents"] = {t: len(d["doc_id"]) for t, d in res["lm_eval_docs"].items()}
         notes += [f"{t}: {n} documents, {limit} asked (the task data has no more)"
                   for t, n in res["n_documents"].items() if limit and n < limit]
+        notes += [f"{t}: {n} documents, {TASK_DOCS} wanted (the held-out text has no more)" for t, n in
+                  res["n_documents"].items() if not limit and t in LOCAL_TASKS and not t.startswith("ec_ppl_")
+                  and n < TASK_DOCS]
         if out:
             write_json(Path(out).with_suffix(".lm_eval.json"), r)
     res["n_blocks"] = {d: len(b) for d, b in blocks.items()}  # the samples the gate's intervals rest on

@@ -1,9 +1,12 @@
-"""The local lm-eval tasks' data, built from the held-out split of our corpus (no hub), and the task configs.
+"""The local lm-eval tasks' data, built from held-out text of our corpus (no hub), and the task configs.
 
 Files (JSON lines, in `out_dir`): `ppl_<domain>.jsonl` ({text}: chunks for rolling perplexity),
 `cloze_<domain>.jsonl` ({context, choices, gold}: the true continuation among 3 continuations taken from other
-places of the same domain), `math_em.jsonl` ({question, answer}: held-out generated problems). The task YAMLs in
-`evals/tasks/` name these files relative to `out_dir`; `task_configs` resolves them.
+places of the same domain), `math_em.jsonl` ({question, answer}: held-out generated problems); 2,000 documents
+per accuracy task by default (what resolving the gate's -1 point limit takes: ~400 documents when the two runs
+answer every one alike, ~2,000 when they disagree on 5%), from held-out text only, and `built.json` says how
+many and from which text. The task YAMLs in `evals/tasks/` name these files relative to `out_dir`;
+`task_configs` resolves them.
 """
 
 from __future__ import annotations
@@ -39,66 +42,105 @@ def _chunks(text: str, size: int) -> list[str]:
     return out
 
 
-TASK_DOCS = 24  # documents per local task unless an evaluation's --limit asks for more
-BUILT = "built.json"  # how many documents per task the folder was built for
+TASK_DOCS = 2000  # documents per accuracy task unless --limit asks for more (issue #44: enough to resolve -1 point)
+# step-wise perplexity blocks per domain (the gate's Δppl; eval, gate and evaluate's default): the frontier's
+# intervals on 32 blocks were about ±0.4% overall and up to ±1% in the worst domain, across +1% / +2% for
+# estimates that near them; 64 narrows them by 1/sqrt(2) (the plain base: ~7 s batched)
+PPL_BLOCKS = 64
+PPL_DOCS = 24  # rolling-perplexity documents per domain (lm-eval's bits per byte: the gate's cross-check)
+TASK_DATA_VERSION = 2  # 2: cloze items from every window of the held-out text, which goes past the test split
+BUILT = "built.json"  # how many documents per task the folder was built for, and from which text
 
 
 def task_docs_built(out_dir: str | Path) -> int:
-    """The documents per task `out_dir` was built for (24 for a folder from before this was recorded)."""
+    """The documents per accuracy task `out_dir` was built for; 0 for a folder an older version built (its items
+    are cut differently: build it again)."""
     import json
 
     try:
-        return int(json.loads((Path(out_dir) / BUILT).read_text())["per_domain"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return TASK_DOCS
+        built = json.loads((Path(out_dir) / BUILT).read_text())
+        return int(built["per_domain"]) if built.get("version") == TASK_DATA_VERSION else 0
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 0
+
+
+def _windows(pieces: list[str], ctx_chars: int, cont_chars: int) -> list[tuple[str, str]]:
+    """(context, continuation) of every consecutive, non-overlapping window of `ctx_chars + cont_chars` characters
+    inside each piece: the items never share text, so each document is its own draw."""
+    w = ctx_chars + cont_chars
+    return [(p[i:i + ctx_chars], p[i + ctx_chars:i + w]) for p in pieces for i in range(0, len(p) - w + 1, w)]
+
+
+def _cloze(spans: list[tuple[str, str]], n: int, rng: random.Random) -> list[dict] | None:
+    """`n` 4-way cloze items (fewer where the text has fewer windows): a window's context, its true continuation
+    and 3 distinct continuations drawn from other windows; None when the text repeats itself so much that half
+    the items cannot find 3 distinct distractors."""
+    docs, failed = [], 0
+    for i in sorted(rng.sample(range(len(spans)), min(n, len(spans)))):
+        ctx, cont = spans[i]
+        others: list[str] = []
+        for _ in range(50):  # rejection sampling: spans are thousands, a pool per item would be quadratic
+            o = spans[rng.randrange(len(spans))][1]
+            if o != cont and o not in others:
+                others.append(o)
+                if len(others) == 3:
+                    break
+        if len(others) < 3:
+            failed += 1
+            continue
+        gold = rng.randrange(4)
+        docs.append({"context": ctx, "choices": others[:gold] + [cont] + others[gold:], "gold": gold})
+    return None if failed > len(docs) else docs
 
 
 def build_task_data(corpus: str | Path, out_dir: str | Path, split: str = "test", per_domain: int = TASK_DOCS,
-                    ppl_chars: int = 1500, ctx_chars: int = 240, cont_chars: int = 60, seed: int = 0) -> dict:
-    """Write the task files; returns how many documents each got."""
+                    ppl_chars: int = 1500, ctx_chars: int = 240, cont_chars: int = 60, seed: int = 0,
+                    ppl_docs: int = PPL_DOCS) -> dict:
+    """Write the task files from held-out text only; returns how many documents each got.
+
+    The held-out text of a domain is its `split` documents, and where they hold fewer than `per_domain` cloze
+    windows (or math problems), the source text no split of the corpus holds (`trainer.corpus.unused_documents`:
+    standard-library modules the corpus's budget left out, math problems generated past the corpus's; prose has
+    none). No training document is ever read into a task."""
+    from expertcache.trainer.corpus import unused_documents
 
     ds = load_corpus(corpus)[split]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    counts = {}
+    counts: dict = {}
+    sources: dict = {}
     by_dom = {d: [t for t, dd in zip(ds["text"], ds["domain"]) if dd == d] for d in DOMAINS}
     skipped: dict[str, str] = {}
-    for dom, texts in by_dom.items():
+    for dom, texts in list(by_dom.items()):
         if not texts:
             raise InputError(f"split {split!r} of {corpus} has no {dom} text")
+        have = sum(len(t.encode()) for t in texts)
+        # ~10% of the text is lost to pieces' ends: ask for that much more than per_domain windows
+        extra = unused_documents(corpus, dom, int(1.1 * per_domain * (ctx_chars + cont_chars)) - have)
+        sources[dom] = {"split": split, "split_documents": len(texts), "split_bytes": have,
+                        "unused_documents": len(extra), "unused_bytes": sum(len(d.text.encode()) for d in extra)}
+        by_dom[dom] = texts = texts + [d.text for d in extra]
         joined = "\n".join(texts)  # short documents (math problems) join up
         # a small held-out split still gets several pieces (never shorter than a cloze item)
         size = max(ctx_chars + cont_chars + 20, min(ppl_chars, len(joined) // 8))
         pieces = _chunks(joined, size)
-        take = [pieces[i] for i in sorted(rng.sample(range(len(pieces)), min(per_domain, len(pieces))))]
+        take = [pieces[i] for i in sorted(rng.sample(range(len(pieces)), min(ppl_docs, len(pieces))))]
         _write(out / f"ppl_{dom}.jsonl", [{"text": p} for p in take])
-        # cloze: context + the true continuation; distractors are continuations from other spots of the domain
-        spans = [(c, c[ctx_chars:ctx_chars + cont_chars]) for c in pieces if len(c) >= ctx_chars + cont_chars]
-        if len(spans) < 4:  # a task on this domain cannot be built; the others can (asked for, it is refused by name)
-            skipped[f"ec_cloze_{dom}"] = (f"not enough held-out {dom} text for a 4-way cloze ({len(joined)} "
-                                          f"characters in the {split!r} split of {corpus})")
+        # cloze: a window's context + its true continuation; distractors are continuations of other windows
+        spans = _windows(pieces, ctx_chars, cont_chars)
+        docs = _cloze(spans, per_domain, rng) if len({c for _, c in spans}) >= 4 else None
+        if not docs:  # a task on this domain cannot be built; the others can (asked for, it is refused by name)
+            skipped[f"ec_cloze_{dom}"] = (
+                f"not enough held-out {dom} text for a 4-way cloze ({len(joined)} characters in the {split!r} split "
+                f"of {corpus})" if len(spans) < 4 else
+                f"held-out {dom} text repeats itself: fewer than 3 distinct continuations for a 4-way cloze (the "
+                f"{split!r} split of {corpus})")
             (out / f"cloze_{dom}.jsonl").unlink(missing_ok=True)
             counts[dom] = {"ppl_docs": len(take), "cloze_docs": 0}
             continue
-        docs = []
-        for i in sorted(rng.sample(range(len(spans)), min(per_domain, len(spans)))):
-            text, cont = spans[i]
-            pool = [s[1] for j, s in enumerate(spans) if j != i and s[1] != cont]
-            if len(pool) < 3:  # repetitive text: most spots continue the same way
-                break
-            others = rng.sample(pool, 3)
-            gold = rng.randrange(4)
-            choices = others[:gold] + [cont] + others[gold:]
-            docs.append({"context": text[:ctx_chars], "choices": choices, "gold": gold})
-        else:
-            _write(out / f"cloze_{dom}.jsonl", docs)
-            counts[dom] = {"ppl_docs": len(take), "cloze_docs": len(docs)}
-            continue
-        skipped[f"ec_cloze_{dom}"] = (f"held-out {dom} text repeats itself: fewer than 3 distinct continuations "
-                                      f"for a 4-way cloze (the {split!r} split of {corpus})")
-        (out / f"cloze_{dom}.jsonl").unlink(missing_ok=True)
-        counts[dom] = {"ppl_docs": len(take), "cloze_docs": 0}
+        _write(out / f"cloze_{dom}.jsonl", docs)
+        counts[dom] = {"ppl_docs": len(take), "cloze_docs": len(docs)}
     probs = [m for t in by_dom["math"] for m in MATH_RE.finditer(t)]
     pick = sorted(rng.sample(range(len(probs)), min(per_domain, len(probs))))
     _write(out / "math_em.jsonl", [{"question": probs[i]["q"], "answer": probs[i]["a"]} for i in pick])
@@ -107,7 +149,8 @@ def build_task_data(corpus: str | Path, out_dir: str | Path, split: str = "test"
 
     write_json(out / SKIPPED, skipped)
     write_task_yamls(out)
-    write_json(out / BUILT, {"per_domain": per_domain, "split": split, "counts": counts})
+    write_json(out / BUILT, {"version": TASK_DATA_VERSION, "per_domain": per_domain, "ppl_docs": ppl_docs,
+                             "split": split, "counts": counts, "sources": sources})
     return counts
 
 

@@ -102,8 +102,9 @@ def gate_summary(name: str, g: dict, e: dict) -> dict:
 
 def gate_table(rows: list[dict]) -> list[str]:
     """The report's gate table (Markdown lines): each figure with its 95% paired interval and its sample."""
-    md = ["95% paired bootstrap intervals in brackets; PASS: every interval inside its threshold, FAIL: one outside, "
-          "INCONCLUSIVE: one across it (the sample that would resolve it in the gate JSON).", "",
+    md = ["95% paired intervals in brackets (Δppl: bootstrap; Δacc: Tango's score interval); PASS: every interval "
+          "inside its threshold, FAIL: one outside, INCONCLUSIVE: one across it (the sample that would resolve it in "
+          "the gate JSON).", "",
           "| candidate | Δppl overall [95%] (blocks/domain) | Δacc points [95%] (documents) | rerouted | gate |",
           "|---|---|---|---|---|"]
     for r in rows:

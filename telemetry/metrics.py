@@ -2,14 +2,16 @@
 a candidate's changes break them. `expertcache.evals.gate` applies it to two `expertcache eval` results; the
 trainer applies it to the perplexities it measures at the end of a post-training run.
 
-The decision rule on intervals (`gate_verdict`; the intervals come from `telemetry.stats`, paired bootstrap):
+The decision rule on intervals (`gate_verdict`; the intervals come from `telemetry.stats`: a paired bootstrap for
+Δppl, Tango's paired score interval for Δacc):
 - PASS when every interval lies inside its threshold: the upper bound of Δppl overall <= `ppl_overall`, of every
   domain's Δppl <= `ppl_domain`, and the lower bound of every task's Δacc >= `acc_points`;
 - FAIL when any interval lies outside: a lower bound of a Δppl above its threshold, or an upper bound of a Δacc
   below `acc_points`;
 - INCONCLUSIVE otherwise (an interval straddles its threshold), with the blocks per domain and documents per task
   that would resolve it at the observed variance: `n' = ceil(n * (w / |estimate - threshold|)^2)`, w the
-  distance from the estimate to the interval's end on the threshold's side (`telemetry.stats.samples_to_resolve`).
+  distance from the estimate to the interval's end on the threshold's side (`telemetry.stats.samples_to_resolve`);
+  for Δacc the caller may give the score interval's own count (`telemetry.stats.dacc_samples_to_resolve`).
 A difference measured on a single block per domain (or a single document) has no interval: INCONCLUSIVE unless it
 is exactly zero. A point estimate is the degenerate interval [x, x]: `gate_failures` is the same rule without
 intervals (kept for figures that have no per-item data).
@@ -41,9 +43,12 @@ def gate_failures(dppl: dict[str, float], dacc: dict[str, float], th: GateThresh
 
 
 def gate_verdict(dppl: dict[str, list[float]], dacc: dict[str, list[float]], n_blocks: dict[str, int],
-                 n_documents: dict[str, int], th: GateThresholds = GateThresholds()) -> dict:
+                 n_documents: dict[str, int], th: GateThresholds = GateThresholds(),
+                 dacc_resolve: dict[str, int | None] | None = None) -> dict:
     """PASS / FAIL / INCONCLUSIVE from intervals (the rule above). `dppl`: {domain or 'overall': [est, low, high]}
-    in %; `dacc`: {task: [est, low, high]} in points; `n_blocks`: blocks per domain; `n_documents`: per task.
+    in %; `dacc`: {task: [est, low, high]} in points; `n_blocks`: blocks per domain; `n_documents`: per task;
+    `dacc_resolve`: {task: documents that would resolve its Δacc} where the interval's method knows it exactly
+    (the score interval's: the variance rule below assumes a half-width falling as 1/sqrt(n)).
 
     Returns {'gate', 'failures' (one line per interval outside its threshold), 'unresolved' (one line per interval
     across its threshold, with the sample size that would resolve it), 'resolve': {'blocks_per_domain': n or
@@ -74,7 +79,7 @@ def gate_verdict(dppl: dict[str, list[float]], dacc: dict[str, list[float]], n_b
         elif hi < t:
             fails.append(f"Δacc {task} {est:+.2f} pts [{lo:+.2f}, {hi:+.2f}] < {t:+g}")
         elif lo < t:
-            need = samples_to_resolve(est, lo, hi, t, n)
+            need = (dacc_resolve or {}).get(task) or samples_to_resolve(est, lo, hi, t, n)
             docs[task] = need
             open_.append(f"Δacc {task} {est:+.2f} pts [{lo:+.2f}, {hi:+.2f}] straddles {t:+g}: "
                          + ("the estimate sits on the threshold" if need == -1 else

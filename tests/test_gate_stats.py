@@ -10,8 +10,8 @@ import pytest
 
 from expertcache.telemetry.errors import InputError
 from expertcache.telemetry.metrics import GateThresholds, gate_verdict
-from expertcache.telemetry.stats import (check_bootstrap, dacc_interval, dbpb_interval, dppl_intervals,
-                                         resample_counts, samples_to_resolve)
+from expertcache.telemetry.stats import (check_bootstrap, dacc_interval, dacc_samples_to_resolve, dbpb_interval,
+                                         dppl_intervals, resample_counts, samples_to_resolve, tango_interval)
 
 DOMS = ("code", "prose", "math")
 T = 127  # tokens per block
@@ -48,17 +48,129 @@ def test_dppl_interval_covers_the_true_difference_at_about_the_stated_rate():
     assert sum(hits_dom.values()) / (3 * trials) >= 0.90, hits_dom  # the three domains' intervals pooled
 
 
+def _paired(rng, n, p_gain, p_loss, p_base=0.6):
+    """0/1 scores of a baseline and a candidate on n documents: a document flips to right with probability p_gain
+    and to wrong with p_loss (of all documents), so the true Δacc is 100 * (p_gain - p_loss) points."""
+    base = (rng.random(n) < p_base).astype(float)
+    u = rng.random(n)
+    cand = np.where((base == 0) & (u < p_gain / (1 - p_base)), 1.0,
+                    np.where((base == 1) & (u < p_loss / p_base), 0.0, base))
+    return base, cand
+
+
 def test_dacc_interval_covers_the_true_difference_at_about_the_stated_rate():
     rng = np.random.default_rng(1)
-    hits, trials, n = 0, 200, 200
-    p_gain, p_loss = 0.08, 0.12  # a document flips to correct / to wrong: true Δacc = -4 points
+    hits, trials, n = 0, 300, 200
     for i in range(trials):
-        base = (rng.random(n) < 0.6).astype(float)
-        u = rng.random(n)
-        cand = np.where((base == 0) & (u < p_gain / 0.4), 1.0, np.where((base == 1) & (u < p_loss / 0.6), 0.0, base))
-        _, lo, hi = dacc_interval(base, cand, resamples=1000, seed=i)
+        base, cand = _paired(rng, n, 0.08, 0.12)  # true Δacc = -4 points
+        _, lo, hi = dacc_interval(base, cand)
         hits += lo <= -4.0 <= hi
-    assert hits / trials >= 0.90, hits
+    assert hits / trials >= 0.93, hits
+
+
+@pytest.mark.parametrize("n,p_gain,p_loss", [(16, 0.0, 0.03), (40, 0.01, 0.03), (128, 0.0, 0.02), (60, 0.1, 0.1)])
+def test_dacc_interval_is_honest_where_the_runs_rarely_disagree(n, p_gain, p_loss):
+    """Few or no discordant documents (where a paired bootstrap reads [0, 0] and misses a real loss): Tango's score
+    interval covers the true difference at >= 93% for a 95% level, over 400 seeded draws per case."""
+    rng = np.random.default_rng(11)
+    truth = 100 * (p_gain - p_loss)
+    gains, losses = rng.multinomial(n, [p_gain, p_loss, 1 - p_gain - p_loss], size=400)[:, :2].T
+    lo, hi = tango_interval(gains, losses, n)  # vectorised over the draws
+    cover = float(np.mean((100 * lo <= truth + 1e-9) & (truth - 1e-9 <= 100 * hi)))
+    assert cover >= 0.93, cover
+    # the same draws through the 0/1-score entry point agree with the counts
+    g, l_ = int(gains[0]), int(losses[0])
+    base = np.r_[np.zeros(g), np.ones(l_), np.ones(n - g - l_)]
+    cand = np.r_[np.ones(g), np.zeros(l_), np.ones(n - g - l_)]
+    assert dacc_interval(base, cand)[1:] == pytest.approx([100 * lo[0], 100 * hi[0]])
+
+
+def test_dacc_interval_against_the_score_test_by_brute_force():
+    """The bisection's ends are where the score test with the constrained maximum-likelihood loss rate (found here
+    on a grid of q, not by the closed form) stops rejecting."""
+    def score(b, c, n, d):
+        q = np.linspace(max(0.0, -d) + 1e-12, (1 - d) / 2 - 1e-12, 20001)
+        ll = b * np.log(np.maximum(q + d, 1e-300)) + c * np.log(q) + (n - b - c) * np.log(np.maximum(1 - 2 * q - d,
+                                                                                                     1e-300))
+        q = q[ll.argmax()]
+        return (b - c - n * d) / math.sqrt(n * (2 * q + d * (1 - d)))
+
+    for b, c, n in [(5, 2, 100), (12, 2, 50), (1, 0, 20), (7, 11, 60)]:
+        lo, hi = tango_interval(b, c, n)
+        grid = [d for d in np.linspace(-0.99, 0.99, 1981) if abs(score(b, c, n, d)) <= 1.959964]
+        assert grid[0] == pytest.approx(float(lo), abs=2e-3) and grid[-1] == pytest.approx(float(hi), abs=2e-3)
+
+
+def test_documents_answered_alike_are_not_read_as_certain():
+    """16 documents on which both runs answer alike: ±z²/(n+z²) = ±19.4 points at 95%, INCONCLUSIVE against -1,
+    and the gate asks for the documents at which the same agreement would resolve it (381: z² · 0.99 / 0.01)."""
+    same = (np.arange(16) % 3 == 0).astype(float)
+    est, lo, hi = dacc_interval(same, same)
+    z2 = 1.959964 ** 2
+    assert est == 0.0 and lo == pytest.approx(-100 * z2 / (16 + z2), rel=1e-6) and hi == -lo
+    need = dacc_samples_to_resolve(same, same, -1.0)
+    assert need == math.ceil(z2 * 0.99 / 0.01) == 381
+    dppl = {"overall": [0.0, 0.0, 0.0], **{d: [0.0, 0.0, 0.0] for d in DOMS}}
+    v = gate_verdict(dppl, {"ec_cloze_prose": [est, lo, hi]}, {d: 64 for d in DOMS}, {"ec_cloze_prose": 16},
+                     dacc_resolve={"ec_cloze_prose": need})
+    assert v["gate"] == "INCONCLUSIVE" and v["resolve"]["documents"] == {"ec_cloze_prose": 381}, v
+    # at that size the same agreement resolves it, one document fewer does not
+    for n, verdict in ((381, "PASS"), (380, "INCONCLUSIVE")):
+        x = np.zeros(n)
+        iv = dacc_interval(x, x)
+        assert gate_verdict(dppl, {"t": iv}, {d: 64 for d in DOMS}, {"t": n})["gate"] == verdict, (n, iv)
+    # 128 alike: still INCONCLUSIVE (±2.9 points), as it was under the bootstrap only when a document flipped
+    x = np.ones(128)
+    assert gate_verdict(dppl, {"t": dacc_interval(x, x)}, {d: 64 for d in DOMS}, {"t": 128})["gate"] == "INCONCLUSIVE"
+
+
+def test_dacc_interval_narrows_monotonically_with_the_sample():
+    """The same gain and loss rates on more documents: every interval strictly inside the one before, the
+    estimate unchanged, and the half-width falling about as 1/sqrt(n) once the discordant pairs are many."""
+    widths = []
+    for n in (25, 50, 100, 200, 400, 800, 1600, 3200):
+        lo, hi = tango_interval(0.04 * n, 0.08 * n, n)
+        widths.append((float(lo), float(hi)))
+    for (lo0, hi0), (lo1, hi1) in zip(widths, widths[1:]):
+        assert lo0 < lo1 <= -0.04 <= hi1 < hi0
+    w = [hi - lo for lo, hi in widths]
+    assert w[-1] / w[-3] == pytest.approx(0.5, abs=0.03)  # 4x the documents: half the width
+    # no discordant document: the width falls as 1/n (z²/(n+z²)), faster than a variance rule would promise
+    assert [round(float(tango_interval(0, 0, n)[1]) * (n + 1.959964 ** 2), 6) for n in (10, 100, 1000)] == \
+        [round(1.959964 ** 2, 6)] * 3
+
+
+def test_dacc_samples_to_resolve_is_what_resolves_it():
+    """At the suggested size the same rates exclude the threshold (PASS above it or FAIL below it); at one
+    document fewer they do not."""
+    rng = np.random.default_rng(12)
+
+    def straddles(g, l_, n):
+        lo, hi = tango_interval(g, l_, n)
+        return float(lo) <= -0.01 <= float(hi)
+
+    checked = 0
+    for _ in range(30):
+        n = int(rng.integers(20, 200))
+        g, l_ = rng.multinomial(n, [0.03, 0.02, 0.95])[:2]
+        base = np.r_[np.zeros(g), np.ones(l_), np.ones(n - g - l_)]
+        cand = np.r_[np.ones(g), np.zeros(l_), np.ones(n - g - l_)]
+        need = dacc_samples_to_resolve(base, cand, -1.0)
+        if need is None:  # already resolved
+            assert not straddles(g, l_, n)
+            continue
+        checked += 1
+        r = lambda m: (g / n * m, l_ / n * m, m)  # noqa: E731 - the same rates on m documents
+        assert not straddles(*r(need)), (n, g, l_, need)
+        assert need == n + 1 or straddles(*r(need - 1)), (n, g, l_, need)
+    assert checked >= 20, checked
+
+
+def test_dacc_interval_refuses_scores_that_are_not_right_or_wrong():
+    with pytest.raises(InputError, match="other than 0 and 1"):
+        dacc_interval(np.array([0.5, 1.0]), np.array([1.0, 1.0]), name="t")
+    with pytest.raises(InputError, match="same documents"):
+        dacc_interval(np.ones(3), np.ones(4), name="t")
 
 
 def test_bootstrap_is_seeded():
@@ -75,14 +187,19 @@ def test_bootstrap_is_seeded():
     assert (resample_counts({"a": 5}, 100, seed=1)["a"] == w["a"]).all()
 
 
-def test_identical_runs_give_a_zero_width_interval_and_pass():
+def test_identical_runs_give_a_zero_width_ppl_interval_and_pass_on_enough_documents():
     rng = np.random.default_rng(3)
     b, _, t = _blocks(rng, 8, {d: 0.0 for d in DOMS})
     iv = dppl_intervals(b, b, t)
     assert iv["overall"] == [0.0, 0.0, 0.0] and iv["max_domain"] == [0.0, 0.0, 0.0]
+    dppl = {"overall": iv["overall"], **iv["domains"]}
     acc = np.array([1, 0, 1, 1.0])
-    assert dacc_interval(acc, acc) == [0.0, 0.0, 0.0]
-    v = gate_verdict({"overall": iv["overall"], **iv["domains"]}, {"t": [0.0, 0.0, 0.0]}, iv["n_blocks"], {"t": 4})
+    four = dacc_interval(acc, acc)  # 4 documents alike: an interval of ±49 points, not [0, 0]
+    assert four[0] == 0.0 and four[1] < -40 and four[2] > 40
+    v = gate_verdict(dppl, {"t": four}, iv["n_blocks"], {"t": 4})
+    assert v["gate"] == "INCONCLUSIVE" and not v["failures"]
+    acc = np.tile(acc, 500)  # 2,000 documents alike: ±0.19 points
+    v = gate_verdict(dppl, {"t": dacc_interval(acc, acc)}, iv["n_blocks"], {"t": 2000})
     assert v["gate"] == "PASS" and not v["failures"] and not v["unresolved"]
 
 
@@ -158,7 +275,7 @@ def test_a_model_against_a_second_evaluation_of_itself_never_fails():
             acc = (rng.random(24) < 0.5).astype(float)
             flip = rng.random(24) < 0.1  # a second evaluation flips about 2 of 24 documents either way
             cand = np.where(flip, 1 - acc, acc)
-            dacc = {"ec_cloze_prose": dacc_interval(acc, cand, resamples=1000, seed=seed)}
+            dacc = {"ec_cloze_prose": dacc_interval(acc, cand)}
             dppl = {"overall": iv["overall"], **iv["domains"]}
             verdicts[n].append(gate_verdict(dppl, dacc, iv["n_blocks"], {"ec_cloze_prose": 24})["gate"])
             if n == 64:

@@ -210,3 +210,62 @@ def build_corpus(cfg: CorpusConfig) -> CorpusStats:
     return stats
 
 
+
+
+# --- held-out text beyond the test split ---------------------------------------------------------------------
+
+def unused_documents(corpus_dir: str | Path, domain: str, max_bytes: int) -> list[Document]:
+    """Documents of `domain`'s source that no split of the corpus at `corpus_dir` holds, so no model trained on
+    it has seen them: held out by construction, for evaluation tasks larger than the test split can give.
+
+    - code: standard-library module groups the corpus's byte budget left out (`_cap` keeps whole groups in a
+      seeded order; the rest of the library is the same kind of text, never in a split);
+    - math: problems generated past the corpus's own, from the same seeded stream;
+    - prose: none (the corpus takes its whole source).
+    A document whose group or text is in any split is left out, whatever machine built the corpus (another
+    interpreter's standard library may differ). Up to `max_bytes` of UTF-8, whole documents, in a seeded order;
+    [] when the corpus's source cannot be read here (the caller then has the test split alone)."""
+    import json
+
+    from expertcache.telemetry.corpus import load_corpus
+
+    if max_bytes <= 0 or domain == "prose":
+        return []
+    folder = Path(corpus_dir)
+    try:
+        saved = json.loads((folder / MANIFEST).read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    cfg = CorpusConfig(**{k: v for k, v in saved.items() if k in CorpusConfig.__dataclass_fields__})
+    dd = load_corpus(folder)
+    groups = {g for s in dd for g, d in zip(dd[s]["group"], dd[s]["domain"]) if d == domain}
+    texts = {hashlib.sha256(t.encode()).digest() for s in dd for t, d in zip(dd[s]["text"], dd[s]["domain"])
+             if d == domain}
+    if domain == "code":
+        try:
+            docs = _code_documents(cfg.stdlib_dir)
+        except CorpusError:
+            return []
+        by_group: dict[str, list[Document]] = {}
+        for d in docs:
+            if d.group not in groups:
+                by_group.setdefault(d.group, []).append(d)
+        order = [by_group[g] for g in sorted(by_group, key=lambda g: _rank(cfg.seed, "unused:" + g))]
+    elif domain == "math":
+        made = max(50, int(cfg.budget_bytes() / 300))  # what _math_documents generated for the corpus
+        extra = max_bytes // 250 + 50  # problems are ~330 bytes
+        problems = mathgen.generate(made + extra, cfg.seed)[made:]
+        order = [[Document(p.text, "math", f"math/unused/{made + i}", f"math/unused/{made + i}", str(p.answer))]
+                 for i, p in enumerate(problems)]
+    else:
+        return []
+    out, used = [], 0
+    for group in order:
+        keep = [d for d in group if hashlib.sha256(d.text.encode()).digest() not in texts]
+        if len(keep) < len(group):  # a text some split holds: the whole group stays out
+            continue
+        out.extend(keep)
+        used += sum(len(d.text.encode()) for d in keep)
+        if used >= max_bytes:
+            break
+    return out
