@@ -27,7 +27,11 @@ class TrainSpec:
     accelerator: str = opt("auto", "Lightning accelerator: auto (the GPU when there is one), cpu, gpu")
     devices: str = opt("auto", "devices (processes) to train on: auto, or a count; data.batch_size is the global "
                        "batch, split evenly across them")
-    strategy: str = opt("auto", "Lightning strategy: auto, ddp (gloo on CPU, nccl on GPUs), fsdp (several GPUs)")
+    strategy: str = opt("auto", "Lightning strategy: auto, ddp (gloo on CPU, nccl on GPUs), fsdp (sharded: several "
+                        "GPUs, or CPU processes in float32); ddp and fsdp need 2 or more processes (devices x "
+                        "num_nodes)")
+    num_nodes: int = opt(1, "machines the run spans (Lightning's num_nodes); each runs train.devices processes; "
+                         "docs/post-training.md says how to launch them")
     val_every: int = opt(200, "validate every N optimizer steps")
     ckpt_every: int = opt(100, "write a resumable checkpoint every N optimizer steps")
     log_every: int = opt(10, "log training metrics every N steps")
@@ -59,6 +63,12 @@ class TrainSpec:
                 raise RecipeError(f"train.{name}={getattr(self, name)}; expected a finite number >= 0")
         if self.devices != "auto" and not (str(self.devices).isdigit() and int(self.devices) >= 1):
             raise RecipeError(f"train.devices={self.devices!r}; expected auto or a count >= 1")
+        if self.num_nodes < 1:
+            raise RecipeError(f"train.num_nodes={self.num_nodes}; expected an integer >= 1")
+        if str(self.devices).isdigit():  # `auto` is checked once Lightning resolved it (distributed.check_world)
+            from .distributed import check_processes
+
+            check_processes(self, int(self.devices) * self.num_nodes, self.accelerator == "cpu")
         if self.balance not in BALANCE_LOSSES:
             raise RecipeError(f"train.balance={self.balance!r}; expected one of {', '.join(BALANCE_LOSSES)}")
 
@@ -150,6 +160,14 @@ class CausalLMModule(L.LightningModule):
     def optimizer_groups(self) -> list[dict]:
         """AdamW parameter groups; a subclass with auxiliary heads adds its own (they may have their own lr)."""
         return param_groups(self.model, self.spec.weight_decay)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        from .distributed import is_fsdp
+
+        if gradient_clip_val and is_fsdp(self.trainer):  # the norm of the whole gradient, over every rank's shard
+            self.trainer.model.clip_grad_norm_(gradient_clip_val)
+        else:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self):
         opt_ = torch.optim.AdamW(self.optimizer_groups(), lr=self.spec.lr, betas=(0.9, self.spec.beta2))
