@@ -122,3 +122,59 @@ def test_a_data_parallel_strategy_on_one_process_is_one_line_and_exit_2(tmp_path
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and named in err and "Traceback" not in err, err
     assert not (tmp_path / "o").exists()  # refused before anything was written
+
+
+def _documented_launches() -> list[str]:
+    """The fenced launches of docs/post-training.md's "Across processes and machines" that run as written (those
+    marked "needs a cluster" are not), each a shell script."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "post-training.md").read_text()
+    section = text.split("## Across processes and machines", 1)[1].split("\n## ", 1)[0]
+    blocks = section.split("```")[1::2]
+    return [b.strip() for b in blocks if "needs a cluster" not in b]
+
+
+@pytest.mark.slow
+def test_the_documented_launches_run_and_train_the_same_weights(tiny_data, tiny_base, tmp_path):
+    """Each launch the document says runs as written (Lightning's own launch with FSDP, torchrun, two "machines"
+    through MASTER_ADDR/NODE_RANK and train.num_nodes=2) runs in a folder laid out as the quickstart leaves it,
+    with short arguments appended; all are two processes on the same global batches, so all end at the same
+    weights."""
+    import re
+    import shutil
+
+    launches = _documented_launches()
+    assert len(launches) == 3, launches
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "corpus").symlink_to(tiny_data["corpus"])
+    (tmp_path / "runs" / "smoke").mkdir(parents=True)
+    (tmp_path / "runs" / "smoke" / "model").symlink_to(tiny_base)
+    bin_dir = Path(sys.executable).parent
+    path = [str(bin_dir), os.environ.get("PATH", "")]
+    if not shutil.which("torchrun", path=os.pathsep.join(path)):  # torch's console script, as `pip install torch`
+        shim = tmp_path / "bin" / "torchrun"  # makes it (this venv was made without it)
+        shim.parent.mkdir()
+        shim.write_text(f"#!/bin/sh\nexec {sys.executable} -m torch.distributed.run \"$@\"\n")
+        shim.chmod(0o755)
+        path.insert(0, str(shim.parent))
+    short = ("data.seq_len=64 data.batch_size=4 data.val_batches=1 train.max_steps=2 train.ckpt_every=2 "
+             "train.val_every=2 train.log_every=1 train.wandb=false eval.prompt_len=16 eval.decode_tokens=8 "
+             "eval.max_seqs=1 eval.ppl_blocks=2 eval.seq_len=64 routers.rank=4 "
+             "eval.gate_ppl_overall=1000 eval.gate_ppl_domain=1000")  # a gate that passes: exit 0 for torchrun
+    env = dict(os.environ, PATH=os.pathsep.join(path), OMP_NUM_THREADS="1", WANDB_MODE="offline")
+    outs = []
+    for script in launches:
+        outs.append(tmp_path / re.search(r"out_dir=(\S+)", script).group(1))
+        script = re.sub(r"(train-cache-aware [^&;\n]*?)\s*(&|;|$)", rf"\1 {short} \2", script, flags=re.M)
+        p = subprocess.run(["bash", "-ec", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 0 and "Traceback" not in p.stderr, (script, p.stderr[-3000:])
+        res = json.loads((outs[-1] / "result.json").read_text())
+        assert res["global_step"] == 2 and res["summary"]["gate"]["verdict"] == "PASS", res["summary"]["gate"]
+    base = _weights(tiny_base)
+    ws = [_weights(o / "model") for o in outs]
+    step = math.sqrt(sum(float((ws[0][k] - base[k]).double().pow(2).sum()) for k in base))
+    for o, w in zip(outs[1:], ws[1:]):
+        apart = math.sqrt(sum(float((w[k] - ws[0][k]).double().pow(2).sum()) for k in base))
+        assert step > 0 and apart < 0.02 * step, (o.name, apart, step)
+    assert [len(_losses(o)) for o in outs] == [2, 2, 2]
+    _loads_and_evaluates(outs[-1] / "model", tiny_base)
