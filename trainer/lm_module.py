@@ -95,12 +95,16 @@ def per_layer_balance_loss(router_logits, top_k: int) -> torch.Tensor:
     return torch.stack(losses).mean()
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float):
+def param_groups(model: torch.nn.Module, weight_decay: float, ndim: dict[str, int] | None = None):
+    """AdamW groups: weight decay on matrices, none on norms, biases and embeddings. `ndim`: each parameter's
+    dimensions by name as the model was built (FSDP hands the optimizer flat 1-D shards, which would all read
+    as norms and biases: no decay at all)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.ndim < 2 or "embed" in name or "norm" in name else decay).append(p)
+        nd = ndim.get(name, p.ndim) if ndim else p.ndim
+        (no_decay if nd < 2 or "embed" in name or "norm" in name else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
@@ -157,9 +161,18 @@ class CausalLMModule(L.LightningModule):
             self.log("val/loss", tot_nll / tot_n, add_dataloader_idx=False, prog_bar=True)
             self.log("val/ppl", math.exp(tot_nll / tot_n), add_dataloader_idx=False)
 
+    def setup(self, stage: str) -> None:
+        # before the strategy wraps the module (FSDP flattens every parameter): the shapes the optimizer groups by
+        self._ndim = {n: p.ndim for n, p in self.named_parameters()}
+
+    def built_ndim(self, child: str) -> dict[str, int]:
+        """Dimensions of `child`'s parameters by name as built (`param_groups`'s `ndim`)."""
+        return {n.removeprefix(child + "."): d for n, d in getattr(self, "_ndim", {}).items()
+                if n.startswith(child + ".")}
+
     def optimizer_groups(self) -> list[dict]:
         """AdamW parameter groups; a subclass with auxiliary heads adds its own (they may have their own lr)."""
-        return param_groups(self.model, self.spec.weight_decay)
+        return param_groups(self.model, self.spec.weight_decay, self.built_ndim("model"))
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         from .distributed import is_fsdp
