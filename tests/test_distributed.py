@@ -96,8 +96,7 @@ def test_ddp_and_fsdp_on_two_cpu_processes_train_the_same_checkpoint(tiny_data, 
         assert gates < moved and any("self_attn" in k for k in moved) and any("experts" in k for k in moved)
         assert any("embed_tokens" in k for k in moved)
     # FSDP trained what DDP trained: apart by far less than either moved from the base (measured: 0 for full
-    # training over 3 steps, bit for bit; a
-    # saved shard or an untrained model would be about as far from DDP as the base is)
+    # training over 3 steps, bit for bit; a saved shard or an untrained model would be as far as the base is)
     step = math.sqrt(sum(float((ddp[k] - base[k]).double().pow(2).sum()) for k in moved))
     apart = math.sqrt(sum(float((ddp[k] - fsdp[k]).double().pow(2).sum()) for k in base))
     assert step > 0 and apart < 0.02 * step, (apart, step)
