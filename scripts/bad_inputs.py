@@ -398,8 +398,11 @@ def cases(P: dict) -> list[dict]:
                  ("data.batch_size", 0), ("data.seq_len", 1), ("train.warmup_steps", -1), ("model.top_k", 99),
                  ("model.num_kv_heads", 3), ("train.beta2", 1.5), ("train.seed", -1), ("train.max_steps", "abc"),
                  ("train.max_steps", "1e30"), ("train.wandb", "maybe"), ("train.max_stepz", 3), ("model", 3),
-                 ("train.precision", "banana"), ("train.accelerator", "tpu"), ("train.strategy", "warp-drive")):
+                 ("train.precision", "banana"), ("train.accelerator", "tpu"), ("train.strategy", "warp-drive"),
+                 ("train.num_nodes", 0)):
         add(f"pretrain-{k}={v}", [*pre(), f"{k}={v}"])
+    add("pretrain-fsdp-one-process", [*pre(), "train.strategy=fsdp", "train.devices=1"])  # names what to set
+    add("pretrain-ddp-one-process-auto", [*pre(), "train.strategy=ddp", "train.accelerator=cpu"])  # auto: 1 CPU
     add("pretrain-corpus-missing", [*pre(), f"data.corpus={S}/nocorpus"])
     add("pretrain-corpus-is-file", [*pre(), f"data.corpus={P['text_file']}"])
     add("pretrain-corpus-is-trace-dir", [*pre(), f"data.corpus={P['dir_parquet']}"])

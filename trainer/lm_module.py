@@ -27,7 +27,11 @@ class TrainSpec:
     accelerator: str = opt("auto", "Lightning accelerator: auto (the GPU when there is one), cpu, gpu")
     devices: str = opt("auto", "devices (processes) to train on: auto, or a count; data.batch_size is the global "
                        "batch, split evenly across them")
-    strategy: str = opt("auto", "Lightning strategy: auto, ddp (gloo on CPU, nccl on GPUs), fsdp (several GPUs)")
+    strategy: str = opt("auto", "Lightning strategy: auto, ddp (gloo on CPU, nccl on GPUs), fsdp (sharded: several "
+                        "GPUs, or CPU processes in float32); ddp and fsdp need 2 or more processes (devices x "
+                        "num_nodes)")
+    num_nodes: int = opt(1, "machines the run spans (Lightning's num_nodes); each runs train.devices processes; "
+                         "docs/post-training.md says how to launch them")
     val_every: int = opt(200, "validate every N optimizer steps")
     ckpt_every: int = opt(100, "write a resumable checkpoint every N optimizer steps")
     log_every: int = opt(10, "log training metrics every N steps")
@@ -66,6 +70,12 @@ class TrainSpec:
             raise RecipeError(f"train.devices={self.devices!r}; expected auto or a count >= 1")
         if not (math.isfinite(self.memory_gb) and self.memory_gb >= 0):
             raise RecipeError(f"train.memory_gb={self.memory_gb}; expected a finite number >= 0 (0: no streaming)")
+        if self.num_nodes < 1:
+            raise RecipeError(f"train.num_nodes={self.num_nodes}; expected an integer >= 1")
+        if str(self.devices).isdigit():  # `auto` is checked once Lightning resolved it (distributed.check_world)
+            from .distributed import check_processes
+
+            check_processes(self, int(self.devices) * self.num_nodes, self.accelerator == "cpu")
         if self.balance not in BALANCE_LOSSES:
             raise RecipeError(f"train.balance={self.balance!r}; expected one of {', '.join(BALANCE_LOSSES)}")
 
@@ -92,12 +102,16 @@ def per_layer_balance_loss(router_logits, top_k: int) -> torch.Tensor:
     return torch.stack(losses).mean()
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float):
+def param_groups(model: torch.nn.Module, weight_decay: float, ndim: dict[str, int] | None = None):
+    """AdamW groups: weight decay on matrices, none on norms, biases and embeddings. `ndim`: each parameter's
+    dimensions by name as the model was built (FSDP hands the optimizer flat 1-D shards, which would all read
+    as norms and biases: no decay at all)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.ndim < 2 or "embed" in name or "norm" in name else decay).append(p)
+        nd = ndim.get(name, p.ndim) if ndim else p.ndim
+        (no_decay if nd < 2 or "embed" in name or "norm" in name else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
@@ -154,9 +168,26 @@ class CausalLMModule(L.LightningModule):
             self.log("val/loss", tot_nll / tot_n, add_dataloader_idx=False, prog_bar=True)
             self.log("val/ppl", math.exp(tot_nll / tot_n), add_dataloader_idx=False)
 
+    def setup(self, stage: str) -> None:
+        # before the strategy wraps the module (FSDP flattens every parameter): the shapes the optimizer groups by
+        self._ndim = {n: p.ndim for n, p in self.named_parameters()}
+
+    def built_ndim(self, child: str) -> dict[str, int]:
+        """Dimensions of `child`'s parameters by name as built (`param_groups`'s `ndim`)."""
+        return {n.removeprefix(child + "."): d for n, d in getattr(self, "_ndim", {}).items()
+                if n.startswith(child + ".")}
+
     def optimizer_groups(self) -> list[dict]:
         """AdamW parameter groups; a subclass with auxiliary heads adds its own (they may have their own lr)."""
-        return param_groups(self.model, self.spec.weight_decay)
+        return param_groups(self.model, self.spec.weight_decay, self.built_ndim("model"))
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        from .distributed import is_fsdp
+
+        if gradient_clip_val and is_fsdp(self.trainer):  # the norm of the whole gradient, over every rank's shard
+            self.trainer.model.clip_grad_norm_(gradient_clip_val)
+        else:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self):
         opt_ = torch.optim.AdamW(self.optimizer_groups(), lr=self.spec.lr, betas=(0.9, self.spec.beta2))

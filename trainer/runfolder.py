@@ -68,10 +68,13 @@ def fit_resumable(recipe, module, dm, out: Path, resume: bool = True) -> tuple[i
 
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
+    from .distributed import check_world, strategy_for, unshard
+
     try:
         trainer = L.Trainer(
             max_steps=t.max_steps, accelerator=t.accelerator, precision=t.precision,
-            devices=int(t.devices) if str(t.devices).isdigit() else t.devices, strategy=t.strategy,
+            devices=int(t.devices) if str(t.devices).isdigit() else t.devices, num_nodes=t.num_nodes,
+            strategy=strategy_for(t),
             use_distributed_sampler=False,  # the data module splits each global batch across ranks itself
             val_check_interval=t.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
             gradient_clip_val=t.grad_clip or None, log_every_n_steps=t.log_every, logger=_loggers(recipe, out),
@@ -81,9 +84,12 @@ def fit_resumable(recipe, module, dm, out: Path, resume: bool = True) -> tuple[i
             enable_model_summary=False, default_root_dir=str(out))
     except (MisconfigurationException, ValueError, ImportError) as e:  # an accelerator, precision or strategy
         # Lightning lacks, or one whose package is not installed (tpu: torch_xla)
-        raise RecipeError(f"train.accelerator/precision/devices/strategy: {' '.join(str(e).split())}") from None
+        raise RecipeError(f"train.accelerator/precision/devices/num_nodes/strategy: {' '.join(str(e).split())}") \
+            from None
+    check_world(trainer, t, recipe.data.batch_size)
     started = time.time()
     trainer.fit(module, datamodule=dm, ckpt_path=str(latest) if latest else None, weights_only=True)
+    unshard(trainer, module)  # FSDP: rank 0's module gets the whole weights it saves and evaluates
     return start_step, time.time() - started, trainer
 
 
@@ -143,7 +149,8 @@ def plot_training_curve(log_dir: Path, out_png: Path) -> None:
 # (eval). Every other key is what the model was trained under: a changed one is refused on resume, named with
 # its two values (the run would continue, and its recipe.yaml and result say, a recipe it was not trained with).
 RESUME_FREE = ("name", "train.max_steps", "train.threads", "train.wandb", "train.wandb_project", "train.log_every",
-               "train.val_every", "train.ckpt_every", "train.accelerator", "train.devices", "train.strategy",
+               "train.val_every", "train.ckpt_every", "train.accelerator", "train.devices", "train.num_nodes",
+               "train.strategy",
                "data.val_batches", "eval_blocks", "eval.", "sweep.", "frontier.")
 PATH_KEYS = ("data.corpus", "data.tokenizer", "base")
 # what a run writes into its folder (moved aside, not deleted, when a run starts over)
@@ -216,8 +223,10 @@ def check_resume(recipe, out: Path, resume: bool, outputs: tuple[str, ...]) -> d
 
 
 def _rank_zero() -> bool:
-    """Not a data-parallel worker process (rank 0 sets the run folder up before launching them)."""
-    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
+    """Not a data-parallel worker process (rank 0 sets the run folder up and marks it; `distributed.is_worker`)."""
+    from .distributed import is_worker
+
+    return not is_worker()
 
 
 def finish_run(out: Path, command: str) -> None:
@@ -230,8 +239,10 @@ def finish_run(out: Path, command: str) -> None:
 def _set_aside(out: Path) -> None:
     """Start over (resume=false) in a folder holding a run: its files go to out/PREVIOUS, deleted once the new run
     has written its first checkpoint (fit_resumable), so a start-over killed before that loses nothing."""
-    if not _rank_zero():
-        return  # a data-parallel worker: rank 0 did it before launching it
+    from .distributed import is_worker
+
+    if is_worker():
+        return  # a data-parallel worker: rank 0 does it (before launching it, or beside it under torchrun/srun)
     if not any((out / "checkpoints").glob("*.ckpt")):
         return
     prev = out / PREVIOUS

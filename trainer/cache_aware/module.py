@@ -59,10 +59,11 @@ class CacheAwareModule(CausalLMModule):
     def optimizer_groups(self) -> list[dict]:
         from ..lm_module import param_groups
 
-        groups = param_groups(self.model, self.spec.weight_decay)
+        groups = param_groups(self.model, self.spec.weight_decay, self.built_ndim("model"))
         if self.aux is not None:
             lr = self.recipe.routers.lr or self.spec.lr
-            groups += [dict(g, lr=lr) for g in param_groups(self.aux, self.spec.weight_decay)]
+            groups += [dict(g, lr=lr) for g in param_groups(self.aux, self.spec.weight_decay,
+                                                            self.built_ndim("aux"))]
         return groups
 
     def _keep_input(self, i: int):
