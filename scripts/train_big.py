@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from expertcache.telemetry.atomic import write_json
 
 REPO = Path(__file__).resolve().parents[1]
 FIELDS = ("checkpoint", "experts_bytes", "quant_bits", "trainable", "steps", "tokens_per_step", "tokens_per_s",
@@ -28,6 +31,9 @@ FIELDS = ("checkpoint", "experts_bytes", "quant_bits", "trainable", "steps", "to
 
 
 def run_one(ckpt: Path, out: Path, a, cg) -> dict:
+    done = out / "run.json"
+    if done.is_file():  # finished by an earlier invocation (its row as measured then): resumable, run by run
+        return json.loads(done.read_text())
     args = ["train-cache-aware", "--recipe", "locality", f"base={ckpt}", f"out_dir={out}", f"data.corpus={a.corpus}",
             f"data.tokenizer={ckpt}", f"data.batch_size={a.batch_size}", f"data.seq_len={a.seq_len}",
             "data.val_batches=1", f"train.max_steps={a.steps}", "train.warmup_steps=1", "train.log_every=1",
@@ -48,7 +54,12 @@ def run_one(ckpt: Path, out: Path, a, cg) -> dict:
                 "error": f"exit {p.returncode}" + (" (killed: out of memory in the cgroup?)" if p.returncode in
                                                    (-9, 137) else "") + f": {last[0][:300]}"}
     r = json.loads(res.read_text())
-    return {**{k: r.get(k) for k in FIELDS}, **row}
+    out_row = {**{k: r.get(k) for k in FIELDS}, **row}
+    write_json(done, out_row)
+    trained = out / "model"  # the trained copy of a bigger-than-memory checkpoint: as large as the base; the
+    if a.drop_model and trained.is_dir():  # figures are the run's, so it goes unless asked to keep it
+        shutil.rmtree(trained)
+    return out_row
 
 
 def main() -> None:
@@ -68,11 +79,12 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=0, help="also the run on the checkpoint quantized to 4 or 8 bits")
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--out", default="results/train_big.json")
+    ap.add_argument("--drop_model", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
+                    help="delete each run's trained checkpoint once measured (each is as large as the base)")
     a = ap.parse_args()
 
     from expertcache.runtime.commands import _git_commit
     from expertcache.runtime.bench.memcg import MemoryCgroup
-    from expertcache.telemetry.atomic import write_json
 
     commit = _git_commit(REPO / "runtime")
     ckpt, work = Path(a.model), Path(a.work)
