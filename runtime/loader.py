@@ -307,10 +307,28 @@ def load_model(model: str | Path, engine: EngineConfig | None = None, dtype=None
     tokenizer = load_tokenizer(path)
     engine = engine if engine is not None else EngineConfig()
     if plain:
+        check_plain(path)
         m = load_causal_lm(path, dtype=parse_dtype(dtype) or "auto").eval()
         return m.to(parse_device(engine.device)), tokenizer
     # the one place the checkpoint is opened through the engine (experts stay on `tier`, read by byte range)
     return load(path, dtype=dtype, engine=engine), tokenizer
+
+
+def check_plain(path: Path) -> None:
+    """A checkpoint `from_pretrained` can read: an `expertcache quantize` copy (experts packed in its own store)
+    has no plain form, and transformers would only say its expert weights are missing."""
+    import json
+
+    from . import quant
+
+    try:
+        qc = json.loads((Path(path) / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return  # transformers' own loader says what is wrong with config.json
+    if isinstance(qc, dict) and qc.get("quant_method") == quant.QUANT_METHOD:  # another method: transformers' to read
+        raise InputError(f"{path} is a quantized checkpoint (its experts are packed), which has no plain transformers "
+                         f"form: serve it through the engine (e.g. --engine.capacity 1.0), or "
+                         f"use the checkpoint it was quantized from")
 
 
 def resolve_model_arg(model: str | None) -> Path:

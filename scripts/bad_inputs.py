@@ -795,8 +795,11 @@ def cases(P: dict) -> list[dict]:
     add("generate-dtype-bf16-on-quantized-fp32", [*gen, P["model_q8"], "--dtype", "bf16"],
         note="was: expert store comes from another checkpoint")
     add("serve-dtype-bf16-on-quantized-fp32", ["serve", "--model", P["model_q8"], "--port", 18765, "--dtype", "bf16"])
-    add("eval-dtype-fp16-on-quantized-fp32", [*ev, "--model", P["model_q8"], "--dtype", "fp16", "--out",
-                                              S / "v12.json"])
+    add("eval-dtype-fp16-on-quantized-fp32", [*ev, "--model", P["model_q8"], "--dtype", "fp16", "--engine.capacity",
+                                              0.5, "--out", S / "v12.json"])
+    add("eval-quantized-plain", [*ev, "--model", P["model_q8"], "--out", S / "v13.json"],
+        note="was: its weights do not fit its config (8 missing keys)")
+    add("generate-quantized-plain", [*gen, P["model_q8"], "--plain", "true"])
     add("bench-dtype-bf16-on-quantized-fp32", [*bd, "--model", P["model_q8"], "--dtype", "bf16"])
     # the whole tool
     add("unknown-command", ["frobnicate"])

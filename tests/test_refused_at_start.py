@@ -204,3 +204,16 @@ def test_a_narrower_dtype_on_a_quantized_checkpoint_names_the_real_cause(quantiz
         assert logits.dtype == (torch.float32 if q is q32 or dtype == "fp32" else torch.bfloat16)
         assert torch.isfinite(logits).all()
         m.expertcache.close()
+
+
+def test_a_quantized_checkpoint_has_no_plain_form_and_says_so(quantized, tmp_path, capsys):
+    """eval and generate --plain of an int8 copy said "its weights do not fit its config (8 missing keys)"."""
+    from expertcache.evals.served import open_model
+
+    q = quantized / "fp32-q8"
+    with pytest.raises(InputError, match="is a quantized checkpoint .* no plain transformers form"):
+        open_model(q, None)
+    assert main(["generate", "--model", str(q), "--prompt", "hi", "--max_tokens", "2", "--plain", "true"]) == 2
+    _one_line(capsys, "quantized checkpoint", "--engine.capacity")
+    m, eng = open_model(quantized / "fp32", None)  # its source still opens plain
+    assert eng is None and not any(p.is_meta for p in m.parameters())
