@@ -15,13 +15,14 @@ def open_model(model_dir, engine: EngineConfig | None, dtype="fp32", device="cpu
     Offloaded, it goes through the runtime's loader (experts stay in the checkpoint's files, read by byte range);
     plain (`engine` None), through `from_pretrained` (engine None). fp32 by default: the figures the gates
     compare were measured in fp32 (`auto`: the checkpoint's own dtype)."""
-    from expertcache.runtime.storage.loader import load, parse_device, parse_dtype, resolve
+    from expertcache.runtime.storage.loader import check_plain, load, parse_device, parse_dtype, resolve
 
     path = resolve(model_dir)
     device = parse_device(device)
     if engine is None:
         from expertcache.telemetry.hf import load_causal_lm
 
+        check_plain(path)
         m = load_causal_lm(path, dtype=parse_dtype(dtype) or "auto")
         return m.eval().to(device), None
 

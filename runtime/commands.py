@@ -39,8 +39,9 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
         engine: the engine options; each of --capacities and --predictors is run on top of them
         capacities: resident experts per layer to compare: fractions of E as floats in (0, 1] (1.0 = all), counts
             as integers (16)
-        predictors: live: none, probe:D, lookahead:D, persistence, estimator:FILE, spatio (default probe:1);
-            replay: persistence, cooccurrence, oracle[:recall] (default: those and the oracle at recall 0.25-1)
+        predictors: live: none, probe:D, lookahead:D, persistence, estimator:FILE, spatio (default
+            --engine.predictor, else probe:1); replay: persistence, cooccurrence, oracle[:recall] (default
+            --engine.predictor, else those and the oracle at recall 0.25-1)
         dtype: live: compute dtype (default: the checkpoint's own); replay: the store's dtype (default bf16)
         tokens: timed decode tokens per pass (after the warm-up)
         warmup: untimed decode tokens per pass
@@ -68,6 +69,11 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
         capacity_count(c, None)
     if (model is None) == (replay is None):
         raise InputError("bench decode needs exactly one of --model CKPT or --replay TRACE")
+    if engine.predictor not in ("none", ""):  # each pass sets its own predictor: --engine.predictor is one of them
+        if predictors:
+            raise InputError(f"--engine.predictor {engine.predictor} and --predictors {predictors} both given: bench "
+                             f"decode runs each of --predictors; name it there")
+        predictors = [engine.predictor]
     if replay is not None:
         from expertcache.runtime.bench.replay import REFERENCE_TRACE, plot_recall, replay_benchmark, table
         from expertcache.runtime.engine.trace_predictors import REPLAY_DEFAULTS, check_replay_predictor
@@ -89,7 +95,11 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
         from expertcache.telemetry.corpus import packed_blocks
 
         from expertcache.runtime.bench.bench import bench_decode as run, table
+        from expertcache.runtime.engine.predictors import check_predictor_spec
 
+        preds = predictors or ["probe:1"]
+        for p in preds:  # every name before the first pass runs (and before the prompts are read)
+            check_predictor_spec(p)
         if Path(corpus).is_dir():
             blocks = packed_blocks(corpus, model, "test", domain, prompt_len)
             if not len(blocks):
@@ -103,11 +113,6 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
 
             vocab = load_config(resolve(model)).get_text_config().vocab_size
             ids = torch.randint(0, vocab, (prompts, prompt_len), generator=torch.Generator().manual_seed(0))
-        preds = predictors or ["probe:1"]
-        from expertcache.runtime.engine.predictors import check_predictor_spec
-
-        for p in preds:  # every name before the first pass runs
-            check_predictor_spec(p)
         with Progress() as prog:
             task = prog.add_task("decode passes", total=rounds * (2 + len(capacities) * (1 + len(preds))))
             res = run(model, ids, engine, capacities, preds, tokens, warmup, rounds, dtype=dtype,
@@ -191,7 +196,7 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
     """
     from expertcache.telemetry.progress import Progress
 
-    from expertcache.runtime.bench.bigbench import ROUTINGS, bench_big as run, check_system, plot, table
+    from expertcache.runtime.bench.bigbench import ROUTINGS, bench_big as run, check_systems, plot, table
 
     if routing not in ROUTINGS:
         raise InputError(f"--routing {routing!r}; expected one of: {', '.join(ROUTINGS)}")
@@ -202,10 +207,7 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
     check_output(out)
     engine.check()
     commit = _git_commit()  # the code that runs, before it runs
-    for x in systems:  # a known system, its engine options (`/key=value`) valid over --engine, and its predictor
-        check_system(x, engine, routing)
-    if len(set(systems)) < len(systems):
-        raise InputError(f"--systems {systems}: a system is named twice")
+    check_systems(systems, engine, routing)  # known, with valid options and predictors, runnable under --routing
     import math
 
     if not (math.isfinite(budget_gb) and budget_gb > 0 and math.isfinite(ram_factor) and ram_factor > 0) \
@@ -463,7 +465,8 @@ def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(),
     """
     import os
 
-    from expertcache.runtime.serve.serve import serve as run
+    from expertcache.runtime.serve.request import check_chat_template
+    from expertcache.runtime.serve.serve import check_api_key, serve as run
 
     if not 0 < port < 65536:
         raise InputError(f"--port {port}: expected 1..65535")
@@ -477,6 +480,7 @@ def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(),
             raise InputError(f"--chat_template {chat_template}: cannot read it ({e.__class__.__name__})") from None
         if "{%" not in template and "{{" not in template:
             raise InputError(f"--chat_template {chat_template} has no Jinja tags: not a chat template")
+    check_api_key(api_key)  # an empty one would serve without authentication
     api_key = api_key or os.environ.get("EXPERTCACHE_API_KEY") or None
     if trace is not None:
         from expertcache.telemetry.live_trace import check_trace_dir
@@ -484,6 +488,7 @@ def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(),
         check_trace_dir(trace)  # before the model loads: an unwritable place is a one-line error now
         if trace_rotate_tokens < 1:
             raise InputError(f"--trace_rotate_tokens {trace_rotate_tokens}: expected >= 1")
+    _check_serve_template(model, template, chat_template)  # before the model loads: every chat request needs it
     m, tok, path = _talk_model(model, engine, dtype, plain)
     eng = getattr(m, "expertcache", None)
     if eng is not None:
@@ -499,6 +504,24 @@ def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(),
     return 0
 
 
+
+
+def _check_serve_template(model: Optional[str], template: Optional[str], template_file: Optional[str]) -> None:
+    """The chat template serve will use (--chat_template's, else the tokenizer's) renders a sample conversation;
+    only the tokenizer is read."""
+    from expertcache.telemetry.hf import load_tokenizer
+
+    from expertcache.runtime.storage.loader import resolve, resolve_model_arg
+    from expertcache.runtime.serve.request import check_chat_template
+
+    path = resolve(resolve_model_arg(model))
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        return  # no tokenizer: the loader's one line says so
+    tok = load_tokenizer(path)
+    if template is not None:
+        tok.chat_template = template
+    check_chat_template(tok, f"--chat_template {template_file}" if template is not None
+                        else f"{path}'s chat template")
 
 
 def verify(model: str, write_index: bool = True, rebless: bool = False) -> dict:

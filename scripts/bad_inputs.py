@@ -339,6 +339,16 @@ def damaged(root: Path, P: dict) -> None:
     write_text(P["prompts_nofield"], '{"prompt": "thou art"}\n')
     P["prompts_notjson"] = bad / "prompts-notjson.jsonl"
     write_text(P["prompts_notjson"], '{"text": "thou art"}\nthou art\n')
+    # issue #45: chat templates that cannot render (an unclosed tag, a missing attribute, one that drops the
+    # conversation, one that always raises), and a checkpoint whose own tokenizer carries a broken one
+    P["tpl_unclosed"] = put("unclosed.jinja", "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}")
+    P["tpl_attr"] = put("attr.jinja", "{% for m in messages %}{{ m.meta.name }}: {{ m['content'] }}{% endfor %}")
+    P["tpl_drops"] = put("drops.jinja", "{{ bos_token }}assistant:")
+    P["tpl_raises"] = put("raises.jinja", "{{ raise_exception('this template takes no conversation') }}")
+    P["model_badtemplate"] = model_copy("model-badtemplate")
+    tc = json.loads((P["model_badtemplate"] / "tokenizer_config.json").read_text())
+    tc["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor"
+    write_text(P["model_badtemplate"] / "tokenizer_config.json", json.dumps(tc))
     P["model_gptq"] = bad / "model-gptq"
     copy_tree(P["model_q8"], P["model_gptq"])
     cfg = json.loads((P["model_gptq"] / "config.json").read_text())
@@ -783,6 +793,44 @@ def cases(P: dict) -> list[dict]:
                                            P["model_q8"]], note="the copy is packed at 8 bits")
     add("pretrain-resume-lr", [*run, "train.lr=0.01"], note="a finished run under another learning rate")
     add("ca-table-brackets", ["train-cache-aware", "--table", f"[{S}/no-run]"])
+    # issue #45: refused at start, before any work
+    sv = ["serve", "--model", M, "--port", 18765]
+    add("serve-api-key-empty", [*sv, "--api_key", ""], note="an unset $KEY in --api_key \"$KEY\": served everyone")
+    add("serve-api-key-blank", [*sv, "--api_key", "   "])
+    add("serve-api-key-whitespace", [*sv, "--api_key", " s3cret "],
+        note="no client can send it: HTTP drops a header value's surrounding whitespace")
+    add("serve-chat-template-unclosed", [*sv, "--chat_template", P["tpl_unclosed"]],
+        note="every chat request was a 500")
+    add("serve-chat-template-undefined-attribute", [*sv, "--chat_template", P["tpl_attr"]])
+    add("serve-chat-template-drops-messages", [*sv, "--chat_template", P["tpl_drops"]],
+        note="renders, but without the conversation")
+    add("serve-chat-template-always-raises", [*sv, "--chat_template", P["tpl_raises"]])
+    add("serve-model-template-broken", ["serve", "--model", P["model_badtemplate"], "--port", 18765],
+        note="the checkpoint's own tokenizer_config.json template")
+    add("big-systems-empty", [*bb, "--systems", "[]"], note="wrote a 32 GB checkpoint, then a traceback in plot()")
+    add("big-systems-llamacpp-trace-routing", [*bb, "--systems", "[llama.cpp]"],
+        note="llama.cpp takes no forced routing; trace is the default")
+    add("big-systems-llamacpp-in-a-mix", [*bb, "--systems", "[mmap,llama.cpp:unbounded]", "--routing", "trace"])
+    add("big-engine-predictor-lookahead-0", [*bb, "--systems", "[mmap]", "--engine.predictor", "lookahead:0"],
+        note="no prefetch row to use it")
+    add("big-engine-predictor-oracle-native", [*bb, "--routing", "native", "--engine.predictor", "oracle"])
+    add("bench-engine-predictor-lookahead-0", [*bd, "--model", M, "--engine.predictor", "lookahead:0"],
+        note="ran as probe:1")
+    add("bench-engine-predictor-lookahead-negative", [*bd, "--model", M, "--engine.predictor", "lookahead:-2"])
+    add("bench-engine-predictor-and-predictors", [*bd, "--model", M, "--engine.predictor", "probe:1",
+                                                  "--predictors", "[lookahead:1]"])
+    add("bench-replay-engine-predictor-live", [*bd, "--replay", TR, "--engine.predictor", "lookahead:2",
+                                               "--store_dir", S / "st"])
+    add("generate-lookahead-negative", [*gen, M, "--engine.predictor", "lookahead:-2"])
+    add("generate-dtype-bf16-on-quantized-fp32", [*gen, P["model_q8"], "--dtype", "bf16"],
+        note="was: expert store comes from another checkpoint")
+    add("serve-dtype-bf16-on-quantized-fp32", ["serve", "--model", P["model_q8"], "--port", 18765, "--dtype", "bf16"])
+    add("eval-dtype-fp16-on-quantized-fp32", [*ev, "--model", P["model_q8"], "--dtype", "fp16", "--engine.capacity",
+                                              0.5, "--out", S / "v12.json"])
+    add("eval-quantized-plain", [*ev, "--model", P["model_q8"], "--out", S / "v13.json"],
+        note="was: its weights do not fit its config (8 missing keys)")
+    add("generate-quantized-plain", [*gen, P["model_q8"], "--plain", "true"])
+    add("bench-dtype-bf16-on-quantized-fp32", [*bd, "--model", P["model_q8"], "--dtype", "bf16"])
     # the whole tool
     add("unknown-command", ["frobnicate"])
     add("unknown-action", ["trace", "erase"])

@@ -20,7 +20,7 @@ _MMAP_ROW = {"runs": 1, "errors": [], "tpot_median_s": 0.3, "tpot_p90_s": 0.4, "
 def test_bench_big_serves_each_format_against_the_same_byte_budget(tmp_path):
     """`bench big --experts [bf16,int4]`: one expertcache system per format, the peers once; a quantized copy's
     slot is its store block (packed bytes), so the same budget buys about 3x the int4 slots."""
-    from expertcache.runtime.bench.bench import bigbench
+    from expertcache.runtime.bench import bigbench
     from tiny_models import build_model, tiny_config
 
     assert bigbench.system_names(["expertcache:on-demand", "mmap"], ("bf16", "int4")) == [
@@ -40,7 +40,7 @@ def test_bench_big_systems_carry_engine_options_and_formats():
     """`expertcache:on-demand/victims=false`: that row serves with those options over --engine's (a value may be a
     path with slashes); the format goes before the options; a peer takes none; the packed-linears copy has its own
     folder."""
-    from expertcache.runtime.bench.bench import bigbench
+    from expertcache.runtime.bench import bigbench
     from expertcache.runtime.engine.engine import EngineConfig
 
     base = EngineConfig(tier="disk", policy="lfu")
@@ -66,7 +66,7 @@ def test_bench_big_systems_carry_engine_options_and_formats():
 
 def _bench_big_returns(monkeypatch, res):
     """`bench big`'s runs replaced by `res` (what the command does with a result is under test, not the runs)."""
-    from expertcache.runtime.bench.bench import bigbench
+    from expertcache.runtime.bench import bigbench
 
     monkeypatch.setattr(bigbench, "bench_big", lambda *a, **kw: res)
     monkeypatch.setattr(bigbench, "plot", lambda res, png: None)
@@ -214,7 +214,7 @@ def test_a_failed_bench_big_run_says_why_in_its_error(tmp_path):
     """An out-of-memory kill leaves no message of its own: a failed run's error quotes the last line its log holds
     (the run writes what loading left resident and the cache's size there first); the progress line names the run
     and its TPOT or error."""
-    from expertcache.runtime.bench.bench import bigbench
+    from expertcache.runtime.bench import bigbench
 
     log = tmp_path / "expertcache-on-demand-round0.log"
     log.write_text("expertcache:on-demand: resident after loading 2.08 GiB + cache slots 5.93 GiB (streaming buffers "
@@ -264,7 +264,7 @@ def test_bench_big_skips_accelerate_with_its_reason_when_the_disk_cannot_hold_it
     """accelerate writes a converted copy of what the budget leaves out (26.6 GB beside a 33.9 GB checkpoint): where
     the disk cannot hold it, the row is skipped with the figures in its reason, before anything is written; a copy
     already there (it is rewritten in place) counts as room."""
-    from expertcache.runtime.bench.bench import bigbench
+    from expertcache.runtime.bench import bigbench
 
     ckpt = tmp_path / "ck"
     ckpt.mkdir()

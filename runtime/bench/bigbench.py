@@ -155,6 +155,23 @@ def check_system(name: str, engine: EngineConfig, routing: str) -> None:
     check_predictor_spec(spec)
 
 
+def check_systems(systems, engine: EngineConfig, routing: str) -> None:
+    """bench big's --systems, before the checkpoint is written: at least one, each known with its options
+    (`check_system`), none twice, none that cannot run under `routing` (llama.cpp takes no forced routing), and
+    --engine.predictor checked as the prefetch row would use it even when no such row asks for it."""
+    if not systems:
+        raise InputError(f"--systems {list(systems)}: no system to run; expected some of {', '.join(SYSTEMS)}")
+    for x in systems:
+        check_system(x, engine, routing)
+        if routing != "native" and parse_system(x)[0] in NATIVE_ONLY:
+            raise InputError(f"system {x!r} routes with the model's own routers (llama.cpp has no hook to force a "
+                             f"trace's choice): run it with --routing native, not --routing {routing}")
+    if len(set(systems)) < len(systems):
+        raise InputError(f"--systems {list(systems)}: a system is named twice")
+    if engine.predictor not in ("none", ""):
+        check_system("expertcache:prefetch", engine, routing)
+
+
 def _load_system(system: str, ckpt: Path, budget: int, layers: int, trace_ids: np.ndarray | None, start: int,
                  engine: EngineConfig):
     """`(model, engine or None, routers)` for one system; expertcache's under `engine` with the capacity the budget

@@ -9,6 +9,13 @@ from dataclasses import dataclass, field
 from expertcache.telemetry.errors import InputError
 
 MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (vLLM's default limit)
+# the message roles a chat request may carry: OpenAI's (it answers 400 for any other; `function` is its deprecated
+# name for `tool`)
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# what a chat template must render at start (`check_chat_template`): the turns every template accepts (some refuse
+# a system turn, some turns that do not alternate user/assistant)
+SAMPLE_CONVERSATION = ({"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "It is 4."},
+                       {"role": "user", "content": "And 3 + 3?"})
 
 
 @dataclass
@@ -90,12 +97,37 @@ def chat_prompt(tokenizer, messages: list[dict]) -> str:
     `role: content` per line ending in `assistant:` (base checkpoints such as the quickstart's have no template)."""
     if not messages:
         raise InputError("messages is empty; expected at least one {role, content}")
-    for m in messages:
+    for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise InputError(f"message {m!r}; expected {{'role': str, 'content': str}}")
+        if m["role"] not in ROLES:
+            raise InputError(f"messages[{i}].role {m['role']!r}; expected one of {', '.join(ROLES)}")
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except TemplateError as e:  # the template's own refusal (`raise_exception`) of these messages: the request's
+            raise InputError(f"the chat template refuses these messages: {' '.join(str(e).split())[:200]}") from None
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+def check_chat_template(tokenizer, where: str = "the tokenizer's chat template") -> None:
+    """A chat template (`where` names it) that cannot render `SAMPLE_CONVERSATION`, or renders it without the
+    user's words, would fail every chat request (HTTP 500): refused once, at start, in one line."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return
+    if not isinstance(template, str):
+        raise InputError(f"{where} is a {type(template).__name__}; expected one Jinja template")
+    try:
+        text = tokenizer.apply_chat_template(list(SAMPLE_CONVERSATION), add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # noqa: BLE001 - the template is user code: a syntax error, an undefined name, a raise
+        raise InputError(f"{where} cannot render a sample conversation (user, assistant, user): "
+                         f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+    if not isinstance(text, str) or SAMPLE_CONVERSATION[-1]["content"] not in text:
+        raise InputError(f"{where} renders a sample conversation without its last user message "
+                         f"({SAMPLE_CONVERSATION[-1]['content']!r}): not a chat template")
 
 
 def user_prompt(tokenizer, prompt: str, raw: bool = False) -> tuple[str, bool]:

@@ -29,7 +29,7 @@ import json
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -39,7 +39,7 @@ from expertcache.telemetry.hf import check_context, context_length
 
 from expertcache.runtime.kernels import fast_step
 from expertcache.runtime.serve.generate import Generation
-from expertcache.runtime.serve.request import MAX_LOGPROBS, SamplingParams, chat_prompt, encode
+from expertcache.runtime.serve.request import MAX_LOGPROBS, ROLES, SamplingParams, chat_prompt, encode
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 8  # choices per prompt
@@ -370,9 +370,12 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
+Role = Literal[ROLES]  # any other role is a 400 naming these, as OpenAI answers
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: str
+    role: Role
     content: str | list[dict[str, Any]] | None = None
 
 
@@ -478,6 +481,19 @@ def _text_content(content) -> str:
     return "".join(parts)
 
 
+def check_api_key(api_key: str | None) -> None:
+    """None serves without a key; an empty one (an unset `$KEY` in `--api_key "$KEY"`) would too, silently: refused,
+    as is one no client can send (HTTP drops a header value's surrounding whitespace)."""
+    if api_key is None:
+        return
+    if not isinstance(api_key, str) or not api_key.strip():
+        raise InputError(f"--api_key {api_key!r} is empty (an unset variable?): the server would accept every "
+                         f"request; pass a key, or leave --api_key out to serve without one")
+    if api_key != api_key.strip() or any(not c.isprintable() for c in api_key):
+        raise InputError("--api_key has surrounding whitespace or unprintable characters: no client could send it "
+                         "in an Authorization header")
+
+
 # --- the app ---------------------------------------------------------------------------------------------------
 
 def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_default: int | None = None,
@@ -493,6 +509,7 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
+    check_api_key(api_key)
     engine = getattr(model, "expertcache", None)
     metrics = _Metrics(engine)
     decoder = Decoder(model, metrics, torch_threads, max_batch, kv_cache_gb)
@@ -521,7 +538,7 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
     app = FastAPI(title="expertcache", lifespan=lifespan)
     app.state.decoder, app.state.metrics = decoder, metrics
 
-    if api_key:
+    if api_key is not None:
         import hmac
 
         @app.middleware("http")

@@ -112,7 +112,7 @@ def build_offloaded(path: str | Path, dtype=None, verify: bool | None = None, in
 
     from expertcache.runtime.kernels import qlinear, quant
     path = Path(path)
-    dtype = parse_dtype(dtype)
+    dtype = asked = parse_dtype(dtype)
     qc = quant.read_config(path)  # a checkpoint of `expertcache quantize`: experts in its store file
     if qc is not None and dtype is None:
         from expertcache.telemetry.hf import load_config
@@ -121,6 +121,8 @@ def build_offloaded(path: str | Path, dtype=None, verify: bool | None = None, in
         dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.bfloat16
         dtype = parse_dtype(str(dtype).removeprefix("torch.")) if not isinstance(dtype, torch.dtype) else dtype
     ckpt, config, adapter, model, prefixes, params = _skeleton(path, dtype)
+    if qc is not None and asked is not None:
+        _check_store_dtype(path, ckpt, adapter, model, asked)
     if dtype is None:  # the checkpoint's own dtype (of its experts), for the whole model, as from_pretrained(auto)
         probe = CheckpointExperts(ckpt, adapter.family, prefixes[:1], adapter.num_experts, params, "")
         dtype = probe.dtype
@@ -190,6 +192,23 @@ def build_offloaded(path: str | Path, dtype=None, verify: bool | None = None, in
     model.config._name_or_path = str(path)
     _generation_config(model, path)
     return model.eval(), source
+
+
+def _check_store_dtype(path: Path, ckpt, adapter, model, dtype: torch.dtype) -> None:
+    """A quantized checkpoint's expert store is stamped with the fingerprint of its routers as stored
+    (`store.check_store`); a compute dtype narrower than they are (float32 routers in bf16) rounds them, and the store
+    would read as another checkpoint's. Refused saying so, from the safetensors header (before any weight is read)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    for layer in adapter.moe_layers(model):
+        ck = checkpoint_name(names[id(layer.router)] + ".weight", adapter.family)
+        info = ckpt.tensors.get(ck)
+        if info is None or not info.dtype.is_floating_point or info.dtype == dtype or \
+                torch.finfo(dtype).bits > torch.finfo(info.dtype).bits:  # missing: the read says so; wider: exact
+            continue
+        have, want = (str(d).removeprefix("torch.") for d in (info.dtype, dtype))
+        raise InputError(f"--dtype {want}: {path} is a quantized checkpoint whose expert store belongs to its {have} "
+                         f"routers ({ck}), which {want} rounds (its store would then match no router); leave --dtype "
+                         f"out to serve it in {have}, or pass one at least as wide")
 
 
 def _tied(model, name: str) -> bool:
@@ -296,10 +315,28 @@ def load_model(model: str | Path, engine: EngineConfig | None = None, dtype=None
     tokenizer = load_tokenizer(path)
     engine = engine if engine is not None else EngineConfig()
     if plain:
+        check_plain(path)
         m = load_causal_lm(path, dtype=parse_dtype(dtype) or "auto").eval()
         return m.to(parse_device(engine.device)), tokenizer
     # the one place the checkpoint is opened through the engine (experts stay on `tier`, read by byte range)
     return load(path, dtype=dtype, engine=engine), tokenizer
+
+
+def check_plain(path: Path) -> None:
+    """A checkpoint `from_pretrained` can read: an `expertcache quantize` copy (experts packed in its own store)
+    has no plain form, and transformers would only say its expert weights are missing."""
+    import json
+
+    from expertcache.runtime.kernels import quant
+
+    try:
+        qc = json.loads((Path(path) / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return  # transformers' own loader says what is wrong with config.json
+    if isinstance(qc, dict) and qc.get("quant_method") == quant.QUANT_METHOD:  # another method: transformers' to read
+        raise InputError(f"{path} is a quantized checkpoint (its experts are packed), which has no plain transformers "
+                         f"form: serve it through the engine (e.g. --engine.capacity 1.0), or "
+                         f"use the checkpoint it was quantized from")
 
 
 def resolve_model_arg(model: str | None) -> Path:
