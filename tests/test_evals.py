@@ -667,7 +667,7 @@ def test_lm_eval_command_line_with_the_documented_one_liner(evals, tmp_path):
     assert LM_EVAL_ONE_LINE in expertcache.__doc__.replace("\\\n", "")
     args = ["--model", "expertcache", "--model_args", f"pretrained={evals['base_model']},capacity=0.5",
             "--tasks", "ec_cloze_prose", "--include_path", str(evals["root"] / "tasks" / "lm_eval_tasks"),
-            "--limit", "2", "--batch_size", "1", "--output_path", str(tmp_path / "out")]
+            "--limit", "2", "--batch_size", "1", "--device", "cpu", "--output_path", str(tmp_path / "out")]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
     plain = subprocess.run([sys.executable, "-m", "lm_eval", *args], capture_output=True, text=True, env=env,
                            timeout=300)
