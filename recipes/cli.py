@@ -287,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         return result
     if result is not None:
         print(json.dumps(result, indent=2, default=str))
+    if isinstance(result, dict) and result.get("nothing_to_do"):
+        return 0  # a finished run asked again: its verdict was already given when it ran
     if isinstance(result, dict) and result.get("gate") == "INCONCLUSIVE":
         return 3  # a gate whose intervals straddle a threshold: more blocks or documents would decide it
     if isinstance(result, dict) and (result.get("pass") is False or result.get("ok") is False):

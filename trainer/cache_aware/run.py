@@ -102,7 +102,7 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     base = _check_base(recipe.base)
     tok, out, done = prepare_run(recipe, resume, ("result.json", "model/config.json"))
     if done is not None:
-        return done
+        return {**done, "nothing_to_do": True}  # finished with this recipe: reported again, nothing trained
     from expertcache.telemetry.hf import load_causal_lm
 
     model = load_causal_lm(base, dtype=torch.float32)
