@@ -29,7 +29,7 @@ def _check(dtype: str, limit: Optional[int], ppl_blocks: int, seq_len: int, incl
         raise InputError(f"--include_path {include_path} is not a folder of task YAMLs")
 
 
-def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = list(DEFAULT_TASKS),
+def eval(model: str, engine: Optional[EngineConfig] = None, tasks: Optional[list[str]] = None,
          corpus: str = "data/corpus", out: Optional[str] = None, task_dir: Optional[str] = None,
          limit: Optional[int] = None, ppl_blocks: int = PPL_BLOCKS, seq_len: int = 128,
          include_path: Optional[str] = None,
@@ -40,13 +40,15 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = l
     The JSON keeps every step-wise block's NLL and every document's score (the gate's paired intervals) and
     reports the samples: `n_blocks` per domain, `n_documents` per task, and `sample_notes` where the held-out
     text had fewer than asked. `--size_from GATE.json` sizes the sample from an INCONCLUSIVE gate: the blocks per
-    domain and documents per task that would resolve it at the variance it observed.
+    domain and documents per task that would resolve it at the variance it observed, for the configuration that
+    gate compared (its tasks, and the engine options of the side --model names), or refuses when told another.
 
     Args:
         model: HF checkpoint: a local directory or a hub id (from the local cache while HF_HUB_OFFLINE=1)
         engine: serve the model through the offload engine with these options (absent: the plain model);
             e.g. --engine.capacity 0.25 --engine.miss reroute --engine.tau 0.1
         tasks: local tasks (evals/tasks/), any lm-eval task (e.g. arc_easy), tasks in --include_path; [] for none
+            (default: ec_ppl_prose, ec_cloze_prose, ec_math_em; with --size_from, the gate's tasks)
         corpus: corpus whose held-out split gives the local ec_* tasks' documents and the perplexity blocks (not
             read when neither needs it: other tasks and --ppl_file or --ppl_blocks 0)
         out: JSON to write (lm-eval's own JSON beside it)
@@ -82,7 +84,9 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = l
         raise InputError("--target_width needs --size_from GATE.json (the paired variance it sizes from) and must "
                          "be > 0 (a half-width in %)")
     if size_from is not None:
+        engine, tasks = gated_configuration(size_from, model, engine, tasks, seq_len, dtype)
         ppl_blocks, limit, sizing = sample_from_gate(size_from, ppl_blocks, limit, target_width)
+    tasks = list(DEFAULT_TASKS) if tasks is None else tasks
     _check(dtype, limit, ppl_blocks, seq_len, include_path, tasks)
     check_output(out, model, ppl_file)
     if engine is not None:
@@ -103,21 +107,89 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: list[str] = l
     return {k: v for k, v in res.items() if k != "lm_eval_versions"}
 
 
+# engine options that change where experts live and how fast they move, not what a served model computes
+_SPEED_ONLY = {"tier", "device", "kernel", "workers", "threads", "max_inflight_bytes"}
+
+
+def _read_gate(path: str) -> dict:
+    import json
+
+    try:
+        g = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise InputError(f"--size_from {path}: not a readable gate JSON ({str(e).splitlines()[0][:120]})") from None
+    if not isinstance(g, dict) or not isinstance(g.get("resolve"), dict):
+        raise InputError(f"--size_from {path}: not an `expertcache gate` JSON with intervals (no 'resolve'); "
+                         f"gate with this version first")
+    return g
+
+
+def gated_configuration(path: str, model: str, engine: Optional[EngineConfig], tasks: Optional[list[str]],
+                        seq_len: int, dtype: str) -> tuple[Optional[EngineConfig], list[str]]:
+    """(engine, tasks) of the side of the gate in `path` that this eval repeats, so that its sample size applies
+    (#46: a gate on reroute at C=0.25 over two tasks sized a plain eval on seven, without a word). The side is the
+    one whose model and engine options are `model` and `engine` (options that only move bytes faster aside), or,
+    with no `engine` given, the one side whose model it is (its options adopted, and said so). Tasks: the gate's
+    when none are given, else a subset of them. A one-line `InputError` for anything else."""
+    import dataclasses
+
+    g = _read_gate(path)
+    sides = {k: g.get(k) for k in ("baseline", "candidate")}
+    if not all(isinstance(s, dict) and "engine" in s and isinstance(s.get("tasks"), list) for s in sides.values()):
+        raise InputError(f"--size_from {path}: the gate does not record the configurations it compared (written by "
+                         f"an older version); gate again with this version")
+
+    def same_model(a: str, b) -> bool:
+        return a == b or (isinstance(b, str) and Path(a).exists() and Path(b).exists()
+                          and Path(a).resolve() == Path(b).resolve())
+
+    def options(e) -> Optional[dict]:
+        d = dataclasses.asdict(e) if isinstance(e, EngineConfig) else e
+        return None if d is None else {k: v for k, v in d.items() if k not in _SPEED_ONLY}
+
+    mine = [k for k, s in sides.items() if same_model(model, s.get("model"))]
+    match = [k for k in mine if options(sides[k]["engine"]) == options(engine)]
+    if not match and engine is None and len(mine) == 1:
+        match = mine  # that side's engine options, not given again
+    if not match:
+        described = "; ".join(f"{k} {s.get('model')} [{s.get('policy')}]" for k, s in sides.items())
+        given = "plain" if engine is None else engine.label()
+        raise InputError(f"--size_from {path}: this eval ({model} [{given}]) is neither side of that gate "
+                         f"({described}); give --model and the --engine.* options of the side to size")
+    side = sides[match[0]]
+    if engine is None and side["engine"] is not None:
+        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        engine = EngineConfig(**{k: v for k, v in side["engine"].items() if k in known})
+        engine.check()
+        said = f"served as the gate's {match[0]} was ({engine.label()}, policy {engine.policy})"
+    else:
+        said = f"the gate's {match[0]} ({side.get('policy')})"
+    gated = side["tasks"]
+    if tasks is None:
+        tasks = list(gated)
+    elif not set(tasks) <= set(gated):
+        raise InputError(f"--size_from {path}: the gate ran the tasks {', '.join(gated) or '(none)'}; "
+                         f"{', '.join(sorted(set(tasks) - set(gated)))} were not gated (omit --tasks to run the "
+                         f"gate's, or give some of them)")
+    for flag, given_v, gated_v in (("--seq_len", seq_len, side.get("seq_len")),
+                                   ("--dtype", dtype, side.get("dtype"))):
+        if gated_v is not None and given_v != gated_v:
+            raise InputError(f"--size_from {path}: the gate's evals used {flag} {gated_v}, this one {given_v}: "
+                             f"pass {flag} {gated_v}")
+    print(f"eval: --size_from: {said} on {', '.join(tasks) or 'no tasks'}", file=sys.stderr)
+    return engine, tasks
+
+
 def sample_from_gate(path: str, ppl_blocks: int, limit: Optional[int], target_width: Optional[float] = None
                      ) -> tuple[int, Optional[int], dict]:
     """(ppl_blocks, limit, what was decided) from a gate JSON's `resolve`: the blocks per domain and the largest
     documents per task that would resolve its INCONCLUSIVE intervals at the observed variance; with `target_width`
     (in %), the blocks per domain at which its widest Δppl half-width would shrink to it (a half-width falls as
     1/sqrt(n)); a one-line `InputError` for a file that is not a gate result."""
-    import json
-
     p = Path(path)
-    try:
-        g = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise InputError(f"--size_from {path}: not a readable gate JSON ({str(e).splitlines()[0][:120]})") from None
-    r = g.get("resolve") if isinstance(g, dict) else None
-    if not isinstance(r, dict) or "blocks_per_domain" not in r or not isinstance(r.get("documents"), dict):
+    g = _read_gate(path)
+    r = g["resolve"]
+    if "blocks_per_domain" not in r or not isinstance(r.get("documents"), dict):
         raise InputError(f"--size_from {path}: not an `expertcache gate` JSON with intervals (no 'resolve'); "
                          f"gate with this version first")
     notes = []
@@ -213,15 +285,22 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
     if grow and any(Path(x).suffix == ".json" for x in (baseline, candidate)):
         raise InputError("--grow evaluates both again on a larger sample: give checkpoint directories, not eval JSONs")
 
-    def load(x: str, served: Optional[EngineConfig]) -> dict:
+    from expertcache.telemetry.progress import Progress
+
+    def load(x: str, served: Optional[EngineConfig], side: str, rnd: int) -> dict:
         if Path(x).suffix == ".json":
             return load_eval(x)
-        return evaluate(x, corpus, served, tasks, None, task_dir, limit, ppl_blocks, seq_len,
-                        include_path=include_path, dtype=dtype, device=device)
+        with Progress(transient=True) as prog:  # a growing gate runs for minutes: show where it is (#46)
+            what = (f"gate round {rnd}/{grow + 1}: " if grow else "") + f"{side} step-wise perplexity"
+            task = prog.add_task(what, total=ppl_blocks * 3)
+            return evaluate(x, corpus, served, tasks, None, task_dir, limit, ppl_blocks, seq_len,
+                            include_path=include_path, dtype=dtype, device=device,
+                            progress=lambda: prog.advance(task))
 
     th = GateThresholds(max_dppl, max_dppl_domain, min_dacc)
     t0 = time.time()
-    g = judge(load(baseline, None), load(candidate, engine), th, confidence, resamples, seed)
+    g = judge(load(baseline, None, "baseline", 1), load(candidate, engine, "candidate", 1), th, confidence,
+              resamples, seed)
     rounds = [_round(g, ppl_blocks, limit, time.time() - t0)]
     notes: list[str] = []
     for _ in range(grow):
@@ -232,13 +311,18 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
         notes += why
         if (nb, nl) == (ppl_blocks, limit):
             break
-        print(f"gate: INCONCLUSIVE on {g['n_blocks']} blocks per domain"
+        # the next round's cost at the last one's pace: it grows with the blocks (and documents) evaluated
+        scale = max(nb / max(ppl_blocks, 1), (nl or 0) / max(limit or nl or 1, 1))
+        print(f"gate: round {len(rounds)}/{grow + 1} INCONCLUSIVE on {g['n_blocks']} blocks per domain"
               + (f" and {max(g['n_documents'].values())} documents per task" if g["n_documents"] else "")
-              + f"; evaluating both again on {nb} blocks" + (f" and {nl} documents" if nl is not None else ""),
-              file=sys.stderr)
+              + "".join(f" ({u})" for u in g["unresolved"][:1])
+              + f"; round {len(rounds) + 1}: both again on {nb} blocks" + (f" and {nl} documents" if nl is not None
+                                                                           else "")
+              + f", ~{rounds[-1]['seconds'] * scale:.0f} s at the last round's pace", file=sys.stderr)
         ppl_blocks, limit = nb, nl
         t0 = time.time()
-        g = judge(load(baseline, None), load(candidate, engine), th, confidence, resamples, seed)
+        g = judge(load(baseline, None, "baseline", len(rounds) + 1),
+                  load(candidate, engine, "candidate", len(rounds) + 1), th, confidence, resamples, seed)
         rounds.append(_round(g, ppl_blocks, limit, time.time() - t0))
     if grow:
         if g["gate"] == "INCONCLUSIVE" and len(rounds) == grow + 1:

@@ -289,8 +289,7 @@ def gate(baseline: dict, candidate: dict, th: GateThresholds = GateThresholds(),
                          f"exclude each other's sign")
     verdict = "FAIL" if fails else v["gate"]
     worst = max((d for d in dppl if d != "overall"), key=lambda d: dppl[d], default=None)
-    return {"baseline": {"model": baseline.get("model"), "policy": baseline.get("policy")},
-            "candidate": {"model": candidate.get("model"), "policy": candidate.get("policy")},
+    return {"baseline": _side(baseline), "candidate": _side(candidate),
             "gate": verdict, "pass": verdict == PASS,
             "dppl_percent": dppl, "dacc_points": dacc,
             "dppl_overall_ci95": dppl_iv["overall"][1:] if dppl_iv else None,
@@ -303,6 +302,13 @@ def gate(baseline: dict, candidate: dict, th: GateThresholds = GateThresholds(),
             "confidence": confidence, "resamples": resamples, "seed": seed, "dacc_method": DACC_METHOD,
             "bpb_crosscheck": cross, "thresholds": asdict(th),
             "failures": fails, "unresolved": v["unresolved"], "resolve": v["resolve"]}
+
+
+def _side(res: dict) -> dict:
+    """What one side of the gate evaluated: enough for `eval --size_from` to evaluate that configuration again."""
+    shapes = [s for s in (res.get("stepwise_blocks") or {}).values() if isinstance(s, list) and len(s) == 2]
+    return {"model": res.get("model"), "policy": res.get("policy"), "engine": res.get("engine"),
+            "tasks": res.get("tasks"), "dtype": res.get("dtype"), "seq_len": shapes[0][1] if shapes else None}
 
 
 def format_gate(g: dict) -> str:

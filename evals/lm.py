@@ -6,8 +6,10 @@ own `key=value,...` convention); `served=True` is implied by any of them, and no
     lm_eval.simple_evaluate(model="expertcache", model_args={"pretrained": "runs/x/model", "capacity": 0.25,
                             "miss": "reroute", "tau": 0.1}, tasks=[...])
 
-From the command line: `expertcache eval --model runs/x/model --engine.capacity 0.25 --engine.miss reroute` (lm-eval's
-own `lm_eval` command does not import plugins), or `lm_eval --model local-completions` against `expertcache serve`.
+From the command line: `expertcache eval --model runs/x/model --engine.capacity 0.25 --engine.miss reroute`, or
+`lm_eval --model local-completions` against `expertcache serve`. `lm_eval --model expertcache` itself fails: lm-eval
+offers installed packages no registration (see `expertcache`'s package docstring for the one-line `python -c` that
+runs lm-eval's command line with this model registered).
 
 Under a lossy policy every forward lm-eval asks for runs one token at a time through the KV cache (batch 1),
 so the expert cache sees tokens in order; lossless policies and the plain model use lm-eval's batched path.

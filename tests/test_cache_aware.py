@@ -274,12 +274,16 @@ def test_every_shipped_recipe_loads_and_bad_ones_are_refused():
 def _ca_recipe(tiny_data, base, out, name="smoke", **extra):
     from expertcache.trainer.cache_aware import CacheAwareRecipe
 
+    return load_recipe(CacheAwareRecipe, CA_RECIPES / f"{name}.yaml", _ca_overrides(tiny_data, base, out, **extra))
+
+
+def _ca_overrides(tiny_data, base, out, **extra) -> list[str]:
     o = {"base": str(base), "out_dir": str(out), "data.corpus": tiny_data["corpus"], "data.tokenizer": str(base),
          "data.seq_len": 64, "data.batch_size": 4, "data.val_batches": 1, "train.max_steps": 6,
          "train.ckpt_every": 3, "train.val_every": 6, "train.wandb": False, "eval.prompt_len": 16,
          "eval.decode_tokens": 12, "eval.max_seqs": 2, "eval.ppl_blocks": 2, "eval.seq_len": 64}
     o.update(extra)
-    return load_recipe(CacheAwareRecipe, CA_RECIPES / f"{name}.yaml", [f"{k}={v}" for k, v in o.items()])
+    return [f"{k}={v}" for k, v in o.items()]
 
 
 def test_aux_only_keeps_the_backbone_bit_identical(tiny_data, tiny_base, tmp_path):
@@ -308,7 +312,7 @@ def test_aux_only_keeps_the_backbone_bit_identical(tiny_data, tiny_base, tmp_pat
         load_aux_routers(tmp_path / "aux" / "model", other)
 
 
-def test_joint_run_resumes_and_writes_the_table(tiny_data, tiny_base, tmp_path):
+def test_joint_run_resumes_and_writes_the_table(tiny_data, tiny_base, tmp_path, capsys):
     from expertcache.recipes.cli import main
     from expertcache.trainer.cache_aware import run_cache_aware
 
@@ -357,6 +361,16 @@ def test_joint_run_resumes_and_writes_the_table(tiny_data, tiny_base, tmp_path):
     assert plotted_pixels(out / "cache.png") > 200  # curves were drawn, not just axes
     assert json.loads((out / "result.json").read_text())["global_step"] == 6
     assert main(["train-cache-aware", "--table", str(out)]) == 0
+    # #46: the finished folder run again has nothing to do: exit 0 (not the gate's 3), said so, nothing rewritten,
+    # and the verdict printed again with its reasons
+    capsys.readouterr()
+    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    assert main(["train-cache-aware", "--recipe", "smoke",
+                 *_ca_overrides(tiny_data, tiny_base, out, **{"train.max_steps": 6, "routers.rank": 4})]) == 0
+    err = capsys.readouterr().err
+    assert "nothing to do" in err and f"gate: {g['verdict']}" in err
+    assert all(r in err for r in g["failures"] + g["unresolved"])
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == stamps
 
 
 def test_missing_base_is_one_clear_error(tiny_data, tmp_path, capsys):

@@ -1,6 +1,9 @@
 """lm-eval over local tasks with a runtime policy, step-wise perplexity and the gate, on a tiny trained base."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -583,6 +586,11 @@ def test_gate_grows_an_inconclusive_sample_and_says_when_it_cannot(evals, tiny_d
     assert rounds[-1]["gate"] == grown["gate"] and all(r["gate"] == "INCONCLUSIVE" for r in rounds[:-1])
     assert len(rounds) == 3 or grown["gate"] != "INCONCLUSIVE"  # it stops growing once resolved
     assert json.loads((tmp_path / "g.json").read_text())["sizing"]["rounds"] == rounds
+    # #46: each growth round is announced with why, its sample and its expected time (15 silent minutes before)
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if x.startswith("gate: round 1/3 INCONCLUSIVE on 2 blocks per domain"))
+    assert f"round 2: both again on {rounds[1]['ppl_blocks']} blocks" in line and "straddles" in line
+    assert " s at the last round's pace" in line
     if grown["gate"] == "INCONCLUSIVE":  # the text ran out, or the rounds did: a note says which
         assert grown["sizing"]["notes"], grown["sizing"]
     # the caps and the text stop the growth, with a note
@@ -631,3 +639,86 @@ def test_eval_sizes_its_sample_from_a_target_interval_width(evals, tiny_data, tm
     for bad in (["--target_width", "0.5"], ["--size_from", str(tmp_path / "g.json"), "--target_width", "0"]):
         assert main(["eval", "--model", str(evals["base_model"]), *bad]) == 2
         assert "--target_width" in capsys.readouterr().err
+
+
+def test_eval_size_from_evaluates_the_gated_configuration_or_refuses(evals, tiny_data, tmp_path, capsys):
+    """#46: `eval --size_from` on a gate of a served candidate over some tasks evaluated the plain model on the
+    default tasks. It now repeats a side of that gate (its engine options and tasks), or refuses in one line."""
+    import shutil
+
+    from expertcache.evals.commands import gated_configuration
+    from expertcache.recipes.cli import main
+
+    g = gate(evals["base"], evals["served"])
+    assert g["baseline"]["engine"] is None and g["candidate"]["engine"]["capacity"] == 0.25
+    assert g["candidate"]["tasks"] == TASKS and g["candidate"]["seq_len"] == 32
+    p = tmp_path / "g.json"
+    p.write_text(json.dumps(g))
+    m = str(evals["base_model"])
+    # the same checkpoint on both sides: no --engine is the plain baseline, the candidate's options the candidate
+    assert gated_configuration(str(p), m, None, None, 32, "fp32") == (None, TASKS)
+    e, t = gated_configuration(str(p), m, EngineConfig(capacity=0.25, tier="host"), ["ec_math_em"], 32, "fp32")
+    assert (e.capacity, e.tier, t) == (0.25, "host", ["ec_math_em"])  # the tier moves bytes, computes the same
+    # refused, one line each, exit 2, before any model is loaded
+    for args, needle in ((["--engine.capacity", "0.5"], "neither side of that gate"),
+                         (["--tasks", "[arc_easy]"], "arc_easy were not gated"),
+                         (["--seq_len", "64"], "pass --seq_len 32"),
+                         (["--engine.capacity", "0.25", "--engine.miss", "reroute"], "candidate")):
+        capsys.readouterr()
+        assert main(["eval", "--model", m, "--size_from", str(p), *args]) == 2, args
+        err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+        assert len(err) == 1 and needle in err[0] and err[0].startswith("expertcache eval: error:"), (args, err)
+    # a candidate checkpoint of its own, served reroute over one task: given without --engine and --tasks, the eval
+    # is that served configuration on that task, and says so
+    rr = evals["reroute"]
+    cand = dict(g, candidate=dict(g["candidate"], model=str(tmp_path / "cand"), engine=rr["engine"],
+                                  policy=rr["policy"], tasks=rr["tasks"]))
+    shutil.copytree(evals["base_model"], tmp_path / "cand")  # another folder: a symlink is the same model
+    p.write_text(json.dumps(cand))
+    out = tmp_path / "sized.json"
+    assert main(["eval", "--model", str(tmp_path / "cand"), "--corpus", tiny_data["corpus"], "--seq_len", "32",
+                 "--ppl_blocks", "1", "--limit", "2", "--task_dir", str(evals["root"] / "tasks"),
+                 "--size_from", str(p), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["policy"] == rr["policy"] and res["engine"]["miss"] == "reroute" and res["engine"]["tau"] == 1.0
+    assert res["tasks"] == ["ec_cloze_prose"] and set(res["lm_eval"]) == {"ec_cloze_prose"}
+    assert "served as the gate's candidate was" in capsys.readouterr().err
+
+
+LM_EVAL_ONE_LINE = "import expertcache, lm_eval.__main__ as m; m.cli_evaluate()"  # expertcache's docstring
+
+
+@pytest.mark.slow  # two lm-eval command lines in subprocesses
+def test_lm_eval_command_line_with_the_documented_one_liner(evals, tmp_path):
+    """#46: `lm_eval --model expertcache` from lm-eval's own command line. lm-eval offers installed packages no
+    registration, so it fails (if a later lm-eval finds it, this test says the docs must change); the one line
+    the package docstring gives runs lm-eval's command line with the model, served, on a local task."""
+    import expertcache
+
+    assert LM_EVAL_ONE_LINE in expertcache.__doc__.replace("\\\n", "")
+    args = ["--model", "expertcache", "--model_args", f"pretrained={evals['base_model']},capacity=0.5",
+            "--tasks", "ec_cloze_prose", "--include_path", str(evals["root"] / "tasks" / "lm_eval_tasks"),
+            "--limit", "2", "--batch_size", "1", "--device", "cpu", "--output_path", str(tmp_path / "out")]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
+    plain = subprocess.run([sys.executable, "-m", "lm_eval", *args], capture_output=True, text=True, env=env,
+                           timeout=300)
+    assert plain.returncode != 0 and "expertcache" in plain.stderr
+    r = subprocess.run([sys.executable, "-c", LM_EVAL_ONE_LINE, *args], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "ec_cloze_prose" in r.stdout and "acc" in r.stdout
+    (res,) = (tmp_path / "out").rglob("results_*.json")
+    assert 0 <= json.loads(res.read_text())["results"]["ec_cloze_prose"]["acc,none"] <= 1
+
+
+@pytest.mark.slow  # lm-eval indexes its ~13k task YAMLs to find arc_easy
+def test_an_lm_eval_task_whose_data_is_offline_is_one_line_before_the_model_loads(tiny_base, tmp_path):
+    """#46: `eval --tasks arc_easy` offline (its hub dataset not cached) ended in a traceback."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1",
+               HF_DATASETS_CACHE=str(tmp_path / "empty-cache"))
+    r = subprocess.run([sys.executable, "-m", "expertcache.recipes.cli", "eval", "--model", str(tiny_base),
+                        "--tasks", "[arc_easy]", "--ppl_blocks", "0", "--task_dir", str(tmp_path / "tasks")],
+                       capture_output=True, text=True, env=env, timeout=600)
+    err = [x for x in r.stderr.splitlines() if x.startswith("expertcache eval")]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert len(err) == 1 and "task arc_easy: its data could not be loaded" in err[0], r.stderr[-2000:]

@@ -282,3 +282,12 @@ def test_verify_on_read_only_storage_keeps_its_index_in_the_user_cache(ckpt, tmp
         assert not rep["ok"] and rep["mismatches"] == 1
     finally:
         os.chmod(ckpt, mode)
+
+
+def test_verify_of_a_relative_folder_writes_its_index_beside_it_and_says_so(ckpt, monkeypatch):
+    """#46: `verify --model runs/x/model` wrote the index into the folder and said the folder was not writable
+    (the relative path was compared with the index's absolute one)."""
+    monkeypatch.chdir(ckpt.parent)
+    rep = verify(ckpt.name)
+    assert rep["ok"] and (ckpt / CHECKSUM_INDEX).is_file()
+    assert rep["index"]["after"] == "written", rep["index"]

@@ -105,3 +105,16 @@ def test_descriptions_are_never_dropped_or_read_as_markup_and_counts_stay_intege
 
     text = Text.from_markup(_plain("[/work/bb/x] and [bold]"))  # what rich does with a description
     assert text.plain == "[/work/bb/x] and [bold]"
+
+
+def test_the_training_bar_of_a_step_bounded_run_names_its_step_limit_not_epoch_minus_2():
+    """#46: Lightning's bar read `Epoch 0/-2` on every run (bounded by max_steps: max_epochs is -1)."""
+    import lightning as L
+
+    from expertcache.trainer.progress_bar import StepBoundProgressBar
+
+    for kw, want in (({"max_steps": 30}, "Epoch 0 (to step 30)"), ({"max_epochs": 3}, "Epoch 0/2")):
+        bar = StepBoundProgressBar()
+        trainer = L.Trainer(callbacks=[bar], logger=False, enable_checkpointing=False, accelerator="cpu", **kw)
+        bar._trainer = trainer  # set by Lightning's setup hook at fit time
+        assert bar._get_train_description(0).strip() == want

@@ -264,7 +264,8 @@ def _write_index(src: CheckpointExperts, target: Path, stamps: dict, sums: list,
                             "experts": [[f"{x:016x}" for x in row] for row in sums]})
     except OSError as e:
         return f"not written ({target}: {e.strerror or e})"
-    beside = target.parent == src.ckpt.dir
+    beside = target.parent == src.ckpt.dir.absolute()  # index_locations' paths are absolute (#46: a relative
+    # --model wrote beside the checkpoint and said its folder was not writable)
     return done + ("" if beside else f" to {target} (the checkpoint's folder is not writable)")
 
 

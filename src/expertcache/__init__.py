@@ -9,8 +9,18 @@ of that name is asked for), so after `import expertcache`
 
     lm_eval.simple_evaluate(model="expertcache", model_args={"pretrained": "runs/x/model"}, tasks=[...])
 
-works. lm-eval's own command line (`lm_eval --model ...`) does not import plugins: use `expertcache eval`, or
-`lm_eval --model local-completions` against `expertcache serve` (docs/serving.md).
+works. lm-eval's own command line cannot find it: `lm_eval --model expertcache` fails with "no model for this name
+found", because lm-eval 0.4 offers installed packages no registration (no entry-point group; its registry holds
+its own models and whatever the running process registered). Its command line with this package imported first is
+one line (the arguments are lm-eval's own):
+
+    python -c 'import expertcache, lm_eval.__main__ as m; m.cli_evaluate()' --model expertcache \
+        --model_args pretrained=CKPT,capacity=0.25,miss=reroute --device cpu --tasks TASKS
+
+(`--device cpu` on a machine without CUDA: lm-eval's command line passes `cuda:0` otherwise)
+
+or use `expertcache eval` (lm-eval plus the step-wise perplexity, the gate's inputs), or `lm_eval --model
+local-completions` against `expertcache serve`.
 """
 
 __all__ = ["__version__"]

@@ -107,7 +107,7 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
         plan, parts = stream.open_base(recipe, base)
     tok, out, done = prepare_run(recipe, resume, ("result.json", "model/config.json"), command="train-cache-aware")
     if done is not None:
-        return done
+        return {**done, "nothing_to_do": True}  # finished with this recipe: reported again, nothing trained
     from expertcache.telemetry.hf import load_causal_lm
 
     if parts is not None:

@@ -1,0 +1,53 @@
+"""The command line starts without the heavy libraries (#46: `expertcache --help` took 6.4 s importing lightning,
+torch and transformers to list the commands)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from expertcache.recipes import cli
+
+HEAVY = ("torch", "transformers", "lightning", "lm_eval.models.huggingface", "numba", "pyarrow")
+
+
+def _heavy_after(code: str) -> list[str]:
+    """The heavy modules a fresh interpreter holds after running `code` (SystemExit from --help is expected)."""
+    probe = (f"import sys\ntry:\n    {code}\nexcept SystemExit:\n    pass\n"
+             f"print('heavy:' + ','.join(m for m in {HEAVY!r} if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    line = r.stdout.strip().splitlines()[-1]
+    assert line.startswith("heavy:"), r.stdout
+    return [m for m in line[len("heavy:"):].split(",") if m]
+
+
+def test_importing_the_cli_imports_no_heavy_library():
+    assert _heavy_after("import expertcache.recipes.cli") == []
+
+
+def test_the_whole_tools_help_imports_no_heavy_library(capsys):
+    assert _heavy_after("from expertcache.recipes.cli import main; main(['--help'])") == []
+
+
+def test_a_missing_or_unknown_command_is_one_line_and_exit_2_without_heavy_imports(capsys):
+    assert _heavy_after("from expertcache.recipes.cli import main; sys.exit(main(['no-such-command']))") == []
+    assert cli.main(["no-such-command"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no-such-command" in err[0] and "eval" in err[0]
+    assert cli.main([]) == 2
+
+
+def test_the_summary_lists_each_command_as_its_own_parser_does():
+    """The help read from the sources with ast is what the imported functions' docstrings say."""
+    parsers: dict = {}
+    cli.build_parser(parsers, only="analyze")
+    cli.build_parser(parsers, only="trace")
+    summary = cli.summary_parser()
+    choices = summary._subcommands_action.choices
+    assert list(choices) == list(cli.COMMANDS)
+    helps = {a.dest: a.help for a in summary._subcommands_action._choices_actions}
+    fn = parsers["analyze", None][0]
+    assert helps["analyze"] == cli._first_line(fn) and helps["analyze"].startswith("Reuse, coverage")
+    assert helps["trace"] == "record, import"
+    assert cli._docstring(cli.COMMANDS["eval"]).startswith("lm-eval tasks and the step-wise")
