@@ -264,7 +264,7 @@ def tables() -> dict[str, str]:
     return out
 
 
-MARKED = re.compile(r"(<!-- table:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(\n<!-- /table:(?P=name) -->)", re.S)
+MARKED = re.compile(r"(<!-- table:(?P<name>[\w.-]+) -->)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
 
 
 def documents() -> list[Path]:
@@ -274,8 +274,10 @@ def documents() -> list[Path]:
 def rendered(text: str, generated: dict[str, str]) -> str:
     """`text` with the body between each pair of table markers replaced by the generator's; a marker naming a
     table the generator does not know says so in its body (so the check fails on it)."""
-    return MARKED.sub(lambda m: m.group(1) + generated.get(m.group("name"), f"no table named {m.group('name')!r}")
-                      + m.group(4), text)
+    def body(m: re.Match) -> str:
+        name = m.group("name")
+        return f"{m.group(1)}\n{generated.get(name, f'no table named {name!r}')}\n{m.group(4)}"
+    return MARKED.sub(body, text)
 
 
 def stale(generated: dict[str, str] | None = None) -> list[str]:
