@@ -179,7 +179,8 @@ def _git(d: dict, key: str = "git_commit") -> str:
 def make_times_table(d: dict | None) -> str:
     """results/make_times.json (scripts/timed.py) -> the wall times of `make quickstart`, `make test-fast`,
     `make test` as last measured, with the machine they were measured on."""
-    rows = ["| command | wall time | exit | machine | 1-min load after | commit | when |", "|---|---|---|---|---|---|---|"]
+    rows = ["| command | wall time | exit | machine | 1-min load after | commit | when |",
+            "|---|---|---|---|---|---|---|"]
     for key, cmd in (("make-quickstart", "make quickstart"), ("make-test-fast", "make test-fast"),
                      ("make-test", "make test")):
         r = (d or {}).get(key)
@@ -239,7 +240,8 @@ def tables() -> dict[str, str]:
         out["gate_calibration"] = _block("gate_calibration.json", f"{provenance(d['command'], 'gate_calibration.json')}"
                                          f"; git {_git(d)}", calibration_table(d))
     if (d := _load("serve_load.json")):
-        out["serve_load"] = _block("serve_load.json", f"python scripts/load_test.py --throughput; git {_git(d, 'commit')}",
+        out["serve_load"] = _block("serve_load.json",
+                                   f"python scripts/load_test.py --throughput; git {_git(d, 'commit')}",
                                    serve_load_table(d))
     # the kernels and every decode against llama.cpp (the first with its kernel rows, the others pairs only)
     for name in ("kernels", "kernels_file", "kernels_int4_2t", "kernels_depth1024"):
@@ -247,8 +249,8 @@ def tables() -> dict[str, str]:
             out[name] = _block(f"{name}.json", provenance(d["command"], f"{name}.json"),
                                kernels_table(d, pairs_only=name != "kernels"))
     if (d := _load("bench_cachesim.json")):
-        out["bench_cachesim"] = _block("bench_cachesim.json", f"python scripts/bench_cachesim.py; git {_git(d, 'commit')}",
-                                       cachesim_table(d))
+        out["bench_cachesim"] = _block("bench_cachesim.json",
+                                       f"python scripts/bench_cachesim.py; git {_git(d, 'commit')}", cachesim_table(d))
     for name, fn in (("bench_big", bigbench.table), ("bench_big_native", bigbench.table),
                      ("bench_big_16gb", bigbench.table), ("bench_decode_0.87gb", bench.table),
                      ("replay_bf16", replay.table)):

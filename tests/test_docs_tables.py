@@ -57,7 +57,8 @@ def test_make_times_read_not_measured_until_measured(gen):
 
 
 def test_provenance_carries_no_machine_paths(gen):
-    cmd = "python scripts/bench_kernels.py --model /work/ckpt/q30-4l --work /work/ckpt --out /work/bk/k9.json --x /tmp/a"
+    cmd = ("python scripts/bench_kernels.py --model /work/ckpt/q30-4l --work /work/ckpt --out /work/bk/k9.json "
+           "--x /tmp/a")
     assert gen.provenance(cmd, "kernels.json") == ("python scripts/bench_kernels.py --model CKPT --work WORKDIR "
                                                    "--out results/kernels.json --x PATH")
 
