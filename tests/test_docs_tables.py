@@ -1,0 +1,86 @@
+"""README.md and docs/*.md: every marked table is the generator's output (scripts/readme_tables.py), so a figure
+cannot drift from its results file, and no page carries a machine's absolute paths outside code typed as is."""
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def gen():
+    spec = importlib.util.spec_from_file_location("readme_tables", ROOT / "scripts" / "readme_tables.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def generated(gen):
+    return gen.tables()
+
+
+def test_readme_and_docs_equal_the_generator(gen, generated):
+    assert gen.stale(generated) == [], "run `python scripts/readme_tables.py --write`"
+
+
+def test_the_readme_carries_the_headline_and_the_make_times(gen, generated):
+    text = (ROOT / "README.md").read_text()
+    for name in ("headline", "make_times"):
+        assert f"<!-- table:{name} -->" in text and f"<!-- /table:{name} -->" in text
+    assert "results/bench_big.json" in generated["headline"]  # a figure from a results file, not typed
+    marked = {m.group("name") for p in gen.documents() for m in gen.MARKED.finditer(p.read_text())}
+    assert marked <= set(generated), marked - set(generated)
+    assert len(marked) >= 15, marked
+
+
+def test_a_drifted_table_is_caught_and_rewritten(gen, generated):
+    text = "intro\n<!-- table:headline -->\n| old | figure |\n<!-- /table:headline -->\nafter\n"
+    out = gen.rendered(text, generated)
+    assert out != text and "| old | figure |" not in out
+    assert out == f"intro\n<!-- table:headline -->\n{generated['headline']}\n<!-- /table:headline -->\nafter\n"
+    assert gen.rendered(out, generated) == out  # written once, it stays
+    unknown = gen.rendered("<!-- table:nosuch -->\n<!-- /table:nosuch -->", generated)
+    assert "no table named 'nosuch'" in unknown
+
+
+def test_make_times_read_not_measured_until_measured(gen):
+    assert gen.make_times_table(None).count(gen.NOT_MEASURED) == 3
+    t = gen.make_times_table({"make-test-fast": {"wall_s": 126.4, "exit": 0, "commit": "abc1234", "cpus": 2,
+                                                 "machine": "x86_64", "load_after_1min": 1.5, "ci": False,
+                                                 "when": "2026-01-01T00:00:00Z"}})
+    assert "| `make test-fast` | 2 min 06 s | 0 | 2 CPUs x86_64 | 1.5 | abc1234 |" in t
+    assert t.count(gen.NOT_MEASURED) == 2
+
+
+def test_provenance_carries_no_machine_paths(gen):
+    cmd = ("python scripts/bench_kernels.py --model /work/ckpt/q30-4l --work /work/ckpt --out /work/bk/k9.json "
+           "--x /tmp/a")
+    assert gen.provenance(cmd, "kernels.json") == ("python scripts/bench_kernels.py --model CKPT --work WORKDIR "
+                                                   "--out results/kernels.json --x PATH")
+
+
+ABSOLUTE = re.compile(r"(?<![\w.~:/-])/(?:work|tmp|home|Users|root|mnt|scratch|data|opt|srv)/")
+
+
+def _prose(text: str) -> list[tuple[int, str]]:
+    """(line, text) of every line outside fenced code blocks (code there is typed as is)."""
+    out, code = [], False
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.strip().startswith("```"):
+            code = not code
+        elif not code:
+            out.append((i, line))
+    return out
+
+
+def test_no_absolute_machine_paths_in_readme_and_docs(gen):
+    bad = [f"{p.relative_to(ROOT)}:{i}: {line.strip()[:100]}" for p in gen.documents()
+           for i, line in _prose(p.read_text()) if ABSOLUTE.search(line)]
+    assert not bad, "\n".join(bad)
+    assert ABSOLUTE.search("measured with --model /work/ckpt/q30 here")  # the check itself can fail
+    assert not ABSOLUTE.search("runs/ca-starter/model and results/bench_big.json")
+
