@@ -291,3 +291,14 @@ def test_verify_of_a_relative_folder_writes_its_index_beside_it_and_says_so(ckpt
     rep = verify(ckpt.name)
     assert rep["ok"] and (ckpt / CHECKSUM_INDEX).is_file()
     assert rep["index"]["after"] == "written", rep["index"]
+
+
+def test_verify_of_a_relative_folder_through_the_cli_is_not_an_output_folder_claim(ckpt, monkeypatch):
+    """The output-folder rule claimed the checkpoint's own folder when its path was relative (the index's folder
+    compared unresolved): `expertcache verify --model ck` was refused as "not an output of verify"."""
+    from expertcache.recipes.cli import main
+
+    monkeypatch.chdir(ckpt.parent)
+    assert main(["verify", "--model", ckpt.name]) == 0
+    assert (ckpt / CHECKSUM_INDEX).is_file()
+    assert not any(p.name.startswith(".expertcache-output") for p in ckpt.iterdir())  # the folder is not claimed

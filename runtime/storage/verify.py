@@ -178,7 +178,7 @@ def verify_checkpoint(path: str | Path, write_index: bool = True, progress=None,
     path = Path(path)
     src: CheckpointExperts = expert_source(path)
     stamps = src.file_stamps()  # before reading: a file changed during the pass is seen next time
-    if write_index and src.index_write_path().parent != src.ckpt.dir:  # the user cache's folder of indexes: before
+    if write_index and not _beside(src, src.index_write_path()):  # the user cache's folder of indexes: before
         claim_dir(src.index_write_path().parent, "verify", resume=True, legacy=_index_folder)  # the pass, verify's
     read_from = src.index_path
     before, problem, expected, changed = "none", None, None, []
@@ -256,7 +256,7 @@ def verify_checkpoint(path: str | Path, write_index: bool = True, progress=None,
 
 def _write_index(src: CheckpointExperts, target: Path, stamps: dict, sums: list, done: str) -> str:
     try:
-        if target.parent != src.ckpt.dir:  # the user cache's folder of indexes: verify's alone
+        if not _beside(src, target):  # the user cache's folder of indexes: verify's alone
             own_dir(target.parent, "verify", legacy=_index_folder)
         write_json(target, {"format": INDEX_FORMAT, "version": INDEX_VERSION, "algorithm": CHECKSUM,
                             "layout_sha256": src.layout_sha256(), "files": stamps, "layers": src.prefixes,
@@ -267,6 +267,12 @@ def _write_index(src: CheckpointExperts, target: Path, stamps: dict, sums: list,
     beside = target.parent == src.ckpt.dir.absolute()  # index_locations' paths are absolute (#46: a relative
     # --model wrote beside the checkpoint and said its folder was not writable)
     return done + ("" if beside else f" to {target} (the checkpoint's folder is not writable)")
+
+
+def _beside(src: CheckpointExperts, target: Path) -> bool:
+    """Whether the index goes beside the checkpoint (its own folder, however either path is spelled: `verify
+    --model ck` gives a relative one) rather than into the user cache's folder of indexes."""
+    return Path(target).parent.resolve() == Path(src.ckpt.dir).resolve()
 
 
 def _index_folder(p: Path) -> bool:
