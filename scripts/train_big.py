@@ -54,7 +54,8 @@ def run_one(ckpt: Path, out: Path, a, cg) -> dict:
                 "error": f"exit {p.returncode}" + (" (killed: out of memory in the cgroup?)" if p.returncode in
                                                    (-9, 137) else "") + f": {last[0][:300]}"}
     r = json.loads(res.read_text())
-    out_row = {**{k: r.get(k) for k in FIELDS}, **row}
+    out_row = {**{k: r.get(k) for k in FIELDS}, **row, "commit": a.commit}
+    out_row["checkpoint"] = Path(out_row["checkpoint"]).name  # a folder name, not this machine's path
     write_json(done, out_row)
     trained = out / "model"  # the trained copy of a bigger-than-memory checkpoint: as large as the base; the
     if a.drop_model and trained.is_dir():  # figures are the run's, so it goes unless asked to keep it
@@ -87,6 +88,7 @@ def main() -> None:
     from expertcache.runtime.bench.memcg import MemoryCgroup
 
     commit = _git_commit(REPO / "runtime")
+    a.commit = commit  # each run's row records the code it ran (a later invocation may reuse it)
     ckpt, work = Path(a.model), Path(a.work)
     if a.make_layers:
         from expertcache.runtime.bench.bigckpt import write_checkpoint
