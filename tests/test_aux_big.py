@@ -35,7 +35,7 @@ def _train(setup, trace, out, capsys=None):
                  "--recipe.out_dir", str(out), "--recipe.routers.trace", str(trace), "--recipe.routers.rank", "2",
                  "--recipe.data.tokenizer", str(setup["ck"]), "--recipe.data.batch_size", "3",
                  "--recipe.train.max_steps", "30", "--recipe.train.warmup_steps", "2",
-                 "--recipe.routers.lr", "0.01"])
+                 "--recipe.routers.lr", "0.01", "--recipe.routers.prefetch_threshold", "0.05"])
 
 
 def test_offloaded_record_trains_aux_routers_that_spatio_serves(setup, tmp_path, capsys):
@@ -75,6 +75,8 @@ def test_offloaded_record_trains_aux_routers_that_spatio_serves(setup, tmp_path,
     ref = AutoModelForCausalLM.from_pretrained(setup["ck"]).eval()
     want = ref.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=ref.config.pad_token_id)
     assert torch.equal(got, want)  # the predictor decides prefetches, never the tokens
+    pred = m.expertcache.predictor
+    assert pred.name == "spatio" and torch.equal(pred.aux.spatio[0].up.weight, aux.spatio[0].up.weight)
 
 
 def test_aux_only_refuses_a_trace_without_hidden_states_or_of_another_model(setup, tmp_path, capsys):
