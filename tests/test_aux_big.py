@@ -95,3 +95,15 @@ def test_aux_only_refuses_a_trace_without_hidden_states_or_of_another_model(setu
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a trace of the base" in err[0] and "4 experts" in err[0]
     assert not (tmp_path / "r1" / "model").exists() and not (tmp_path / "r2" / "model").exists()
+
+
+def test_engine_options_imply_offload_and_trace_is_for_aux_only(setup, tmp_path, capsys):
+    from expertcache.trainer.cache_aware import CacheAwareRecipe
+    from expertcache.trainer.config import RecipeError, load_recipe
+    from helpers import REPO
+
+    assert _record(setup, tmp_path / "t.parquet", "--engine.capacity", "0.5") == 0  # a changed engine field
+    assert json.loads(capsys.readouterr().out)["offload"] is True
+    with pytest.raises(RecipeError, match="routers.trace is for mode=aux-only"):
+        load_recipe(CacheAwareRecipe, REPO / "recipes" / "cache-aware" / "aux-only.yaml",
+                    ["mode=joint", "routers.trace=t.parquet"])

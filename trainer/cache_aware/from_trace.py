@@ -108,6 +108,8 @@ def run_from_trace(recipe, base: Path, resume: bool = True) -> dict:
     if output_marker(out) is None:
         mark_output(out, COMMAND, complete=False)
     write_text(out / "recipe.yaml", recipe_text)
+    if recipe.train.threads:
+        torch.set_num_threads(recipe.train.threads)
     torch.manual_seed(recipe.train.seed)
     streamed = stream._RUNTIME.open_streamed(base, recipe.train.expert_tier, stream.compute_dtype(recipe))
     try:
