@@ -115,7 +115,7 @@ def record_blocks(model, blocks: np.ndarray, writer: TraceWriter, domain: str, p
     model.eval()
     with Recorder(model, hidden=writer.with_hidden, logits=writer.with_logits) as rec:
         for start in range(0, len(blocks), batch_size):
-            prompt = torch.from_numpy(blocks[start:start + batch_size, :prompt_len].astype(np.int64))
+            prompt = torch.from_numpy(blocks[start:start + batch_size, :prompt_len].astype(np.int64)).to(model.device)
             b = prompt.shape[0]
             seq_ids = np.arange(seq_offset + start, seq_offset + start + b, dtype=np.int32)
             rec.clear()
@@ -125,10 +125,10 @@ def record_blocks(model, blocks: np.ndarray, writer: TraceWriter, domain: str, p
                 n_new = decode_tokens + 1
                 out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n_new,
                                      min_new_tokens=n_new, do_sample=False, pad_token_id=model.config.pad_token_id)
-                tokens = out[:, :prompt_len + decode_tokens].numpy()
+                tokens = out[:, :prompt_len + decode_tokens].cpu().numpy()
             else:
                 model(input_ids=prompt, use_cache=False)
-                tokens = prompt.numpy()
+                tokens = prompt.cpu().numpy()
             calls = rec.take()
             n_calls = len(next(iter(calls.values())))
             call_tokens = [(np.repeat(seq_ids, prompt_len), np.tile(np.arange(prompt_len, dtype=np.int32), b))]
