@@ -58,6 +58,11 @@ def test_offloaded_record_trains_aux_routers_that_spatio_serves(setup, tmp_path,
     res = json.loads((run / "result.json").read_text())
     assert res["from_trace"] == str(off) and res["trace_tokens"] == ids_b.shape[1]
     assert res["loss_last"] < res["loss_first"]  # the heads learned the trace's routing
+    mtime = (run / "result.json").stat().st_mtime_ns
+    capsys.readouterr()
+    assert _train(setup, off, run) == 0  # finished with this recipe: reported again, nothing trained
+    assert json.loads(capsys.readouterr().out)["nothing_to_do"] is True
+    assert (run / "result.json").stat().st_mtime_ns == mtime
     model_dir = run / "model"
     assert (model_dir / "aux_routers.safetensors").is_file()
 

@@ -50,13 +50,13 @@ def trace_record(model: str, out: str, corpus: str = "data/corpus", tokenizer: O
     from expertcache.telemetry.commands import record
     from expertcache.telemetry.hf import parse_dtype
 
-    open_model = None
-    if offload or engine != EngineConfig():  # one default: EngineConfig's; a changed field asks for the engine
-        def open_model():
-            from expertcache.runtime.storage.loader import load
+    def through_engine():
+        from expertcache.runtime.storage.loader import load
 
-            return load(model, dtype=parse_dtype(dtype, "--dtype"), engine=engine)
+        return load(model, dtype=parse_dtype(dtype, "--dtype"), engine=engine)
 
+    # one default: EngineConfig's; a field changed from it asks for the engine as --offload true does
+    open_model = through_engine if offload or engine != EngineConfig() else None
     res = record(model, out, corpus, tokenizer, split, prompt_len, decode_tokens, batch_size, max_seqs, domains,
                  hidden, logits, prompts, field, domain, max_prompts, dtype, open_model=open_model)
     return res | {"offload": open_model is not None}

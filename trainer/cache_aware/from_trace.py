@@ -52,7 +52,7 @@ def read_trace_for(trace: str | Path, base: Path):
     return meta, ids, hidden, seq, pos
 
 
-def batches(seq: np.ndarray, pos: np.ndarray, batch_size: int) -> list[np.ndarray]:
+def batches(seq: np.ndarray, batch_size: int) -> list[np.ndarray]:
     """Token indices `[B, T]` per batch: whole sequences (tokens in position order), sequences of one length
     together."""
     starts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
@@ -83,8 +83,8 @@ def run_from_trace(recipe, base: Path, resume: bool = True) -> dict:
     from . import stream
 
     r = recipe.routers
-    meta, ids, hidden, seq, pos = read_trace_for(r.trace, base)
-    groups = batches(seq, pos, recipe.data.batch_size)
+    _, ids, hidden, seq, _ = read_trace_for(r.trace, base)
+    groups = batches(seq, recipe.data.batch_size)
     if not groups:
         raise InputError(f"routers.trace {r.trace} holds no sequence of 2 tokens or more")
     out = Path(recipe.out_dir)
