@@ -69,8 +69,10 @@ def test_offloaded_record_trains_aux_routers_that_spatio_serves(setup, tmp_path,
     from transformers import AutoModelForCausalLM
 
     from expertcache.runtime import load
-    from expertcache.runtime.engine.predictors import aux_routers_for
+    from expertcache.runtime.engine.predictors import aux_routers_for, set_aux_routers_loader
+    from expertcache.trainer.aux_routers import load_aux_routers
 
+    set_aux_routers_loader(load_aux_routers)  # what the CLI installs
     m = load(model_dir, capacity=0.25, predictor="spatio")
     aux = aux_routers_for(model_dir, m)
     assert aux is not None and aux.spatio is not None
@@ -135,3 +137,11 @@ def test_offloaded_record_of_a_bf16_checkpoint_matches_in_memory(setup, tmp_path
     assert (a.routing()[0] == b.routing()[0]).all()
     ha, hb = (t.layer_matrix("hidden").astype("float32") for t in (a, b))
     assert abs(ha - hb).max() <= 2 ** -5 * abs(ha).max()  # a few bf16 ulps (measured: 0.031 at |h| 3.4)
+    # the bf16 base's aux routers (trained in fp32 from the trace) are this checkpoint's: spatio loads them
+    assert _train({**setup, "ck": bf}, tmp_path / "off.parquet", tmp_path / "run") == 0
+    from expertcache.runtime import load
+
+    m = load(tmp_path / "run" / "model", capacity=0.25, predictor="spatio")
+    assert m.expertcache.predictor.name == "spatio" and next(m.parameters()).dtype == torch.bfloat16
+    assert m.generate(torch.tensor([[5, 9, 14, 3]]), max_new_tokens=4, do_sample=False,
+                      pad_token_id=m.config.pad_token_id).shape == (1, 8)
