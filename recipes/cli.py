@@ -29,7 +29,7 @@ COMMANDS = {
     "pretrain": "expertcache.recipes.commands:pretrain",
     "quickstart": "expertcache.recipes.commands:quickstart",
     "train-cache-aware": "expertcache.recipes.commands:train_cache_aware",
-    "trace": {"record": "expertcache.telemetry.commands:trace_record",
+    "trace": {"record": "expertcache.runtime.serve.record:trace_record",
               "import": "expertcache.telemetry.commands:trace_import"},
     "trace-info": "expertcache.telemetry.commands:trace_info",
     "analyze": "expertcache.telemetry.commands:analyze",

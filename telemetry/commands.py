@@ -42,6 +42,17 @@ def trace_record(model: str, out: str, corpus: str = "data/corpus", tokenizer: O
         dtype: the dtype the model runs in while recording: auto (the checkpoint's own, as it is served) | fp32 |
             bf16 | fp16; the trace's metadata names it
     """
+    return record(model, out, corpus, tokenizer, split, prompt_len, decode_tokens, batch_size, max_seqs, domains,
+                  hidden, logits, prompts, field, domain, max_prompts, dtype)
+
+
+def record(model: str, out: str, corpus: str = "data/corpus", tokenizer: Optional[str] = None,
+           split: Split = "test", prompt_len: int = 128, decode_tokens: int = 64, batch_size: int = 8,
+           max_seqs: int = 16, domains: Optional[list[str]] = None, hidden: bool = False,
+           logits: bool = False, prompts: Optional[str] = None, field: str = "text", domain: str = "prompts",
+           max_prompts: int = 0, dtype: str = "auto", open_model=None) -> dict:
+    """`trace_record`'s work, its arguments checked first; `open_model`: a callable returning the model to record
+    instead of the whole checkpoint read into memory (the runtime's `trace record --offload true` passes `load()`)."""
     from .atomic import check_output
     from .recorder import DTYPES, read_prompts, record_corpus, record_prompts
 
@@ -56,7 +67,7 @@ def trace_record(model: str, out: str, corpus: str = "data/corpus", tokenizer: O
             raise InputError(f"max_prompts={max_prompts}; expected >= 0 (0: all)")
         texts = read_prompts(prompts, field, max_prompts)
         return record_prompts(model, texts, out, prompt_len, decode_tokens, domain, hidden, logits, dtype,
-                              source=str(prompts))
+                              source=str(prompts), open_model=open_model)
     from .corpus import DOMAINS
 
     unknown = [d for d in domains or [] if d not in DOMAINS]
@@ -67,7 +78,7 @@ def trace_record(model: str, out: str, corpus: str = "data/corpus", tokenizer: O
         if v < 1:
             raise InputError(f"{name}={v}; expected >= 1")
     return record_corpus(model, corpus, tokenizer, split, out, prompt_len, decode_tokens, batch_size, max_seqs,
-                         domains, hidden, logits, dtype)
+                         domains, hidden, logits, dtype, open_model)
 
 
 def trace_import(src: str, out: str, num_experts: Optional[int] = None, domain: str = "",

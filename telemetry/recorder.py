@@ -115,7 +115,7 @@ def record_blocks(model, blocks: np.ndarray, writer: TraceWriter, domain: str, p
     model.eval()
     with Recorder(model, hidden=writer.with_hidden, logits=writer.with_logits) as rec:
         for start in range(0, len(blocks), batch_size):
-            prompt = torch.from_numpy(blocks[start:start + batch_size, :prompt_len].astype(np.int64))
+            prompt = torch.from_numpy(blocks[start:start + batch_size, :prompt_len].astype(np.int64)).to(model.device)
             b = prompt.shape[0]
             seq_ids = np.arange(seq_offset + start, seq_offset + start + b, dtype=np.int32)
             rec.clear()
@@ -125,10 +125,10 @@ def record_blocks(model, blocks: np.ndarray, writer: TraceWriter, domain: str, p
                 n_new = decode_tokens + 1
                 out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n_new,
                                      min_new_tokens=n_new, do_sample=False, pad_token_id=model.config.pad_token_id)
-                tokens = out[:, :prompt_len + decode_tokens].numpy()
+                tokens = out[:, :prompt_len + decode_tokens].cpu().numpy()
             else:
                 model(input_ids=prompt, use_cache=False)
-                tokens = prompt.numpy()
+                tokens = prompt.cpu().numpy()
             calls = rec.take()
             n_calls = len(next(iter(calls.values())))
             call_tokens = [(np.repeat(seq_ids, prompt_len), np.tile(np.arange(prompt_len, dtype=np.int32), b))]
@@ -219,9 +219,11 @@ def _dataset_prompts(path: Path, split: str | None, field: str, limit: int) -> l
 
 def record_prompts(model_dir: str | Path, prompts: list[str], out: str | Path, prompt_len: int = 128,
                    decode_tokens: int = 64, domain: str = "prompts", hidden: bool = False, logits: bool = False,
-                   dtype: str = "auto", source: str = "") -> dict:
+                   dtype: str = "auto", source: str = "", open_model=None) -> dict:
     """Record a HF checkpoint's routing on the user's own prompts (each: at most `prompt_len` tokens, prefill and
-    `decode_tokens` greedy steps; one sequence each) into a Parquet trace that analyze and fit-policy read."""
+    `decode_tokens` greedy steps; one sequence each) into a Parquet trace that analyze and fit-policy read.
+    `open_model`: a callable returning the model to record (e.g. the runtime's `load()`, experts offloaded);
+    None: the whole checkpoint read into memory (`load_causal_lm`)."""
     from expertcache.telemetry.progress import Progress
 
     from .hf import check_context, load_causal_lm, load_tokenizer
@@ -230,7 +232,7 @@ def record_prompts(model_dir: str | Path, prompts: list[str], out: str | Path, p
     if not (model_dir / "config.json").is_file():
         raise InputError(f"no HF checkpoint at {model_dir} (expected {model_dir / 'config.json'})")
     tok = load_tokenizer(str(model_dir))
-    model = load_causal_lm(model_dir, dtype=_dtype(dtype))
+    model = open_model() if open_model is not None else load_causal_lm(model_dir, dtype=_dtype(dtype))
     ids = [tok(p, add_special_tokens=False)["input_ids"][:prompt_len] for p in prompts]
     ids = [x for x in ids if x]
     if not ids:
@@ -257,8 +259,9 @@ def record_prompts(model_dir: str | Path, prompts: list[str], out: str | Path, p
 def record_corpus(model_dir: str | Path, corpus: str, tokenizer: str | None, split: str, out: str | Path,
                   prompt_len: int = 128, decode_tokens: int = 64, batch_size: int = 8, max_seqs: int = 16,
                   domains: list[str] | None = None, hidden: bool = False, logits: bool = False,
-                  dtype: str = "auto") -> dict:
-    """Record a HF checkpoint on `max_seqs` held-out blocks per domain of our corpus into a Parquet trace."""
+                  dtype: str = "auto", open_model=None) -> dict:
+    """Record a HF checkpoint on `max_seqs` held-out blocks per domain of our corpus into a Parquet trace
+    (`open_model`: as in `record_prompts`)."""
     from expertcache.telemetry.progress import Progress
 
     from .corpus import DOMAINS, packed_blocks
@@ -276,7 +279,7 @@ def record_corpus(model_dir: str | Path, corpus: str, tokenizer: str | None, spl
     tokenizer = tokenizer or str(model_dir)
     from .hf import load_causal_lm
 
-    model = load_causal_lm(model_dir, dtype=_dtype(dtype))
+    model = open_model() if open_model is not None else load_causal_lm(model_dir, dtype=_dtype(dtype))
     from .hf import check_context
 
     check_context(model, prompt_len, decode_tokens, "--prompt_len", "--decode_tokens")  # before any block is read

@@ -100,6 +100,9 @@ class RouterSpec:
     weight: float = opt(1.0, "weight of the routers' cache loss in joint mode")
     lr: float = opt(0.0, "peak learning rate of the routers (0: train.lr); fresh heads usually want more than "
                          "the pretrained backbone")
+    trace: str = opt("", "mode=aux-only: train from this trace's hidden states and routing (`expertcache trace "
+                     "record --hidden true`, --offload true for a base bigger than memory) instead of forwards of "
+                     "the model; no expert is read (empty: live forwards on data.corpus)")
 
     def __post_init__(self):
         for name, lo in (("rank", 1), ("refine_budget", 0), ("horizon", 1), ("history", 1)):
@@ -222,6 +225,9 @@ class CacheAwareRecipe:
         if self.mode == "aux-only" and (self.locality.weight or self.locality.domain_weight):
             raise RecipeError("mode=aux-only freezes the backbone, so locality.weight and locality.domain_weight "
                               "would do nothing; set them to 0")
+        if self.routers.trace and self.mode != "aux-only":
+            raise RecipeError(f"routers.trace is for mode=aux-only (the backbone frozen); mode={self.mode} trains "
+                              f"the backbone on live forwards")
         if self.sweep.key and not self.sweep.values:
             raise RecipeError(f"sweep.key={self.sweep.key} has no sweep.values")
         if self.frontier.variants and self.sweep.key:

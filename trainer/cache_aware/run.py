@@ -100,6 +100,10 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     from ..runfolder import finish_run, fit_resumable, plot_training_curve, prepare_run
 
     base = _check_base(recipe.base)
+    if recipe.routers.trace:  # aux-only from a recorded trace: no forward of the model, no expert read
+        from .from_trace import run_from_trace
+
+        return run_from_trace(recipe, base, resume)
     from . import stream
 
     streamed = parts = None
