@@ -197,6 +197,33 @@ def test_bench_decode_marks_a_ratio_to_on_demand_its_rounds_cannot_carry():
     assert "| 1.171 (rounds overlap: noise) |" in lines[3] and "| 0.700 |" in lines[4], lines
 
 
+def test_bench_decode_table_shows_prefetches_beside_ratios_and_flags_x_plain_by_the_same_rule():
+    """Issue 46: `lookahead:2` ran 1.12x on-demand having issued no prefetch, which only the JSON showed. Every row
+    shows the prefetches issued and used per token beside its ratios, and "× plain" carries the noise flag of
+    "× on-demand" (one rule: `rounds_apart`)."""
+    from expertcache.runtime.bench.bench import rounds_apart, table
+
+    row = {"tpot_median_s": 0.011, "tpot_p90_s": 0.012, "tokens_per_s": 90.0, "greedy_tokens_equal_plain": True}
+    plain_r, od_r, la_r = [0.0100, 0.0102, 0.0101], [0.0130, 0.0135, 0.0128], [0.0131, 0.0125, 0.0140]
+    od = dict(row, vs_plain=1.3, vs_plain_claimed=rounds_apart(od_r, plain_r), prefetch_loads_per_token=0.0,
+              prefetch_hits_per_token=0.0)
+    la = dict(row, vs_plain=1.31, vs_plain_claimed=rounds_apart(la_r, plain_r), vs_on_demand=1.008,
+              vs_on_demand_claimed=rounds_apart(la_r, od_r), prefetch_loads_per_token=1.5,
+              prefetch_hits_per_token=0.75)
+    noisy = dict(la, vs_plain=1.02, vs_plain_claimed=rounds_apart([0.0099, 0.0105, 0.0103], plain_r))
+    res = {"configs": {"plain": dict(row, vs_plain=1.0), "on-demand@0.0625": od, "lookahead:2+blocking@0.0625": la,
+                       "x@0.0625": noisy}}
+    lines = table(res).splitlines()
+    head = [c.strip() for c in lines[0].split("|")]
+    assert head.index("prefetched/tok (used)") == head.index("× on-demand") + 1
+    cells = [[c.strip() for c in line.split("|")] for line in lines[2:]]
+    col = lambda name: head.index(name)  # noqa: E731
+    assert [c[col("× plain")] for c in cells] == ["1.000", "1.300", "1.310", "1.020 (rounds overlap: noise)"]
+    assert [c[col("× on-demand")] for c in cells] == ["—", "—", "1.008 (rounds overlap: noise)",
+                                                      "1.008 (rounds overlap: noise)"]
+    assert [c[col("prefetched/tok (used)")] for c in cells] == ["—", "0.00 (0.00)", "1.50 (0.75)", "1.50 (0.75)"]
+
+
 def test_a_bench_big_process_that_fails_returns_its_last_line_not_a_traceback(tmp_path):
     """`run_process`, which runs every expertcache round and the untimed settling run: a run that fails in its own
     process comes back as one error naming its exit status, its log and the log's last line."""
@@ -258,6 +285,15 @@ def test_bench_big_roofline_bounds_a_token_by_its_compute_and_its_reads():
     text = table({"systems": {"expertcache:prefetch/predictor=oracle": oracle}})
     assert "| expertcache:prefetch/predictor=oracle (a limit: reads the trace's future) | 0.200 |" in text, text
     assert "| 0.50 | 2.0 / 40.0 (39.5) |" in text, text
+    # issue 46: each comparison's ratio has its system's prefetches issued (used) per token beside it
+    comp = {"expertcache:prefetch vs llama.cpp": {"ratio": 0.8, "claimed": True},
+            "expertcache:prefetch vs expertcache:on-demand": {"ratio": 1.02, "claimed": False},
+            "expertcache:on-demand vs llama.cpp": {"ratio": 0.78, "claimed": True}}
+    pre = dict(row, demand_loads_per_token=1.0, prefetch_loads_per_token=3.25, prefetch_hits_per_token=2.5)
+    text = table({"systems": {"expertcache:prefetch": pre, "expertcache:on-demand": row}, "comparisons": comp})
+    assert "| expertcache:prefetch vs llama.cpp | 0.80 | yes | 3.25 (2.50) |" in text, text
+    assert "| expertcache:prefetch vs expertcache:on-demand | 1.02 | no: the rounds overlap | 3.25 (2.50) |" in text
+    assert "| expertcache:on-demand vs llama.cpp | 0.78 | yes | — |" in text, text
 
 
 def test_bench_big_skips_accelerate_with_its_reason_when_the_disk_cannot_hold_its_copy(tmp_path, monkeypatch):

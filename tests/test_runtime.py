@@ -699,6 +699,9 @@ def test_the_prefetch_guard_stops_a_predictor_that_does_not_pay_and_keeps_one_th
     for right in (False, True):
         m = _fresh("qwen3_moe")
         eng = offload(m, path, EngineConfig(capacity=2, tier="host"), predictor=Named(truth, right))
+        # shadow at every token: Named answers by its own call count, and 40 tokens of sampled shadow (1 in 8) score
+        # fewer experts than a verdict needs; the sampling is tested below
+        eng.guard = PrefetchGuard(0.5, shadow_every=1)
         _, out, st = timed_greedy(m, prompt, 40, eng)
         eng.close()
         assert torch.equal(out, ref)
@@ -706,6 +709,50 @@ def test_the_prefetch_guard_stops_a_predictor_that_does_not_pay_and_keeps_one_th
             assert eng.guard.state == "on" and st.prefetch_loads > 0 and st.prefetch_hits > 0, eng.guard.describe()
         else:
             assert st.prefetch_loads == 0 and st.prefetch_paused > 0, eng.guard.describe()
+
+
+def test_a_predictor_in_shadow_runs_on_one_decode_token_in_shadow_every(family_models):
+    """Issue 46: `lookahead:2` kept in shadow for a whole run (its predictions all resident, so never scored) ran
+    1.12x on-demand from its own compute. In shadow it now runs on every layer of one decode token in
+    `shadow_every`, never in the prefill, and what it names there is still scored; on (guard 0), at every step."""
+    from expertcache.runtime.engine.predictors import Predictor
+    from expertcache.runtime.serve.generate import timed_greedy
+
+    model, path = family_models["qwen3_moe"]
+    prompt = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(5))
+
+    class Counted(Predictor):  # names experts 0..3 of the next layer; records the engine's pass of each call
+        name = "counted"
+
+        def __init__(self):
+            self.calls = []
+
+        def predict(self, layer, hidden, history):
+            self.calls.append((self.eng._pass, layer, hidden.shape[0]))
+            s = torch.zeros(hidden.shape[0], 8)
+            s[:, :4] = 1.0
+            return s
+
+    n_new, runs = 40, {}
+    for guard in (0.5, 0.0):
+        m = _fresh("qwen3_moe")
+        pred = Counted()
+        eng = pred.eng = offload(m, path, EngineConfig(capacity=2, tier="host", prefetch_guard=guard), predictor=pred)
+        eng.guard.first = 10**9  # no verdict: shadow the whole run (the issue's case)
+        _, out, st = timed_greedy(m, prompt, n_new, eng)
+        eng.close()
+        runs[guard] = (pred.calls, eng.guard, out)
+    calls, g, out = runs[0.5]
+    layers = len(eng.layers)
+    decode_passes = n_new - 1  # pass 1 is the prefill
+    assert g.state == "shadow" and g.shadow_every == 8
+    assert all(rows == 1 and p % 8 == 0 for p, _, rows in calls), calls  # decode tokens only, the sampled ones
+    sampled = {p for p, _, _ in calls}
+    assert len(calls) == len(sampled) * layers <= -(-decode_passes // 8) * layers and len(sampled) >= 4
+    assert g.judged > 0  # the sampled predictions were scored (the precision is still measured)
+    on_calls, g_on, out_on = runs[0.0]
+    assert g_on.state == "on" and len(on_calls) == (decode_passes + 1) * layers  # on: every step, prefill too
+    assert torch.equal(out, out_on)  # tokens are the same either way
 
 
 def test_per_token_figures_come_from_one_place():

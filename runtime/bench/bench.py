@@ -185,11 +185,15 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineCon
                "tokens_per_s": float(1 / np.median(t)), "greedy_tokens_equal_plain": res["tokens_equal_plain"]}
         if t_base:
             row[f"vs_{base}"] = float(np.median(t)) / t_base
+            if name != base:  # the one claim rule of every ratio (`rounds_apart`)
+                row[f"vs_{base}_claimed"] = rounds_apart(row["tpot_round_medians_s"], [
+                    float(np.median(x)) for x in results[base]["rounds"] if x])
         if res["stats"]:
             tot = sum(res["stats"], Stats())
             n_tok = len(res["stats"]) * (n_new - 1 - warmup)  # the timed steps (the TPOT figures' steps)
             tot.tokens = n_tok
             d = tot.to_dict(tb)
+            d["prefetch_hits_per_token"] = tot.prefetch_hits / n_tok if n_tok else 0.0  # prefetches used
             d["time_budget_s"] = tot.time_budget(sum(res["wall"]), n_tok)
             if bw and t_res:
                 t_transfer = d["traffic_bytes_per_token"] / bw
@@ -205,15 +209,24 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineCon
     return out
 
 
+def _ratio(s: dict, key: str) -> str:
+    """A ratio cell with its noise flag: the same rule (`rounds_apart`, `{key}_claimed`) for every ratio column."""
+    if key not in s:
+        return "—"
+    return f"{s[key]:.3f}" + (" (rounds overlap: noise)" if s.get(f"{key}_claimed") is False else "")
+
+
 def table(res: dict) -> str:
-    rows = ["| config | TPOT med (ms) | p90 (ms) | tok/s | × plain | × on-demand | hit | adj. hit | MB/tok | "
-            "stall ms/tok | overlap eff. | tokens = plain |", "|" + "---|" * 12]
+    """One row per configuration; beside its ratios, the prefetches it issued and used per token (a ratio off 1
+    with none issued is the predictor's own compute, or noise)."""
+    rows = ["| config | TPOT med (ms) | p90 (ms) | tok/s | × plain | × on-demand | prefetched/tok (used) | hit | "
+            "adj. hit | MB/tok | stall ms/tok | overlap eff. | tokens = plain |", "|" + "---|" * 13]
     for name, s in res["configs"].items():
         f = lambda k, fmt, scale=1.0: format(s[k] * scale, fmt) if k in s else "—"  # noqa: E731
-        vs_od = f('vs_on_demand', '.3f') + (" (rounds overlap: noise)" if s.get("vs_on_demand_claimed") is False
-                                            else "")
+        pre = (f"{s['prefetch_loads_per_token']:.2f} ({s['prefetch_hits_per_token']:.2f})"
+               if "prefetch_hits_per_token" in s else "—")
         rows.append(f"| {name} | {f('tpot_median_s', '.2f', 1e3)} | {f('tpot_p90_s', '.2f', 1e3)} | "
-                    f"{f('tokens_per_s', '.1f')} | {f('vs_plain', '.3f')} | {vs_od} | "
+                    f"{f('tokens_per_s', '.1f')} | {_ratio(s, 'vs_plain')} | {_ratio(s, 'vs_on_demand')} | {pre} | "
                     f"{f('hit_rate', '.3f')} | {f('adjusted_hit_rate', '.3f')} | "
                     f"{f('traffic_bytes_per_token', '.2f', 1e-6)} | {f('stall_per_token_s', '.2f', 1e3)} | "
                     f"{f('overlap_efficiency', '.2f')} | {s['greedy_tokens_equal_plain']} |")

@@ -735,9 +735,14 @@ def table(res: dict) -> str:
                  for s, x in roof.items()]
     comp = res.get("comparisons", {})
     if comp:
-        rows += ["", "| comparison | TPOT ratio | claimed (rounds apart) |", "|---|---|---|"]
-        rows += [f"| {k} | {v['ratio']:.2f} | {'yes' if v['claimed'] else 'no: the rounds overlap'} |"
-                 for k, v in comp.items()]
+        def pre(r):  # beside each ratio: the prefetches its expertcache system issued and used per token
+            if "prefetch_hits_per_token" not in r:
+                return "—"
+            return f"{r['prefetch_loads_per_token']:.2f} ({r['prefetch_hits_per_token']:.2f})"
+
+        rows += ["", "| comparison | TPOT ratio | claimed (rounds apart) | prefetched/tok (used) |", "|---|---|---|---|"]
+        rows += [f"| {k} | {v['ratio']:.2f} | {'yes' if v['claimed'] else 'no: the rounds overlap'} | "
+                 f"{pre(res['systems'].get(k.split(' vs ')[0], {}))} |" for k, v in comp.items()]
     return "\n".join(rows)
 
 

@@ -67,8 +67,9 @@ class EngineConfig:
             predictor must show for prefetching to go on, measured online: it starts in shadow (predicting, reading
             nothing) and prefetches once 32 scored experts reach this precision; a window of 32 prefetches under it
             pauses prefetching and the predictor for 256 layer steps (doubling while it keeps failing, up to 16x),
-            then shadow again. A wrong prefetch reads an expert and evicts one the cache would have kept, a right
-            one saves one read: under about half right it costs more than it saves. 0: no guard, always prefetch
+            then shadow again (in shadow the predictor runs on one decode token in 8: `PrefetchGuard`). A wrong
+            prefetch reads an expert and evicts one the cache would have kept, a right one saves one read: under
+            about half right it costs more than it saves. 0: no guard, always prefetch
         max_inflight_bytes: bytes of transfers in flight at most
         workers: transfer threads
         budget: layer (C slots per layer) | global (one cache of C x layers slots shared by every layer)

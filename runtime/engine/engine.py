@@ -449,7 +449,8 @@ class OffloadEngine:
             mode = self.guard.step()
             if mode == "paused":
                 self.stats.prefetch_paused += 1
-            else:  # (distance, scores) for each layer it looks at, nearest first: loads are queued in that order
+            elif self.guard.predicts(mode, self._pass, judge):  # in shadow: sampled (`PrefetchGuard`)
+                # (distance, scores) for each layer it looks at, nearest first: loads are queued in that order
                 ahead = sorted(self.predictor.predict_ahead(pos, hidden, self.history), key=lambda x: x[0])
         budget = self.cfg.prefetch_budget or k
         for d, scores in ahead:
