@@ -45,7 +45,8 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: Optional[list
 
     Args:
         model: HF checkpoint: a local directory or a hub id (from the local cache while HF_HUB_OFFLINE=1)
-        engine: serve the model through the offload engine with these options (absent: the plain model);
+        engine: serve the model through the offload engine with these options (absent: the plain model, or for
+            an `expertcache quantize` checkpoint, which has no plain form, every expert resident);
             e.g. --engine.capacity 0.25 --engine.miss reroute --engine.tau 0.1
         tasks: local tasks (evals/tasks/), any lm-eval task (e.g. arc_easy), tasks in --include_path; [] for none
             (default: ec_ppl_prose, ec_cloze_prose, ec_math_em; with --size_from, the gate's tasks)

@@ -24,7 +24,7 @@ from lm_eval.models.huggingface import HFLM
 from expertcache.runtime.engine.config import EngineConfig
 from expertcache.runtime.kernels.quant import QUANT_METHOD
 
-from .served import open_model
+from .served import open_model, served_engine
 
 ENGINE_FIELDS = set(EngineConfig.__dataclass_fields__) - {"device"}
 
@@ -43,7 +43,7 @@ class ExpertCacheLM(HFLM):
         from expertcache.telemetry.hf import load_tokenizer
 
         path = resolve(pretrained)
-        self.serve = engine_from_args(kwargs)
+        self.serve = served_engine(path, engine_from_args(kwargs))  # quantized: through the engine
         kwargs = {k: v for k, v in kwargs.items() if k not in ENGINE_FIELDS}
         model, self.engine = open_model(path, self.serve, dtype, device)
         tok = load_tokenizer(path)

@@ -16,7 +16,7 @@ from expertcache.runtime.engine.config import EngineConfig
 from expertcache.telemetry.atomic import write_json
 from expertcache.telemetry.errors import InputError
 
-from .served import label, open_model
+from .served import label, open_model, served_engine
 from .taskdata import (DEFAULT_TASKS, DOMAINS, LOCAL_TASKS, PPL_BLOCKS, TASK_DOCS, build_task_data, lm_eval_tasks,
                        task_docs_built, write_task_yamls)
 
@@ -145,7 +145,7 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
     model_dir = resolve(model_dir)  # a local checkpoint or a cached hub id; a one-line error otherwise
     parse_dtype(dtype)
     device = parse_device(device)
-    serve = engine
+    serve = served_engine(model_dir, engine)  # a quantized checkpoint is always served by the engine
     method = check_method(stepwise, serve is not None and serve.lossy)
     t0 = time.time()
     task_dir = Path(task_dir or Path(out or "runs/eval").parent / "task-data")

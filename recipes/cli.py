@@ -170,9 +170,8 @@ def _rewrite(argv: list[str]) -> list[str]:
         recipe = folder / f"{default}.yaml"
         out[1:1] = ["--recipe", str(recipe)]
     if recipe is not None:  # our own loader first: an unknown key or a bad value is named as the recipe names it
-        from expertcache.trainer.cache_aware import CacheAwareRecipe
         from expertcache.trainer.config import load_recipe
-        from expertcache.trainer.pretrain import PretrainRecipe
+        from expertcache.trainer.specs import CacheAwareRecipe, PretrainRecipe
 
         load_recipe(PretrainRecipe if argv[0] == "pretrain" else CacheAwareRecipe, recipe, overrides)
     return out
@@ -184,8 +183,7 @@ def build_parser(parsers: dict | None = None, only: str | None = None):
     from jsonargparse import ArgumentParser
 
     if only in (None, "pretrain", "train-cache-aware"):
-        from expertcache.trainer.cache_aware import CacheAwareRecipe
-        from expertcache.trainer.pretrain import PretrainRecipe
+        from expertcache.trainer.specs import CacheAwareRecipe, PretrainRecipe  # torch-free (#46)
 
         _document(PretrainRecipe)
         _document(CacheAwareRecipe)

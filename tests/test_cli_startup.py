@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from expertcache.recipes import cli
 
 HEAVY = ("torch", "transformers", "lightning", "lm_eval.models.huggingface", "numba", "pyarrow")
@@ -51,3 +53,24 @@ def test_the_summary_lists_each_command_as_its_own_parser_does():
     assert helps["analyze"] == cli._first_line(fn) and helps["analyze"].startswith("Reuse, coverage")
     assert helps["trace"] == "record, import"
     assert cli._docstring(cli.COMMANDS["eval"]).startswith("lm-eval tasks and the step-wise")
+
+
+@pytest.mark.parametrize("argv", [["quickstart"], ["train-cache-aware"], ["pretrain"], ["data", "build"]])
+def test_a_recipe_commands_help_imports_no_heavy_library(argv):
+    """The recipe commands' --help took 4-5 s: jsonargparse resolved TrainSpec, DataSpec... in modules that import
+    Lightning and torch; they live in trainer/specs.py now."""
+    assert _heavy_after(f"from expertcache.recipes.cli import main; main({argv + ['--help']!r})") == []
+
+
+def test_a_recipe_commands_help_still_lists_the_recipes_keys(capsys):
+    """What the torch-free specs give jsonargparse is the whole recipe: every section's keys, with their help."""
+    with pytest.raises(SystemExit):
+        cli.main(["train-cache-aware", "--help"])
+    out = capsys.readouterr().out
+    for key in ("--recipe.locality.kind", "--recipe.train.lr", "--recipe.data.seq_len", "--recipe.eval.capacities",
+                "--recipe.routers.spatio"):
+        assert key in out, key
+    with pytest.raises(SystemExit):
+        cli.main(["pretrain", "--help"])
+    out = capsys.readouterr().out
+    assert "--recipe.model.num_layers" in out and "decoder layers, every one a MoE layer" in out

@@ -207,12 +207,14 @@ def test_a_narrower_dtype_on_a_quantized_checkpoint_names_the_real_cause(quantiz
 
 
 def test_a_quantized_checkpoint_has_no_plain_form_and_says_so(quantized, tmp_path, capsys):
-    """eval and generate --plain of an int8 copy said "its weights do not fit its config (8 missing keys)"."""
+    """eval and generate --plain of an int8 copy said "its weights do not fit its config (8 missing keys)"; eval
+    with no engine option now serves it through the engine (every expert resident), --plain is refused."""
     from expertcache.evals.served import open_model
 
     q = quantized / "fp32-q8"
-    with pytest.raises(InputError, match="is a quantized checkpoint .* no plain transformers form"):
-        open_model(q, None)
+    m, eng = open_model(q, None)
+    assert eng is not None and m.expertcache is eng and eng.cfg.capacity == 1.0
+    eng.close()
     assert main(["generate", "--model", str(q), "--prompt", "hi", "--max_tokens", "2", "--plain", "true"]) == 2
     _one_line(capsys, "quantized checkpoint", "--engine.capacity")
     m, eng = open_model(quantized / "fp32", None)  # its source still opens plain

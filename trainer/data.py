@@ -7,7 +7,6 @@ domain label (traces and per-domain perplexity need that). The train order is a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import lightning as L
 import numpy as np
@@ -16,28 +15,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from expertcache.telemetry.corpus import DOMAINS, packed_blocks
 
-from .config import opt
-
-
-@dataclass
-class DataSpec:
-    corpus: str = opt("data/corpus", "corpus directory written by `expertcache data build`")
-    tokenizer: str = opt("data/tokenizer", "tokenizer directory (AutoTokenizer) written by `expertcache data build`")
-    seq_len: int = opt(256, "tokens per packed training block")
-    batch_size: int = opt(16, "blocks per optimizer step")
-    val_batches: int = opt(8, "validation batches per domain at each validation")
-
-    def __post_init__(self):
-        from .config import RecipeError
-
-        if self.seq_len < 2:
-            raise RecipeError(f"data.seq_len={self.seq_len}; expected an integer >= 2")
-        for name in ("batch_size", "val_batches"):
-            if getattr(self, name) < 1:
-                raise RecipeError(f"data.{name}={getattr(self, name)}; expected an integer >= 1")
-        for name in ("corpus", "tokenizer"):
-            if not getattr(self, name):
-                raise RecipeError(f"data.{name} is empty; expected a folder")
+from .specs import DataSpec  # noqa: F401 - re-exported
 
 
 class Blocks(Dataset):

@@ -3,81 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import lightning as L
 import torch
 
-from .config import RecipeError, opt
-
-BALANCE_LOSSES = ("per_layer", "hf")
-
-
-@dataclass
-class TrainSpec:
-    max_steps: int = opt(2000, "optimizer steps in the whole run")
-    lr: float = opt(1e-3, "peak learning rate (AdamW)")
-    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak (cosine decay)")
-    warmup_steps: int = opt(100, "linear warm-up steps")
-    weight_decay: float = opt(0.1, "AdamW weight decay on matrices (not on norms or embeddings)")
-    beta2: float = opt(0.95, "AdamW beta2")
-    grad_clip: float = opt(1.0, "gradient norm clip (0: off)")
-    precision: str = opt("32-true", "Lightning precision: 32-true, or bf16-mixed where the device has fast bf16 "
-                         "(GPUs from Ampere on; CPUs with avx512_bf16)")
-    accelerator: str = opt("auto", "Lightning accelerator: auto (the GPU when there is one), cpu, gpu")
-    devices: str = opt("auto", "devices (processes) to train on: auto, or a count; data.batch_size is the global "
-                       "batch, split evenly across them")
-    strategy: str = opt("auto", "Lightning strategy: auto, ddp (gloo on CPU, nccl on GPUs), fsdp (sharded: several "
-                        "GPUs, or CPU processes in float32); ddp and fsdp need 2 or more processes (devices x "
-                        "num_nodes)")
-    num_nodes: int = opt(1, "machines the run spans (Lightning's num_nodes); each runs train.devices processes; "
-                         "docs/post-training.md says how to launch them")
-    val_every: int = opt(200, "validate every N optimizer steps")
-    ckpt_every: int = opt(100, "write a resumable checkpoint every N optimizer steps")
-    log_every: int = opt(10, "log training metrics every N steps")
-    seed: int = opt(0, "seed for initialisation and data order")
-    threads: int = opt(0, "torch intra-op threads (0: leave torch's default)")
-    wandb: bool = opt(True, "log to wandb (offline unless WANDB_MODE says otherwise)")
-    wandb_project: str = opt("expertcache", "wandb project name")
-    balance: str = opt("per_layer", "load-balancing loss: per_layer (Switch loss in every MoE layer, averaged) or "
-                       "hf (transformers' loss, which pools all layers' experts and can hide per-layer imbalance)")
-    memory_gb: float = opt(0.0, "train-cache-aware: the memory (GB) the run may use with its routed experts frozen "
-                           "and streamed from the checkpoint, layer by layer (routers train; a budget below the "
-                           "floor is refused, the floor printed); 0: the whole model in memory")
-    expert_tier: str = opt("disk", "with train.memory_gb: where streamed experts are read from (disk: the "
-                           "checkpoint, page cache bypassed; host: every expert in RAM; throttled:<GB/s>)")
-
-
-    def __post_init__(self):
-        for name in ("max_steps", "val_every", "ckpt_every", "log_every"):
-            if getattr(self, name) < 1:
-                raise RecipeError(f"train.{name}={getattr(self, name)}; expected an integer >= 1")
-        for name in ("warmup_steps", "threads"):
-            if getattr(self, name) < 0:
-                raise RecipeError(f"train.{name}={getattr(self, name)}; expected an integer >= 0")
-        if not 0 <= self.seed < 2 ** 32:
-            raise RecipeError(f"train.seed={self.seed}; expected an integer in [0, 2^32)")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise RecipeError(f"train.lr={self.lr}; expected a finite number > 0")
-        if not 0 <= self.min_lr_ratio <= 1:  # NaN fails too
-            raise RecipeError(f"train.min_lr_ratio={self.min_lr_ratio}; expected a number in [0, 1]")
-        if not 0 <= self.beta2 < 1:
-            raise RecipeError(f"train.beta2={self.beta2}; expected a number in [0, 1)")
-        for name in ("weight_decay", "grad_clip"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
-                raise RecipeError(f"train.{name}={getattr(self, name)}; expected a finite number >= 0")
-        if self.devices != "auto" and not (str(self.devices).isdigit() and int(self.devices) >= 1):
-            raise RecipeError(f"train.devices={self.devices!r}; expected auto or a count >= 1")
-        if not (math.isfinite(self.memory_gb) and self.memory_gb >= 0):
-            raise RecipeError(f"train.memory_gb={self.memory_gb}; expected a finite number >= 0 (0: no streaming)")
-        if self.num_nodes < 1:
-            raise RecipeError(f"train.num_nodes={self.num_nodes}; expected an integer >= 1")
-        if str(self.devices).isdigit():  # `auto` is checked once Lightning resolved it (distributed.check_world)
-            from .distributed import check_processes
-
-            check_processes(self, int(self.devices) * self.num_nodes, self.accelerator == "cpu")
-        if self.balance not in BALANCE_LOSSES:
-            raise RecipeError(f"train.balance={self.balance!r}; expected one of {', '.join(BALANCE_LOSSES)}")
+from .specs import BALANCE_LOSSES, TrainSpec  # noqa: F401 - re-exported
 
 
 def lr_lambda(spec: TrainSpec):

@@ -26,7 +26,7 @@ import torch
 from expertcache.telemetry.cache import lru_resident, served_routing
 from expertcache.telemetry.errors import InputError
 
-LOCALITY_KINDS = ("dot", "l2", "resident", "miss", "margin")
+from .specs import LOCALITY_KINDS
 
 
 def _probs(logits: torch.Tensor, batch: int, temperature: float = 1.0) -> torch.Tensor:

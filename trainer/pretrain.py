@@ -8,32 +8,11 @@ Run folder layout (`out_dir`; recipe.yaml, checkpoints/ and logs/ as every train
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from .config import RecipeError, opt
-from .data import CorpusDataModule, DataSpec
-from .lm_module import CausalLMModule, TrainSpec
-from .models import BaseModelSpec, count_parameters, save_model_dir
+from .data import CorpusDataModule
+from .lm_module import CausalLMModule
+from .models import count_parameters, save_model_dir
 from .runfolder import finish_run, fit_resumable, plot_training_curve, prepare_run
-
-
-@dataclass
-class PretrainRecipe:
-    name: str = opt("base", "run name (used in logs)")
-    out_dir: str = opt("runs/base", "run folder: checkpoints, logs, HF model, metrics")
-    data: DataSpec = opt(DataSpec(), "corpus, tokenizer and batching")
-    model: BaseModelSpec = opt(BaseModelSpec(), "the Qwen3-MoE base model's shape")
-    train: TrainSpec = opt(TrainSpec(), "optimisation, validation, checkpoints, logging")
-    eval_blocks: int = opt(64, "validation blocks per domain in the final metrics.json")
-
-    def __post_init__(self):
-        if self.eval_blocks < 1:
-            raise RecipeError(f"eval_blocks={self.eval_blocks}; expected an integer >= 1")
-        if not self.out_dir:
-            raise RecipeError("out_dir is empty; expected the run folder")
-        if self.train.memory_gb:
-            raise RecipeError(f"train.memory_gb={self.train.memory_gb:g}: pretraining trains every expert, so none "
-                              f"can be streamed frozen (train-cache-aware streams them); set it to 0")
+from .specs import PretrainRecipe  # noqa: F401 - re-exported
 
 
 def run_pretrain(recipe: PretrainRecipe, resume: bool = True) -> dict:

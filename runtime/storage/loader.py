@@ -322,9 +322,10 @@ def load_model(model: str | Path, engine: EngineConfig | None = None, dtype=None
     return load(path, dtype=dtype, engine=engine), tokenizer
 
 
-def check_plain(path: Path) -> None:
-    """A checkpoint `from_pretrained` can read: an `expertcache quantize` copy (experts packed in its own store)
-    has no plain form, and transformers would only say its expert weights are missing."""
+def is_quantized(path: Path) -> bool:
+    """Whether `path` is an `expertcache quantize` copy (experts packed in its own store), from its config.json;
+    another method's quantization_config is transformers' to read, and a missing or broken config.json is its
+    loader's to report."""
     import json
 
     from expertcache.runtime.kernels import quant
@@ -332,10 +333,16 @@ def check_plain(path: Path) -> None:
     try:
         qc = json.loads((Path(path) / "config.json").read_text()).get("quantization_config")
     except (OSError, ValueError, AttributeError):
-        return  # transformers' own loader says what is wrong with config.json
-    if isinstance(qc, dict) and qc.get("quant_method") == quant.QUANT_METHOD:  # another method: transformers' to read
+        return False
+    return isinstance(qc, dict) and qc.get("quant_method") == quant.QUANT_METHOD
+
+
+def check_plain(path: Path) -> None:
+    """A checkpoint `from_pretrained` can read: an `expertcache quantize` copy (experts packed in its own store)
+    has no plain form, and transformers would only say its expert weights are missing."""
+    if is_quantized(path):
         raise InputError(f"{path} is a quantized checkpoint (its experts are packed), which has no plain transformers "
-                         f"form: serve it through the engine (e.g. --engine.capacity 1.0), or "
+                         f"form: serve it through the engine (leave --plain out; e.g. --engine.capacity 1.0), or "
                          f"use the checkpoint it was quantized from")
 
 

@@ -17,9 +17,9 @@ Run folder (`out_dir`): recipe.yaml, checkpoints/ (resumable), logs/, model/ (HF
 aux_routers.safetensors), trace-<split>.parquet (the run's decode routing), result.json, result.md,
 training_curve.png, cache.png.
 
-One job per file: `recipe.py` (the recipe's dataclasses), `module.py` (the LightningModule), `run.py` (a run,
-the base's cached evaluation, the summary and gate, a sweep), `report.py` (tables, the frontier table, the cache
-plot).
+One job per file: `recipe.py` (the recipe's dataclasses, defined torch-free in trainer/specs.py), `module.py`
+(the LightningModule), `run.py` (a run, the base's cached evaluation, the summary and gate, a sweep), `report.py`
+(tables, the frontier table, the cache plot).
 """
 
 from .module import CacheAwareModule
