@@ -29,10 +29,10 @@ def main(argv: list[str]) -> int:
         print("usage: python scripts/timed.py NAME -- CMD [ARGS ...]", file=sys.stderr)
         return 2
     name, cmd = argv[0], argv[2:]
+    head = rev_parse("HEAD", ROOT)  # the code that runs, taken before it starts
     t0 = time.perf_counter()
     rc = subprocess.call(cmd)
     wall = time.perf_counter() - t0
-    head = rev_parse("HEAD", ROOT)
     try:
         times = json.loads(OUT.read_text())
     except (OSError, ValueError):
