@@ -12,46 +12,13 @@ Split = Literal["train", "validation", "test"]
 Phase = Literal["decode", "prefill", "all"]
 
 
-def trace_record(model: str, out: str, corpus: str = "data/corpus", tokenizer: Optional[str] = None,
-                 split: Split = "test", prompt_len: int = 128, decode_tokens: int = 64, batch_size: int = 8,
-                 max_seqs: int = 16, domains: Optional[list[str]] = None, hidden: bool = False,
-                 logits: bool = False, prompts: Optional[str] = None, field: str = "text", domain: str = "prompts",
-                 max_prompts: int = 0, dtype: str = "auto") -> dict:
-    """Record every MoE layer's routing of a checkpoint (prefill, then greedy decode) on held-out corpus blocks,
-    or on your own prompts (--prompts FILE).
-
-    Args:
-        model: HF checkpoint directory (e.g. runs/base-tiny/model)
-        out: Parquet trace to write
-        corpus: corpus folder (`expertcache data build`)
-        tokenizer: tokenizer folder (default: the checkpoint's own)
-        split: corpus split the blocks come from
-        prompt_len: prefill tokens per sequence
-        decode_tokens: greedy decode steps per sequence (model.generate)
-        batch_size: sequences per forward
-        max_seqs: sequences per domain
-        domains: corpus domains to record (default: every domain)
-        hidden: also record the hidden state entering each MoE layer (lookahead recall, router training)
-        logits: also record the router logits
-        prompts: your own prompts, recorded instead of the corpus: a folder of a local `datasets` dataset
-            (save_to_disk; FOLDER:SPLIT picks a split; the prompt in column --field), .jsonl (the prompt under
-            --field) or text (one prompt per non-empty line); each is cut to --prompt_len tokens and decoded --decode_tokens
-        field: with a .jsonl or dataset --prompts: the field (column) holding the prompt
-        domain: with --prompts: the domain label of every row
-        max_prompts: with --prompts: the first N prompts only (0: all)
-        dtype: the dtype the model runs in while recording: auto (the checkpoint's own, as it is served) | fp32 |
-            bf16 | fp16; the trace's metadata names it
-    """
-    return record(model, out, corpus, tokenizer, split, prompt_len, decode_tokens, batch_size, max_seqs, domains,
-                  hidden, logits, prompts, field, domain, max_prompts, dtype)
-
-
 def record(model: str, out: str, corpus: str = "data/corpus", tokenizer: Optional[str] = None,
            split: Split = "test", prompt_len: int = 128, decode_tokens: int = 64, batch_size: int = 8,
            max_seqs: int = 16, domains: Optional[list[str]] = None, hidden: bool = False,
            logits: bool = False, prompts: Optional[str] = None, field: str = "text", domain: str = "prompts",
            max_prompts: int = 0, dtype: str = "auto", open_model=None) -> dict:
-    """`trace_record`'s work, its arguments checked first; `open_model`: a callable returning the model to record
+    """`expertcache trace record`'s work (the command is `runtime/serve/record.py: trace_record`, which can record
+    through the offload engine), its arguments checked first; `open_model`: a callable returning the model to record
     instead of the whole checkpoint read into memory (the runtime's `trace record --offload true` passes `load()`)."""
     from .atomic import check_output
     from .recorder import DTYPES, read_prompts, record_corpus, record_prompts
