@@ -1,5 +1,6 @@
 """Run a command and record its wall time in results/make_times.json (`make quickstart`, `make test`, `make test-fast`
-call it, so the times the README quotes are the last ones measured, with the machine and the commit).
+call it, so the times the README quotes are the last ones measured, with the machine and the commit), then rewrite
+the README's and docs' generated tables from it (`scripts/readme_tables.py --write`).
 
     python scripts/timed.py NAME -- CMD [ARGS ...]
 
@@ -43,6 +44,10 @@ def main(argv: list[str]) -> int:
                    "ci": bool(os.environ.get("CI")),
                    "when": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
     write_json(OUT, times)  # silently: the command's own last line (pytest's summary) stays the last line
+    # the README's and docs' tables follow the file at once (else the docs-tables test of the next `make test`
+    # finds them stale); silently too
+    subprocess.call([sys.executable, str(ROOT / "scripts" / "readme_tables.py"), "--write"],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return rc
 
 
