@@ -199,24 +199,18 @@ def headline_table() -> str:
     """The README's one table of headline figures, each a ratio of time per output token with whether its rounds
     are apart (the benchmarks' one claim rule), drawn from the results files that docs/benchmarks.md prints whole."""
     rows = ["| what | expertcache | against | TPOT ratio | claimed | from |", "|---|---|---|---|---|---|"]
-    big = _load("bench_big.json")
-    if big:
-        for peer in ("accelerate", "mmap", "mmap:unbounded"):
-            c = big["comparisons"].get(f"expertcache:on-demand vs {peer}")
+    for name, what, system, peers in (
+            ("bench_big.json", "34 GB bf16 Qwen3-30B-A3B-shaped checkpoint, 8 GiB memory, experts from disk",
+             "expertcache:on-demand", ("accelerate", "mmap", "mmap:unbounded")),
+            ("bench_big_native.json", "the same, with the checkpoint's own routing", "expertcache:prefetch",
+             ("llama.cpp", "llama.cpp:unbounded"))):
+        d = _load(name)
+        for peer in peers if d else ():
+            c = d["comparisons"].get(f"{system} vs {peer}")
             if c:
-                rows.append(f"| 34 GB bf16 Qwen3-30B-A3B-shaped checkpoint, 8 GiB memory, experts from disk | "
-                            f"on-demand, {big['systems']['expertcache:on-demand']['tpot_median_s']:.3f} s/tok | "
-                            f"{peer}, {big['systems'][peer]['tpot_median_s']:.3f} s/tok | {c['ratio']:.2f} | "
-                            f"{'yes' if c['claimed'] else 'no: rounds overlap'} | results/bench_big.json |")
-    nat = _load("bench_big_native.json")
-    if nat:
-        for peer in ("llama.cpp", "llama.cpp:unbounded"):
-            c = nat["comparisons"].get(f"expertcache:prefetch vs {peer}")
-            if c:
-                rows.append(f"| the same, with the checkpoint's own routing | prefetch, "
-                            f"{nat['systems']['expertcache:prefetch']['tpot_median_s']:.3f} s/tok | {peer}, "
-                            f"{nat['systems'][peer]['tpot_median_s']:.3f} s/tok | {c['ratio']:.2f} | "
-                            f"{'yes' if c['claimed'] else 'no: rounds overlap'} | results/bench_big_native.json |")
+                rows.append(f"| {what} | {system.split(':')[1]}, {d['systems'][system]['tpot_median_s']:.3f} s/tok | "
+                            f"{peer}, {d['systems'][peer]['tpot_median_s']:.3f} s/tok | {c['ratio']:.2f} | "
+                            f"{'yes' if c['claimed'] else 'no: rounds overlap'} | results/{name} |")
     k = _load("kernels.json")
     if k:
         for p in sorted(k.get("pairs") or [], key=lambda p: p["threads"]):
