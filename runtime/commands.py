@@ -56,11 +56,15 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
         store_dir: replay: where the expert store is written (reused)
         out: also write the JSON here (and a PNG beside it for a replay)
     """
+    config = dict(locals())  # the resolved configuration, recorded in the result
     from expertcache.telemetry.progress import Progress
+
+    from expertcache.runtime.bench.results import started, write_result
 
     check_output(out, replay, model)
     engine.check()
-    commit = _git_commit()  # the code that runs, before it runs
+    prov = started()  # the code that runs (commit, dirty) and the machine, before it runs
+    commit = (prov["commit"] or "") + ("+dirty" if prov["dirty"] else "")  # `git_commit`'s form, one lookup
     if min(tokens, rounds, prompts, prompt_len) < 1 or warmup < 0 or not capacities:
         raise InputError("tokens, rounds, prompts and prompt_len must be >= 1, warmup >= 0, capacities non-empty")
     from expertcache.telemetry.cachesim import capacity_count
@@ -119,9 +123,7 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
                       plain=plain, progress=lambda: prog.advance(task))
     res["git_commit"] = commit
     if out:
-        from expertcache.telemetry.atomic import write_json
-
-        write_json(out, res)
+        res = write_result(out, res, config, provenance=prov, read_GBps=res.get("tier_bandwidth_GBps"))
         if replay is not None:
             plot_recall(res, Path(out).with_suffix(".png"))
     _table(table(res))
@@ -194,9 +196,11 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
             ~/.cache/expertcache/llamacpp)
         out: the JSON (a PNG beside it)
     """
+    config = dict(locals())  # the resolved configuration, recorded in the result
     from expertcache.telemetry.progress import Progress
 
     from expertcache.runtime.bench.bigbench import ROUTINGS, bench_big as run, check_systems, plot, table
+    from expertcache.runtime.bench.results import started, write_result
 
     if routing not in ROUTINGS:
         raise InputError(f"--routing {routing!r}; expected one of: {', '.join(ROUTINGS)}")
@@ -206,7 +210,8 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
 
     check_output(out)
     engine.check()
-    commit = _git_commit()  # the code that runs, before it runs
+    prov = started()  # the code that runs (commit, dirty) and the machine, before it runs
+    commit = (prov["commit"] or "") + ("+dirty" if prov["dirty"] else "")  # `git_commit`'s form, one lookup
     check_systems(systems, engine, routing)  # known, with valid options and predictors, runnable under --routing
     import math
 
@@ -236,9 +241,8 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
     # a system asked for that failed or was skipped makes the run exit 1 (its reason stays in the JSON)
     res["ok"] = not failed and not res.get("skipped")
     if out:
-        from expertcache.telemetry.atomic import write_json
-
-        write_json(out, res)
+        bw = [r["read_bandwidth"]["at_queue_depth_GBps"] for r in res["systems"].values() if r.get("read_bandwidth")]
+        res = write_result(out, res, config, provenance=prov, read_GBps=max(bw) if bw else None)
         plot(res, Path(out).with_suffix(".png"))
     _table(table(res))
     for sys_, why in res.get("skipped", {}).items():

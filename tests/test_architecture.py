@@ -279,9 +279,9 @@ def capacity_violations(trees: dict[str, ast.Module]) -> list[str]:
 # names of a kind of name a user gives (cache and miss policies, predictors, tiers): each list is a registry
 # (`telemetry/registry.py`), and a constant by such a name is derived from it (`POLICIES = REGISTRY.names()`)
 _REGISTERED = re.compile(r"(POLICIES|PREDICTORS|TIERS|SYSTEMS|FORMATS|ROUTINGS|KERNELS|SEMANTICS)$")
-# literal lists still waiting for their registry, each with why: bench big's systems carry ':' variants
-# (`mmap:unbounded`, `expertcache:on-demand`) that a Registry name cannot; issue 43 item 3 makes them runners
-PENDING_LISTS = {("runtime/bench/bigbench.py", "SYSTEMS")}
+# literal lists still waiting for their registry, each with why (none: bench big's systems are registered runners,
+# `runtime/bench/bigbench.py: SYSTEM_REGISTRY`, their `:variant`s the registry's arguments)
+PENDING_LISTS: set[tuple[str, str]] = set()
 
 
 def name_list_violations(trees: dict[str, ast.Module]) -> list[str]:

@@ -185,7 +185,8 @@ def test_bench_decode_marks_a_ratio_to_on_demand_its_rounds_cannot_carry():
     """The quickstart's decode table printed probe:1 at 1.17x on-demand with the guard paused the whole run (no
     prefetch read: identical work); three re-runs of 10 rounds read 1.19x, 0.82x and 1.02x. A ratio whose round
     medians overlap on-demand's is printed as noise, and only apart rounds (>= 3) claim one."""
-    from expertcache.runtime.bench.bench import rounds_apart, table
+    from expertcache.runtime.bench.bench import table
+    from expertcache.runtime.bench.harness import claimed as rounds_apart
 
     assert rounds_apart([1.0, 1.1, 1.2], [1.3, 1.4, 1.5]) and not rounds_apart([1.0, 1.4, 1.2], [1.3, 1.5, 1.6])
     assert not rounds_apart([1.0, 1.1], [2.0, 2.1])  # two rounds claim nothing
@@ -200,8 +201,9 @@ def test_bench_decode_marks_a_ratio_to_on_demand_its_rounds_cannot_carry():
 def test_bench_decode_table_shows_prefetches_beside_ratios_and_flags_x_plain_by_the_same_rule():
     """Issue 46: `lookahead:2` ran 1.12x on-demand having issued no prefetch, which only the JSON showed. Every row
     shows the prefetches issued and used per token beside its ratios, and "× plain" carries the noise flag of
-    "× on-demand" (one rule: `rounds_apart`)."""
-    from expertcache.runtime.bench.bench import rounds_apart, table
+    "× on-demand" (one rule: `harness.claimed`)."""
+    from expertcache.runtime.bench.bench import table
+    from expertcache.runtime.bench.harness import claimed as rounds_apart
 
     row = {"tpot_median_s": 0.011, "tpot_p90_s": 0.012, "tokens_per_s": 90.0, "greedy_tokens_equal_plain": True}
     plain_r, od_r, la_r = [0.0100, 0.0102, 0.0101], [0.0130, 0.0135, 0.0128], [0.0131, 0.0125, 0.0140]
@@ -225,16 +227,28 @@ def test_bench_decode_table_shows_prefetches_beside_ratios_and_flags_x_plain_by_
 
 
 def test_a_bench_big_process_that_fails_returns_its_last_line_not_a_traceback(tmp_path):
-    """`run_process`, which runs every expertcache round and the untimed settling run: a run that fails in its own
-    process comes back as one error naming its exit status, its log and the log's last line."""
-    from expertcache.runtime.bench.bigbench import run_process
+    """`run_process` (the runner's child process, which runs every round of a system of bench big's own): a run
+    that fails in its own process comes back as one error naming its exit status, its log and the log's last
+    line. Its run configuration crosses as a YAML file, read back and checked once (a key nothing reads is one
+    line)."""
+    from expertcache.runtime.bench.bigbench import load_run_config, run_process, write_run_config
+    from expertcache.runtime.engine.engine import EngineConfig
 
-    job = {"system": "expertcache:on-demand", "ckpt": str(tmp_path / "absent"), "trace": "x.npz", "budget_gb": 8.0,
-           "tokens": 1, "warmup": 0, "prompt_len": 1, "start": 2000, "engine": None}
-    r = run_process(job, tmp_path / "one.log")
-    assert set(r) == {"error"} and r["error"].startswith("exit 1; see ") and str(tmp_path / "one.log") in r["error"]
+    job = {"ckpt": str(tmp_path / "absent"), "trace": "x.npz", "budget_gb": 8.0, "tokens": 1, "warmup": 0,
+           "prompt_len": 1, "start": 2000}
+    cfg = write_run_config(tmp_path / "one.run.yaml", "expertcache:on-demand/victims=false", job,
+                           EngineConfig(tier="disk", policy="lfu"))
+    back = load_run_config(cfg)
+    assert back["engine"] == EngineConfig(tier="disk", policy="lfu", victims=False)  # the name's options resolved
+    assert {k: back[k] for k in job} == job and back["system"] == "expertcache:on-demand/victims=false"
+    r = run_process(cfg, tmp_path / "one.log")
+    assert set(r) == {"error", "page_cache_dropped"} and r["error"].startswith("exit 1; see ")
+    assert str(tmp_path / "one.log") in r["error"]
     last = (tmp_path / "one.log").read_text().strip().splitlines()[-1]
-    assert r["error"].endswith(last[:300])
+    assert r["error"].endswith(last[:300]) and "absent" in last
+    (tmp_path / "bad.run.yaml").write_text(cfg.read_text() + "tokenz: 3\n")
+    with pytest.raises(InputError, match=r"unknown keys \['tokenz'\]"):
+        load_run_config(tmp_path / "bad.run.yaml")
 
 
 def test_a_failed_bench_big_run_says_why_in_its_error(tmp_path):
@@ -247,13 +261,15 @@ def test_a_failed_bench_big_run_says_why_in_its_error(tmp_path):
     log.write_text("expertcache:on-demand: resident after loading 2.08 GiB + cache slots 5.93 GiB (streaming buffers "
                    "and activations come on top), budget 8.00 GiB (over the budget: a cgroup of this size will kill "
                    "the run as its cache fills)\n\n")
-    assert bigbench._last_line(log).startswith("expertcache:on-demand: resident after loading 2.08 GiB")
-    assert bigbench._last_line(tmp_path / "absent.log") == ""
+    from expertcache.runtime.bench.runner import last_line
+
+    assert last_line(log).startswith("expertcache:on-demand: resident after loading 2.08 GiB")
+    assert last_line(tmp_path / "absent.log") == ""
     log.write_text("x" * 1000)
-    assert len(bigbench._last_line(log)) == 300
+    assert len(last_line(log)) == 300
     assert bigbench._done("mmap", 0, 3, {"tpot_median_s": 0.2871}) == "mmap round 1/3: 0.287 s/token"
     assert bigbench._done("mmap", 2, 3, {"error": "exit -9"}) == "mmap round 3/3: exit -9"
-    from expertcache.runtime.bench.bench import rss_bytes
+    from expertcache.telemetry.memory import rss_bytes
 
     before = rss_bytes()
     block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched

@@ -19,11 +19,13 @@ import numpy as np
 import torch
 
 from expertcache.telemetry.errors import InputError
+from expertcache.telemetry.memory import peak_rss_bytes
 
 from expertcache.runtime.engine.config import EngineConfig
 from expertcache.runtime.engine.stats import Stats
 from expertcache.runtime.engine.predictors import TemporalKeep, aux_routers_for, make_predictor
 from expertcache.runtime.storage.tiers import available_memory, measure_bandwidth
+from expertcache.runtime.bench.harness import alternate, claimed
 
 
 def _pass(model, prompt, n_new, engine=None, warmup: int = 0) -> tuple[list[float], Stats | None, torch.Tensor]:
@@ -37,40 +39,12 @@ def _pass(model, prompt, n_new, engine=None, warmup: int = 0) -> tuple[list[floa
     return np.diff(times).tolist(), stats, out  # [n_new - 1]: decode steps only
 
 
-def rounds_apart(a: list[float], b: list[float], min_rounds: int = 3) -> bool:
-    """Whether a ratio of two configurations' TPOTs may be claimed: each ran at least `min_rounds` rounds and their
-    round medians do not overlap (every round of one faster than every round of the other)."""
-    return min(len(a), len(b)) >= min_rounds and (max(a) < min(b) or max(b) < min(a))
-
-
 def overlap(bound_s: float, tpot_s: float) -> dict:
     """Overlap efficiency: the roofline bound (max of compute and transfer per token) over the measured TPOT,
     capped at 1 by definition (METRICS.md). Above 1 the bound itself was mismeasured (compute timed on another
     pass, noise), which `roofline_unreliable` says instead of a figure that cannot be."""
     eff = bound_s / tpot_s
     return {"overlap_efficiency": min(eff, 1.0), "roofline_unreliable": bool(eff > 1.0)}
-
-
-def _status_bytes(field: str) -> int:
-    """A `kB` figure of this process's `/proc/self/status` in bytes (0 where there is none)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set so far (VmHWM), measured, not estimated."""
-    return _status_bytes("VmHWM")
-
-
-def rss_bytes() -> int:
-    """This process's resident set now (VmRSS)."""
-    return _status_bytes("VmRSS")
 
 
 def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineConfig = EngineConfig(tier="disk"),
@@ -133,31 +107,30 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineCon
                for name in names}
     plain_out = None
     bw = None
-    try:
-        for r in range(rounds):
-            order = names if r % 2 == 0 else names[:1] + names[:0:-1]
-            for name in order:
-                if name == "plain":
-                    model, eng = plain_model, None
-                else:
-                    eng = None  # the previous configuration's engine goes before the next one's slots are made
-                    model, eng = m, configs[name]()
-                    if bw is None and name.startswith("on-demand"):
-                        bw = measure_bandwidth(eng.tier, eng.meta, eng.pool_exec, eng.meta.num_layers)
-                for b in range(prompts.shape[0]):
-                    tpot, stats, out = _pass(model, prompts[b:b + 1].to(device), n_new, eng, warmup)
-                    results[name]["rounds"][r].extend(tpot[warmup:])
-                    if stats is not None:
-                        results[name]["stats"].append(stats)
-                        results[name]["wall"].append(float(sum(tpot[warmup:])))  # the steps the stats cover
-                    if name == "plain":
-                        plain_out = out if b == 0 and r == 0 else plain_out
-                    elif b == 0 and plain_out is not None:
-                        same = bool(torch.equal(out, plain_out))
-                        prev = results[name]["tokens_equal_plain"]
-                        results[name]["tokens_equal_plain"] = same if prev is None else prev and same
-                if progress:
-                    progress()
+
+    def one_round(name: str, r: int) -> None:  # every prompt once, through `name` (the harness alternates names)
+        nonlocal plain_out, bw
+        if name == "plain":
+            model, eng = plain_model, None
+        else:
+            model, eng = m, configs[name]()
+            if bw is None and name.startswith("on-demand"):
+                bw = measure_bandwidth(eng.tier, eng.meta, eng.pool_exec, eng.meta.num_layers)
+        for b in range(prompts.shape[0]):
+            tpot, stats, out = _pass(model, prompts[b:b + 1].to(device), n_new, eng, warmup)
+            results[name]["rounds"][r].extend(tpot[warmup:])
+            if stats is not None:
+                results[name]["stats"].append(stats)
+                results[name]["wall"].append(float(sum(tpot[warmup:])))  # the steps the stats cover
+            if name == "plain":
+                plain_out = out if b == 0 and r == 0 else plain_out
+            elif b == 0 and plain_out is not None:
+                same = bool(torch.equal(out, plain_out))
+                prev = results[name]["tokens_equal_plain"]
+                results[name]["tokens_equal_plain"] = same if prev is None else prev and same
+
+    try:  # the first name (plain, or the first engine) leads every round; the others reverse every other round
+        alternate(names, rounds, one_round, keep_first=True, after=(lambda *_: progress()) if progress else None)
     finally:
         if m.expertcache is not None:  # None when a configuration's engine failed to build (its error goes on)
             m.expertcache.close()
@@ -185,8 +158,8 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineCon
                "tokens_per_s": float(1 / np.median(t)), "greedy_tokens_equal_plain": res["tokens_equal_plain"]}
         if t_base:
             row[f"vs_{base}"] = float(np.median(t)) / t_base
-            if name != base:  # the one claim rule of every ratio (`rounds_apart`)
-                row[f"vs_{base}_claimed"] = rounds_apart(row["tpot_round_medians_s"], [
+            if name != base:  # the one claim rule of every ratio (`harness.claimed`)
+                row[f"vs_{base}_claimed"] = claimed(row["tpot_round_medians_s"], [
                     float(np.median(x)) for x in results[base]["rounds"] if x])
         if res["stats"]:
             tot = sum(res["stats"], Stats())
@@ -204,13 +177,13 @@ def bench_decode(model_dir: str | Path, prompts: torch.Tensor, engine: EngineCon
             cap = name.split("@")[1]
             row["vs_on_demand"] = row["tpot_median_s"] / float(np.median(timed(f"on-demand@{cap}")))
             od = [float(np.median(x)) for x in results[f"on-demand@{cap}"]["rounds"] if x]
-            row["vs_on_demand_claimed"] = rounds_apart(row["tpot_round_medians_s"], od)
+            row["vs_on_demand_claimed"] = claimed(row["tpot_round_medians_s"], od)
         out["configs"][name] = row
     return out
 
 
 def _ratio(s: dict, key: str) -> str:
-    """A ratio cell with its noise flag: the same rule (`rounds_apart`, `{key}_claimed`) for every ratio column."""
+    """A ratio cell with its noise flag: the same rule (`harness.claimed`, `{key}_claimed`) for every ratio column."""
     if key not in s:
         return "—"
     return f"{s[key]:.3f}" + (" (rounds overlap: noise)" if s.get(f"{key}_claimed") is False else "")

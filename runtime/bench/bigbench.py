@@ -24,31 +24,27 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import numpy as np
-
-from expertcache.runtime.bench.bench import peak_rss_bytes, rounds_apart, rss_bytes
 import torch
 
-from expertcache.telemetry.atomic import open_log
 from expertcache.telemetry.errors import InputError
+from expertcache.telemetry.memory import peak_rss_bytes, rss_bytes
 from expertcache.telemetry.registry import Registry
+
+from expertcache.runtime.bench.harness import alternate, compare
+from expertcache.runtime.bench.runner import read_config, run_child, write_config
 
 from expertcache.runtime.bench.bigckpt import ALIGN, EXPERTS, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, TOP_K, expert_bytes, physical_ram, \
     write_checkpoint
 from expertcache.runtime.storage.checkpoint import free_disk
 from expertcache.runtime.engine.config import EngineConfig
 
-# `mmap` (and every system but the `:unbounded` one) runs inside a memory cgroup of the budget when one can be made;
-# `mmap:unbounded` is the page cache a user gets by default (all the free RAM)
-SYSTEMS = ("expertcache:on-demand", "expertcache:prefetch", "accelerate", "mmap", "mmap:unbounded", "llama.cpp",
-           "llama.cpp:unbounded")
-NATIVE_ONLY = ("llama.cpp", "llama.cpp:unbounded")  # route with the checkpoint's own routers (no hook to force)
 ROUTING_REGISTRY = Registry("routing")  # --routing
 for _r in ("trace", "native"):
     ROUTING_REGISTRY.register(_r)
@@ -77,9 +73,7 @@ def parse_system(name: str) -> tuple[str, str, dict[str, str]]:
     fmt = "bf16"
     if base.startswith("expertcache") and base.rsplit(":", 1)[-1] in FORMATS[1:]:
         base, fmt = base.rsplit(":", 1)
-    if base not in SYSTEMS:
-        raise InputError(f"unknown system {name!r}; expected one of {', '.join(SYSTEMS)} (expertcache ones may add "
-                         f"/key=value engine options)")
+    SYSTEM_REGISTRY.parse(base)  # an unknown system, or a variant it does not have: one line listing them
     if over and not base.startswith("expertcache"):
         raise InputError(f"system {name!r}: only expertcache systems take engine options")
     fixed = sorted(set(over) & {"capacity", "budget_gb"}) + (["predictor"] if "predictor" in over
@@ -160,10 +154,11 @@ def check_systems(systems, engine: EngineConfig, routing: str) -> None:
     (`check_system`), none twice, none that cannot run under `routing` (llama.cpp takes no forced routing), and
     --engine.predictor checked as the prefetch row would use it even when no such row asks for it."""
     if not systems:
-        raise InputError(f"--systems {list(systems)}: no system to run; expected some of {', '.join(SYSTEMS)}")
+        raise InputError(f"--systems {list(systems)}: no system to run; expected some of: "
+                         f"{SYSTEM_REGISTRY.listing()}")
     for x in systems:
         check_system(x, engine, routing)
-        if routing != "native" and parse_system(x)[0] in NATIVE_ONLY:
+        if routing != "native" and system_entry(x).native_only:
             raise InputError(f"system {x!r} routes with the model's own routers (llama.cpp has no hook to force a "
                              f"trace's choice): run it with --routing native, not --routing {routing}")
     if len(set(systems)) < len(systems):
@@ -218,7 +213,7 @@ def _load_system(system: str, ckpt: Path, budget: int, layers: int, trace_ids: n
     if system in ("mmap", "mmap:unbounded"):  # the same process; the cgroup (or none) is the difference
         m = _mmap_model(ckpt)
         return m, None, [L.router for L in adapter_for(m).moe_layers(m)]
-    raise InputError(f"unknown system {system!r}; expected one of {', '.join(SYSTEMS)}")
+    raise InputError(f"system {system!r} does not run in a process of bench big's own")
 
 
 def _mmap_model(ckpt: Path):
@@ -255,16 +250,6 @@ def _mmap_model(ckpt: Path):
     return m
 
 
-def _last_line(log: Path) -> str:
-    """The last line a failed run wrote to its log (its error, or what it said after loading), at most 300
-    characters."""
-    try:
-        lines = [x.strip() for x in log.read_text(errors="replace").splitlines() if x.strip()]
-    except OSError:
-        return ""
-    return lines[-1][:300] if lines else ""
-
-
 def _done(system: str, r: int, rounds: int, run: dict) -> str:
     """What a progress line says after one run: the system, the round, its median TPOT or its error."""
     tpot = run.get("tpot_median_s")
@@ -273,11 +258,12 @@ def _done(system: str, r: int, rounds: int, run: dict) -> str:
 
 
 def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, tokens: int, warmup: int,
-            prompt_len: int, start: int, engine: dict | None = None, routing: str = "trace",
+            prompt_len: int, start: int, engine: EngineConfig | None = None, routing: str = "trace",
             quant_linears: bool = False) -> dict:
     """One system's decode in this process: TPOT per token (prefill excluded), hits, bytes read, peak RSS.
     `ckpt`: the bf16 checkpoint; an expertcache system named `...:int8`/`...:int4` reads its quantized copy.
-    `engine`: expertcache's `EngineConfig` fields (default: the disk tier). `routing`: trace (every router's
+    `engine`: the system's resolved `EngineConfig` (its name's options applied: `system_engine`; default: the disk
+    tier). `routing`: trace (every router's
     choice replaced by the trace's) or native (the checkpoint's own routers)."""
     from expertcache.telemetry.routing import load_routing
 
@@ -292,7 +278,7 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
     budget = int(budget_gb * 2**30)
     io0 = _read_bytes()
     t0 = time.perf_counter()
-    cfg_engine = system_engine(system, EngineConfig(**engine) if engine else EngineConfig(tier="disk"))
+    cfg_engine = engine or EngineConfig(tier="disk")
     native = routing == "native"
     m, eng, routers = _load_system(system, ckpt, budget, cfg["num_hidden_layers"], None if native else ids, start,
                                    cfg_engine)
@@ -354,28 +340,48 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
     return res
 
 
-def run_process(job: dict, log: Path, cg=None, timeout_s: float = 3600) -> dict:
-    """`run_one(**job)` in a process of its own (inside the memory cgroup `cg` when given), its stderr in `log`:
-    its result with the cgroup's peak, or `{"error": ...}` quoting the log's last line."""
-    if cg is not None:
-        cg.reset_peak()
-    cmd = [sys.executable, "-m", "expertcache.runtime.bench.bigbench", json.dumps(job)]
-    with open_log(log, fresh=True) as lf:
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=lf, text=True, timeout=timeout_s,
-                           preexec_fn=cg.preexec if cg is not None else None)
-    if p.returncode != 0:
-        why = " (killed: out of memory in the cgroup?)" if cg is not None and p.returncode in (-9, 137) else ""
-        last = _last_line(log)
-        return {"error": f"exit {p.returncode}{why}; see {log}" + (f": {last}" if last else "")}
-    return {**json.loads(p.stdout.strip().splitlines()[-1]),
-            "cgroup_peak_bytes": cg.peak_bytes() if cg is not None else None}
+def run_process(config: Path, log: Path, cg=None, timeout_s: float = 3600) -> dict:
+    """One round of a system in a process of its own (`runner.run_child`: the page cache dropped, inside the memory
+    cgroup `cg` when given, its peak memory read), from its run configuration `config` (`write_run_config`), its
+    stderr in `log`: its result, or `{"error": ...}` quoting the log's last line."""
+    return run_child("expertcache.runtime.bench.bigbench", config, log, cg, timeout_s)
+
+
+RUN_KEYS = ("system", "ckpt", "trace", "budget_gb", "tokens", "warmup", "prompt_len", "start", "engine", "routing",
+            "quant_linears")  # a run configuration's keys: `run_one`'s arguments
+
+
+def write_run_config(path: Path, system: str, job: dict, engine: EngineConfig) -> Path:
+    """A system's run configuration, the file its process reads: `job` (what every system shares) with the system
+    and its engine resolved here, once (its name's options applied over --engine's: `system_engine`)."""
+    cfg = {**job, "system": system, "engine": asdict(system_engine(system, engine))}
+    return write_config(path, {k: cfg[k] for k in RUN_KEYS if k in cfg})
+
+
+def load_run_config(path: str | Path) -> dict:
+    """A run configuration read back and checked once: `run_one`'s keyword arguments (the engine an `EngineConfig`,
+    checked); a key nothing reads or one missing is one line."""
+    cfg = read_config(path)
+    unknown = sorted(set(cfg) - set(RUN_KEYS))
+    missing = sorted(set(RUN_KEYS[:8]) - set(cfg))
+    if unknown or missing:
+        raise InputError(f"run configuration {path}: " + "; ".join(
+            ([f"unknown keys {unknown}"] if unknown else []) + ([f"missing keys {missing}"] if missing else []))
+            + f" (expected {', '.join(RUN_KEYS)})")
+    if cfg.get("engine") is not None:
+        eng = cfg["engine"]
+        if not isinstance(eng, dict) or set(eng) - set(EngineConfig.__dataclass_fields__):
+            raise InputError(f"run configuration {path}: engine {eng!r} is not a mapping of EngineConfig fields")
+        cfg["engine"] = EngineConfig(**eng)
+        cfg["engine"].check()
+    return cfg
 
 
 def prepare_llamacpp(systems, routing: str, ckpt: Path, out_dir: Path, llamacpp_dir=None):
     """For the llama.cpp systems asked for: `(bin dir, GGUF, {})` once llama.cpp is built and the checkpoint
     converted (both reused), or `(None, None, {system: why})` when they cannot run (trace routing, or a step that
     failed: its one line)."""
-    want = [s for s in systems if s in NATIVE_ONLY]
+    want = [s for s in systems if system_entry(s).native_only]
     if not want:
         return None, None, {}
     if routing != "native":
@@ -419,6 +425,44 @@ def run_llamacpp(system: str, bins: Path, gguf: Path, tokens: int, warmup: int, 
             "threads": r["threads"], "cmd": r["cmd"]}
 
 
+class System(NamedTuple):
+    """A registered system of bench big: the names it runs under, how one round of it runs, and what it needs."""
+    variants: tuple[str, ...]  # its full names (`mmap`, `mmap:unbounded`); `:unbounded` runs outside the cgroup
+    run: Callable[..., dict]  # one round: `run_one` (in the process the runner starts) or `run_llamacpp`
+    own_process: bool = True  # run by `runner.run_child` (False: it starts its own, llama-bench, itself)
+    native_only: bool = False  # routes with the checkpoint's own routers (no hook to force a trace's choice)
+
+
+def _variant(allowed: tuple[str, ...]):
+    def convert(arg: str) -> str:
+        if arg not in allowed:
+            raise ValueError(arg)
+        return arg
+    return convert
+
+
+# --systems of bench big: each system a registered runner, `name` or `name:variant`; an expertcache system may add
+# its experts format (`:int8`, `:int4`) and engine options after slashes (`parse_system`). Every system but the
+# `:unbounded` ones runs inside a memory cgroup of the budget when one can be made; `mmap:unbounded` is the page
+# cache a user gets by default (all the free RAM)
+SYSTEM_REGISTRY = Registry("system")
+SYSTEM_REGISTRY.register("expertcache", System(("expertcache:on-demand", "expertcache:prefetch"), run_one),
+                         takes_arg="config", convert=_variant(("on-demand", "prefetch")),
+                         arg_help="on-demand or prefetch, then :int8/:int4 and /key=value engine options")
+SYSTEM_REGISTRY.register("accelerate", System(("accelerate",), run_one))
+SYSTEM_REGISTRY.register("mmap", System(("mmap", "mmap:unbounded"), run_one), takes_arg="unbounded", default="",
+                         convert=_variant(("", "unbounded")), arg_help="mmap or mmap:unbounded")
+SYSTEM_REGISTRY.register("llama.cpp", System(("llama.cpp", "llama.cpp:unbounded"), run_llamacpp, own_process=False,
+                                             native_only=True), takes_arg="unbounded", default="",
+                         convert=_variant(("", "unbounded")), arg_help="llama.cpp or llama.cpp:unbounded")
+SYSTEMS = tuple(v for e in SYSTEM_REGISTRY.entries() for v in e.obj.variants)  # every full name, from the registry
+
+
+def system_entry(name: str) -> System:
+    """The registered system a --systems name runs (its format and options stripped: `parse_system`)."""
+    return SYSTEM_REGISTRY.get(parse_system(name)[0])
+
+
 def accelerate_disk(ckpt: Path, budget_gb: float, out_dir: Path, beside_gguf: bool = False) -> str | None:
     """Why accelerate cannot run here (None: it can): its converted copy of what the budget leaves out (about
     the checkpoint less the budget; 26.6 GB for the 33.9 GB checkpoint at 8 GiB) must fit on the disk, which it
@@ -457,20 +501,16 @@ def _read_bytes() -> int:
     return 0
 
 
-def drop_page_cache() -> bool:
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
-        return True
-    except OSError:
-        return False
-
-
 QUANT_GROUP = 32
 
 
 def quantized_path(ckpt: Path, fmt: str, linears: bool = False) -> Path:
     return ckpt.parent / f"{ckpt.name}-{fmt}-g{QUANT_GROUP}{'-linears' if linears else ''}"
+
+
+def _slug(system: str) -> str:
+    """A system's name as a file name (its logs, its run configuration)."""
+    return system.replace(":", "-").replace("/", "+")
 
 
 def system_names(systems, experts=("bf16",)) -> list[str]:
@@ -537,41 +577,39 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
         skipped["accelerate"] = why
     systems = [s for s in systems if s not in skipped]
     start = 2000  # decode window of the trace; the predictor is fitted on tokens before it
-    runs: dict[str, list] = {s: [] for s in systems}
-    cold = []
     cg, cg_note = MemoryCgroup.create(int(budget_gb * 2**30)) if cgroup else (None, "--cgroup false")
     job = {"ckpt": str(ckpt), "trace": str(trace), "budget_gb": budget_gb, "prompt_len": prompt_len, "start": start,
-           "engine": asdict(engine), "routing": routing, "quant_linears": quant_linears}
-    try:
-        for r in range(rounds):
-            order = list(systems) if r % 2 == 0 else list(systems)[::-1]
-            for s in order:
-                cold.append(drop_page_cache())
-                bounded = cg is not None and not s.endswith(":unbounded")
-                log = out_dir / f"{s.replace(':', '-').replace('/', '+')}-round{r}.log"
-                if s in NATIVE_ONLY:
-                    from expertcache.runtime.bench.llamacpp import LlamaCppError
+           "routing": routing, "quant_linears": quant_linears}
+    configs = {}  # each system's run configuration, written once: the file its process reads
+    for s in systems:
+        if system_entry(s).own_process:
+            slow = s == "accelerate"
+            configs[s] = write_run_config(out_dir / f"{_slug(s)}.run.yaml", s, dict(
+                job, tokens=slow_tokens if slow else tokens, warmup=slow_warmup if slow else warmup), engine)
 
-                    if bounded:
-                        cg.reset_peak()
-                    try:
-                        x = run_llamacpp(s, bins, gguf_path, tokens, warmup, prompt_len, threads,
-                                         cg.preexec if bounded else None, timeout_s, log)
-                        runs[s].append({**x, "cgroup_peak_bytes": cg.peak_bytes() if bounded else None})
-                    except LlamaCppError as e:
-                        runs[s].append({"error": str(e)})
-                    if progress:
-                        progress(0, _done(s, r, rounds, runs[s][-1]))
-                    continue
-                slow = s == "accelerate"
-                runs[s].append(run_process(dict(job, system=s, tokens=slow_tokens if slow else tokens,
-                                                warmup=slow_warmup if slow else warmup),
-                                           log, cg if bounded else None, timeout_s))
-                if progress:
-                    progress(0, _done(s, r, rounds, runs[s][-1]))
+    def one_round(s: str, r: int) -> dict:
+        bounded = cg if cg is not None and not s.endswith(":unbounded") else None
+        log = out_dir / f"{_slug(s)}-round{r}.log"
+        if s in configs:
+            return run_process(configs[s], log, bounded, timeout_s)
+        from expertcache.runtime.bench.llamacpp import LlamaCppError
+        from expertcache.runtime.bench.runner import cold_start
+
+        dropped = cold_start(bounded)
+        try:
+            x = run_llamacpp(s, bins, gguf_path, tokens, warmup, prompt_len, threads,
+                             bounded.preexec if bounded else None, timeout_s, log)
+            return {**x, "cgroup_peak_bytes": bounded.peak_bytes() if bounded else None, "page_cache_dropped": dropped}
+        except LlamaCppError as e:
+            return {"error": str(e), "page_cache_dropped": dropped}
+
+    try:  # the order reversed every other round; each run in its own process
+        runs = alternate(systems, rounds, one_round,
+                         after=(lambda s, r, x: progress(0, _done(s, r, rounds, x))) if progress else None)
     finally:
         if cg is not None:
             cg.close()
+    cold = [x["page_cache_dropped"] for rs in runs.values() for x in rs]
     gguf_bytes = gguf_path.stat().st_size if gguf_path is not None and gguf_path.exists() else 0
     if gguf_path is not None and not keep_gguf:
         gguf_path.unlink(missing_ok=True)
@@ -686,10 +724,7 @@ def comparisons(systems: dict) -> dict:
         if a != "expertcache:on-demand" and "expertcache:on-demand" in ok:
             others.append("expertcache:on-demand")
         for b in others:
-            xa, xb = ra["tpot_round_medians_s"], ok[b]["tpot_round_medians_s"]
-            out[f"{a} vs {b}"] = {"ratio": float(np.median(xa) / np.median(xb)), "a_rounds_s": [min(xa), max(xa)],
-                                  "b_rounds_s": [min(xb), max(xb)], "rounds": [len(xa), len(xb)],
-                                  "claimed": rounds_apart(xa, xb)}
+            out[f"{a} vs {b}"] = compare(ra["tpot_round_medians_s"], ok[b]["tpot_round_medians_s"])
     return out
 
 
@@ -778,17 +813,15 @@ def plot(res: dict, png: str | Path) -> None:
 
 
 def main(argv=None) -> int:
-    """One system of `expertcache bench big` in its own process (its memory measured alone): the job is one JSON
-    object of `run_one`'s arguments (written by `bench_big`; this is no user command); prints one JSON line."""
+    """One round of one system of `expertcache bench big` in its own process (its memory measured alone), started by
+    `runner.run_child`: the argument is its run configuration (a YAML file `write_run_config` wrote; this is no
+    user command); prints one JSON line."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m expertcache.runtime.bench.bigbench JOB_JSON (run by `expertcache bench big`)",
+        print("usage: python -m expertcache.runtime.bench.bigbench RUN_CONFIG.yaml (run by `expertcache bench big`)",
               file=sys.stderr)
         return 2
-    job = json.loads(argv[0])
-    res = run_one(job["system"], job["ckpt"], job["trace"], job["budget_gb"], job["tokens"], job["warmup"],
-                  job["prompt_len"], job["start"], job["engine"], job.get("routing", "trace"),
-                  job.get("quant_linears", False))
+    res = run_one(**load_run_config(argv[0]))
     print(json.dumps(res))
     return 0
 

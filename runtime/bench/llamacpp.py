@@ -167,6 +167,8 @@ def bench(bins: Path, model: Path, threads: int, tokens: int, warmup: int = 0, d
     from /proc/PID/io when llama-bench prints the warm-up test's result, `-o jsonl`), and llama.cpp's build."""
     import threading
 
+    from expertcache.telemetry.memory import child_peak_rss_bytes
+
     gens = f"{warmup},{tokens}" if warmup > 0 else str(tokens)
     cmd = [str(bins / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", "0", "-n", gens, "-d",
            str(depth), "-r", str(reps), "-o", "jsonl"]
@@ -213,7 +215,7 @@ def bench(bins: Path, model: Path, threads: int, tokens: int, warmup: int = 0, d
     timed = total - marks[i - 1] if i > 0 and marks[i - 1] is not None else None
     return {"tpot_s": [s / 1e9 / tokens for s in samples], "wall_s": wall, "build": row.get("build_commit"),
             "threads": row.get("n_threads", threads), "n_depth": row.get("n_depth", depth), "tokens": tokens,
-            "warmup": warmup, "reps": reps, "peak_rss_bytes": ru.ru_maxrss * 1024, "read_bytes": total,
+            "warmup": warmup, "reps": reps, "peak_rss_bytes": child_peak_rss_bytes(ru), "read_bytes": total,
             "read_bytes_timed": timed, "cmd": " ".join(cmd)}
 
 

@@ -5,6 +5,8 @@ As root, cgroup v1 (`/sys/fs/cgroup/memory/NAME`: `memory.limit_in_bytes`, `memo
 (`/sys/fs/cgroup/NAME` with the memory controller: `memory.max`, `memory.peak`). A child joins it before it runs
 (`preexec`), so everything it maps or reads is charged from its first page. Without root or a memory controller,
 `MemoryCgroup.create` returns None and says why: the benchmark then runs unbounded and its JSON says so.
+A run killed before it removed its cgroup leaves `expertcache-PID` behind: `clean_stale`, called by every
+`create`, removes those whose process is gone, with one line on stderr.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from expertcache.telemetry.atomic import write_setting
+from expertcache.telemetry.atomic import _alive, write_setting  # _alive: the one "is that process gone"
+from expertcache.telemetry.memory import cgroup_peak_bytes
 
 V1 = Path("/sys/fs/cgroup/memory")
 V2 = Path("/sys/fs/cgroup")
@@ -25,28 +28,31 @@ class MemoryCgroup:
             ("memory.limit_in_bytes", "memory.max_usage_in_bytes")
 
     @classmethod
-    def create(cls, limit_bytes: int, name: str | None = None) -> tuple["MemoryCgroup | None", str]:
-        """(the cgroup, "") or (None, why not)."""
+    def create(cls, limit_bytes: int, name: str | None = None, v1: Path = V1,
+               v2: Path = V2) -> tuple["MemoryCgroup | None", str]:
+        """(the cgroup, "") or (None, why not). `v1`, `v2`: the cgroup file systems' roots (a test's folders)."""
         name = name or f"expertcache-{os.getpid()}"
         if os.geteuid() != 0:
             return None, "not root: a memory cgroup needs root"
-        controllers = V2 / "cgroup.controllers"
-        if (V1 / "memory.limit_in_bytes").is_file():
-            path, v2 = V1 / name, False
+        controllers = v2 / "cgroup.controllers"
+        if (v1 / "memory.limit_in_bytes").is_file():
+            root, is_v2 = v1, False
         elif controllers.is_file() and "memory" in controllers.read_text().split():
-            path, v2 = V2 / name, True
+            root, is_v2 = v2, True
         else:
             return None, "no cgroup memory controller here (v1 /sys/fs/cgroup/memory or v2 with memory)"
+        clean_stale(root)
+        path = root / name
         try:
             path.mkdir(exist_ok=True)
-            cg = cls(path, limit_bytes, v2)
+            cg = cls(path, limit_bytes, is_v2)
             write_setting(path / cg._limit, str(int(limit_bytes)))
-            if not v2:  # swap would let a process exceed the limit
+            if not is_v2:  # swap would let a process exceed the limit
                 sw = path / "memory.memsw.limit_in_bytes"
                 if sw.exists():
                     write_setting(sw, str(int(limit_bytes)))
-        except OSError as e:
-            return None, f"could not make a memory cgroup at {path}: {e.strerror or e}"
+        except (OSError, ValueError) as e:  # ValueError: a root that is not under /sys (a test's folder)
+            return None, f"could not make a memory cgroup at {path}: {getattr(e, 'strerror', None) or e}"
         return cg, ""
 
     def preexec(self) -> None:
@@ -64,10 +70,7 @@ class MemoryCgroup:
                 pass
 
     def peak_bytes(self) -> int | None:
-        try:
-            return int((self.path / self._peak).read_text().split()[0])
-        except (OSError, ValueError):
-            return None
+        return cgroup_peak_bytes(self.path / self._peak)
 
     def close(self) -> None:
         """Remove the cgroup (its processes have exited)."""
@@ -75,3 +78,23 @@ class MemoryCgroup:
             self.path.rmdir()
         except OSError:
             pass
+
+
+def clean_stale(root: Path) -> list[str]:
+    """Remove the `expertcache-PID` cgroups under `root` whose process is gone (a run killed before its `close`),
+    saying so in one line on stderr; the names removed. A cgroup with a process still in it stays (rmdir fails)."""
+    import sys
+
+    gone = []
+    for d in sorted(root.glob("expertcache-*")):
+        pid = d.name.rsplit("-", 1)[1]
+        if not d.is_dir() or not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            d.rmdir()
+            gone.append(d.name)
+        except OSError:
+            pass
+    if gone:
+        print(f"memory cgroup: removed {len(gone)} left by runs that are gone: {', '.join(gone)}", file=sys.stderr)
+    return gone

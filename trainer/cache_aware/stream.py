@@ -10,7 +10,6 @@ weights, one layer's experts, activations and this process: the floor printed)."
 from __future__ import annotations
 
 import json
-import resource
 import time
 from pathlib import Path
 from typing import Optional, Protocol
@@ -18,6 +17,7 @@ from typing import Optional, Protocol
 import torch
 
 from expertcache.telemetry.errors import InputError
+from expertcache.telemetry.memory import peak_rss_bytes
 
 
 class StreamedRuntime(Protocol):
@@ -100,11 +100,6 @@ def save_model(streamed, model, tok, model_dir: Path, aux=None) -> None:
         tok.save_pretrained(str(tmp))
         if aux is not None:
             aux.save(tmp, model)
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory so far (ru_maxrss, KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def stream_result(recipe, streamed, parts: dict, module, trainer, train_s: float, start_step: int) -> dict:

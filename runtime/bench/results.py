@@ -1,0 +1,95 @@
+"""The one result writer of every benchmark (the CLI's bench commands and scripts/): `write_result` adds to the
+payload what any figure needs to be traced back and compared (METRICS.md, Reporting):
+
+- `provenance`: the commit and its dirty flag (`telemetry/provenance.py`, the one lookup, taken before the work
+  starts: `started()`), the machine (CPU model, cores, usable cores, physical memory, the read bandwidth when the
+  run measured one), torch's threads and version, the date;
+- `config`: the resolved configuration the run used (dataclasses and paths made plain);
+- `command`: the command that made it (given, or this process's own command line).
+
+Written through `telemetry/atomic.py` (`write_json`): a failed run never leaves a half-written result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+from expertcache.telemetry.atomic import write_json
+from expertcache.telemetry.provenance import provenance as code_provenance
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), "" where there is none."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def machine(read_GBps: float | None = None) -> dict:
+    """This host, as a result records it: cores (all, and those this process may use), physical memory (bytes),
+    and the storage read bandwidth (GB/s) when the run measured one (None: not measured here)."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count()
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "usable_cores": usable,
+            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "read_GBps": read_GBps}
+
+
+def started(here: str | Path | None = None) -> dict:
+    """The provenance of a run, taken when it starts (edits made while a long benchmark runs are not its code):
+    `{"commit", "dirty", "machine", "threads", "torch", "date"}`."""
+    import torch
+
+    return {**code_provenance(here), "machine": machine(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def plain(value):
+    """A configuration as JSON holds it: dataclasses as dicts, paths and other objects as text."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return plain(dataclasses.asdict(value))
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def own_command() -> str:
+    """This process's command line as a user would type it: `expertcache ...` or `python scripts/x.py ...`."""
+    argv = list(sys.argv)
+    prog = Path(argv[0]) if argv else Path("python")
+    if prog.name == "expertcache":
+        head = "expertcache"
+    else:
+        try:
+            head = "python " + prog.resolve().relative_to(ROOT).as_posix()
+        except ValueError:
+            head = "python " + str(prog)
+    return " ".join([head, *argv[1:]])
+
+
+def write_result(path: str | Path, payload: dict, config=None, command: str | None = None,
+                 provenance: dict | None = None, read_GBps: float | None = None) -> dict:
+    """`payload` with `provenance` (`provenance`: what `started()` took when the run began; else taken now),
+    `config` (the resolved configuration) and `command` (default: this process's), written to `path` as JSON
+    through the atomic writer. Returns what was written."""
+    prov = dict(provenance) if provenance is not None else started()
+    if read_GBps is not None:
+        prov["machine"] = {**prov.get("machine", {}), "read_GBps": read_GBps}
+    out = {**payload, "provenance": prov, "config": plain(config), "command": command or own_command()}
+    write_json(path, out)
+    return out

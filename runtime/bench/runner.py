@@ -1,0 +1,104 @@
+"""The one child-process runner of the benchmarks: a run's configuration crosses to its process as a YAML file
+(written once by the parent, parsed once by the child: `read_config`), and everything a fair comparison needs
+around that process happens here, in one place:
+
+- the page cache dropped before it starts (as root), so every system starts cold;
+- the memory cgroup it joins before it allocates anything (`memcg.MemoryCgroup`, its peak zeroed first);
+- its peak memory, read by the one reader (`telemetry/memory.py`): the child's own peak resident set from its
+  rusage (`os.wait4`), and the cgroup's peak (resident memory and page cache);
+- its result: the last line it prints on stdout, one JSON object; a failure comes back as `{"error": ...}` naming
+  the exit status, the log and the log's last line (an out-of-memory kill leaves no other word).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import yaml
+
+from expertcache.telemetry.atomic import open_log, write_setting, write_text
+from expertcache.telemetry.errors import InputError
+from expertcache.telemetry.memory import child_peak_rss_bytes
+
+
+def write_config(path: str | Path, config: dict) -> Path:
+    """A run's configuration as the YAML file its process reads."""
+    return write_text(path, yaml.safe_dump(config, sort_keys=False))
+
+
+def read_config(path: str | Path) -> dict:
+    """A run's configuration file: one YAML mapping (anything else is one line)."""
+    try:
+        cfg = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise InputError(f"run configuration {path}: {getattr(e, 'strerror', None) or e}") from None
+    if not isinstance(cfg, dict):
+        raise InputError(f"run configuration {path}: expected a mapping of keys, got {type(cfg).__name__}")
+    return cfg
+
+
+def drop_page_cache() -> bool:
+    """Drop the page cache (root only): True when it was dropped."""
+    try:
+        os.sync()
+        write_setting("/proc/sys/vm/drop_caches", "1\n")
+        return True
+    except OSError:
+        return False
+
+
+def last_line(log: Path) -> str:
+    """The last line a failed run wrote to its log (its error, or what it said after loading), at most 300
+    characters."""
+    try:
+        lines = [x.strip() for x in log.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:300] if lines else ""
+
+
+def cold_start(cgroup=None, drop_caches: bool = True) -> bool:
+    """Before a run: the page cache dropped (`drop_caches`, as root) and the cgroup's peak zeroed; whether the
+    cache was dropped. `run_child` calls it; a system that starts its own process (llama-bench) calls it itself."""
+    dropped = drop_page_cache() if drop_caches else False
+    if cgroup is not None:
+        cgroup.reset_peak()
+    return dropped
+
+
+def run_child(module: str, config: str | Path, log: Path, cgroup=None, timeout_s: float = 3600,
+              drop_caches: bool = True) -> dict:
+    """`python -m module CONFIG` in a process of its own, inside `cgroup` when given (a `memcg.MemoryCgroup`),
+    after the page cache is dropped (`drop_caches`, as root), its stderr in `log`: the JSON object it printed last,
+    with `peak_rss_bytes` (its own peak, from its rusage), `cgroup_peak_bytes` (None outside a cgroup) and
+    `page_cache_dropped`; or `{"error": ..., "page_cache_dropped"}`."""
+    dropped = cold_start(cgroup, drop_caches)
+    cmd = [sys.executable, "-m", module, str(config)]
+    with open_log(log, fresh=True) as lf:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=lf, text=True,
+                             preexec_fn=cgroup.preexec if cgroup is not None else None)
+        late = threading.Event()
+        timer = threading.Timer(timeout_s, lambda: (late.set(), p.kill()))
+        timer.start()
+        try:
+            out = p.stdout.read()
+            _, status, ru = os.wait4(p.pid, 0)  # this child's own rusage (Popen's wait would not give it)
+        finally:
+            timer.cancel()
+            p.stdout.close()
+        p.returncode = code = os.waitstatus_to_exitcode(status)
+    lines = [x for x in out.strip().splitlines() if x.strip()]
+    if code != 0 or not lines:
+        killed = f" (no result within {timeout_s:.0f} s)" if late.is_set() else \
+            " (killed: out of memory in the cgroup?)" if cgroup is not None and code in (-9, 137) else ""
+        last = last_line(log)
+        return {"error": f"exit {code}{killed}; see {log}" + (f": {last}" if last else ""),
+                "page_cache_dropped": dropped}
+    return {**json.loads(lines[-1]), "peak_rss_bytes": child_peak_rss_bytes(ru),
+            "cgroup_peak_bytes": cgroup.peak_bytes() if cgroup is not None else None,
+            "page_cache_dropped": dropped}

@@ -1,0 +1,159 @@
+"""The one benchmark tool (issue 43 item 3): the alternation harness and its claim rule on planted timings, the
+result writer's provenance, the child-process runner (its cgroup, its stale cgroups, its peak memory) and the
+registry of bench big's systems."""
+
+import json
+import os
+import sys
+import textwrap
+from dataclasses import dataclass
+
+import pytest
+
+from expertcache.telemetry.errors import InputError
+
+
+def test_the_harness_alternates_and_claims_only_apart_rounds():
+    """Arms alternate A B C / C B A (the baseline may lead every round instead); a planted arm that is faster in
+    every round is claimed against the baseline, one whose rounds straddle the baseline's is not, and neither is
+    one with fewer than 3 rounds."""
+    from expertcache.runtime.bench.harness import alternate, claimed, compare, order
+
+    planted = {"base": [1.00, 1.02, 0.98, 1.01], "fast": [0.80, 0.82, 0.79, 0.81], "noisy": [0.95, 1.05, 0.97, 1.03]}
+    calls = []
+
+    def run(arm, r):
+        calls.append(arm)
+        return planted[arm][r]
+
+    res = alternate(["base", "fast", "noisy"], 4, run)
+    assert calls == ["base", "fast", "noisy", "noisy", "fast", "base"] * 2
+    assert res == planted  # each arm's rounds in round order, whatever order they ran in
+    calls.clear()
+    alternate(["base", "fast", "noisy"], 2, run, keep_first=True)
+    assert calls == ["base", "fast", "noisy", "base", "noisy", "fast"]
+    assert order(["a", "b"], 1) == ["b", "a"] and order(["a", "b", "c"], 1, keep_first=True) == ["a", "c", "b"]
+    assert claimed(res["fast"], res["base"]) and claimed(res["base"], res["fast"])
+    assert not claimed(res["noisy"], res["base"])
+    assert not claimed(res["fast"][:2], res["base"][:2])  # apart, but two rounds claim nothing
+    c = compare(res["fast"], res["base"])
+    assert c["claimed"] and c["ratio"] == pytest.approx(0.805 / 1.005) and c["a_rounds_s"] == [0.79, 0.82]
+    with pytest.raises(ValueError, match="named twice"):
+        alternate(["a", "a"], 1, run)
+
+
+@dataclass
+class _Cfg:
+    tier: str = "disk"
+    capacity: float = 0.25
+
+
+def test_the_result_writer_always_records_provenance_and_configuration(tmp_path, monkeypatch):
+    """Every result carries the commit it came from (this checkout's HEAD) with its dirty flag, the machine, the
+    threads and torch, the resolved configuration (dataclasses and paths made plain) and the command."""
+    import torch
+
+    from expertcache.runtime.bench.results import write_result
+    from expertcache.telemetry.provenance import rev_parse
+
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["expertcache", "bench", "decode", "--out", str(out)])
+    wrote = write_result(out, {"tpot_median_s": 0.25}, config={"engine": _Cfg(), "out": tmp_path, "rounds": 3})
+    back = json.loads(out.read_text())
+    assert back == json.loads(json.dumps(wrote, default=str))
+    p = back["provenance"]
+    assert p["commit"] == rev_parse("HEAD") != "" and isinstance(p["dirty"], bool)
+    assert p["machine"]["cores"] == os.cpu_count() and p["machine"]["memory_bytes"] > 2**30
+    assert p["threads"] == torch.get_num_threads() and p["torch"] == torch.__version__ and p["date"].endswith("Z")
+    assert back["config"] == {"engine": {"tier": "disk", "capacity": 0.25}, "out": str(tmp_path), "rounds": 3}
+    assert back["command"] == f"expertcache bench decode --out {out}" and back["tpot_median_s"] == 0.25
+    r2 = write_result(tmp_path / "s.json", {}, command="python scripts/x.py", provenance=p, read_GBps=2.5)
+    assert r2["provenance"]["machine"]["read_GBps"] == 2.5 and r2["command"] == "python scripts/x.py"
+    assert p["machine"]["read_GBps"] is None  # the caller's provenance is not changed
+
+
+def test_a_memory_cgroup_needs_root_and_stale_ones_are_removed_at_the_next_start(tmp_path, monkeypatch, capsys):
+    """Without root there is no cgroup (and the run says why); a killed run's `expertcache-PID` cgroup whose
+    process is gone is removed by the next start, with one line; a live process's is kept."""
+    import subprocess
+
+    from expertcache.runtime.bench import memcg
+
+    root = tmp_path / "memory"
+    root.mkdir()
+    (root / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    (root / f"expertcache-{dead}").mkdir()
+    (root / f"expertcache-{os.getpid()}").mkdir()
+    (root / "someone-else").mkdir()
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert memcg.MemoryCgroup.create(1 << 30, v1=root, v2=tmp_path / "none") == (
+        None, "not root: a memory cgroup needs root")
+    assert (root / f"expertcache-{dead}").is_dir()  # nothing is touched without root
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    cg, why = memcg.MemoryCgroup.create(1 << 30, name="expertcache-new", v1=root, v2=tmp_path / "none")
+    assert cg is None and "could not make a memory cgroup" in why  # a folder under /tmp is no cgroup file system
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == sorted(
+        [f"expertcache-{os.getpid()}", "expertcache-new", "someone-else"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"memory cgroup: removed 1 left by runs that are gone: expertcache-{dead}"]
+    assert memcg.clean_stale(root) == [] and capsys.readouterr().err == ""
+
+
+_CHILD = """
+    import json, sys
+    from expertcache.runtime.bench.runner import read_config
+    cfg = read_config(sys.argv[1])
+    block = bytearray(cfg["mib"] << 20)  # touched: resident
+    print("a line before the result")
+    print(json.dumps({"mib": cfg["mib"], "system": cfg["system"]}))
+    """
+
+
+def test_the_runner_runs_a_config_file_in_a_child_and_reads_its_peak_memory(tmp_path, monkeypatch):
+    """A configuration file crosses to a child process; its last stdout line is its result, with the child's own
+    peak memory measured from its rusage (a 96 MiB allocation shows), and the cgroup's peak when one is made (as
+    root, with a memory controller)."""
+    from expertcache.runtime.bench.memcg import MemoryCgroup
+    from expertcache.runtime.bench.runner import run_child, write_config
+
+    (tmp_path / "childjob.py").write_text(textwrap.dedent(_CHILD))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cfg = write_config(tmp_path / "job.yaml", {"system": "mmap", "mib": 96})
+    r = run_child("childjob", cfg, tmp_path / "job.log", drop_caches=False)
+    assert r["mib"] == 96 and r["system"] == "mmap" and r["cgroup_peak_bytes"] is None
+    assert 96 << 20 < r["peak_rss_bytes"] < 1 << 30 and r["page_cache_dropped"] is False
+    bad = write_config(tmp_path / "bad.yaml", {"system": "mmap"})  # no `mib`: the child fails
+    r = run_child("childjob", bad, tmp_path / "bad.log", drop_caches=False)
+    assert r["error"].startswith("exit 1; see ") and r["error"].endswith("KeyError: 'mib'")
+    cg, why = MemoryCgroup.create(1 << 30, f"expertcache-test-{os.getpid()}")
+    if cg is None:
+        pytest.skip(why)
+    try:
+        r = run_child("childjob", cfg, tmp_path / "job.log", cg, drop_caches=False)
+        assert 96 << 20 < r["cgroup_peak_bytes"] <= 1 << 30
+    finally:
+        cg.close()
+
+
+def test_bench_big_refuses_a_system_nobody_registered_in_one_line(tmp_path, capsys):
+    """Bench big's systems are registered runners: a name (or a variant) nobody registered is one line listing
+    them all, before anything is written; every full name derives from the registry."""
+    from expertcache.recipes.cli import main
+    from expertcache.runtime.bench.bigbench import SYSTEM_REGISTRY, SYSTEMS, parse_system, system_entry
+
+    listing = "expertcache:<config>, accelerate, mmap[:<unbounded>], llama.cpp[:<unbounded>]"
+    for bad in ("vllm", "mmap:bounded", "expertcache:eager"):
+        assert main(["bench", "big", "--systems", f"[{bad}]", "--out_dir", str(tmp_path / "d"),
+                     "--out", str(tmp_path / "b.json")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"system {bad!r}" in err[0], err
+        assert not (tmp_path / "d").exists()
+    assert f"unknown system 'vllm'; expected one of: {listing}" in (
+        pytest.raises(InputError, parse_system, "vllm").value.args[0])
+    assert SYSTEM_REGISTRY.listing() == listing
+    assert SYSTEMS == ("expertcache:on-demand", "expertcache:prefetch", "accelerate", "mmap", "mmap:unbounded",
+                       "llama.cpp", "llama.cpp:unbounded")
+    assert system_entry("llama.cpp:unbounded").native_only and not system_entry("llama.cpp").own_process
+    assert system_entry("expertcache:prefetch:int4/victims=false").own_process
