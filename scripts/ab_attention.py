@@ -40,27 +40,25 @@ def main() -> None:
         raise SystemExit("ab_attention: the engine did not switch this model's attention (no CPU kernels, or not "
                          "sdpa)")
     ids = torch.randint(2, min(4000, m.config.vocab_size), (1, a.context), generator=torch.Generator().manual_seed(1))
-    times: dict[str, list[float]] = {"kernel": [], "sdpa": []}
     tokens = {}
 
-    def run(arm: str, keep: bool = True) -> None:
+    def run(arm: str, r: int = -1) -> float:
         for c in cfgs:
             c._attn_implementation_internal = patches.ATTENTION if arm == "kernel" else "sdpa"
         t, out, _ = timed_greedy(m, ids, a.tokens + 1)
-        if keep:
-            times[arm].append((t[-1] - t[0]) / a.tokens)
         tokens[arm] = torch.as_tensor(out).tolist()
+        return (t[-1] - t[0]) / a.tokens
 
-    run("kernel", False)
-    run("sdpa", False)
-    for r in range(a.rounds):
-        for arm in (("kernel", "sdpa") if r % 2 == 0 else ("sdpa", "kernel")):
-            run(arm)
+    from expertcache.runtime.bench.harness import alternate, compare
+
+    run("kernel")  # untimed: each arm warmed once
+    run("sdpa")
+    times = alternate(["kernel", "sdpa"], a.rounds, run)
     print(json.dumps({"model": a.model, "threads": a.threads, "context": a.context, "tokens": a.tokens,
                       "same_tokens": tokens["kernel"] == tokens["sdpa"],
                       **{arm: {"tpot_ms_median": statistics.median(v) * 1e3, "rounds_ms": [x * 1e3 for x in v]}
-                         for arm, v in times.items()}}))
-
+                         for arm, v in times.items()},
+                      "kernel_vs_sdpa": compare(times["kernel"], times["sdpa"])}))
 
 if __name__ == "__main__":
     main()

@@ -191,9 +191,9 @@ def main() -> int:
     text = json.dumps(out, indent=2)
     print(text)
     if a.out:
-        from expertcache.telemetry.atomic import write_text
+        from expertcache.runtime.bench.results import write_result
 
-        write_text(a.out, text + "\n")
+        write_result(a.out, out, config=vars(a), command=out.get("command"))
     return 0
 
 

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -47,6 +46,10 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="also write the JSON here")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    from expertcache.runtime.bench.harness import alternate, compare
+    from expertcache.runtime.bench.results import started, write_result
+
+    prov = started()  # the code and the machine, before the work
 
     from expertcache.runtime import load
     from expertcache.runtime.storage.store import checksum
@@ -63,19 +66,20 @@ def main() -> None:
     vocab = m.config.vocab_size
     prompt = torch.randint(0, vocab, (1, a.prompt_len), generator=torch.Generator().manual_seed(0))
     n_new = a.warmup + a.tokens + 1
-    tpot = {"off": [], "on": []}
-    loads = {"off": 0, "on": 0}
-    tokens = {"off": 0, "on": 0}
+
+    def one(mode: str, r: int) -> dict:  # one pass, checksums off or on
+        src.expected = expected if mode == "on" else None
+        eng.reset()
+        return {"tpot": _decode(m, prompt, n_new, a.warmup), "loads": _loads(eng.stats)}
+
     try:
-        for r in range(a.rounds):
-            for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                src.expected = expected if mode == "on" else None
-                eng.reset()
-                tpot[mode] += _decode(m, prompt, n_new, a.warmup)
-                loads[mode] += _loads(eng.stats)
-                tokens[mode] += n_new
+        runs = alternate(["off", "on"], a.rounds, one)
     finally:
         eng.close()
+    tpot = {k: [t for x in v for t in x["tpot"]] for k, v in runs.items()}
+    loads = {k: sum(x["loads"] for x in v) for k, v in runs.items()}
+    tokens = {k: n_new * len(v) for k, v in runs.items()}
+    rounds = {k: [float(np.median(x["tpot"])) for x in v] for k, v in runs.items()}
     # the hash of one expert's bytes, as the tier computes it (one span list, in memory)
     nbytes = sum(s.nbytes for s in src.spans(0, 0))
     buf = os.urandom(nbytes)
@@ -93,9 +97,6 @@ def main() -> None:
     t_cold = (time.perf_counter() - t0) / n_cold
     med = {k: float(np.median(v)) for k, v in tpot.items()}
     per_tok = loads["on"] / tokens["on"]  # experts read per token (demand + prefetch, prefill included)
-    from expertcache.telemetry.provenance import provenance
-
-    prov = provenance(Path(__file__).resolve().parents[1])
     out = {"inputs": {"model": a.model, "checkpoint_bytes": sum(p.stat().st_size for p in src.files),
                       "capacity": a.capacity, "tier": "disk", "predictor": "none", "tokens": a.tokens,
                       "warmup": a.warmup, "rounds": a.rounds, "prompt_len": a.prompt_len, "torch_threads": a.threads,
@@ -103,16 +104,15 @@ def main() -> None:
                       "page_cache": eng.tier.describe().get("page_cache")},
            "verify_seconds": rep["seconds"], "verify_bytes": rep["expert_bytes_checked"],
            "tpot_median_s": med, "tpot_p90_s": {k: float(np.percentile(v, 90)) for k, v in tpot.items()},
+           "tpot_round_medians_s": rounds, "on_vs_off": compare(rounds["on"], rounds["off"]),
            "experts_read_per_token": per_tok, "hash_s_per_expert": t_hash,
            "hash_GBps": nbytes / t_hash / 1e9, "hash_s_per_expert_cold": t_cold, "hash_GBps_cold": nbytes / t_cold / 1e9,
            "share_of_tpot": {"ab": med["on"] / med["off"] - 1, "hash": per_tok * t_hash / med["off"],
                              "hash_cold": per_tok * t_cold / med["off"]},
-           **prov}
+           "commit": prov["commit"], "dirty": prov["dirty"]}
     print(json.dumps(out, indent=2))
     if a.out:
-        from expertcache.telemetry.atomic import write_json
-
-        write_json(a.out, out)
+        write_result(a.out, out, config=vars(a), provenance=prov)
 
 
 if __name__ == "__main__":

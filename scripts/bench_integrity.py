@@ -21,12 +21,10 @@ import argparse
 import json
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from expertcache.telemetry.provenance import provenance
 
 
 def main() -> None:
@@ -38,11 +36,14 @@ def main() -> None:
     ap.add_argument("--tier", default="disk")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=3, help="off / on_cold / on_warm triples (order rotated)")
+    ap.add_argument("--rounds", type=int, default=3, help="off / on_cold / on_warm triples (order reversed every other round)")
     ap.add_argument("--store-dir", default="runs/stores")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     a = ap.parse_args()
+    from expertcache.runtime.bench.harness import alternate, compare
+    from expertcache.runtime.bench.results import started, write_result
 
+    prov = started()  # the code and the machine, before the work
     from expertcache.runtime.engine.config import EngineConfig
     from expertcache.runtime.bench.replay import REFERENCE_TRACE, ReplayConfig, Replayer, ensure_store, parse_shape
     from expertcache.runtime.storage.weight_checks import expert_checks, magnitudes
@@ -59,25 +60,25 @@ def main() -> None:
     rp = Replayer(store, ids, EngineConfig(capacity=a.capacity, tier=a.tier))
     on_demand = ReplayConfig("on-demand")
     modes = ["off", "on_cold", "on_warm"]
-    tpot: dict[str, list[float]] = {m: [] for m in modes}
-    loads = {m: 0 for m in modes}
-    toks = {m: 0 for m in modes}
     checks = None
+
+    def one(mode: str, rnd: int) -> dict:  # one pass with the weight checks off, on from cold, or on and warm
+        rp.cfg = replace(rp.cfg, integrity="off" if mode == "off" else "on")
+        if mode == "on_cold":
+            checks.checked[:] = False
+        return rp.run(on_demand, span)
+
     try:
         rp.cfg = replace(rp.cfg, integrity="on")
         rp.run(on_demand, range(cut, cut + a.warmup))  # untimed: threads, files, the checks' start sample
         checks = expert_checks(rp.tier)
-        for rnd in range(a.rounds):
-            for mode in modes[rnd % 3:] + modes[:rnd % 3]:
-                rp.cfg = replace(rp.cfg, integrity="off" if mode == "off" else "on")
-                if mode == "on_cold":
-                    checks.checked[:] = False
-                res = rp.run(on_demand, span)
-                tpot[mode] += res["times"][a.warmup:]
-                loads[mode] += res["demand"] + res["prefetch"]
-                toks[mode] += len(res["times"])
+        runs = alternate(modes, a.rounds, one)  # off, on_cold, on_warm; reversed every other round
     finally:
         rp.close()
+    tpot = {m: [t for x in v for t in x["times"][a.warmup:]] for m, v in runs.items()}
+    loads = {m: sum(x["demand"] + x["prefetch"] for x in v) for m, v in runs.items()}
+    toks = {m: sum(len(x["times"]) for x in v) for m, v in runs.items()}
+    rounds = {m: [float(np.median(x["times"][a.warmup:])) for x in v] for m, v in runs.items()}
     # one expert's scan over bytes in no cache: a 256 MiB region of random bf16 weights walked once, expert by expert
     meta = rp.meta
     n_el = meta.expert_bytes // 2
@@ -96,16 +97,16 @@ def main() -> None:
                       "tier": a.tier, "page_cache": rp.tier.describe().get("page_cache"), "tokens": a.tokens,
                       "warmup": a.warmup, "rounds": a.rounds, "torch_threads": torch.get_num_threads()},
            "tpot_median_s": med, "tpot_p90_s": {m: float(np.percentile(v, 90)) for m, v in tpot.items()},
+           "tpot_round_medians_s": rounds, "on_cold_vs_off": compare(rounds["on_cold"], rounds["off"]),
+           "on_warm_vs_off": compare(rounds["on_warm"], rounds["off"]),
            "experts_read_per_token": per_tok, "scan_s_per_expert_cold": t_scan,
            "scan_GBps_cold": meta.expert_bytes / t_scan / 1e9,
            "share_of_tpot": {"on_cold_ab": med["on_cold"] / med["off"] - 1, "on_warm_ab": med["on_warm"] / med["off"] - 1,
                              "scan_every_read": per_tok * t_scan / med["off"]},
-           **provenance(Path(__file__).resolve().parents[1])}
+           "commit": prov["commit"], "dirty": prov["dirty"]}
     print(json.dumps(out, indent=2))
     if a.out:
-        from expertcache.telemetry.atomic import write_json
-
-        write_json(a.out, out)
+        write_result(a.out, out, config=vars(a), provenance=prov)
 
 
 if __name__ == "__main__":

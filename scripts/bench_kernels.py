@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -143,11 +142,19 @@ def worker(model: str, threads: int, tokens: int, reps: int, depth: int = 0) -> 
 
 
 def ours(model: str, threads: int, tokens: int, reps: int = 3, depth: int = 0) -> dict:
-    r = subprocess.run([sys.executable, __file__, "--worker", model, "--threads", str(threads), "--tokens",
-                        str(tokens), "--reps", str(reps), "--depth", str(depth)], capture_output=True, text=True)
-    if r.returncode:
-        raise SystemExit(f"bench_kernels: the decode worker failed:\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    """One decode worker in a process of its own (`runner.run_child`, the page cache kept: a kernel figure is from
+    memory), its arguments crossing as a YAML file."""
+    import tempfile
+
+    from expertcache.runtime.bench.runner import run_child, write_config
+
+    d = Path(tempfile.mkdtemp(prefix="bench-kernels-"))
+    cfg = write_config(d / "worker.yaml", {"model": model, "threads": threads, "tokens": tokens, "reps": reps,
+                                           "depth": depth})
+    r = run_child([sys.executable, __file__, "--worker"], cfg, d / "worker.log", drop_caches=False)
+    if "error" in r:
+        raise SystemExit(f"bench_kernels: the decode worker failed: {r['error']}")
+    return r
 
 
 def quantized(model: Path, fmt: str, work: Path, linears: bool) -> Path:
@@ -198,9 +205,14 @@ def main() -> None:
         raise SystemExit(f"bench_kernels: --formats {a.formats}: expected a subset of "
                          f"{','.join([*FORMATS, *FILE_FORMATS])}")
     if a.worker:
-        print(json.dumps(worker(a.worker, threads[0], a.tokens, a.reps, a.depth)))
+        from expertcache.runtime.bench.runner import read_config
+
+        print(json.dumps(worker(**read_config(a.worker))))
         return
     t_start = time.time()
+    from expertcache.runtime.bench.results import started, write_result
+
+    prov = started()  # the code and the machine, before the work
     kernels = [row for t in threads for row in kernel_figures(t)] if a.kernels == "true" else []
     for row in kernels:
         print(json.dumps(row), file=sys.stderr, flush=True)
@@ -214,13 +226,17 @@ def main() -> None:
         paths = {f: quantized(model, f, work, a.linears == "true") for f in formats}
         runs: dict[tuple[str, int], dict] = {}
         peer_runs: dict[tuple[int, int, str], dict] = {}
+        from expertcache.runtime.bench.harness import order
+
         for r in range(a.rounds):
             for t in threads:
                 for f in formats:
-                    mine = ours(str(paths[f]), t, a.tokens, a.reps, a.depth)
-                    if (r, t, PEER[f]) not in peer_runs:  # one llama.cpp run per (round, threads, its format)
-                        peer_runs[(r, t, PEER[f])] = llamacpp_peer.decode(model, PEER[f], t, a.tokens, a.reps,
-                                                                          depth=a.depth)
+                    for arm in order(["ours", "peer"], r):  # the harness's order: reversed every other round
+                        if arm == "ours":
+                            mine = ours(str(paths[f]), t, a.tokens, a.reps, a.depth)
+                        elif (r, t, PEER[f]) not in peer_runs:  # one llama.cpp run per (round, threads, format)
+                            peer_runs[(r, t, PEER[f])] = llamacpp_peer.decode(model, PEER[f], t, a.tokens, a.reps,
+                                                                              depth=a.depth)
                     peer = peer_runs[(r, t, PEER[f])]
                     d = runs.setdefault((f, t), {"ours": [], "peer": [], "peer_stddev_tok_s": [], "bw": []})
                     d["ours"].append(mine["tpot_s"])
@@ -232,11 +248,14 @@ def main() -> None:
                                       "llamacpp_tpot_s": peer["tpot_s"],
                                       "expertcache_read_bandwidth_gbps": mine.get("read_bandwidth_gbps")}),
                           file=sys.stderr, flush=True)
+        from expertcache.runtime.bench.harness import claimed
+
         for (f, t), d in runs.items():
             e, p = statistics.median(d["ours"]), statistics.median(d["peer"])
             pairs.append({"format": f, "llamacpp_format": PEER[f].upper(), "threads": t, "expertcache_tpot_s": e,
                           "llamacpp_tpot_s": p, "ratio": e / p, "expertcache_rounds_s": d["ours"],
                           "llamacpp_rounds_s": d["peer"], "round_ratios": [x / y for x, y in zip(d["ours"], d["peer"])],
+                          "claimed": claimed(d["ours"], d["peer"]),
                           "expertcache_read_bandwidth_gbps": d["bw"], "llamacpp_build": d["peer_build"],
                           "llamacpp_gguf_bytes": d["peer_gguf_bytes"],
                           "expertcache_checkpoint": str(paths[f].name),
@@ -257,9 +276,7 @@ def main() -> None:
         "pass": {"kernels": {k["format"]: k["fraction_of_read_bandwidth"] >= 0.7 for k in one},
                  "pairs": {f"{p['format']}@{p['threads']}": p["ratio"] <= 1.25 for p in pairs}},
     }
-    from expertcache.telemetry.atomic import write_json
-
-    write_json(a.out, res)
+    res = write_result(a.out, res, config=vars(a), command=res["command"], provenance=prov)
     print(json.dumps(res, indent=1))
 
 

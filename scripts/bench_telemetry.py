@@ -74,25 +74,21 @@ def main() -> int:
 
     # plain_control repeats the plain forward: its gap to plain is the noise floor of this measurement
     variants = {"plain": plain, "ids_weights": recorded(False), "plain_control": plain, "with_hidden": recorded(True)}
-    times = {k: [] for k in variants}
-    writes = {k: [] for k in variants}
-    with torch.no_grad():
-        for rep in range(a.reps + a.warmup):
-            order = list(variants) if rep % 2 == 0 else list(reversed(variants))
-            for k in order:
-                dt, wt = variants[k]()
-                if rep >= a.warmup:
-                    times[k].append(dt)
-                    writes[k].append(wt)
+    from expertcache.telemetry.provenance import provenance
+    from expertcache.runtime.bench.harness import alternate, compare
+
+    prov = provenance(Path(__file__).parent)  # the code, before the work
+    with torch.no_grad():  # the first --warmup rounds untimed
+        runs = alternate(list(variants), a.reps + a.warmup, lambda k, rep: variants[k]())
+    times = {k: [dt for dt, _ in v[a.warmup:]] for k, v in runs.items()}
+    writes = {k: [wt for _, wt in v[a.warmup:]] for k, v in runs.items()}
     med = {k: statistics.median(v) for k, v in times.items()}
     over = {k: med[k] / med["plain"] - 1 for k in ("ids_weights", "with_hidden", "plain_control")}
-    from expertcache.telemetry.provenance import provenance
-
-    prov = provenance(Path(__file__).parent)
     out = {"benchmark": "telemetry_overhead", "model": source, "batch": [a.batch, a.seq], "reps": a.reps,
            "threads": torch.get_num_threads(),
            "forward_s_median": {k: round(v, 4) for k, v in med.items()},
            "overhead": {k: round(v, 4) for k, v in over.items()},
+           "vs_plain": {k: compare(times[k], times["plain"]) for k in over},
            "parquet_write_s_median": {k: round(statistics.median(writes[k]), 4) for k in ("ids_weights", "with_hidden")},
            "targets": {"ids_weights": 0.03, "with_hidden": 0.15},
            "pass": over["ids_weights"] <= 0.03 and over["with_hidden"] <= 0.15, **prov}

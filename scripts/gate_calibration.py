@@ -37,7 +37,6 @@ import torch
 from expertcache.evals.gate import EVAL_FORMAT_VERSION, gate
 from expertcache.evals.run import blocks_sha256, stepwise_blocks, tokenizer_fingerprint
 from expertcache.evals.stepwise import stepwise_perplexity
-from expertcache.telemetry.atomic import write_json
 
 
 def record(step: dict, idx: dict[str, np.ndarray], blocks: dict[str, np.ndarray], tok: dict) -> dict:
@@ -191,7 +190,9 @@ def main() -> int:
            "stepwise_paths": {"blocks": pool * len(blocks), "batched_s": t_batched, "token_s": t_token,
                               "speedup": t_token / t_batched, "max_rel_diff_block_nll": diff},
            "conditions": conds, "checks": checks, "seconds": round(time.time() - t_start, 1)}
-    write_json(a.out, out)
+    from expertcache.runtime.bench.results import write_result
+
+    write_result(a.out, out, config=vars(a), command=out["command"])
     say(f"wrote {a.out}: " + json.dumps(checks))
     for n, c in conds.items():
         print(f"{n:14s} Δppl on the pool {c['dppl_pct_pool_range'][0]:+.3f}..{c['dppl_pct_pool_range'][1]:+.3f}%  "

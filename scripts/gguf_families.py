@@ -54,7 +54,6 @@ def main() -> None:
     from expertcache.runtime import load
     from expertcache.runtime.kernels.gguf_import import import_gguf
     from expertcache.runtime.bench.llamacpp import cache_dir, source_dir
-    from expertcache.telemetry.atomic import write_json
 
     src = source_dir()
     pydeps = cache_dir() / "pydeps"
@@ -101,7 +100,9 @@ def main() -> None:
              and r["logits_rel_err_vs_source"] < (0.01 if r["experts"] == "bf16" else 0.05) for r in rows)
     res = {"command": " ".join(["python", "scripts/gguf_families.py", *sys.argv[1:]]),
            "llama_cpp_source": src.parent.parent.name, "rows": rows, "pass": ok}
-    write_json(a.out, res)
+    from expertcache.runtime.bench.results import write_result
+
+    write_result(a.out, res, config=vars(a), command=res["command"])
     print(f"{sum(1 for r in rows)} files, pass={ok} -> {a.out}", file=sys.stderr)
     sys.exit(0 if ok else 1)
 

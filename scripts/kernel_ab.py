@@ -59,6 +59,7 @@ def child(src: str, build: str, mode: str, bits: int, group: int, pool: int, thr
 
         with atomic_open(out) as f:
             torch.save(res, f)
+        print(json.dumps({"outputs": out}))
         return
     nbytes = k * (quant.nbytes(qg) + quant.nbytes(qd)) // pool
     times = []
@@ -72,11 +73,18 @@ def child(src: str, build: str, mode: str, bits: int, group: int, pool: int, thr
 
 
 def run(src, build, mode, bits, group, pool, threads, out="") -> dict:
-    p = subprocess.run([sys.executable, __file__, "--child", src, build, mode, str(bits), str(group), str(pool),
-                        str(threads), out], capture_output=True, text=True)
-    if p.returncode:
-        raise SystemExit(f"kernel_ab: a child failed:\n{p.stderr[-2000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1]) if mode == "time" else {}
+    """One child (`runner.run_child`, the page cache kept), its arguments crossing as a YAML file."""
+    import tempfile
+
+    from expertcache.runtime.bench.runner import run_child, write_config
+
+    d = Path(tempfile.mkdtemp(prefix="kernel-ab-child-"))
+    cfg = write_config(d / "child.yaml", {"src": src, "build": build, "mode": mode, "bits": bits, "group": group,
+                                          "pool": pool, "threads": threads, "out": out})
+    r = run_child([sys.executable, __file__, "--child"], cfg, d / "child.log", drop_caches=False)
+    if "error" in r:
+        raise SystemExit(f"kernel_ab: a child failed: {r['error']}")
+    return r if mode == "time" else {}
 
 
 def main() -> None:
@@ -87,18 +95,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="")
-    ap.add_argument("--child", nargs=8, help=argparse.SUPPRESS)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        src, build, mode, bits, group, pool, threads, out = a.child
-        return child(src, build, mode, int(bits), int(group), int(pool), int(threads), out)
+        from expertcache.runtime.bench.runner import read_config
+
+        return child(**read_config(a.child))
     import torch
 
     from expertcache.runtime.kernels.cpu_kernels import cache_dir
-    from expertcache.telemetry.atomic import write_json, write_text
+    from expertcache.telemetry.atomic import write_text
 
+    from expertcache.runtime.bench.harness import alternate, claimed
+    from expertcache.runtime.bench.results import started, write_result
     from expertcache.telemetry.provenance import rev_parse
 
+    prov = started()  # B's code (the working tree) and the machine, before the work
     rev = rev_parse(a.base, ROOT)
     if not rev:
         print(f"kernel_ab: {a.base!r} names no commit in {ROOT}", file=sys.stderr)
@@ -118,19 +130,18 @@ def main() -> None:
             outs[side] = torch.load(tmp / f"{side}.pt")
         same = all(torch.equal(outs["A"][key], outs["B"][key]) for key in outs["A"])
         for pool in (int(p) for p in a.pools.split(",")):
-            r = {"A": [], "B": []}
-            for i in range(a.rounds):  # alternated, the order swapped every round
-                for side in (("A", "B") if i % 2 == 0 else ("B", "A")):
-                    r[side].append(run(*sides[side], "time", bits, group, pool, a.threads)["gbps"])
+            r = alternate(["A", "B"], a.rounds,  # the order swapped every round
+                          lambda side, i: run(*sides[side], "time", bits, group, pool, a.threads)["gbps"])
             ma, mb = statistics.median(r["A"]), statistics.median(r["B"])
             rows.append({"format": fmt, "pool": pool, "threads": a.threads, "outputs_identical": same,
-                         "gbps_A": ma, "gbps_B": mb, "speedup": mb / ma, "rounds_A": r["A"], "rounds_B": r["B"]})
+                         "gbps_A": ma, "gbps_B": mb, "speedup": mb / ma, "rounds_A": r["A"], "rounds_B": r["B"],
+                         "claimed": claimed(r["B"], r["A"])})
             print(f"{fmt} pool {pool}: A {ma:.2f} GB/s, B {mb:.2f} GB/s ({mb / ma:.3f}x); outputs identical: {same}",
                   file=sys.stderr)
     res = {"command": " ".join(["python", "scripts/kernel_ab.py", *sys.argv[1:]]), "A": f"git {rev}",
            "B": "working tree", "rows": rows}
     if a.out:
-        write_json(a.out, res)
+        res = write_result(a.out, res, config=vars(a), command=res["command"], provenance=prov)
     print(json.dumps(res, indent=1))
 
 

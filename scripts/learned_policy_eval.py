@@ -128,9 +128,9 @@ def main() -> int:
     out = json.dumps(res, indent=2)
     print(out)
     if a.out:
-        from expertcache.telemetry.atomic import write_text
+        from expertcache.runtime.bench.results import write_result
 
-        write_text(a.out, out + "\n")
+        write_result(a.out, res, config=vars(a))
     return 0
 
 

@@ -421,9 +421,9 @@ def main() -> None:
         print(json.dumps(out, indent=2))
         if a.out:
             sys.path.insert(0, str(REPO))
-            from expertcache.telemetry.atomic import write_json
+            from expertcache.runtime.bench.results import write_result
 
-            write_json(a.out, out)
+            write_result(a.out, out, config=vars(a))
         return None
 
     import httpx
@@ -507,9 +507,9 @@ def main() -> None:
     print(json.dumps(out, indent=2))
     if a.out:
         sys.path.insert(0, str(REPO))
-        from expertcache.telemetry.atomic import write_json
+        from expertcache.runtime.bench.results import write_result
 
-        write_json(a.out, out)
+        write_result(a.out, out, config=vars(a))
 
 
 if __name__ == "__main__":

@@ -134,9 +134,9 @@ def main() -> None:
     text = json.dumps(res, indent=1)
     print(text)
     if a.out:
-        from expertcache.telemetry.atomic import write_json
+        from expertcache.runtime.bench.results import write_result
 
-        write_json(a.out, res)
+        write_result(a.out, res, config=vars(a))
 
 
 if __name__ == "__main__":

@@ -66,9 +66,9 @@ def main() -> None:
         out["spatio_router_d1"] = float(np.mean(r))
     print(json.dumps(out, indent=2))
     if a.out:
-        from expertcache.telemetry.atomic import write_json
+        from expertcache.runtime.bench.results import write_result
 
-        write_json(a.out, out)
+        write_result(a.out, out, config=vars(a))
 
 
 if __name__ == "__main__":

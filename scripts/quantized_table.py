@@ -41,7 +41,7 @@ from pathlib import Path
 from expertcache.evals.gate import EVAL_FORMAT_VERSION, gate
 from expertcache.evals.run import evaluate
 from expertcache.runtime.engine.config import EngineConfig
-from expertcache.telemetry.atomic import atomic_dir, write_json, write_text
+from expertcache.telemetry.atomic import atomic_dir, write_text
 
 VARIANTS = {"int8-g32": (8, 32), "int4-g32": (4, 32), "int4-g64": (4, 64), "int4-g128": (4, 128),
             # the non-expert linears packed too (`quantize --linears true`: attention; the tied output head and the
@@ -283,7 +283,9 @@ def main() -> None:
                        "best_4bit": "gate PASS at expert_bytes_ratio <= 0.35 (4-bit or mixed by usage)"},
            "pass": {"int8": bool(int8) and all(r["gate"] == "PASS" and r["dppl_overall_pct"] <= 0.3 for r in int8),
                     "best_4bit": bool(four)}}
-    write_json(a.out, res)
+    from expertcache.runtime.bench.results import write_result
+
+    write_result(a.out, res, config=vars(a), command=res["command"])
     print(json.dumps(res, indent=1))
 
 

@@ -111,7 +111,9 @@ def main() -> None:
     from expertcache.runtime.bench.bigckpt import physical_ram
 
     doc = {"commit": commit, "host_ram_bytes": physical_ram(), "cgroup": why or "memory cgroup", "runs": runs}
-    write_json(a.out, doc)
+    from expertcache.runtime.bench.results import write_result
+
+    write_result(a.out, doc, config=vars(a))
     print(json.dumps(doc))
 
 

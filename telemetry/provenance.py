@@ -47,3 +47,15 @@ def provenance(here: str | Path | None = None) -> dict:
     """What a result file records about its code: `{"commit": short id or None, "dirty": bool or None}`."""
     head = rev_parse("HEAD", here)
     return {"commit": head or None, "dirty": is_dirty(here) if head else None}
+
+
+def last_commit(path: str | Path) -> str:
+    """The short id of the last commit that changed `path` (a results file: the commit that wrote it, or a later
+    one that rewrote it); "" when git has none. For provenance recovered from history (`scripts/check_results.py`),
+    never for a run's own, which `provenance` takes when it starts."""
+    path = Path(path).resolve()
+    try:
+        return subprocess.run(["git", "log", "-1", "--format=%h", "--", path.name], capture_output=True, text=True,
+                              cwd=path.parent, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""

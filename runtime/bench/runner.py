@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Sequence
 
 import yaml
 
@@ -71,14 +72,15 @@ def cold_start(cgroup=None, drop_caches: bool = True) -> bool:
     return dropped
 
 
-def run_child(module: str, config: str | Path, log: Path, cgroup=None, timeout_s: float = 3600,
+def run_child(program: str | Sequence[str], config: str | Path, log: Path, cgroup=None, timeout_s: float = 3600,
               drop_caches: bool = True) -> dict:
-    """`python -m module CONFIG` in a process of its own, inside `cgroup` when given (a `memcg.MemoryCgroup`),
+    """`python -m program CONFIG` (`program` a module; or a command line, `[python, script.py, --worker]`, that
+    takes the configuration file as its last argument) in a process of its own, inside `cgroup` when given (a `memcg.MemoryCgroup`),
     after the page cache is dropped (`drop_caches`, as root), its stderr in `log`: the JSON object it printed last,
     with `peak_rss_bytes` (its own peak, from its rusage), `cgroup_peak_bytes` (None outside a cgroup) and
     `page_cache_dropped`; or `{"error": ..., "page_cache_dropped"}`."""
     dropped = cold_start(cgroup, drop_caches)
-    cmd = [sys.executable, "-m", module, str(config)]
+    cmd = ([sys.executable, "-m", program] if isinstance(program, str) else [*program]) + [str(config)]
     with open_log(log, fresh=True) as lf:
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=lf, text=True,
                              preexec_fn=cgroup.preexec if cgroup is not None else None)

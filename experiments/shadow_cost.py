@@ -6,7 +6,7 @@ pass by pass in one process, with the shadow at every decode token (the guard be
 Configurations: `on-demand` (no predictor); `shadow_every=N` (the guard as it runs: shadow, then its verdict);
 `held:shadow_every=N` (no verdict ever, `first` unreachable: in shadow the whole run, the issue's case where the
 predictions were all resident and none was scored). Per configuration: round medians of TPOT, the paired ratios to
-on-demand's rounds and whether the rounds are apart (`bench.rounds_apart`), and the engine's own time in its layers
+on-demand's rounds and whether the rounds are apart (`harness.claimed`), and the engine's own time in its layers
 outside expert compute and stall per timed token (`Stats.layer_s - compute_s - stall_s`): the predictor, its top-k
 and the shadow's scoring are in it, so its difference to on-demand is the shadow's whole cost, which a loaded
 machine's wall clock cannot resolve at 2%.
@@ -21,7 +21,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from expertcache.runtime.bench.bench import rounds_apart
+from expertcache.runtime.bench.harness import alternate, claimed
 from expertcache.runtime.engine.config import EngineConfig
 from expertcache.runtime.engine.predictors import make_predictor
 from expertcache.runtime.engine.stats import PrefetchGuard
@@ -50,25 +50,27 @@ def main() -> None:
     e = m.expertcache.adapter.num_experts
     names = ["on-demand", "shadow_every=1", "shadow_every=8", "held:shadow_every=1", "held:shadow_every=8"]
     res = {n: {"rounds": [], "tpots": [], "book_s": 0.0, "prefetch_loads": 0, "guard": None} for n in names}
-    for r in range(a.rounds):
-        for n in (names if r % 2 == 0 else names[::-1]):
-            pred = None if n == "on-demand" else make_predictor(a.predictor, m, None, num_experts=e,
-                                                                hidden_size=m.config.hidden_size)
-            eng = reattach(m, replace(base, predictor="none" if pred is None else a.predictor), predictor=pred)
-            if pred is not None:
-                eng.guard = PrefetchGuard(base.prefetch_guard, shadow_every=int(n.split("=")[1]))
-                if n.startswith("held:"):
-                    eng.guard.first = 10**9
-            t = []
-            for b in range(prompts.shape[0]):
-                eng.reset()
-                times, _, st = timed_greedy(m, prompts[b:b + 1], a.warmup + a.tokens + 1, eng, a.warmup)
-                t.extend(np.diff(times)[a.warmup:].tolist())
-                res[n]["prefetch_loads"] += st.prefetch_loads
-                res[n]["book_s"] += st.layer_s - st.compute_s - st.stall_s
-            res[n]["rounds"].append(float(np.median(t)))
-            res[n]["tpots"].extend(t)
-            res[n]["guard"] = eng.guard.describe()
+
+    def one(n: str, r: int) -> None:
+        pred = None if n == "on-demand" else make_predictor(a.predictor, m, None, num_experts=e,
+                                                            hidden_size=m.config.hidden_size)
+        eng = reattach(m, replace(base, predictor="none" if pred is None else a.predictor), predictor=pred)
+        if pred is not None:
+            eng.guard = PrefetchGuard(base.prefetch_guard, shadow_every=int(n.split("=")[1]))
+            if n.startswith("held:"):
+                eng.guard.first = 10**9
+        t = []
+        for b in range(prompts.shape[0]):
+            eng.reset()
+            times, _, st = timed_greedy(m, prompts[b:b + 1], a.warmup + a.tokens + 1, eng, a.warmup)
+            t.extend(np.diff(times)[a.warmup:].tolist())
+            res[n]["prefetch_loads"] += st.prefetch_loads
+            res[n]["book_s"] += st.layer_s - st.compute_s - st.stall_s
+        res[n]["rounds"].append(float(np.median(t)))
+        res[n]["tpots"].extend(t)
+        res[n]["guard"] = eng.guard.describe()
+
+    alternate(names, a.rounds, one)
     m.expertcache.close()
     od = res["on-demand"]
     od_tpot, od_book = float(np.median(od["tpots"])), od["book_s"] / len(od["tpots"])
@@ -82,7 +84,7 @@ def main() -> None:
                "guard": x["guard"]}
         if n != "on-demand":
             row["paired_ratios_vs_on_demand"] = [round(p / q, 3) for p, q in zip(x["rounds"], od["rounds"])]
-            row["rounds_apart_from_on_demand"] = rounds_apart(x["rounds"], od["rounds"])
+            row["rounds_apart_from_on_demand"] = claimed(x["rounds"], od["rounds"])
             row["shadow_cost_ms_per_token"] = 1e3 * (book - od_book)
             row["shadow_cost_share_of_on_demand_tpot"] = (book - od_book) / od_tpot
         out[n] = row
