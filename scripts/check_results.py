@@ -12,6 +12,8 @@ What `--write` adds, only where the file lacks it, never a figure:
 - `config` from the CLI's `<stem>.config.yaml` beside it (the resolved arguments of the run that wrote it), and
   `command` from it (`expertcache bench big --config results/<stem>.config.yaml`), when git's last commit of
   the YAML is the JSON's (written by the same run), marked `"config_recovered_from"`.
+- `command` where a file of the repository names the exact command that writes that exact file (`DOCUMENTED`;
+  checked against that file's text, so it cannot drift), marked `"command_recovered_from"`.
 A list (frontier*.json) has no place for a key without changing what its readers read: reported, left alone.
 """
 
@@ -23,6 +25,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# results written by a command that a file of the repository states for that output, with that file
+DOCUMENTED = {"load_test.json": ("python scripts/load_test.py --seconds 40 --clients 6 --out results/load_test.json",
+                                 "scripts/load_test.py"),
+              "serve_load.json": ("python scripts/load_test.py --throughput --out results/serve_load.json",
+                                  "scripts/load_test.py"),
+              "bad_inputs.json": ("python scripts/bad_inputs.py", "scripts/bad_inputs.py")}
 
 
 def commit_of(d) -> str | None:
@@ -51,10 +59,14 @@ def config_of(d, path: Path) -> str | None:
 
 
 def command_of(d) -> str | None:
+    """The command a result names (one per entry, as make_times.json's, counts when every entry names one)."""
     if not isinstance(d, dict):
         return None
     c = d.get("command")
-    return c if isinstance(c, str) and c else None
+    if isinstance(c, str) and c:
+        return c
+    per = [v.get("command") for v in d.values() if isinstance(v, dict)]
+    return "; ".join(per) if per and all(isinstance(x, str) and x for x in per) else None
 
 
 def _yaml(path: Path) -> Path:
@@ -91,6 +103,23 @@ def claims(d) -> tuple[int, int]:
     return n, same
 
 
+def agrees(cfg: dict, d: dict) -> bool:
+    """Whether a `.config.yaml` is the configuration of the run that wrote result `d`: at least 3 keys shared with
+    its `inputs`, every one equal (a mapping, such as the engine's options, key for key), and bench big's systems
+    expanded by its formats equal to the systems the result reports."""
+    inputs = d.get("inputs")
+    if not isinstance(inputs, dict):
+        return False
+    common = [k for k in cfg if k in inputs]
+    if len(common) < 3 or any(cfg[k] != inputs[k] for k in common):
+        return False
+    if "systems" in cfg:
+        from expertcache.runtime.bench.bigbench import system_names
+
+        return set(system_names(cfg["systems"], cfg.get("experts", ["bf16"]))) == set(d.get("systems", {}))
+    return True
+
+
 def recover(d: dict, path: Path) -> list[str]:
     """What git history truthfully gives a result that lacks it (see the module's doc); what was added."""
     from expertcache.telemetry.provenance import last_commit
@@ -101,16 +130,22 @@ def recover(d: dict, path: Path) -> list[str]:
         d["provenance"] = {"commit": head, "dirty": None, "recovered_from": "git log"}
         added.append("commit")
     y = _yaml(path)
-    if y.is_file() and not d.get("config") and head and last_commit(y) == head:
+    cfg = None
+    if y.is_file() and not d.get("config"):
         import yaml
 
         cfg = yaml.safe_load(y.read_text())
+    if cfg is not None and agrees(cfg, d):
         cmd = "bench big" if "systems" in cfg else "bench decode" if "capacities" in cfg else None
         d["config"], d["config_recovered_from"] = cfg, y.name
         added.append("config")
         if cmd and command_of(d) is None:
-            d["command"] = f"expertcache {cmd} --config {y.relative_to(ROOT).as_posix()}"
+            d["command"] = f"expertcache {cmd} --config results/{y.name}"
             added.append("command")
+    doc = DOCUMENTED.get(path.name)
+    if doc and command_of(d) is None and doc[0] in (ROOT / doc[1]).read_text():
+        d["command"], d["command_recovered_from"] = doc
+        added.append("command")
     return added
 
 

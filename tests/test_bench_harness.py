@@ -157,3 +157,57 @@ def test_bench_big_refuses_a_system_nobody_registered_in_one_line(tmp_path, caps
                        "llama.cpp", "llama.cpp:unbounded")
     assert system_entry("llama.cpp:unbounded").native_only and not system_entry("llama.cpp").own_process
     assert system_entry("expertcache:prefetch:int4/victims=false").own_process
+
+
+def _check_results():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "check_results", Path(__file__).resolve().parents[1] / "scripts" / "check_results.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_check_results_recovers_only_what_git_history_and_the_configs_say(tmp_path, capsys):
+    """`scripts/check_results.py --write` on a repository of its own: a result with no commit gets the commit that
+    wrote it (`git log`, marked recovered); a `.config.yaml` whose values agree with the result's inputs and systems
+    becomes its config and command, one that disagrees does not; every stored claim is re-decided by the one rule,
+    and a planted wrong one fails the check."""
+    import subprocess
+
+    import yaml
+
+    cr = _check_results()
+    res = tmp_path / "results"
+    res.mkdir()
+    rounds = {"expertcache:on-demand": [0.20, 0.21, 0.22], "mmap": [0.90, 0.95, 1.00]}
+    big = {"inputs": {"budget_gb": 8.0, "tokens": 48, "rounds": 3, "experts": ["bf16"]},
+           "systems": {s: {"tpot_round_medians_s": r} for s, r in rounds.items()},
+           "comparisons": {"expertcache:on-demand vs mmap": {"claimed": True}}, "git_commit": "abc1234"}
+    cfg = {"budget_gb": 8.0, "tokens": 48, "rounds": 3, "systems": list(rounds), "experts": ["bf16"]}
+    (res / "plain.json").write_text(json.dumps({"figure": 1.5}))
+    (res / "big.json").write_text(json.dumps(big))
+    (res / "big.config.yaml").write_text(yaml.safe_dump(cfg))
+    (res / "other.json").write_text(json.dumps(big))
+    (res / "other.config.yaml").write_text(yaml.safe_dump(dict(cfg, tokens=64)))  # not the run's
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "results"]):
+        subprocess.run(git + cmd, cwd=tmp_path, check=True)
+    head = subprocess.run(["git", "log", "-1", "--format=%h"], cwd=tmp_path, capture_output=True,
+                          text=True).stdout.strip()
+    assert cr.main(["--results", str(res), "--write"]) == 0
+    plain = json.loads((res / "plain.json").read_text())
+    assert plain == {"figure": 1.5, "provenance": {"commit": head, "dirty": None, "recovered_from": "git log"}}
+    b, o = json.loads((res / "big.json").read_text()), json.loads((res / "other.json").read_text())
+    assert b["config"] == cfg and b["config_recovered_from"] == "big.config.yaml"
+    assert b["command"] == "expertcache bench big --config results/big.config.yaml" and "provenance" not in b
+    assert "config" not in o and "command" not in o
+    out = capsys.readouterr().out
+    assert "| big.json | abc1234 | config | yes | 1 (1) | config, command |" in out, out
+    assert "3 files: commit 3, configuration 2, command 1, all three 1; claims re-decided 2, the same 2" in out
+    o["comparisons"]["expertcache:on-demand vs mmap"]["claimed"] = False  # a claim the rounds do not give
+    (res / "other.json").write_text(json.dumps(o))
+    assert cr.main(["--results", str(res)]) == 1
+    assert cr.main(["--results", str(res), "--write"]) == 1 and json.loads((res / "plain.json").read_text()) == plain
