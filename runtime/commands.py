@@ -123,7 +123,10 @@ def bench_decode(model: Optional[str] = None, replay: Optional[str] = None,
                       plain=plain, progress=lambda: prog.advance(task))
     res["git_commit"] = commit
     if out:
-        res = write_result(out, res, config, provenance=prov, read_GBps=res.get("tier_bandwidth_GBps"))
+        from expertcache.runtime.bench.results import command_line
+
+        res = write_result(out, res, config, command_line("bench decode", bench_decode, config), provenance=prov,
+                           read_GBps=res.get("tier_bandwidth_GBps"))
         if replay is not None:
             plot_recall(res, Path(out).with_suffix(".png"))
     _table(table(res))
@@ -242,7 +245,10 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
     res["ok"] = not failed and not res.get("skipped")
     if out:
         bw = [r["read_bandwidth"]["at_queue_depth_GBps"] for r in res["systems"].values() if r.get("read_bandwidth")]
-        res = write_result(out, res, config, provenance=prov, read_GBps=max(bw) if bw else None)
+        from expertcache.runtime.bench.results import command_line
+
+        res = write_result(out, res, config, command_line("bench big", bench_big, config), provenance=prov,
+                           read_GBps=max(bw) if bw else None)
         plot(res, Path(out).with_suffix(".png"))
     _table(table(res))
     for sys_, why in res.get("skipped", {}).items():

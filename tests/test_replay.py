@@ -46,6 +46,12 @@ def test_replay_runs_every_configuration_on_the_disk_tier(trace_npz, tmp_path):
     assert c["oracle:0.5"]["adjusted_hit_rate"] < c["oracle"]["adjusted_hit_rate"]  # wrong prefetches cost
     assert 0 < c["cooccurrence"]["recall"] <= 1 and len(c["oracle"]["tpot_vs_on_demand"]) == 2
     assert res["tier_bandwidth_GBps"] > 0 and res["t_compute_s"] > 0
+    from expertcache.runtime.bench.harness import claimed
+
+    for name, row in c.items():  # each row's round medians, and its claim by the one rule against on-demand's
+        assert len(row["tpot_round_medians_s"]) == 2
+        if name != "on-demand":
+            assert row["tpot_ratio_claimed"] is claimed(row["tpot_round_medians_s"], c["on-demand"]["tpot_round_medians_s"])
 
 
 def test_replay_refuses_what_cannot_run(trace_npz, tmp_path):

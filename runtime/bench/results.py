@@ -82,6 +82,30 @@ def own_command() -> str:
     return " ".join([head, *argv[1:]])
 
 
+def _arg(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_arg(v) for v in value) + "]"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def command_line(name: str, fn, config: dict) -> str:
+    """The `expertcache NAME ...` line that runs command function `fn` with `config` (its arguments): every argument
+    that differs from `fn`'s default, a dataclass's fields as `--arg.field` (the CLI's own spelling, jsonargparse)."""
+    import inspect
+
+    parts = [f"expertcache {name}"]
+    for k, p in inspect.signature(fn).parameters.items():
+        if k not in config or config[k] == p.default:
+            continue
+        v = config[k]
+        if dataclasses.is_dataclass(v) and dataclasses.is_dataclass(p.default):
+            parts += [f"--{k}.{f} {_arg(x)}" for f, x in dataclasses.asdict(v).items()
+                      if x != getattr(p.default, f)]
+        else:
+            parts.append(f"--{k} {_arg(v)}")
+    return " ".join(parts)
+
+
 def write_result(path: str | Path, payload: dict, config=None, command: str | None = None,
                  provenance: dict | None = None, read_GBps: float | None = None) -> dict:
     """`payload` with `provenance` (`provenance`: what `started()` took when the run began; else taken now),
