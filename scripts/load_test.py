@@ -68,11 +68,9 @@ def child(ckpt: str, port: int, max_positions: int) -> None:
 # --- the clients -------------------------------------------------------------------------------------------------
 
 def _proc(pid: int) -> dict:
-    st = {}
-    for line in open(f"/proc/{pid}/status"):
-        k, _, v = line.partition(":")
-        st[k] = v.strip()
-    return {"rss_bytes": int(st["VmRSS"].split()[0]) * 1024, "threads": int(st["Threads"]),
+    from expertcache.telemetry.memory import rss_bytes
+
+    return {"rss_bytes": rss_bytes(pid), "threads": len(os.listdir(f"/proc/{pid}/task")),
             "open_fds": len(os.listdir(f"/proc/{pid}/fd"))}
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _status_bytes(field: str) -> int:
-    """A `kB` figure of this process's `/proc/self/status` in bytes (0 where there is none)."""
+def _status_bytes(field: str, pid: int | str = "self") -> int:
+    """A `kB` figure of a process's `/proc/PID/status` in bytes (0 where there is none)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
@@ -24,9 +24,9 @@ def peak_rss_bytes() -> int:
     return _status_bytes("VmHWM")
 
 
-def rss_bytes() -> int:
-    """This process's resident set now (VmRSS)."""
-    return _status_bytes("VmRSS")
+def rss_bytes(pid: int | str = "self") -> int:
+    """A process's resident set now (VmRSS): this one's, or another's (a server under load)."""
+    return _status_bytes("VmRSS", pid)
 
 
 def child_peak_rss_bytes(rusage) -> int:
