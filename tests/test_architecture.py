@@ -615,7 +615,7 @@ def test_the_document_states_these_rules():
     assert named == checks, (sorted(named - checks), sorted(checks - named))
 
 
-_PATH = r"(?:telemetry|runtime|trainer|evals|recipes|scripts|tests|docs)/[\w/.-]+\.(?:py|md|sh|cpp)"
+_PATH = r"(?:telemetry|runtime|trainer|evals|recipes|scripts|experiments|tests|docs)/[\w/.-]+\.(?:py|md|sh|cpp)"
 
 
 def _defined(rel: str) -> set[str]:
@@ -652,6 +652,7 @@ def test_every_place_the_document_names_exists():
     assert stale_places("| traces | `telemetry/parquet_trace.py: load_routing` |") == [
         "telemetry/parquet_trace.py: load_routing"]
     assert stale_places("see `runtime/loader.py`") == ["runtime/loader.py"]
+    assert stale_places("moved: `experiments/no_such_study.py`") == ["experiments/no_such_study.py"]
 
 
 def test_every_docs_page_that_is_referenced_exists():
