@@ -597,8 +597,8 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
 
         dropped = cold_start(bounded)
         try:
-            x = run_llamacpp(s, bins, gguf_path, tokens, warmup, prompt_len, threads,
-                             bounded.preexec if bounded else None, timeout_s, log)
+            x = system_entry(s).run(s, bins, gguf_path, tokens, warmup, prompt_len, threads,
+                                    bounded.preexec if bounded else None, timeout_s, log)
             return {**x, "cgroup_peak_bytes": bounded.peak_bytes() if bounded else None, "page_cache_dropped": dropped}
         except LlamaCppError as e:
             return {"error": str(e), "page_cache_dropped": dropped}
@@ -821,7 +821,8 @@ def main(argv=None) -> int:
         print("usage: python -m expertcache.runtime.bench.bigbench RUN_CONFIG.yaml (run by `expertcache bench big`)",
               file=sys.stderr)
         return 2
-    res = run_one(**load_run_config(argv[0]))
+    cfg = load_run_config(argv[0])
+    res = system_entry(cfg["system"]).run(**cfg)  # the registered runner of its system
     print(json.dumps(res))
     return 0
 
