@@ -82,7 +82,13 @@ def test_bench_big_exits_1_when_a_system_it_ran_failed(tmp_path, monkeypatch, ca
     assert main(["bench", "big", "--out_dir", str(tmp_path / "d"), "--out", str(out)]) == 1
     err = capsys.readouterr().err
     assert "1 system(s) failed: expertcache:on-demand: exit 1; see x.log" in err
-    assert json.loads(out.read_text())["ok"] is False
+    written = json.loads(out.read_text())
+    assert written["ok"] is False
+    # the one result writer: provenance, the command's resolved configuration, the line that re-runs it
+    assert written["provenance"]["commit"] and written["provenance"]["machine"]["cores"] == os.cpu_count()
+    assert written["config"]["systems"][:2] == ["expertcache:on-demand", "expertcache:prefetch"]
+    assert written["config"]["engine"]["tier"] == "disk" and written["config"]["out"] == str(out)
+    assert written["command"] == f"expertcache bench big --out_dir {tmp_path / 'd'} --out {out}"
 
 
 def test_bench_big_says_which_systems_it_skipped_and_exits_1(tmp_path, monkeypatch, capsys):
