@@ -354,6 +354,9 @@ class Decoder:
                 if not done:
                     return
                 self.job = None
+                kv = job.cache.layers
+                self._per = sum(layer.keys.numel() + layer.values.numel() for layer in kv) \
+                    * kv[0].keys.element_size() / job.pos  # bytes per position (a batch of one), before the join
                 pieces = self.batch.finish(job)
             except BaseException as e:  # noqa: BLE001 - this request's prefill failed; the batch goes on
                 self.job = None
