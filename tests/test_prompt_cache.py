@@ -202,3 +202,26 @@ def test_a_running_stream_keeps_receiving_tokens_while_a_long_prompt_is_prefille
     assert not t.is_alive() and len(times) < 400  # the stream was still running when the long prompt's token came
     # about a token per chunk; prefilled whole, the stream got 7 in that window (tokens already under way)
     assert len(during) >= 50, (len(during), len(times), first - t_sent)
+
+
+# --- bad flags -----------------------------------------------------------------------------------------------------
+
+def test_bad_prefill_chunk_and_kv_cache_gb_are_one_line_exit_2_before_the_model_loads(tmp_path, capsys):
+    from expertcache.recipes.cli import main
+    from expertcache.runtime.serve.serve import create_app
+    from expertcache.telemetry.errors import InputError
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", max_positions=512)
+    (ckpt / "model.safetensors").write_bytes(b"not weights")  # refused before the weights are read
+    capsys.readouterr()
+    for args, needles in ((["--prefill_chunk", "0"], ("--prefill_chunk 0", ">= 1")),
+                          (["--prefill_chunk", "513"], ("--prefill_chunk 513", "1..512")),
+                          (["--kv_cache_gb", "-1"], ("--kv_cache_gb -1", "> 0"))):
+        assert main(["serve", "--model", str(ckpt), "--port", "18765", *args]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(err) == 1 and ": error: " in err[0] and all(n in err[0] for n in needles), err
+    m = build_model(tiny_config("qwen3_moe", max_position_embeddings=64))
+    with pytest.raises(InputError, match="--prefill_chunk 65"):  # the Python API refuses it too
+        create_app(m, None, NAME, prefill_chunk=65)
+    with pytest.raises(InputError, match="--kv_cache_gb -0.5"):
+        create_app(m, None, NAME, kv_cache_gb=-0.5)

@@ -174,8 +174,9 @@ def check_prefill_chunk(prefill_chunk, context: int | None) -> None:
     """`--prefill_chunk`: prompt tokens per prefill forward, 1 .. the model's context."""
     if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1 \
             or (context is not None and prefill_chunk > context):
-        raise InputError(f"--prefill_chunk {prefill_chunk!r}: expected an integer 1..{context or 'the context'} "
-                         f"(prompt tokens per prefill forward, within the model's {context or '?'} positions)")
+        within = f"1..{context} (this model's context)" if context else ">= 1, at most the model's context"
+        raise InputError(f"--prefill_chunk {prefill_chunk!r}: expected an integer {within}: the prompt tokens per "
+                         f"prefill forward")
 
 
 def check_kv_cache_gb(kv_cache_gb) -> None:
