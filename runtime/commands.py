@@ -466,8 +466,9 @@ def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(),
         trace_rotate_tokens: tokens per trace file
         prompt_cache: keep the KV of earlier prompts and finished sequences; a prompt starts from its longest
             cached prefix (a chat's next turn prefills only the new turn); greedy tokens are the same without it
-        prefill_chunk: prompt tokens per prefill forward (1 .. the model's context); a long prompt is prefilled
-            chunk by chunk between the running batch's decode steps
+        prefill_chunk: the most prompt tokens per prefill forward (1 .. the model's context); a long prompt is
+            prefilled chunk by chunk between the running batch's decode steps, each chunk (while sequences decode)
+            sized to take about one decode step
     """
     import os
 

@@ -11,7 +11,8 @@ Scheduling: continuous batching. One worker thread runs the decode loop (`decode
 prefilled alone, then it joins the running batch, and every step decodes one token for every sequence in one
 forward (the engine serves the union of their experts, each expert's weights read once per step); a sequence
 leaves the batch when it finishes. Prompts are prefilled in chunks of at most `--prefill_chunk` tokens, one chunk
-between two decode steps of the batch, so a long prompt does not stop the running streams. With `--prompt_cache`
+between two decode steps of the batch (while sequences decode, a chunk is sized to take about one decode step,
+from the measured rates), so a long prompt does not stop the running streams. With `--prompt_cache`
 (on by default) the KV of earlier prompts and finished sequences is kept (`prefix_cache.PrefixCache`) and a new
 prompt starts from its longest cached prefix (a chat's next turn prefills only the new turn). Requests wait in a
 FIFO queue while the batch is full (`--max_batch`) or its KV cache would outgrow `--kv_cache_gb`, which bounds the
@@ -50,6 +51,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 8  # choices per prompt
 MAX_SEQUENCES = 64  # prompts x n in one request
 TPOT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+MIN_CHUNK = 16  # prompt tokens a prefill chunk holds at least (smaller ones are mostly a forward's fixed cost)
 SCHEDULING = "continuous batching (FIFO admission, one forward per step for the whole batch)"
 
 
@@ -194,8 +196,8 @@ class Decoder:
     stays within `kv_cache_bytes`; otherwise a request waits in the queue (`/health`, `/metrics`).
 
     Prefill: each turn of the loop prefills at most `prefill_chunk` prompt tokens (the prompt under way, then the
-    next queued ones), then runs one decode step of the batch, so a long prompt never stops the running streams
-    for more than a chunk. With `prompt_cache`, a prompt starts from the longest prefix whose KV an earlier
+    next queued ones; while sequences decode, no more than about one decode step's time: `_chunk`), then runs one
+    decode step of the batch, so a long prompt never stops the running streams for more than a chunk. With `prompt_cache`, a prompt starts from the longest prefix whose KV an earlier
     sequence left (`prefix_cache.PrefixCache`), which holds what `kv_cache_bytes` leaves beside the batch's need
     (evicted least recently used as the batch grows; it never keeps a request waiting)."""
 
@@ -217,6 +219,7 @@ class Decoder:
             metrics.registry.register(_PrefixCollector(self.prefix))
         self.job = None  # the prefill under way (`decode.Prefill`), advanced one chunk per turn of the loop
         self._per = None  # KV bytes per row and position, from the last cache seen
+        self._step_s = self._prefill_tps = None  # decode step seconds, prefill tokens/s (running averages)
         self.threads = torch_threads or torch.get_num_threads()  # torch's intra-op setting is per thread
         self.pending: collections.deque = collections.deque()
         self.cond = threading.Condition()
@@ -250,7 +253,9 @@ class Decoder:
                 continue
             self.metrics.batch.observe(len(self.batch))
             try:
+                t0 = time.perf_counter()
                 events = self.batch.step()
+                self._step_s = _ema(self._step_s, time.perf_counter() - t0)
             except BaseException as e:  # noqa: BLE001 - every row of the failed step gets the error
                 for g in self.batch.fail():
                     self._finish(g, e)
@@ -315,10 +320,19 @@ class Decoder:
         if self.prefix is not None:
             self.prefix.trim(max(0, self.kv_cache_bytes - self._need(g)))
 
+    def _chunk(self) -> float:
+        """Prompt tokens this turn may prefill: `prefill_chunk`; while sequences are decoding, no more than the
+        prefill does in about one decode step's time (measured: both rates are running averages), so a long
+        prompt delays each running stream's next token by about one step, on whatever machine this runs."""
+        cap = self.batch.prefill_chunk or float("inf")
+        if not len(self.batch) or self._step_s is None or self._prefill_tps is None:
+            return cap
+        return min(cap, max(MIN_CHUNK, int(self._step_s * self._prefill_tps)))
+
     def _prefill(self) -> None:
         """This turn's prefill: at most `prefill_chunk` prompt tokens, the prompt under way first, then (while
         tokens are left) queued requests as they fit, each starting from its longest cached prefix."""
-        budget = self.batch.prefill_chunk or float("inf")
+        budget = self._chunk()
         self._bound(self.job.g if self.job is not None else None)
         while budget > 0:
             if self.job is None:
@@ -349,7 +363,10 @@ class Decoder:
                 continue
             before = job.pos
             try:
+                t0 = time.perf_counter()
                 done = job.advance(None if budget == float("inf") else int(budget))
+                if job.pos - before >= MIN_CHUNK:  # (a few tokens' forward is all fixed cost: no rate)
+                    self._prefill_tps = _ema(self._prefill_tps, (job.pos - before) / (time.perf_counter() - t0))
                 budget -= job.pos - before
                 self.metrics.prompt_prefilled.inc(job.pos - before)
                 if not done:
@@ -436,6 +453,10 @@ class Decoder:
             self.stopped = True
             self.cond.notify()
         self.worker.join(timeout=30)
+
+
+def _ema(old: float | None, new: float, keep: float = 0.8) -> float:
+    return new if old is None else keep * old + (1 - keep) * new
 
 
 def _deliver(items) -> None:
