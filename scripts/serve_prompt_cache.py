@@ -140,12 +140,12 @@ async def _ttft_rounds(servers: dict, tok, text: list[int], a) -> dict:
                 follow = history + tok("".join(answer), add_special_tokens=False)["input_ids"] + question
                 before = _metric(url, "expertcache_prompt_tokens_reused_total")
                 ttft = await _first_token(client, url, follow)
-                _, tokens = await _stream(client, url, follow, a.new)
-                out[name].append(ttft)
-                got[name] = tokens
                 if name == "reuse":
                     reused.append(_metric(url, "expertcache_prompt_tokens_reused_total") - before)
                     lengths.append(len(follow))
+                _, tokens = await _stream(client, url, follow, a.new)
+                out[name].append(ttft)
+                got[name] = tokens
             equal = equal and got["reuse"] == got["no_reuse"]
     return {"ttft_reuse_s": statistics.median(out["reuse"]), "ttft_no_reuse_s": statistics.median(out["no_reuse"]),
             "ttft_reuse_rounds_s": out["reuse"], "ttft_no_reuse_rounds_s": out["no_reuse"],
@@ -172,6 +172,8 @@ async def _itl_rounds(url: str, text: list[int], long_len: int, a) -> dict:
             for times in arrivals:
                 for x, y in zip(times, times[1:]):
                     (during if window[0] < y <= window[1] else base).append(y - x)
+                    if window[0] < y <= window[1] and os.environ.get("ITL_DEBUG") and y - x > 0.011:
+                        print(f"gap {y - x:.4f} at {(y - window[0]) / (window[1] - window[0]):.2f}", file=sys.stderr)
     return {"itl_p50_s": statistics.median(base), "itl_p99_during_prefill_s": _pct(during, 99),
             "itl_p50_during_prefill_s": statistics.median(during), "itl_gaps_outside": len(base),
             "itl_gaps_during": len(during), "long_prompt_ttft_s": windows}

@@ -12,7 +12,7 @@ prefilled alone, then it joins the running batch, and every step decodes one tok
 forward (the engine serves the union of their experts, each expert's weights read once per step); a sequence
 leaves the batch when it finishes. Prompts are prefilled in chunks of at most `--prefill_chunk` tokens, one chunk
 between two decode steps of the batch (while sequences decode, a chunk is sized to take about one decode step,
-from the measured rates), so a long prompt does not stop the running streams. With `--prompt_cache`
+adjusted from each chunk's measured time), so a long prompt does not stop the running streams. With `--prompt_cache`
 (on by default) the KV of earlier prompts and finished sequences is kept (`prefix_cache.PrefixCache`) and a new
 prompt starts from its longest cached prefix (a chat's next turn prefills only the new turn). Requests wait in a
 FIFO queue while the batch is full (`--max_batch`) or its KV cache would outgrow `--kv_cache_gb`, which bounds the
@@ -196,7 +196,7 @@ class Decoder:
     stays within `kv_cache_bytes`; otherwise a request waits in the queue (`/health`, `/metrics`).
 
     Prefill: each turn of the loop prefills at most `prefill_chunk` prompt tokens (the prompt under way, then the
-    next queued ones; while sequences decode, no more than about one decode step's time: `_chunk`), then runs one
+    next queued ones; while sequences decode, about one decode step's time: `_chunk`), then runs one
     decode step of the batch, so a long prompt never stops the running streams for more than a chunk. With `prompt_cache`, a prompt starts from the longest prefix whose KV an earlier
     sequence left (`prefix_cache.PrefixCache`), which holds what `kv_cache_bytes` leaves beside the batch's need
     (evicted least recently used as the batch grows; it never keeps a request waiting)."""
@@ -219,7 +219,8 @@ class Decoder:
             metrics.registry.register(_PrefixCollector(self.prefix))
         self.job = None  # the prefill under way (`decode.Prefill`), advanced one chunk per turn of the loop
         self._per = None  # KV bytes per row and position, from the last cache seen
-        self._step_s = self._prefill_tps = None  # decode step seconds, prefill tokens/s (running averages)
+        self._step_s = None  # a decode step's seconds (running average)
+        self._n = MIN_CHUNK  # prompt tokens per chunk while sequences decode (`_chunk`, `_timed`)
         self.threads = torch_threads or torch.get_num_threads()  # torch's intra-op setting is per thread
         self.pending: collections.deque = collections.deque()
         self.cond = threading.Condition()
@@ -321,13 +322,18 @@ class Decoder:
             self.prefix.trim(max(0, self.kv_cache_bytes - self._need(g)))
 
     def _chunk(self) -> float:
-        """Prompt tokens this turn may prefill: `prefill_chunk`; while sequences are decoding, no more than the
-        prefill does in about one decode step's time (measured: both rates are running averages), so a long
-        prompt delays each running stream's next token by about one step, on whatever machine this runs."""
+        """Prompt tokens this turn may prefill: `prefill_chunk`; while sequences are decoding, a chunk sized to take
+        about one decode step (`_n`, adjusted after each chunk from its measured time), so a long prompt delays each
+        running stream's next token by about one step, on whatever machine this runs."""
         cap = self.batch.prefill_chunk or float("inf")
-        if not len(self.batch) or self._step_s is None or self._prefill_tps is None:
-            return cap
-        return min(cap, max(MIN_CHUNK, int(self._step_s * self._prefill_tps)))
+        return cap if not len(self.batch) else min(cap, self._n)
+
+    def _timed(self, n: int, seconds: float) -> None:
+        """A chunk of `n` tokens took `seconds` while sequences were decoding: the next one scaled toward one
+        decode step's time (a chunk's cost is a fixed part and a part per token, so this converges from either
+        side; where the fixed part alone passes a step, chunks stay at MIN_CHUNK)."""
+        if self._step_s is not None and seconds > 0:
+            self._n = max(MIN_CHUNK, min(int(n * self._step_s / seconds), 1 << 20))
 
     def _prefill(self) -> None:
         """This turn's prefill: at most `prefill_chunk` prompt tokens, the prompt under way first, then (while
@@ -365,8 +371,8 @@ class Decoder:
             try:
                 t0 = time.perf_counter()
                 done = job.advance(None if budget == float("inf") else int(budget))
-                if job.pos - before >= MIN_CHUNK:  # (a few tokens' forward is all fixed cost: no rate)
-                    self._prefill_tps = _ema(self._prefill_tps, (job.pos - before) / (time.perf_counter() - t0))
+                if len(self.batch) and job.pos - before == budget:  # a whole chunk beside running sequences
+                    self._timed(job.pos - before, time.perf_counter() - t0)
                 budget -= job.pos - before
                 self.metrics.prompt_prefilled.inc(job.pos - before)
                 if not done:
