@@ -172,11 +172,9 @@ async def _itl_rounds(url: str, text: list[int], long_len: int, a) -> dict:
             for times in arrivals:
                 for x, y in zip(times, times[1:]):
                     (during if window[0] < y <= window[1] else base).append(y - x)
-                    if window[0] < y <= window[1] and os.environ.get("ITL_DEBUG") and y - x > 0.011:
-                        print(f"gap {y - x:.4f} at {(y - window[0]) / (window[1] - window[0]):.2f}", file=sys.stderr)
     return {"itl_p50_s": statistics.median(base), "itl_p99_during_prefill_s": _pct(during, 99),
             "itl_p50_during_prefill_s": statistics.median(during), "itl_gaps_outside": len(base),
-            "itl_gaps_during": len(during), "long_prompt_ttft_s": windows}
+            "itl_gaps_during": len(during), "itl_p99_outside_s": _pct(base, 99), "long_prompt_ttft_s": windows}
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -233,7 +231,9 @@ def main() -> None:
                 for url in urls.values():  # warm-up: the engine's caches and the kernels, both servers alike
                     asyncio.run(_stream_once(url, text[:64]))
                 res = asyncio.run(_ttft_rounds(urls, tok, text, a_hist))
-                rows.append({"capacity": cap, **res, "ratio": res["ttft_reuse_s"] / res["ttft_no_reuse_s"]})
+                rows.append({"capacity": cap, **res, "ratio": res["ttft_reuse_s"] / res["ttft_no_reuse_s"],
+                             "no_reuse_server_reused_tokens": _metric(urls["no_reuse"],
+                                                                      "expertcache_prompt_tokens_reused_total")})
                 print(json.dumps(rows[-1]), file=sys.stderr)
                 if itl is None:
                     itl = {"capacity": cap, "long_prompt_tokens": long_len, "streams": a.streams,
