@@ -8,9 +8,9 @@ each `--capacities` value, one with the prompt cache and one with `--prompt_cach
 
 TTFT of a follow-up turn: per round a new history (`--history` tokens of the repository's own docs, tokenized),
 sent as turn 1 (`--answer` greedy tokens), then the follow-up turn (history + turn 1's answer + `--question` new
-tokens); TTFT = the wall time of its one-token completion; its `--new` greedy tokens from a second request. Both servers get both turns, in alternating
-order, every round; medians over `--rounds`; `equal_tokens`: the follow-up's greedy tokens are the same on both in
-every round.
+tokens); TTFT = the wall time of its one-token completion; its `--new` greedy tokens from a second request. Both
+servers get both turns, in alternating order, every round; medians over `--rounds`; `equal_tokens`: the
+follow-up's greedy tokens are the same on both in every round.
 
 Chunked prefill: on the prompt-cache server at the first capacity, `--streams` streams decode; in each round a long
 prompt (2,048 tokens, or the most the model's positions allow: recorded) is sent while they run. ITL = the gap
@@ -213,7 +213,7 @@ def main() -> None:
     a_hist = argparse.Namespace(**{**vars(a), "history": hist_turn1})
     long_len = min(a.long, ctx - 1) if ctx else a.long
     text = _texts_ids(tok, a.rounds * hist_turn1 + a.rounds * a.question + long_len + a.rounds + 200)
-    rows, itl = [], None
+    rows, itl, load_start = [], None, os.getloadavg()
     cmds = {}
     with tempfile.TemporaryDirectory() as d:
         model = copy_tree(src, Path(d) / "model")
@@ -224,14 +224,19 @@ def main() -> None:
                 for name, on in (("reuse", True), ("no_reuse", False)):
                     p, url, cmd = _start(model, cap, on, a.prefill_chunk, log)
                     procs[name] = (p, url)
-                    cmds[f"{cap}/{name}"] = " ".join(cmd[1:]).replace(str(model), "MODEL")
+                    cmds[f"{cap}/{name}"] = "python " + " ".join(cmd[1:]).replace(str(model), "MODEL").replace(
+                        f"--port {url.rsplit(':', 1)[1]}", "--port PORT")
                 for p, url in procs.values():
                     _wait(p, url)
                 urls = {k: u for k, (_, u) in procs.items()}
                 for url in urls.values():  # warm-up: the engine's caches and the kernels, both servers alike
                     asyncio.run(_stream_once(url, text[:64]))
                 res = asyncio.run(_ttft_rounds(urls, tok, text, a_hist))
+                import httpx
+
+                eng = httpx.get(urls["reuse"] + "/health").json()["engine"] or {}
                 rows.append({"capacity": cap, **res, "ratio": res["ttft_reuse_s"] / res["ttft_no_reuse_s"],
+                             "engine": {k: eng.get(k) for k in ("capacity", "tier", "tier_choice", "kernel")},
                              "no_reuse_server_reused_tokens": _metric(urls["no_reuse"],
                                                                       "expertcache_prompt_tokens_reused_total")})
                 print(json.dumps(rows[-1]), file=sys.stderr)
@@ -249,10 +254,12 @@ def main() -> None:
                       "question_tokens": a.question, "new_tokens": a.new, "rounds": a.rounds,
                       "long_prompt_asked": a.long, "long_prompt_tokens": long_len,
                       "server_commands": cmds, "engine_threads": 1, "cpu_count": os.cpu_count(),
-                      "load_avg_at_end": os.getloadavg()},
+                      "load_avg_at_start": load_start, "load_avg_at_end": os.getloadavg()},
            "rows": rows, "itl_p50_s": itl["itl_p50_s"], "itl_p99_during_prefill_s": itl["itl_p99_during_prefill_s"],
            "itl_ratio": itl["itl_p99_during_prefill_s"] / itl["itl_p50_s"], "chunked_prefill": itl,
            "targets": {"ratio_max": 0.2, "itl_ratio_max": 3.0},
+           "targets_met": {"ratio": all(r["ratio"] <= 0.2 for r in rows),
+                           "itl_ratio": itl["itl_p99_during_prefill_s"] / itl["itl_p50_s"] <= 3.0},
            **provenance(REPO)}
     print(json.dumps(out, indent=2))
     if a.out:

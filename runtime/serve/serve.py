@@ -196,10 +196,11 @@ class Decoder:
     stays within `kv_cache_bytes`; otherwise a request waits in the queue (`/health`, `/metrics`).
 
     Prefill: each turn of the loop prefills at most `prefill_chunk` prompt tokens (the prompt under way, then the
-    next queued ones; while sequences decode, about one decode step's time: `_chunk`), then runs one
-    decode step of the batch, so a long prompt never stops the running streams for more than a chunk. With `prompt_cache`, a prompt starts from the longest prefix whose KV an earlier
-    sequence left (`prefix_cache.PrefixCache`), which holds what `kv_cache_bytes` leaves beside the batch's need
-    (evicted least recently used as the batch grows; it never keeps a request waiting)."""
+    next queued ones; while sequences decode, about one decode step's time: `_chunk`), then runs one decode step
+    of the batch, so a long prompt never stops the running streams for more than a chunk. With `prompt_cache`, a
+    prompt starts from the longest prefix whose KV an earlier sequence left (`prefix_cache.PrefixCache`), which
+    holds what `kv_cache_bytes` leaves beside the batch's need (evicted least recently used as the batch grows;
+    it never keeps a request waiting)."""
 
     def __init__(self, model, metrics: _Metrics, torch_threads: int | None = None, max_batch: int = 8,
                  kv_cache_gb: float = 1.0, prompt_cache: bool = True, prefill_chunk: int = 256):
