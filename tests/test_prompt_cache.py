@@ -149,6 +149,11 @@ def test_a_follow_up_turn_reuses_the_last_turns_kv_and_decodes_the_same(servers)
     assert after["expertcache_prefix_cache_hits_total"] == before["expertcache_prefix_cache_hits_total"] + 1
     off_m = _metrics(off)
     assert off_m["expertcache_prompt_tokens_reused_total"] == 0 and "expertcache_prefix_cache_bytes" not in off_m
+    # a prompt scored whole (echo with logprobs: lm-eval's log-likelihoods) in chunks of 8 scores as in one forward
+    body = {"model": NAME, "prompt": history[:45], "max_tokens": 0, "echo": True, "logprobs": 1}
+    a, b = (httpx.post(u + "/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"] for u in (on, off))
+    assert a["tokens"] == b["tokens"] and len(a["token_logprobs"]) == 45
+    assert a["token_logprobs"][0] is None and a["token_logprobs"][1:] == pytest.approx(b["token_logprobs"][1:], abs=1e-4)
     assert off_m["expertcache_prompt_tokens_prefilled_total"] >= len(history) + len(follow)
 
 
