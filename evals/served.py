@@ -38,8 +38,11 @@ def open_model(model_dir, engine: EngineConfig | None, dtype="fp32", device="cpu
     if engine is None:
         from expertcache.telemetry.hf import load_causal_lm
 
+        from expertcache.runtime.storage.weight_checks import check_model
+
         check_plain(path)
         m = load_causal_lm(path, dtype=parse_dtype(dtype) or "auto")
+        check_model(m, str(path))  # what the engine checks on each expert's first read, here on the whole model
         return m.eval().to(device), None
 
     from expertcache.runtime.engine.predictors import set_aux_routers_loader

@@ -446,7 +446,8 @@ def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(),
           dtype: Optional[str] = None, plain: bool = False, host: str = "127.0.0.1", port: int = 8000,
           served_model_name: Optional[str] = None, log_level: str = "info", max_batch: int = 8,
           kv_cache_gb: float = 1.0, api_key: Optional[str] = None, chat_template: Optional[str] = None,
-          trace: Optional[str] = None, trace_rotate_tokens: int = 50_000) -> int:
+          trace: Optional[str] = None, trace_rotate_tokens: int = 50_000, prompt_cache: bool = True,
+          prefill_chunk: int = 256) -> int:
     """OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
 
     Concurrent requests are batched continuously: each joins the running batch after its prefill and leaves it
@@ -464,7 +465,8 @@ def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(),
         served_model_name: the model id clients send (default: --model)
         log_level: uvicorn log level
         max_batch: the most sequences decoded together (1: one at a time); more wait in a FIFO queue
-        kv_cache_gb: the batch's KV cache bound (GiB): a request whose KV would pass it waits
+        kv_cache_gb: the KV cache bound (GiB) of the running batch and the prompt cache together: a request
+            whose KV would pass it waits; the prompt cache holds what the batch leaves (least recently used evicted)
         api_key: require `Authorization: Bearer <key>` on /v1 (default: $EXPERTCACHE_API_KEY, else none)
         chat_template: a Jinja chat template file for /v1/chat/completions, in place of the tokenizer's
         trace: record the routing of every request (prefill and decode) into rotating Parquet traces in this
@@ -472,6 +474,11 @@ def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(),
             `analyze`, `fit-policy` and `train-cache-aware`; never holds a request (rows are dropped and counted
             in /metrics when the writer falls behind)
         trace_rotate_tokens: tokens per trace file
+        prompt_cache: keep the KV of earlier prompts and finished sequences; a prompt starts from its longest
+            cached prefix (a chat's next turn prefills only the new turn); greedy tokens are the same without it
+        prefill_chunk: the most prompt tokens per prefill forward (1 .. the model's context); a long prompt is
+            prefilled chunk by chunk between the running batch's decode steps, each chunk (while sequences decode)
+            sized to take about one decode step
     """
     import os
 
@@ -480,8 +487,12 @@ def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(),
 
     if not 0 < port < 65536:
         raise InputError(f"--port {port}: expected 1..65535")
-    if max_batch < 1 or not kv_cache_gb > 0:
-        raise InputError(f"--max_batch {max_batch} / --kv_cache_gb {kv_cache_gb}: expected >= 1 and > 0")
+    if max_batch < 1:
+        raise InputError(f"--max_batch {max_batch}: expected >= 1")
+    from expertcache.runtime.serve.serve import check_kv_cache_gb, check_prefill_chunk
+
+    check_kv_cache_gb(kv_cache_gb)
+    check_prefill_chunk(prefill_chunk, None)
     template = None
     if chat_template is not None:
         try:
@@ -499,6 +510,7 @@ def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(),
         if trace_rotate_tokens < 1:
             raise InputError(f"--trace_rotate_tokens {trace_rotate_tokens}: expected >= 1")
     _check_serve_template(model, template, chat_template)  # before the model loads: every chat request needs it
+    _check_serve_context(model, prefill_chunk)
     m, tok, path = _talk_model(model, engine, dtype, plain)
     eng = getattr(m, "expertcache", None)
     if eng is not None:
@@ -510,8 +522,20 @@ def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(),
     if template is not None:
         tok.chat_template = template
     run(m, tok, served_model_name or str(path), host, port, log_level, max_batch=max_batch, kv_cache_gb=kv_cache_gb,
-        api_key=api_key, trace_dir=trace, trace_rotate_tokens=trace_rotate_tokens)
+        api_key=api_key, trace_dir=trace, trace_rotate_tokens=trace_rotate_tokens, prompt_cache=prompt_cache,
+        prefill_chunk=prefill_chunk)
     return 0
+
+
+def _check_serve_context(model: Optional[str], prefill_chunk: int) -> None:
+    """--prefill_chunk within the checkpoint's positions, from its config, before the model loads."""
+    from expertcache.runtime.serve.serve import check_prefill_chunk
+    from expertcache.runtime.storage.loader import resolve, resolve_model_arg
+    from expertcache.telemetry.hf import context_length, load_config
+
+    path = resolve(resolve_model_arg(model))
+    if (path / "config.json").is_file():  # (none: the loader's one line says so)
+        check_prefill_chunk(prefill_chunk, context_length(load_config(path)))
 
 
 

@@ -731,6 +731,9 @@ def cases(P: dict) -> list[dict]:
         note="the disk tier's start sample or the miss that reads it refuses it")
     add("eval-exponent-flip-no-index", [*ev, "--model", P["model_expflip"], "--engine.capacity", 0.25,
                                         "--out", S / "ev-expflip.json"])
+    add("eval-exponent-flip-plain", [*ev, "--model", P["model_expflip"], "--out", S / "ev-expflip-plain.json"],
+        note="no engine options: the plain model (was: exit 0, served)")
+    add("generate-nan-expert-plain", [*gen, P["model_nan"], "--plain", "true"], note="the plain model")
     add("serve-exponent-flip-no-index", ["serve", "--model", P["model_expflip"], "--port", 8199],
         note="refused before the server starts")
     add("quantize-nan-expert", ["quantize", "--model", P["model_nan"], "--bits", 8, "--out", S / "q-nan"],
@@ -807,6 +810,11 @@ def cases(P: dict) -> list[dict]:
     add("serve-chat-template-always-raises", [*sv, "--chat_template", P["tpl_raises"]])
     add("serve-model-template-broken", ["serve", "--model", P["model_badtemplate"], "--port", 18765],
         note="the checkpoint's own tokenizer_config.json template")
+    # issue #47: prompt reuse and chunked prefill in serve
+    add("serve-prefill-chunk-0", [*sv, "--prefill_chunk", 0])
+    add("serve-prefill-chunk-beyond-context", [*sv, "--prefill_chunk", 10**7])
+    add("serve-kv-cache-gb-negative", [*sv, "--kv_cache_gb", -1])
+    add("serve-prompt-cache-maybe", [*sv, "--prompt_cache", "maybe"])
     add("big-systems-empty", [*bb, "--systems", "[]"], note="wrote a 32 GB checkpoint, then a traceback in plot()")
     add("big-systems-llamacpp-trace-routing", [*bb, "--systems", "[llama.cpp]"],
         note="llama.cpp takes no forced routing; trace is the default")

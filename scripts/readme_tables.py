@@ -92,6 +92,21 @@ def serve_load_table(d: dict) -> str:
     return "\n".join(rows)
 
 
+def prompt_cache_table(d: dict) -> str:
+    """results/serve_prompt_cache.json -> a follow-up turn's TTFT with and without prompt reuse, per capacity, and
+    running streams' inter-token latency while a long prompt is prefilled in chunks."""
+    rows = ["| experts resident | TTFT, reuse | TTFT, no reuse | ratio (target <= 0.2) | greedy tokens equal |",
+            "|---|---|---|---|---|"]
+    for r in d["rows"]:
+        rows.append(f"| {r['capacity']:g} of E | {r['ttft_reuse_s'] * 1e3:.1f} ms | {r['ttft_no_reuse_s'] * 1e3:.1f} ms"
+                    f" | {r['ratio']:.3f} | {r['equal_tokens']} |")
+    n = d["inputs"].get("long_prompt_tokens")
+    rows += ["", f"Running streams' inter-token latency: median {d['itl_p50_s'] * 1e3:.2f} ms without a long prompt, "
+             f"p99 {d['itl_p99_during_prefill_s'] * 1e3:.2f} ms while a {n}-token prompt is prefilled "
+             f"({d['itl_p99_during_prefill_s'] / d['itl_p50_s']:.1f}x; target <= 3x)."]
+    return "\n".join(rows)
+
+
 def calibration_table(d: dict) -> str:
     """results/gate_calibration.json -> the gate's verdicts on a real model against itself, a harmless change and a
     +3% degradation, at eval's default sample and on the whole pool."""
@@ -237,6 +252,9 @@ def tables() -> dict[str, str]:
         out["serve_load"] = _block("serve_load.json",
                                    f"python scripts/load_test.py --throughput; git {_git(d, 'commit')}",
                                    serve_load_table(d))
+    if (d := _load("serve_prompt_cache.json")):
+        out["serve_prompt_cache"] = _block("serve_prompt_cache.json", f"{provenance(d['command'], 'serve_prompt_cache.json')}"
+                                           f"; git {_git(d, 'commit')}", prompt_cache_table(d))
     # the kernels and every decode against llama.cpp (the first with its kernel rows, the others pairs only)
     for name in ("kernels", "kernels_file", "kernels_int4_2t", "kernels_depth1024"):
         if (d := _load(f"{name}.json")):

@@ -13,6 +13,12 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under `pytest -n 2` (make test / test-fast) each worker is one process: one torch thread each keeps the two
+# workers off each other's core (two threads each on 2 cores made every torch call contend). The CLI children that
+# tests start inherit it. A test that needs a thread count passes it explicitly.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

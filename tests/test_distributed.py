@@ -1,8 +1,9 @@
 """Training across processes on Lightning (#44 item 4): DDP and FSDP on two CPU processes over gloo, launched by
 Lightning itself from the `train-cache-aware` command, for full training and for router-only training; each
 writes a checkpoint that plain transformers and the project's loader load and evaluate, and the two strategies
-train the same weights (both average every step's gradients over the same global batch). Bad input: a
-data-parallel strategy on one process, one line and exit 2."""
+train the same weights (both average every step's gradients over the same global batch); a run stopped and
+resumed under either goes on as one never stopped. Bad input: a data-parallel strategy on one process, one line
+and exit 2."""
 
 import csv
 import json
@@ -34,9 +35,14 @@ def _run(tiny_data, tiny_base, out, **extra) -> dict:
     return json.loads((out / "result.json").read_text())
 
 
-def _losses(out) -> list[float]:
+def _logged(out, key: str) -> list[float]:
+    """Every logged value of `key` in run folder `out`, in step order over its (re)starts."""
     rows = [r for f in sorted((out / "logs").glob("version_*/metrics.csv")) for r in csv.DictReader(f.open())]
-    return [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    return [float(r[key]) for r in rows if r.get(key)]
+
+
+def _losses(out) -> list[float]:
+    return _logged(out, "train/loss")
 
 
 def _weights(model_dir) -> dict:
@@ -69,22 +75,40 @@ def _loads_and_evaluates(model_dir) -> None:
     assert torch.allclose(got, out.logits, atol=1e-4), float((got - out.logits).abs().max())
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("trainable", ["all", "routers"])
-def test_ddp_and_fsdp_on_two_cpu_processes_train_the_same_checkpoint(tiny_data, tiny_base, tmp_path, trainable):
-    """Full training (every backbone weight, the Temporal/Spatio routers, the locality loss) and router-only
-    training (the backbone's routers alone, distilled to the frozen base): DDP and FSDP (sharded: each process
-    holds half of every weight between steps) from the same base on the same global batches end at the same
-    weights, logged the same losses, and saved whole checkpoints (not a rank's shard)."""
-    extra = {"quality.trainable": trainable}
+def _apart(a: dict, b: dict) -> float:
+    """Euclidean distance between two checkpoints' weights, over every tensor."""
+    return math.sqrt(sum(float((a[k] - b[k]).double().pow(2).sum()) for k in a))
+
+
+def _trainable(trainable: str) -> dict:
+    """Overrides for full training (every backbone weight, the Temporal/Spatio routers, the locality loss) or
+    router-only training (the backbone's routers alone, distilled to the frozen base)."""
     if trainable == "routers":
-        extra.update({"quality.distill": 1.0, "quality.lm_weight": 0.0})
-    res = {s: _run(tiny_data, tiny_base, tmp_path / s, **{"train.strategy": s}, **extra) for s in ("ddp", "fsdp")}
-    for s, r in res.items():
+        return {"quality.trainable": "routers", "quality.distill": 1.0, "quality.lm_weight": 0.0}
+    return {"quality.trainable": trainable}
+
+
+@pytest.fixture(scope="module", params=["all", "routers"])
+def three_steps(request, tiny_data, tiny_base, tmp_path_factory):
+    """(trainable, {strategy: (run folder, result)}): 3 steps of DDP and of FSDP from the tiny base, full or
+    router-only training. Read them; a test that resumes one copies its folder first."""
+    root = tmp_path_factory.mktemp(f"three-steps-{request.param}")
+    extra = {**_trainable(request.param), "train.max_steps": 3}
+    return request.param, {s: (root / s, _run(tiny_data, tiny_base, root / s, **{"train.strategy": s}, **extra))
+                           for s in ("ddp", "fsdp")}
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp_on_two_cpu_processes_train_the_same_checkpoint(three_steps, tiny_base):
+    """Full training and router-only training: DDP and FSDP (sharded: each process holds half of every weight
+    between steps) from the same base on the same global batches end at the same weights, logged the same losses,
+    and saved whole checkpoints (not a rank's shard)."""
+    trainable, runs = three_steps
+    for s, (_, r) in runs.items():
         assert r["global_step"] == 3, (s, r["global_step"])
         assert all(math.isfinite(v) and v > 1 for v in r["candidate"]["ppl"].values()), (s, r["candidate"]["ppl"])
     base = _weights(tiny_base)
-    ddp, fsdp = _weights(tmp_path / "ddp" / "model"), _weights(tmp_path / "fsdp" / "model")
+    ddp, fsdp = _weights(runs["ddp"][0] / "model"), _weights(runs["fsdp"][0] / "model")
     assert ddp.keys() == fsdp.keys() == base.keys()
     assert all(fsdp[k].shape == base[k].shape for k in base)  # whole tensors, not one rank's shard
     moved = {k for k in base if not torch.equal(base[k], ddp[k])}
@@ -95,24 +119,49 @@ def test_ddp_and_fsdp_on_two_cpu_processes_train_the_same_checkpoint(tiny_data, 
     else:
         assert gates < moved and any("self_attn" in k for k in moved) and any("experts" in k for k in moved)
         assert any("embed_tokens" in k for k in moved)
-    # FSDP trained what DDP trained: apart by far less than either moved from the base (measured: 0 for full
-    # training over 3 steps, bit for bit; a saved shard or an untrained model would be as far as the base is)
-    step = math.sqrt(sum(float((ddp[k] - base[k]).double().pow(2).sum()) for k in moved))
-    apart = math.sqrt(sum(float((ddp[k] - fsdp[k]).double().pow(2).sum()) for k in base))
-    assert step > 0 and apart < 0.02 * step, (apart, step)
-    one, two = _losses(tmp_path / "ddp"), _losses(tmp_path / "fsdp")
-    assert len(one) == len(two) == 3 and two == pytest.approx(one, rel=1e-4), (one, two)
+    # FSDP trained what DDP trained: apart by far less than either moved from the base (measured: 0, bit for bit,
+    # for both; a saved shard or an untrained model would be as far as the base is)
+    step, apart = _apart(ddp, base), _apart(ddp, fsdp)
+    assert step > 0 and apart < 1e-4 * step, (apart, step)
+    one, two = _losses(runs["ddp"][0]), _losses(runs["fsdp"][0])
+    assert len(one) == len(two) == 3 and two == pytest.approx(one, rel=1e-6), (one, two)
+    assert runs["fsdp"][1]["losses"] == pytest.approx(runs["ddp"][1]["losses"], rel=1e-6)  # what each minimised
+    if trainable == "routers":  # the distillation to the base: 0 at the first step (the model is the base), then
+        # the same under both (it was 0 at every step under FSDP, whose forward read the trained routers for the
+        # base's: issue #44)
+        one, two = _logged(runs["ddp"][0], "train/distill"), _logged(runs["fsdp"][0], "train/distill")
+        assert one[0] == 0 and all(v > 0 for v in one[1:]) and two == pytest.approx(one, rel=1e-4), (one, two)
     for s in ("ddp", "fsdp"):
-        _loads_and_evaluates(tmp_path / s / "model")
-    if trainable == "routers":  # FSDP's resumable checkpoints (gathered whole) resume: the weights come back
-        for s in ("ddp", "fsdp"):
-            r = _run(tiny_data, tiny_base, tmp_path / s, **{"train.strategy": s, "train.max_steps": 5}, **extra)
-            assert (r["resumed_from_step"], r["global_step"]) == (3, 5)
-        one, two = _losses(tmp_path / "ddp"), _losses(tmp_path / "fsdp")
-        assert len(one) == len(two) == 5 and two[3] == pytest.approx(one[3], rel=1e-5), (one, two)
-        # Not asserted: the step after the resume. There FSDP and DDP part (step 4's distillation loss 3.68 and
-        # 4.91, the final weights 42% of DDP's distance from the base apart), so one of them does not restore
-        # the optimizer's (or the scheduler's) state as it was; not yet diagnosed.
+        _loads_and_evaluates(runs[s][0] / "model")
+
+
+@pytest.mark.slow
+def test_a_resume_under_ddp_and_fsdp_goes_on_as_the_run_that_was_not_stopped(three_steps, tiny_data, tiny_base,
+                                                                            tmp_path):
+    """Issue #44: each strategy's 3-step run, resumed from its checkpoint to step 5, logs the losses of one
+    5-step run that was never stopped and ends at its weights (measured: bit for bit, DDP and FSDP, full and
+    router-only training). FSDP on CPU once saved every AdamW moment as the last one it gathered (exp_avg as
+    exp_avg_sq), and its resume parted from the second step on."""
+    import shutil
+
+    trainable, runs = three_steps
+    whole_dir = tmp_path / "whole"
+    whole = _run(tiny_data, tiny_base, whole_dir, **{"train.strategy": "ddp", "train.max_steps": 5},
+                 **_trainable(trainable))
+    want, want_w = _losses(whole_dir), _weights(whole_dir / "model")
+    step = _apart(want_w, _weights(tiny_base))
+    for s, (three, _) in runs.items():
+        out = tmp_path / s
+        shutil.copytree(three, out)
+        r = _run(tiny_data, tiny_base, out, **{"train.strategy": s, "train.max_steps": 5}, **_trainable(trainable))
+        assert (r["resumed_from_step"], r["global_step"]) == (3, 5), s
+        got = _losses(out)  # the 3 steps before the stop and the 2 after
+        assert len(got) == 5 and got == pytest.approx(want, rel=1e-6), (s, got, want)
+        assert r["losses"] == pytest.approx(whole["losses"][3:], rel=1e-6), (s, r["losses"], whole["losses"])
+        apart = _apart(_weights(out / "model"), want_w)
+        assert step > 0 and apart < 1e-4 * step, (s, apart, step)
+        if trainable == "routers":
+            assert _logged(out, "train/distill") == pytest.approx(_logged(whole_dir, "train/distill"), rel=1e-4)
 
 
 @pytest.mark.parametrize("strategy, over, named", [

@@ -292,3 +292,47 @@ def test_serve_refuses_a_request_that_meets_a_damaged_expert_and_goes_on(talk, m
             assert httpx.get(url + "/health", timeout=10).status_code == 200
     finally:
         m.expertcache.close()
+
+
+def test_the_plain_model_is_checked_too(talk, tmp_path, capsys):
+    """No engine options (eval's default, generate --plain true): the whole model is in memory, and the same
+    checks run over it once; a NaN expert is refused in one line naming its tensor, and nothing is written."""
+    d, text = talk
+    cases = {
+        "eval": ["eval", "--model", str(d), "--tasks", "[]", "--ppl_file", str(text), "--seq_len", "16",
+                 "--ppl_blocks", "1", "--out", str(tmp_path / "e.json")],
+        "generate": ["generate", "--model", str(d), "--prompt", "hello", "--max_tokens", "2", "--plain", "true"],
+    }
+    capsys.readouterr()
+    for name, argv in cases.items():
+        assert main(argv) == 2, name
+        err = capsys.readouterr().err.strip().splitlines()  # (transformers' loading bar above it)
+        bad = [line for line in err if "error:" in line]
+        assert len(bad) == 1 and bad == err[-1:] and "layers.1.mlp.experts" in bad[0] and "NaN" in bad[0] \
+            and "--engine.integrity off" in bad[0], (name, err)
+    assert not (tmp_path / "e.json").exists()
+
+
+def test_check_model_finds_one_flipped_expert_of_a_fused_tensor():
+    """A fused `[E, out, in]` experts tensor counts as E siblings: one expert scaled by 2^60 is refused by index,
+    the same tensor unscaled passes."""
+    import torch
+
+    from expertcache.runtime.storage.weight_checks import check_model
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.down_proj = torch.nn.Parameter(torch.randn(8, 4, 4))
+
+    m = torch.nn.Module()
+    m.layers = torch.nn.ModuleList()
+    for _ in range(2):
+        blk = torch.nn.Module()
+        blk.experts = Experts()
+        m.layers.append(blk)
+    check_model(m, "m")  # clean
+    with torch.no_grad():
+        m.layers[1].experts.down_proj[5] *= 2.0 ** 60
+    with pytest.raises(InputError, match=r"layers\.1\.experts\.down_proj\.5"):
+        check_model(m, "m")

@@ -31,17 +31,42 @@ class CPUFSDPStrategy(FSDPStrategy):
                                              device_id=torch.device("cpu"), **self.kwargs)
         return super()._setup_model(model)
 
+    def _gathered_whole(self):
+        """The context in which rank 0 gathers whole weights and optimizer state for a checkpoint, without
+        Lightning's offload_to_cpu: on CPU there is nothing to offload, and torch's offload of a tensor already on
+        the CPU moves nothing, which breaks both gathers (see the two methods below)."""
+        from torch.distributed.fsdp import (FullOptimStateDictConfig, FullStateDictConfig, FullyShardedDataParallel,
+                                            StateDictType)
+
+        return FullyShardedDataParallel.state_dict_type(self.model, StateDictType.FULL_STATE_DICT,
+                                                        FullStateDictConfig(offload_to_cpu=False, rank0_only=True),
+                                                        FullOptimStateDictConfig(offload_to_cpu=False,
+                                                                                 rank0_only=True))
+
     def lightning_module_state_dict(self):
         if self.root_device.type != "cpu" or self._state_dict_type != "full":
             return super().lightning_module_state_dict()
-        from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
-
-        # Lightning gathers a checkpoint's weights with offload_to_cpu, and torch's offload (flat_param.to_cpu)
-        # frees the gathered storage it has just "moved" when it was on the CPU already: a use after free
-        # (segfault) in state_dict(). On CPU there is nothing to offload.
-        with FullyShardedDataParallel.state_dict_type(self.model, StateDictType.FULL_STATE_DICT,
-                                                      FullStateDictConfig(offload_to_cpu=False, rank0_only=True)):
+        # torch's offload (flat_param.to_cpu) frees the gathered storage it has just "moved" when it was on the CPU
+        # already: a use after free (segfault) in state_dict()
+        with self._gathered_whole():
             return self.model.state_dict()
+
+    def optimizer_state(self, optimizer):
+        if self.root_device.type != "cpu" or self._state_dict_type != "full":
+            return super().optimizer_state(optimizer)
+        from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
+
+        # torch gathers each state of a flat parameter (AdamW's exp_avg, then exp_avg_sq) into one reused buffer;
+        # with offload_to_cpu it keeps each by `.cpu()`, which on the CPU is the buffer itself: every state saved
+        # was the last one gathered (exp_avg saved as exp_avg_sq), and a resume went on from a wrong momentum.
+        # Without the offload torch clones each state out of the buffer.
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # Lightning's wrapper, or the optimizer
+        with self._gathered_whole():
+            state = FullyShardedDataParallel.optim_state_dict(self.model, optimizer)
+            if self.global_rank == 0:  # keyed by parameter index, as Lightning saves it (its loading expects it)
+                state = FullyShardedDataParallel.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID,
+                                                                         self.model)
+        return state
 
     def _determine_device_ids(self):
         # a gloo barrier takes no device ids (Lightning's GPU path passes [cuda index])

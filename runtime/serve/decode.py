@@ -78,6 +78,8 @@ class Batch:
         self.mask: torch.Tensor | None = None  # [B, L] 1 = a real token, 0 = left padding
         self.batchable: bool | None = None  # known after the first prefill
         self.trace = None  # a `telemetry.live_trace.LiveTrace`: every forward's routing recorded
+        self.prefix_cache = None  # a `prefix_cache.PrefixCache`: prompts start from their longest cached prefix
+        self.prefill_chunk: int | None = None  # prompt tokens per prefill forward (None: the whole prompt in one)
         self.device = model.get_input_embeddings().weight.device
 
     def __len__(self) -> int:
@@ -91,28 +93,40 @@ class Batch:
     def columns(self) -> int:
         return 0 if self.mask is None else int(self.mask.shape[1])
 
-    @torch.no_grad()
-    def admit(self, g) -> list[str]:
-        """Prefill `g`'s prompt alone (one forward), choose its first token, and add it to the running rows unless
-        it is already finished. Returns the text it shows."""
+    def start(self, g) -> "Prefill":
+        """Begin `g`'s prefill: its longest cached prefix (`prefix_cache`) taken as it is, the rest left for
+        `Prefill.advance`. Prompts whose every position is scored (echo with logprobs) are prefilled whole."""
         g._begin()
-        ids = torch.tensor([g.prompt_ids], dtype=torch.long, device=self.device)  # [1, prompt]
-        out = forward(self.model, ids, None, logits_to_keep=0 if g.prompt_logprobs else 1)
-        if self.trace is not None:
-            self.trace.forward_done("prefill", [(g, range(len(g.prompt_ids)), g.prompt_ids)])
+        return Prefill(self, g)
+
+    def admit(self, g) -> list[str]:
+        """Prefill `g`'s prompt alone (in `prefill_chunk`-token forwards after its cached prefix), choose its first
+        token, and add it to the running rows unless it is already finished. Returns the text it shows."""
+        job = self.start(g)
+        while not job.advance():
+            pass
+        return self.finish(job)
+
+    @torch.no_grad()
+    def finish(self, job: "Prefill") -> list[str]:
+        """A prefill done (`job.advance()` returned True): the first token chosen, the prompt's KV kept in the prefix
+        cache, the row joined. Returns the text it shows."""
+        g, cache = job.g, job.cache
         if g.prompt_logprobs:
-            g._score_prompt(out.logits[0])
+            g._score_prompt(torch.cat(job.logits) if len(job.logits) > 1 else job.logits[0])
         pieces = []
         if g.params.max_tokens > 0:
-            pieces.append(g._accept(out.logits[0, -1]))
+            pieces.append(g._accept(job.last))
         else:
             g.finish_reason = "length"  # echo with max_tokens 0: the prompt scored, nothing decoded
+        if self.batchable is None:
+            self.batchable = _plain_layers(cache)
+        if self.prefix_cache is not None and self.batchable:
+            self.prefix_cache.insert(g.prompt_ids, [(layer.keys, layer.values) for layer in cache.layers])
         if g.finish_reason is not None:
             pieces.append(g._end())
             return [p for p in pieces if p]
-        if self.batchable is None:
-            self.batchable = _plain_layers(out.cache)
-        self._join(g, out.cache, ids.shape[1])
+        self._join(g, cache, len(g.prompt_ids))
         return [p for p in pieces if p]
 
     def _join(self, g, cache, length: int) -> None:
@@ -170,8 +184,20 @@ class Batch:
                 if piece:
                     events.append((g, piece))
         if len(keep) < len(self.rows):
+            if self.prefix_cache is not None and self.batchable:
+                self._save([i for i in range(len(self.rows)) if i not in set(keep)])
             self._keep(keep)
         return events
+
+    def _save(self, rows: list[int]) -> None:
+        """Keep the KV of the finished `rows` (prompt and output, as fed) in the prefix cache: a chat's next turn
+        starts with them."""
+        width = self.columns()
+        for i in rows:
+            g, n = self.rows[i], int(self.mask[i].sum())  # left padding: the row's positions are the last n columns
+            ids = (g.prompt_ids + g.completion_ids)[:n]
+            self.prefix_cache.insert(ids, [(layer.keys[i:i + 1, :, width - n:], layer.values[i:i + 1, :, width - n:])
+                                           for layer in self.cache.layers])
 
     def cancel(self, rows: list) -> list[tuple[object, str]]:
         """Remove `rows` (cancelled by their clients): finish_reason "cancelled", nothing more shown."""
@@ -201,3 +227,50 @@ class Batch:
         """Drop every row (an error in a step: the cache may be half-updated). Returns them."""
         rows, self.rows, self.cache, self.mask = self.rows, [], None, None
         return rows
+
+
+class Prefill:
+    """One prompt's prefill in steps (`Batch.start`): its cached prefix first, then `advance` forwards the rest,
+    at most `Batch.prefill_chunk` tokens at a time, so a scheduler can run the batch's decode steps between them.
+    `reused` and `prefilled` count the prompt's tokens each way."""
+
+    def __init__(self, batch: Batch, g):
+        self.batch, self.g = batch, g
+        self.cache, self.logits, self.last = None, [], None
+        self.pos = self.reused = 0
+        pc = batch.prefix_cache
+        if pc is not None and batch.batchable is not False and not g.prompt_logprobs:
+            n, kv = pc.lookup(g.prompt_ids)
+            if n:
+                from transformers.cache_utils import DynamicCache
+
+                self.cache = DynamicCache(ddp_cache_data=kv)  # (copied into the cache's own tensors)
+                self.pos = self.reused = n
+
+    @property
+    def prefilled(self) -> int:
+        return self.pos - self.reused
+
+    @property
+    def left(self) -> int:
+        return len(self.g.prompt_ids) - self.pos
+
+    @torch.no_grad()
+    def advance(self, budget: int | None = None) -> bool:
+        """One forward of the prompt's next tokens (at most `prefill_chunk`, and at most `budget`); True once the
+        whole prompt is in the KV cache (`last`: the logits that choose the first token)."""
+        b, g = self.batch, self.g
+        n = self.left
+        if b.prefill_chunk:
+            n = min(n, b.prefill_chunk)
+        if budget is not None:
+            n = min(n, max(1, budget))
+        ids = torch.tensor([g.prompt_ids[self.pos:self.pos + n]], dtype=torch.long, device=b.device)  # [1, n]
+        out = forward(b.model, ids, self.cache, logits_to_keep=0 if g.prompt_logprobs else 1)
+        if b.trace is not None:
+            b.trace.forward_done("prefill", [(g, range(self.pos, self.pos + n), g.prompt_ids[self.pos:self.pos + n])])
+        self.cache, self.pos = out.cache, self.pos + n
+        if g.prompt_logprobs:
+            self.logits.append(out.logits[0])
+        self.last = out.logits[0, -1]
+        return self.left == 0

@@ -10,8 +10,14 @@ every non-streamed answer and, with `stream_options.include_usage`, in a last st
 Scheduling: continuous batching. One worker thread runs the decode loop (`decode.Batch`): a request's prompt is
 prefilled alone, then it joins the running batch, and every step decodes one token for every sequence in one
 forward (the engine serves the union of their experts, each expert's weights read once per step); a sequence
-leaves the batch when it finishes. Requests wait in a FIFO queue while the batch is full (`--max_batch`) or its KV
-cache would outgrow `--kv_cache_gb`; `/health` and `/metrics` report the queue and the batch. `n` choices and
+leaves the batch when it finishes. Prompts are prefilled in chunks of at most `--prefill_chunk` tokens, one chunk
+between two decode steps of the batch (while sequences decode, a chunk is sized to take about one decode step,
+adjusted from each chunk's measured time), so a long prompt does not stop the running streams. With `--prompt_cache`
+(on by default) the KV of earlier prompts and finished sequences is kept (`prefix_cache.PrefixCache`) and a new
+prompt starts from its longest cached prefix (a chat's next turn prefills only the new turn). Requests wait in a
+FIFO queue while the batch is full (`--max_batch`) or its KV cache would outgrow `--kv_cache_gb`, which bounds the
+batch's KV and the prompt cache together (the prompt cache gives way, least recently used first); `/health` and
+`/metrics` report the queue, the batch and the prompt cache. `n` choices and
 lists of prompts are sequences of the same batch. A client that disconnects stops its sequences at the next token
 (or before they start, if still queued). Bad input gets a 400 with an OpenAI-style error body naming the field,
 and the server goes on serving. With `api_key`, the /v1 endpoints need `Authorization: Bearer <key>`.
@@ -45,6 +51,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 8  # choices per prompt
 MAX_SEQUENCES = 64  # prompts x n in one request
 TPOT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+MIN_CHUNK = 16  # prompt tokens a prefill chunk holds at least (smaller ones are mostly a forward's fixed cost)
 SCHEDULING = "continuous batching (FIFO admission, one forward per step for the whole batch)"
 
 
@@ -70,6 +77,10 @@ class _Metrics:
                               buckets=TPOT_BUCKETS, registry=r)
         self.prefill = Histogram("expertcache_prefill_seconds", "Prompt to first token", registry=r)
         self.prompt_tokens = Counter("expertcache_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.prompt_reused = Counter("expertcache_prompt_tokens_reused", "Prompt tokens whose KV came from the "
+                                     "prompt cache (not prefilled)", registry=r)
+        self.prompt_prefilled = Counter("expertcache_prompt_tokens_prefilled", "Prompt tokens prefilled (forwards "
+                                        "through the model)", registry=r)
         self.generated = Counter("expertcache_generated_tokens", "Tokens generated", registry=r)
         self.queued = Gauge("expertcache_queue_depth", "Requests waiting for the decode worker", registry=r)
         self.running = Gauge("expertcache_running", "Sequences decoding now (the batch)", registry=r)
@@ -139,24 +150,78 @@ class _TraceCollector:
         yield CounterMetricFamily("expertcache_trace_files", "Trace files completed", value=d["files"])
 
 
+class _PrefixCollector:
+    """The prompt cache (`prefix_cache.PrefixCache`): its bytes and bound, entries, hits, misses and evictions."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        c = self.cache
+        yield GaugeMetricFamily("expertcache_prefix_cache_bytes", "Bytes of KV the prompt cache holds", value=c.nbytes)
+        yield GaugeMetricFamily("expertcache_prefix_cache_bound_bytes", "The prompt cache's bound now: --kv_cache_gb "
+                                "less what the running batch may need", value=c.max_bytes)
+        yield GaugeMetricFamily("expertcache_prefix_cache_entries", "Sequences whose KV is kept", value=len(c))
+        yield CounterMetricFamily("expertcache_prefix_cache_hits", "Prompts that started from a cached prefix",
+                                  value=c.hits)
+        yield CounterMetricFamily("expertcache_prefix_cache_misses", "Prompts with no cached prefix (a block or more)",
+                                  value=c.misses)
+        yield CounterMetricFamily("expertcache_prefix_cache_evictions", "Entries evicted (least recently used)",
+                                  value=c.evicted)
+
+
+def check_prefill_chunk(prefill_chunk, context: int | None) -> None:
+    """`--prefill_chunk`: prompt tokens per prefill forward, 1 .. the model's context."""
+    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1 \
+            or (context is not None and prefill_chunk > context):
+        within = f"1..{context} (this model's context)" if context else ">= 1, at most the model's context"
+        raise InputError(f"--prefill_chunk {prefill_chunk!r}: expected an integer {within}: the prompt tokens per "
+                         f"prefill forward")
+
+
+def check_kv_cache_gb(kv_cache_gb) -> None:
+    if isinstance(kv_cache_gb, bool) or not isinstance(kv_cache_gb, (int, float)) or not kv_cache_gb > 0 \
+            or kv_cache_gb == float("inf"):
+        raise InputError(f"--kv_cache_gb {kv_cache_gb!r}: expected a size in GiB > 0 (the running batch's KV and "
+                         f"the prompt cache together)")
+
+
 class Decoder:
     """The scheduler: one worker thread runs the decode loop (`decode.Batch`); requests join the running batch
     between steps and leave it when done, so every step decodes one token for each of them in one forward.
 
     Admission: FIFO, while the batch has fewer than `max_batch` rows and the KV cache it would need at its longest
-    stays within `kv_cache_bytes`; otherwise a request waits in the queue (`/health`, `/metrics`)."""
+    stays within `kv_cache_bytes`; otherwise a request waits in the queue (`/health`, `/metrics`).
+
+    Prefill: each turn of the loop prefills at most `prefill_chunk` prompt tokens (the prompt under way, then the
+    next queued ones; while sequences decode, about one decode step's time: `_chunk`), then runs one decode step
+    of the batch, so a long prompt never stops the running streams for more than a chunk. With `prompt_cache`, a
+    prompt starts from the longest prefix whose KV an earlier sequence left (`prefix_cache.PrefixCache`), which
+    holds what `kv_cache_bytes` leaves beside the batch's need (evicted least recently used as the batch grows;
+    it never keeps a request waiting)."""
 
     def __init__(self, model, metrics: _Metrics, torch_threads: int | None = None, max_batch: int = 8,
-                 kv_cache_gb: float = 1.0):
+                 kv_cache_gb: float = 1.0, prompt_cache: bool = True, prefill_chunk: int = 256):
         import collections
 
         import torch
 
         from expertcache.runtime.serve.decode import Batch
+        from expertcache.runtime.serve.prefix_cache import PrefixCache
 
         self.metrics = metrics
         self.batch = Batch(model, max_batch)
         self.kv_cache_bytes = int(kv_cache_gb * 2**30)
+        self.batch.prefill_chunk = prefill_chunk
+        self.prefix = self.batch.prefix_cache = PrefixCache(self.kv_cache_bytes) if prompt_cache else None
+        if self.prefix is not None:
+            metrics.registry.register(_PrefixCollector(self.prefix))
+        self.job = None  # the prefill under way (`decode.Prefill`), advanced one chunk per turn of the loop
+        self._per = None  # KV bytes per row and position, from the last cache seen
+        self._step_s = None  # a decode step's seconds (running average)
+        self._n = MIN_CHUNK  # prompt tokens per chunk while sequences decode (`_chunk`, `_timed`)
         self.threads = torch_threads or torch.get_num_threads()  # torch's intra-op setting is per thread
         self.pending: collections.deque = collections.deque()
         self.cond = threading.Condition()
@@ -176,7 +241,7 @@ class Decoder:
         torch.set_num_threads(self.threads)
         while True:
             with self.cond:
-                while not self.stopped and not self.pending and not len(self.batch):
+                while not self.stopped and not self.pending and not len(self.batch) and self.job is None:
                     self.cond.wait()
                 if self.stopped:
                     break
@@ -184,13 +249,15 @@ class Decoder:
             if gone:
                 for g, _ in self.batch.cancel(gone):
                     self._finish(g)
-            self._admit()
+            self._prefill()
             self._flush()
             if not len(self.batch):
                 continue
             self.metrics.batch.observe(len(self.batch))
             try:
+                t0 = time.perf_counter()
                 events = self.batch.step()
+                self._step_s = _ema(self._step_s, time.perf_counter() - t0)
             except BaseException as e:  # noqa: BLE001 - every row of the failed step gets the error
                 for g in self.batch.fail():
                     self._finish(g, e)
@@ -204,6 +271,10 @@ class Decoder:
             self._flush()
         with self.cond:  # shutting down: whoever is still decoding or waiting is cancelled
             waiting, self.pending = list(self.pending), type(self.pending)()
+        if self.job is not None:
+            waiting.insert(0, self.job.g)
+            self._move(queued=+1, running=-1)
+            self.job = None
         for g in self.batch.fail():
             g.finish_reason = "cancelled"
             self._finish(g)
@@ -224,39 +295,99 @@ class Decoder:
             for q, ev, cancel in items:
                 cancel.set()
 
+    def _need(self, g=None) -> int:
+        """Bytes of KV the batch (with `g`) may need at its longest: every row to its longest sequence's end."""
+        b = self.batch
+        if len(b):
+            self._per = sum(layer.keys.numel() + layer.values.numel() for layer in b.cache.layers) \
+                * b.cache.layers[0].keys.element_size() / max(1, len(b) * b.columns())  # bytes per row and column
+        rows = b.rows + ([g] if g is not None else [])
+        if not rows or self._per is None:
+            return 0
+        left = max(r.params.max_tokens - r.completion_tokens for r in rows)
+        longest = max([b.columns()] + [r.prompt_tokens for r in rows]) + left
+        # (a cache the decode step grows in place holds room to spare beside its positions)
+        return int(len(rows) * longest * self._per * fast_step.kv_headroom(b.model, longest))
+
     def _fits(self, g) -> bool:
-        """Whether `g` may join: a free row, and the batch's KV cache at its longest within the budget."""
+        """Whether `g` may join: a free row, and the batch's KV cache at its longest within the budget (the prompt
+        cache gives up what it holds beyond what is left)."""
         b = self.batch
         if not len(b):
             return True
-        if not b.can_join():
-            return False
-        cols = b.columns()
-        per = sum(layer.keys.numel() + layer.values.numel() for layer in b.cache.layers) \
-            * b.cache.layers[0].keys.element_size() / max(1, len(b) * cols)  # bytes per row and column
-        left = max([r.params.max_tokens - r.completion_tokens for r in b.rows] + [g.params.max_tokens])
-        longest = max(cols, g.prompt_tokens) + left
-        # (a cache the decode step grows in place holds room to spare beside its positions)
-        return (len(b) + 1) * longest * per * fast_step.kv_headroom(b.model, longest) <= self.kv_cache_bytes
+        return b.can_join() and self._need(g) <= self.kv_cache_bytes
 
-    def _admit(self) -> None:
-        while True:
-            with self.cond:
-                if self.stopped or not self.pending or not self._fits(self.pending[0]):
-                    return
-                g = self.pending.popleft()
-            self._move(queued=-1, running=+1)
-            if g.cancel.is_set():
-                g._begin()
-                g.finish_reason = "cancelled"
-                g._end()
-                self._finish(g)
+    def _bound(self, g=None) -> None:
+        """The prompt cache gets what the batch (and `g`, about to start) may not need of `kv_cache_bytes`."""
+        if self.prefix is not None:
+            self.prefix.trim(max(0, self.kv_cache_bytes - self._need(g)))
+
+    def _chunk(self) -> float:
+        """Prompt tokens this turn may prefill: `prefill_chunk`; while sequences are decoding, a chunk sized to take
+        about one decode step (`_n`, adjusted after each chunk from its measured time), so a long prompt delays each
+        running stream's next token by about one step, on whatever machine this runs."""
+        cap = self.batch.prefill_chunk or float("inf")
+        return cap if not len(self.batch) else min(cap, self._n)
+
+    def _timed(self, n: int, seconds: float) -> None:
+        """A chunk of `n` tokens took `seconds` while sequences were decoding: the next one scaled toward one
+        decode step's time (a chunk's cost is a fixed part and a part per token, so this converges from either
+        side; where the fixed part alone passes a step, chunks stay at MIN_CHUNK)."""
+        if self._step_s is not None and seconds > 0:
+            self._n = max(MIN_CHUNK, min(int(n * self._step_s / seconds), 1 << 20))
+
+    def _prefill(self) -> None:
+        """This turn's prefill: at most `prefill_chunk` prompt tokens, the prompt under way first, then (while
+        tokens are left) queued requests as they fit, each starting from its longest cached prefix."""
+        budget = self._chunk()
+        self._bound(self.job.g if self.job is not None else None)
+        while budget > 0:
+            if self.job is None:
+                with self.cond:
+                    if self.stopped or not self.pending or not self._fits(self.pending[0]):
+                        return
+                    g = self.pending.popleft()
+                self._move(queued=-1, running=+1)
+                if g.cancel.is_set():
+                    g._begin()
+                    g.finish_reason = "cancelled"
+                    g._end()
+                    self._finish(g)
+                    continue
+                self._bound(g)
+                try:
+                    self.job = self.batch.start(g)
+                except BaseException as e:  # noqa: BLE001 - this request's prefill failed; the batch goes on
+                    self._finish(g, e)
+                    continue
+                self.metrics.prompt_reused.inc(self.job.reused)
+            job = self.job
+            if job.g.cancel.is_set():  # its client went away mid-prefill
+                self.job = None
+                job.g.finish_reason = "cancelled"
+                job.g._end()
+                self._finish(job.g)
                 continue
+            before = job.pos
             try:
-                pieces = self.batch.admit(g)
+                t0 = time.perf_counter()
+                done = job.advance(None if budget == float("inf") else int(budget))
+                if len(self.batch) and job.pos - before == budget:  # a whole chunk beside running sequences
+                    self._timed(job.pos - before, time.perf_counter() - t0)
+                budget -= job.pos - before
+                self.metrics.prompt_prefilled.inc(job.pos - before)
+                if not done:
+                    return
+                self.job = None
+                kv = job.cache.layers
+                self._per = sum(layer.keys.numel() + layer.values.numel() for layer in kv) \
+                    * kv[0].keys.element_size() / job.pos  # bytes per position (a batch of one), before the join
+                pieces = self.batch.finish(job)
             except BaseException as e:  # noqa: BLE001 - this request's prefill failed; the batch goes on
-                self._finish(g, e)
+                self.job = None
+                self._finish(job.g, e)
                 continue
+            g = job.g
             for piece in pieces:
                 g._put("text", piece, len(g.token_scores))
             if g.finish_reason is not None:
@@ -329,6 +460,10 @@ class Decoder:
             self.stopped = True
             self.cond.notify()
         self.worker.join(timeout=30)
+
+
+def _ema(old: float | None, new: float, keep: float = 0.8) -> float:
+    return new if old is None else keep * old + (1 - keep) * new
 
 
 def _deliver(items) -> None:
@@ -498,10 +633,13 @@ def check_api_key(api_key: str | None) -> None:
 
 def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_default: int | None = None,
                torch_threads: int | None = None, max_batch: int = 8, kv_cache_gb: float = 1.0,
-               api_key: str | None = None, trace_dir: str | None = None, trace_rotate_tokens: int = 50_000):
+               api_key: str | None = None, trace_dir: str | None = None, trace_rotate_tokens: int = 50_000,
+               prompt_cache: bool = True, prefill_chunk: int = 256):
     """The ASGI app. `max_tokens_default`: chat requests without max_tokens decode up to this many tokens
     (default: the model's context length less the prompt). `max_batch`: sequences decoded together (1: one at a
-    time); `kv_cache_gb`: the batch's KV cache bound; `api_key`: required as a bearer token on /v1; `trace_dir`:
+    time); `kv_cache_gb`: the bound of the batch's KV cache and the prompt cache together; `prompt_cache`: keep
+    earlier sequences' KV and start each prompt from its longest cached prefix; `prefill_chunk`: prompt tokens per
+    prefill forward between the batch's decode steps; `api_key`: required as a bearer token on /v1; `trace_dir`:
     record the routing of every request into rotating Parquet traces there (`telemetry.live_trace`)."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
@@ -510,9 +648,11 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     check_api_key(api_key)
+    check_kv_cache_gb(kv_cache_gb)
+    check_prefill_chunk(prefill_chunk, context_length(model))
     engine = getattr(model, "expertcache", None)
     metrics = _Metrics(engine)
-    decoder = Decoder(model, metrics, torch_threads, max_batch, kv_cache_gb)
+    decoder = Decoder(model, metrics, torch_threads, max_batch, kv_cache_gb, prompt_cache, prefill_chunk)
     trace = None
     if trace_dir is not None:
         from expertcache.telemetry.live_trace import LiveTrace
@@ -583,6 +723,11 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
         return {"status": "ok", "model": model_name, "scheduling": SCHEDULING, "running": decoder.running,
                 "queued": decoder.queued, "trace": trace.describe() if trace is not None else None,
                 "max_batch": decoder.batch.max_rows if decoder.batch.batchable is not False else 1,
+                "prefill_chunk": decoder.batch.prefill_chunk,
+                "prompt_cache": None if decoder.prefix is None else {
+                    "bytes": decoder.prefix.nbytes, "bound_bytes": decoder.prefix.max_bytes,
+                    "entries": len(decoder.prefix), "hits": decoder.prefix.hits, "misses": decoder.prefix.misses,
+                    "reused_tokens": decoder.prefix.reused_tokens},
                 "engine": engine.describe() if engine is not None else None}
 
     @app.get("/v1/models")

@@ -317,6 +317,10 @@ def load_model(model: str | Path, engine: EngineConfig | None = None, dtype=None
     if plain:
         check_plain(path)
         m = load_causal_lm(path, dtype=parse_dtype(dtype) or "auto").eval()
+        if check_integrity(engine.integrity):  # the engine's per-expert checks, on the whole plain model
+            from expertcache.runtime.storage.weight_checks import check_model
+
+            check_model(m, str(path))
         return m.to(parse_device(engine.device)), tokenizer
     # the one place the checkpoint is opened through the engine (experts stay on `tier`, read by byte range)
     return load(path, dtype=dtype, engine=engine), tokenizer

@@ -128,6 +128,31 @@ def check_weights(named, where: str, off: str = "--engine.integrity off") -> Non
         _refuse(f"tensor {o['tensor']} of {where}", o["max_abs"], o["siblings_q25_max_abs"], off)
 
 
+# what a user says to serve a plain model anyway: the engine, every expert resident, its checks off (the plain path
+# has no engine options of its own)
+PLAIN_OFF = "--engine.capacity 1.0 --engine.integrity off"
+
+
+def check_model(model, where: str, off: str = PLAIN_OFF) -> None:
+    """`check_weights` over a model already in memory (a plain `from_pretrained` model: eval, generate, serve
+    with every expert loaded, #45): each float parameter's max |w| against its siblings, a fused `[E, ...]` experts
+    tensor as E members (one per expert), so one flipped expert stands out among its layer's and the other
+    layers'. One pass over the weights: a fraction of one forward's reads."""
+    import torch
+
+    named = []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.is_meta or not p.is_floating_point():
+                continue
+            if p.ndim == 3 and ".experts." in f".{name}":  # fused experts: [E, out, in] (or [E, in, out])
+                per = p.abs().amax(dim=(1, 2)).float()  # NaN propagates: a NaN expert reads as NaN
+                named.extend((f"{name}.{e}", float(v)) for e, v in enumerate(per.tolist()))
+            else:
+                named.append((name, max_abs(p)))
+    check_weights(named, where, off)
+
+
 class ExpertChecks:
     """The engine's check of one expert source: a reference max |w| per float tensor (and format, for a
     mixed-precision source), and which experts passed (`checked[layer, expert]`), kept for the source's life."""

@@ -158,10 +158,23 @@ class CacheAwareModule(CausalLMModule):
         served = self.served.active if self.served is not None else None
         if self.served is not None:
             self.served.active = False
+        # Inside FSDP's forward (use_orig_params) each parameter is read from a plain tensor view set on its module,
+        # which shadows the registered parameter that functional_call swaps: swapped there instead (else the base
+        # would be the model itself, and the distillation loss 0 with no gradient)
+        views, swap = {}, {}
         try:
-            return torch.func.functional_call(self.model, self._base_routers, (),
-                                              {"input_ids": ids, "use_cache": False}).logits
+            for name, t in self._base_routers.items():
+                owner, _, attr = name.rpartition(".")
+                module = self.model.get_submodule(owner)
+                if attr in module.__dict__:
+                    views[module, attr] = module.__dict__[attr]
+                    module.__dict__[attr] = t
+                else:
+                    swap[name] = t
+            return torch.func.functional_call(self.model, swap, (), {"input_ids": ids, "use_cache": False}).logits
         finally:
+            for (module, attr), v in views.items():
+                module.__dict__[attr] = v
             self._capture = capture
             if self.served is not None:
                 self.served.active = served
