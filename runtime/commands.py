@@ -224,6 +224,13 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
                          "prompt_len >= 1; warmup, accelerate_warmup >= 0")
     if layers is not None and layers < 2:
         raise InputError(f"--layers {layers}: expected at least 2 MoE layers")
+    from expertcache.runtime.bench.bigckpt import big_config
+
+    positions = big_config(2).max_position_embeddings  # the checkpoint's context (the same at every depth)
+    longest = prompt_len + max(warmup + tokens, accelerate_warmup + accelerate_tokens)
+    if longest > positions:  # before the checkpoint (tens of GB) is written, not as a traceback in its first run
+        raise InputError(f"--prompt_len {prompt_len} + warm-up and timed tokens ({longest} positions) exceeds the "
+                         f"checkpoint's context of {positions} positions")
     if trace is not None:  # read before the (large) checkpoint is written, not after
         from expertcache.telemetry.routing import load_routing
 

@@ -163,6 +163,22 @@ def test_bench_big_refuses_an_unknown_routing_before_writing_anything(tmp_path, 
     assert not (tmp_path / "d").exists()
 
 
+def test_bench_big_refuses_a_prompt_beyond_the_checkpoints_context_before_writing_anything(tmp_path, capsys):
+    """#47: a prompt longer than the checkpoint's 4,096 positions is one line before the checkpoint is written; the
+    longest that fits runs past the check (refused later, here, only by its empty systems list)."""
+    from expertcache.recipes.cli import main
+
+    base = ["bench", "big", "--out_dir", str(tmp_path / "d"), "--out", str(tmp_path / "b.json"), "--tokens", "8",
+            "--warmup", "0", "--accelerate_tokens", "8", "--accelerate_warmup", "0"]
+    assert main([*base, "--prompt_len", "4089"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--prompt_len 4089" in err[0] and "4097 positions" in err[0] and "4096" in err[0], err
+    assert not (tmp_path / "d").exists()
+    assert main([*base, "--prompt_len", "4088", "--systems", "[]"]) == 2
+    err = capsys.readouterr().err
+    assert "prompt_len" not in err and "no system to run" in err, err
+
+
 def test_a_memory_cgroup_bounds_a_childs_page_cache(tmp_path):
     """What `bench big` relies on for equal memory: a child in the cgroup reads 3x the limit through mmap and the
     cgroup's peak (its resident memory and page cache) stays at the limit. Needs root and a memory controller."""
