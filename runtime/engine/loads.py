@@ -32,9 +32,9 @@ def fit_budget(budget_gb: float, block_bytes: int, n_layers: int, k: int, e: int
     cap = budget_capacity(budget_gb * 2**30, block_bytes, n_layers, k, e, budget)
     if cap < 1:
         slots = budget_capacity(budget_gb * 2**30, block_bytes, 1, 0, 1 << 62)  # slots it holds
-        raise InputError(f"budget_gb={budget_gb:g} holds {slots} slots of {block_bytes / 2**20:.2f} "
-                         f"MiB; {n_layers} layers need at least {n_layers * (k + 1) if budget == 'layer' else n_layers + k} "
-                         f"(raise --engine.budget_gb, or give --engine.capacity)")
+        least = n_layers * (k + 1) if budget == "layer" else n_layers + k
+        raise InputError(f"budget_gb={budget_gb:g} holds {slots} slots of {block_bytes / 2**20:.2f} MiB; {n_layers} "
+                         f"layers need at least {least} (raise --engine.budget_gb, or give --engine.capacity)")
     return cap
 
 
