@@ -458,7 +458,7 @@ def _logits(m, steps=4):
 def test_engine_kernel_cpu_agrees_with_the_family_forward(saved, fam):
     """Same checkpoint, native vs cpu kernel (experts, attention projections, routers, lm head): logits within 2%
     at every step; the kernel path really ran (its linears are patched while the engine lives, restored after)."""
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
 
     ref_m = load(saved / fam, engine=EngineConfig(capacity=1.0, tier="host", kernel="native"))
     ref = _logits(ref_m)
@@ -494,7 +494,7 @@ def test_the_fused_norms_router_and_attention_change_no_logit(saved):
     """Qwen3-MoE with kernel cpu: its RMSNorms, routers and attention modules take the one-call decode ops
     (`rms_norm`, `route_topk`, `qk_norm_rope`); every decode step's logits equal, bit for bit, those of the same
     engine with those modules on their own forward again."""
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
 
     m = load(saved / "qwen3_moe", engine=EngineConfig(capacity=1.0, tier="host", kernel="cpu"))
     eng = m.expertcache
@@ -542,7 +542,7 @@ def test_left_padded_batched_decode_attends_through_the_padding_mask(saved):
     through `attend_one` with the mask, and the logits equal those of sdpa on the same engine within rounding."""
     from transformers import DynamicCache
 
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
 
     m = load(saved / "qwen3_moe", engine=EngineConfig(capacity=1.0, tier="host", kernel="cpu"))
     eng = m.expertcache
@@ -578,7 +578,7 @@ def test_left_padded_batched_decode_attends_through_the_padding_mask(saved):
 
 @needs_ext
 def test_kernel_cpu_refuses_what_it_cannot_compute_and_auto_falls_back(saved, tmp_path):
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
     from tiny_models import build_model, tiny_config
 
     with pytest.raises(InputError, match="kernel cpu computes bf16 SwiGLU experts"):  # biases, another activation
@@ -662,7 +662,7 @@ def test_a_quantized_checkpoint_decodes_like_its_dequantized_reference(saved, tm
     float block, padding aside."""
     from transformers import AutoModelForCausalLM
 
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
     from tiny_models import build_model, tiny_config
 
     src = tmp_path / "src"  # inputs that are multiples of 64 (the int4 chunk): hidden 64, expert 64
@@ -700,7 +700,7 @@ def test_quantized_linears_decode_like_their_dequantized_reference(saved, tmp_pa
     its experts and in those linears; the model file shrinks by what was packed."""
     from safetensors.torch import load_file
 
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
     from tiny_models import build_model, tiny_config
 
     src = tmp_path / "src"
@@ -818,7 +818,7 @@ def test_a_miss_is_served_from_the_packed_copy_and_hot_experts_are_upgraded(with
     admitted. Never upgraded, every expert is served from the copy, so the model is its dequantized reference (within
     the integer kernels' 5%); upgraded after one serve, hot experts are admitted at full precision in the background
     and later tokens hit them."""
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
 
     src, q = with_int4_copy
     ref = _logits(_dequantized_reference(src, q, 4, 32), steps=6)
@@ -907,7 +907,7 @@ def test_shapes_the_integer_kernels_do_not_take_are_dequantized_or_refused(tmp_p
     """Hidden 32 (not a multiple of 64): `kernel auto` computes the quantized experts dequantized (it used to
     raise the extension's RuntimeError from inside the forward); `kernel cpu` is refused in one line naming the
     sizes, before anything decodes."""
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
     from tiny_models import build_model, tiny_config
 
     src = tmp_path / "src"
