@@ -124,15 +124,17 @@ def test_the_loads_stage_from_its_part_alone_reads_whole_experts_and_counts_them
         assert loads.settle(1, {3}) >= 0 and not loads.pending[1]
         slot = loads.states[1].lookup(3)
         assert bytes(pools[1].slot_bytes(slot)) == raw[meta.offset(1, 3):meta.offset(1, 3) + meta.block_bytes]
-        assert loads.stats.prefetch_loads == 1 and loads.stats.bytes_moved == meta.expert_bytes
-        d = loads.demand(0, [5], [])
+        assert loads.stats.bytes_moved == meta.expert_bytes
+        d = loads.demand(0, [5], [])  # small experts (overlap off): read in this thread
         events = list(d.events())
         assert events == [("started", True), ("staged", {5: d.staged[5]})] and d.transient == []
         assert bytes(pools[0].slot_bytes(d.staged[5])) == raw[meta.offset(0, 5):meta.offset(0, 5) + meta.block_bytes]
-        assert loads.stats.bytes_moved == 2 * meta.expert_bytes and loads.stats.prefetch_loads == 1
+        assert loads.stats.bytes_moved == 2 * meta.expert_bytes
     finally:
         loads.queue.shutdown(wait=True)
         tier.close()
+    # a prefetch is counted by its done-callback in the load thread (after its result is out): once the queue is done
+    assert loads.stats.prefetch_loads == 1 and loads.inflight == 0
 
 
 def test_the_engine_hands_each_stage_only_its_part(store):

@@ -3,50 +3,40 @@ slots on the fast tier, with asynchronous prefetch. `model.generate` (KV cache a
 do the replay, the benchmarks and the server: `run_layer` is the only decode step.
 
 Each MoE layer's `experts` module is replaced by `OffloadedExperts` (the router, attention and everything else
-are untouched). `OffloadEngine` runs three stages per layer, each built from its part of `EngineConfig`, and counts
-the layer's figures in one place (`_count`):
-1. plan (`plan.Plan`, `MissConfig`): the miss policy may substitute experts first (``reroute`` swaps a missing
-   expert for a resident one whose router probability is within τ of it, ``speculative`` runs the prefetched
-   prediction instead of a missing true choice: both lossy, vectorised over tokens, weights re-derived by the
-   family's own rule); then, once the loads are settled, what serves each needed expert: a slot, a victim, or the
-   policy's way for a miss (a demand load, ``host``: computed where its weights live, or a packed copy);
-2. loads (`loads.Loads`, `LoadConfig`): the predictor, given the hidden state entering layer i, names the experts
-   of layer i + d; those not resident are prefetched asynchronously into slots of layer i + d (at most
-   `max_inflight_bytes` in flight; one whose load has not started when its layer runs, and is not needed, is
-   dropped); the misses load into staging slots (and stream slots, for a step that misses more than k);
-3. compute (`experts.Compute`, `ComputeConfig`): the resident experts compute while the misses load, and each miss
-   as soon as its weights arrive (resident first, as mixtral-offloading iterates); waiting counts as stall. Each
-   expert computes with the model's own experts implementation over its slots, and the rows are combined as that
-   implementation combines them (a sum over k, or eager's index_add in expert order): with ``kernel="native"``
-   greedy tokens are bit-identical to plain `model.generate`. By default (``auto``) the AVX-512 kernels of
-   `cpu_kernels` compute bf16 SwiGLU experts on CPU instead (and the decode-sized linears too): equal up to
-   rounding, several times faster. Experts of an `expertcache quantize` checkpoint always compute with the integer
-   kernels (`quant.swiglu`);
-then the cache policy decides what stays (`cache.CacheState`).
+are untouched). `OffloadEngine` runs three stages per layer, each built from its part of `EngineConfig`
+(`EngineConfig.parts`), and counts the step's figures in one place (`_count`):
+1. plan (`plan.Plan`): the miss policy's substitutions (``reroute``, ``speculative``: lossy, vectorised over
+   tokens, weights re-derived by the family's own rule), then what serves each needed expert (a slot, a victim, or
+   the policy's way for a miss: a demand load, ``host``'s compute where the weights live, a packed copy);
+2. loads (`loads.Loads`): prefetch for the layers ahead (the predictor, gated by `PrefetchGuard`), this layer's
+   prefetches settled, the misses loading into staging (and stream) slots over one `LoadQueue`;
+3. compute (`experts.Compute`): resident experts while the misses load, each miss as its weights arrive (resident
+   first, as mixtral-offloading iterates), rows combined as the family's implementation combines them: with
+   ``kernel="native"`` greedy tokens are bit-identical to plain `model.generate`; by default (``auto``) the AVX-512
+   kernels of `cpu_kernels` compute bf16 SwiGLU experts (and the decode-sized linears) on CPU, equal up to rounding;
+then the cache policy decides what stays (`cache.CacheState`, through `layer_view.LayerView`).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from expertcache.telemetry.cache import CacheState
 from expertcache.telemetry.errors import InputError
 
 from expertcache.runtime.kernels import cpu_kernels, fast_step, patches, quant
 from expertcache.runtime.storage.checkpoint import StoreExperts
-from expertcache.runtime.engine.layer_view import LayerView
+from expertcache.runtime.engine.layer_view import cache_views, keep_policy
 from expertcache.runtime.engine.predictors import Predictor
 from expertcache.runtime.storage.store import check_store, read_store_meta
-from expertcache.runtime.storage.tiers import SlotPool, choose_tier, make_tier, tier_host_bytes
+from expertcache.runtime.storage.tiers import SlotPool, make_tier, tier_host_bytes
 
-from expertcache.runtime.engine.config import ENGINE_POLICIES, OVERLAP_MIN_BYTES, EngineConfig
+from expertcache.runtime.engine.config import OVERLAP_MIN_BYTES, EngineConfig
 from expertcache.runtime.engine.experts import Compute, OffloadedExperts, _check_cpu_kernel
-from expertcache.runtime.engine.loads import Loads, check_fits, fit_budget
+from expertcache.runtime.engine.loads import Loads, check_fits, fit_budget, resolve_tier
 from expertcache.runtime.engine.plan import Plan
 from expertcache.runtime.engine.stats import Stats
 
@@ -83,14 +73,7 @@ class OffloadEngine:
                                                                              n_l, k, e, cfg.budget)
         n_slots = self.capacity + k if cfg.budget == "layer" else self.capacity * n_l + k
         self.fast_bytes = n_slots * self.meta.block_bytes * (n_l if cfg.budget == "layer" else 1)
-        self.tier_choice = None
-        if cfg.tier == "auto":
-            chosen, self.tier_choice = (tier.name, "auto: the tier given") if tier is not None else \
-                choose_tier(self.meta, self.fast_bytes, cfg.workers)
-            cfg = replace(cfg, tier=chosen if chosen in ("disk", "host") else "host")
-            if cfg.miss == "host" and cfg.tier != "host":
-                raise InputError(f"miss policy host computes experts where they live, in RAM; {self.tier_choice} "
-                                 f"(give --engine.tier host to insist)")
+        cfg, self.tier_choice = resolve_tier(cfg, self.meta, self.fast_bytes, tier)
         self.cfg, parts, fast = cfg, cfg.parts, cfg.slot_device
         self.host_bytes = 0 if tier is not None else tier_host_bytes(cfg.tier, self.meta, cfg.workers)
         check_fits(self.capacity, k, n_l, fast, self.fast_bytes, self.host_bytes, cfg.tier)
@@ -99,18 +82,7 @@ class OffloadEngine:
         self.low_tier = make_tier(cfg.tier, quant.copy_source(cfg.miss_copy, self.meta), fast) \
             if cfg.miss_precision else None
         self.predictor = predictor or Predictor()
-        policy = ENGINE_POLICIES.parse(cfg.policy)
-        self.cache_policy = policy.name
-        if policy.name == "learned":  # a learned eviction policy (`expertcache fit-policy`): lossless
-            from expertcache.telemetry.learned_policy import LearnedPolicy
-
-            if keep_scores is None:
-                keep_scores = LearnedPolicy.load(policy.arg, num_experts=e, top_k=k, num_layers=n_l)
-            self.cache_policy = "scored"
-        self.keep_scores = keep_scores
-        if self.cache_policy == "scored" and keep_scores is None:
-            raise InputError("policy scored needs keep scores (the Temporal router of a cache-aware checkpoint, "
-                             "or a learned policy file)")
+        self.cache_policy, self.keep_scores = keep_policy(cfg.policy, keep_scores, e, k, n_l)
         self.pinned = pinned or {}
         self.decode_rows: int | None = None  # set by the decode loop (decode.Batch) during a batched decode step
         self.pools, self.modules = [], []
@@ -144,7 +116,7 @@ class OffloadEngine:
             self._attention = patches.patch_attention(model)  # one-token attention over the KV cache
             if os.environ.get("EXPERTCACHE_NO_FAST_STEP") != "1":  # a decode step in one function (Qwen3-MoE)
                 self._step = fast_step.patch_decode_step(model)
-        self._load_resident()
+        self.loads.preload(self.capacity)
         self._hooks = [L.router.register_forward_hook(self._keep_logits(i)) for i, L in enumerate(self.layers)]
         self._fwd_t0: list[float] = []  # the model's forward, timed (nested calls counted once)
         self._hooks += [model.register_forward_pre_hook(self._forward_start),
@@ -245,38 +217,16 @@ class OffloadEngine:
         self._new_states()
         if hasattr(self.keep_scores, "reset"):
             self.keep_scores.reset()
-        self._load_resident()
+        self.loads.preload(self.capacity)
         self.reset_stats()
         if failed is not None:  # raised once, the engine already clean and cold
             raise failed
 
     def _new_states(self) -> None:
-        """Empty caches: one state per layer, or one over `layer * E + expert` keys behind every layer's view."""
-        e, k, n_l, c = self.adapter.num_experts, self.adapter.top_k, len(self.layers), self.capacity
-        if self.cfg.budget == "layer":
-            # victims only where the engine serves them: under miss=host or a packed miss copy, a prefetch (an
-            # upgrade) that kept the expert it evicts as a victim would make `prefetch` skip that expert for good
-            self.states = [LayerView(CacheState(c, k, self.cache_policy, self.pinned.get(i),
-                                                victims=self.victims_on())) for i in range(n_l)]
-        else:
-            pins = [i * e + x for i in range(n_l) for x in self.pinned.get(i, [])[:c]] if self.pinned else None
-            shared = CacheState(c * n_l, k, self.cache_policy, pins)
-            self.states = [LayerView(shared, i * e, e * n_l) for i in range(n_l)]
+        """Empty caches (`layer_view.cache_views`), handed to the stages that read and fill them."""
+        self.states = cache_views(self.cfg.parts.cache, self.capacity, self.adapter.num_experts, self.adapter.top_k,
+                                  len(self.layers), self.cache_policy, self.pinned, self.victims_on())
         self.loads.states = self.plan.states = self.states
-
-    def _load_resident(self) -> None:
-        """Static pins are resident from the start; a cache as large as the layer holds every expert from the start
-        (the all-resident configuration)."""
-        e = self.adapter.num_experts
-        for state in {id(v.state): v.state for v in self.states}.values():
-            for key, slot in state.res.items():
-                pos = key // e if self.cfg.budget == "global" else next(
-                    i for i, v in enumerate(self.states) if v.state is state)
-                self.loads.resident(pos, key % e, slot)
-        if self.capacity >= e:
-            for pos, st in enumerate(self.states):
-                for x in range(e):
-                    self.loads.resident(pos, x, st.prefetch_slot(x, set()))
 
     def describe(self) -> dict:
         cfg, spool = self.cfg, self.loads.spool

@@ -12,13 +12,14 @@ import functools
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, wait
+from dataclasses import replace
 
 import torch
 
 from expertcache.telemetry.errors import InputError
 
 from expertcache.runtime.storage.loadqueue import LoadQueue
-from expertcache.runtime.storage.tiers import SlotPool, available_memory
+from expertcache.runtime.storage.tiers import SlotPool, available_memory, choose_tier
 from expertcache.runtime.storage.weight_checks import expert_checks
 
 from expertcache.runtime.engine.config import STREAM_SLOTS_PER_K, LoadConfig
@@ -36,6 +37,20 @@ def fit_budget(budget_gb: float, block_bytes: int, n_layers: int, k: int, e: int
         raise InputError(f"budget_gb={budget_gb:g} holds {slots} slots of {block_bytes / 2**20:.2f} MiB; {n_layers} "
                          f"layers need at least {least} (raise --engine.budget_gb, or give --engine.capacity)")
     return cap
+
+
+def resolve_tier(cfg, meta, fast_bytes: int, tier=None):
+    """`(cfg, why)`: an `EngineConfig` whose tier `auto` is resolved (host when a RAM copy of every expert fits,
+    else disk; `tier`: an already opened tier to reuse), and why (None when the tier was given)."""
+    if cfg.tier != "auto":
+        return cfg, None
+    chosen, why = (tier.name, "auto: the tier given") if tier is not None else \
+        choose_tier(meta, fast_bytes, cfg.workers)
+    cfg = replace(cfg, tier=chosen if chosen in ("disk", "host") else "host")
+    if cfg.miss == "host" and cfg.tier != "host":
+        raise InputError(f"miss policy host computes experts where they live, in RAM; {why} "
+                         f"(give --engine.tier host to insist)")
+    return cfg, why
 
 
 def check_fits(capacity: int, k: int, n_layers: int, fast: str, fast_bytes: int, host_bytes: int, tier: str) -> None:
@@ -152,6 +167,20 @@ class Loads:
         """A read at start (static pins, an all-resident cache): not counted, checked."""
         self.tier.read(pos, expert, self.pools[pos], slot)
         self.check(self.tier, pos, expert, self.pools[pos], slot)
+
+    def preload(self, capacity: int) -> None:
+        """Static pins are resident from the start; a cache as large as the layer holds every expert from the start
+        (the all-resident configuration)."""
+        e = self.num_experts
+        for state in {id(v.state): v.state for v in self.states}.values():
+            for key, slot in state.res.items():
+                pos = key // e if self.states[0].num_keys is not None else next(
+                    i for i, v in enumerate(self.states) if v.state is state)
+                self.resident(pos, key % e, slot)
+        if capacity >= e:
+            for pos, st in enumerate(self.states):
+                for x in range(e):
+                    self.resident(pos, x, st.prefetch_slot(x, set()))
 
     def stream_pool(self) -> SlotPool:
         """The stream slots (STREAM_SLOTS_PER_K x k, at most E), allocated on first use: a step that misses more
