@@ -56,7 +56,7 @@ def main() -> None:
                                                             hidden_size=m.config.hidden_size)
         eng = reattach(m, replace(base, predictor="none" if pred is None else a.predictor), predictor=pred)
         if pred is not None:
-            eng.guard = PrefetchGuard(base.prefetch_guard, shadow_every=int(n.split("=")[1]))
+            eng.loads.guard = PrefetchGuard(base.prefetch_guard, shadow_every=int(n.split("=")[1]))
             if n.startswith("held:"):
                 eng.guard.first = 10**9
         t = []

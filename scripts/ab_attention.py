@@ -30,11 +30,11 @@ def main() -> None:
     import torch
 
     from expertcache.runtime.kernels import cpu_kernels as ck, patches
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
     from expertcache.runtime.serve.generate import timed_greedy
 
     torch.set_num_threads(a.threads)
-    m = load(a.model, capacity=1.0, tier="host", kernel="cpu", verify=False)
+    m = load(a.model, verify=False, engine=EngineConfig(capacity=1.0, tier="host", kernel="cpu"))
     cfgs = m.expertcache._attention
     if not cfgs:
         raise SystemExit("ab_attention: the engine did not switch this model's attention (no CPU kernels, or not "

@@ -116,11 +116,11 @@ def worker(model: str, threads: int, tokens: int, reps: int, depth: int = 0) -> 
     """One process: load, warm up, time greedy decode `reps` times (fresh prompts of max(8, depth) tokens)."""
     import torch
 
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
 
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    m = load(model, capacity=1.0, tier="host", kernel="cpu", verify=False)
+    m = load(model, verify=False, engine=EngineConfig(capacity=1.0, tier="host", kernel="cpu"))
     load_s = time.perf_counter() - t0
 
     from expertcache.runtime.serve.generate import timed_greedy

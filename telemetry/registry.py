@@ -1,5 +1,5 @@
 """The one registry of names a user gives: cache policies (`telemetry/cache.py`), miss policies
-(`runtime/engine/engine.py`), predictors (`runtime/engine/predictors.py`) and tiers (`runtime/storage/tiers.py`) are each one `Registry`
+(`runtime/engine/plan.py`), predictors (`runtime/engine/predictors.py`) and tiers (`runtime/storage/tiers.py`) are each one `Registry`
 defined next to their implementations, modelled on lm-eval's registry. Each name is registered once; a check, a
 listing and a construction all read it, and an unknown name gets the one error that lists what exists:
 

@@ -458,12 +458,12 @@ def _logits(m, steps=4):
 def test_engine_kernel_cpu_agrees_with_the_family_forward(saved, fam):
     """Same checkpoint, native vs cpu kernel (experts, attention projections, routers, lm head): logits within 2%
     at every step; the kernel path really ran (its linears are patched while the engine lives, restored after)."""
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
 
-    ref_m = load(saved / fam, capacity=1.0, tier="host", kernel="native")
+    ref_m = load(saved / fam, engine=EngineConfig(capacity=1.0, tier="host", kernel="native"))
     ref = _logits(ref_m)
     ref_m.expertcache.close()
-    m = load(saved / fam, capacity=1.0, tier="host", kernel="cpu")
+    m = load(saved / fam, engine=EngineConfig(capacity=1.0, tier="host", kernel="cpu"))
     eng = m.expertcache
     assert eng._linears and all(mod.fast_kernel(torch.zeros(1, 1, dtype=torch.bfloat16)) for mod in eng.modules)
     assert m.config._attn_implementation == patches.ATTENTION  # the decode steps' attention: attend_one
@@ -480,8 +480,8 @@ def test_engine_kernel_cpu_agrees_with_the_family_forward(saved, fam):
     assert m.config._attn_implementation == "sdpa"
     # with misses: a step's resident experts and victims in one call, each load in its own as it lands (overlap,
     # as for experts >= 1 MiB), their sums added in fp32
-    m = load(saved / fam, capacity=0.25, tier="disk", kernel="cpu")
-    m.expertcache.overlap = True
+    m = load(saved / fam, engine=EngineConfig(capacity=0.25, tier="disk", kernel="cpu"))
+    m.expertcache.loads.overlap = True
     got = _logits(m)
     s = m.expertcache.stats
     assert s.demand_loads > 0 and s.hits > 0 and s.victim_hits > 0
@@ -494,9 +494,9 @@ def test_the_fused_norms_router_and_attention_change_no_logit(saved):
     """Qwen3-MoE with kernel cpu: its RMSNorms, routers and attention modules take the one-call decode ops
     (`rms_norm`, `route_topk`, `qk_norm_rope`); every decode step's logits equal, bit for bit, those of the same
     engine with those modules on their own forward again."""
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
 
-    m = load(saved / "qwen3_moe", capacity=1.0, tier="host", kernel="cpu")
+    m = load(saved / "qwen3_moe", engine=EngineConfig(capacity=1.0, tier="host", kernel="cpu"))
     eng = m.expertcache
     kinds = [type(mod).__name__ for mod in eng._linears if type(mod) is not torch.nn.Linear]
     n_l = m.config.num_hidden_layers
@@ -542,9 +542,9 @@ def test_left_padded_batched_decode_attends_through_the_padding_mask(saved):
     through `attend_one` with the mask, and the logits equal those of sdpa on the same engine within rounding."""
     from transformers import DynamicCache
 
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
 
-    m = load(saved / "qwen3_moe", capacity=1.0, tier="host", kernel="cpu")
+    m = load(saved / "qwen3_moe", engine=EngineConfig(capacity=1.0, tier="host", kernel="cpu"))
     eng = m.expertcache
     ids = torch.tensor([[0, 0, 0, 5, 9, 33], [7, 12, 71, 100, 2, 8]])
     mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
@@ -578,16 +578,16 @@ def test_left_padded_batched_decode_attends_through_the_padding_mask(saved):
 
 @needs_ext
 def test_kernel_cpu_refuses_what_it_cannot_compute_and_auto_falls_back(saved, tmp_path):
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
     from tiny_models import build_model, tiny_config
 
     with pytest.raises(InputError, match="kernel cpu computes bf16 SwiGLU experts"):  # biases, another activation
-        load(saved / "gpt_oss", capacity=1.0, tier="host", kernel="cpu")
+        load(saved / "gpt_oss", engine=EngineConfig(capacity=1.0, tier="host", kernel="cpu"))
     build_model(tiny_config("qwen3_moe"), seed=5, dtype=torch.float32).save_pretrained(tmp_path / "f32")
     with pytest.raises(InputError, match="in torch.float32"):
-        load(tmp_path / "f32", capacity=1.0, tier="host", kernel="cpu")
-    a = load(tmp_path / "f32", capacity=1.0, tier="host", kernel="auto")
-    n = load(tmp_path / "f32", capacity=1.0, tier="host", kernel="native")
+        load(tmp_path / "f32", engine=EngineConfig(capacity=1.0, tier="host", kernel="cpu"))
+    a = load(tmp_path / "f32", engine=EngineConfig(capacity=1.0, tier="host", kernel="auto"))
+    n = load(tmp_path / "f32", engine=EngineConfig(capacity=1.0, tier="host", kernel="native"))
     assert torch.equal(_logits(a), _logits(n))  # auto where it does not apply is the native path, bit for bit
 
 
@@ -662,7 +662,7 @@ def test_a_quantized_checkpoint_decodes_like_its_dequantized_reference(saved, tm
     float block, padding aside."""
     from transformers import AutoModelForCausalLM
 
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
     from tiny_models import build_model, tiny_config
 
     src = tmp_path / "src"  # inputs that are multiples of 64 (the int4 chunk): hidden 64, expert 64
@@ -674,7 +674,7 @@ def test_a_quantized_checkpoint_decodes_like_its_dequantized_reference(saved, tm
     assert all(0 < e < (0.02 if bits == 8 else 0.15) for v in rep["relative_error"].values() for e in v)
     assert json.loads((q / "config.json").read_text())["quantization_config"]["symmetric"] == (bits == 8 or sym)
     ref = _logits(_dequantized_reference(src, q, bits, 32))
-    m = load(q, capacity=0.5, tier="disk", kernel="auto")
+    m = load(q, engine=EngineConfig(capacity=0.5, tier="disk", kernel="auto"))
     eng = m.expertcache
     assert eng.modules[0].quant == (bits, 32)
     assert {t.name for t in eng.meta.tensors} >= {"gate_up_proj.q", "down_proj.scales"}
@@ -700,7 +700,7 @@ def test_quantized_linears_decode_like_their_dequantized_reference(saved, tmp_pa
     its experts and in those linears; the model file shrinks by what was packed."""
     from safetensors.torch import load_file
 
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
     from tiny_models import build_model, tiny_config
 
     src = tmp_path / "src"
@@ -720,7 +720,7 @@ def test_quantized_linears_decode_like_their_dequantized_reference(saved, tmp_pa
         t = {part: tensors[f"{ck}_{part}"] for part in ("q", "scales", "mins") if f"{ck}_{part}" in tensors}
         assert f"{ck}" not in tensors  # the float weight is gone: only its packed form is stored
         ref.get_submodule(name).weight.data.copy_(quant.dequantize(t, bits, 32))
-    m = load(q, capacity=1.0, tier="host", kernel="auto")
+    m = load(q, engine=EngineConfig(capacity=1.0, tier="host", kernel="auto"))
     for name in lin["modules"]:
         assert isinstance(m.get_submodule(name), qlinear.QuantLinear)
         assert hasattr(m.get_submodule(name), "weight_mins") == (bits == 4 and not sym)
@@ -818,11 +818,12 @@ def test_a_miss_is_served_from_the_packed_copy_and_hot_experts_are_upgraded(with
     admitted. Never upgraded, every expert is served from the copy, so the model is its dequantized reference (within
     the integer kernels' 5%); upgraded after one serve, hot experts are admitted at full precision in the background
     and later tokens hit them."""
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
 
     src, q = with_int4_copy
     ref = _logits(_dequantized_reference(src, q, 4, 32), steps=6)
-    m = load(src, capacity=0.5, tier="disk", miss_precision=4, miss_copy=str(q), miss_upgrade=10**6)
+    m = load(src, engine=EngineConfig(capacity=0.5, tier="disk", miss_precision=4, miss_copy=str(q),
+                                      miss_upgrade=10**6))
     eng = m.expertcache
     got = _logits(m, steps=6)
     st, low_bytes = eng.stats, eng.low_tier.meta.expert_bytes
@@ -831,10 +832,10 @@ def test_a_miss_is_served_from_the_packed_copy_and_hot_experts_are_upgraded(with
     assert st.hits == 0 and st.demand_loads == 0 and st.upgrade_loads == 0 and st.lowbit_served > 0
     assert st.lowbit_bytes == st.bytes_moved == st.lowbit_served * low_bytes  # packed bytes, and only those
     assert low_bytes < 0.35 * eng.meta.expert_bytes
-    m = load(src, capacity=0.5, tier="disk", miss_precision=4, miss_copy=str(q), miss_upgrade=1)
+    m = load(src, engine=EngineConfig(capacity=0.5, tier="disk", miss_precision=4, miss_copy=str(q), miss_upgrade=1))
     eng = m.expertcache
     _logits(m, steps=6)
-    st, pending = eng.stats, sum(len(u) for u in eng.upgrading)  # upgrades are counted when their layer next runs
+    st, pending = eng.stats, sum(len(u) for u in eng.loads.upgrading)  # upgrades counted when their layer next runs
     eng.close()
     assert st.upgrade_loads > 0 and st.hits > 0  # upgraded experts came back at full precision and hit
     full, eb = st.bytes_moved - st.lowbit_bytes, eng.meta.expert_bytes
@@ -862,7 +863,8 @@ def test_miss_precision_refuses_what_it_cannot_serve_in_one_line(with_int4_copy,
                             num_hidden_layers=3), seed=7, dtype=torch.bfloat16).save_pretrained(other)
     quant_write.write_quantized(other, tmp_path / "other-q4", 4, 32)
     with pytest.raises(InputError, match="has 3 layers x .* experts; the model has 2 x .*: it is not a copy"):
-        load(src, capacity=0.5, tier="disk", miss_precision=4, miss_copy=str(tmp_path / "other-q4"))
+        load(src, engine=EngineConfig(capacity=0.5, tier="disk", miss_precision=4,
+                                      miss_copy=str(tmp_path / "other-q4")))
 
 
 def test_quantize_refuses_what_it_cannot_write_in_one_line(saved, tmp_path, capsys):
@@ -905,7 +907,7 @@ def test_shapes_the_integer_kernels_do_not_take_are_dequantized_or_refused(tmp_p
     """Hidden 32 (not a multiple of 64): `kernel auto` computes the quantized experts dequantized (it used to
     raise the extension's RuntimeError from inside the forward); `kernel cpu` is refused in one line naming the
     sizes, before anything decodes."""
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
     from tiny_models import build_model, tiny_config
 
     src = tmp_path / "src"
@@ -913,12 +915,12 @@ def test_shapes_the_integer_kernels_do_not_take_are_dequantized_or_refused(tmp_p
     q = tmp_path / "q"
     quant_write.write_quantized(src, q, 8, 32)
     ref = _logits(_dequantized_reference(src, q, 8, 32))
-    m = load(q, capacity=0.5, tier="disk", kernel="auto")
+    m = load(q, engine=EngineConfig(capacity=0.5, tier="disk", kernel="auto"))
     assert not quant.kernel_fits(m.expertcache.modules[0]._views)
     assert _rel(_logits(m), ref) < 5e-2
     m.expertcache.close()
     with pytest.raises(InputError, match="multiples of 64 and of the group size .32.; this model's are 32 and 32"):
-        load(q, capacity=0.5, tier="disk", kernel="cpu")
+        load(q, engine=EngineConfig(capacity=0.5, tier="disk", kernel="cpu"))
 
 
 @needs_ext

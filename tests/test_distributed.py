@@ -56,7 +56,7 @@ def _loads_and_evaluates(model_dir) -> None:
     load it; a forward gives a finite loss, and the two give the same logits."""
     from transformers import AutoModelForCausalLM
 
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
     from expertcache.trainer.aux_routers import load_aux_routers
 
     plain = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -66,7 +66,7 @@ def _loads_and_evaluates(model_dir) -> None:
     assert math.isfinite(float(out.loss)) and float(out.loss) > 0
     aux = load_aux_routers(model_dir, plain)  # the Temporal/Spatio routers trained beside it
     assert aux.cfg.temporal and aux.cfg.spatio
-    served = load(model_dir, capacity=0.25, tier="host", kernel="native")
+    served = load(model_dir, engine=EngineConfig(capacity=0.25, tier="host", kernel="native"))
     try:
         with torch.no_grad():
             got = served(input_ids=ids).logits

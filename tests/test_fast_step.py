@@ -73,9 +73,9 @@ def qwen_int4(family_checkpoints, tmp_path_factory):
 def test_the_step_function_gives_the_module_trees_logits_bit_for_bit(qwen, qwen_int4, which):
     """One row, then two rows without padding: every decode step goes through the step function, and its logits
     equal, bit for bit, those of the model's own forward over the same patched modules."""
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
 
-    m = load(qwen if which == "bf16" else qwen_int4, capacity=1.0, tier="host", kernel="cpu")
+    m = load(qwen if which == "bf16" else qwen_int4, engine=EngineConfig(capacity=1.0, tier="host", kernel="cpu"))
     assert m.__dict__.get("_ec_step") is not None and m.expertcache._step == [m]
     if which == "int4":
         assert isinstance(m.model.layers[0].self_attn.q_proj, qlinear.QuantLinear)
@@ -95,12 +95,12 @@ def test_the_step_function_gives_the_module_trees_logits_bit_for_bit(qwen, qwen_
 def test_left_padded_rows_decode_through_the_step_with_their_mask_and_positions(qwen):
     """The decode loop's batch (`decode.Batch`): two prompts of different lengths, left-padded, decoded together,
     each at its own positions under the padding mask: the same tokens and logits, bit for bit, as the module tree."""
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
     from expertcache.runtime.serve.decode import Batch
     from expertcache.runtime.serve.generate import Generation
     from expertcache.runtime.serve.request import SamplingParams
 
-    m = load(qwen, capacity=1.0, tier="host", kernel="cpu")
+    m = load(qwen, engine=EngineConfig(capacity=1.0, tier="host", kernel="cpu"))
 
     def run():
         gens = [Generation(m, None, p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3))
@@ -130,9 +130,9 @@ def test_calls_the_step_does_not_take_go_to_the_models_own_forward(qwen):
     """A hook on a module the step does not call (a decoder layer), hidden states asked for, or the attention
     switched back to sdpa: the model's own forward runs (the hook fires each step) and the logits are unchanged.
     Hooks on the routers (telemetry, forced routing) stay on the step: it calls the MoE blocks as modules."""
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
 
-    m = load(qwen, capacity=1.0, tier="host", kernel="cpu")
+    m = load(qwen, engine=EngineConfig(capacity=1.0, tier="host", kernel="cpu"))
     ids, steps = torch.tensor([[5, 9, 33, 2]]), torch.tensor([[3, 14, 15]])
     want, taken = _steps(m, ids, steps)
     assert taken == 3
@@ -158,10 +158,10 @@ def test_calls_the_step_does_not_take_go_to_the_models_own_forward(qwen):
 @needs_ext
 def test_only_qwen3_moe_on_the_kernels_takes_the_step(family_checkpoints):
     """Other families, and Qwen3-MoE on the torch path (kernel native), keep the model's own forward."""
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
 
     for fam, kernel in (("mixtral", "cpu"), ("qwen3_moe", "native")):
-        m = load(family_checkpoints / fam, capacity=1.0, tier="host", kernel=kernel)
+        m = load(family_checkpoints / fam, engine=EngineConfig(capacity=1.0, tier="host", kernel=kernel))
         assert "forward" not in m.__dict__ and m.expertcache._step == [], (fam, kernel)
         assert fast_step.patch_decode_step(m) == []
         m.expertcache.close()
@@ -174,9 +174,9 @@ def test_generate_sees_the_models_own_signature_and_decodes_a_padded_batch_the_s
     the step off."""
     import inspect
 
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
 
-    m = load(qwen, capacity=1.0, tier="host", kernel="cpu")
+    m = load(qwen, engine=EngineConfig(capacity=1.0, tier="host", kernel="cpu"))
     params = inspect.signature(m.forward).parameters
     assert list(params) == list(inspect.signature(type(m).forward).parameters)[1:]  # (less `self`)
     assert {"position_ids", "attention_mask", "logits_to_keep"} <= set(params)
@@ -195,9 +195,9 @@ def test_generate_sees_the_models_own_signature_and_decodes_a_padded_batch_the_s
 def test_a_module_replaced_or_a_tuple_asked_for_goes_to_the_models_own_forward(qwen):
     """A projection replaced after the engine attached (as an adapter library would), `return_dict=False` and a
     tensor `logits_to_keep`: the model's own forward runs, no error."""
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
 
-    m = load(qwen, capacity=1.0, tier="host", kernel="cpu")
+    m = load(qwen, engine=EngineConfig(capacity=1.0, tier="host", kernel="cpu"))
     ids, steps = torch.tensor([[5, 9, 33, 2]]), torch.tensor([[3, 14]])
     want, taken = _steps(m, ids, steps)
     assert taken == 2
@@ -229,14 +229,14 @@ def test_the_kv_cache_grows_in_place_and_decodes_as_the_module_tree(qwen, monkey
     step): over growths of the buffer, rows leaving a batch mid-way (their cache rows dropped) and a step through
     the model's own forward in between (a hook), every token and logprob equals the module tree's, and the cache
     the caller holds has the same keys and values."""
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
     from expertcache.runtime.serve.decode import Batch
     from expertcache.runtime.serve.generate import Generation
     from expertcache.runtime.serve.request import SamplingParams
 
     monkeypatch.setattr(fast_step, "KV_SPARE", 3)  # a growth every few steps
     monkeypatch.setattr(fast_step, "KV_BUFFER_FROM", 9)  # (the longest prompt is 7: concatenated, then buffered)
-    m = load(qwen, capacity=1.0, tier="host", kernel="cpu")
+    m = load(qwen, engine=EngineConfig(capacity=1.0, tier="host", kernel="cpu"))
 
     def run(hook_at=None):
         gens = [Generation(m, None, p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2))
@@ -282,10 +282,10 @@ def test_a_kv_buffer_goes_with_its_views_and_budgets_count_its_room(qwen, monkey
 
     from transformers import DynamicCache
 
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
 
     monkeypatch.setattr(fast_step, "KV_BUFFER_FROM", 4)
-    m = load(qwen, capacity=1.0, tier="host", kernel="cpu")
+    m = load(qwen, engine=EngineConfig(capacity=1.0, tier="host", kernel="cpu"))
     with torch.no_grad():
         cache = DynamicCache(config=m.config)
         m(input_ids=torch.tensor([[5, 9, 33, 2, 71]]), past_key_values=cache, use_cache=True)

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from expertcache.runtime import load
+from expertcache.runtime import EngineConfig, load
 from expertcache.runtime.storage.checkpoint import CHECKSUM_INDEX, StoreExperts, expert_order
 from expertcache.runtime.storage.loader import expert_source
 from expertcache.runtime.storage.store import read_store_meta, write_store
@@ -112,7 +112,7 @@ def test_verify_indexes_a_checkpoint_then_finds_a_flipped_byte_and_load_refuses_
         load(ckpt, capacity=8, tier="host")
     # the disk tier refuses it when it is read, and reads the others (the weight checks off: their sample at start
     # would read it first)
-    m = load(ckpt, capacity=2, tier="disk", integrity="off")
+    m = load(ckpt, engine=EngineConfig(capacity=2, tier="disk", integrity="off"))
     eng = m.expertcache
     pool = SlotPool(eng.meta, 1)
     try:
@@ -122,7 +122,7 @@ def test_verify_indexes_a_checkpoint_then_finds_a_flipped_byte_and_load_refuses_
     finally:
         eng.close()
     # opted out of both checks: loads as is
-    load(ckpt, capacity=8, tier="host", verify=False, integrity="off").expertcache.close()
+    load(ckpt, verify=False, engine=EngineConfig(capacity=8, tier="host", integrity="off")).expertcache.close()
 
 
 def test_an_in_place_edit_after_verify_is_damage_not_a_new_reference(ckpt, capsys):

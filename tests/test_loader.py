@@ -40,7 +40,8 @@ def saved(family_checkpoints):
 def test_lossless_from_saved_checkpoints_in_their_dtype(saved, fam):
     d, ref = saved[fam]
     for tier, cap in (("disk", 2), ("host", 3)):
-        m = load(d, capacity=cap, tier=tier, kernel="native")  # the default (auto) is equal up to rounding only
+        # kernel native: the default (auto) is equal up to rounding only
+        m = load(d, engine=EngineConfig(capacity=cap, tier=tier, kernel="native"))
         eng = m.expertcache
         assert eng.meta.tensors[0].dtype == "bfloat16" and next(m.parameters()).dtype == torch.bfloat16
         assert torch.equal(_greedy(m), ref), (fam, tier)
@@ -58,7 +59,8 @@ def test_both_layouts_read_the_same_experts(saved, tmp_path):
     assert any(k.endswith("experts.gate_up_proj") for k in sd)
     os.remove(fused / "model.safetensors")
     save_file(sd, str(fused / "model.safetensors"), metadata={"format": "pt"})
-    a, b = load(d, capacity=8, tier="host", kernel="native"), load(fused, capacity=8, tier="host", kernel="native")
+    cfg = EngineConfig(capacity=8, tier="host", kernel="native")
+    a, b = load(d, engine=cfg), load(fused, engine=cfg)
     for pa, pb in zip(a.expertcache.pools, b.expertcache.pools):
         assert torch.equal(pa.views["gate_up_proj"], pb.views["gate_up_proj"])
         assert torch.equal(pa.views["down_proj"], pb.views["down_proj"])
@@ -96,12 +98,13 @@ def test_a_failed_read_surfaces(saved, tmp_path):
 
 def test_deepseek_reroute_weights_follow_its_own_rule(saved):
     d, _ = saved["deepseek_v3"]
-    m = load(d, capacity=3, tier="host", miss="reroute", tau=1.0)
+    m = load(d, engine=EngineConfig(capacity=3, tier="host", miss="reroute", tau=1.0))
     eng = m.expertcache
     seen = []
     run = eng.run_layer
-    eng.run_layer = lambda mod, h, idx, w: (seen.append((eng._router_logits[mod.pos].clone(),
-                                                         eng._reroute(mod.pos, idx, w), idx)), run(mod, h, idx, w))[1]
+    eng.run_layer = lambda mod, h, idx, w: (seen.append((eng.plan.logits[mod.pos].clone(),
+                                                         eng.plan.reroute(mod.pos, idx, w)[:2], idx)),
+                                            run(mod, h, idx, w))[1]
     _greedy(m, 6)
     cfg = m.config
     changed = 0
@@ -140,16 +143,16 @@ def test_bad_checkpoints_are_one_line_errors(saved, tmp_path, monkeypatch, capsy
         load(trunc)
     with pytest.raises(InputError, match="capacity 0: a fraction of E"):
         load(d, capacity=0)
-    import expertcache.runtime.engine.engine as engine_mod
+    import expertcache.runtime.engine.loads as loads_mod
 
-    monkeypatch.setattr(engine_mod, "available_memory", lambda: 1 << 16)  # less than one layer's k experts
+    monkeypatch.setattr(loads_mod, "available_memory", lambda: 1 << 16)  # less than one layer's k experts
     with pytest.raises(InputError, match="needs .* GiB; only"):
         load(d, capacity=1)
     monkeypatch.undo()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(InputError, match="'nobody/no-such-moe' cannot be opened: downloads are off"):
         load("nobody/no-such-moe")
-    with pytest.raises(InputError, match="unknown engine option"):
+    with pytest.raises(InputError, match=r"load\(\) takes no argument capcity; engine options go in engine="):
         load(d, capcity=0.5)
     # through the CLI: one line on stderr, exit 2, no traceback
     assert main(["bench", "decode", "--model", str(pick), "--corpus", str(tmp_path / "none")]) == 2
@@ -198,6 +201,12 @@ def test_one_engine_config_carries_every_option(saved):
         (3, "host", "lfu", 2, 0.0)
     eng.close()
     with pytest.raises(InputError, match="both given"):
+        load(d, capacity=2, engine=EngineConfig())
+    # the keyword form of engine options is gone: one line names the form that carries them
+    with pytest.raises(InputError, match=r"^load\(policy='lfu', tau=0.2\): engine options go in "
+                                         r"engine=EngineConfig\(policy='lfu', tau=0.2\)$"):
+        load(d, capacity=3, policy="lfu", tau=0.2)
+    with pytest.raises(InputError, match="engine options go in"):
         load(d, engine=EngineConfig(), policy="lru")
 
 
@@ -218,7 +227,7 @@ def test_aux_routers_reach_the_runtime_one_way(saved, monkeypatch):
 
     predictors.set_aux_routers_loader(loader)
     with pytest.raises(InputError, match="no auxiliary routers"):
-        load(d, capacity=2, tier="host", policy="scored")
+        load(d, engine=EngineConfig(capacity=2, tier="host", policy="scored"))
     assert asked == [d]
     load(d, capacity=2, tier="host").expertcache.close()  # nothing asks for them otherwise
     assert asked == [d]

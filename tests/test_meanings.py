@@ -272,8 +272,10 @@ def test_the_last_raw_tracebacks_are_one_line(tmp_path, monkeypatch, capsys):
     assert "No space left on device" in capsys.readouterr().err
     monkeypatch.undo()
     for kw, why in ((dict(model=123), "expected a checkpoint folder"), (dict(predictor=5), "predictor name"),
-                    (dict(workers="4"), "workers='4'; expected an integer"), (dict(verify="yes"), "verify='yes'"),
-                    (dict(tier=None), "tier=None; expected a string"), (dict(tau="x"), "tau='x'")):
+                    (dict(engine=EngineConfig(workers="4")), "workers='4'; expected an integer"),
+                    (dict(verify="yes"), "verify='yes'"), (dict(tier=None), "tier=None; expected a string"),
+                    (dict(engine=EngineConfig(tau="x")), "tau='x'"),
+                    (dict(tau=0.2), r"engine=EngineConfig\(tau=0.2\)")):
         with pytest.raises(InputError, match=why):
             load(**({"model": str(tmp_path / "nothing")} | kw))
     for kw in (dict(policy=3), dict(max_inflight_bytes=None), dict(workers=2.5), dict(tau=True)):

@@ -131,11 +131,11 @@ def test_a_mixed_checkpoint_decodes_like_its_dequantized_reference(mixed, tier, 
     """Each slot computes with the format its expert was written in: logits within 5% of the original model holding
     every expert's dequantized integers (the kernels also round activations to int8); every read moves that
     expert's own bytes."""
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
 
     src, _, q, _ = mixed
     ref = _logits(_reference(src, q))
-    m = load(q, capacity=capacity, tier=tier, kernel="auto")
+    m = load(q, engine=EngineConfig(capacity=capacity, tier=tier, kernel="auto"))
     eng = m.expertcache
     assert isinstance(eng.source, quant.MixedExperts)
     assert eng.meta.block_bytes == max(m.block_bytes for m in eng.source.stores)  # a slot: the larger block
@@ -324,7 +324,7 @@ def test_a_mixed_checkpoint_with_symmetric_int4_decodes_like_its_dequantized_ref
     """`--symmetric true` with `--by_usage`: the int4 experts are written without minimums (their store holds no
     `mins`; 4.5 bits per weight at group 32), the hot int8 ones as before, and the model decodes from disk within 5%
     of the original holding every expert's dequantized integers."""
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
 
     src, trace, _, _ = mixed
     q = tmp_path / "qs"
@@ -347,7 +347,7 @@ def test_a_mixed_checkpoint_with_symmetric_int4_decodes_like_its_dequantized_ref
         with pytest.raises(InputError, match=msg):
             load(d, capacity=0.5, tier="disk")
     ref = _logits(_reference(src, q))
-    m = load(q, capacity=0.5, tier="disk", kernel="auto")
+    m = load(q, engine=EngineConfig(capacity=0.5, tier="disk", kernel="auto"))
     assert _rel(_logits(m), ref) < 5e-2
     assert m.expertcache.stats.demand_loads > 0
     m.expertcache.close()

@@ -260,7 +260,7 @@ def test_victims_serve_misses_from_the_staging_slots_losslessly_and_hit_as_the_s
     for victims, overlap in ((True, False), (False, False), (True, True)):
         m = _fresh("qwen3_moe")
         eng = offload(m, path, EngineConfig(capacity=2, tier="disk", victims=victims))
-        eng.overlap = overlap  # as for experts >= 1 MiB: residents and victims compute while the misses load
+        eng.loads.overlap = overlap  # as for experts >= 1 MiB: residents and victims compute while the misses load
         seen = {}
         run = eng._run_layer
 
@@ -294,7 +294,7 @@ def test_a_failed_step_leaves_no_other_load_of_its_step_writing(family_models, w
     model, path = family_models["qwen3_moe"]
     m = _fresh("qwen3_moe")
     eng = offload(m, path, EngineConfig(capacity=2, tier="disk", workers=4))
-    eng.overlap = True  # loads in flight together, as for experts >= 1 MiB
+    eng.loads.overlap = True  # loads in flight together, as for experts >= 1 MiB
     read, live, lock = eng.tier.read, [], threading.Lock()
     state = {"fail": True}
 
@@ -313,14 +313,14 @@ def test_a_failed_step_leaves_no_other_load_of_its_step_writing(family_models, w
             with lock:
                 live.remove(expert)
 
-    compute = eng._compute
+    compute = eng.compute.timed
 
     def failing_compute(*a, **kw):
         if state["fail"] and what == "compute" and live:  # while other reads are in flight
             raise OSError("injected compute error")
         return compute(*a, **kw)
 
-    eng.tier.read, eng._compute = slow_read, failing_compute
+    eng.tier.read, eng.compute.timed = slow_read, failing_compute
     prompt = torch.randint(0, 128, (1, 1), generator=torch.Generator().manual_seed(7))
     try:
         with pytest.raises(OSError, match="injected"):
@@ -369,7 +369,7 @@ def test_a_layer_does_not_wait_for_a_prefetch_it_does_not_need(family_models):
                 release.wait(60)  # held until the steps are done: a step that waited for it would hang here
             return read(pos, expert, pool, slot)
         eng.tier.read = slow
-        eng.prefetch(0, [spare[0]])
+        eng.loads.prefetch(0, [spare[0]])
         assert started.wait(5)  # reading (not merely queued, which the step would cancel)
         try:
             assert torch.equal(want, _greedy(m, prompt, 3))
@@ -377,7 +377,7 @@ def test_a_layer_does_not_wait_for_a_prefetch_it_does_not_need(family_models):
             assert not release.is_set() and eng.stats.prefetch_deferred >= 1, eng.stats
         finally:
             release.set()
-        for f in list(eng.pending[0].values()):
+        for f in list(eng.loads.pending[0].values()):
             f.result()
         assert eng.states[0].lookup(spare[0]) is not None  # landed and still resident: protected while loading
     finally:
@@ -406,11 +406,11 @@ def test_a_prefetch_that_fails_after_its_layer_ran_is_raised_once_by_reset(famil
         _greedy(m, prompt, 1)  # one forward pass: layer 0 runs now, never again before reset
         free = [e for e in range(m.config.num_experts) if eng.states[0].lookup(e) is None]
         first["armed"] = True  # the next read of layer 0, this prefetch's, fails late
-        eng.prefetch(0, [free[0]])
+        eng.loads.prefetch(0, [free[0]])
         _time.sleep(0.5)  # it has failed in the background
         with pytest.raises(OSError, match="late failure"):
             eng.reset()
-        assert not any(eng.pending) and eng.inflight == 0
+        assert not any(eng.loads.pending) and eng.loads.inflight == 0
         eng.reset()  # raised once: the engine is clean
         assert torch.equal(_greedy(model, prompt, 6), _greedy(m, prompt, 6))
     finally:
@@ -464,9 +464,9 @@ def test_bad_stores_and_capacities_are_refused(family_models, tmp_path, monkeypa
         offload(_fresh("qwen3_moe"), path, EngineConfig(capacity=2.5))
     with pytest.raises(InputError, match="unknown tier"):
         offload(_fresh("qwen3_moe"), path, EngineConfig(tier="nvme"))
-    import expertcache.runtime.engine.engine as engine_mod
+    import expertcache.runtime.engine.loads as loads_mod
 
-    monkeypatch.setattr(engine_mod, "available_memory", lambda: 1 << 16)
+    monkeypatch.setattr(loads_mod, "available_memory", lambda: 1 << 16)
     with pytest.raises(InputError, match="GiB is available"):
         offload(_fresh("qwen3_moe"), path, EngineConfig(capacity=8))
     (tmp_path / "junk.store").write_bytes(b"x" * 5000)
@@ -701,7 +701,7 @@ def test_the_prefetch_guard_stops_a_predictor_that_does_not_pay_and_keeps_one_th
         eng = offload(m, path, EngineConfig(capacity=2, tier="host"), predictor=Named(truth, right))
         # shadow at every token: Named answers by its own call count, and 40 tokens of sampled shadow (1 in 8) score
         # fewer experts than a verdict needs; the sampling is tested below
-        eng.guard = PrefetchGuard(0.5, shadow_every=1)
+        eng.loads.guard = PrefetchGuard(0.5, shadow_every=1)
         _, out, st = timed_greedy(m, prompt, 40, eng)
         eng.close()
         assert torch.equal(out, ref)
@@ -728,7 +728,7 @@ def test_a_predictor_in_shadow_runs_on_one_decode_token_in_shadow_every(family_m
             self.calls = []
 
         def predict(self, layer, hidden, history):
-            self.calls.append((self.eng._pass, layer, hidden.shape[0]))
+            self.calls.append((self.eng.loads.passes, layer, hidden.shape[0]))
             s = torch.zeros(hidden.shape[0], 8)
             s[:, :4] = 1.0
             return s
@@ -846,18 +846,18 @@ def test_lookahead_prefetches_several_layers_ahead_in_layer_order_each_expert_on
                            prefetch_guard=0)
     eng = offload(m, path, cfg, predictor=make_predictor("lookahead:3", m))
     loads, queued, order = [], [], []
-    load, submit = eng._load, eng.pool_exec.submit
+    load, submit = eng.loads.load, eng.pool_exec.submit
 
     def counted_load(pos, e, slot, pool=None):
-        loads.append((eng._pass, pos, e))
+        loads.append((eng.loads.passes, pos, e))
         return load(pos, e, slot, pool)
 
     def recorded_submit(fn, *args, priority=float("-inf")):
         if priority != float("-inf"):
-            queued.append((eng._pass, args[0]))
+            queued.append((eng.loads.passes, args[0]))
             order.append(priority)
         return submit(fn, *args, priority=priority)
-    eng._load, eng.pool_exec.submit = counted_load, recorded_submit
+    eng.loads.load, eng.pool_exec.submit = counted_load, recorded_submit
     try:
         out = _greedy(m, prompt, 16)
         st = eng.stats
@@ -883,15 +883,15 @@ def test_a_cancelled_prefetch_leaves_no_readable_slot(deep_model):
     gate = threading.Event()
     eng.pool_exec.submit(gate.wait)  # the one load thread is busy: the prefetches below stay queued
     try:
-        eng.prefetch(2, [0, 1, 2])
+        eng.loads.prefetch(2, [0, 1, 2])
         slots = {e: eng.states[2].lookup(e) for e in (0, 1, 2)}
         assert None not in slots.values()
-        eng.prefetch(2, [1], supersede=True)  # the nearer prediction names only expert 1
+        eng.loads.prefetch(2, [1], supersede=True)  # the nearer prediction names only expert 1
         assert eng.stats.prefetch_cancelled == 2
         assert eng.states[2].lookup(0) is None and eng.states[2].lookup(2) is None
-        assert set(eng.pending[2]) == {1}
+        assert set(eng.loads.pending[2]) == {1}
         gate.set()
-        eng.pending[2][1].result()
+        eng.loads.pending[2][1].result()
         got = eng.pools[2].views["down_proj"][slots[1]]  # the kept prefetch, whole
         assert torch.equal(got, model.model.layers[2].mlp.experts.down_proj[1].detach().to(got.dtype))
         prompt = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(6))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from expertcache.recipes.cli import main
-from expertcache.runtime import load
+from expertcache.runtime import EngineConfig, load
 from expertcache.runtime.storage import weight_checks
 from expertcache.runtime.storage.checkpoint import CHECKSUM_INDEX
 from expertcache.runtime.storage.loader import expert_source
@@ -82,7 +82,7 @@ def test_magnitudes_are_max_abs_from_the_bits_with_nan_and_inf_kept():
 def test_load_refuses_a_damaged_expert_of_an_unindexed_checkpoint_naming_it(ckpt, how, tier):
     healthy = load(ckpt, capacity=2, tier=tier)  # a fresh, healthy checkpoint passes, its experts checked
     try:
-        checks = next(iter(healthy.expertcache._checks.values()))
+        checks = next(iter(healthy.expertcache.loads.checks.values()))
         assert checks.checked.sum() == (16 if tier == "host" else min(16, weight_checks.SAMPLE))
     finally:
         healthy.expertcache.close()
@@ -94,9 +94,9 @@ def test_load_refuses_a_damaged_expert_of_an_unindexed_checkpoint_naming_it(ckpt
                                          rf"\(--engine\.integrity off serves it anyway\)") as e:
         load(ckpt, capacity=2, tier=tier)
     assert "\n" not in str(e.value)
-    m = load(ckpt, capacity=2, tier=tier, integrity="off")  # the user's word: served as read
+    m = load(ckpt, engine=EngineConfig(capacity=2, tier=tier, integrity="off"))  # the user's word: served as read
     try:
-        assert m.expertcache.describe()["weight_checks"] == "off" and not m.expertcache._checks
+        assert m.expertcache.describe()["weight_checks"] == "off" and not m.expertcache.loads.checks
         m(input_ids=torch.arange(8)[None])
     finally:
         m.expertcache.close()
@@ -125,7 +125,7 @@ def test_a_miss_through_the_engine_refuses_an_expert_the_start_did_not_read(ckpt
         assert eng.stats.bytes_moved > 0
     finally:
         eng.close()
-    m = load(ckpt, capacity=1, tier="disk", integrity="off")
+    m = load(ckpt, engine=EngineConfig(capacity=1, tier="disk", integrity="off"))
     try:
         with torch.no_grad():
             out = m(input_ids=ids).logits
@@ -153,12 +153,12 @@ def test_a_damaged_non_expert_weight_is_refused_at_load(ckpt):
     save_file(state, str(f), metadata={"format": "pt"})
     with pytest.raises(InputError, match=r"tensor model\.norm\.weight of .* holds NaN/inf"):
         load(ckpt, capacity=2, tier="disk")
-    load(ckpt, capacity=2, tier="disk", integrity="off").expertcache.close()
+    load(ckpt, engine=EngineConfig(capacity=2, tier="disk", integrity="off")).expertcache.close()
 
 
 def test_integrity_takes_on_or_off_only(ckpt, capsys):
     with pytest.raises(InputError, match="integrity 'maybe'; expected on or off"):
-        load(ckpt, capacity=2, integrity="maybe")
+        load(ckpt, engine=EngineConfig(capacity=2, integrity="maybe"))
     assert main(["generate", "--model", str(ckpt), "--prompt", "x", "--engine.integrity", "no"]) == 2
     assert main(["quantize", "--model", str(ckpt), "--out", str(ckpt.parent / "q"), "--integrity", "no"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

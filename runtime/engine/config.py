@@ -1,12 +1,16 @@
 """`EngineConfig`: every option of the offload engine (the `--engine.*` flags wherever a model is served), checked
-before anything is allocated, and the registry of miss policies."""
+before anything is allocated; and its parts, one per stage of the engine (`CacheConfig`, `LoadConfig`, `MissConfig`,
+`ComputeConfig`: `EngineConfig.parts`), each stage built from its part alone. Users fill the one flat config (its
+keys are the flags, the YAML `engine:` keys and the results' config files); `PARTS` is the one table from its keys
+to the parts."""
 
 from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import NamedTuple
 
 
 from expertcache.telemetry.cache import POLICY_REGISTRY
@@ -17,15 +21,8 @@ from expertcache.runtime.kernels import quant
 from expertcache.runtime.storage.tiers import TierSpec
 from expertcache.runtime.storage.weight_checks import INTEGRITY_DEFAULT, check_integrity
 
+from expertcache.runtime.engine.plan import MISS_REGISTRY  # the miss policies, one class each beside the plan stage
 
-# What a step does about a missing expert (the module's docstring, step 1 and 3; `OffloadEngine.run_layer`):
-# wait for it, swap it for a resident one within tau, run the prediction instead, or compute it where it lives.
-# `lossy`: outputs depend on the cache state.
-MISS_REGISTRY = Registry("miss policy")
-MISS_REGISTRY.register("blocking")
-MISS_REGISTRY.register("reroute", tags=("lossy",))
-MISS_REGISTRY.register("speculative", tags=("lossy",))
-MISS_REGISTRY.register("host")
 MISS_POLICIES = MISS_REGISTRY.names()
 LOSSY_MISS = MISS_REGISTRY.view("lossy")
 ENGINE_POLICIES = POLICY_REGISTRY.view("engine")  # lru, lfu, static, scored, learned:FILE
@@ -41,6 +38,60 @@ STREAM_SLOTS_PER_K = 3
 # compute in one call once all have arrived (per-arrival calls cost more than they hide: 56% of a batched step's
 # time on the quickstart's 24 KiB experts went to them)
 OVERLAP_MIN_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The cache's part: how many slots, shared how, and what stays (`CacheState`, `LayerView`)."""
+    capacity: int | float
+    budget: str
+    budget_gb: float
+    policy: str
+    victims: bool
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """The loads stage's part (`loads.Loads`): where the bytes come from, how many move at once, what is
+    prefetched, and the checks on what is read."""
+    tier: str
+    workers: int
+    max_inflight_bytes: int
+    predictor: str
+    prefetch_budget: int
+    prefetch_guard: float
+    integrity: str
+
+
+@dataclass(frozen=True)
+class MissConfig:
+    """The plan stage's part (`plan.Plan`): what serves a miss."""
+    miss: str
+    tau: float
+    miss_precision: int
+    miss_copy: str
+    miss_upgrade: int
+
+
+@dataclass(frozen=True)
+class ComputeConfig:
+    """The compute stage's part (`experts.Compute`): where and with which kernels experts compute."""
+    device: str
+    kernel: str
+    threads: int
+
+
+class EngineParts(NamedTuple):
+    cache: CacheConfig
+    load: LoadConfig
+    miss: MissConfig
+    compute: ComputeConfig
+
+
+# the one table from the flat keys users give (`--engine.capacity`, YAML `engine: {capacity: ...}`) to the parts:
+# each key in exactly one part
+_PART_TYPES = (CacheConfig, LoadConfig, MissConfig, ComputeConfig)  # in EngineParts' order
+PARTS = {name: tuple(f.name for f in fields(cls)) for name, cls in zip(EngineParts._fields, _PART_TYPES)}
 
 
 @dataclass
@@ -153,6 +204,17 @@ class EngineConfig:
         cfg = cls(**out)
         cfg.check()
         return cfg
+
+    @property
+    def parts(self) -> EngineParts:
+        """The config as the engine's stages take it: one part each (`PARTS` says which key goes where)."""
+        return EngineParts(*(cls(**{k: getattr(self, k) for k in PARTS[name]})
+                             for name, cls in zip(EngineParts._fields, _PART_TYPES)))
+
+    @classmethod
+    def from_parts(cls, parts: EngineParts) -> "EngineConfig":
+        """The flat config of `parts` (`EngineConfig.parts` inverted)."""
+        return cls(**{k: getattr(part, k) for part, name in zip(parts, EngineParts._fields) for k in PARTS[name]})
 
     @property
     def lossy(self) -> bool:

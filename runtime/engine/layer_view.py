@@ -4,6 +4,7 @@ cache module of the runtime (there is one `cache.py`, in telemetry)."""
 from __future__ import annotations
 
 from expertcache.telemetry.cache import CacheState
+from expertcache.telemetry.errors import InputError
 
 
 class LayerView:
@@ -46,3 +47,37 @@ class LayerView:
 
     def drop(self, e: int) -> None:
         self.state.drop(e + self.off)
+
+
+def keep_policy(policy: str, keep_scores, num_experts: int, top_k: int, num_layers: int):
+    """`(CacheState policy, keep scores)` of an engine policy name: `learned:FILE` (`expertcache fit-policy`, lossless)
+    is the scored policy over the file's keep scores; `scored` needs keep scores given (the Temporal router)."""
+    from expertcache.runtime.engine.config import ENGINE_POLICIES
+
+    spec = ENGINE_POLICIES.parse(policy)
+    name = spec.name
+    if name == "learned":
+        from expertcache.telemetry.learned_policy import LearnedPolicy
+
+        if keep_scores is None:
+            keep_scores = LearnedPolicy.load(spec.arg, num_experts=num_experts, top_k=top_k, num_layers=num_layers)
+        name = "scored"
+    if name == "scored" and keep_scores is None:
+        raise InputError("policy scored needs keep scores (the Temporal router of a cache-aware checkpoint, "
+                         "or a learned policy file)")
+    return name, keep_scores
+
+
+def cache_views(part, capacity: int, num_experts: int, top_k: int, num_layers: int, policy: str,
+                pinned: dict[int, list[int]], victims: bool) -> list[LayerView]:
+    """Empty caches from the config's `CacheConfig` (`part.budget`): one state per layer, or one over
+    `layer * E + expert` keys behind every layer's view. `capacity`: experts per layer (resolved from the part's
+    capacity or budget_gb); `victims`: only where the engine serves them (`OffloadEngine.victims_on`): under miss=host
+    or a packed miss copy, a prefetch (an upgrade) that kept the expert it evicts as a victim would make `prefetch`
+    skip that expert for good."""
+    e, k, n_l, c = num_experts, top_k, num_layers, capacity
+    if part.budget == "layer":
+        return [LayerView(CacheState(c, k, policy, pinned.get(i), victims=victims)) for i in range(n_l)]
+    pins = [i * e + x for i in range(n_l) for x in pinned.get(i, [])[:c]] if pinned else None
+    shared = CacheState(c * n_l, k, policy, pins)
+    return [LayerView(shared, i * e, e * n_l) for i in range(n_l)]

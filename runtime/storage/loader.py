@@ -227,7 +227,7 @@ def _generation_config(model, path: Path) -> None:
 
 def load(model: str | Path, capacity: float = 0.25, tier: str = "auto", device: str = "cpu", dtype=None, *,
          predictor="none", keep_scores=None, pinned=None, revision: str | None = None,
-         verify: bool | None = None, engine: EngineConfig | None = None, **engine_options):
+         verify: bool | None = None, engine: EngineConfig | None = None, **stale):
     """An HF causal LM whose routed experts stay on `tier` (read from the checkpoint's own safetensors files) and
     pass through a cache of `capacity` experts per layer (a fraction of E, or a count) on `device`. The defaults
     are `EngineConfig`'s, as in every command: a quarter of the experts, the tier chosen by what fits (`auto`).
@@ -238,14 +238,23 @@ def load(model: str | Path, capacity: float = 0.25, tier: str = "auto", device: 
     keep-score source. `verify`: check every expert read against the checkpoint's checksum index (`expertcache
     verify` writes it); None = `checkpoint.VERIFY_DEFAULT` (on: about 2% of TPOT, scripts/bench_checksum.py), False
     = off, True = on and warn when there is no index. A mismatch raises `InputError` naming the layer, expert and
-    file. Other keyword arguments are `EngineConfig` fields (policy, miss, tau, budget, prefetch_budget, workers,
-    max_inflight_bytes); or give one `engine: EngineConfig` (what the commands take) instead of them (a `Predictor`
-    object may go beside it). The engine is `model.expertcache`.
+    file. Every other engine option (policy, miss, tau, budget, kernel, workers, ...) goes in one
+    `engine=EngineConfig(...)` (what the commands take), which then carries capacity, tier and device too (a
+    `Predictor` object may go beside it); an option given as a keyword of `load` is refused in one line naming
+    that form. The engine is `model.expertcache`.
     """
     from expertcache.runtime.engine.predictors import Predictor, TemporalKeep, aux_routers_for, check_predictor_spec, make_predictor
 
+    if stale:  # the keyword form of engine options is gone: one line says where they go
+        fields = set(EngineConfig.__dataclass_fields__)
+        opts = ", ".join(f"{k}={v!r}" for k, v in stale.items() if k in fields)
+        other = sorted(set(stale) - fields)
+        raise InputError((f"load() takes no argument {', '.join(other)}; " if other else f"load({opts}): ")
+                         + f"engine options go in engine=EngineConfig({opts or '...'})"
+                         + (f" (its fields: {', '.join(sorted(fields))})" if other else ""))
     if engine is not None:  # the one carrier of engine options: its fields, nothing given beside it
-        given = sorted(engine_options) + (["predictor"] if isinstance(predictor, str) and predictor != "none" else [])
+        given = [n for n, v, d in (("capacity", capacity, 0.25), ("tier", tier, "auto"), ("device", device, "cpu"))
+                 if v != d] + (["predictor"] if isinstance(predictor, str) and predictor != "none" else [])
         if given:
             raise InputError(f"load(engine=...) and engine options {given} both given; put them in the EngineConfig")
         if not isinstance(predictor, Predictor):  # an object may go beside the config, which then names its type
@@ -259,12 +268,8 @@ def load(model: str | Path, capacity: float = 0.25, tier: str = "auto", device: 
         check_predictor_spec(predictor)  # before anything is read
     if verify not in (None, True, False):
         raise InputError(f"load(verify={verify!r}): expected None, True or False")
-    if engine is None:  # the keyword form: its options become the one config, here
-        fields = set(EngineConfig.__dataclass_fields__) - {"capacity", "tier", "device", "predictor"}
-        unknown = sorted(set(engine_options) - fields)
-        if unknown:
-            raise InputError(f"unknown engine option(s) {', '.join(unknown)}; expected {', '.join(sorted(fields))}")
-        engine = EngineConfig(capacity=capacity, tier=tier, device=device, **engine_options)
+    if engine is None:  # the design's named arguments, every other option its default
+        engine = EngineConfig(capacity=capacity, tier=tier, device=device)
     cfg = replace(engine, device=parse_device(engine.device),
                   predictor=predictor if isinstance(predictor, str) else type(predictor).__name__)
     cfg.check()
