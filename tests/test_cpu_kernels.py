@@ -465,7 +465,7 @@ def test_engine_kernel_cpu_agrees_with_the_family_forward(saved, fam):
     ref_m.expertcache.close()
     m = load(saved / fam, engine=EngineConfig(capacity=1.0, tier="host", kernel="cpu"))
     eng = m.expertcache
-    assert eng._linears and all(mod.fast_kernel(torch.zeros(1, 1, dtype=torch.bfloat16)) for mod in eng.modules)
+    assert eng._linears and all(mod.fmt.name == "cpu_bf16" for mod in eng.modules)
     assert m.config._attn_implementation == patches.ATTENTION  # the decode steps' attention: attend_one
     calls, real = [], ck.attend_one
     ck.attend_one = lambda *a: calls.append(1) or real(*a)
@@ -676,7 +676,7 @@ def test_a_quantized_checkpoint_decodes_like_its_dequantized_reference(saved, tm
     ref = _logits(_dequantized_reference(src, q, bits, 32))
     m = load(q, engine=EngineConfig(capacity=0.5, tier="disk", kernel="auto"))
     eng = m.expertcache
-    assert eng.modules[0].quant == (bits, 32)
+    assert (eng.modules[0].fmt.name, eng.modules[0].fmt.group) == (f"int{bits}", 32)
     assert {t.name for t in eng.meta.tensors} >= {"gate_up_proj.q", "down_proj.scales"}
     assert ("down_proj.mins" in {t.name for t in eng.meta.tensors}) == (bits == 4 and not sym)
     got = _logits(m)
@@ -916,7 +916,7 @@ def test_shapes_the_integer_kernels_do_not_take_are_dequantized_or_refused(tmp_p
     quant_write.write_quantized(src, q, 8, 32)
     ref = _logits(_dequantized_reference(src, q, 8, 32))
     m = load(q, engine=EngineConfig(capacity=0.5, tier="disk", kernel="auto"))
-    assert not quant.kernel_fits(m.expertcache.modules[0]._views)
+    assert not quant.kernel_fits(m.expertcache.modules[0].fmt.views)
     assert _rel(_logits(m), ref) < 5e-2
     m.expertcache.close()
     with pytest.raises(InputError, match="multiples of 64 and of the group size .32.; this model's are 32 and 32"):

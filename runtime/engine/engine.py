@@ -35,7 +35,7 @@ from expertcache.runtime.storage.store import check_store, read_store_meta
 from expertcache.runtime.storage.tiers import SlotPool, make_tier, tier_host_bytes
 
 from expertcache.runtime.engine.config import OVERLAP_MIN_BYTES, EngineConfig
-from expertcache.runtime.engine.experts import Compute, OffloadedExperts, _check_cpu_kernel
+from expertcache.runtime.engine.experts import Compute, OffloadedExperts
 from expertcache.runtime.engine.loads import Loads, check_fits, fit_budget, resolve_tier
 from expertcache.runtime.engine.plan import Plan
 from expertcache.runtime.engine.stats import Stats
@@ -90,9 +90,9 @@ class OffloadEngine:
         for i, layer in enumerate(self.layers):
             pool = shared or SlotPool(self.meta, n_slots, fast, touch=True)
             self.pools.append(pool)
-            mod = OffloadedExperts(self, i, layer.experts, pool, cfg.kernel)
+            mod = OffloadedExperts(self, i, layer.experts, pool, cfg.kernel, fast)
             if i == 0 and cfg.kernel == "cpu":  # before the model is touched
-                _check_cpu_kernel(mod)
+                mod.check_cpu_kernel()
             layer.block.experts = mod  # the original expert tensors (or meta placeholders) go with the old module
             self.modules.append(mod)
         # compute each miss as it arrives only when an expert's compute outweighs a call's fixed cost; smaller experts
@@ -105,11 +105,8 @@ class OffloadEngine:
         self.stats = Stats()
         self._new_states()
         self._linears, self._attention, self._step = [], [], []  # decode-sized projections through the same kernels
-        m0 = self.modules[0]
-        if cfg.kernel in ("cpu", "auto") and fast == "cpu" and (m0.swiglu_ok or m0.quant is not None) \
+        if cfg.kernel in ("cpu", "auto") and fast == "cpu" and self.modules[0].fmt.one_call \
                 and cpu_kernels.available():  # built (once, cached) only for a model the kernels can compute
-            for mod in self.modules:
-                mod.cpu_kernel = mod.swiglu_ok
             routed, rest = patches.patch_routers([L.router for L in self.layers])
             self._linears = (patches.patch_linears(model) + routed + patches.patch_calls(rest)
                              + patches.patch_norms(model) + patches.patch_attention_modules(model))

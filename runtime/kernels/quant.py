@@ -236,7 +236,7 @@ def swiglu(x, views: dict[str, torch.Tensor], slots, weights) -> torch.Tensor:
     from expertcache.runtime.kernels.triton_experts import swiglu_reference
 
     if FMT in views:
-        return _swiglu_mixed(x, views, slots, weights)
+        return swiglu_mixed(x, views, slots, weights)
     bits, group = format_of(views)
     gu, dn = parts(views, "gate_up_proj"), parts(views, "down_proj")
     if x.is_cuda:
@@ -252,10 +252,11 @@ def swiglu(x, views: dict[str, torch.Tensor], slots, weights) -> torch.Tensor:
     return swiglu_reference(x.float(), g, d, inv.view_as(slots), weights).to(x.dtype)
 
 
-def _swiglu_mixed(x, views: dict[str, torch.Tensor], slots, weights) -> torch.Tensor:
-    """A mixed-precision pool: each format's (token, choice) pairs through that format's path (`swiglu`, its result
-    in x's dtype), the formats' partial sums added in fp32. A row with fewer pairs of a format than the widest row
-    is padded with a slot of that format at weight 0 (its bytes are that format's, so the padding adds exactly 0)."""
+def swiglu_mixed(x, views: dict[str, torch.Tensor], slots, weights, per_format=None) -> torch.Tensor:
+    """A mixed-precision pool: each format's (token, choice) pairs through that format's path (`per_format[f](x,
+    slots, weights, views)`, the engine's registered class for format f; by default `swiglu`; its result in x's
+    dtype), the formats' partial sums added in fp32. A row with fewer pairs of a format than the widest row is
+    padded with a slot of that format at weight 0 (its bytes are that format's, so the padding adds exactly 0)."""
     tag = views[FMT][slots]
     out = None
     for f, v in enumerate(format_views(views)):
@@ -270,7 +271,7 @@ def _swiglu_mixed(x, views: dict[str, torch.Tensor], slots, weights) -> torch.Te
             s, w, ok = slots.gather(1, order), weights.gather(1, order), m.gather(1, order)
             s = torch.where(ok, s, slots[m][0])
             w = torch.where(ok, w, torch.zeros((), dtype=w.dtype, device=w.device))
-        y = swiglu(x, v, s, w).float()
+        y = (swiglu(x, v, s, w) if per_format is None else per_format[f](x, s, w, v)).float()
         out = y if out is None else out + y
     return torch.zeros_like(x) if out is None else out.to(x.dtype)
 
