@@ -155,3 +155,99 @@ def test_the_engine_hands_each_stage_only_its_part(store):
         assert s.bytes_moved == s.demand_loads * eng.meta.expert_bytes  # counted once, by the loads stage
     finally:
         eng.close()
+
+
+def test_each_weight_format_is_one_registered_class(store, tmp_path):
+    """One class per weight format in `WEIGHT_FORMAT_REGISTRY`, chosen once per pool by its `fits` rule in
+    registration order: bf16 SwiGLU on CPU slots through the CPU kernel (`auto`, `cpu`), the family's own forward
+    (`native`, or fp32 slots), triton where asked (CUDA slots), int8 / int4 for packed views; the engine's modules
+    hold the chosen object and it computes as its class says."""
+    from expertcache.runtime.engine import formats
+    from expertcache.runtime.kernels import cpu_kernels, quant
+
+    reg = formats.WEIGHT_FORMAT_REGISTRY
+    assert reg.names() == ("mixed", "int8", "int4", "triton", "cpu_bf16", "native")
+    classes = [reg.get(n) for n in reg.names()]
+    assert len(set(classes)) == len(classes) and all(issubclass(c, formats.ExpertFormat) for c in classes)
+    assert [c.name for c in classes] == list(reg.names())
+    sizes = dict(hidden_size=64, moe_intermediate_size=64, intermediate_size=64)  # packed: 64-input chunks
+    model = build_model(tiny_config("qwen3_moe", **sizes), seed=0, dtype=torch.bfloat16)
+    experts = adapter_for(model).moe_layers(model)[0].experts
+    fwd = type(experts).forward
+    bf16 = {"gate_up_proj": experts.gate_up_proj.data, "down_proj": experts.down_proj.data}
+    fp32 = {k: v.float() for k, v in bf16.items()}
+
+    def pick(views, kernel, device="cpu"):
+        import copy
+
+        tmpl = copy.copy(experts)
+        tmpl._parameters = {}
+        for n, v in views.items():
+            setattr(tmpl, n, v)
+        return type(formats.choose(views, tmpl, fwd, kernel, device))
+
+    fast = formats.CpuBf16 if cpu_kernels.available() else formats.Native
+    assert pick(bf16, "auto") is fast and pick(bf16, "cpu") is fast
+    assert pick(bf16, "native") is formats.Native and pick(fp32, "auto") is formats.Native
+    assert pick(bf16, "auto", "cuda") is formats.Native and pick(bf16, "triton", "cuda") is formats.Triton
+    for bits, cls in ((8, formats.Int8), (4, formats.Int4)):
+        packed = {f"{n}.{p}": t for n, w in bf16.items() for p, t in quant.quantize(w, bits, 32).items()}
+        assert pick(packed, "native") is cls and pick(packed, "triton", "cuda") is cls
+    # an engine's modules over a bf16 store: the format chosen once, computing as the class says (native: the
+    # family's own forward, exactly; the CPU kernel: fp32 accumulation, equal up to rounding)
+    path = tmp_path / "bf16.store"
+    write_store(model, path)
+    x = torch.randn(3, model.config.hidden_size, dtype=torch.bfloat16)
+    idx, w = torch.tensor([[0, 1], [2, 3], [1, 2]]), torch.rand(3, 2, dtype=torch.bfloat16)
+    for kernel, cls in (("native", formats.Native), ("auto", fast)):
+        m = build_model(tiny_config("qwen3_moe", **sizes), seed=0, dtype=torch.bfloat16)
+        eng = offload(m, path, EngineConfig(capacity=1.0, tier="host", kernel=kernel))
+        try:
+            mod = eng.modules[0]
+            assert all(type(md.fmt) is cls for md in eng.modules)
+            full = dict(eng.tier.layer_views(0))  # [E, ...] views of the host copy
+            want = fwd(mod.fmt.over(full), x, idx, w)
+            got = mod.compute(x, idx, w, full)
+            assert torch.equal(got, want) if cls is formats.Native else \
+                (got.float() - want.float()).norm() < 2e-2 * want.float().norm()
+        finally:
+            eng.close()
+
+
+def test_each_part_checks_its_own_fields_and_the_config_what_crosses_parts():
+    """`EngineConfig.check` runs each part's `check` (a bad field is refused by its own part, with the message the
+    flat config always gave), then the checks that read two parts (a part alone accepts them)."""
+    from expertcache.telemetry.errors import InputError
+
+    bad = {"budget": ("cache", "budget='row'; expected layer or global", "row"),
+           "workers": ("load", "workers=0; expected >= 1", 0),
+           "tau": ("miss", "tau=-1.0; expected a finite margin >= 0", -1.0),
+           "miss_upgrade": ("miss", "miss_upgrade=0; expected >= 1", 0),
+           "threads": ("compute", "threads=-1; expected >= 1, or 0 for one per core", -1),
+           "kernel": ("compute", "kernel='fast'; expected one of native, cpu, auto, triton", "fast"),
+           "device": ("compute", "device=3; expected a string", 3)}
+    for key, (part, message, value) in bad.items():
+        cfg = EngineConfig(**{key: value})
+        for name, p in zip(EngineParts._fields, cfg.parts):
+            if name == part:
+                with pytest.raises(InputError) as e:
+                    p.check()
+                assert str(e.value) == message
+            else:
+                p.check()  # the other parts hold defaults
+        with pytest.raises(InputError) as e:
+            cfg.check()
+        assert str(e.value) == message
+    across = {dict(miss="host", tier="disk").__repr__(): (dict(miss="host", tier="disk"),
+              "miss policy host computes experts where they live: it needs the host or a throttled tier, not disk"),
+              "cpu kernel on cuda": (dict(kernel="cpu", device="cuda"), "kernel cpu computes on CPU slots: drop "
+                                     "--engine.device cuda / --engine.tier cuda, or use --engine.kernel triton"),
+              "triton on cpu": (dict(kernel="triton"), "kernel triton runs on CUDA slots only: add --engine.device "
+                                "cuda (or --engine.tier cuda), or use --engine.kernel native")}
+    for kw, message in across.values():
+        cfg = EngineConfig(**kw)
+        for p in cfg.parts:
+            p.check()
+        with pytest.raises(InputError) as e:
+            cfg.check()
+        assert str(e.value) == message

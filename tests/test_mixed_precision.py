@@ -351,3 +351,31 @@ def test_a_mixed_checkpoint_with_symmetric_int4_decodes_like_its_dequantized_ref
     assert _rel(_logits(m), ref) < 5e-2
     assert m.expertcache.stats.demand_loads > 0
     m.expertcache.close()
+
+
+def test_a_mixed_pool_computes_each_format_through_its_registered_class(mixed):
+    """The engine chooses the `mixed` format once per pool, holding one registered class per store format (int8 for
+    the hot experts, int4 for the cold); decoding calls both, each on its own format's views only, and the logits
+    stay within 5% of the dequantized reference."""
+    from expertcache.runtime import EngineConfig, load
+    from expertcache.runtime.engine.formats import Int4, Int8, Mixed
+
+    src, _, q, _ = mixed
+    ref = _logits(_reference(src, q))
+    m = load(q, engine=EngineConfig(capacity=0.5, tier="host", kernel="auto"))
+    eng = m.expertcache
+    fmt = eng.modules[0].fmt
+    assert type(fmt) is Mixed and [type(f) for f in fmt.formats] == [Int8, Int4]
+    assert [(f.bits, f.group) for f in fmt.formats] == [HOT, COLD]
+    calls = {8: 0, 4: 0}
+    for mod in eng.modules:
+        for f in mod.fmt.formats:
+            def spy(x, s, w, t=None, f=f, real=f.compute):
+                assert quant.format_of(t if t is not None else f.views) == (f.bits, f.group)
+                calls[f.bits] += 1
+                return real(x, s, w, t)
+            f.compute = spy
+    got = _logits(m)
+    eng.close()
+    assert calls[8] > 0 and calls[4] > 0
+    assert _rel(got, ref) < 5e-2

@@ -40,6 +40,17 @@ STREAM_SLOTS_PER_K = 3
 OVERLAP_MIN_BYTES = 1 << 20
 
 
+def _types(part, strings=(), integers=()) -> None:
+    """Fields of the wrong type, first: the Python API takes anything."""
+    for name in strings:
+        if not isinstance(getattr(part, name), str):
+            raise InputError(f"{name}={getattr(part, name)!r}; expected a string")
+    for name in integers:
+        v = getattr(part, name)
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise InputError(f"{name}={v!r}; expected an integer")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The cache's part: how many slots, shared how, and what stays (`CacheState`, `LayerView`)."""
@@ -48,6 +59,20 @@ class CacheConfig:
     budget_gb: float
     policy: str
     victims: bool
+
+    def check(self) -> None:
+        from expertcache.telemetry.cachesim import capacity_count
+
+        _types(self, strings=("policy", "budget"))
+        if not isinstance(self.victims, bool):
+            raise InputError(f"victims={self.victims!r}; expected true or false")
+        if isinstance(self.budget_gb, bool) or not isinstance(self.budget_gb, numbers.Real) \
+                or not math.isfinite(self.budget_gb) or self.budget_gb < 0:
+            raise InputError(f"budget_gb={self.budget_gb!r}; expected GiB >= 0 (0: use capacity)")
+        ENGINE_POLICIES.parse(self.policy)
+        if self.budget not in ("layer", "global"):
+            raise InputError(f"budget={self.budget!r}; expected layer or global")
+        capacity_count(self.capacity, None)  # the form (a fraction or a count); the range needs the model's E
 
 
 @dataclass(frozen=True)
@@ -62,6 +87,20 @@ class LoadConfig:
     prefetch_guard: float
     integrity: str
 
+    def check(self) -> None:
+        _types(self, strings=("tier", "predictor", "integrity"),
+               integers=("prefetch_budget", "max_inflight_bytes", "workers"))
+        TierSpec.parse(self.tier)
+        if isinstance(self.prefetch_guard, bool) or not isinstance(self.prefetch_guard, numbers.Real) \
+                or not 0 <= self.prefetch_guard <= 1:
+            raise InputError(f"prefetch_guard={self.prefetch_guard!r}; expected a precision in [0, 1] (0: never pause)")
+        for name in ("prefetch_budget", "max_inflight_bytes"):
+            if getattr(self, name) < 0:
+                raise InputError(f"{name}={getattr(self, name)}; expected >= 0")
+        if self.workers < 1:
+            raise InputError(f"workers={self.workers}; expected >= 1")
+        check_integrity(self.integrity, "integrity")
+
 
 @dataclass(frozen=True)
 class MissConfig:
@@ -72,6 +111,42 @@ class MissConfig:
     miss_copy: str
     miss_upgrade: int
 
+    def check(self) -> None:
+        _types(self, strings=("miss", "miss_copy"), integers=("miss_precision", "miss_upgrade"))
+        if isinstance(self.tau, bool) or not isinstance(self.tau, numbers.Real):
+            raise InputError(f"tau={self.tau!r}; expected a number")
+        MISS_REGISTRY.parse(self.miss)
+        if not (math.isfinite(self.tau) and self.tau >= 0):
+            raise InputError(f"tau={self.tau}; expected a finite margin >= 0")
+        if self.miss_precision not in (0, 4, 8):
+            raise InputError(f"miss_precision={self.miss_precision}; expected 0 (off), 4 or 8 bits")
+        if self.miss_upgrade < 1:
+            raise InputError(f"miss_upgrade={self.miss_upgrade}; expected >= 1")
+        if not self.miss_precision:
+            if self.miss_copy:
+                raise InputError("miss_copy is the packed copy of --engine.miss_precision; give that too, or drop it")
+            return
+        if self.miss != "blocking":
+            raise InputError(f"miss_precision serves a miss from its packed copy; it replaces the miss policy "
+                             f"{self.miss!r} (use --engine.miss blocking)")
+
+    def check_copy(self) -> None:
+        """The packed copy of `miss_precision`: a folder `expertcache quantize` wrote at that many bits."""
+        if not self.miss_precision:
+            return
+        if not self.miss_copy:
+            raise InputError(f"miss_precision={self.miss_precision} needs --engine.miss_copy DIR: `expertcache "
+                             f"quantize --model CKPT --bits {self.miss_precision} --out DIR` of this checkpoint")
+        if not Path(self.miss_copy).is_dir():
+            raise InputError(f"miss_copy {self.miss_copy}: no such folder")
+        qc = quant.read_config(self.miss_copy)
+        if qc is None:
+            raise InputError(f"miss_copy {self.miss_copy} is not an `expertcache quantize` checkpoint (its config has "
+                             f"no quantization_config)")
+        if qc["bits"] != self.miss_precision:
+            raise InputError(f"miss_copy {self.miss_copy} is packed at {qc['bits']} bits; miss_precision is "
+                             f"{self.miss_precision}")
+
 
 @dataclass(frozen=True)
 class ComputeConfig:
@@ -79,6 +154,15 @@ class ComputeConfig:
     device: str
     kernel: str
     threads: int
+
+    def check(self) -> None:
+        _types(self, strings=("device", "kernel"), integers=("threads",))
+        if self.device not in ("cpu", "cuda"):
+            raise InputError(f"device={self.device!r}; expected cpu or cuda")
+        if self.threads < 0:
+            raise InputError(f"threads={self.threads}; expected >= 1, or 0 for one per core")
+        if self.kernel not in KERNELS:
+            raise InputError(f"kernel={self.kernel!r}; expected one of {', '.join(KERNELS)}")
 
 
 class EngineParts(NamedTuple):
@@ -234,51 +318,17 @@ class EngineConfig:
         return capacity_count(self.capacity, num_experts)
 
     def check(self) -> None:
-        """Every field in range, before anything is allocated."""
-        from expertcache.telemetry.cachesim import capacity_count
-
-        for name in ("tier", "policy", "miss", "predictor", "budget", "device", "kernel", "miss_copy",
-                     "integrity"):  # types
-            if not isinstance(getattr(self, name), str):  # first: the Python API takes anything
-                raise InputError(f"{name}={getattr(self, name)!r}; expected a string")
-        for name in ("prefetch_budget", "max_inflight_bytes", "workers", "threads", "miss_precision", "miss_upgrade"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-                raise InputError(f"{name}={v!r}; expected an integer")
-        if isinstance(self.tau, bool) or not isinstance(self.tau, numbers.Real):
-            raise InputError(f"tau={self.tau!r}; expected a number")
-        if not isinstance(self.victims, bool):
-            raise InputError(f"victims={self.victims!r}; expected true or false")
-        if isinstance(self.budget_gb, bool) or not isinstance(self.budget_gb, numbers.Real) \
-                or not math.isfinite(self.budget_gb) or self.budget_gb < 0:
-            raise InputError(f"budget_gb={self.budget_gb!r}; expected GiB >= 0 (0: use capacity)")
-        tier = TierSpec.parse(self.tier)
-        MISS_REGISTRY.parse(self.miss)
-        if self.miss == "host" and tier.kind not in ("host", "throttled", "auto"):
+        """Every field in range, before anything is allocated: each part's own fields (`CacheConfig.check`, ...,
+        in `EngineParts`' order), then what one part's fields require of another's."""
+        parts = self.parts
+        for part in parts:
+            part.check()
+        if self.miss == "host" and TierSpec.parse(self.tier).kind not in ("host", "throttled", "auto"):
             raise InputError(f"miss policy host computes experts where they live: it needs the host or a "
                              f"throttled tier, not {self.tier}")
-        ENGINE_POLICIES.parse(self.policy)
-        if self.budget not in ("layer", "global"):
-            raise InputError(f"budget={self.budget!r}; expected layer or global")
-        if self.device not in ("cpu", "cuda"):
-            raise InputError(f"device={self.device!r}; expected cpu or cuda")
-        if isinstance(self.prefetch_guard, bool) or not isinstance(self.prefetch_guard, numbers.Real) \
-                or not 0 <= self.prefetch_guard <= 1:
-            raise InputError(f"prefetch_guard={self.prefetch_guard!r}; expected a precision in [0, 1] (0: never pause)")
-        if not (math.isfinite(self.tau) and self.tau >= 0):
-            raise InputError(f"tau={self.tau}; expected a finite margin >= 0")
-        capacity_count(self.capacity, None)  # the form (a fraction or a count); the range needs the model's E
-        for name in ("prefetch_budget", "max_inflight_bytes"):
-            if getattr(self, name) < 0:
-                raise InputError(f"{name}={getattr(self, name)}; expected >= 0")
-        if self.threads < 0:
-            raise InputError(f"threads={self.threads}; expected >= 1, or 0 for one per core")
-        if self.workers < 1:
-            raise InputError(f"workers={self.workers}; expected >= 1")
-        self._check_miss_precision()
-        check_integrity(self.integrity, "integrity")
-        if self.kernel not in KERNELS:
-            raise InputError(f"kernel={self.kernel!r}; expected one of {', '.join(KERNELS)}")
+        if self.miss_precision and self.slot_device != "cpu":
+            raise InputError("miss_precision computes packed experts on the CPU: drop --engine.device cuda")
+        parts.miss.check_copy()
         if self.kernel == "cpu" and self.slot_device != "cpu":
             raise InputError("kernel cpu computes on CPU slots: drop --engine.device cuda / --engine.tier cuda, or use "
                              "--engine.kernel triton")
@@ -291,33 +341,6 @@ class EngineConfig:
             if not HAVE_TRITON:
                 raise InputError("kernel triton: the triton package is not installed here; use --engine.kernel "
                                  "native")
-
-    def _check_miss_precision(self) -> None:
-        if self.miss_precision not in (0, 4, 8):
-            raise InputError(f"miss_precision={self.miss_precision}; expected 0 (off), 4 or 8 bits")
-        if self.miss_upgrade < 1:
-            raise InputError(f"miss_upgrade={self.miss_upgrade}; expected >= 1")
-        if not self.miss_precision:
-            if self.miss_copy:
-                raise InputError("miss_copy is the packed copy of --engine.miss_precision; give that too, or drop it")
-            return
-        if self.miss != "blocking":
-            raise InputError(f"miss_precision serves a miss from its packed copy; it replaces the miss policy "
-                             f"{self.miss!r} (use --engine.miss blocking)")
-        if self.slot_device != "cpu":
-            raise InputError("miss_precision computes packed experts on the CPU: drop --engine.device cuda")
-        if not self.miss_copy:
-            raise InputError(f"miss_precision={self.miss_precision} needs --engine.miss_copy DIR: `expertcache "
-                             f"quantize --model CKPT --bits {self.miss_precision} --out DIR` of this checkpoint")
-        if not Path(self.miss_copy).is_dir():
-            raise InputError(f"miss_copy {self.miss_copy}: no such folder")
-        qc = quant.read_config(self.miss_copy)
-        if qc is None:
-            raise InputError(f"miss_copy {self.miss_copy} is not an `expertcache quantize` checkpoint (its config has "
-                             f"no quantization_config)")
-        if qc["bits"] != self.miss_precision:
-            raise InputError(f"miss_copy {self.miss_copy} is packed at {qc['bits']} bits; miss_precision is "
-                             f"{self.miss_precision}")
 
     @property
     def slot_device(self) -> str:
