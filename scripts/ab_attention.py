@@ -35,7 +35,7 @@ def main() -> None:
 
     torch.set_num_threads(a.threads)
     m = load(a.model, verify=False, engine=EngineConfig(capacity=1.0, tier="host", kernel="cpu"))
-    cfgs = m.expertcache._attention
+    cfgs = m.expertcache.compute.attention
     if not cfgs:
         raise SystemExit("ab_attention: the engine did not switch this model's attention (no CPU kernels, or not "
                          "sdpa)")

@@ -465,7 +465,7 @@ def test_engine_kernel_cpu_agrees_with_the_family_forward(saved, fam):
     ref_m.expertcache.close()
     m = load(saved / fam, engine=EngineConfig(capacity=1.0, tier="host", kernel="cpu"))
     eng = m.expertcache
-    assert eng._linears and all(mod.fmt.name == "cpu_bf16" for mod in eng.modules)
+    assert eng.compute.linears and all(mod.fmt.name == "cpu_bf16" for mod in eng.modules)
     assert m.config._attn_implementation == patches.ATTENTION  # the decode steps' attention: attend_one
     calls, real = [], ck.attend_one
     ck.attend_one = lambda *a: calls.append(1) or real(*a)
@@ -498,11 +498,11 @@ def test_the_fused_norms_router_and_attention_change_no_logit(saved):
 
     m = load(saved / "qwen3_moe", engine=EngineConfig(capacity=1.0, tier="host", kernel="cpu"))
     eng = m.expertcache
-    kinds = [type(mod).__name__ for mod in eng._linears if type(mod) is not torch.nn.Linear]
+    kinds = [type(mod).__name__ for mod in eng.compute.linears if type(mod) is not torch.nn.Linear]
     n_l = m.config.num_hidden_layers
     assert kinds.count("Qwen3MoeRMSNorm") == 4 * n_l + 1 and kinds.count("Qwen3MoeAttention") == n_l, kinds
     assert kinds.count("Qwen3MoeTopKRouter") == n_l
-    assert all("_ec_qkv" in mod.__dict__ for mod in eng._linears if type(mod).__name__ == "Qwen3MoeAttention")
+    assert all("_ec_qkv" in mod.__dict__ for mod in eng.compute.linears if type(mod).__name__ == "Qwen3MoeAttention")
     calls = {"rms_norm": 0, "qk_norm_rope": 0, "route_topk": 0}
     real = {n: getattr(ck, n) for n in calls}
 
@@ -520,8 +520,8 @@ def test_the_fused_norms_router_and_attention_change_no_logit(saved):
         for n in calls:
             setattr(ck, n, real[n])
     assert calls == {"rms_norm": 5 * (2 * n_l + 1), "qk_norm_rope": 4 * n_l, "route_topk": 5 * n_l}, calls
-    mods = [mod for mod in eng._linears if type(mod).__name__ in ("Qwen3MoeRMSNorm", "Qwen3MoeAttention")]
-    routers = [mod for mod in eng._linears if type(mod).__name__ == "Qwen3MoeTopKRouter"]
+    mods = [mod for mod in eng.compute.linears if type(mod).__name__ in ("Qwen3MoeRMSNorm", "Qwen3MoeAttention")]
+    routers = [mod for mod in eng.compute.linears if type(mod).__name__ == "Qwen3MoeTopKRouter"]
     saved_fwd = {id(mod): mod.__dict__.pop("forward") for mod in mods + [m]}  # (m: the whole-step function)
     for r in routers:  # the router as the engine ran it before: F.linear through linear_bf16
         saved_fwd[id(r)] = r.__dict__.pop("forward")
@@ -551,7 +551,7 @@ def test_left_padded_batched_decode_attends_through_the_padding_mask(saved):
     real, masks = ck.attend_one, []
 
     def run(impl):
-        for c in eng._attention:
+        for c in eng.compute.attention:
             c._attn_implementation_internal = impl
         out, am = [], mask.clone()
         with torch.no_grad():

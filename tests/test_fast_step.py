@@ -76,7 +76,7 @@ def test_the_step_function_gives_the_module_trees_logits_bit_for_bit(qwen, qwen_
     from expertcache.runtime import EngineConfig, load
 
     m = load(qwen if which == "bf16" else qwen_int4, engine=EngineConfig(capacity=1.0, tier="host", kernel="cpu"))
-    assert m.__dict__.get("_ec_step") is not None and m.expertcache._step == [m]
+    assert m.__dict__.get("_ec_step") is not None and m.expertcache.compute.step == [m]
     if which == "int4":
         assert isinstance(m.model.layers[0].self_attn.q_proj, qlinear.QuantLinear)
     ids, steps = torch.tensor([[5, 9, 33, 2, 71, 100, 7, 12]]), torch.tensor([[3, 14, 15, 92, 6]])
@@ -148,7 +148,7 @@ def test_calls_the_step_does_not_take_go_to_the_models_own_forward(qwen):
     got, taken = _steps(m, ids, steps)
     h.remove()
     assert taken == 3 and len(routed) == 4 and torch.equal(got, want)
-    for c in m.expertcache._attention:
+    for c in m.expertcache.compute.attention:
         c._attn_implementation_internal = "sdpa"
     got, taken = _steps(m, ids, steps)
     assert taken == 0 and (got - want).abs().max() < 0.1  # sdpa's own rounding
@@ -162,7 +162,7 @@ def test_only_qwen3_moe_on_the_kernels_takes_the_step(family_checkpoints):
 
     for fam, kernel in (("mixtral", "cpu"), ("qwen3_moe", "native")):
         m = load(family_checkpoints / fam, engine=EngineConfig(capacity=1.0, tier="host", kernel=kernel))
-        assert "forward" not in m.__dict__ and m.expertcache._step == [], (fam, kernel)
+        assert "forward" not in m.__dict__ and m.expertcache.compute.step == [], (fam, kernel)
         assert fast_step.patch_decode_step(m) == []
         m.expertcache.close()
 

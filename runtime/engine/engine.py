@@ -10,16 +10,16 @@ are untouched). `OffloadEngine` runs three stages per layer, each built from its
    the policy's way for a miss: a demand load, ``host``'s compute where the weights live, a packed copy);
 2. loads (`loads.Loads`): prefetch for the layers ahead (the predictor, gated by `PrefetchGuard`), this layer's
    prefetches settled, the misses loading into staging (and stream) slots over one `LoadQueue`;
-3. compute (`experts.Compute`): resident experts while the misses load, each miss as its weights arrive (resident
-   first, as mixtral-offloading iterates), rows combined as the family's implementation combines them: with
-   ``kernel="native"`` greedy tokens are bit-identical to plain `model.generate`; by default (``auto``) the AVX-512
-   kernels of `cpu_kernels` compute bf16 SwiGLU experts (and the decode-sized linears) on CPU, equal up to rounding;
+3. compute (`experts.Compute`, through each pool's weight format class, `formats`): resident experts while the
+   misses load, each miss as its weights arrive (resident first, as mixtral-offloading iterates), rows combined as
+   the family's implementation combines them: with ``kernel="native"`` greedy tokens are bit-identical to plain
+   `model.generate`; by default (``auto``) the AVX-512 kernels of `cpu_kernels` compute bf16 SwiGLU experts (and
+   the decode-sized linears) on CPU, equal up to rounding;
 then the cache policy decides what stays (`cache.CacheState`, through `layer_view.LayerView`).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -27,7 +27,7 @@ import torch
 
 from expertcache.telemetry.errors import InputError
 
-from expertcache.runtime.kernels import cpu_kernels, fast_step, patches, quant
+from expertcache.runtime.kernels import quant
 from expertcache.runtime.storage.checkpoint import StoreExperts
 from expertcache.runtime.engine.layer_view import cache_views, keep_policy
 from expertcache.runtime.engine.predictors import Predictor
@@ -104,15 +104,8 @@ class OffloadEngine:
         self.compute = Compute(parts.compute)
         self.stats = Stats()
         self._new_states()
-        self._linears, self._attention, self._step = [], [], []  # decode-sized projections through the same kernels
-        if cfg.kernel in ("cpu", "auto") and fast == "cpu" and self.modules[0].fmt.one_call \
-                and cpu_kernels.available():  # built (once, cached) only for a model the kernels can compute
-            routed, rest = patches.patch_routers([L.router for L in self.layers])
-            self._linears = (patches.patch_linears(model) + routed + patches.patch_calls(rest)
-                             + patches.patch_norms(model) + patches.patch_attention_modules(model))
-            self._attention = patches.patch_attention(model)  # one-token attention over the KV cache
-            if os.environ.get("EXPERTCACHE_NO_FAST_STEP") != "1":  # a decode step in one function (Qwen3-MoE)
-                self._step = fast_step.patch_decode_step(model)
+        if cfg.kernel in ("cpu", "auto") and fast == "cpu" and self.modules[0].fmt.one_call:  # (the extension is
+            self.compute.patch(model, [L.router for L in self.layers])  # built, once, only for a model it computes)
         self.loads.preload(self.capacity)
         self._hooks = [L.router.register_forward_hook(self._keep_logits(i)) for i, L in enumerate(self.layers)]
         self._fwd_t0: list[float] = []  # the model's forward, timed (nested calls counted once)
@@ -258,10 +251,7 @@ class OffloadEngine:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        fast_step.unpatch_decode_step(self._step)  # first: the step relies on the modules patched below
-        patches.unpatch_linears(self._linears)
-        patches.unpatch_attention(self._attention)
-        self._linears, self._attention, self._step = [], [], []
+        self.compute.unpatch()
         self.pool_exec.shutdown(wait=True)
         for mod in self.modules:  # break the engine <-> module cycle: the slot pools go when the engine does
             mod._engine = [None]

@@ -6,6 +6,7 @@ as the loads stage delivers it, and combines the rows as the family's implementa
 from __future__ import annotations
 
 import copy
+import os
 import time
 
 import torch
@@ -13,7 +14,7 @@ from torch import nn
 
 from expertcache.telemetry.errors import InputError
 
-from expertcache.runtime.kernels import quant
+from expertcache.runtime.kernels import cpu_kernels, fast_step, patches, quant
 from expertcache.runtime.storage.store import FMT
 from expertcache.runtime.storage.tiers import SlotPool
 
@@ -90,6 +91,26 @@ class Compute:
     def __init__(self, part):
         self.part = part
         self.stats = None
+        self.linears, self.attention, self.step = [], [], []  # what `patch` replaced, restored by `unpatch`
+
+    def patch(self, model, routers) -> None:
+        """The rest of a decode step through the same CPU kernels as the experts (where the extension is built
+        here): the decode-sized linears, routers, norms, one-token attention over the KV cache, and a Qwen3-MoE
+        decode step in one function (`EXPERTCACHE_NO_FAST_STEP=1` switches that off)."""
+        if not cpu_kernels.available():
+            return
+        routed, rest = patches.patch_routers(routers)
+        self.linears = (patches.patch_linears(model) + routed + patches.patch_calls(rest)
+                        + patches.patch_norms(model) + patches.patch_attention_modules(model))
+        self.attention = patches.patch_attention(model)  # one-token attention over the KV cache
+        if os.environ.get("EXPERTCACHE_NO_FAST_STEP") != "1":
+            self.step = fast_step.patch_decode_step(model)
+
+    def unpatch(self) -> None:
+        fast_step.unpatch_decode_step(self.step)  # first: the step relies on the modules patched below
+        patches.unpatch_linears(self.linears)
+        patches.unpatch_attention(self.attention)
+        self.linears, self.attention, self.step = [], [], []
 
     def timed(self, fn, *args):
         """Expert compute, timed (the time budget's `expert_compute`)."""
