@@ -593,19 +593,19 @@ def test_kernel_cpu_refuses_what_it_cannot_compute_and_auto_falls_back(saved, tm
 
 FALLBACK = textwrap.dedent("""
     import sys, warnings, torch
-    from expertcache.runtime import load
+    from expertcache.runtime import EngineConfig, load
     from expertcache.runtime.kernels import cpu_kernels as ck
     from expertcache.telemetry.errors import InputError
     if sys.argv[1] == "broken":
         ck._SRC = ck.Path(sys.argv[2])
     warnings.simplefilter("default")
     print("available", ck.available(), ck.available())
-    m = load(sys.argv[3], capacity=1.0, tier="host", kernel="auto")
+    m = load(sys.argv[3], engine=EngineConfig(capacity=1.0, tier="host", kernel="auto"))
     with torch.no_grad():
         m(input_ids=torch.tensor([[1, 2, 3]]))
     print("auto ran")
     try:
-        load(sys.argv[3], capacity=1.0, tier="host", kernel="cpu")
+        load(sys.argv[3], engine=EngineConfig(capacity=1.0, tier="host", kernel="cpu"))
     except InputError as e:
         print("cpu refused:", e)
 """)
