@@ -17,6 +17,10 @@ runs today, side by side.
    cache) when one can be made (root); ``mmap:unbounded``/``llama.cpp:unbounded`` are what a user gets by default.
    Each run is its own process (its peak RSS is its own); the page cache is dropped before each when this
    process may (root), so every system starts cold; rounds alternate the order.
+3. With `--prefill N,...` every system also prefills prompts of those lengths, one cold prefill per length and round
+   in a process of its own (`run_prefill`; llama.cpp's `llama-bench -p N -n 0`), and the roofline's compute term is
+   one prefill with every expert resident (`resident_prefills`); `bigprefill.py` turns the runs into the JSON's
+   `prefill` rows, `roofline_tokens_per_s` and ratios. `--decode false` runs that phase alone.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ prefill less their stall (said in `roofline.compute_from`).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from expertcache.runtime.bench.harness import compare
@@ -109,7 +111,8 @@ def table(res: dict) -> str:
             "(GiB) | in cgroup |", "|---|---|---|---|---|---|---|---|"]
     for s, r in res["systems"].items():
         if "skipped" in r:
-            rows.append(f"| {s} | skipped: {r['skipped'].replace('|', '/')} | | | | | | |")
+            why = r["skipped"].replace("|", "/").replace(str(Path.home()), "~")  # no machine's home in the docs
+            rows.append(f"| {s} | skipped: {why} | | | | | | |")
             continue
         for p in r.get("prefill", []):
             if "tokens_per_s" not in p:
