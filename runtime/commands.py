@@ -248,8 +248,13 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
         raise InputError("--decode false and no --prefill lengths: nothing to run")
     if trace is not None:  # read before the (large) checkpoint is written, not after
         from expertcache.telemetry.routing import load_routing
+        from expertcache.runtime.bench.bigbench import TRACE_START
 
-        load_routing(trace)
+        n_trace = load_routing(trace).ids.shape[1]
+        if routing == "trace" and prefill and TRACE_START + max(prefill) > n_trace:  # a prompt's token p routes as
+            raise InputError(f"--prefill {list(prefill)}: a prompt of {max(prefill)} tokens routes by trace tokens "
+                             f"{TRACE_START} to {TRACE_START + max(prefill) - 1} and --trace {trace} has "
+                             f"{n_trace}")  # the trace's token TRACE_START + p
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise InputError(f"--out_dir {out_dir} is a file; expected a folder")
     # the checkpoint (tens of GB) is written into it once and reused: never into a folder of anything else

@@ -129,3 +129,25 @@ def test_bench_big_refuses_nothing_to_run_and_takes_the_longest_prompt(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--prefill" not in err[0] and "missing.npz" in err[0], err
     assert not (tmp_path / "d").exists()
+
+
+def test_bench_big_refuses_a_prefill_longer_than_its_trace_before_writing_anything(tmp_path, capsys):
+    """--routing trace: a prompt's token p routes as the trace's token 2000 + p; a trace too short for the longest
+    prompt is one line before the checkpoint is written; one long enough passes the check."""
+    import numpy as np
+
+    from expertcache.recipes.cli import main
+    from expertcache.runtime.bench.bigbench import TRACE_START
+
+    ids = np.tile(np.arange(8, dtype=np.int32), (2, TRACE_START + 600, 1))  # [layers, tokens, k]
+    np.savez(tmp_path / "t.npz", experts=ids, meta=np.array(json.dumps({"num_experts": 128})))
+    base = ["bench", "big", "--out_dir", str(tmp_path / "d"), "--out", str(tmp_path / "b.json"), "--trace",
+            str(tmp_path / "t.npz"), "--decode", "false"]
+    assert main([*base, "--prefill", "[512,2048]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--prefill" in err[0] and f"{TRACE_START + 600}" in err[0], err
+    assert not (tmp_path / "d").exists()
+    (tmp_path / "f").write_text("")  # fits: refused next, for its --out_dir (a file), checked after the trace
+    assert main([*base, "--prefill", "[600]", "--out_dir", str(tmp_path / "f")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--prefill" not in err[0] and "is a file" in err[0], err

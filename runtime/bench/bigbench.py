@@ -57,6 +57,7 @@ FORMAT_REGISTRY = Registry("experts format")  # --experts, and an expertcache sy
 for _f in ("bf16", "int8", "int4"):
     FORMAT_REGISTRY.register(_f)
 FORMATS = FORMAT_REGISTRY.names()
+TRACE_START = 2000  # the trace's token that routes the prompt's first; the predictor is fitted on tokens before it
 RAM_OTHER = 2 << 30  # what an expertcache system's budget leaves beside its cache: non-expert weights (~1.3 GB at
 # this shape; 1.67 GiB resident after loading), interpreter, activations
 
@@ -358,7 +359,7 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
 
 def run_prefill(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, prompt_len: int, start: int,
                 engine: EngineConfig | None = None, routing: str = "trace", quant_linears: bool = False,
-                resident: bool = False, **_) -> dict:
+                resident: bool = False, tokens: int | None = None, warmup: int | None = None) -> dict:
     """One system's cold prefill in this process: `prompt_len` tokens in one forward through the decode loop's
     prefill (`timed_greedy` for one token: the path `generate` and `serve` run), the first token chosen. Returns
     `tokens_per_s` (prompt tokens over the time to the first token), `ttft_s` (the forward and the first token's
@@ -562,7 +563,8 @@ SYSTEM_REGISTRY.register("expertcache", System(("expertcache:on-demand", "expert
                          takes_arg="config", convert=_variant(("on-demand", "prefetch")),
                          arg_help="on-demand or prefetch, then :int8/:int4 and /key=value engine options")
 SYSTEM_REGISTRY.register("accelerate", System(("accelerate",), run_one, run_prefill))
-SYSTEM_REGISTRY.register("mmap", System(("mmap", "mmap:unbounded"), run_one, run_prefill), takes_arg="unbounded", default="",
+SYSTEM_REGISTRY.register("mmap", System(("mmap", "mmap:unbounded"), run_one, run_prefill), takes_arg="unbounded",
+                         default="",
                          convert=_variant(("", "unbounded")), arg_help="mmap or mmap:unbounded")
 SYSTEM_REGISTRY.register("llama.cpp", System(("llama.cpp", "llama.cpp:unbounded"), run_llamacpp, run_llamacpp_prefill,
                                              own_process=False,
@@ -693,7 +695,7 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
     if why:
         skipped["accelerate"] = why
     systems = [s for s in systems if s not in skipped]
-    start = 2000  # decode window of the trace; the predictor is fitted on tokens before it
+    start = TRACE_START
     cg, cg_note = MemoryCgroup.create(int(budget_gb * 2**30)) if cgroup else (None, "--cgroup false")
     job = {"ckpt": str(ckpt), "trace": str(trace), "budget_gb": budget_gb, "prompt_len": prompt_len, "start": start,
            "routing": routing, "quant_linears": quant_linears}

@@ -45,7 +45,8 @@ def prefill_rows(rounds: list[list[dict]], lengths) -> list[dict]:
                 if k in ok[0]:
                     row[k] = float(np.median([x[k] for x in ok]))
             if "read_bandwidth" in ok[0]:
-                row["read_bandwidth_GBps"] = float(np.median([x["read_bandwidth"]["at_queue_depth_GBps"] for x in ok]))
+                row["read_bandwidth_GBps"] = float(np.median([x["read_bandwidth"]["at_queue_depth_GBps"]
+                                                              for x in ok]))
             for k in ("disk_read_includes_load", "llamacpp_build", "cmd"):
                 if k in ok[0]:
                     row[k] = ok[0][k]
@@ -119,9 +120,10 @@ def table(res: dict) -> str:
                 why = "; ".join(e[:160] for e in p["errors"]).replace("|", "/")
                 rows.append(f"| {s} | {p['prompt_tokens']} | failed: {why} | | | | | |")
                 continue
+            load = " (with loading)" if p.get("disk_read_includes_load") else ""
             rows.append(f"| {s} | {p['prompt_tokens']} | {p['tokens_per_s']:.1f} | "
                         f"{', '.join(f'{x:.1f}' for x in p['tokens_per_s_rounds'])} | {p['ttft_s']:.2f} | "
-                        f"{p['disk_read_bytes'] / 1e9:.2f}{' (with loading)' if p.get('disk_read_includes_load') else ''}"
+                        f"{p['disk_read_bytes'] / 1e9:.2f}{load}"
                         f" | {p['peak_rss_bytes'] / 2**30:.2f} | {'yes' if p['in_memory_cgroup'] else 'no'} |")
     roof = res.get("prefill_roofline", {})
     if roof:
