@@ -152,6 +152,7 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
               engine: EngineConfig = EngineConfig(tier="disk"),
               experts: list[str] = ["bf16"], routing: str = "trace", cgroup: bool = True,
               keep_gguf: bool = False, llamacpp_dir: Optional[str] = None, quant_linears: bool = False,
+              prefill: list[int] = [], decode: bool = True, llamacpp_build: bool = True,
               out: Optional[str] = "results/bench_big.json") -> dict:
     """A Qwen3-30B-A3B-shaped checkpoint larger than RAM, decoded by expertcache (disk tier, cache within the
     budget), transformers + accelerate disk offload and the page cache (mmap), on the same routing, alternated,
@@ -197,7 +198,15 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
         keep_gguf: keep llama.cpp's GGUF copy of the checkpoint (beside it in --out_dir) when done
         llamacpp_dir: where llama.cpp's source is downloaded and built (default: $EXPERTCACHE_LLAMACPP or
             ~/.cache/expertcache/llamacpp)
-        out: the JSON (a PNG beside it)
+        prefill: prompt lengths of a prefill phase (default none), e.g. [512,2048]: per system and length, one
+            cold prefill per round (the page cache dropped, its own process, alternated like the decode rounds):
+            prompt tokens/s, time to first token and bytes read; llama.cpp's is `llama-bench -p N -n 0`. Then one
+            prefill per length with every expert resident (when they fit in memory): the roofline
+            (`roofline_tokens_per_s`, the larger of the reads at the disk's measured bandwidth and that compute)
+        decode: run the decode rounds (false: the prefill phase alone)
+        llamacpp_build: build llama.cpp when it is not built (10-30 minutes of every core); false: its systems are
+            skipped, saying so
+        out: the JSON (a PNG beside it when decode runs)
     """
     config = dict(locals())  # the resolved configuration, recorded in the result
     from expertcache.telemetry.progress import Progress
@@ -231,10 +240,21 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
     if longest > positions:  # before the checkpoint (tens of GB) is written, not as a traceback in its first run
         raise InputError(f"--prompt_len {prompt_len} + warm-up and timed tokens ({longest} positions) exceeds the "
                          f"checkpoint's context of {positions} positions")
+    bad = [n for n in prefill if not 1 <= n <= positions]
+    if bad or len(set(prefill)) < len(prefill):  # a prefill's prompt fills its positions; its first token needs none
+        raise InputError(f"--prefill {list(prefill)}: expected distinct prompt lengths from 1 to the checkpoint's "
+                         f"context of {positions} positions" + (f" ({bad[0]} is not)" if bad else ""))
+    if not decode and not prefill:
+        raise InputError("--decode false and no --prefill lengths: nothing to run")
     if trace is not None:  # read before the (large) checkpoint is written, not after
         from expertcache.telemetry.routing import load_routing
+        from expertcache.runtime.bench.bigbench import TRACE_START
 
-        load_routing(trace)
+        n_trace = load_routing(trace).ids.shape[1]
+        if routing == "trace" and prefill and TRACE_START + max(prefill) > n_trace:  # a prompt's token p routes as
+            raise InputError(f"--prefill {list(prefill)}: a prompt of {max(prefill)} tokens routes by trace tokens "
+                             f"{TRACE_START} to {TRACE_START + max(prefill) - 1} and --trace {trace} has "
+                             f"{n_trace}")  # the trace's token TRACE_START + p
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise InputError(f"--out_dir {out_dir} is a file; expected a folder")
     # the checkpoint (tens of GB) is written into it once and reused: never into a folder of anything else
@@ -245,19 +265,28 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
                   accelerate_tokens, accelerate_warmup, engine,
                   progress=lambda n, what=None: _step(prog, task, n, what),
                   experts=tuple(experts), routing=routing, cgroup=cgroup, keep_gguf=keep_gguf,
-                  llamacpp_dir=llamacpp_dir, quant_linears=quant_linears)
+                  llamacpp_dir=llamacpp_dir, quant_linears=quant_linears, prefill=tuple(prefill), decode=decode,
+                  llamacpp_build=llamacpp_build)
     res["git_commit"] = commit
     failed = {sys_: r["errors"] for sys_, r in res["systems"].items() if r.get("errors")}
     # a system asked for that failed or was skipped makes the run exit 1 (its reason stays in the JSON)
     res["ok"] = not failed and not res.get("skipped")
     if out:
         bw = [r["read_bandwidth"]["at_queue_depth_GBps"] for r in res["systems"].values() if r.get("read_bandwidth")]
+        bw += [p["read_bandwidth_GBps"] for r in res["systems"].values() for p in r.get("prefill", [])
+               if p.get("read_bandwidth_GBps")]
         from expertcache.runtime.bench.results import command_line
 
         res = write_result(out, res, config, command_line("bench big", bench_big, config), provenance=prov,
                            read_GBps=max(bw) if bw else None)
-        plot(res, Path(out).with_suffix(".png"))
-    _table(table(res))
+        if decode:
+            plot(res, Path(out).with_suffix(".png"))
+    if decode:
+        _table(table(res))
+    if prefill:
+        from expertcache.runtime.bench.bigprefill import table as prefill_table
+
+        _table(prefill_table(res))
     for sys_, why in res.get("skipped", {}).items():
         print(f"bench big: skipped {sys_}: {why}", file=sys.stderr)
     if failed:

@@ -3,7 +3,7 @@
 
     python scripts/ab_attention.py --model /work/ckpt/q30-4l --threads 1 --context 512 --tokens 16 --rounds 3
 
-Loads `--model` all resident with the CPU kernels (`load(capacity=1.0, tier="host", kernel="cpu")`, which switches
+Loads `--model` all resident with the CPU kernels (`load(..., engine=EngineConfig(capacity=1.0, tier="host", kernel="cpu"))`, which switches
 its sdpa attention to `expertcache_cpu`), then decodes greedily from a random prompt of `--context` tokens, each
 round once with our attention and once with sdpa (the order alternating), after one untimed decode of each. Time
 per output token = the decode steps after the prefill / their number; the medians of the rounds, and whether both

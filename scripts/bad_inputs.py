@@ -812,6 +812,8 @@ def cases(P: dict) -> list[dict]:
         note="the checkpoint's own tokenizer_config.json template")
     # issue #47: prompt reuse and chunked prefill in serve
     add("big-prompt-len-beyond-context", [*bb, "--prompt_len", 5000], note="the checkpoint has 4,096 positions")
+    add("big-prefill-0", [*bb, "--prefill", "[0]"], note="a prefill of no tokens")
+    add("big-prefill-beyond-context", [*bb, "--prefill", "[512,5000]"], note="the checkpoint has 4,096 positions")
     add("serve-prefill-chunk-0", [*sv, "--prefill_chunk", 0])
     add("serve-prefill-chunk-beyond-context", [*sv, "--prefill_chunk", 10**7])
     add("serve-kv-cache-gb-negative", [*sv, "--kv_cache_gb", -1])

@@ -9,7 +9,7 @@
   int4; group 32) and thread count, beside this machine's memory read bandwidth at that thread count (the
   extension's streaming read of 1 GiB, median of 5). Target: >= 0.7 of it at one thread.
 - `pairs` (with `--model`, a bf16 Hugging Face checkpoint with its tokenizer): the model decoded with every expert
-  resident (`load(capacity=1.0, tier="host", kernel="cpu")`, greedy decode through the decode loop of generate and
+  resident (`load(..., engine=EngineConfig(capacity=1.0, tier="host", kernel="cpu"))`, greedy decode through the decode loop of generate and
   serve (`generate.timed_greedy`), time per output token = the N decode steps after the prefill / N), against
   `llama-bench -p 0 -n N` on the GGUF conversion of the same weights (`scripts/llamacpp_peer.py`): bf16 vs BF16,
   int8 vs Q8_0, int4 vs Q4_0. Our int8/int4 checkpoints come from `expertcache quantize --linears true` (routed

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from expertcache.telemetry.cache import CacheState
 from expertcache.telemetry.provenance import provenance
 from expertcache.runtime.bench.replay import REFERENCE_TRACE
 from expertcache.runtime.engine.trace_predictors import CooccurrenceEstimator
@@ -36,7 +36,7 @@ def features(ids: np.ndarray, m: np.ndarray, slots: int, t0: int, t1: int, warm:
     each was used `[n]`, and the step's misses."""
     n_l, _, _ = ids.shape
     e = m.shape[-1]
-    caches = [OrderedDict() for _ in range(n_l)]
+    caches = [CacheState(slots, ids.shape[-1]) for _ in range(n_l)]  # the one LRU (telemetry/cache.py)
     last = np.full((n_l, e), -10.0 ** 6)
     cnt = np.zeros((n_l, e))
     out = []
@@ -45,18 +45,13 @@ def features(ids: np.ndarray, m: np.ndarray, slots: int, t0: int, t1: int, warm:
             c, cur = caches[layer], ids[layer, t]
             if t >= t0 and layer >= 1:
                 s = m[layer - 1][ids[layer - 1, t]].sum(0)
-                nonres = np.array([x for x in range(e) if x not in c])
-                miss = {int(x) for x in cur if x not in c}
+                nonres = np.array([x for x in range(e) if c.lookup(x) is None])
+                miss = {int(x) for x in cur if c.lookup(int(x)) is None}
                 age = np.minimum(t - last[layer, nonres], 1000.0)
                 f = np.stack([s[nonres], np.log1p(age), cnt[layer, nonres], np.log1p(100 * s[nonres])], 1)
                 out.append((f, np.array([int(x) in miss for x in nonres]), len(miss)))
-            for x in cur:
-                if x in c:
-                    c.move_to_end(x)
-                else:
-                    c[x] = 1
-                    if len(c) > slots:
-                        c.popitem(last=False)
+            step = [int(x) for x in cur]
+            c.retain(step, c.stage([x for x in step if c.lookup(x) is None]))
             cnt[layer] *= 0.97
             cnt[layer, cur] += 1
             last[layer, cur] = t

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from expertcache.runtime.bench import bench
 from expertcache.runtime.bench import bigbench
+from expertcache.runtime.bench import bigprefill
 from expertcache.runtime.bench import replay
 from expertcache.trainer.cache_aware import frontier_table
 
@@ -265,7 +266,7 @@ def tables() -> dict[str, str]:
                                        f"python scripts/bench_cachesim.py; git {_git(d, 'commit')}", cachesim_table(d))
     for name, fn in (("bench_big", bigbench.table), ("bench_big_native", bigbench.table),
                      ("bench_big_16gb", bigbench.table), ("bench_decode_0.87gb", bench.table),
-                     ("replay_bf16", replay.table)):
+                     ("replay_bf16", replay.table), ("bench_big_prefill", bigprefill.table)):
         if (d := _load(f"{name}.json")):
             cfg = f"results/{name}.config.yaml"
             how = (f"expertcache {'bench big' if 'big' in name else 'bench decode'} --config {cfg}; "

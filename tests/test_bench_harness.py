@@ -111,6 +111,7 @@ _CHILD = """
     """
 
 
+@pytest.mark.slow  # a child process that imports torch and allocates (5-7 s)
 def test_the_runner_runs_a_config_file_in_a_child_and_reads_its_peak_memory(tmp_path, monkeypatch):
     """A configuration file crosses to a child process; its last stdout line is its result, with the child's own
     peak memory measured from its rusage (a 96 MiB allocation shows), and the cgroup's peak when one is made (as

@@ -275,19 +275,23 @@ def test_load_eval_refuses_unreadable_files(tmp_path):
 
 
 def test_eval_refuses_a_checkpoint_that_produces_nan(evals, tiny_data):
-    """Corrupted weights that make NaN logits never reach a result (and so never a gate, never exit 0)."""
+    """Corrupted weights that make NaN logits never reach a result (and so never a gate, never exit 0): a NaN
+    weight is refused as the model is opened (the weight checks), finite weights that overflow the logits when the
+    logits come out."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     base = evals["base_model"]
-    nan = evals["root"] / "nan-model"
-    m = AutoModelForCausalLM.from_pretrained(base)
-    with torch.no_grad():
-        m.model.norm.weight.fill_(float("nan"))  # the final norm: every logit NaN
-    m.save_pretrained(nan)
-    AutoTokenizer.from_pretrained(base).save_pretrained(nan)
-    with pytest.raises(InputError, match="non-finite logits: corrupted weights"):
-        evaluate(nan, corpus=tiny_data["corpus"], tasks=[], task_dir=evals["root"] / "tasks", ppl_blocks=1,
-                 seq_len=16, split="validation")
+    for fill, msg in ((float("nan"), r"damaged weights: tensor model\.norm\.weight .*holds NaN/inf"),
+                      (3.0e38, "non-finite logits: corrupted weights")):  # (the final norm alone: no siblings)
+        bad = evals["root"] / f"bad-model-{fill}"
+        m = AutoModelForCausalLM.from_pretrained(base)
+        with torch.no_grad():
+            m.model.norm.weight.fill_(fill)  # the final norm: every logit NaN or inf
+        m.save_pretrained(bad)
+        AutoTokenizer.from_pretrained(base).save_pretrained(bad)
+        with pytest.raises(InputError, match=msg):
+            evaluate(bad, corpus=tiny_data["corpus"], tasks=[], task_dir=evals["root"] / "tasks", ppl_blocks=1,
+                     seq_len=16, split="validation")
 
 
 def _scaled(res, factors):

@@ -78,6 +78,7 @@ def test_reference_matches_a_dense_swiglu():
     assert torch.allclose(swiglu_reference(x, gu, dn, slots, w), want, atol=1e-5)
 
 
+@pytest.mark.slow  # a subprocess running triton's interpreter (3-10 s)
 def test_triton_kernel_matches_the_reference_in_the_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")  # must be set before triton is imported: a fresh process
@@ -86,6 +87,7 @@ def test_triton_kernel_matches_the_reference_in_the_interpreter():
     assert "max abs err" in r.stdout
 
 
+@pytest.mark.slow  # a subprocess running triton's interpreter (3-10 s)
 def test_packed_triton_kernel_matches_the_dequantized_reference_in_the_interpreter():
     """int8, int4 (groups 32 to 128) and symmetric int4 experts dequantized inside the triton kernel, over slot
     views a block apart: equal to the torch reference over `quant.dequantize`'s weights up to summation order."""

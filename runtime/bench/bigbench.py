@@ -17,6 +17,10 @@ runs today, side by side.
    cache) when one can be made (root); ``mmap:unbounded``/``llama.cpp:unbounded`` are what a user gets by default.
    Each run is its own process (its peak RSS is its own); the page cache is dropped before each when this
    process may (root), so every system starts cold; rounds alternate the order.
+3. With `--prefill N,...` every system also prefills prompts of those lengths, one cold prefill per length and round
+   in a process of its own (`run_prefill`; llama.cpp's `llama-bench -p N -n 0`), and the roofline's compute term is
+   one prefill with every expert resident (`resident_prefills`); `bigprefill.py` turns the runs into the JSON's
+   `prefill` rows, `roofline_tokens_per_s` and ratios. `--decode false` runs that phase alone.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ FORMAT_REGISTRY = Registry("experts format")  # --experts, and an expertcache sy
 for _f in ("bf16", "int8", "int4"):
     FORMAT_REGISTRY.register(_f)
 FORMATS = FORMAT_REGISTRY.names()
+TRACE_START = 2000  # the trace's token that routes the prompt's first; the predictor is fitted on tokens before it
 RAM_OTHER = 2 << 30  # what an expertcache system's budget leaves beside its cache: non-expert weights (~1.3 GB at
 # this shape; 1.67 GiB resident after loading), interpreter, activations
 
@@ -124,6 +129,13 @@ def _slot_bytes(ckpt: Path) -> int:
     return open_source(ckpt, qc).meta.block_bytes if qc else expert_bytes() + ALIGN
 
 
+def _ckpt_shape(ckpt: Path) -> tuple[int, int, int, int]:
+    """`(experts, top_k, hidden, expert intermediate)` of a checkpoint, from its config.json."""
+    c = json.loads((Path(ckpt) / "config.json").read_text())
+    n_exp = c.get("num_experts", c.get("num_local_experts"))  # the name differs across transformers versions
+    return n_exp, c["num_experts_per_tok"], c["hidden_size"], c["moe_intermediate_size"]
+
+
 def replay_only(spec: str) -> bool:
     """Whether a predictor name is one only a routing trace can serve (cooccurrence, oracle[:recall]): in bench big,
     the trace-routing prefetch rows only."""
@@ -168,12 +180,13 @@ def check_systems(systems, engine: EngineConfig, routing: str) -> None:
 
 
 def _load_system(system: str, ckpt: Path, budget: int, layers: int, trace_ids: np.ndarray | None, start: int,
-                 engine: EngineConfig):
+                 engine: EngineConfig, resident: bool = False):
     """`(model, engine or None, routers)` for one system; expertcache's under `engine` with the capacity the budget
     leaves. The prefetch row predicts with `engine.predictor` when one is given (a trace's own, cooccurrence or
     oracle[:recall], over `trace_ids`, the routing replayed from `start`); else with the co-occurrence predictor
     fitted on the trace's tokens before `start` (trace routing), or, with `trace_ids` None (the checkpoint's own
-    routing), the probe of the next layer's router."""
+    routing), the probe of the next layer's router. `resident`: expertcache with every expert in memory (capacity
+    1.0, host tier), whatever the budget."""
     from expertcache.telemetry.adapters import adapter_for
 
     if system.startswith("expertcache"):  # expertcache:on-demand | :prefetch, then :int8 / :int4 for quantized
@@ -185,11 +198,14 @@ def _load_system(system: str, ckpt: Path, budget: int, layers: int, trace_ids: n
 
         # the stream slots (a prefill's misses) come out of the budget too: with every slot touched when it is
         # made, the cache's whole size is resident from the start, and a cgroup of the budget holds no slack
-        stream = min(STREAM_SLOTS_PER_K * TOP_K, EXPERTS) * _slot_bytes(ckpt)
-        cap = budget_capacity(budget - RAM_OTHER - stream, _slot_bytes(ckpt), layers, TOP_K, EXPERTS)  # packed: more
-        if cap < 1:
+        n_exp, top_k = _ckpt_shape(ckpt)[:2]  # the checkpoint's own (a test's tiny one; bigckpt's otherwise)
+        stream = min(STREAM_SLOTS_PER_K * top_k, n_exp) * _slot_bytes(ckpt)
+        cap = budget_capacity(budget - RAM_OTHER - stream, _slot_bytes(ckpt), layers, top_k, n_exp)  # packed: more
+        if cap < 1 and not resident:
             raise InputError(f"a budget of {budget / 2**30:.1f} GiB leaves no cache slots after the non-expert weights")
         cfg, pred = replace(engine, capacity=cap, predictor="none"), "none"  # "none": the config's predictor
+        if resident:  # every expert in memory: the prefill's compute alone (the roofline's compute term)
+            cfg = replace(engine, capacity=1.0, tier="host", predictor="none")
         prefetch = parse_system(system)[0] == "expertcache:prefetch"
         ids_fit = None if trace_ids is None else trace_ids[:, :start - 1]
         if prefetch and replay_only(engine.predictor) and trace_ids is not None:  # the trace's own (an oracle reads
@@ -235,14 +251,15 @@ def _mmap_model(ckpt: Path):
     raw = [torch.frombuffer(mp, dtype=torch.uint8) for mp in maps]
     from expertcache.telemetry.adapters import adapter_for
 
+    n_exp, _, hidden, inter = _ckpt_shape(ckpt)
     for li, layer in enumerate(adapter_for(m).moe_layers(m)):
         g0 = ck.tensors[f"model.layers.{layer.index}.mlp.experts.0.gate_proj.weight"]
         g1 = ck.tensors[f"model.layers.{layer.index}.mlp.experts.1.gate_proj.weight"]
         d0 = ck.tensors[f"model.layers.{layer.index}.mlp.experts.0.down_proj.weight"]
         stride = (g1.start - g0.start) // 2  # elements between experts
         base = raw[g0.file]
-        gu = base[g0.start:].view(torch.bfloat16).as_strided([EXPERTS, 2 * INTER, HIDDEN], [stride, HIDDEN, 1])
-        dn = base[d0.start:].view(torch.bfloat16).as_strided([EXPERTS, HIDDEN, INTER], [stride, INTER, 1])
+        gu = base[g0.start:].view(torch.bfloat16).as_strided([n_exp, 2 * inter, hidden], [stride, hidden, 1])
+        dn = base[d0.start:].view(torch.bfloat16).as_strided([n_exp, hidden, inter], [stride, inter, 1])
         ex = layer.experts
         ex._parameters["gate_up_proj"] = torch.nn.Parameter(gu, requires_grad=False)
         ex._parameters["down_proj"] = torch.nn.Parameter(dn, requires_grad=False)
@@ -340,6 +357,77 @@ def run_one(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, 
     return res
 
 
+def run_prefill(system: str, ckpt: str | Path, trace: str | Path, budget_gb: float, prompt_len: int, start: int,
+                engine: EngineConfig | None = None, routing: str = "trace", quant_linears: bool = False,
+                resident: bool = False, tokens: int | None = None, warmup: int | None = None) -> dict:
+    """One system's cold prefill in this process: `prompt_len` tokens in one forward through the decode loop's
+    prefill (`timed_greedy` for one token: the path `generate` and `serve` run), the first token chosen. Returns
+    `tokens_per_s` (prompt tokens over the time to the first token), `ttft_s` (the forward and the first token's
+    sampling), `disk_read_bytes` (/proc/self/io read_bytes over the prefill: O_DIRECT reads and mmap's page faults
+    alike), the (layer, expert) pairs the prompt routed to, and for expertcache the engine's own bytes, stall and
+    compute seconds and the disk's measured read limits. `resident`: expertcache with every expert in memory (the
+    roofline's compute term): one untimed prefill first, then the timed one, which must read nothing (said in
+    `loads_in_timed`). `tokens`/`warmup` of the run configuration are the decode's, unused here."""
+    import copy
+
+    from expertcache.runtime.serve.generate import timed_greedy
+    from expertcache.telemetry.routing import load_routing
+
+    ckpt = Path(ckpt)
+    fmt = parse_system(system)[1]
+    if fmt in ("int8", "int4"):
+        ckpt = quantized_path(ckpt, fmt, quant_linears)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    native = routing == "native"
+    ids = None if native else load_routing(trace).ids[:cfg["num_hidden_layers"]]
+    cfg_engine = engine or EngineConfig(tier="disk")
+    t0 = time.perf_counter()
+    m, eng, routers = _load_system(system, ckpt, int(budget_gb * 2**30), cfg["num_hidden_layers"], ids, start,
+                                   cfg_engine, resident)
+    load_s = time.perf_counter() - t0
+    prompt = torch.randint(2, cfg["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(0))
+
+    from expertcache.runtime.engine.trace_predictors import TracePredictor
+
+    told = eng.predictor if eng is not None and isinstance(eng.predictor, TracePredictor) else None
+
+    def once():
+        forced = None if native else TraceRouting(routers, ids, start, told)
+        touched = set()  # (layer, expert) pairs the prompt routed to, after any forced routing
+        hooks = [r.register_forward_hook(lambda mod, a, out, i=i: touched.update(
+            (i, int(e)) for e in out[2].unique().tolist())) for i, r in enumerate(routers)]
+        s0 = copy.copy(eng.stats) if eng is not None else None
+        io0 = _read_bytes()
+        t = time.perf_counter()
+        times, ids_out, _ = timed_greedy(m, prompt, 1, eng)  # the prefill, then the first token chosen
+        io1 = _read_bytes()
+        for h in hooks + (forced.handles if forced is not None else []):
+            h.remove()
+        return (times[0] - t, io1 - io0, (eng.stats - s0) if eng is not None else None, len(touched),
+                int(ids_out[0, -1]))
+
+    if resident:
+        once()  # every expert brought in; the timed pass below is compute alone
+    ttft, read, st, touched, first = once()
+    res = {"system": system, "prompt_tokens": prompt_len, "tokens_per_s": prompt_len / ttft, "ttft_s": ttft,
+           "disk_read_bytes": read, "load_s": load_s, "experts_touched": touched, "first_token": first,
+           "expert_bytes": 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * 2,  # bf16 gate, up, down
+           "peak_rss_bytes": peak_rss_bytes(), "resident": resident}
+    if eng is not None:
+        res.update({"engine_bytes_moved": st.bytes_moved, "stall_s": st.stall_s, "expert_compute_s": st.compute_s,
+                    "forward_s": st.forward_s, "loads_in_timed": st.demand_loads + st.prefetch_loads,
+                    "engine": eng.describe()})
+        if eng.tier.name == "disk":  # this disk's read limits, measured after the prefill (into buffers of its own)
+            from expertcache.runtime.storage.tiers import read_limits
+
+            lim = read_limits(eng.tier, eng.meta, eng.meta.num_layers, cfg_engine.workers)
+            res["read_bandwidth"] = {"at_queue_depth_GBps": lim["at_queue_depth"]["GBps"],
+                                     "queue_depth": lim["at_queue_depth"]["queue_depth"],
+                                     "one_at_a_time_GBps": lim["one_at_a_time"]["GBps"]}
+        eng.close()
+    return res
+
+
 def run_process(config: Path, log: Path, cg=None, timeout_s: float = 3600) -> dict:
     """One round of a system in a process of its own (`runner.run_child`: the page cache dropped, inside the memory
     cgroup `cg` when given, its peak memory read), from its run configuration `config` (`write_run_config`), its
@@ -348,13 +436,15 @@ def run_process(config: Path, log: Path, cg=None, timeout_s: float = 3600) -> di
 
 
 RUN_KEYS = ("system", "ckpt", "trace", "budget_gb", "tokens", "warmup", "prompt_len", "start", "engine", "routing",
-            "quant_linears")  # a run configuration's keys: `run_one`'s arguments
+            "quant_linears", "phase")  # a run configuration's keys: `run_one`'s arguments, then which phase runs
+PHASES = ("decode", "prefill", "resident")  # `run_one`; `run_prefill`; `run_prefill(resident=True)`
 
 
-def write_run_config(path: Path, system: str, job: dict, engine: EngineConfig) -> Path:
+def write_run_config(path: Path, system: str, job: dict, engine: EngineConfig, phase: str = "decode") -> Path:
     """A system's run configuration, the file its process reads: `job` (what every system shares) with the system
-    and its engine resolved here, once (its name's options applied over --engine's: `system_engine`)."""
-    cfg = {**job, "system": system, "engine": asdict(system_engine(system, engine))}
+    and its engine resolved here, once (its name's options applied over --engine's: `system_engine`), and the
+    phase it runs (`PHASES`)."""
+    cfg = {**job, "system": system, "engine": asdict(system_engine(system, engine)), "phase": phase}
     return write_config(path, {k: cfg[k] for k in RUN_KEYS if k in cfg})
 
 
@@ -374,13 +464,16 @@ def load_run_config(path: str | Path) -> dict:
             raise InputError(f"run configuration {path}: engine {eng!r} is not a mapping of EngineConfig fields")
         cfg["engine"] = EngineConfig(**eng)
         cfg["engine"].check()
+    if cfg.setdefault("phase", "decode") not in PHASES:
+        raise InputError(f"run configuration {path}: phase {cfg['phase']!r}; expected one of {', '.join(PHASES)}")
     return cfg
 
 
-def prepare_llamacpp(systems, routing: str, ckpt: Path, out_dir: Path, llamacpp_dir=None):
+def prepare_llamacpp(systems, routing: str, ckpt: Path, out_dir: Path, llamacpp_dir=None, build: bool = True):
     """For the llama.cpp systems asked for: `(bin dir, GGUF, {})` once llama.cpp is built and the checkpoint
     converted (both reused), or `(None, None, {system: why})` when they cannot run (trace routing, or a step that
-    failed: its one line)."""
+    failed: its one line). `build` False: a llama.cpp not built already is not downloaded nor built (10-30 minutes
+    of every core): its systems are skipped, saying so."""
     want = [s for s in systems if system_entry(s).native_only]
     if not want:
         return None, None, {}
@@ -390,7 +483,11 @@ def prepare_llamacpp(systems, routing: str, ckpt: Path, out_dir: Path, llamacpp_
     from expertcache.runtime.bench import llamacpp
 
     try:
-        src = llamacpp.source_dir(Path(llamacpp_dir) if llamacpp_dir else None)
+        cache = Path(llamacpp_dir) if llamacpp_dir else None
+        if not build and llamacpp.built(cache) is None:
+            raise llamacpp.LlamaCppError("build", f"llama.cpp is not built in {cache or llamacpp.cache_dir()} and "
+                                         f"--llamacpp_build false (building takes 10-30 minutes of every core)")
+        src = llamacpp.source_dir(cache)
         bins = llamacpp.build(src)
         need, free = have_ckpt(ckpt), free_disk(out_dir)  # a BF16 GGUF is about the checkpoint's size
         if not llamacpp.gguf_path(ckpt, "bf16", out_dir).exists() and free < need + (1 << 30):
@@ -425,10 +522,25 @@ def run_llamacpp(system: str, bins: Path, gguf: Path, tokens: int, warmup: int, 
             "threads": r["threads"], "cmd": r["cmd"]}
 
 
+def run_llamacpp_prefill(system: str, bins: Path, gguf: Path, prompt_len: int, threads: int, preexec=None,
+                         timeout_s: float = 3600, log: Path | None = None) -> dict:
+    """One cold prefill of llama.cpp (`llama-bench -p N -n 0`, its own process, in the cgroup when `preexec` joins
+    it): `run_prefill`'s fields. `ttft_s` is llama-bench's prompt time (it excludes sampling, microseconds); the
+    bytes read are the whole process's (loading included, `disk_read_includes_load`)."""
+    from expertcache.runtime.bench.llamacpp import bench_prompt
+
+    r = bench_prompt(bins, gguf, threads, prompt_len, preexec, timeout_s, log)
+    return {"system": system, "prompt_tokens": prompt_len, "tokens_per_s": r["tokens_per_s"],
+            "ttft_s": float(np.median(r["prompt_s"])), "disk_read_bytes": r["read_bytes"],
+            "disk_read_includes_load": True, "peak_rss_bytes": r["peak_rss_bytes"], "llamacpp_build": r["build"],
+            "threads": r["threads"], "cmd": r["cmd"]}
+
+
 class System(NamedTuple):
     """A registered system of bench big: the names it runs under, how one round of it runs, and what it needs."""
     variants: tuple[str, ...]  # its full names (`mmap`, `mmap:unbounded`); `:unbounded` runs outside the cgroup
     run: Callable[..., dict]  # one round: `run_one` (in the process the runner starts) or `run_llamacpp`
+    prefill: Callable[..., dict] | None = None  # one cold prefill: `run_prefill`, or `run_llamacpp_prefill`
     own_process: bool = True  # run by `runner.run_child` (False: it starts its own, llama-bench, itself)
     native_only: bool = False  # routes with the checkpoint's own routers (no hook to force a trace's choice)
 
@@ -446,13 +558,16 @@ def _variant(allowed: tuple[str, ...]):
 # `:unbounded` ones runs inside a memory cgroup of the budget when one can be made; `mmap:unbounded` is the page
 # cache a user gets by default (all the free RAM)
 SYSTEM_REGISTRY = Registry("system")
-SYSTEM_REGISTRY.register("expertcache", System(("expertcache:on-demand", "expertcache:prefetch"), run_one),
+SYSTEM_REGISTRY.register("expertcache", System(("expertcache:on-demand", "expertcache:prefetch"), run_one,
+                                               run_prefill),
                          takes_arg="config", convert=_variant(("on-demand", "prefetch")),
                          arg_help="on-demand or prefetch, then :int8/:int4 and /key=value engine options")
-SYSTEM_REGISTRY.register("accelerate", System(("accelerate",), run_one))
-SYSTEM_REGISTRY.register("mmap", System(("mmap", "mmap:unbounded"), run_one), takes_arg="unbounded", default="",
+SYSTEM_REGISTRY.register("accelerate", System(("accelerate",), run_one, run_prefill))
+SYSTEM_REGISTRY.register("mmap", System(("mmap", "mmap:unbounded"), run_one, run_prefill), takes_arg="unbounded",
+                         default="",
                          convert=_variant(("", "unbounded")), arg_help="mmap or mmap:unbounded")
-SYSTEM_REGISTRY.register("llama.cpp", System(("llama.cpp", "llama.cpp:unbounded"), run_llamacpp, own_process=False,
+SYSTEM_REGISTRY.register("llama.cpp", System(("llama.cpp", "llama.cpp:unbounded"), run_llamacpp, run_llamacpp_prefill,
+                                             own_process=False,
                                              native_only=True), takes_arg="unbounded", default="",
                          convert=_variant(("", "unbounded")), arg_help="llama.cpp or llama.cpp:unbounded")
 SYSTEMS = tuple(v for e in SYSTEM_REGISTRY.entries() for v in e.obj.variants)  # every full name, from the registry
@@ -531,7 +646,8 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
               ram_factor: float = 1.25, layers: int | None = None, slow_tokens: int = 8, slow_warmup: int = 2,
               engine: EngineConfig = EngineConfig(tier="disk"), timeout_s: int = 3600, progress=None,
               experts=("bf16",), routing: str = "trace", cgroup: bool = True, keep_gguf: bool = False,
-              llamacpp_dir: str | Path | None = None, quant_linears: bool = False) -> dict:
+              llamacpp_dir: str | Path | None = None, quant_linears: bool = False, prefill=(), decode: bool = True,
+              llamacpp_build: bool = True) -> dict:
     """Write (or reuse) the checkpoint, then run every system `rounds` times, alternated, each in its own process.
     `slow_tokens`/`slow_warmup`: the token counts for accelerate, whose per-token time is minutes-scale here.
     `experts`: the formats expertcache serves (int8/int4: `expertcache quantize` copies, group 32, reused;
@@ -541,7 +657,10 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
     page cache), when one can be made (root). llama.cpp systems: the checkpoint converted to a BF16 GGUF beside it
     (llama.cpp built from the PyPI sdist's source in `llamacpp_dir`, default `runtime.llamacpp.cache_dir()`); the
     GGUF is deleted when done unless `keep_gguf`. A llama.cpp step that fails skips its systems with the reason in
-    the JSON (`skipped`)."""
+    the JSON (`skipped`); `llamacpp_build` False skips them when llama.cpp is not built already.
+    `prefill`: prompt lengths of the prefill phase (`bigprefill`: one cold prefill per length, system and round,
+    alternated, then one prefill per length with every expert resident for the roofline); `decode` False runs the
+    prefill phase alone."""
     from expertcache.runtime.bench.memcg import MemoryCgroup
     from expertcache.runtime.bench.replay import REFERENCE_TRACE
 
@@ -571,12 +690,12 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
         from expertcache.runtime.kernels.cpu_kernels import load as load_kernels  # first round: inside the cgroup, beside a loaded model, a
 
         load_kernels()  # build crawled along at half a core for over ten minutes, its time the run's
-    bins, gguf_path, skipped = prepare_llamacpp(systems, routing, ckpt, out_dir, llamacpp_dir)
+    bins, gguf_path, skipped = prepare_llamacpp(systems, routing, ckpt, out_dir, llamacpp_dir, llamacpp_build)
     why = accelerate_disk(ckpt, budget_gb, out_dir, gguf_path is not None) if "accelerate" in systems else None
     if why:
         skipped["accelerate"] = why
     systems = [s for s in systems if s not in skipped]
-    start = 2000  # decode window of the trace; the predictor is fitted on tokens before it
+    start = TRACE_START
     cg, cg_note = MemoryCgroup.create(int(budget_gb * 2**30)) if cgroup else (None, "--cgroup false")
     job = {"ckpt": str(ckpt), "trace": str(trace), "budget_gb": budget_gb, "prompt_len": prompt_len, "start": start,
            "routing": routing, "quant_linears": quant_linears}
@@ -603,13 +722,46 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
         except LlamaCppError as e:
             return {"error": str(e), "page_cache_dropped": dropped}
 
+    def one_prefill_round(s: str, r: int) -> list[dict]:  # one cold prefill per prompt length, each its own process
+        from expertcache.runtime.bench.llamacpp import LlamaCppError
+        from expertcache.runtime.bench.runner import cold_start
+
+        bounded = cg if cg is not None and not s.endswith(":unbounded") else None
+        out = []
+        for n in prefill:
+            log = out_dir / f"{_slug(s)}-prefill{n}-round{r}.log"
+            if system_entry(s).own_process:
+                cfg = write_run_config(out_dir / f"{_slug(s)}.prefill{n}.run.yaml", s,
+                                       dict(job, tokens=tokens, warmup=warmup, prompt_len=n), engine, "prefill")
+                x = run_process(cfg, log, bounded, timeout_s)
+            else:
+                dropped = cold_start(bounded)
+                try:
+                    x = {**system_entry(s).prefill(s, bins, gguf_path, n, threads, bounded.preexec if bounded else None,
+                                                    timeout_s, log),
+                         "cgroup_peak_bytes": bounded.peak_bytes() if bounded else None, "page_cache_dropped": dropped}
+                except LlamaCppError as e:
+                    x = {"error": str(e), "page_cache_dropped": dropped}
+            out.append({**x, "prompt_tokens": n})
+            if progress:
+                progress(0, f"{s} prefill {n} round {r + 1}/{rounds}: "
+                         + (x["error"] if "error" in x else f"{x['tokens_per_s']:.1f} tokens/s"))
+        return out
+
+    load_avg = [os.getloadavg()]  # what else ran on this machine (1, 5, 15 minutes), at the start and the end
     try:  # the order reversed every other round; each run in its own process
         runs = alternate(systems, rounds, one_round,
-                         after=(lambda s, r, x: progress(0, _done(s, r, rounds, x))) if progress else None)
+                         after=(lambda s, r, x: progress(0, _done(s, r, rounds, x))) if progress else None) \
+            if decode else {s: [] for s in systems}
+        pre = alternate(systems, rounds, one_prefill_round) if prefill else {}
     finally:
         if cg is not None:
             cg.close()
-    cold = [x["page_cache_dropped"] for rs in runs.values() for x in rs]
+    resident = resident_prefills(prefill, ckpt, n_layers * per_layer, job, tokens, warmup, engine, out_dir,
+                                 timeout_s) if prefill else {}
+    load_avg.append(os.getloadavg())
+    cold = [x["page_cache_dropped"] for rs in runs.values() for x in rs] \
+        + [x["page_cache_dropped"] for rs in pre.values() for r in rs for x in r]
     gguf_bytes = gguf_path.stat().st_size if gguf_path is not None and gguf_path.exists() else 0
     if gguf_path is not None and not keep_gguf:
         gguf_path.unlink(missing_ok=True)
@@ -626,7 +778,8 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                       "trace": str(trace) if routing == "trace" else None, "trace_start": start, "rounds": rounds,
                       "engine": asdict(engine),
                       "experts": list(experts), "quant_group": QUANT_GROUP, "quant_linears": quant_linears,
-                      "torch_threads": threads, "llamacpp_threads": threads,
+                      "torch_threads": threads, "llamacpp_threads": threads, "prefill": list(prefill),
+                      "decode": decode, "load_average_start_end": load_avg,
                       "page_cache_dropped_before_each": all(cold)},
            "disk_used_bytes": {"checkpoint": disk_used, **{f"checkpoint_{f}": b for f, b in quant_used.items()},
                                "accelerate_offload": dir_bytes(off),
@@ -684,6 +837,14 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                 row["roofline"] = roofline(row["time_budget_s"], row["traffic_bytes_per_token"],
                                            row["read_bandwidth"]["at_queue_depth_GBps"])
         res["systems"][s] = row
+    if prefill:
+        from expertcache.runtime.bench import bigprefill
+
+        for s, rs in pre.items():
+            res["systems"][s]["prefill"] = bigprefill.prefill_rows(rs, prefill)
+        res["prefill_roofline"] = bigprefill.roofline(res["systems"], resident, prefill)
+        res["roofline_tokens_per_s"] = {n: x["tokens_per_s"] for n, x in res["prefill_roofline"].items()}
+        res["prefill_comparisons"] = bigprefill.comparisons(res["systems"], res["prefill_roofline"], prefill)
     res["comparisons"] = comparisons(res["systems"])
     ec = {s: r["tpot_median_s"] for s, r in res["systems"].items() if s.startswith("expertcache")
           and "tpot_median_s" in r and r.get("realisable", True)}
@@ -695,6 +856,36 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
         res["best_peer"] = best_peer
         res["tpot_ratio_vs_best_peer"] = ec[best_ec] / peers[best_peer]
     return res
+
+
+def resident_prefills(lengths, ckpt: Path, expert_bytes_total: int, job: dict, tokens: int, warmup: int,
+                      engine: EngineConfig, out_dir: Path, timeout_s: float) -> dict:
+    """The roofline's compute term: per prompt length, one prefill by expertcache with every expert in memory
+    (`run_prefill(resident=True)`, its own process, no cgroup), when a host copy and the slots of every expert fit
+    in the memory available now; else `{"skipped": why}` for each length."""
+    avail = _mem_available()
+    need = 2 * expert_bytes_total + RAM_OTHER  # the tier's host copy and the slots, beside the model
+    if need > avail:
+        return {n: {"skipped": f"every expert resident needs about {need / 2**30:.1f} GiB and "
+                               f"{avail / 2**30:.1f} GiB are available"} for n in lengths}
+    out = {}
+    for n in lengths:
+        s = "expertcache:on-demand"
+        cfg = write_run_config(out_dir / f"resident.prefill{n}.run.yaml", s,
+                               dict(job, tokens=tokens, warmup=warmup, prompt_len=n), engine, "resident")
+        out[n] = run_process(cfg, out_dir / f"resident-prefill{n}.log", None, timeout_s)
+    return out
+
+
+def _mem_available() -> int:
+    """MemAvailable of /proc/meminfo, in bytes (0 where there is none)."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def roofline(budget: dict, traffic_bytes: float, disk_GBps: float) -> dict:
@@ -822,7 +1013,9 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     cfg = load_run_config(argv[0])
-    res = system_entry(cfg["system"]).run(**cfg)  # the registered runner of its system
+    phase, entry = cfg.pop("phase"), system_entry(cfg["system"])
+    # the registered runner of its system, for the phase asked for
+    res = entry.run(**cfg) if phase == "decode" else entry.prefill(**cfg, resident=phase == "resident")
     print(json.dumps(res))
     return 0
 

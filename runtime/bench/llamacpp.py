@@ -154,27 +154,13 @@ def _proc_read_bytes(pid: int) -> int | None:
     return None
 
 
-def bench(bins: Path, model: Path, threads: int, tokens: int, warmup: int = 0, depth: int = 0, reps: int = 1,
-          preexec=None, timeout_s: float = 3600, log: Path | None = None) -> dict:
-    """One `llama-bench` process (mmap, its default): `-d depth` tokens of context, then `warmup` decoded tokens
-    as one untimed test (when > 0) and `tokens` decoded tokens `reps` times, timed by llama-bench (which also runs
-    its own one-token warm-up before each test). `preexec`: run in the child before exec (joining a memory cgroup).
-    `log`: where llama-bench's own messages go (kept for a failed run's diagnosis).
-
-    Returns seconds per token (`tpot_s`: one figure per repetition, llama-bench's mean over its `tokens`), the
-    child's own peak RSS and the bytes it read from storage: in all (its rusage from wait4, `ru_inblock`: the counter
-    of /proc/PID/io read_bytes, page-cache hits not counted) and, with a warm-up, during the timed test only (read
-    from /proc/PID/io when llama-bench prints the warm-up test's result, `-o jsonl`), and llama.cpp's build."""
+def _llama_bench(cmd: list[str], preexec=None, timeout_s: float = 3600, log: Path | None = None):
+    """`cmd` (a llama-bench line with `-o jsonl`) in a child: `(its JSON lines, /proc/PID/io read_bytes as each
+    line came, its rusage, wall seconds)`; a failure is one `LlamaCppError` line."""
+    import tempfile
     import threading
 
-    from expertcache.telemetry.memory import child_peak_rss_bytes
-
-    gens = f"{warmup},{tokens}" if warmup > 0 else str(tokens)
-    cmd = [str(bins / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", "0", "-n", gens, "-d",
-           str(depth), "-r", str(reps), "-o", "jsonl"]
     t0 = time.perf_counter()
-    import tempfile
-
     with tempfile.TemporaryFile("w+") as err:
         try:
             p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, preexec_fn=preexec)
@@ -204,6 +190,63 @@ def bench(bins: Path, model: Path, threads: int, tokens: int, warmup: int = 0, d
         why = " (killed: out of memory in the cgroup?)" if p.returncode in (-9, 137) else ""
         where = f" (log: {log})" if log is not None else ""
         raise LlamaCppError("bench", f"exit {p.returncode}{why}: {tail[-1][:300] if tail else 'no output'}{where}")
+    return lines, marks, ru, wall
+
+
+def prompt_row(lines: list[str], n_prompt: int) -> dict:
+    """The prompt-processing test of llama-bench's `-o jsonl` output (`-p N -n 0`: the object with `n_prompt` N and
+    `n_gen` 0): its prompt tokens/s (`avg_ts`), seconds per repetition (`samples_ns`, else `avg_ns`), build and
+    threads; unreadable output is one `LlamaCppError` line."""
+    try:
+        row = next(r for r in map(json.loads, lines) if r["n_prompt"] == n_prompt and r["n_gen"] == 0)
+        samples = [s / 1e9 for s in (row.get("samples_ns") or [row["avg_ns"]])]
+        return {"tokens_per_s": float(row["avg_ts"]), "prompt_s": samples, "build": row.get("build_commit"),
+                "threads": row.get("n_threads")}
+    except (ValueError, StopIteration, KeyError, TypeError):
+        raise LlamaCppError("bench", f"no prompt test of {n_prompt} tokens in llama-bench's output: "
+                            f"{''.join(lines)[:200]!r}") from None
+
+
+def bench_prompt(bins: Path, model: Path, threads: int, n_prompt: int, preexec=None, timeout_s: float = 3600,
+                 log: Path | None = None) -> dict:
+    """One `llama-bench -p N -n 0 -r 1` process (mmap): its prompt tokens/s and seconds (`prompt_row`), the bytes
+    the child read from storage in all (loading included: llama-bench prints nothing before its test ends), its
+    peak RSS and the command."""
+    from expertcache.telemetry.memory import child_peak_rss_bytes
+
+    cmd = [str(bins / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", str(n_prompt), "-n", "0",
+           "-r", "1", "-o", "jsonl"]
+    lines, _, ru, wall = _llama_bench(cmd, preexec, timeout_s, log)
+    return {**prompt_row(lines, n_prompt), "read_bytes": ru.ru_inblock * 512, "wall_s": wall,
+            "peak_rss_bytes": child_peak_rss_bytes(ru), "cmd": " ".join(cmd)}
+
+
+def built(cache: Path | None = None) -> Path | None:
+    """The bin/ of a llama.cpp already built under `cache` (None: none is; nothing is downloaded or built)."""
+    for d in sorted((cache or cache_dir()).glob("llama_cpp_python-*/vendor/llama.cpp/build/bin")):
+        if all((d / t).exists() for t in TARGETS):
+            return d
+    return None
+
+
+def bench(bins: Path, model: Path, threads: int, tokens: int, warmup: int = 0, depth: int = 0, reps: int = 1,
+          preexec=None, timeout_s: float = 3600, log: Path | None = None) -> dict:
+    """One `llama-bench` process (mmap, its default): `-d depth` tokens of context, then `warmup` decoded tokens
+    as one untimed test (when > 0) and `tokens` decoded tokens `reps` times, timed by llama-bench (which also runs
+    its own one-token warm-up before each test). `preexec`: run in the child before exec (joining a memory cgroup).
+    `log`: where llama-bench's own messages go (kept for a failed run's diagnosis).
+
+    Returns seconds per token (`tpot_s`: one figure per repetition, llama-bench's mean over its `tokens`), the
+    child's own peak RSS and the bytes it read from storage: in all (its rusage from wait4, `ru_inblock`: the counter
+    of /proc/PID/io read_bytes, page-cache hits not counted) and, with a warm-up, during the timed test only (read
+    from /proc/PID/io when llama-bench prints the warm-up test's result, `-o jsonl`), and llama.cpp's build."""
+
+    from expertcache.telemetry.memory import child_peak_rss_bytes
+
+    gens = f"{warmup},{tokens}" if warmup > 0 else str(tokens)
+    cmd = [str(bins / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", "0", "-n", gens, "-d",
+           str(depth), "-r", str(reps), "-o", "jsonl"]
+    lines, marks, ru, wall = _llama_bench(cmd, preexec, timeout_s, log)
     try:
         rows = [json.loads(x) for x in lines]
         i = next(j for j, r in enumerate(rows) if r["n_gen"] == tokens and r["n_prompt"] == 0)
