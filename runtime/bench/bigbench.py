@@ -863,7 +863,9 @@ def resident_prefills(lengths, ckpt: Path, expert_bytes_total: int, job: dict, t
     """The roofline's compute term: per prompt length, one prefill by expertcache with every expert in memory
     (`run_prefill(resident=True)`, its own process, no cgroup), when a host copy and the slots of every expert fit
     in the memory available now; else `{"skipped": why}` for each length."""
-    avail = _mem_available()
+    from expertcache.runtime.storage.tiers import available_memory
+
+    avail = available_memory()
     need = 2 * expert_bytes_total + RAM_OTHER  # the tier's host copy and the slots, beside the model
     if need > avail:
         return {n: {"skipped": f"every expert resident needs about {need / 2**30:.1f} GiB and "
@@ -875,17 +877,6 @@ def resident_prefills(lengths, ckpt: Path, expert_bytes_total: int, job: dict, t
                                dict(job, tokens=tokens, warmup=warmup, prompt_len=n), engine, "resident")
         out[n] = run_process(cfg, out_dir / f"resident-prefill{n}.log", None, timeout_s)
     return out
-
-
-def _mem_available() -> int:
-    """MemAvailable of /proc/meminfo, in bytes (0 where there is none)."""
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def roofline(budget: dict, traffic_bytes: float, disk_GBps: float) -> dict:
