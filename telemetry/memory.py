@@ -31,7 +31,9 @@ def rss_bytes(pid: int | str = "self") -> int:
 
 def child_peak_rss_bytes(rusage) -> int:
     """A waited-for child's own peak resident set, from the rusage `os.wait4` returned for it (ru_maxrss: KiB on
-    Linux). Not RUSAGE_CHILDREN, which is the largest of every child waited for so far."""
+    Linux). Not RUSAGE_CHILDREN, which is the largest of every child waited for so far. An upper bound: Linux keeps
+    the forking process's high-water mark through exec in the child's ru_maxrss, so a child of a large process
+    reads at least that; a child's own VmHWM (`peak_rss_bytes`, reported by the child) is the exact figure."""
     return int(rusage.ru_maxrss) * 1024
 
 

@@ -107,7 +107,11 @@ _CHILD = """
     cfg = read_config(sys.argv[1])
     block = bytearray(cfg["mib"] << 20)  # touched: resident
     print("a line before the result")
-    print(json.dumps({"mib": cfg["mib"], "system": cfg["system"]}))
+    own = {}
+    if cfg.get("report"):  # the child's own peak, as bench big's children report it
+        from expertcache.telemetry.memory import peak_rss_bytes
+        own = {"peak_rss_bytes": peak_rss_bytes()}
+    print(json.dumps({"mib": cfg["mib"], "system": cfg["system"], **own}))
     """
 
 
@@ -121,10 +125,16 @@ def test_the_runner_runs_a_config_file_in_a_child_and_reads_its_peak_memory(tmp_
 
     (tmp_path / "childjob.py").write_text(textwrap.dedent(_CHILD))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cfg = write_config(tmp_path / "job.yaml", {"system": "mmap", "mib": 96})
+    cfg = write_config(tmp_path / "job.yaml", {"system": "mmap", "mib": 96, "report": True})
     r = run_child("childjob", cfg, tmp_path / "job.log", drop_caches=False)
     assert r["mib"] == 96 and r["system"] == "mmap" and r["cgroup_peak_bytes"] is None
     assert 96 << 20 < r["peak_rss_bytes"] < 1 << 30 and r["page_cache_dropped"] is False
+    assert r["peak_rss_source"] == "child VmHWM"
+    # a child that reports nothing: its rusage, at least its allocation (and at least this process's peak: Linux
+    # carries the parent's high-water mark across exec)
+    quiet = write_config(tmp_path / "quiet.yaml", {"system": "mmap", "mib": 96})
+    r = run_child("childjob", quiet, tmp_path / "quiet.log", drop_caches=False)
+    assert r["peak_rss_bytes"] > 96 << 20 and r["peak_rss_source"].startswith("rusage")
     bad = write_config(tmp_path / "bad.yaml", {"system": "mmap"})  # no `mib`: the child fails
     r = run_child("childjob", bad, tmp_path / "bad.log", drop_caches=False)
     assert r["error"].startswith("exit 1; see ") and r["error"].endswith("KeyError: 'mib'")
