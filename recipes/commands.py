@@ -86,12 +86,18 @@ def train_cache_aware(recipe: CacheAwareRecipe, resume: bool = True,
 
     set_streamed_runtime(train_stream)  # train.memory_gb: experts streamed through the runtime's tiers
     if table:
-        results = []
+        results, others = [], []
         for d in table:
             f = Path(d) / "result.json"
             if not f.is_file():
-                raise InputError(f"{f} not found: not a finished train-cache-aware run")
+                others.append(f)
+                continue
             results.append(json.loads(f.read_text()))
+        if others and (not results or len(table) == 1):  # nothing to tabulate, or the one folder named is not a run
+            raise InputError(f"{others[0]} not found: not a finished train-cache-aware run")
+        for f in others:  # a glob (runs/ca-*) also matches folders that are not runs: the quickstart's int4 copy
+            print(f"train-cache-aware --table: {f.parent} skipped: no result.json (not a finished "
+                  f"train-cache-aware run)", file=sys.stderr)
         print(results_table(results), file=sys.stderr)
         return [result_row(r) for r in results]
     if recipe.frontier.variants:

@@ -361,6 +361,15 @@ def test_joint_run_resumes_and_writes_the_table(tiny_data, tiny_base, tmp_path, 
     assert plotted_pixels(out / "cache.png") > 200  # curves were drawn, not just axes
     assert json.loads((out / "result.json").read_text())["global_step"] == 6
     assert main(["train-cache-aware", "--table", str(out)]) == 0
+    # README's `--table runs/ca-*` also matches the quickstart's int4 copy: skipped in one line, the run tabulated;
+    # a lone folder that is not a run stays a refusal
+    capsys.readouterr()
+    other = out.parent / "not-a-run"
+    other.mkdir(exist_ok=True)
+    assert main(["train-cache-aware", "--table", str(out), str(other)]) == 0
+    err = capsys.readouterr().err
+    assert f"{other} skipped: no result.json" in err and "smoke" in err
+    assert main(["train-cache-aware", "--table", str(other)]) == 2
     # #46: the finished folder run again has nothing to do: exit 0 (not the gate's 3), said so, nothing rewritten,
     # and the verdict printed again with its reasons
     capsys.readouterr()
