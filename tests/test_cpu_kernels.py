@@ -147,7 +147,8 @@ def test_bf16_kernel_reads_strided_slot_views():
                                             (4, 64, False), (4, 128, False), (4, 32, True), (4, 64, True),
                                             (4, 128, True)])
 @pytest.mark.parametrize("K", [1, 3, 8])
-@pytest.mark.parametrize("H,I", [(256, 128), (768, 512)])
+# the larger shape (several tiles per row, ~1 s a case) runs in `make test`; every format, group and K stays fast
+@pytest.mark.parametrize("H,I", [(256, 128), pytest.param(768, 512, marks=pytest.mark.slow)])
 def test_integer_kernels_equal_their_arithmetic_and_stay_near_the_dequantized_weights(bits, group, sym, K, H, I):
     """Against the same arithmetic in float (dequantized weights, activations rounded as the kernel rounds them):
     5e-4 relative (an activation at a rounding tie may round the other way in float32: ~1e-4 per flip; a wrong
