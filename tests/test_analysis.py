@@ -65,6 +65,7 @@ def test_real_qwen3_traces_reproduce_published_numbers(tmp_path):
     assert int(np.searchsorted(np.cumsum(counts) / counts.sum(), 0.9) + 1) == 79
 
 
+@pytest.mark.slow  # the whole CLI: simulate, summary and PNG plots (3-5 s)
 def test_analyze_cli_writes_summary_and_plots(tmp_path):
     rng = np.random.default_rng(1)
     ids = rng.integers(0, 32, (3, 300, 1)).astype(np.int16)

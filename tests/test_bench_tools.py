@@ -248,6 +248,7 @@ def test_bench_decode_table_shows_prefetches_beside_ratios_and_flags_x_plain_by_
     assert [c[col("prefetched/tok (used)")] for c in cells] == ["—", "0.00 (0.00)", "1.50 (0.75)", "1.50 (0.75)"]
 
 
+@pytest.mark.slow  # a bench big child process (2-5 s)
 def test_a_bench_big_process_that_fails_returns_its_last_line_not_a_traceback(tmp_path):
     """`run_process` (the runner's child process, which runs every round of a system of bench big's own): a run
     that fails in its own process comes back as one error naming its exit status, its log and the log's last

@@ -114,6 +114,7 @@ def test_serve_answers_from_a_quantized_checkpoint_at_every_capacity(quantized):
     assert texts[None] and texts[0.125] == texts[None] == texts[0.25]
 
 
+@pytest.mark.slow  # a benchmark at three capacities (2-5 s)
 def test_bench_decode_runs_a_quantized_checkpoint_at_every_capacity(quantized, tmp_path, capsys):
     q, _, _ = quantized
     base = ["bench", "decode", "--model", str(q), "--corpus", str(tmp_path / "none"), "--prompt_len", "4",
