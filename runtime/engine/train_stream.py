@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from expertcache.telemetry.errors import InputError
+from expertcache.telemetry.memory import rss_bytes
 
 from expertcache.runtime.kernels import quant
 from expertcache.runtime.storage.store import FMT
@@ -94,17 +95,6 @@ def plan(path: str | Path, dtype: torch.dtype, tier: str = "disk") -> StreamPlan
                       adapter.hidden_size, int(cfg.vocab_size), e_params, meta.expert_bytes, meta.block_bytes,
                       len(prefixes) * adapter.num_experts * meta.expert_bytes, non_expert, routers, es,
                       qc["bits"] if qc is not None else None, tier)
-
-
-def rss_bytes() -> int:
-    """This process's resident memory now (VmRSS)."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def floor_bytes(p: StreamPlan, tokens: int, distill: bool, chunk: int = CHUNK) -> dict:
