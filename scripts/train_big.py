@@ -27,7 +27,8 @@ from expertcache.telemetry.atomic import write_json
 REPO = Path(__file__).resolve().parents[1]
 FIELDS = ("checkpoint", "experts_bytes", "quant_bits", "trainable", "steps", "tokens_per_step", "tokens_per_s",
           "bytes_read_per_step", "disk_read_gbps", "roofline_tokens_per_s", "read_wait_s", "peak_rss_bytes",
-          "loss_first", "loss_last", "completed", "floor_bytes", "memory_budget_bytes")
+          "loss_first", "loss_last", "completed", "floor_bytes", "memory_budget_bytes", "step_s", "step_read_bytes",
+          "fit_tokens_per_s")
 
 
 def run_one(ckpt: Path, out: Path, a, cg) -> dict:

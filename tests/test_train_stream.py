@@ -127,6 +127,14 @@ def test_streamed_router_training_matches_in_memory_training(tiny_data, fp32_bas
     e_bytes, per_pass = st["experts_bytes"] / 16, st["experts_bytes"]
     assert 0 < st["bytes_read_per_step"] <= 3 * per_pass and st["bytes_read_per_step"] % e_bytes == 0
     assert st["disk_read_gbps"] > 0 and st["roofline_tokens_per_s"] > 0 and st["tokens_per_s"] > 0
+    # each training step timed and its reads counted on its own (validation's reads are not a step's): the figures
+    # are the steady steps' medians (the first left out), the whole fit's rate beside them
+    assert len(st["step_s"]) == len(st["step_read_bytes"]) == 4
+    assert all(b > 0 and b % e_bytes == 0 for b in st["step_read_bytes"])
+    assert st["bytes_read_per_step"] == float(np.median(st["step_read_bytes"][1:]))
+    tokens = st["tokens_per_step"]
+    assert st["tokens_per_s"] == pytest.approx(tokens / np.median(st["step_s"][1:]))
+    assert st["fit_tokens_per_s"] > 0  # (the whole fit's rate: no comparison of two wall-clock figures here)
     assert json.loads((tmp_path / "st" / "result.json").read_text())["loss_last"] == st["losses"][-1]
 
     from expertcache.runtime import load

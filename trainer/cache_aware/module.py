@@ -20,6 +20,10 @@ class CacheAwareModule(CausalLMModule):
         self._teacher = [teacher] if teacher is not None else []  # a list: not a submodule, never saved
         self._base_routers = base_routers
         self.step_losses: list[float] = []  # each training step's total loss (what the optimizer minimised)
+        self.step_seconds: list[float] = []  # each training step's wall time, batch start to optimizer step done
+        self.step_read_bytes: list[int] = []  # streamed experts: bytes each training step read (`read_counter`)
+        self.read_counter = None  # streamed experts: a callable giving the bytes read so far
+        self._step_t0 = self._step_b0 = None
         self.save_frozen = True
         from expertcache.telemetry.adapters import adapter_for
 
@@ -135,6 +139,24 @@ class CacheAwareModule(CausalLMModule):
         self.step_losses.append(float(total.detach()))
         return total
 
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        import time
+
+        self._step_t0 = time.perf_counter()
+        self._step_b0 = self.read_counter() if self.read_counter is not None else None
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        """A step's wall time (and, streamed, its bytes read): validation and checkpoint writes fall outside it, so
+        the figures are the training step's own, as a roofline compares them."""
+        import time
+
+        if self._step_t0 is None:
+            return
+        self.step_seconds.append(time.perf_counter() - self._step_t0)
+        if self._step_b0 is not None:
+            self.step_read_bytes.append(self.read_counter() - self._step_b0)
+        self._step_t0 = None
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """With `save_frozen` off (streamed experts: the frozen weights are the base's, on disk already), a

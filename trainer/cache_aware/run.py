@@ -163,6 +163,7 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
         module.save_frozen = False  # resumable checkpoints hold what trains; the frozen rest is the base's
         module.strict_loading = False
         parts["resident_check"] = stream._RUNTIME.check_resident(streamed, recipe.train.memory_gb, parts)
+        module.read_counter = lambda: streamed.counters()["bytes_read"]  # each step's own reads (stream_result)
     try:
         start_step, train_s, trainer = fit_resumable(recipe, module, dm, out, resume)
         if trainer.global_rank != 0:  # data-parallel workers: rank 0 alone writes the checkpoint and the reports

@@ -104,20 +104,36 @@ def save_model(streamed, model, tok, model_dir: Path, aux=None) -> None:
 
 def stream_result(recipe, streamed, parts: dict, module, trainer, train_s: float, start_step: int) -> dict:
     """The run's figures (the fields of results/train_big.json's runs): tokens per second against the read
-    roofline (bytes per step over the tier's measured bandwidth), bytes read per step, peak memory, first and last
-    loss."""
+    roofline (a step's bytes over the tier's measured bandwidth), bytes read per step, peak memory, first and last
+    loss.
+
+    A step is timed from its batch's start to its optimizer step's end (`module.step_seconds`), and its bytes are
+    the ones it read (`module.step_read_bytes`): validation passes and checkpoint writes fall outside both.
+    `tokens_per_s` and `bytes_read_per_step` are medians over the steady steps (the first step, which warms the
+    allocator and the reads' threads, is left out once there are three or more); `fit_tokens_per_s` is the whole
+    fit's wall time, validation and checkpoints included."""
+    import statistics
+
     c = streamed.counters()
     steps = trainer.global_step - start_step
     tokens = recipe.data.batch_size * recipe.data.seq_len
     p = streamed.plan
     bw = _RUNTIME.measure_read_gbps(streamed) if hasattr(_RUNTIME, "measure_read_gbps") else None
-    per_step = c["bytes_read"] / steps if steps else None
+    secs, reads = list(module.step_seconds), list(module.step_read_bytes)
+    steady = slice(1, None) if len(secs) >= 3 else slice(None)
+    step_s = statistics.median(secs[steady]) if secs else None
+    if reads:
+        per_step = statistics.median(reads[steady])
+    else:
+        per_step = c["bytes_read"] / steps if steps else None
     losses = module.step_losses
     return {"checkpoint": p.path, "experts_bytes": p.experts_bytes, "quant_bits": p.quant_bits, "tier": p.tier,
             "memory_budget_bytes": int(recipe.train.memory_gb * 1e9), "floor_bytes": parts,
             "trainable": "routers" if recipe.mode != "aux-only" else "aux routers", "mode": recipe.mode,
             "steps": steps, "tokens_per_step": tokens,
-            "tokens_per_s": steps * tokens / train_s if train_s > 0 else None,
+            "tokens_per_s": tokens / step_s if step_s else None,
+            "step_s": secs, "step_read_bytes": reads,
+            "fit_tokens_per_s": steps * tokens / train_s if train_s > 0 else None,
             "expert_reads": c["reads"], "bytes_read_per_step": per_step,
             "read_wait_s": c["read_wait_s"],  # compute waiting on reads (what the overlap did not hide)
             "disk_read_gbps": bw, "roofline_tokens_per_s": tokens / (per_step / (bw * 1e9)) if bw and per_step
