@@ -65,8 +65,14 @@ def test_the_result_writer_always_records_provenance_and_configuration(tmp_path,
     assert p["commit"] == rev_parse("HEAD") != "" and isinstance(p["dirty"], bool)
     assert p["machine"]["cores"] == os.cpu_count() and p["machine"]["memory_bytes"] > 2**30
     assert p["threads"] == torch.get_num_threads() and p["torch"] == torch.__version__ and p["date"].endswith("Z")
-    assert back["config"] == {"engine": {"tier": "disk", "capacity": 0.25}, "out": str(tmp_path), "rounds": 3}
-    assert back["command"] == f"expertcache bench decode --out {out}" and back["tpot_median_s"] == 0.25
+    # no machine's folders in a result: a path outside the repository keeps only its last name
+    assert back["config"] == {"engine": {"tier": "disk", "capacity": 0.25}, "out": f".../{tmp_path.name}", "rounds": 3}
+    assert back["command"] == "expertcache bench decode --out .../r.json" and back["tpot_median_s"] == 0.25
+    from helpers import REPO
+
+    inside = write_result(tmp_path / "t.json", {}, config={"model": str(REPO / "runs" / "m")},
+                          command=f"python {REPO}/scripts/x.py --model {REPO}/runs/m --n 2")
+    assert inside["config"] == {"model": "runs/m"} and inside["command"] == "python scripts/x.py --model runs/m --n 2"
     r2 = write_result(tmp_path / "s.json", {}, command="python scripts/x.py", provenance=p, read_GBps=2.5)
     assert r2["provenance"]["machine"]["read_GBps"] == 2.5 and r2["command"] == "python scripts/x.py"
     assert p["machine"]["read_GBps"] is None  # the caller's provenance is not changed

@@ -13,6 +13,7 @@ Written through `telemetry/atomic.py` (`write_json`): a failed run never leaves 
 from __future__ import annotations
 
 import dataclasses
+import re
 import os
 import sys
 import time
@@ -68,6 +69,28 @@ def plain(value):
     return str(value)
 
 
+_ABS = re.compile(r"(?<![\w.])/(?:[\w.+-]+/)*[\w.+-]+")
+
+
+def portable(value):
+    """A configuration or command line with no machine's absolute paths: a path inside the repository becomes
+    relative to it, any other `.../<its last name>` (the machine's folders are not the result's)."""
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [portable(v) for v in value]
+    if not isinstance(value, str) or "/" not in value:
+        return value
+
+    def one(m: re.Match) -> str:
+        p = Path(m.group(0))
+        try:
+            return p.relative_to(ROOT).as_posix() or "."
+        except ValueError:
+            return f".../{p.name}"
+    return _ABS.sub(one, value)
+
+
 def own_command() -> str:
     """This process's command line as a user would type it: `expertcache ...` or `python scripts/x.py ...`."""
     argv = list(sys.argv)
@@ -114,6 +137,7 @@ def write_result(path: str | Path, payload: dict, config=None, command: str | No
     prov = dict(provenance) if provenance is not None else started()
     if read_GBps is not None:
         prov["machine"] = {**prov.get("machine", {}), "read_GBps": read_GBps}
-    out = {**payload, "provenance": prov, "config": plain(config), "command": command or own_command()}
+    out = {**payload, "provenance": prov, "config": portable(plain(config)),
+           "command": portable(command or own_command())}
     write_json(path, out)
     return out
