@@ -336,3 +336,87 @@ def test_check_model_finds_one_flipped_expert_of_a_fused_tensor():
         m.layers[1].experts.down_proj[5] *= 2.0 ** 60
     with pytest.raises(InputError, match=r"layers\.1\.experts\.down_proj\.5"):
         check_model(m, "m")
+
+
+@pytest.fixture
+def overlapped(monkeypatch):
+    """Loads in the load threads (as for experts of 1 MiB or more), whatever the tiny experts' size: their first-read
+    checks run in the check thread, beside the compute."""
+    from expertcache.runtime.engine import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "OVERLAP_MIN_BYTES", 0)
+
+
+def test_a_first_read_check_runs_beside_the_compute_and_holds_the_step(ckpt, overlapped, monkeypatch):
+    """The layer computes as soon as a miss's bytes land; the check of that first read runs beside it, and the
+    forward does not return (its logits do not leave the engine) until the check has passed."""
+    import threading
+
+    monkeypatch.setattr(weight_checks, "SAMPLE", 2)
+    m = load(ckpt, capacity=1, tier="disk")
+    eng = m.expertcache
+    release, held = threading.Event(), []
+    real = weight_checks.ExpertChecks.check
+
+    def check(self, *a):
+        held.append(a[:2])
+        assert release.wait(60)
+        return real(self, *a)
+
+    monkeypatch.setattr(weight_checks.ExpertChecks, "check", check)
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+    done, out = threading.Event(), {}
+
+    def forward():
+        with torch.no_grad():
+            out["logits"] = m(input_ids=ids).logits
+        done.set()
+
+    t = threading.Thread(target=forward, daemon=True)
+    try:
+        t.start()
+        n_layers = len(eng.modules)
+        for _ in range(600):  # every layer computed while the first check is still held (no wall-clock bound:
+            if eng.stats.calls >= n_layers or done.is_set():  # a condition waited for)
+                break
+            threading.Event().wait(0.05)
+        assert held and eng.stats.calls == n_layers, (held, eng.stats.calls)
+        assert not done.is_set() and "logits" not in out  # held at the forward's end
+        release.set()
+        assert done.wait(60) and torch.isfinite(out["logits"]).all()
+    finally:
+        release.set()
+        t.join(60)
+        eng.close()
+
+
+def test_a_damaged_expert_found_beside_the_compute_is_refused_at_the_step_end_and_again(ckpt, overlapped,
+                                                                                     monkeypatch):
+    """The check thread finds the NaN expert: the forward that read it raises, naming it; the cache starts cold, so
+    the next forward reads it again and is refused again (no slot or victim serves it unchecked); with integrity off
+    the same forward returns."""
+    monkeypatch.setattr(weight_checks, "SAMPLE", 2)
+    tier = DiskTier(expert_source(ckpt))
+    try:
+        sampled = expert_checks(tier).checked.copy()
+    finally:
+        tier.close()
+    for i, e in [(i, e) for i in range(2) for e in range(8) if not sampled[i, e]]:
+        _damage_expert(ckpt, i, e, "nan")
+    m = load(ckpt, capacity=2, tier="disk")
+    eng = m.expertcache
+    assert eng.loads.checker is not None
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    try:
+        for _ in range(2):
+            with pytest.raises(InputError, match=r"damaged weights: \w+ of MoE layer \d .* expert \d .*NaN/inf"):
+                with torch.no_grad():
+                    m(input_ids=ids)
+    finally:
+        eng.close()
+    m = load(ckpt, engine=EngineConfig(capacity=2, tier="disk", integrity="off"))
+    try:
+        with torch.no_grad():
+            assert not torch.isfinite(m(input_ids=ids).logits).all()
+    finally:
+        m.expertcache.close()

@@ -177,6 +177,7 @@ class Replayer:
             t0 = time.perf_counter()
             for i in range(n_l):
                 eng.run_layer(eng.modules[i], self.x, ids[i, t][None, :], self.w)
+            eng.end_step()  # the token leaves once its experts' first-read checks passed (timed: they are its cost)
             times.append(time.perf_counter() - t0)
         st = eng.stats
         eng.reset()  # waits for what is still in flight: the next configuration starts quiet

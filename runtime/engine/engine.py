@@ -136,7 +136,20 @@ class OffloadEngine:
     def _forward_end(self, module, args, output):
         t0 = self._fwd_t0.pop()
         if not self._fwd_t0:
+            self.end_step()
             self.stats.forward_s += time.perf_counter() - t0
+
+    def end_step(self) -> None:
+        """A step's output may leave the engine once every expert it read has passed its first-read check (they run
+        beside the compute): waits for the checks still running, and raises a failed one (at every later step too).
+        The model's forward ends with it; a caller driving `run_layer` itself calls it after the step's last layer.
+        After a failure the cache starts cold (counters kept): no slot, victim or prefetch of the damaged expert
+        serves again without being read, and checked, again."""
+        try:
+            self.loads.end_step()
+        except BaseException:
+            self.reset(stats=False)
+            raise
 
     def _keep_logits(self, pos):
         def hook(module, args, output):
@@ -199,16 +212,17 @@ class OffloadEngine:
     def reset_stats(self) -> None:
         self.stats = Stats()
 
-    def reset(self) -> None:
-        """An empty cache (static pins reloaded), no history, fresh counters: a new, cold pass. A load that
-        failed is raised here, not swallowed."""
+    def reset(self, stats: bool = True) -> None:
+        """An empty cache (static pins reloaded), no history, fresh counters (`stats`): a new, cold pass. A load
+        or check that failed is raised here, not swallowed."""
         failed = self.loads.reset()  # a prefetch that failed after its layer last ran is raised below
         self.plan.reset()
         self._new_states()
         if hasattr(self.keep_scores, "reset"):
             self.keep_scores.reset()
         self.loads.preload(self.capacity)
-        self.reset_stats()
+        if stats:
+            self.reset_stats()
         if failed is not None:  # raised once, the engine already clean and cold
             raise failed
 
@@ -253,6 +267,8 @@ class OffloadEngine:
         self._hooks = []
         self.compute.unpatch()
         self.pool_exec.shutdown(wait=True)
+        if self.loads.checker is not None:
+            self.loads.checker.shutdown(wait=True)
         for mod in self.modules:  # break the engine <-> module cycle: the slot pools go when the engine does
             mod._engine = [None]
 

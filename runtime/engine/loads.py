@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, wait
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 
 import torch
@@ -115,6 +115,12 @@ class Loads:
         self.stats = None
         # `verify`'s reference-free checks on every expert's first read (`weight_checks.ExpertChecks`), by tier
         self.checks = {id(t): expert_checks(t) for t in (tier, low_tier) if t is not None and part.integrity == "on"}
+        # A first read's check runs beside the compute, not before it (`check_later`): the layer computes as soon as
+        # the bytes land, and the step's output is held (`end_step`) until every check of its reads has passed.
+        # One thread: a check scans memory (the whole expert once), a second would only contend with it.
+        self.checker = ThreadPoolExecutor(1, thread_name_prefix="expert-check") if self.checks and overlap else None
+        self._checking: dict[tuple[int, int], Future] = {}  # (id(pool), slot) -> the check of the bytes it holds
+        self._failed: list[BaseException] = []  # checks that failed, raised at the step's end
         self.queue = LoadQueue(part.workers, "expert-load")  # nearest layer first, demand before any prefetch
         self.guard = PrefetchGuard(part.prefetch_guard)
         self.pending: list[dict[int, Future]] = [{} for _ in range(n_l)]
@@ -140,8 +146,9 @@ class Loads:
             self._reading += 1
         n = 0
         try:
+            self._wait_check(pool, slot)  # the bytes a check is still reading are not overwritten
             n = tier.read(pos, expert, pool, slot)
-            self.check(tier, pos, expert, pool, slot)
+            self.check_later(tier, pos, expert, pool, slot)
         finally:
             with self._lock:
                 self._reading -= 1
@@ -155,6 +162,45 @@ class Loads:
         c = self.checks.get(id(tier))
         if c is not None:
             c.check(pos, expert, pool, slot)
+
+    def check_later(self, tier, pos: int, expert: int, pool: SlotPool, slot: int) -> None:
+        """An expert's first read checked in the check thread (in this thread where loads do not overlap compute);
+        a read seen before costs nothing."""
+        c = self.checks.get(id(tier))
+        if c is None or c.checked[pos, expert]:
+            return
+        if self.checker is None:
+            c.check(pos, expert, pool, slot)
+            return
+        f = self.checker.submit(c.check, pos, expert, pool, slot)
+        with self._lock:
+            self._checking[(id(pool), slot)] = f
+
+    def _wait_check(self, pool: SlotPool, slot: int) -> None:
+        """A slot about to be written: the check still reading its old bytes finishes first (a failure is kept for
+        the step's end, which raises it; this read is not the damaged one)."""
+        with self._lock:
+            f = self._checking.pop((id(pool), slot), None)
+        if f is not None:
+            try:
+                f.result()
+            except BaseException as e:  # noqa: BLE001 - raised at the step's end
+                with self._lock:
+                    self._failed.append(e)
+
+    def end_step(self) -> None:
+        """Before a step's output is used: every check of the expert reads so far has passed (waited for where one
+        is still running). The first failure raises here (the engine then empties its cache: `OffloadEngine.end_step`)."""
+        with self._lock:
+            futs, self._checking = list(self._checking.values()), {}
+        for f in futs:
+            try:
+                f.result()
+            except BaseException as e:  # noqa: BLE001 - raised below, once every check has finished
+                self._failed.append(e)
+        if self._failed:
+            first, self._failed = self._failed[0], []
+            raise first
 
     def load(self, pos: int, expert: int, slot: int, pool: SlotPool | None = None) -> None:
         """Copy one expert from the slow tier into a slot of layer `pos`'s pool (or of a transient `pool`)."""
@@ -362,6 +408,10 @@ class Loads:
         for fs in self.pending:
             failed = failed or quiesce(fs.values())
             fs.clear()
+        try:
+            self.end_step()  # the checks of what was read: a damaged expert is raised, not forgotten with the cache
+        except BaseException as e:  # noqa: BLE001 - returned like a failed prefetch, raised by the caller
+            failed = failed or e
         for sets in (self.prefetched, self.fresh, self.upgrading):
             for p in sets:
                 p.clear()
