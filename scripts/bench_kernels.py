@@ -18,6 +18,10 @@
   theirs, in fresh processes; the figure is the median over rounds (`round_ratios`: each round's ours / theirs, and
   `expertcache_read_bandwidth_gbps`: each of our processes' memory read bandwidth, measured in it after its timed
   runs). Target: ours <= 1.25x theirs in each pair.
+- `--conditions alone,memory-contended`: each figure also taken while a second process streams memory on the other
+  core (numpy copies of 512 MiB arrays, a fair stand-in for a host with less memory bandwidth); this process and its
+  children are pinned to the first core meanwhile, so the contended condition is measured at one thread. Every
+  kernel row and pair says its `condition`, and each kernel row carries the read bandwidth measured under it.
 Run it alone: a second busy process moves these figures by 2-5x.
 """
 
@@ -178,6 +182,45 @@ def quantized(model: Path, fmt: str, work: Path, linears: bool) -> Path:
     return out
 
 
+CONDITIONS = ("alone", "memory-contended")
+STREAMER = ("import os, numpy as np\nos.sched_setaffinity(0, {%d})\na = np.ones(1 << 26); b = np.empty_like(a)\n"
+            "while True:\n    np.copyto(b, a)\n")
+
+
+class Condition:
+    """`with Condition(name):` the measurements inside run under it: `alone` changes nothing; `memory-contended`
+    starts a process streaming memory on the second core (`STREAMER`) and pins this process (and the processes it
+    starts) to the first, until the block ends."""
+
+    def __init__(self, name: str):
+        self.name, self.proc, self.saved = name, None, None
+
+    def __enter__(self):
+        if self.name == "alone":
+            return self
+        import subprocess
+
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            raise SystemExit("bench_kernels: --conditions memory-contended needs two cores (one for the streaming "
+                             "process)")
+        self.saved = set(cpus)
+        os.sched_setaffinity(0, {cpus[0]})
+        self.proc = subprocess.Popen([sys.executable, "-c", STREAMER % cpus[1]])
+        time.sleep(2.0)  # its arrays written once: streaming from here on
+        if self.proc.poll() is not None:
+            raise SystemExit(f"bench_kernels: the memory-streaming process exited ({self.proc.returncode})")
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.saved is not None:
+            os.sched_setaffinity(0, self.saved)
+        return False
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="bf16 checkpoint (with tokenizer) for the decode pairs; none: kernels only")
@@ -195,6 +238,9 @@ def main() -> None:
                          "q4_0-file: llama.cpp's own GGUF imported with `expertcache import-gguf`)")
     ap.add_argument("--kernels", default="true", choices=["true", "false"],
                     help="measure the kernels alone (false: only the decode pairs)")
+    ap.add_argument("--conditions", default="alone",
+                    help="comma-separated: alone, memory-contended (a second process streaming memory on the other "
+                         "core; one thread only)")
     ap.add_argument("--work", default="runs/bench-kernels", help="where quantized copies of --model are kept")
     ap.add_argument("--out", default=str(ROOT / "results" / "kernels.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -204,6 +250,13 @@ def main() -> None:
     if not formats or any(f not in FORMATS and f not in FILE_FORMATS for f in formats):
         raise SystemExit(f"bench_kernels: --formats {a.formats}: expected a subset of "
                          f"{','.join([*FORMATS, *FILE_FORMATS])}")
+    conditions = [c for c in a.conditions.split(",") if c]
+    if not conditions or any(c not in CONDITIONS for c in conditions):
+        raise SystemExit(f"bench_kernels: --conditions {a.conditions}: expected a subset of {','.join(CONDITIONS)}")
+
+    def threads_in(cond: str) -> list[int]:  # the contended condition pins this process to one core
+        return threads if cond == "alone" else [t for t in threads if t == 1]
+
     if a.worker:
         from expertcache.runtime.bench.runner import read_config
 
@@ -213,7 +266,10 @@ def main() -> None:
     from expertcache.runtime.bench.results import started, write_result
 
     prov = started()  # the code and the machine, before the work
-    kernels = [row for t in threads for row in kernel_figures(t)] if a.kernels == "true" else []
+    kernels = []
+    for cond in conditions if a.kernels == "true" else []:
+        with Condition(cond):
+            kernels += [{**row, "condition": cond} for t in threads_in(cond) for row in kernel_figures(t)]
     for row in kernels:
         print(json.dumps(row), file=sys.stderr, flush=True)
     pairs = []
@@ -228,31 +284,39 @@ def main() -> None:
         peer_runs: dict[tuple[int, int, str], dict] = {}
         from expertcache.runtime.bench.harness import order
 
-        for r in range(a.rounds):
-            for t in threads:
-                for f in formats:
-                    for arm in order(["ours", "peer"], r):  # the harness's order: reversed every other round
-                        if arm == "ours":
-                            mine = ours(str(paths[f]), t, a.tokens, a.reps, a.depth)
-                        elif (r, t, PEER[f]) not in peer_runs:  # one llama.cpp run per (round, threads, format)
-                            peer_runs[(r, t, PEER[f])] = llamacpp_peer.decode(model, PEER[f], t, a.tokens, a.reps,
-                                                                              depth=a.depth)
-                    peer = peer_runs[(r, t, PEER[f])]
-                    d = runs.setdefault((f, t), {"ours": [], "peer": [], "peer_stddev_tok_s": [], "bw": []})
-                    d["ours"].append(mine["tpot_s"])
-                    d["bw"].append(mine.get("read_bandwidth_gbps"))
-                    d["peer"].append(peer["tpot_s"])
-                    d["peer_stddev_tok_s"].append(peer["tok_s_stddev"])
-                    d["peer_build"], d["peer_gguf_bytes"] = peer["build"], peer["gguf_bytes"]
-                    print(json.dumps({"round": r, "format": f, "threads": t, "expertcache_tpot_s": mine["tpot_s"],
-                                      "llamacpp_tpot_s": peer["tpot_s"],
-                                      "expertcache_read_bandwidth_gbps": mine.get("read_bandwidth_gbps")}),
-                          file=sys.stderr, flush=True)
+        def pair_round(runs, peer_runs, cond, r, t, f):
+            """One round of format `f` at `t` threads: ours and llama.cpp's in the harness's order (reversed every
+            other round), one llama.cpp run per (condition, round, threads, its format)."""
+            key = (cond, r, t, PEER[f])
+            for arm in order(["ours", "peer"], r):
+                if arm == "ours":
+                    mine = ours(str(paths[f]), t, a.tokens, a.reps, a.depth)
+                elif key not in peer_runs:
+                    peer_runs[key] = llamacpp_peer.decode(model, PEER[f], t, a.tokens, a.reps, depth=a.depth)
+            peer = peer_runs[key]
+            d = runs.setdefault((f, t, cond), {"ours": [], "peer": [], "peer_stddev_tok_s": [], "bw": []})
+            d["ours"].append(mine["tpot_s"])
+            d["bw"].append(mine.get("read_bandwidth_gbps"))
+            d["peer"].append(peer["tpot_s"])
+            d["peer_stddev_tok_s"].append(peer["tok_s_stddev"])
+            d["peer_build"], d["peer_gguf_bytes"] = peer["build"], peer["gguf_bytes"]
+            print(json.dumps({"condition": cond, "round": r, "format": f, "threads": t,
+                              "expertcache_tpot_s": mine["tpot_s"], "llamacpp_tpot_s": peer["tpot_s"],
+                              "expertcache_read_bandwidth_gbps": mine.get("read_bandwidth_gbps")}),
+                  file=sys.stderr, flush=True)
+
+        for cond in conditions:
+            with Condition(cond):
+                for r in range(a.rounds):
+                    for t in threads_in(cond):
+                        for f in formats:
+                            pair_round(runs, peer_runs, cond, r, t, f)
         from expertcache.runtime.bench.harness import claimed
 
-        for (f, t), d in runs.items():
+        for (f, t, cond), d in runs.items():
             e, p = statistics.median(d["ours"]), statistics.median(d["peer"])
-            pairs.append({"format": f, "llamacpp_format": PEER[f].upper(), "threads": t, "expertcache_tpot_s": e,
+            pairs.append({"format": f, "llamacpp_format": PEER[f].upper(), "threads": t, "condition": cond,
+                          "expertcache_tpot_s": e,
                           "llamacpp_tpot_s": p, "ratio": e / p, "expertcache_rounds_s": d["ours"],
                           "llamacpp_rounds_s": d["peer"], "round_ratios": [x / y for x, y in zip(d["ours"], d["peer"])],
                           "claimed": claimed(d["ours"], d["peer"]),
@@ -266,6 +330,9 @@ def main() -> None:
                                               "moe_intermediate_size", "num_experts_per_tok", "vocab_size",
                                               "num_attention_heads", "num_key_value_heads", "head_dim")}
     one = [k for k in kernels if k["threads"] == 1 and "kind" not in k]  # the target is on the experts
+
+    def tag(cond: str) -> str:
+        return "" if cond == "alone" else f"/{cond}"
     res = {
         "command": "python scripts/bench_kernels.py " + " ".join(sys.argv[1:]),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
@@ -273,8 +340,8 @@ def main() -> None:
         "seconds": round(time.time() - t_start, 1),
         "kernels": kernels, "pairs": pairs,
         "targets": {"kernel_fraction_one_thread": 0.7, "tpot_ratio": 1.25},
-        "pass": {"kernels": {k["format"]: k["fraction_of_read_bandwidth"] >= 0.7 for k in one},
-                 "pairs": {f"{p['format']}@{p['threads']}": p["ratio"] <= 1.25 for p in pairs}},
+        "pass": {"kernels": {k["format"] + tag(k["condition"]): k["fraction_of_read_bandwidth"] >= 0.7 for k in one},
+                 "pairs": {f"{p['format']}@{p['threads']}{tag(p['condition'])}": p["ratio"] <= 1.25 for p in pairs}},
     }
     res = write_result(a.out, res, config=vars(a), command=res["command"], provenance=prov)
     print(json.dumps(res, indent=1))

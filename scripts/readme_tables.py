@@ -42,6 +42,12 @@ def cachesim_table(d: dict) -> str:
     return "\n".join(rows)
 
 
+def _cond(row: dict) -> str:
+    """A kernels row's condition beside its threads, where it is not `alone` (a second process streaming memory)."""
+    c = row.get("condition", "alone")
+    return "" if c == "alone" else f", {c}"
+
+
 def kernels_table(d: dict, pairs_only: bool = False) -> str:
     """results/kernels.json -> expert kernels against memory bandwidth, and decode against llama.cpp (each pair's
     per-round figures beside its medians: the 2-thread rounds swing on this host)."""
@@ -52,7 +58,7 @@ def kernels_table(d: dict, pairs_only: bool = False) -> str:
         for k in d["kernels"]:
             g = f" (group {k['group']})" if k["group"] else ""
             what = k.get("kind", "8 experts of 2048x768")
-            rows.append(f"| {k['format']}{g} | {k['threads']} | {what} | {k['ms']:.2f} ms | {k['gbps']:.1f} | "
+            rows.append(f"| {k['format']}{g} | {k['threads']}{_cond(k)} | {what} | {k['ms']:.2f} ms | {k['gbps']:.1f} | "
                         f"{k['read_bandwidth_gbps']:.1f} | {k['fraction_of_read_bandwidth']:.2f} |")
     if d.get("pairs"):
         depth = d.get("depth") or 0
@@ -63,7 +69,8 @@ def kernels_table(d: dict, pairs_only: bool = False) -> str:
                  "rounds: expertcache / llama.cpp (ms) |" + (" our process's memory read GB/s, by round |" if bw else ""),
                  "|---|---|---|---|---|---|" + ("---|" if bw else "")]
         order = ("bf16", "int8", "q8_0-file", "int4", "int4-sym", "q4_0-file", "int4-g128")
-        for p in sorted(d["pairs"], key=lambda p: (p["threads"], order.index(p["format"]))):
+        for p in sorted(d["pairs"], key=lambda p: (p.get("condition", "alone") != "alone", p["threads"],
+                                                   order.index(p["format"]))):
             lin = " (+ linears)" if p.get("expertcache_linears_packed") else ""
             rr = " ".join(f"{x * 1e3:.1f}" for x in p["expertcache_rounds_s"])
             pr = " ".join(f"{x * 1e3:.1f}" for x in p["llamacpp_rounds_s"])
@@ -71,7 +78,7 @@ def kernels_table(d: dict, pairs_only: bool = False) -> str:
             if bw:
                 extra = " " + " ".join("—" if x is None else f"{x:.0f}"
                                        for x in p.get("expertcache_read_bandwidth_gbps") or []) + " |"
-            rows.append(f"| {p['format']}{lin} vs {p['llamacpp_format']} | {p['threads']} | "
+            rows.append(f"| {p['format']}{lin} vs {p['llamacpp_format']} | {p['threads']}{_cond(p)} | "
                         f"{p['expertcache_tpot_s'] * 1e3:.1f} ms | {p['llamacpp_tpot_s'] * 1e3:.1f} ms | "
                         f"{p['ratio']:.2f} | {rr} / {pr} |{extra}")
     return "\n".join(rows)
@@ -105,6 +112,29 @@ def prompt_cache_table(d: dict) -> str:
     rows += ["", f"Running streams' inter-token latency: median {d['itl_p50_s'] * 1e3:.2f} ms without a long prompt, "
              f"p99 {d['itl_p99_during_prefill_s'] * 1e3:.2f} ms while a {n}-token prompt is prefilled "
              f"({d['itl_p99_during_prefill_s'] / d['itl_p50_s']:.1f}x; target <= 3x)."]
+    return "\n".join(rows)
+
+
+def train_big_table(d: dict) -> str:
+    """results/train_big.json -> router post-training of a checkpoint bigger than memory, per expert format: a
+    training step against the read roofline (a step's bytes at the disk's measured bandwidth)."""
+    ram = d.get("host_ram_bytes")
+    rows = ["| experts | bytes (x RAM) | memory cgroup | steps x tokens | tokens/s (steady step) | roofline tokens/s | "
+            "of roofline (target >= 0.7) | read per step | disk GB/s | peak RSS | loss first -> last | completed |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in d["runs"]:
+        fmt = f"int{r['quant_bits']}" if r.get("quant_bits") else "bf16"
+        if not r.get("completed"):
+            rows.append(f"| {fmt} | | | | | | | | | | | no: {r.get('error', '?')} |")
+            continue
+        share = f" ({r['experts_bytes'] / ram:.2f}x)" if ram else ""
+        cg = f"{r['memory_cgroup_bytes'] / 2**30:g} GiB" if r.get("memory_cgroup_bytes") else "none"
+        of = r["tokens_per_s"] / r["roofline_tokens_per_s"] if r.get("roofline_tokens_per_s") else None
+        rows.append(f"| {fmt} | {r['experts_bytes'] / 1e9:.1f} GB{share} | {cg} | {r['steps']} x {r['tokens_per_step']} | "
+                    f"{r['tokens_per_s']:.2f} | {r['roofline_tokens_per_s']:.2f} | "
+                    f"{'' if of is None else f'{of:.2f}'} | {r['bytes_read_per_step'] / 1e9:.2f} GB | "
+                    f"{r['disk_read_gbps']:.2f} | {r['peak_rss_bytes'] / 1e9:.2f} GB | "
+                    f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} | yes |")
     return "\n".join(rows)
 
 
@@ -230,7 +260,7 @@ def headline_table() -> str:
     k = _load("kernels.json")
     if k:
         for p in sorted(k.get("pairs") or [], key=lambda p: p["threads"]):
-            if p["threads"] == 1 and p["format"] in ("bf16", "int4"):
+            if p["threads"] == 1 and p["format"] in ("bf16", "int4") and p.get("condition", "alone") == "alone":
                 rows.append(f"| decode, all experts resident, 1 thread | {p['format']}, "
                             f"{p['expertcache_tpot_s'] * 1e3:.1f} ms/tok | llama.cpp {p['llamacpp_format']}, "
                             f"{p['llamacpp_tpot_s'] * 1e3:.1f} ms/tok | {p['ratio']:.2f} | target <= 1.25 | "
@@ -249,6 +279,9 @@ def tables() -> dict[str, str]:
     if (d := _load("gate_calibration.json")):
         out["gate_calibration"] = _block("gate_calibration.json", f"{provenance(d['command'], 'gate_calibration.json')}"
                                          f"; git {_git(d)}", calibration_table(d))
+    if (d := _load("train_big.json")):
+        how = provenance(d.get("command") or "python scripts/train_big.py", "train_big.json")
+        out["train_big"] = _block("train_big.json", f"{how}; git {_git(d, 'commit')}", train_big_table(d))
     if (d := _load("serve_load.json")):
         out["serve_load"] = _block("serve_load.json",
                                    f"python scripts/load_test.py --throughput; git {_git(d, 'commit')}",
