@@ -87,6 +87,28 @@ def test_representable_weights_round_trip_exactly(bits, group, sym):
     assert torch.allclose(quant.dequantize(t, bits, group), w, rtol=1e-3, atol=1e-6)
 
 
+@pytest.mark.parametrize("bits,group,sym", [(8, 32, False), (4, 32, False), (4, 64, True), (4, 128, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_is_bit_for_bit_the_scales_repeated_arithmetic(bits, group, sym, dtype):
+    """`dequantize` broadcasts each group's scale (and minimum) in place on one fp32 tensor; its weights are bit for
+    bit those of the plain formula with the scales repeated over their groups (the kernels' reference), for a
+    stack of experts `[n, rows, cols]` too."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(3, 40, 256, generator=g) * 0.05
+    t = quant.quantize(w, bits, group, symmetric=sym)
+    s = t["scales"].float().repeat_interleave(group, dim=-1)
+    if bits == 8:
+        ref = t["q"].float() * s
+    elif sym:
+        ref = (quant.unpack4(t["q"]).float() - 8) * s
+    else:
+        ref = quant.unpack4(t["q"]).float() * s + t["mins"].float().repeat_interleave(group, dim=-1)
+    got = quant.dequantize(t, bits, group, dtype)
+    assert got.dtype == dtype and got.shape == w.shape
+    assert torch.equal(got, ref.to(dtype))
+    assert torch.equal(quant.dequantize({k: v[1] for k, v in t.items()}, bits, group, dtype), ref[1].to(dtype))
+
+
 @pytest.mark.parametrize("bits,group,sym,bound", [(8, 32, False, 0.01), (8, 128, False, 0.01), (4, 32, False, 0.10),
                                                   (4, 128, False, 0.12), (4, 32, True, 0.12), (4, 128, True, 0.14)])
 def test_gaussian_weights_lose_what_the_format_predicts(bits, group, sym, bound):

@@ -713,46 +713,78 @@ def test_the_prefetch_guard_stops_a_predictor_that_does_not_pay_and_keeps_one_th
 
 def test_a_predictor_in_shadow_runs_on_one_decode_token_in_shadow_every(family_models):
     """Issue 46: `lookahead:2` kept in shadow for a whole run (its predictions all resident, so never scored) ran
-    1.12x on-demand from its own compute. In shadow it now runs on every layer of one decode token in
-    `shadow_every`, never in the prefill, and what it names there is still scored; on (guard 0), at every step."""
+    1.12x on-demand from its own compute. In shadow it runs on every layer of one decode token in `shadow_every`,
+    never in the prefill; a predictor whose predictions are scored (they name experts not resident) then runs on
+    every decode token until its verdict (`hot`), so a good one is not kept waiting `shadow_every` times as long;
+    on (guard 0), at every step."""
     from expertcache.runtime.engine.predictors import Predictor
     from expertcache.runtime.serve.generate import timed_greedy
 
     model, path = family_models["qwen3_moe"]
     prompt = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(5))
 
-    class Counted(Predictor):  # names experts 0..3 of the next layer; records the engine's pass of each call
-        name = "counted"
+    class Counted(Predictor):  # names experts 0..3 of the layer, or (`resident`) the ones it used last; records the
+        name = "counted"  # engine's pass of each call
 
-        def __init__(self):
-            self.calls = []
+        def __init__(self, resident: bool = False):
+            self.calls, self.resident = [], resident
 
         def predict(self, layer, hidden, history):
             self.calls.append((self.eng.loads.passes, layer, hidden.shape[0]))
             s = torch.zeros(hidden.shape[0], 8)
-            s[:, :4] = 1.0
+            if self.resident:
+                s[:, list(history.get(layer + 1, []))] = 1.0  # the next layer's last choice (its cache)
+            else:
+                s[:, :4] = 1.0
             return s
 
     n_new, runs = 40, {}
-    for guard in (0.5, 0.0):
+    for guard, resident in ((0.5, True), (0.5, False), (0.0, False)):
         m = _fresh("qwen3_moe")
-        pred = Counted()
+        pred = Counted(resident)
         eng = pred.eng = offload(m, path, EngineConfig(capacity=2, tier="host", prefetch_guard=guard), predictor=pred)
         eng.guard.first = 10**9  # no verdict: shadow the whole run (the issue's case)
         _, out, st = timed_greedy(m, prompt, n_new, eng)
         eng.close()
-        runs[guard] = (pred.calls, eng.guard, out)
-    calls, g, out = runs[0.5]
+        runs[guard, resident] = (pred.calls, eng.guard, out)
     layers = len(eng.layers)
     decode_passes = n_new - 1  # pass 1 is the prefill
-    assert g.state == "shadow" and g.shadow_every == 8
+    calls, g, out = runs[0.5, True]  # every prediction resident: never scored, sampled 1 in 8 the whole run
+    assert g.state == "shadow" and g.shadow_every == 8 and g.judged == 0
     assert all(rows == 1 and p % 8 == 0 for p, _, rows in calls), calls  # decode tokens only, the sampled ones
     sampled = {p for p, _, _ in calls}
     assert len(calls) == len(sampled) * layers <= -(-decode_passes // 8) * layers and len(sampled) >= 4
-    assert g.judged > 0  # the sampled predictions were scored (the precision is still measured)
-    on_calls, g_on, out_on = runs[0.0]
+    calls, g, out_scored = runs[0.5, False]  # scored: it also runs on the tokens right after a scored one
+    assert g.state == "shadow" and g.judged > 0
+    passes = sorted({p for p, _, _ in calls})
+    assert all(rows == 1 for _, _, rows in calls) and passes[0] % 8 == 0
+    assert all(p % 8 == 0 or p - 1 in passes for p in passes), passes  # sampled, or following a token that ran
+    assert sum(p % 8 != 0 for p in passes) >= 2, passes  # and it did: more than one token in 8
+    on_calls, g_on, out_on = runs[0.0, False]
     assert g_on.state == "on" and len(on_calls) == (decode_passes + 1) * layers  # on: every step, prefill too
-    assert torch.equal(out, out_on)  # tokens are the same either way
+    assert torch.equal(out, out_on) and torch.equal(out_scored, out_on)  # tokens are the same either way
+
+
+def test_a_good_predictor_leaves_shadow_in_first_scored_experts_not_shadow_every_times_as_many_tokens():
+    """The guard on its own: a predictor whose sampled predictions are scored keeps running on every decode token
+    (its verdict after `first` scored experts); one whose predictions score nothing stays at one token in 8."""
+    from expertcache.runtime.engine.stats import PrefetchGuard
+
+    for scored, expect in ((True, "on"), (False, "shadow")):
+        g = PrefetchGuard(0.5, first=32, shadow_every=8)
+        ran = []
+        for tok in range(1, 60):
+            g.new_token()
+            mode = g.step()
+            if g.predicts(mode, tok, True):
+                ran.append(tok)
+                if mode == "shadow" and scored:
+                    g.outcome(4, 1)  # 5 scored experts a token, 80% used
+        assert g.state == expect
+        if scored:  # sampled at token 8, then every token: 32 scored experts by token 14, on from there
+            assert ran[:8] == list(range(8, 16)) and ran == list(range(8, 60))
+        else:
+            assert ran == list(range(8, 60, 8))
 
 
 def test_per_token_figures_come_from_one_place():

@@ -259,6 +259,7 @@ class Loads:
             named.clear()
         if pos == 0:
             self.passes += 1
+            self.guard.new_token()
         ahead, mode = [], None
         if self.predictor.active:
             mode = self.guard.step()

@@ -128,13 +128,19 @@ def unpack4(q: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(t: dict[str, torch.Tensor], bits: int, group: int, dtype=torch.float32) -> torch.Tensor:
-    """The weights the integers stand for (exactly what the kernels multiply, before activation rounding)."""
-    s = t["scales"].float().repeat_interleave(group, dim=-1)
-    if bits == 8:
-        return (t["q"].float() * s).to(dtype)
-    if "mins" not in t:  # symmetric
-        return ((unpack4(t["q"]).float() - 8) * s).to(dtype)
-    return (unpack4(t["q"]).float() * s + t["mins"].float().repeat_interleave(group, dim=-1)).to(dtype)
+    """The weights the integers stand for (exactly what the kernels multiply, before activation rounding): in fp32,
+    q x scale (+ minimum), each group's scale broadcast over its `group` inputs (no repeated copy of the scales),
+    in place on the one fp32 tensor, then cast to `dtype`."""
+    q = t["q"]
+    v = (q if bits == 8 else unpack4(q)).float()
+    shape = v.shape
+    v = v.view(*shape[:-1], shape[-1] // group, group)
+    if bits == 4 and "mins" not in t:  # symmetric: codes around 8
+        v.sub_(8)
+    v.mul_(t["scales"].float().unsqueeze(-1))
+    if bits == 4 and "mins" in t:
+        v.add_(t["mins"].float().unsqueeze(-1))
+    return v.view(shape).to(dtype)
 
 
 def nbytes(t: dict[str, torch.Tensor]) -> int:
