@@ -187,6 +187,12 @@ STREAMER = ("import os, numpy as np\nos.sched_setaffinity(0, {%d})\na = np.ones(
             "while True:\n    np.copyto(b, a)\n")
 
 
+def _bad(msg: str) -> None:
+    """Bad input: one line, exit 2."""
+    print(msg, file=sys.stderr)
+    raise SystemExit(2)
+
+
 class Condition:
     """`with Condition(name):` the measurements inside run under it: `alone` changes nothing; `memory-contended`
     starts a process streaming memory on the second core (`STREAMER`) and pins this process (and the processes it
@@ -248,11 +254,10 @@ def main() -> None:
     threads = [int(t) for t in a.threads.split(",")]
     formats = [f for f in a.formats.split(",") if f]
     if not formats or any(f not in FORMATS and f not in FILE_FORMATS for f in formats):
-        raise SystemExit(f"bench_kernels: --formats {a.formats}: expected a subset of "
-                         f"{','.join([*FORMATS, *FILE_FORMATS])}")
+        _bad(f"bench_kernels: --formats {a.formats}: expected a subset of {','.join([*FORMATS, *FILE_FORMATS])}")
     conditions = [c for c in a.conditions.split(",") if c]
     if not conditions or any(c not in CONDITIONS for c in conditions):
-        raise SystemExit(f"bench_kernels: --conditions {a.conditions}: expected a subset of {','.join(CONDITIONS)}")
+        _bad(f"bench_kernels: --conditions {a.conditions}: expected a subset of {','.join(CONDITIONS)}")
 
     def threads_in(cond: str) -> list[int]:  # the contended condition pins this process to one core
         return threads if cond == "alone" else [t for t in threads if t == 1]

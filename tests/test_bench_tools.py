@@ -351,3 +351,31 @@ def test_bench_big_skips_accelerate_with_its_reason_when_the_disk_cannot_hold_it
                    "the GGUF"), why
     monkeypatch.setattr(bigbench, "free_disk", lambda d: 25 * 2**30)
     assert bigbench.accelerate_disk(ckpt, 8.0, tmp_path) is None
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the contended condition needs two cores")
+def test_the_memory_contended_condition_streams_on_the_other_core_and_restores_this_process():
+    """`bench_kernels --conditions memory-contended`: inside the condition a second process streams memory on the
+    second core and this process (with what it starts) is pinned to the first; afterwards the streamer is gone and
+    the affinity is what it was. A name outside the two conditions is one line, exit 2."""
+    from helpers import REPO
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import bench_kernels
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    before = os.sched_getaffinity(0)
+    cpus = sorted(before)
+    with bench_kernels.Condition("memory-contended") as c:
+        assert os.sched_getaffinity(0) == {cpus[0]}
+        assert c.proc.poll() is None  # streaming
+        child = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                               capture_output=True, text=True, check=True)
+        assert child.stdout.strip() == str([cpus[0]])  # what it starts inherits the pin
+    assert c.proc.poll() is not None and os.sched_getaffinity(0) == before
+    with bench_kernels.Condition("alone") as c:
+        assert c.proc is None and os.sched_getaffinity(0) == before
+    p = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_kernels.py"), "--conditions", "busy"],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith("bench_kernels: --conditions busy")

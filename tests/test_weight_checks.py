@@ -340,11 +340,34 @@ def test_check_model_finds_one_flipped_expert_of_a_fused_tensor():
 
 @pytest.fixture
 def overlapped(monkeypatch):
-    """Loads in the load threads (as for experts of 1 MiB or more), whatever the tiny experts' size: their first-read
-    checks run in the check thread, beside the compute."""
+    """Loads in the load threads (as for experts of 1 MiB or more), whatever the tiny experts' size, and one compute
+    thread (a core left free): first-read checks run in the check thread, beside the compute."""
+    import os
+
     from expertcache.runtime.engine import engine as engine_mod
 
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("a check beside the compute needs a core the compute leaves free")
     monkeypatch.setattr(engine_mod, "OVERLAP_MIN_BYTES", 0)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_the_check_runs_inline_where_the_compute_takes_every_core(ckpt, overlapped):
+    """With as many compute threads as cores, a first read is checked in the load thread before the read completes
+    (a third thread beside the compute measured slower on 2 cores); with a core free, beside the compute."""
+    import os
+
+    m = load(ckpt, capacity=2, tier="disk")
+    loads = m.expertcache.loads
+    try:
+        assert loads.spare_core()
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+        assert not loads.spare_core()
+    finally:
+        m.expertcache.close()
 
 
 def test_a_first_read_check_runs_beside_the_compute_and_holds_the_step(ckpt, overlapped, monkeypatch):

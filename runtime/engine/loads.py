@@ -9,6 +9,7 @@ cache and the tier fit in memory (`check_fits`)."""
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
@@ -115,10 +116,15 @@ class Loads:
         self.stats = None
         # `verify`'s reference-free checks on every expert's first read (`weight_checks.ExpertChecks`), by tier
         self.checks = {id(t): expert_checks(t) for t in (tier, low_tier) if t is not None and part.integrity == "on"}
-        # A first read's check runs beside the compute, not before it (`check_later`): the layer computes as soon as
-        # the bytes land, and the step's output is held (`end_step`) until every check of its reads has passed.
-        # One thread: a check scans memory (the whole expert once), a second would only contend with it.
+        # A first read's check runs beside the compute, not before it (`check_later`), where a core is free for it:
+        # the layer computes as soon as the bytes land, and the step's output is held (`end_step`) until every check
+        # of its reads has passed. One thread: a check scans memory (the whole expert once). Where the compute's
+        # threads take every core, the check runs in the load thread before the read completes, as a third thread
+        # beside two compute threads on two cores costs more than it hides (replay, bench_integrity, 2 threads:
+        # +17% TPOT on first reads beside the compute against +10% before it; 1 thread: +2-5% -> 0).
         self.checker = ThreadPoolExecutor(1, thread_name_prefix="expert-check") if self.checks and overlap else None
+        self.fast_device = fast
+        self._cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         self._checking: dict[tuple[int, int], Future] = {}  # (id(pool), slot) -> the check of the bytes it holds
         self._failed: list[BaseException] = []  # checks that failed, raised at the step's end
         self.queue = LoadQueue(part.workers, "expert-load")  # nearest layer first, demand before any prefetch
@@ -169,12 +175,17 @@ class Loads:
         c = self.checks.get(id(tier))
         if c is None or c.checked[pos, expert]:
             return
-        if self.checker is None:
+        if self.checker is None or not self.spare_core():
             c.check(pos, expert, pool, slot)
             return
         f = self.checker.submit(c.check, pos, expert, pool, slot)
         with self._lock:
             self._checking[(id(pool), slot)] = f
+
+    def spare_core(self) -> bool:
+        """Whether a check beside the compute has a core of its own: the experts compute on a GPU, or the compute's
+        threads leave a core free."""
+        return self.fast_device != "cpu" or torch.get_num_threads() < self._cores
 
     def _wait_check(self, pool: SlotPool, slot: int) -> None:
         """A slot about to be written: the check still reading its old bytes finishes first (a failure is kept for
