@@ -210,6 +210,11 @@ def test_each_weight_format_is_one_registered_class(store, tmp_path):
             got = mod.compute(x, idx, w, full)
             assert torch.equal(got, want) if cls is formats.Native else \
                 (got.float() - want.float()).norm() < 2e-2 * want.float().norm()
+            if cls is formats.CpuBf16:  # a prefill's rows (more than the decode kernels take) go through the
+                xs = torch.randn(cpu_kernels.MAX_ROWS + 5, x.shape[1], dtype=torch.bfloat16)  # family's forward:
+                ids = torch.randint(0, 4, (xs.shape[0], 2))  # exactly (torch's GEMMs reuse each expert's weights)
+                ws = torch.rand(xs.shape[0], 2, dtype=torch.bfloat16)
+                assert torch.equal(mod.compute(xs, ids, ws, full), fwd(mod.fmt.over(full), xs, ids, ws))
         finally:
             eng.close()
 

@@ -175,7 +175,10 @@ class CpuBf16(Native):
         return kernel in ("cpu", "auto") and device == "cpu" and swiglu_bf16(tmpl) and cpu_kernels.available()
 
     def compute(self, x, slots, weights, tensors=None):
-        if x.is_cuda:
+        # the kernel is a decode kernel (each row streams its experts' weights); a prefill's rows share experts, and
+        # the family's forward (torch's GEMMs over each expert's rows) reuses them: 512 prompt tokens, 4-layer
+        # Qwen3-30B-A3B shape, all resident, 2 threads: ~270 tokens/s through the kernel, ~960 through torch
+        if x.is_cuda or not cpu_kernels.decode_input(x):
             return super().compute(x, slots, weights, tensors)
         t = self.over(tensors)
         return cpu_kernels.swiglu_bf16(x, t.gate_up_proj, t.down_proj, slots, weights)
