@@ -39,11 +39,9 @@ def cpu_model() -> str:
 def machine(read_GBps: float | None = None) -> dict:
     """This host, as a result records it: cores (all, and those this process may use), physical memory (bytes),
     and the storage read bandwidth (GB/s) when the run measured one (None: not measured here)."""
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        usable = os.cpu_count()
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "usable_cores": usable,
+    from expertcache.runtime.storage.tiers import usable_cores
+
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "usable_cores": usable_cores(),
             "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "read_GBps": read_GBps}
 
 

@@ -140,11 +140,11 @@ class OffloadEngine:
             self.stats.forward_s += time.perf_counter() - t0
 
     def end_step(self) -> None:
-        """A step's output may leave the engine once every expert it read has passed its first-read check (they run
-        beside the compute): waits for the checks still running, and raises a failed one (at every later step too).
-        The model's forward ends with it; a caller driving `run_layer` itself calls it after the step's last layer.
+        """A step's output may leave the engine once every expert it read has passed its first-read check (where a
+        core is free they run beside the compute): waits for the checks still running, and raises a failed one. The
+        model's forward ends with it; a caller driving `run_layer` itself calls it after the step's last layer.
         After a failure the cache starts cold (counters kept): no slot, victim or prefetch of the damaged expert
-        serves again without being read, and checked, again."""
+        serves again without being read, and checked, again (so a later step that needs it is refused again)."""
         try:
             self.loads.end_step()
         except BaseException:
@@ -266,9 +266,7 @@ class OffloadEngine:
             h.remove()
         self._hooks = []
         self.compute.unpatch()
-        self.pool_exec.shutdown(wait=True)
-        if self.loads.checker is not None:
-            self.loads.checker.shutdown(wait=True)
+        self.loads.shutdown()
         for mod in self.modules:  # break the engine <-> module cycle: the slot pools go when the engine does
             mod._engine = [None]
 

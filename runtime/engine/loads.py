@@ -9,7 +9,6 @@ cache and the tier fit in memory (`check_fits`)."""
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
@@ -20,7 +19,7 @@ import torch
 from expertcache.telemetry.errors import InputError
 
 from expertcache.runtime.storage.loadqueue import LoadQueue
-from expertcache.runtime.storage.tiers import SlotPool, available_memory, choose_tier
+from expertcache.runtime.storage.tiers import SlotPool, available_memory, choose_tier, usable_cores
 from expertcache.runtime.storage.weight_checks import expert_checks
 
 from expertcache.runtime.engine.config import STREAM_SLOTS_PER_K, LoadConfig
@@ -123,8 +122,7 @@ class Loads:
         # beside two compute threads on two cores costs more than it hides (replay, bench_integrity, 2 threads:
         # +17% TPOT on first reads beside the compute against +10% before it; 1 thread: +2-5% -> 0).
         self.checker = ThreadPoolExecutor(1, thread_name_prefix="expert-check") if self.checks and overlap else None
-        self.fast_device = fast
-        self._cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self._cores = usable_cores()
         self._checking: dict[tuple[int, int], Future] = {}  # (id(pool), slot) -> the check of the bytes it holds
         self._failed: list[BaseException] = []  # checks that failed, raised at the step's end
         self.queue = LoadQueue(part.workers, "expert-load")  # nearest layer first, demand before any prefetch
@@ -185,7 +183,7 @@ class Loads:
     def spare_core(self) -> bool:
         """Whether a check beside the compute has a core of its own: the experts compute on a GPU, or the compute's
         threads leave a core free."""
-        return self.fast_device != "cpu" or torch.get_num_threads() < self._cores
+        return self.fast != "cpu" or torch.get_num_threads() < self._cores
 
     def _wait_check(self, pool: SlotPool, slot: int) -> None:
         """A slot about to be written: the check still reading its old bytes finishes first (a failure is kept for
@@ -212,6 +210,12 @@ class Loads:
         if self._failed:
             first, self._failed = self._failed[0], []
             raise first
+
+    def shutdown(self) -> None:
+        """No new loads or checks; waits for the ones running (the slots are not written after this returns)."""
+        self.queue.shutdown(wait=True)
+        if self.checker is not None:
+            self.checker.shutdown(wait=True)
 
     def load(self, pos: int, expert: int, slot: int, pool: SlotPool | None = None) -> None:
         """Copy one expert from the slow tier into a slot of layer `pos`'s pool (or of a transient `pool`)."""

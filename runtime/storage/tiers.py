@@ -455,6 +455,14 @@ def tier_host_bytes(spec: str, meta: StoreMeta, workers: int) -> int:
     return meta.num_layers * meta.num_experts * meta.block_bytes
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), else every core the machine has."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def available_memory() -> int:
     """Bytes of RAM available now (MemAvailable), the bound a fast-tier cache on this machine must fit."""
     try:

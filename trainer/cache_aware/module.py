@@ -3,6 +3,8 @@ domain losses on its routers, the served (rerouted) training forward and the aux
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..config import RecipeError
@@ -141,16 +143,12 @@ class CacheAwareModule(CausalLMModule):
 
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
-        import time
-
         self._step_t0 = time.perf_counter()
         self._step_b0 = self.read_counter() if self.read_counter is not None else None
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         """A step's wall time (and, streamed, its bytes read): validation and checkpoint writes fall outside it, so
         the figures are the training step's own, as a roofline compares them."""
-        import time
-
         if self._step_t0 is None:
             return
         self.step_seconds.append(time.perf_counter() - self._step_t0)
