@@ -215,6 +215,16 @@ def test_each_weight_format_is_one_registered_class(store, tmp_path):
                 ids = torch.randint(0, 4, (xs.shape[0], 2))  # exactly (torch's GEMMs reuse each expert's weights)
                 ws = torch.rand(xs.shape[0], 2, dtype=torch.bfloat16)
                 assert torch.equal(mod.compute(xs, ids, ws, full), fwd(mod.fmt.over(full), xs, ids, ws))
+                calls, kernel = [], cpu_kernels.swiglu_bf16  # decode rows stay on the kernel with grad enabled (the
+                cpu_kernels.swiglu_bf16 = lambda *a: calls.append(1) or kernel(*a)  # replay's case) unless autograd
+                try:  # would record through them
+                    with torch.enable_grad():
+                        mod.compute(x, idx, w, full)
+                        assert calls == [1]
+                        mod.compute(x.clone().requires_grad_(True), idx, w, full)
+                        assert calls == [1]
+                finally:
+                    cpu_kernels.swiglu_bf16 = kernel
         finally:
             eng.close()
 
