@@ -234,6 +234,22 @@ def test_linear_kernel_matches_torch(rows, n, out, bias):
 
 
 @needs_ext
+@pytest.mark.parametrize("rows", [2, 3, 5, 8, 11])
+def test_a_few_tokens_through_the_linear_kernel_equal_each_token_alone(rows):
+    """linear_bf16 loads each weight row once for up to 8 tokens (and in groups of 8 past that); every token's
+    output is bit for bit the one-token call's, so a batched decode step keeps each stream's greedy tokens. Widths
+    with a masked tail (100, 33) and an odd number of 64-input steps (2080) included."""
+    g = torch.Generator().manual_seed(rows)
+    for n in (2048, 2080, 100, 33):
+        w = torch.randn(70, n, generator=g).bfloat16()
+        b = torch.randn(70, generator=g).bfloat16()
+        x = torch.randn(rows, n, generator=g).bfloat16()
+        got = ck.linear_bf16(x, w, b)
+        for t in range(rows):
+            assert torch.equal(got[t], ck.linear_bf16(x[t:t + 1], w, b)[0]), (n, t)
+
+
+@needs_ext
 @pytest.mark.parametrize("bits,group,sym", [(8, 32, False), (8, 128, False), (4, 32, False), (4, 64, False),
                                             (4, 32, True)])
 @pytest.mark.parametrize("rows,out,bias", [(1, 130, False), (3, 7, True), (8, 64, True)])

@@ -40,18 +40,19 @@ def physical_ram() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def write_tokenizer(out: Path) -> None:
-    """A small byte-level BPE (the 256 byte tokens, a few merges, `<|endoftext|>`), so the checkpoint is complete for
-    tools that need a tokenizer (llama.cpp's converter pads the vocabulary to the model's with unused tokens); the
-    benchmarks feed token ids. Kept when one is there."""
+def write_tokenizer(out: Path, texts: list[str] | None = None, vocab: int = 300) -> None:
+    """A byte-level BPE, so the checkpoint is complete for tools that need a tokenizer. By default a small one (the
+    256 byte tokens, a few merges, `<|endoftext|>`; llama.cpp's converter pads the vocabulary to the model's with
+    unused tokens), enough for the benchmarks that feed token ids; with `texts`, `vocab` tokens learned from them
+    (see `full_vocab_copy`). Kept when one is there."""
     if (out / "tokenizer.json").is_file():
         return
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
     bpe = ByteLevelBPETokenizer(add_prefix_space=False)
-    bpe.train_from_iterator(["the expert cache keeps the hot experts close and reads the rest from disk"] * 64,
-                            vocab_size=300, min_frequency=2, special_tokens=["<|endoftext|>"], show_progress=False)
+    bpe.train_from_iterator(texts or ["the expert cache keeps the hot experts close and reads the rest from disk"] * 64,
+                            vocab_size=vocab, min_frequency=2, special_tokens=["<|endoftext|>"], show_progress=False)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>",
                                   bos_token="<|endoftext|>", unk_token=None, model_max_length=4096)
     from expertcache.telemetry.atomic import atomic_dir
@@ -61,6 +62,23 @@ def write_tokenizer(out: Path) -> None:
     for f in (out / ".tokenizer").iterdir():
         os.replace(f, out / f.name)
     (out / ".tokenizer").rmdir()
+
+
+def full_vocab_copy(src: Path, dst: Path, texts: list[str]) -> Path:
+    """`src`'s weights and config (linked, not copied) with a byte-level BPE of the model's whole vocabulary learned
+    from `texts`, in `dst`. The small tokenizer covers 300 of a random model's 32,768 ids, so nearly every token it
+    emits decodes to no text and a server streams nothing for it; serving benchmarks need every id to be text."""
+    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix in (".safetensors", ".json") and not f.name.startswith("tokenizer") \
+                and not (dst / f.name).exists():
+            (dst / f.name).symlink_to(f.resolve())
+    write_tokenizer(dst, texts, vocab)
+    got = len(json.loads((dst / "tokenizer.json").read_text())["model"]["vocab"])
+    if got < vocab:
+        raise ValueError(f"the texts given teach {got} tokens, fewer than the model's {vocab}: give more text")
+    return dst
 
 
 def _write_shard(path: Path, tensors: list[tuple[str, list[int], object]]) -> None:

