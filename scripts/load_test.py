@@ -456,7 +456,8 @@ def _median_of_passes(passes: list[dict]) -> dict:
     if "chat" in ok[0]:
         each = [p["chat"] for p in ok]
         out["chat"] = {**each[0], **{k: statistics.median(e[k] for e in each)
-                                     for k in ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "wall_s")},
+                                     for k in ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "wall_s", "tpot_p50_s",
+                                               "tpot_p99_s") if each[0].get(k) is not None},
                        "per_pass": {k: [e[k] for e in each] for k in ("tokens_per_s", "ttft_p50_s")}}
     return out
 
@@ -534,6 +535,8 @@ def _chat_section(name: str, url: str, convs: list[list[str]], max_tokens: int, 
     out = {"requests": len(flat), "wall_s": round(wall, 3), "tokens": sum(r["tokens"] for r in flat),
            "tokens_per_s": sum(r["tokens"] for r in flat) / wall, "ttft_p50_s": _pct(ttft, 50),
            "ttft_p99_s": _pct(ttft, 99), "ttft_p50_s_by_turn": by_turn,
+           "tpot_p50_s": _pct([r["tpot_s"] for r in flat if r["tpot_s"] is not None], 50),
+           "tpot_p99_s": _pct([r["tpot_s"] for r in flat if r["tpot_s"] is not None], 99),
            "prompt_chars_last_turn_mean": sum(conv[-1]["prompt_chars"] for conv in rows) / len(rows),
            "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in flat)}
     if ours:

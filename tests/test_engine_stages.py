@@ -211,7 +211,7 @@ def test_each_weight_format_is_one_registered_class(store, tmp_path):
             assert torch.equal(got, want) if cls is formats.Native else \
                 (got.float() - want.float()).norm() < 2e-2 * want.float().norm()
             if cls is formats.CpuBf16:  # a prefill's rows (more than the decode kernels take) go through the
-                xs = torch.randn(cpu_kernels.MAX_ROWS + 5, x.shape[1], dtype=torch.bfloat16)  # family's forward:
+                xs = torch.randn(cpu_kernels.EXPERT_ROWS + 5, x.shape[1], dtype=torch.bfloat16)  # family's forward:
                 ids = torch.randint(0, 4, (xs.shape[0], 2))  # exactly (torch's GEMMs reuse each expert's weights)
                 ws = torch.rand(xs.shape[0], 2, dtype=torch.bfloat16)
                 assert torch.equal(mod.compute(xs, ids, ws, full), fwd(mod.fmt.over(full), xs, ids, ws))
@@ -223,6 +223,13 @@ def test_each_weight_format_is_one_registered_class(store, tmp_path):
                         assert calls == [1]
                         mod.compute(x.clone().requires_grad_(True), idx, w, full)
                         assert calls == [1]
+                    # a decode step of 16 sequences (past the linears' MAX_ROWS, within EXPERT_ROWS) stays on it
+                    x16 = torch.randn(16, x.shape[1], dtype=torch.bfloat16)
+                    i16, w16 = torch.randint(0, 4, (16, 2)), torch.rand(16, 2, dtype=torch.bfloat16)
+                    got16 = mod.compute(x16, i16, w16, full)
+                    assert calls == [1, 1] and cpu_kernels.MAX_ROWS < 16 <= cpu_kernels.EXPERT_ROWS
+                    want16 = fwd(mod.fmt.over(full), x16, i16, w16).float()
+                    assert (got16.float() - want16).norm() < 2e-2 * want16.norm()
                 finally:
                     cpu_kernels.swiglu_bf16 = kernel
         finally:

@@ -363,3 +363,42 @@ def test_serve_trace_records_live_requests_that_analyze_reads(tmp_path):
     assert phases == {"prefill", "decode"}
     s = analyze(str(files[0]), tmp_path / "analysis", phase=None)
     assert s["routing"]["tokens"] > 0 and s["hit_curves"]
+
+
+def _sized(step_s: float):
+    """The chunk-sizing state of a `Decoder` (its rule alone: no model, no thread)."""
+    import types
+
+    from expertcache.runtime.serve.serve import MIN_CHUNK, Decoder
+
+    d = types.SimpleNamespace(_step_s=step_s, _floor_s=None, _n=MIN_CHUNK)
+    d._target = types.MethodType(Decoder._target, d)
+    d._timed = types.MethodType(Decoder._timed, d)
+    return d
+
+
+@pytest.mark.parametrize("fixed_s,per_token_s,step_s,want_n", [
+    (0.001, 0.0001, 0.02, 190),   # a small fixed part: a chunk takes about one step (as before)
+    (0.25, 0.002, 0.2, 75),       # a MoE prompt chunk touches most experts: up to 2 steps, half of it prompt
+    (0.5, 0.002, 0.2, 16),        # the fixed part alone over two steps: MIN_CHUNK, never longer
+])
+def test_prefill_chunks_beside_decoding_carry_prompt_and_keep_streams_within_three_steps(
+        fixed_s, per_token_s, step_s, want_n):
+    """Chunks timed as `fixed + per_token x n` converge to the size `Decoder._target` asks: one step's time where
+    the fixed part is small; twice the fixed part (capped at two steps) where it is large, so a 4-layer
+    Qwen3-30B-A3B-shaped model (0.25 s to touch its experts for 16 tokens, 0.2 s steps) prefills 75 tokens a chunk
+    instead of 16. After the first few, no chunk delays a stream's next token past 3 steps."""
+    from expertcache.runtime.serve.serve import MIN_CHUNK
+
+    d = _sized(step_s)
+    times = []
+    for _ in range(30):
+        n = d._n
+        t = fixed_s + per_token_s * n
+        times.append(t)
+        d._timed(n, t)
+    assert abs(d._n - want_n) <= 2, d._n
+    if fixed_s <= 2 * step_s:
+        assert all(step_s + t <= 3.05 * step_s for t in times[5:])
+    else:
+        assert d._n == MIN_CHUNK

@@ -165,7 +165,7 @@ class Triton(Native):
 
 @WEIGHT_FORMAT_REGISTRY.register("cpu_bf16")
 class CpuBf16(Native):
-    """bf16 SwiGLU experts without biases on CPU slots: up to `cpu_kernels.MAX_ROWS` rows through the AVX-512 kernel
+    """bf16 SwiGLU experts without biases on CPU slots: up to `cpu_kernels.EXPERT_ROWS` rows through the AVX-512 kernel
     (`cpu_kernels.swiglu_bf16`), fp32 accumulation, equal to plain up to rounding; a prefill's rows, inputs autograd
     records through, and CUDA inputs through the family's own forward."""
 
@@ -182,7 +182,7 @@ class CpuBf16(Native):
         # (not `decode_input`, whose no-grad rule is the linears': the engine's own drivers, the replay among them,
         # call with grad enabled and no input that requires it, and stay on the kernel)
         records = torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad)
-        if x.is_cuda or x.shape[0] > cpu_kernels.MAX_ROWS or records:
+        if x.is_cuda or x.shape[0] > cpu_kernels.EXPERT_ROWS or records:
             return super().compute(x, slots, weights, tensors)
         t = self.over(tensors)
         return cpu_kernels.swiglu_bf16(x, t.gate_up_proj, t.down_proj, slots, weights)

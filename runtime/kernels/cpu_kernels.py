@@ -148,6 +148,11 @@ def linear_bf16(x, weight, bias=None) -> torch.Tensor:
 
 
 MAX_ROWS = 8  # decode-sized calls take the kernels; a prefill's GEMM stays with torch (oneDNN)
+# rows the bf16 expert kernel takes (a decode step of up to 32 sequences, a short prompt chunk): each expert's rows
+# are read once for the tokens that chose it, and with a few tokens per expert that beats torch's grouped GEMMs;
+# 4-layer Qwen3-30B-A3B shape, random routing, 1 thread, one layer: 16 rows 60 vs 105 ms, 32 rows 94 vs 136 ms
+# (a 512-token prompt: ~270 tokens/s through the kernel, ~960 through torch, 2 threads)
+EXPERT_ROWS = 32
 
 
 def decode_input(x) -> bool:

@@ -196,7 +196,8 @@ class Decoder:
     stays within `kv_cache_bytes`; otherwise a request waits in the queue (`/health`, `/metrics`).
 
     Prefill: each turn of the loop prefills at most `prefill_chunk` prompt tokens (the prompt under way, then the
-    next queued ones; while sequences decode, about one decode step's time: `_chunk`), then runs one decode step
+    next queued ones; while sequences decode, about one decode step's time, up to two where a chunk's fixed part
+    is large: `_chunk`, `_target`), then runs one decode step
     of the batch, so a long prompt never stops the running streams for more than a chunk. With `prompt_cache`, a
     prompt starts from the longest prefix whose KV an earlier sequence left (`prefix_cache.PrefixCache`), which
     holds what `kv_cache_bytes` leaves beside the batch's need (evicted least recently used as the batch grows;
@@ -222,6 +223,7 @@ class Decoder:
         self._per = None  # KV bytes per row and position, from the last cache seen
         self._step_s = None  # a decode step's seconds (running average)
         self._n = MIN_CHUNK  # prompt tokens per chunk while sequences decode (`_chunk`, `_timed`)
+        self._floor_s = None  # a MIN_CHUNK chunk's seconds (running average): about a chunk's fixed part
         self.threads = torch_threads or torch.get_num_threads()  # torch's intra-op setting is per thread
         self.pending: collections.deque = collections.deque()
         self.cond = threading.Condition()
@@ -324,17 +326,29 @@ class Decoder:
 
     def _chunk(self) -> float:
         """Prompt tokens this turn may prefill: `prefill_chunk`; while sequences are decoding, a chunk sized to take
-        about one decode step (`_n`, adjusted after each chunk from its measured time), so a long prompt delays each
-        running stream's next token by about one step, on whatever machine this runs."""
+        about `_target()` (`_n`, adjusted after each chunk from its measured time), so a long prompt delays each
+        running stream's next token by one to two steps, on whatever machine this runs."""
         cap = self.batch.prefill_chunk or float("inf")
         return cap if not len(self.batch) else min(cap, self._n)
 
+    def _target(self) -> float:
+        """Seconds a chunk beside decoding sequences may take: one decode step; where a chunk's fixed part (a
+        MIN_CHUNK chunk's time: a MoE model's prompt tokens touch most of its experts, and a forward reads each of
+        those once, however few tokens it carries) is over half a step, twice that fixed part, so at least half a
+        chunk's time carries prompt; never over two steps (a stream's token then waits at most 3 steps)."""
+        step = self._step_s
+        if self._floor_s is None:
+            return step
+        return max(step, min(2 * step, 2 * self._floor_s))
+
     def _timed(self, n: int, seconds: float) -> None:
-        """A chunk of `n` tokens took `seconds` while sequences were decoding: the next one scaled toward one
-        decode step's time (a chunk's cost is a fixed part and a part per token, so this converges from either
-        side; where the fixed part alone passes a step, chunks stay at MIN_CHUNK)."""
+        """A chunk of `n` tokens took `seconds` while sequences were decoding: the next one scaled toward
+        `_target()` (a chunk's cost is a fixed part and a part per token, so this converges from either side;
+        where the fixed part alone passes the target, chunks stay at MIN_CHUNK)."""
         if self._step_s is not None and seconds > 0:
-            self._n = max(MIN_CHUNK, min(int(n * self._step_s / seconds), 1 << 20))
+            if n <= MIN_CHUNK:
+                self._floor_s = _ema(self._floor_s, seconds)
+            self._n = max(MIN_CHUNK, min(int(n * self._target() / seconds), 1 << 20))
 
     def _prefill(self) -> None:
         """This turn's prefill: at most `prefill_chunk` prompt tokens, the prompt under way first, then (while
