@@ -15,7 +15,17 @@ streaming clients (greedy, fixed length). Per round: total tokens/s, per-request
 (p50/p99), the batch sizes the server ran, hit rate and bytes moved per token (from /metrics), and whether every
 request's text equals the text it got alone (the 1-client round).
 
-    python scripts/load_test.py --throughput --out results/serve_load.json
+    python scripts/load_test.py --throughput --model runs/ca-starter/model --out results/serve_batching.json
+
+Against vLLM (`--systems ... vllm`): its CPU build, in a venv made once outside the repository
+(`python scripts/vllm_peer.py --build_only`), serves the same checkpoint and gets the same requests; its compute
+threads are bound to `--vllm-cores` (one core, as ours runs one thread). `--chat` adds a multi-turn load: 8
+conversations at once, 6 turns each, every request carrying the conversation so far (TTFT and tokens/s; ours
+reuses the earlier turns' KV through its prompt cache, vLLM through its prefix cache). `--passes 2` runs the
+systems in turn twice, the order reversed, and keeps the medians. A random checkpoint needs `--full-vocab`:
+
+    python scripts/load_test.py --throughput --model CKPT --full-vocab data/corpus --systems all_resident vllm \
+        --levels 1 4 8 16 --passes 2 --chat --out results/serve_load.json
 """
 
 from __future__ import annotations

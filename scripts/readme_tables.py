@@ -85,18 +85,51 @@ def kernels_table(d: dict, pairs_only: bool = False) -> str:
 
 
 def serve_load_table(d: dict) -> str:
-    """results/serve_load.json -> batched serving against one client, at 1/4 of the experts and all resident."""
-    rows = ["| experts resident | clients | tokens/s | x one client | TPOT p50 / p99 | TTFT p50 / p99 | mean batch | "
+    """results/serve_load.json (or serve_batching.json) -> each system's rounds against one client: ours at 1/4 of
+    the experts and all resident, and vLLM's CPU build beside them where it ran (a skipped system: its reason)."""
+    rows = ["| system | clients | tokens/s | x one client | TPOT p50 / p99 | TTFT p50 / p99 | mean batch | "
             "hit rate | KiB moved/token | equal to alone |", "|---|---|---|---|---|---|---|---|---|---|"]
-    names = {"quarter": "1/4 (tier auto: host)", "quarter_disk": "1/4 (tier disk)", "all_resident": "all"}
+    names = {"quarter": "ours, 1/4 of the experts (tier auto: host)", "quarter_disk": "ours, 1/4 (tier disk)",
+             "all_resident": "ours, all resident", "vllm": "vLLM (CPU), all resident"}
     for sys_, v in d["systems"].items():
+        if "skipped" in v:
+            rows.append(f"| {names.get(sys_, sys_)} | skipped: {v['skipped']} |||||||||")
+            continue
         for r in v["rounds"]:
             hr = "—" if r["hit_rate"] is None else f"{r['hit_rate']:.2f}"
             kib = "—" if r["bytes_moved_per_token"] is None else f"{r['bytes_moved_per_token'] / 1024:.1f}"
-            rows.append(f"| {names.get(sys_, sys_)} | {r['clients']} | {r['tokens_per_s']:.0f} | "
+            mb = "—" if r["mean_batch"] is None else f"{r['mean_batch']:.1f}"
+            rows.append(f"| {names.get(sys_, sys_)} | {r['clients']} | {r['tokens_per_s']:.1f} | "
                         f"{r['speedup_vs_1']:.2f} | {r['tpot_p50_s'] * 1e3:.1f} / {r['tpot_p99_s'] * 1e3:.1f} ms | "
-                        f"{r['ttft_p50_s'] * 1e3:.0f} / {r['ttft_p99_s'] * 1e3:.0f} ms | {r['mean_batch']:.1f} | {hr} | "
+                        f"{r['ttft_p50_s'] * 1e3:.0f} / {r['ttft_p99_s'] * 1e3:.0f} ms | {mb} | {hr} | "
                         f"{kib} | {r['equal_to_alone']}/{r['requests']} |")
+    return "\n".join(rows)
+
+
+def serve_vllm_table(d: dict) -> str:
+    """results/serve_load.json -> ours (all resident) against vLLM's CPU build: independent requests per client
+    count, and the multi-turn chat load (tokens/s and TTFT), each ratio with its target."""
+    v = d.get("versus_vllm")
+    if not v:
+        return "vLLM did not run: " + str(d["systems"].get("vllm", {}).get("skipped", "not among the systems"))
+    ours, peer = d["systems"]["all_resident"], d["systems"]["vllm"]
+    pr = {r["clients"]: r for r in peer["rounds"]}
+    rows = ["| load | ours tokens/s | vLLM tokens/s | ratio (target) | ours TTFT p50 | vLLM TTFT p50 |",
+            "|---|---|---|---|---|---|"]
+    for r in ours["rounds"]:
+        p = pr.get(r["clients"])
+        if p:
+            rows.append(f"| {r['clients']} client{'s' if r['clients'] > 1 else ''}, independent | "
+                        f"{r['tokens_per_s']:.1f} | {p['tokens_per_s']:.1f} | "
+                        f"{r['tokens_per_s'] / p['tokens_per_s']:.2f} (>= 1.25) | {r['ttft_p50_s'] * 1e3:.0f} ms | "
+                        f"{p['ttft_p50_s'] * 1e3:.0f} ms |")
+    c = d.get("chat", {})
+    if "all_resident" in c and "vllm" in c:
+        o, p, cv = c["all_resident"], c["vllm"], v["chat"]
+        rows.append(f"| chat: {d['inputs']['chat']['conversations']} conversations x {d['inputs']['chat']['turns']} "
+                    f"turns | {o['tokens_per_s']:.1f} | {p['tokens_per_s']:.1f} | {cv['tokens_per_s_ratio']:.2f} "
+                    f"(>= 1.0); TTFT {cv['ttft_p50_ratio']:.2f} (<= 1.0) | {o['ttft_p50_s'] * 1e3:.0f} ms | "
+                    f"{p['ttft_p50_s'] * 1e3:.0f} ms |")
     return "\n".join(rows)
 
 
@@ -257,6 +290,18 @@ def headline_table() -> str:
                 rows.append(f"| {what} | {system.split(':')[1]}, {d['systems'][system]['tpot_median_s']:.3f} s/tok | "
                             f"{peer}, {d['systems'][peer]['tpot_median_s']:.3f} s/tok | {c['ratio']:.2f} | "
                             f"{'yes' if c['claimed'] else 'no: rounds overlap'} | results/{name} |")
+    sl = _load("serve_load.json")
+    if sl and sl.get("versus_vllm"):
+        ours = {r["clients"]: r for r in sl["systems"]["all_resident"]["rounds"]}
+        for r in sl["systems"]["vllm"]["rounds"]:
+            o = ours.get(r["clients"])
+            if o and r["clients"] in (1, 16):  # time per output token of the whole load: its tokens/s inverted
+                apart = (max(o["per_pass"]["tokens_per_s"]) < min(r["per_pass"]["tokens_per_s"])
+                         or min(o["per_pass"]["tokens_per_s"]) > max(r["per_pass"]["tokens_per_s"]))
+                rows.append(f"| serving {r['clients']} client{'s' if r['clients'] > 1 else ''}, all experts "
+                            f"resident, 1 thread | {o['tokens_per_s']:.1f} tokens/s | vLLM (CPU), "
+                            f"{r['tokens_per_s']:.1f} tokens/s | {r['tokens_per_s'] / o['tokens_per_s']:.2f} | "
+                            f"{'yes' if apart else 'no: passes overlap'}; target <= 0.8 | results/serve_load.json |")
     k = _load("kernels.json")
     if k:
         for p in sorted(k.get("pairs") or [], key=lambda p: p["threads"]):
@@ -282,10 +327,12 @@ def tables() -> dict[str, str]:
     if (d := _load("train_big.json")):
         how = provenance(d.get("command") or "python scripts/train_big.py", "train_big.json")
         out["train_big"] = _block("train_big.json", f"{how}; git {_git(d, 'commit')}", train_big_table(d))
-    if (d := _load("serve_load.json")):
-        out["serve_load"] = _block("serve_load.json",
-                                   f"python scripts/load_test.py --throughput; git {_git(d, 'commit')}",
-                                   serve_load_table(d))
+    for name in ("serve_load", "serve_batching"):
+        if (d := _load(f"{name}.json")):
+            how = provenance(d.get("command") or "python scripts/load_test.py --throughput", f"{name}.json")
+            out[name] = _block(f"{name}.json", f"{how}; git {_git(d, 'commit')}", serve_load_table(d))
+            if name == "serve_load":
+                out["serve_vllm"] = _block(f"{name}.json", f"{how}; git {_git(d, 'commit')}", serve_vllm_table(d))
     if (d := _load("serve_prompt_cache.json")):
         out["serve_prompt_cache"] = _block("serve_prompt_cache.json", f"{provenance(d['command'], 'serve_prompt_cache.json')}"
                                            f"; git {_git(d, 'commit')}", prompt_cache_table(d))
