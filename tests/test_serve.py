@@ -365,34 +365,42 @@ def test_serve_trace_records_live_requests_that_analyze_reads(tmp_path):
     assert s["routing"]["tokens"] > 0 and s["hit_curves"]
 
 
-def _sized(step_s: float):
+def _sized(step_s: float, n_min: int):
     """The chunk-sizing state of a `Decoder` (its rule alone: no model, no thread)."""
     import types
 
-    from expertcache.runtime.serve.serve import MIN_CHUNK, Decoder
+    from expertcache.runtime.serve.serve import Decoder
 
-    d = types.SimpleNamespace(_step_s=step_s, _floor_s=None, _n=MIN_CHUNK)
-    d._target = types.MethodType(Decoder._target, d)
+    d = types.SimpleNamespace(_step_s=step_s, _floor_s=None, _n=n_min, _min=n_min)
     d._timed = types.MethodType(Decoder._timed, d)
     return d
 
 
+def test_a_useful_chunk_touches_nearly_every_expert():
+    from transformers import Qwen3MoeConfig
+
+    from expertcache.runtime.serve.serve import MIN_CHUNK, useful_chunk
+
+    assert useful_chunk(Qwen3MoeConfig(num_experts=128, num_experts_per_tok=8)) == 61  # Qwen3-30B-A3B
+    assert useful_chunk(Qwen3MoeConfig(num_experts=32, num_experts_per_tok=4)) == 30  # the quickstart's
+    assert useful_chunk(Qwen3MoeConfig(num_experts=8, num_experts_per_tok=2)) == MIN_CHUNK
+    assert useful_chunk(object()) == MIN_CHUNK  # not a model the adapters know
+
+
 @pytest.mark.parametrize("fixed_s,per_token_s,step_s,want_n", [
     (0.001, 0.0001, 0.02, 190),   # a small fixed part: a chunk takes about one step (as before)
-    (0.05, 0.002, 0.2, 75),       # a 16-token chunk (0.082 s) under half a step: one step's time
-    (0.09, 0.001, 0.2, 122),      # over half a step (0.106 s): twice that, prompt for more than half of it
-    (0.25, 0.002, 0.2, 75),       # a MoE prompt chunk touches most experts: up to 2 steps, half of it prompt
-    (0.5, 0.002, 0.2, 16),        # the fixed part alone over 2 steps: MIN_CHUNK
+    (0.25, 0.002, 0.2, 61),       # a MoE prompt chunk touches most experts: 61 tokens (0.37 s), not 16 (0.28 s)
+    (0.5, 0.002, 0.2, 16),        # 61 tokens take over two steps: what fits in two, at least MIN_CHUNK
 ])
 def test_prefill_chunks_beside_decoding_carry_prompt_and_keep_streams_within_three_steps(
         fixed_s, per_token_s, step_s, want_n):
-    """Chunks timed as `fixed + per_token x n` converge to the size `Decoder._target` asks: one step's time where
-    the fixed part is small; twice the fixed part (capped at 2 steps) where it is large, so a 4-layer
-    Qwen3-30B-A3B-shaped model (0.25 s to touch its experts, 0.2 s steps) prefills 75 tokens a chunk instead of 16.
-    After the first few, no chunk delays a stream's next token past 3 steps."""
+    """Chunks timed as `fixed + per_token x n` converge to one step's time where that carries at least the useful
+    chunk (61 tokens for 128 experts, top-8); where it would carry fewer, to the useful chunk while that takes at
+    most 2 steps: a 4-layer Qwen3-30B-A3B-shaped model (0.25 s to touch its experts, 0.2 s steps) prefills 61
+    tokens a chunk instead of 16. After the first few, no chunk delays a stream's next token past 3 steps."""
     from expertcache.runtime.serve.serve import MIN_CHUNK
 
-    d = _sized(step_s)
+    d = _sized(step_s, 61)
     times = []
     for _ in range(30):
         n = d._n
@@ -400,7 +408,5 @@ def test_prefill_chunks_beside_decoding_carry_prompt_and_keep_streams_within_thr
         times.append(t)
         d._timed(n, t)
     assert abs(d._n - want_n) <= 2, d._n
-    if fixed_s <= 2 * step_s:
+    if want_n > MIN_CHUNK:
         assert all(step_s + t <= 3.05 * step_s for t in times[5:])
-    else:
-        assert d._n == MIN_CHUNK

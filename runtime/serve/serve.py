@@ -52,7 +52,28 @@ MAX_N = 8  # choices per prompt
 MAX_SEQUENCES = 64  # prompts x n in one request
 TPOT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 MIN_CHUNK = 16  # prompt tokens a prefill chunk holds at least (smaller ones are mostly a forward's fixed cost)
-CHUNK_STEPS = 2.0  # the most decode steps' time a prefill chunk beside running sequences may take (`_target`)
+CHUNK_STEPS = 2.0  # the most decode steps' time a prefill chunk beside running sequences may take (`_timed`)
+COVERAGE = 0.98  # a chunk beside decoding carries tokens enough to touch this share of a layer's experts
+
+
+def useful_chunk(model) -> int:
+    """The fewest prompt tokens worth a forward beside decoding sequences: enough that their routing touches about
+    COVERAGE of a layer's experts (n with 1 - (1 - k/E)^n >= COVERAGE: 61 for 128 experts top-8, 30 for 32
+    top-4), as a forward reads each expert its tokens touched once however few tokens it carries, so a smaller
+    chunk costs about as much and prefills less (the 4-layer Qwen3-30B-A3B shape, one thread: 0.25 s for 16
+    tokens, 0.2 s decode steps). MIN_CHUNK for a model that is not a MoE the adapters know."""
+    import math
+
+    from expertcache.telemetry.adapters import adapter_for
+    from expertcache.telemetry.errors import InputError
+
+    try:
+        a = adapter_for(model)
+    except (InputError, AttributeError, TypeError, ValueError):
+        return MIN_CHUNK
+    if not 0 < a.top_k < a.num_experts:
+        return MIN_CHUNK
+    return max(MIN_CHUNK, math.ceil(math.log(1 - COVERAGE) / math.log(1 - a.top_k / a.num_experts)))
 SCHEDULING = "continuous batching (FIFO admission, one forward per step for the whole batch)"
 
 
@@ -197,8 +218,8 @@ class Decoder:
     stays within `kv_cache_bytes`; otherwise a request waits in the queue (`/health`, `/metrics`).
 
     Prefill: each turn of the loop prefills at most `prefill_chunk` prompt tokens (the prompt under way, then the
-    next queued ones; while sequences decode, about one decode step's time, up to two where a chunk's fixed part
-    is large: `_chunk`, `_target`), then runs one decode step
+    next queued ones; while sequences decode, about one decode step's time, and at least the tokens that touch
+    nearly every expert where those fit in two steps: `_chunk`, `useful_chunk`), then runs one decode step
     of the batch, so a long prompt never stops the running streams for more than a chunk. With `prompt_cache`, a
     prompt starts from the longest prefix whose KV an earlier sequence left (`prefix_cache.PrefixCache`), which
     holds what `kv_cache_bytes` leaves beside the batch's need (evicted least recently used as the batch grows;
@@ -223,8 +244,9 @@ class Decoder:
         self.job = None  # the prefill under way (`decode.Prefill`), advanced one chunk per turn of the loop
         self._per = None  # KV bytes per row and position, from the last cache seen
         self._step_s = None  # a decode step's seconds (running average)
-        self._n = MIN_CHUNK  # prompt tokens per chunk while sequences decode (`_chunk`, `_timed`)
-        self._floor_s = None  # a MIN_CHUNK chunk's seconds (running average): about a chunk's fixed part
+        self._min = useful_chunk(model)  # the fewest prompt tokens a chunk beside decoding carries, where it can
+        self._n = self._min  # prompt tokens per chunk while sequences decode (`_chunk`, `_timed`)
+        self._floor_s = None  # the seconds of a chunk of `_min` tokens (running average)
         self.threads = torch_threads or torch.get_num_threads()  # torch's intra-op setting is per thread
         self.pending: collections.deque = collections.deque()
         self.cond = threading.Condition()
@@ -327,42 +349,26 @@ class Decoder:
 
     def _chunk(self) -> float:
         """Prompt tokens this turn may prefill: `prefill_chunk`; while sequences are decoding, a chunk sized to take
-        about `_target()` (`_n`, adjusted after each chunk from its measured time), so a long prompt delays each
-        running stream's next token by one to two steps, on whatever machine this runs."""
+        about one decode step, or to carry `_min` tokens where that takes longer (`_n`, adjusted after each chunk
+        from its measured time: `_timed`), so a long prompt delays each running stream's next token by one to
+        CHUNK_STEPS steps, on whatever machine this runs."""
         cap = self.batch.prefill_chunk or float("inf")
         return cap if not len(self.batch) else min(cap, self._n)
 
-    def _target(self) -> float:
-        """Seconds a chunk beside decoding sequences may take: one decode step; where a chunk's fixed part (a
-        MIN_CHUNK chunk's time: a MoE model's prompt tokens touch most of its experts, and a forward reads each of
-        those once, however few tokens it carries) is over half a step, twice that fixed part, so at least half a
-        chunk's time carries prompt; never over CHUNK_STEPS (2) steps, so a stream's next token waits at most
-        about 3 steps. (1.5 steps leaves the 4-layer Qwen3-30B-A3B shape's chunks at 16-25 tokens, as its fixed
-        part is 1.25-1.4 steps: a chat turn then waited 9.0 s for its first token, against 1.2 s with 2.)"""
-        step = self._step_s
-        if self._floor_s is None:
-            return step
-        return max(step, min(CHUNK_STEPS * step, 2 * self._floor_s))
-
     def _timed(self, n: int, seconds: float) -> None:
-        """A chunk of `n` tokens took `seconds` while sequences were decoding: the next one sized toward
-        `_target()`. A chunk's cost is a fixed part and a part per token: a MIN_CHUNK chunk measures the fixed part
-        (`_floor_s`), a larger one the part per token against it, and the next size is where the two reach the
-        target (at most twice this one, so one noisy time cannot throw it far); where the fixed part alone passes
-        the target, chunks stay at MIN_CHUNK."""
-        if self._step_s is None or seconds <= 0:
+        """A chunk of `n` tokens took `seconds` while sequences were decoding: the next one sized to take about one
+        decode step, and to carry at least `_min` tokens while a chunk of those takes at most CHUNK_STEPS steps
+        (where it takes longer, as many as fit in CHUNK_STEPS steps, at least MIN_CHUNK). A chunk's cost is a
+        fixed part and a part per token, so scaling the size by target / time converges from either side."""
+        step = self._step_s
+        if step is None or seconds <= 0:
             return
-        if n <= MIN_CHUNK:
+        if n == self._min:
             self._floor_s = _ema(self._floor_s, seconds)
-        target = self._target()
-        per = (seconds - self._floor_s) / (n - MIN_CHUNK) if n > MIN_CHUNK and self._floor_s is not None else 0.0
-        if per > 0:
-            nxt = MIN_CHUNK + (target - self._floor_s) / per
-        else:  # no part per token measured yet (or lost in noise): scale this size, and try past MIN_CHUNK
-            nxt = n * target / seconds
-            if n <= MIN_CHUNK and seconds < target:
-                nxt = max(nxt, 2 * MIN_CHUNK)
-        self._n = max(MIN_CHUNK, min(round(nxt), 2 * n, 1 << 20))
+        lo, target = self._min, step
+        if self._floor_s is not None and self._floor_s > CHUNK_STEPS * step:
+            lo, target = MIN_CHUNK, CHUNK_STEPS * step
+        self._n = max(lo, min(round(n * target / seconds), 1 << 20))
 
     def _prefill(self) -> None:
         """This turn's prefill: at most `prefill_chunk` prompt tokens, the prompt under way first, then (while
