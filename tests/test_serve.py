@@ -381,26 +381,26 @@ def test_a_useful_chunk_touches_nearly_every_expert():
 
     from expertcache.runtime.serve.serve import MIN_CHUNK, useful_chunk
 
-    assert useful_chunk(Qwen3MoeConfig(num_experts=128, num_experts_per_tok=8)) == 61  # Qwen3-30B-A3B
-    assert useful_chunk(Qwen3MoeConfig(num_experts=32, num_experts_per_tok=4)) == 30  # the quickstart's
+    assert useful_chunk(Qwen3MoeConfig(num_experts=128, num_experts_per_tok=8)) == 36  # Qwen3-30B-A3B
+    assert useful_chunk(Qwen3MoeConfig(num_experts=32, num_experts_per_tok=4)) == 18  # the quickstart's
     assert useful_chunk(Qwen3MoeConfig(num_experts=8, num_experts_per_tok=2)) == MIN_CHUNK
     assert useful_chunk(object()) == MIN_CHUNK  # not a model the adapters know
 
 
 @pytest.mark.parametrize("fixed_s,per_token_s,step_s,want_n", [
     (0.001, 0.0001, 0.02, 190),   # a small fixed part: a chunk takes about one step (as before)
-    (0.25, 0.002, 0.2, 61),       # a MoE prompt chunk touches most experts: 61 tokens (0.37 s), not 16 (0.28 s)
-    (0.5, 0.002, 0.2, 16),        # 61 tokens take over two steps: what fits in two, at least MIN_CHUNK
+    (0.25, 0.002, 0.2, 36),       # a MoE prompt chunk touches most experts: 36 tokens (0.32 s), not 16 (0.28 s)
+    (0.5, 0.002, 0.2, 16),        # 36 tokens take over two steps: what fits in two, at least MIN_CHUNK
 ])
 def test_prefill_chunks_beside_decoding_carry_prompt_and_keep_streams_within_three_steps(
         fixed_s, per_token_s, step_s, want_n):
     """Chunks timed as `fixed + per_token x n` converge to one step's time where that carries at least the useful
-    chunk (61 tokens for 128 experts, top-8); where it would carry fewer, to the useful chunk while that takes at
-    most 2 steps: a 4-layer Qwen3-30B-A3B-shaped model (0.25 s to touch its experts, 0.2 s steps) prefills 61
+    chunk (36 tokens for 128 experts, top-8); where it would carry fewer, to the useful chunk while that takes at
+    most 2 steps: a 4-layer Qwen3-30B-A3B-shaped model (0.25 s to touch its experts, 0.2 s steps) prefills 36
     tokens a chunk instead of 16. After the first few, no chunk delays a stream's next token past 3 steps."""
     from expertcache.runtime.serve.serve import MIN_CHUNK
 
-    d = _sized(step_s, 61)
+    d = _sized(step_s, 36)
     times = []
     for _ in range(30):
         n = d._n
