@@ -54,10 +54,18 @@ inline uint16_t to_bf16(float f) {  // round to nearest even (no NaNs reach here
   return static_cast<uint16_t>(u >> 16);
 }
 
-inline float dot_bf16(const uint16_t* w, const uint16_t* x, int64_t n) {
+// The dot of one bf16 weight row with one bf16 vector, fp32 accumulation (two accumulators). With PF, the weights
+// `pf` bytes ahead are fetched as it goes (rows read one after another: along this row and on into the next
+// ones), for the expert kernels, whose rows come from memory once per step; the same arithmetic either way.
+template <bool PF>
+inline float dot_bf16_t(const uint16_t* w, const uint16_t* x, int64_t n, int64_t pf) {
   __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 64 <= n; i += 64) {
+    if (PF) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + i) + pf, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + i + 32) + pf, _MM_HINT_T0);
+    }
     a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + i), (__m512bh)_mm512_loadu_si512(x + i));
     a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + i + 32), (__m512bh)_mm512_loadu_si512(x + i + 32));
   }
@@ -69,24 +77,11 @@ inline float dot_bf16(const uint16_t* w, const uint16_t* x, int64_t n) {
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
 
-// dot_bf16 with the weights `pf` bytes ahead fetched as it goes (rows read one after another: along this row and on
-// into the next ones), for the expert kernels, whose rows come from memory once per step; the same arithmetic.
+inline float dot_bf16(const uint16_t* w, const uint16_t* x, int64_t n) { return dot_bf16_t<false>(w, x, n, 0); }
 inline float dot_bf16_pf(const uint16_t* w, const uint16_t* x, int64_t n, int64_t pf) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + i) + pf, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + i + 32) + pf, _MM_HINT_T0);
-    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + i), (__m512bh)_mm512_loadu_si512(x + i));
-    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + i + 32), (__m512bh)_mm512_loadu_si512(x + i + 32));
-  }
-  for (; i < n; i += 32) {
-    const int64_t left = n - i;
-    const __mmask32 m = left >= 32 ? 0xFFFFFFFFu : ((1u << left) - 1u);
-    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(m, w + i), (__m512bh)_mm512_maskz_loadu_epi16(m, x + i));
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+  return dot_bf16_t<true>(w, x, n, pf);
 }
+
 
 // dot_bf16 of one weight row with `nt` (<= DOT_TOKENS) token vectors `ldx` apart, each 32 weights loaded once for
 // all of them: out[t] is bit for bit dot_bf16(w, x + t * ldx, n) (the same two accumulators per token, the same
