@@ -3,7 +3,7 @@ registry on the CPU torch wheel; the torchvision pip brings removed), and option
 checkpoint to check that it answers. `scripts/load_test.py --throughput --systems all_resident vllm --chat` then
 sends both servers the same load.
 
-    python scripts/vllm_peer.py --build_only                      # the venv (~/.cache/expertcache/vllm, about 6 GB)
+    python scripts/vllm_peer.py --build_only                      # the venv (~/.cache/expertcache/vllm, about 3.5 GB)
     python scripts/vllm_peer.py --model /path/to/hf-checkpoint    # + start it, one completion, stop it
 
 The steps live in `expertcache.runtime.bench.vllm`; the cache is $EXPERTCACHE_VLLM or ~/.cache/expertcache/vllm.

@@ -11,7 +11,7 @@ server started in a child process, so that `scripts/load_test.py` sends it the s
     stop(proc)      -> the server and its engine-core child gone
 
 Each step that fails raises `VllmError` naming the step in one line; `load_test.py --systems vllm` then skips the
-system with that reason in its JSON. The venv lives in $EXPERTCACHE_VLLM or ~/.cache/expertcache/vllm (about 6 GB;
+system with that reason in its JSON. The venv lives in $EXPERTCACHE_VLLM or ~/.cache/expertcache/vllm (about 3.5 GB;
 installing takes a few minutes with a fast registry).
 """
 
