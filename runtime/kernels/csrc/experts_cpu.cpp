@@ -54,50 +54,24 @@ inline uint16_t to_bf16(float f) {  // round to nearest even (no NaNs reach here
   return static_cast<uint16_t>(u >> 16);
 }
 
-// The dot of one bf16 weight row with one bf16 vector, fp32 accumulation (two accumulators). With PF, the weights
-// `pf` bytes ahead are fetched as it goes (rows read one after another: along this row and on into the next
-// ones), for the expert kernels, whose rows come from memory once per step; the same arithmetic either way.
-template <bool PF>
-inline float dot_bf16_t(const uint16_t* w, const uint16_t* x, int64_t n, int64_t pf) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+// The dots of one bf16 weight row with NT bf16 vectors `ldx` apart, fp32 accumulation (two accumulators per vector),
+// each 32 weights loaded once for all of them: out[t] is bit for bit the one-vector dot of x + t * ldx (the same
+// additions in the same order). With PF, the weights `pf` bytes ahead are fetched as it goes (rows read one after
+// another: along this row and on into the next ones), for rows that come from memory slower than one vector's
+// pace: the expert kernels' and a few tokens' linears. A few tokens' rows one at a time re-ran the row's loads and
+// reductions per token, and linear_bf16 fell from 13.5 GB/s at one token to 5.3 at eight (lm_head 32768x2048:
+// 10 -> 25 ms, torch: 12).
+constexpr int DOT_TOKENS = 8;
+
+template <int NT, bool PF>
+inline void dot_bf16_n(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t n, int64_t pf, float* out) {
+  __m512 a0[NT], a1[NT];
+  for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 64 <= n; i += 64) {
     if (PF) {
       _mm_prefetch(reinterpret_cast<const char*>(w + i) + pf, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(w + i + 32) + pf, _MM_HINT_T0);
-    }
-    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + i), (__m512bh)_mm512_loadu_si512(x + i));
-    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + i + 32), (__m512bh)_mm512_loadu_si512(x + i + 32));
-  }
-  for (; i < n; i += 32) {
-    const int64_t left = n - i;
-    const __mmask32 m = left >= 32 ? 0xFFFFFFFFu : ((1u << left) - 1u);
-    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(m, w + i), (__m512bh)_mm512_maskz_loadu_epi16(m, x + i));
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-}
-
-inline float dot_bf16(const uint16_t* w, const uint16_t* x, int64_t n) { return dot_bf16_t<false>(w, x, n, 0); }
-inline float dot_bf16_pf(const uint16_t* w, const uint16_t* x, int64_t n, int64_t pf) {
-  return dot_bf16_t<true>(w, x, n, pf);
-}
-
-
-// dot_bf16 of one weight row with `nt` (<= DOT_TOKENS) token vectors `ldx` apart, each 32 weights loaded once for
-// all of them: out[t] is bit for bit dot_bf16(w, x + t * ldx, n) (the same two accumulators per token, the same
-// order of additions). A few tokens' rows one at a time re-ran the row's loads and reductions per token, and
-// linear_bf16 fell from 13.5 GB/s at one token to 5.3 at eight (lm_head 32768x2048: 10 -> 25 ms, torch: 12).
-constexpr int DOT_TOKENS = 8;
-
-template <int NT>
-inline void dot_bf16_n(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t n, float* out) {
-  __m512 a0[NT], a1[NT];
-  for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    if (NT > 1) {  // rows are read slower than one token's pace: fetch ahead (along the row and on into the next)
-      _mm_prefetch(reinterpret_cast<const char*>(w + i) + PF_BYTES, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + i + 32) + PF_BYTES, _MM_HINT_T0);
     }
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + i), w1 = (__m512bh)_mm512_loadu_si512(w + i + 32);
     for (int t = 0; t < NT; ++t) {
@@ -115,16 +89,29 @@ inline void dot_bf16_n(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_
   for (int t = 0; t < NT; ++t) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], a1[t]));
 }
 
+inline float dot_bf16(const uint16_t* w, const uint16_t* x, int64_t n) {
+  float out;
+  dot_bf16_n<1, false>(w, x, 0, n, 0, &out);
+  return out;
+}
+
+inline float dot_bf16_pf(const uint16_t* w, const uint16_t* x, int64_t n, int64_t pf) {
+  float out;
+  dot_bf16_n<1, true>(w, x, 0, n, pf, &out);
+  return out;
+}
+
+// dot_bf16_n for 1 <= nt <= DOT_TOKENS vectors: one vector as dot_bf16 (no prefetch), more with it (PF_BYTES)
 inline void dot_bf16_tokens(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t n, int64_t nt, float* out) {
   switch (nt) {
-    case 1: dot_bf16_n<1>(w, x, ldx, n, out); break;
-    case 2: dot_bf16_n<2>(w, x, ldx, n, out); break;
-    case 3: dot_bf16_n<3>(w, x, ldx, n, out); break;
-    case 4: dot_bf16_n<4>(w, x, ldx, n, out); break;
-    case 5: dot_bf16_n<5>(w, x, ldx, n, out); break;
-    case 6: dot_bf16_n<6>(w, x, ldx, n, out); break;
-    case 7: dot_bf16_n<7>(w, x, ldx, n, out); break;
-    default: dot_bf16_n<8>(w, x, ldx, n, out); break;
+    case 1: dot_bf16_n<1, false>(w, x, ldx, n, 0, out); break;
+    case 2: dot_bf16_n<2, true>(w, x, ldx, n, PF_BYTES, out); break;
+    case 3: dot_bf16_n<3, true>(w, x, ldx, n, PF_BYTES, out); break;
+    case 4: dot_bf16_n<4, true>(w, x, ldx, n, PF_BYTES, out); break;
+    case 5: dot_bf16_n<5, true>(w, x, ldx, n, PF_BYTES, out); break;
+    case 6: dot_bf16_n<6, true>(w, x, ldx, n, PF_BYTES, out); break;
+    case 7: dot_bf16_n<7, true>(w, x, ldx, n, PF_BYTES, out); break;
+    default: dot_bf16_n<8, true>(w, x, ldx, n, PF_BYTES, out); break;
   }
 }
 
@@ -247,8 +234,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
     float acc[DOT_TOKENS];
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t r = b * ROWS; r < std::min(O, (b + 1) * ROWS); ++r)
-        if (T == 1) yp[r] = dot_bf16(wp + r * ws, xp, N) + (bp ? bp[r] : 0.0f);
-        else for (int64_t t0 = 0; t0 < T; t0 += DOT_TOKENS) {  // each weight row loaded once per DOT_TOKENS tokens
+        for (int64_t t0 = 0; t0 < T; t0 += DOT_TOKENS) {  // each weight row loaded once per DOT_TOKENS tokens
           const int64_t nt = std::min<int64_t>(DOT_TOKENS, T - t0);
           dot_bf16_tokens(wp + r * ws, xp + t0 * N, N, N, nt, acc);
           for (int64_t t = 0; t < nt; ++t) yp[(t0 + t) * O + r] = acc[t] + (bp ? bp[r] : 0.0f);
