@@ -54,6 +54,7 @@ TPOT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.
 MIN_CHUNK = 16  # prompt tokens a prefill chunk holds at least (smaller ones are mostly a forward's fixed cost)
 CHUNK_STEPS = 2.0  # the most decode steps' time a prefill chunk beside running sequences may take (`_timed`)
 COVERAGE = 0.9  # a chunk beside decoding carries tokens enough to touch this share of a layer's experts
+SCHEDULING = "continuous batching (FIFO admission, one forward per step for the whole batch)"
 
 
 def useful_chunk(model) -> int:
@@ -76,7 +77,6 @@ def useful_chunk(model) -> int:
     if not 0 < a.top_k < a.num_experts:
         return MIN_CHUNK
     return max(MIN_CHUNK, math.ceil(math.log(1 - COVERAGE) / math.log(1 - a.top_k / a.num_experts)))
-SCHEDULING = "continuous batching (FIFO admission, one forward per step for the whole batch)"
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
