@@ -42,6 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from expertcache.runtime.bench.runner import wait_serving
 from expertcache.telemetry.atomic import open_log
 
 REPO = Path(__file__).resolve().parents[1]
@@ -301,24 +302,15 @@ def _stop(p, log_f) -> None:
 
 
 def _start_server(model: str, engine_args: list[str], port: int, log_path: Path, max_batch: int):
-    import httpx
-
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "expertcache.recipes.cli", "serve", "--model", model, "--port", str(port),
            "--log_level", "warning", "--max_batch", str(max_batch), "--engine.threads", "1", *engine_args]
     log_f = open_log(log_path, fresh=True)
     p = subprocess.Popen(cmd, env=env, stderr=log_f, stdout=log_f)
     url = f"http://127.0.0.1:{port}"
-    t0 = time.time()
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return p, url, cmd, log_f
-        except httpx.TransportError:
-            pass
-        if p.poll() is not None or time.time() - t0 > 300:
-            raise SystemExit("server did not start:\n" + log_path.read_text()[-3000:])
-        time.sleep(0.2)
+    if not wait_serving(p, url):
+        raise SystemExit("server did not start:\n" + log_path.read_text()[-3000:])
+    return p, url, cmd, log_f
 
 
 def _chat_turns(seed: int, conversations: int, turns: int, words: int) -> list[list[str]]:
@@ -655,16 +647,8 @@ def main() -> None:
                               "--max-positions", str(a.max_positions)], env=env, stderr=log_f)
         url = f"http://127.0.0.1:{port}"
         try:
-            t0 = time.time()
-            while True:
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if p.poll() is not None or time.time() - t0 > 300:
-                    raise SystemExit("server did not start:\n" + (Path(d) / "server.log").read_text()[-3000:])
-                time.sleep(0.2)
+            if not wait_serving(p, url):
+                raise SystemExit("server did not start:\n" + (Path(d) / "server.log").read_text()[-3000:])
             # warm-up: every kind a few times, so lazy allocations happen before "before" is taken
             warm = asyncio.run(_load(url, 2, 6, a.seed + 99, a.timeout))
             _wait_idle(url)

@@ -54,18 +54,12 @@ def _start(model: Path, capacity: float, prompt_cache: bool, chunk: int, log) ->
 
 
 def _wait(p: subprocess.Popen, url: str, timeout: float = 300) -> None:
-    import httpx
+    from expertcache.runtime.bench.runner import wait_serving
 
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if p.poll() is not None:
-            raise SystemExit(f"server exited with {p.returncode} (see the log)")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    if wait_serving(p, url, timeout, poll_s=0.5):
+        return
+    if p.poll() is not None:
+        raise SystemExit(f"server exited with {p.returncode} (see the log)")
     raise SystemExit(f"server at {url} did not start in {timeout} s")
 
 

@@ -110,3 +110,22 @@ def run_child(program: str | Sequence[str], config: str | Path, log: Path, cgrou
             "peak_rss_source": "child VmHWM" if res.get("peak_rss_bytes") else "rusage (includes the parent's at fork)",
             "cgroup_peak_bytes": cgroup.peak_bytes() if cgroup is not None else None,
             "page_cache_dropped": dropped}
+
+
+def wait_serving(proc: subprocess.Popen, url: str, timeout_s: float = 300, poll_s: float = 0.2) -> bool:
+    """Whether the server `proc` started answers `url`/health with 200 within `timeout_s`; False as soon as it
+    exits, or when the time is up (the caller says why in its own words, with its log)."""
+    import time
+
+    import httpx
+
+    t0 = time.time()
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.time() - t0 > timeout_s:
+            return False
+        time.sleep(poll_s)

@@ -21,7 +21,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from expertcache.telemetry.atomic import open_log, write_text
@@ -84,7 +83,7 @@ def start(model: str, port: int, log_path: Path, cores: str = "0", max_model_len
     """vLLM's OpenAI server for `model` on 127.0.0.1:`port`: `(process, url, command)` once `/health` answers.
     `cores`: VLLM_CPU_OMP_THREADS_BIND (its compute threads, one per core listed); `kv_cache_gb`:
     VLLM_CPU_KVCACHE_SPACE (whole GiB, at least 1); its prefix cache is on unless `prefix_caching` is False."""
-    import httpx
+    from expertcache.runtime.bench.runner import wait_serving
 
     py = python or venv()
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
@@ -103,19 +102,13 @@ def start(model: str, port: int, log_path: Path, cores: str = "0", max_model_len
         raise VllmError("start", f"{cmd[0]}: {e.strerror or e}") from None
     log_f.close()
     url = f"http://127.0.0.1:{port}"
-    t0 = time.time()
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return p, url, cmd
-        except httpx.TransportError:
-            pass
-        if p.poll() is not None or time.time() - t0 > timeout_s:
-            stop(p)
-            tail = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
-            why = "not serving after %.0f s" % timeout_s if p.returncode is None else f"exit {p.returncode}"
-            raise VllmError("start", f"{why}: {tail[-1][:300] if tail else 'no output'} (log: {log_path})")
-        time.sleep(0.5)
+    if wait_serving(p, url, timeout_s, poll_s=0.5):
+        return p, url, cmd
+    exited = p.poll() is not None
+    stop(p)
+    tail = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+    why = f"exit {p.returncode}" if exited else "not serving after %.0f s" % timeout_s
+    raise VllmError("start", f"{why}: {tail[-1][:300] if tail else 'no output'} (log: {log_path})")
 
 
 def stop(p: subprocess.Popen) -> None:
