@@ -118,3 +118,44 @@ def test_the_training_bar_of_a_step_bounded_run_names_its_step_limit_not_epoch_m
         trainer = L.Trainer(callbacks=[bar], logger=False, enable_checkpointing=False, accelerator="cpu", **kw)
         bar._trainer = trainer  # set by Lightning's setup hook at fit time
         assert bar._get_train_description(0).strip() == want
+
+
+def test_a_training_run_in_a_log_writes_timed_step_lines_with_its_losses():
+    """Lightning's rich bar writes nothing to a file until the run ends: a pretraining run under nohup showed no
+    progress for 45 minutes. In a log, the trainer writes plain lines: step, rate, eta and the bar's metrics."""
+    import io
+
+    import lightning as L
+    import torch
+
+    from expertcache.trainer.progress_bar import StepLines, training_bar
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, i):
+            loss = self.w(batch[0]).pow(2).mean()
+            self.log("train/loss", loss, prog_bar=True)
+            return loss
+
+        def validation_step(self, batch, i):
+            self.log("val/loss", self.w(batch[0]).pow(2).mean(), prog_bar=True)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(8, 2)), batch_size=2)
+    out = io.StringIO()
+    bar = StepLines(every_s=0.0, stream=out)
+    trainer = L.Trainer(max_steps=6, val_check_interval=3, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+                        limit_val_batches=1, callbacks=[bar], logger=False, enable_checkpointing=False,
+                        enable_model_summary=False, accelerator="cpu")
+    trainer.fit(Tiny(), train_dataloaders=data, val_dataloaders=data)
+    lines = out.getvalue().splitlines()
+    assert lines and all(line.startswith("train: step ") for line in lines)
+    assert any("train: step 3/6" in line and "val/loss" in line for line in lines)  # after the first validation
+    assert "train: step 6/6" in lines[-1] and "train/loss" in lines[-1] and "s/step" in lines[-1]
+    assert "eta" in lines[0]  # before the end the line says how long is left
+    assert isinstance(training_bar(), StepLines)  # pytest's captured output is not a terminal

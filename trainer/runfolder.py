@@ -69,7 +69,7 @@ def fit_resumable(recipe, module, dm, out: Path, resume: bool = True) -> tuple[i
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     from .distributed import check_world, strategy_for, unshard
-    from .progress_bar import StepBoundProgressBar
+    from .progress_bar import training_bar
 
     try:
         trainer = L.Trainer(
@@ -81,7 +81,7 @@ def fit_resumable(recipe, module, dm, out: Path, resume: bool = True) -> tuple[i
             gradient_clip_val=t.grad_clip or None, log_every_n_steps=t.log_every, logger=_loggers(recipe, out),
             callbacks=[ModelCheckpoint(dirpath=str(ckpt_dir), filename="step{step}", every_n_train_steps=t.ckpt_every,
                                        save_top_k=1, save_last=True, auto_insert_metric_name=False),
-                       LearningRateMonitor(logging_interval="step"), DropPrevious(), StepBoundProgressBar()],
+                       LearningRateMonitor(logging_interval="step"), DropPrevious(), training_bar()],
             enable_model_summary=False, default_root_dir=str(out))
     except (MisconfigurationException, ValueError, ImportError) as e:  # an accelerator, precision or strategy
         # Lightning lacks, or one whose package is not installed (tpu: torch_xla)
