@@ -268,7 +268,13 @@ def main(argv: list[str] | None = None) -> int:
         result = _call(fn, sub, sub_parser)
         _write_config(sub_parser, sub)
     except ArgumentError as e:
-        print(f"expertcache {name}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        msg = " ".join(str(e).split())
+        key = re.search(r'Parser key "([^"]+)"', msg)
+        if key and "Expected a <class 'list'>" in msg:  # `--tasks ec_cloze_code`: jsonargparse's Union wording
+            given = re.search(r"Given value: (.*)$", msg)
+            msg = (f"--{key.group(1)} takes a list, written [a,b] (one item: [a])"
+                   + (f"; got {given.group(1)}" if given else ""))
+        print(f"expertcache {name}: error: {msg}", file=sys.stderr)
         return 2
     except (InputError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
         print(f"expertcache {name}: error: {e}", file=sys.stderr)

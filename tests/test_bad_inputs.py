@@ -123,3 +123,10 @@ def test_check_output_refuses_inputs_and_their_files(tmp_path):
         check_output(tmp_path / "t.parquet", None, folder=True)
     check_output(tmp_path / "m" / "new.json", tmp_path / "m")  # a new file beside the checkpoint: fine
     check_output(tmp_path / "new" / "deeper" / "out.json", tmp_path / "t.parquet")
+
+
+def test_a_list_option_given_one_bare_value_says_how_a_list_is_written(tmp_path):
+    """`--tasks ec_cloze_code` printed jsonargparse's "Does not validate against any of the Union subtypes ..."."""
+    r = cli("eval", "--model", tmp_path / "m", "--tasks", "ec_cloze_code")
+    _one_line(r, "--tasks takes a list, written [a,b]", "got ec_cloze_code")
+    assert "Union" not in r.stderr
