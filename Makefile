@@ -42,8 +42,9 @@ TIMED = $(BIN)/python scripts/timed.py
 PYTEST_JOBS ?= auto
 XDIST = $(if $(filter 0,$(PYTEST_JOBS)),,-n $(PYTEST_JOBS) --maxprocesses=4 --dist worksteal)
 
+# `make test` ends with its 15 slowest tests (a suite that grows slow shows where).
 test: $(STAMP)
-	$(TIMED) make-test -- $(BIN)/python -m pytest tests -q $(XDIST)
+	$(TIMED) make-test -- $(BIN)/python -m pytest tests -q --durations=15 $(XDIST)
 
 # The edit loop: everything but the tests marked slow (end-to-end runs that train, serve or benchmark a model).
 test-fast: $(STAMP)
