@@ -75,7 +75,10 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
             raise RecipeError(f"frontier variant {name}: serving.capacity={point.serving.capacity} but its reroute "
                               f"row is compared with the base at frontier.capacity={f.capacity}")
     out = Path(recipe.out_dir)
+    from expertcache.telemetry.provenance import git_commit
     from expertcache.trainer.runfolder import claim_runs_folder
+
+    commit = git_commit()  # taken before the work: edits made while the frontier runs are not its code
 
     claim_runs_folder(out)  # never a folder of anything but this frontier's runs and evaluations
     evals = out / "evals"
@@ -124,7 +127,19 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
                    tau=engine.tau)
         return row
 
+    def where(row, name=None):
+        # each row says where it came from: the commit, and the recipe, variant and evaluation samples it ran with
+        ev_sizes = ({"tasks": f.lossy_tasks, "limit": f.lossy_limit, "ppl_blocks": f.lossy_ppl_blocks,
+                     "seq_len": f.lossy_seq_len} if row["serving"] == "reroute" else
+                    {"tasks": f.tasks, "limit": f.limit, "ppl_blocks": f.ppl_blocks, "seq_len": f.seq_len})
+        row.update(commit=commit, command=f"expertcache train-cache-aware --recipe {recipe.name}", config={"recipe": recipe.name, "base": recipe.base, "split": f.split,
+                                          "variant": list(f.variants.get(name, [])), "eval": ev_sizes})
+        return row
+
     def publish():
+        for r in rows:
+            if "commit" not in r:
+                where(r, r["name"])
         write_json(f.out, rows)
         plot_frontier(rows, Path(f.out).with_suffix(".png"))
 

@@ -36,6 +36,9 @@ DOCUMENTED = {"load_test.json": ("python scripts/load_test.py --seconds 40 --cli
 def commit_of(d) -> str | None:
     """The commit a result records, wherever its writer put it (`provenance`, `commit`, `git_commit`, or one per
     entry as make_times.json's)."""
+    if isinstance(d, list):  # a list of rows (the frontier's): each row records its own
+        per = [r.get("commit") if isinstance(r, dict) else None for r in d]
+        return ",".join(sorted(set(per))) if per and all(per) else None
     if not isinstance(d, dict):
         return None
     for k in ("provenance", "commit", "git_commit"):
@@ -53,6 +56,8 @@ def config_of(d, path: Path) -> str | None:
     record of them), or the CLI's `<stem>.config.yaml` beside it; None when only a command line (or nothing)."""
     if isinstance(d, dict) and d.get("config"):
         return "config"
+    if isinstance(d, list) and d and all(isinstance(r, dict) and r.get("config") for r in d):
+        return "config"  # a list of rows, each with its own
     if isinstance(d, dict) and d.get("inputs"):
         return "inputs" + (" + .config.yaml" if _yaml(path).is_file() else "")
     return ".config.yaml beside" if _yaml(path).is_file() else None
@@ -60,6 +65,9 @@ def config_of(d, path: Path) -> str | None:
 
 def command_of(d) -> str | None:
     """The command a result names (one per entry, as make_times.json's, counts when every entry names one)."""
+    if isinstance(d, list):  # a list of rows (the frontier's), each naming the command that made it
+        per = {r.get("command") if isinstance(r, dict) else None for r in d}
+        return per.pop() if len(per) == 1 and all(per) else None
     if not isinstance(d, dict):
         return None
     c = d.get("command")

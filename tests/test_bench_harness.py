@@ -224,6 +224,11 @@ def test_check_results_recovers_only_what_git_history_and_the_configs_say(tmp_pa
     out = capsys.readouterr().out
     assert "| big.json | abc1234 | config | yes | 1 (1) | config, command |" in out, out
     assert "3 files: commit 3, configuration 2, command 1, all three 1; claims re-decided 2, the same 2" in out
+    # a list of rows (the frontier's) is traceable when every row records commit, command and config
+    cmd = "expertcache train-cache-aware --recipe f"
+    rows = [{"name": n, "commit": "abc1234", "command": cmd, "config": {"variant": []}} for n in "ab"]
+    assert (cr.commit_of(rows), cr.command_of(rows), cr.config_of(rows, res / "f.json")) == ("abc1234", cmd, "config")
+    assert cr.commit_of(rows + [{"name": "c"}]) is None and cr.config_of(rows + [{"name": "c"}], res / "f.json") is None
     o["comparisons"]["expertcache:on-demand vs mmap"]["claimed"] = False  # a claim the rounds do not give
     (res / "other.json").write_text(json.dumps(o))
     assert cr.main(["--results", str(res)]) == 1

@@ -538,6 +538,11 @@ def test_frontier_trains_each_variant_once_gates_it_and_writes_rows(tiny_data, t
         assert math.isfinite(r["dppl_overall_pct"]) and r["dppl_max_domain_pct"] >= r["dppl_overall_pct"] - 1e-9 \
             or len(r["dppl_percent"]) == 2
         assert r["miss_reduction_1_8"] is not None and r["miss_reduction_1_8"] <= 1
+        # each row says where it came from (#43): commit, command, and the variant and samples it ran with
+        assert r["commit"] and r["command"] == "expertcache train-cache-aware --recipe frontier"
+        assert r["config"]["eval"]["limit"] == (1 if r["serving"] == "reroute" else 2)
+        assert r["config"]["variant"] == {"base": [], "control": ["locality.weight=0"],
+                                          "miss": ["locality.weight=1.0", "quality.distill=0.5"]}[r["name"]]
     assert "dppl_vs_control_pct" in rows[2] and abs(rows[1]["dppl_vs_control_pct"]["overall"]) < 1e-9
     assert json.loads((tmp_path / "frontier.json").read_text()) == json.loads(json.dumps(rows))
     from helpers import plotted_pixels
