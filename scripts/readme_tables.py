@@ -354,7 +354,8 @@ def tables() -> dict[str, str]:
                    if (ROOT / cfg).is_file() else "") + f"git {_git(d)}"
             out[name] = _block(f"{name}.json", how, fn(d).rstrip())
     # the post-training frontier and the first losses re-gated the same way (lists of rows)
-    for name, recipe in (("frontier", "frontier"), ("frontier_earlier", "frontier-earlier")):
+    for name, recipe in (("frontier", "frontier-grown"), ("frontier_small_samples", "frontier"),
+                         ("frontier_earlier", "frontier-earlier")):
         if (d := _load(f"{name}.json")) is not None:
             out[name] = _block(f"{name}.json", f"expertcache train-cache-aware --recipe {recipe}", frontier_table(d))
     return out

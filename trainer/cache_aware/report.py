@@ -60,19 +60,19 @@ def results_table(results: list[dict]) -> str:
 
 def frontier_table(rows: list[dict]) -> str:
     """Markdown of the frontier's rows (expertcache.recipes.frontier): one line per (variant, serving); the
-    README's post-training table. Gate figures carry their 95% paired intervals (and n: blocks per domain) where
-    the row has them."""
+    README's post-training table. Gate figures carry their 95% paired intervals where the row has them, with n: blocks
+    per domain for Δppl, documents of the worst task for Δacc."""
     def pct(v, sign=False):
         return "—" if v is None else (f"{v:+.2f}%" if sign else f"{100 * v:.1f}%")
 
     def ci(iv, n=None):  # a 95% interval (rows gated before issue #23 have none)
         return "" if not iv else f" [{iv[0]:+.2f}, {iv[1]:+.2f}]" + ("" if n is None else f" n={n}")
 
-    def worst_acc(r):
+    def worst_acc(r):  # the interval of the task with the lowest Δacc, and its documents
         if not r.get("dacc_ci95") or not r.get("dacc_points"):
-            return None
+            return None, None
         t = min(r["dacc_points"], key=r["dacc_points"].get)
-        return r["dacc_ci95"][t]
+        return r["dacc_ci95"][t], (r.get("n_documents") or {}).get(t)
 
     lines = ["| run | serving | LRU misses removed 1/8 E | 1/4 E | LRU hit 1/8 (Belady) | Δppl overall | worst domain | "
              "Δppl 64 blocks (vs λ=0 control) | Δacc worst (pts) | Temporal vs LRU 1/8 (traffic) | gate |",
@@ -90,7 +90,7 @@ def frontier_table(rows: list[dict]) -> str:
                      f"{pct(r.get('miss_reduction_1_4'))} | {hit} | "
                      f"{pct(r['dppl_overall_pct'], True)}{ci(r.get('dppl_overall_ci95'), r.get('n_blocks'))} | "
                      f"{pct(r['dppl_max_domain_pct'], True)}{ci(r.get('dppl_max_domain_ci95'))} | {big} | "
-                     f"{acc}{ci(worst_acc(r))} | {tmp} | {r['gate']} |")
+                     f"{acc}{ci(*worst_acc(r))} | {tmp} | {r['gate']} |")
     return "\n".join(lines)
 
 
