@@ -34,7 +34,8 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: Optional[list
          limit: Optional[int] = None, ppl_blocks: int = PPL_BLOCKS, seq_len: int = 128,
          include_path: Optional[str] = None,
          dtype: str = "fp32", device: str = "cpu", size_from: Optional[str] = None, ppl_file: Optional[str] = None,
-         ppl_field: str = "text", stepwise: str = "auto", target_width: Optional[float] = None) -> dict:
+         ppl_field: str = "text", stepwise: str = "auto", target_width: Optional[float] = None,
+         accuracy: str = "token") -> dict:
     """lm-eval tasks and the step-wise token perplexity of a checkpoint, plain or served by the offload engine.
 
     The JSON keeps every step-wise block's NLL and every document's score (the gate's paired intervals) and
@@ -73,6 +74,11 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: Optional[list
         stepwise: how the step-wise blocks are fed: auto (whole blocks per forward for the plain model and
             lossless policies, one token at a time through the KV cache for lossy ones) | token | batched (refused
             under a lossy policy)
+        accuracy: how lm-eval's documents meet a lossy policy: token (one token at a time through the engine, its
+            cache warm from one document to the next) | replay (reroute only: the plain model in batched forwards,
+            the reroute rule replayed in its routers per document, each from an empty cache; hundreds of times
+            faster, for thousands of documents; loglikelihood tasks only). The step-wise blocks still go through
+            the engine token by token
     """
     from expertcache.telemetry.progress import Progress
 
@@ -92,11 +98,14 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: Optional[list
     check_output(out, model, ppl_file)
     if engine is not None:
         engine.check()
+    from .replay import check_replayable
+
+    check_replayable(engine, accuracy)
     with Progress(transient=True) as prog:
         task = prog.add_task("step-wise perplexity", total=ppl_blocks * (1 if ppl_file else 3))
         res = evaluate(model, corpus, engine, tasks, out, task_dir, limit, ppl_blocks, seq_len,
                        include_path=include_path, dtype=dtype, device=device, progress=lambda: prog.advance(task),
-                       ppl_file=ppl_file, ppl_field=ppl_field, stepwise=stepwise)
+                       ppl_file=ppl_file, ppl_field=ppl_field, stepwise=stepwise, accuracy=accuracy)
     for note in (sizing or {}).get("notes", []) + res.get("sample_notes", []):  # fewer than asked: say so
         print(f"eval: {note}", file=sys.stderr)
     if sizing is not None:

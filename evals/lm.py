@@ -12,7 +12,9 @@ offers installed packages no registration (see `expertcache`'s package docstring
 runs lm-eval's command line with this model registered).
 
 Under a lossy policy every forward lm-eval asks for runs one token at a time through the KV cache (batch 1),
-so the expert cache sees tokens in order; lossless policies and the plain model use lm-eval's batched path.
+so the expert cache sees tokens in order; lossless policies and the plain model use lm-eval's batched path. With
+`accuracy="replay"` (reroute only) the plain model runs lm-eval's batched path with the reroute rule replayed per
+document in its routers (`evals.replay`): the same rule, each document from an empty cache, hundreds of times faster.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from lm_eval.models.huggingface import HFLM
 
 from expertcache.runtime.engine.config import EngineConfig
 from expertcache.runtime.kernels.quant import QUANT_METHOD
+
+from expertcache.telemetry.errors import InputError
 
 from .served import open_model, served_engine
 
@@ -38,16 +42,24 @@ def engine_from_args(args: dict) -> EngineConfig | None:
 @register_model("expertcache")
 class ExpertCacheLM(HFLM):
     def __init__(self, pretrained: str, batch_size: int = 8, max_length: int = 512, dtype: str = "fp32",
-                 device: str = "cpu", **kwargs):
+                 device: str = "cpu", accuracy: str = "token", **kwargs):
         from expertcache.runtime.storage.loader import parse_device, resolve
         from expertcache.telemetry.hf import load_tokenizer
 
+        from .replay import ReplayedReroute, check_replayable
+
         path = resolve(pretrained)
         self.serve = served_engine(path, engine_from_args(kwargs))  # quantized: through the engine
+        check_replayable(self.serve, accuracy)
         kwargs = {k: v for k, v in kwargs.items() if k not in ENGINE_FIELDS}
-        model, self.engine = open_model(path, self.serve, dtype, device)
+        self.replay = None
+        if accuracy == "replay":  # the plain model, its routers serving as the reroute policy would
+            model, self.engine = open_model(path, None, dtype, device)
+            self.replay = ReplayedReroute(model, self.serve)
+        else:
+            model, self.engine = open_model(path, self.serve, dtype, device)
         tok = load_tokenizer(path)
-        self.lossy = self.serve is not None and self.serve.lossy
+        self.lossy = self.serve is not None and self.serve.lossy and self.replay is None
         bs = 1 if self.lossy else int(batch_size)
         from expertcache.telemetry.hf import context_length
 
@@ -66,6 +78,8 @@ class ExpertCacheLM(HFLM):
                 model.config.quantization_config = qc
 
     def _model_call(self, inps, attn_mask=None, labels=None):
+        if self.replay is not None:
+            self.replay.batch = inps.shape[0]  # each row a document, replayed from an empty cache
         if not self.lossy:
             return super()._model_call(inps, attn_mask, labels)
         from transformers import DynamicCache
@@ -79,3 +93,9 @@ class ExpertCacheLM(HFLM):
                 logits = [step(self.model, row[None, j:j + 1], cache).logits[0, -1] for j in range(row.shape[0])]
                 outs.append(torch.stack(logits))
         return torch.stack(outs)
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        if self.replay is not None:  # generation's steps are one token each: a per-forward replay would start cold
+            raise InputError("--accuracy replay scores loglikelihood tasks (cloze, perplexity); a generation task "
+                             "(e.g. ec_math_em) is served token by token: leave it out or use --accuracy token")
+        return super().generate_until(requests, disable_tqdm)

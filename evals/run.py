@@ -17,8 +17,8 @@ from expertcache.telemetry.atomic import write_json
 from expertcache.telemetry.errors import InputError
 
 from .served import label, open_model, served_engine
-from .taskdata import (DEFAULT_TASKS, DOMAINS, LOCAL_TASKS, PPL_BLOCKS, TASK_DOCS, build_task_data, lm_eval_tasks,
-                       task_docs_built, write_task_yamls)
+from .taskdata import (DEFAULT_TASKS, DOMAINS, GENERATION_TASKS, LOCAL_TASKS, PPL_BLOCKS, TASK_DOCS,
+                       build_task_data, lm_eval_tasks, task_docs_built, write_task_yamls)
 
 
 def stepwise_blocks(corpus: str, tokenizer: str, split: str, seq_len: int, per_domain: int) -> dict[str, np.ndarray]:
@@ -133,7 +133,7 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
              ppl_blocks: int = PPL_BLOCKS, seq_len: int = 128, split: str = "test",
              batch_size: int = 8, include_path: str | Path | None = None, dtype: str = "fp32",
              device: str = "cpu", progress=None, ppl_file: str | Path | None = None, ppl_field: str = "text",
-             stepwise: str = "auto") -> dict:
+             stepwise: str = "auto", accuracy: str = "token") -> dict:
     import lm_eval
 
     from .stepwise import check_method, stepwise_perplexity
@@ -147,6 +147,13 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
     device = parse_device(device)
     serve = served_engine(model_dir, engine)  # a quantized checkpoint is always served by the engine
     method = check_method(stepwise, serve is not None and serve.lossy)
+    from .replay import check_replayable
+
+    check_replayable(serve, accuracy)  # `replay`: the reroute rule replayed in lm-eval's batched forwards
+    generating = [t for t in tasks or () if t in GENERATION_TASKS]
+    if accuracy == "replay" and generating:
+        raise InputError(f"--accuracy replay scores loglikelihood tasks; {generating[0]} generates text, which is "
+                         f"served token by token: leave it out of --tasks or use --accuracy token")
     t0 = time.time()
     task_dir = Path(task_dir or Path(out or "runs/eval").parent / "task-data")
     if any(t in LOCAL_TASKS for t in tasks or ()):
@@ -196,11 +203,15 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
            "engine": None if serve is None else asdict(serve), "integrity": integrity, "split": split,
            "dtype": dtype, "device": device,
            "tokenizer": tokenizer_fingerprint(model_dir), "tasks": list(tasks or []), "limit": limit,
-           "stepwise": step, "stepwise_blocks": {d: list(b.shape) for d, b in blocks.items()}}
+           "stepwise": step, "stepwise_blocks": {d: list(b.shape) for d, b in blocks.items()},
+           # how lm-eval's documents met the policy: one token at a time through the engine, or the rule replayed
+           "accuracy_method": accuracy if serve is not None and serve.lossy else "batched"}
     if tasks:
         args = {"pretrained": str(model_dir), "batch_size": batch_size, "dtype": dtype, "device": device}
         if serve is not None:
             args.update({k: v for k, v in asdict(serve).items() if k != "device"})
+        if accuracy == "replay":
+            args["accuracy"] = "replay"
         r = lm_eval.simple_evaluate(model="expertcache", model_args=args,
                                     tasks=task_list, limit=limit, log_samples=True, task_manager=manager,
                                     bootstrap_iters=0, random_seed=0, numpy_random_seed=0, torch_random_seed=0)

@@ -24,6 +24,8 @@ TASK_DIR = Path(__file__).resolve().parent / "tasks"
 DEFAULT_TASKS = tuple(f"ec_ppl_{d}" for d in DOMAINS) + tuple(f"ec_cloze_{d}" for d in DOMAINS) + ("ec_math_em",)
 SKIPPED = "skipped.json"  # the local tasks whose documents the corpus could not give, and why
 LOCAL_TASKS = frozenset(p.stem for p in TASK_DIR.glob("*.yaml"))  # built from the project corpus's held-out split
+# the local tasks whose documents are generated text (`output_type: generate_until`), not scored by loglikelihood
+GENERATION_TASKS = frozenset(p.stem for p in TASK_DIR.glob("*.yaml") if "output_type: generate_until" in p.read_text())
 MATH_RE = re.compile(r"Question: (?P<q>.*?)\nSolution: .*?Answer: (?P<a>-?\d+)", re.S)
 
 

@@ -88,19 +88,21 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
         # served rows count the cache's demand loads token by token, as decoding sees them (a lossless policy's
         # batched evaluation would count whole blocks: the base's LRU loads must be comparable to reroute's)
         method = "token" if engine is not None else "auto"
+        accuracy = f.lossy_accuracy if engine is not None and engine.lossy else "token"
         path = evals / f"{name}.json"
         if path.is_file():
             r = json.loads(path.read_text())
             # older evals lack the gate's fingerprints; one served otherwise is not this row's
             if r.get("format_version") == EVAL_FORMAT_VERSION and r.get("policy") == (engine.label() if engine
                                                                                        else "plain") \
-                    and (engine is None or r.get("stepwise", {}).get("method") == "token"):
+                    and (engine is None or r.get("stepwise", {}).get("method") == "token") \
+                    and r.get("accuracy_method", "token" if accuracy == "token" else None) in (accuracy, "batched"):
                 return r
         log(f"[frontier] eval {name} [{'plain' if engine is None else engine.label()}]")
         tasks, limit = (f.lossy_tasks, f.lossy_limit) if lossy else (f.tasks, f.limit)
         blocks, seq = (f.lossy_ppl_blocks, f.lossy_seq_len) if lossy else (f.ppl_blocks, f.seq_len)
         r = evaluate(model, engine=engine, tasks=tasks, limit=limit, ppl_blocks=blocks, seq_len=seq, stepwise=method,
-                     **kw)
+                     accuracy=accuracy, **kw)
         write_json(path, r)
         return r
 
@@ -130,7 +132,7 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
     def where(row, name=None):
         # each row says where it came from: the commit, and the recipe, variant and evaluation samples it ran with
         ev_sizes = ({"tasks": f.lossy_tasks, "limit": f.lossy_limit, "ppl_blocks": f.lossy_ppl_blocks,
-                     "seq_len": f.lossy_seq_len} if row["serving"] == "reroute" else
+                     "seq_len": f.lossy_seq_len, "accuracy": f.lossy_accuracy} if row["serving"] == "reroute" else
                     {"tasks": f.tasks, "limit": f.limit, "ppl_blocks": f.ppl_blocks, "seq_len": f.seq_len})
         row.update(commit=commit, command=f"expertcache train-cache-aware --recipe {recipe.name}", config={"recipe": recipe.name, "base": recipe.base, "split": f.split,
                                           "variant": list(f.variants.get(name, [])), "eval": ev_sizes})

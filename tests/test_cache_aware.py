@@ -518,7 +518,8 @@ def test_frontier_trains_each_variant_once_gates_it_and_writes_rows(tiny_data, t
           "frontier.ppl_blocks": 1, "frontier.seq_len": 32, "frontier.lossy_limit": 1,
           "frontier.lossy_ppl_blocks": 1, "frontier.lossy_seq_len": 16,
           "frontier.tasks": "[ec_ppl_prose,ec_cloze_prose]", "frontier.lossy_tasks": "[ec_cloze_prose]",
-          "frontier.reroute": "[base,miss]", "frontier.split": "validation"}
+          "frontier.reroute": "[base,miss]", "frontier.split": "validation",
+          "frontier.lossy_accuracy": "replay"}  # the reroute rows' documents replayed (evals.replay)
     recipe = load_recipe(CacheAwareRecipe, CA_RECIPES / "frontier.yaml", [f"{k}={v}" for k, v in ov.items()] + [
         "frontier.variants={control: [locality.weight=0], miss: [locality.weight=1.0, quality.distill=0.5]}"])
     rows = run_frontier(recipe, log=lambda *a: None)
@@ -541,6 +542,7 @@ def test_frontier_trains_each_variant_once_gates_it_and_writes_rows(tiny_data, t
         # each row says where it came from (#43): commit, command, and the variant and samples it ran with
         assert r["commit"] and r["command"] == "expertcache train-cache-aware --recipe frontier"
         assert r["config"]["eval"]["limit"] == (1 if r["serving"] == "reroute" else 2)
+        assert r["config"]["eval"].get("accuracy") == ("replay" if r["serving"] == "reroute" else None)
         assert r["config"]["variant"] == {"base": [], "control": ["locality.weight=0"],
                                           "miss": ["locality.weight=1.0", "quality.distill=0.5"]}[r["name"]]
     assert "dppl_vs_control_pct" in rows[2] and abs(rows[1]["dppl_vs_control_pct"]["overall"]) < 1e-9

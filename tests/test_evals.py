@@ -42,7 +42,7 @@ def evals(tiny_data, tiny_base, tmp_path_factory):
            # a lossy policy: lm-eval forwards go one token at a time through the engine
            "reroute": evaluate(base, engine=EngineConfig(capacity=0.25, miss="reroute", tau=1.0),
                                **dict(kw, tasks=["ec_cloze_prose"], limit=2)),
-           "root": root, "base_model": base}
+           "root": root, "base_model": base, "corpus": tiny_data["corpus"]}
     return out
 
 
@@ -726,3 +726,63 @@ def test_an_lm_eval_task_whose_data_is_offline_is_one_line_before_the_model_load
     err = [x for x in r.stderr.splitlines() if x.startswith("expertcache eval")]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert len(err) == 1 and "task arc_easy: its data could not be loaded" in err[0], r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("capacity,tau", [(0.25, 1.0), (0.5, 0.05)])
+def test_replayed_reroute_gives_the_engines_logits_document_by_document(tiny_base, capacity, tau):
+    """`--accuracy replay`: the plain model in one batched forward over right-padded documents, the reroute rule
+    replayed in its routers per document, gives the logits the engine gives serving each document one token at a
+    time from a fresh engine (an empty cache), rerouting included."""
+    from transformers import DynamicCache
+
+    from expertcache.evals.replay import ReplayedReroute
+    from expertcache.evals.served import open_model
+    from expertcache.evals.stepwise import step
+
+    eng = EngineConfig(capacity=capacity, tier="host", miss="reroute", tau=tau)
+    plain, _ = open_model(tiny_base, None)
+    vocab = plain.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    lengths = [24, 17, 24, 9]
+    docs = [torch.randint(3, vocab, (n,), generator=g) for n in lengths]
+    want, rerouted = [], 0
+    for d in docs:
+        model, engine = open_model(tiny_base, eng)
+        cache = DynamicCache()
+        with torch.no_grad():
+            want.append(torch.stack([step(model, d[None, j:j + 1], cache).logits[0, -1] for j in range(len(d))]))
+        rerouted += engine.stats.to_dict(engine.traffic_expert_bytes)["rerouted"]
+        engine.close()
+    batch = torch.zeros(len(docs), max(lengths), dtype=torch.long)  # right-padded, as lm-eval pads loglikelihood
+    for i, d in enumerate(docs):
+        batch[i, :len(d)] = d
+    rp = ReplayedReroute(plain, eng)
+    rp.batch = len(docs)
+    with torch.no_grad():
+        got = plain(input_ids=batch, use_cache=False).logits
+    for i, n in enumerate(lengths):
+        torch.testing.assert_close(got[i, :n], want[i], atol=2e-4, rtol=1e-4)
+    assert rerouted > 0 and rp.rerouted > 0  # the engine rerouted, and so did the replay (not a vacuous match)
+    rp.remove()
+    with torch.no_grad():
+        native = plain(input_ids=batch, use_cache=False).logits
+    assert any(not torch.allclose(native[i, :n], want[i], atol=1e-3) for i, n in enumerate(lengths))
+
+
+def test_replay_is_refused_where_it_cannot_replay(evals):
+    base, root = evals["base_model"], evals["root"]
+    kw = dict(corpus="unused", tasks=["ec_cloze_prose"], task_dir=root / "tasks", limit=2, ppl_blocks=0)
+    with pytest.raises(InputError, match="replays a lossy miss policy"):
+        evaluate(base, accuracy="replay", **kw)
+    with pytest.raises(InputError, match="served token by token only"):
+        evaluate(base, engine=EngineConfig(capacity=0.25, miss="speculative"), accuracy="replay", **kw)
+    with pytest.raises(InputError, match="ec_math_em generates text"):
+        evaluate(base, engine=EngineConfig(capacity=0.25, miss="reroute"), accuracy="replay",
+                 **dict(kw, tasks=["ec_cloze_prose", "ec_math_em"]))
+    with pytest.raises(InputError, match="expected one of token, replay"):
+        evaluate(base, accuracy="fast", **kw)
+    r = evaluate(base, engine=EngineConfig(capacity=0.25, miss="reroute", tau=1.0), accuracy="replay",
+                 **dict(kw, corpus=evals["corpus"]))
+    assert r["accuracy_method"] == "replay" and r["n_documents"] == {"ec_cloze_prose": 2}
+    assert 0 <= r["lm_eval"]["ec_cloze_prose"]["acc,none"] <= 1
+    assert evals["reroute"]["accuracy_method"] == "token" and evals["base"]["accuracy_method"] == "batched"

@@ -282,6 +282,10 @@ class FrontierSpec:
     lossy_tasks: list[str] = opt(["ec_cloze_code", "ec_cloze_prose", "ec_cloze_math"],
                                  "lm-eval tasks of the reroute rows (served token by token: slower)")
     lossy_limit: int = opt(8, "documents per task, reroute rows")
+    lossy_accuracy: str = opt("token", "how the reroute rows' documents are served: token (one token at a time "
+                              "through the engine) | replay (the rule replayed per document in batched forwards, "
+                              "each from an empty cache: `expertcache eval --accuracy replay`, for thousands of "
+                              "documents; loglikelihood tasks only)")
     lossy_ppl_blocks: int = opt(4, "step-wise perplexity blocks per domain, reroute rows")
     lossy_seq_len: int = opt(128, "tokens per step-wise block, reroute rows")
     out: str = opt("results/frontier.json", "the rows (a JSON list); the plot is written beside it (.png)")
@@ -299,6 +303,8 @@ class FrontierSpec:
             raise RecipeError(f"frontier.control={self.control!r} is not a variant")
         if not (0 < self.capacity <= 1) or not (math.isfinite(self.tau) and self.tau >= 0):
             raise RecipeError("frontier.capacity must be in (0, 1] and frontier.tau a finite number >= 0")
+        if self.lossy_accuracy not in ("token", "replay"):
+            raise RecipeError(f"frontier.lossy_accuracy={self.lossy_accuracy!r}; expected token or replay")
         if min(self.limit, self.ppl_blocks, self.seq_len, self.lossy_limit, self.lossy_ppl_blocks,
                self.lossy_seq_len) < 1:
             raise RecipeError("frontier limits, blocks and sequence lengths must be >= 1")
