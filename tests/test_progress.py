@@ -157,5 +157,6 @@ def test_a_training_run_in_a_log_writes_timed_step_lines_with_its_losses():
     assert lines and all(line.startswith("train: step ") for line in lines)
     assert any("train: step 3/6" in line and "val/loss" in line for line in lines)  # after the first validation
     assert "train: step 6/6" in lines[-1] and "train/loss" in lines[-1] and "s/step" in lines[-1]
+    assert len(lines) == len(set(lines))  # the end repeats no line (a validation at the last step already wrote it)
     assert "eta" in lines[0]  # before the end the line says how long is left
     assert isinstance(training_bar(), StepLines)  # pytest's captured output is not a terminal

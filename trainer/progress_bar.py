@@ -36,6 +36,7 @@ class StepLines(ProgressBar):
         self._enabled = True
         self._t0 = self._last = None
         self._step0 = 0
+        self._written_step = None  # the step the last line showed
 
     def disable(self) -> None:
         self._enabled = False
@@ -51,6 +52,7 @@ class StepLines(ProgressBar):
         now = time.monotonic()
         self._last = now
         step, total = trainer.global_step, trainer.max_steps
+        self._written_step = step
         done = step - self._step0
         rate = (now - self._t0) / done if done > 0 else None
         head = f"train: step {step}/{total}" if total and total > 0 else f"train: step {step}"
@@ -76,8 +78,9 @@ class StepLines(ProgressBar):
         if self._enabled and trainer.is_global_zero and self._t0 is not None and not trainer.sanity_checking:
             self._write(trainer, pl_module)
 
-    def on_train_end(self, trainer, pl_module) -> None:
-        if self._enabled and trainer.is_global_zero and self._t0 is not None:
+    def on_train_end(self, trainer, pl_module) -> None:  # (unless a validation at the last step just wrote it)
+        if self._enabled and trainer.is_global_zero and self._t0 is not None and \
+                self._written_step != trainer.global_step:
             self._write(trainer, pl_module)
 
 
