@@ -76,9 +76,10 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: Optional[list
             under a lossy policy)
         accuracy: how lm-eval's documents meet a lossy policy: token (one token at a time through the engine, its
             cache warm from one document to the next) | replay (reroute only: the plain model in batched forwards,
-            the reroute rule replayed in its routers per document, each from an empty cache; hundreds of times
-            faster, for thousands of documents; loglikelihood tasks only). The step-wise blocks still go through
-            the engine token by token
+            the reroute rule replayed in its routers per document, each from an empty cache; on the base-tiny
+            model 24 cloze documents took 798 s token by token and 47-90 s replayed, mostly set-up; for thousands
+            of documents; loglikelihood tasks only). The step-wise blocks still go through the engine token by
+            token
     """
     from expertcache.telemetry.progress import Progress
 

@@ -14,7 +14,7 @@ runs lm-eval's command line with this model registered).
 Under a lossy policy every forward lm-eval asks for runs one token at a time through the KV cache (batch 1),
 so the expert cache sees tokens in order; lossless policies and the plain model use lm-eval's batched path. With
 `accuracy="replay"` (reroute only) the plain model runs lm-eval's batched path with the reroute rule replayed per
-document in its routers (`evals.replay`): the same rule, each document from an empty cache, hundreds of times faster.
+document in its routers (`evals.replay`): the same rule, each document from an empty cache, at batched speed.
 """
 
 from __future__ import annotations
