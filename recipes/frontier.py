@@ -84,7 +84,7 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
     evals = out / "evals"
     kw = dict(corpus=recipe.data.corpus, task_dir=evals / "task-data", split=f.split)
 
-    def ev(model, name, engine=None, lossy=False):
+    def ev(model, name, engine=None, lossy=False, ppl_only=False):
         # served rows count the cache's demand loads token by token, as decoding sees them (a lossless policy's
         # batched evaluation would count whole blocks: the base's LRU loads must be comparable to reroute's)
         method = "token" if engine is not None else "auto"
@@ -100,6 +100,8 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
                 return r
         log(f"[frontier] eval {name} [{'plain' if engine is None else engine.label()}]")
         tasks, limit = (f.lossy_tasks, f.lossy_limit) if lossy else (f.tasks, f.limit)
+        if ppl_only:  # only the step-wise blocks' figures are read (the base's LRU demand loads)
+            tasks, limit = [], None
         blocks, seq = (f.lossy_ppl_blocks, f.lossy_seq_len) if lossy else (f.ppl_blocks, f.seq_len)
         r = evaluate(model, engine=engine, tasks=tasks, limit=limit, ppl_blocks=blocks, seq_len=seq, stepwise=method,
                      accuracy=accuracy, **kw)
@@ -113,7 +115,8 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
     base_small = base_lru = None
     if f.reroute:
         base_small = ev(base, "base-lossy", lossy=True)
-        base_lru = ev(base, "base-lru", served, lossy=True)["stepwise"]["engine"]["demand_loads"]
+        # the base served with LRU: only its demand loads on the step-wise blocks are compared (no documents)
+        base_lru = ev(base, "base-lru", served, lossy=True, ppl_only=True)["stepwise"]["engine"]["demand_loads"]
     rows: list[dict] = []
 
     def served_row(name, model, res, control, point=None):
