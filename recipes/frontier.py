@@ -157,6 +157,11 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
         if res is None:
             log(f"[frontier] train {name}")
             res = run_cache_aware(point, resume)
+        if "summary" not in res:  # a streamed variant: its cache figures measured on the saved model
+            from expertcache.trainer.cache_aware.run import with_cache_summary
+
+            log(f"[frontier] cache figures of {name}")
+            res = with_cache_summary(point, res)
         if name == f.control:
             control = res
         model = str(Path(res["out_dir"]) / "model")

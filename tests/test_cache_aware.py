@@ -521,10 +521,23 @@ def test_frontier_trains_each_variant_once_gates_it_and_writes_rows(tiny_data, t
           "frontier.reroute": "[base,miss]", "frontier.split": "validation",
           "frontier.lossy_accuracy": "replay"}  # the reroute rows' documents replayed (evals.replay)
     recipe = load_recipe(CacheAwareRecipe, CA_RECIPES / "frontier.yaml", [f"{k}={v}" for k, v in ov.items()] + [
-        "frontier.variants={control: [locality.weight=0], miss: [locality.weight=1.0, quality.distill=0.5]}"])
-    rows = run_frontier(recipe, log=lambda *a: None)
+        "frontier.variants={control: [locality.weight=0], miss: [locality.weight=1.0, quality.distill=0.5], "
+        "streamed: [locality.weight=1.0, quality.trainable=routers, train.memory_gb=8]}"])
+    from expertcache.runtime.engine import train_stream
+    from expertcache.trainer.cache_aware.stream import set_streamed_runtime
+
+    set_streamed_runtime(train_stream)  # what the CLI installs for train.memory_gb
+    try:
+        rows = run_frontier(recipe, log=lambda *a: None)
+    finally:
+        set_streamed_runtime(None)
     assert [(r["name"], r["serving"]) for r in rows] == [("base", "reroute"), ("control", "plain"),
-                                                         ("miss", "plain"), ("miss", "reroute")]
+                                                         ("miss", "plain"), ("miss", "reroute"), ("streamed", "plain")]
+    # a streamed variant's run leaves its cache figures out; the frontier measures them on its saved model, once
+    streamed = json.loads((tmp_path / "fr" / "streamed" / "result.json").read_text())
+    assert streamed["streamed"] and rows[-1]["miss_reduction_1_8"] == streamed["summary"]["capacities"][
+        min(streamed["summary"]["capacities"], key=lambda c: streamed["summary"]["capacities"][c]["capacity_frac"])
+    ]["lru_miss_reduction"]
     for r in rows:
         assert r["gate"] in ("PASS", "FAIL", "INCONCLUSIVE") and (r["gate"] == "FAIL") == bool(r["failures"])
         # the JSON contract of results/frontier.json (issue #23)
@@ -544,7 +557,9 @@ def test_frontier_trains_each_variant_once_gates_it_and_writes_rows(tiny_data, t
         assert r["config"]["eval"]["limit"] == (1 if r["serving"] == "reroute" else 2)
         assert r["config"]["eval"].get("accuracy") == ("replay" if r["serving"] == "reroute" else None)
         assert r["config"]["variant"] == {"base": [], "control": ["locality.weight=0"],
-                                          "miss": ["locality.weight=1.0", "quality.distill=0.5"]}[r["name"]]
+                                          "miss": ["locality.weight=1.0", "quality.distill=0.5"],
+                                          "streamed": ["locality.weight=1.0", "quality.trainable=routers",
+                                                       "train.memory_gb=8"]}[r["name"]]
     assert "dppl_vs_control_pct" in rows[2] and abs(rows[1]["dppl_vs_control_pct"]["overall"]) < 1e-9
     assert json.loads((tmp_path / "frontier.json").read_text()) == json.loads(json.dumps(rows))
     from helpers import plotted_pixels

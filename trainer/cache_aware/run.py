@@ -217,6 +217,25 @@ def _finish_streamed(recipe, streamed, parts, module, trainer, train_s, start_st
     return result
 
 
+def with_cache_summary(recipe: CacheAwareRecipe, res: dict) -> dict:
+    """`res` (a finished run's result.json) with the cache figures and Δppl an in-memory run ends with: a streamed
+    run leaves them out (its model may not fit in memory); for one that fits (the frontier's tiny base), they are
+    measured here the same way (`evaluate_checkpoint` on the saved model, against `baseline_eval`) and written back
+    into result.json, so they are measured once."""
+    if "summary" in res:
+        return res
+    from ..cache_eval import evaluate_checkpoint
+
+    out = Path(res["out_dir"])
+    e = recipe.eval
+    base_res = baseline_eval(recipe)
+    cand = evaluate_checkpoint(out / "model", recipe.data.corpus, e.split, out / f"trace-{e.split}.parquet",
+                               e.prompt_len, e.decode_tokens, e.max_seqs, e.capacities, e.ppl_blocks, e.seq_len)
+    res = {**res, "baseline": base_res, "candidate": cand, "summary": summarize(recipe, base_res, cand)}
+    write_json(out / "result.json", res)
+    return res
+
+
 def run_sweep(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     """Every value of `sweep.key` as its own run under out_dir, then one table (sweep.md, sweep.json)."""
     out = Path(recipe.out_dir)
