@@ -99,9 +99,6 @@ def eval(model: str, engine: Optional[EngineConfig] = None, tasks: Optional[list
     check_output(out, model, ppl_file)
     if engine is not None:
         engine.check()
-    from .replay import check_replayable
-
-    check_replayable(engine, accuracy)
     with Progress(transient=True) as prog:
         task = prog.add_task("step-wise perplexity", total=ppl_blocks * (1 if ppl_file else 3))
         res = evaluate(model, corpus, engine, tasks, out, task_dir, limit, ppl_blocks, seq_len,

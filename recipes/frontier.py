@@ -92,11 +92,12 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
         path = evals / f"{name}.json"
         if path.is_file():
             r = json.loads(path.read_text())
-            # older evals lack the gate's fingerprints; one served otherwise is not this row's
+            # older evals lack the gate's fingerprints (and accuracy_method: token); one served otherwise is not
+            # this row's
             if r.get("format_version") == EVAL_FORMAT_VERSION and r.get("policy") == (engine.label() if engine
                                                                                        else "plain") \
                     and (engine is None or r.get("stepwise", {}).get("method") == "token") \
-                    and r.get("accuracy_method", "token" if accuracy == "token" else None) in (accuracy, "batched"):
+                    and r.get("accuracy_method", "token") in (accuracy, "batched"):
                 return r
         log(f"[frontier] eval {name} [{'plain' if engine is None else engine.label()}]")
         tasks, limit = (f.lossy_tasks, f.lossy_limit) if lossy else (f.tasks, f.limit)
@@ -132,19 +133,19 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
                    tau=engine.tau)
         return row
 
-    def where(row, name=None):
+    def where(row):
         # each row says where it came from: the commit, and the recipe, variant and evaluation samples it ran with
         ev_sizes = ({"tasks": f.lossy_tasks, "limit": f.lossy_limit, "ppl_blocks": f.lossy_ppl_blocks,
                      "seq_len": f.lossy_seq_len, "accuracy": f.lossy_accuracy} if row["serving"] == "reroute" else
                     {"tasks": f.tasks, "limit": f.limit, "ppl_blocks": f.ppl_blocks, "seq_len": f.seq_len})
-        row.update(commit=commit, command=f"expertcache train-cache-aware --recipe {recipe.name}", config={"recipe": recipe.name, "base": recipe.base, "split": f.split,
-                                          "variant": list(f.variants.get(name, [])), "eval": ev_sizes})
-        return row
+        row.update(commit=commit, command=f"expertcache train-cache-aware --recipe {recipe.name}",
+                   config={"recipe": recipe.name, "base": recipe.base, "split": f.split,
+                           "variant": list(f.variants.get(row["name"], [])), "eval": ev_sizes})
 
     def publish():
         for r in rows:
             if "commit" not in r:
-                where(r, r["name"])
+                where(r)
         write_json(f.out, rows)
         plot_frontier(rows, Path(f.out).with_suffix(".png"))
 
