@@ -905,7 +905,8 @@ def run_case(c: dict, P: dict, root: Path, env: dict) -> dict:
     err = [line for line in r.stderr.splitlines() if line.strip()]
     row = {"id": c["id"], "command": "expertcache " + " ".join(c["args"]).replace(str(root) + "/", ""),
            "exit": r.returncode, "expect": c["expect"], "as_nobody": c["as_nobody"],
-           "traceback": "Traceback" in r.stderr, "last_line": err[-1] if err else "",
+           "traceback": "Traceback" in r.stderr,
+           "last_line": err[-1].replace(str(root), "<tmp>") if err else "",  # no machine's temporary folder
            "watched_files": len(files), "changed": changed, "seconds": round(time.time() - t, 1),
            "note": c["note"], "stderr": r.stderr}
     row["class"] = classify(row)
@@ -930,15 +931,16 @@ def run_cases(P: dict, root: Path, env: dict, only: list[str], jobs: int) -> lis
     return rows
 
 
-def write(rows: list[dict], out_json: Path, out_md: Path) -> dict:
-    from expertcache.telemetry.atomic import write_json, write_text
+def write(rows: list[dict], out_json: Path, out_md: Path, config: dict | None = None) -> dict:
+    from expertcache.runtime.bench.results import write_result
+    from expertcache.telemetry.atomic import write_text
 
     summary = {"total": len(rows), "OK": sum(r["class"] == "OK" for r in rows),
                "BAD": sum(r["class"] == "BAD" for r in rows),
                "tracebacks": sum(r["traceback"] for r in rows), "exit_0": sum(r["exit"] == 0 for r in rows),
                "outputs_destroyed": sum(bool(r["changed"]) for r in rows),
                "commands": sorted({r["command"].split(" --")[0].split(" ")[1] for r in rows})}
-    write_json(out_json, {"summary": summary, "rows": rows})
+    write_result(out_json, {"summary": summary, "rows": rows}, config=config)  # commit, machine, this command
 
     def cell(s: str, n: int) -> str:
         s = s.replace("|", "\\|").replace("\n", " ")
@@ -984,7 +986,7 @@ def main() -> int:
             new = {r["id"]: r for r in rows}
             old = json.loads(out.read_text())["rows"]
             rows = [dict(new.pop(r["id"]), rerun=True) if r["id"] in new else r for r in old] + list(new.values())
-        summary = write(rows, out, out.with_suffix(".md"))
+        summary = write(rows, out, out.with_suffix(".md"), config=vars(args))
         print(json.dumps(summary), file=sys.stderr)
         for r in rows:
             if r["class"] == "BAD":

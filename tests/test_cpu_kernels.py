@@ -1009,3 +1009,28 @@ def test_a_build_killed_midway_does_not_hang_the_next_process(tmp_path):
     assert "left by a build of the CPU kernels that was killed" in p.stderr and not (d / "lock").exists()
 
 
+
+
+@needs_ext
+@pytest.mark.parametrize("bits, group, symmetric", [(4, 32, False), (4, 64, False), (4, 128, False), (4, 64, True),
+                                                    (8, 32, False), (8, 128, False)])
+def test_dequant_kernel_is_the_reference_bit_for_bit(bits, group, symmetric):
+    """Streamed training multiplies packed experts as float weights: the one-pass kernel writes exactly what
+    `quant.dequantize` computes (its multiply and add rounded apart, as torch's in-place ops), in bf16 and fp32, for
+    a chunk of experts at once, into a reused buffer or a fresh one; a buffer too small or of another dtype is
+    refused."""
+    torch.manual_seed(bits * 1000 + group)
+    w = torch.randn(3, 96, 256, dtype=torch.bfloat16) * 0.05
+    w[0, 0, :group] = 0  # a group of zeros: scale 0 (and int4's minimum 0)
+    t = quant.quantize(w, bits, group, symmetric=symmetric)
+    buf = torch.empty(3 * 96 * 256 + 7, dtype=torch.bfloat16)
+    for dtype in (torch.bfloat16, torch.float32):
+        ref = quant.dequantize(t, bits, group, dtype)
+        assert torch.equal(ck.dequant_q(t, bits, group, dtype), ref)
+        one = ck.dequant_q({k: v[1] for k, v in t.items()}, bits, group, dtype)  # one expert, 2-D
+        assert torch.equal(one, ref[1])
+    got = ck.dequant_q(t, bits, group, torch.bfloat16, out=buf)
+    assert got.data_ptr() == buf.data_ptr() and torch.equal(got, quant.dequantize(t, bits, group, torch.bfloat16))
+    for bad in (torch.empty(10, dtype=torch.bfloat16), torch.empty(buf.numel(), dtype=torch.float16)):
+        with pytest.raises(ValueError):
+            ck.dequant_q(t, bits, group, torch.bfloat16, out=bad)

@@ -673,10 +673,13 @@ def test_eval_size_from_evaluates_the_gated_configuration_or_refuses(evals, tiny
         err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
         assert len(err) == 1 and needle in err[0] and err[0].startswith("expertcache eval: error:"), (args, err)
     # a candidate checkpoint of its own, served reroute over one task: given without --engine and --tasks, the eval
-    # is that served configuration on that task, and says so
+    # is that served configuration on that task, and says so (the sample this gate would size is the smallest: what
+    # is checked here is the configuration; the sizing has its tests above, and a large sample served token by
+    # token took minutes)
     rr = evals["reroute"]
-    cand = dict(g, candidate=dict(g["candidate"], model=str(tmp_path / "cand"), engine=rr["engine"],
-                                  policy=rr["policy"], tasks=rr["tasks"]))
+    cand = dict(g, resolve={"blocks_per_domain": 1, "documents": {"ec_cloze_prose": 2}},
+                candidate=dict(g["candidate"], model=str(tmp_path / "cand"), engine=rr["engine"],
+                               policy=rr["policy"], tasks=rr["tasks"]))
     shutil.copytree(evals["base_model"], tmp_path / "cand")  # another folder: a symlink is the same model
     p.write_text(json.dumps(cand))
     out = tmp_path / "sized.json"

@@ -5,6 +5,7 @@ first: names."""
 
 import re
 import shlex
+import time
 from pathlib import Path
 
 import pytest
@@ -178,9 +179,11 @@ def test_the_examples_run(tiny_data, tmp_path, monkeypatch, capsys):
         if argv is None:
             checked.append(f"{where}:{line} {' '.join(toks[1:3])}: {why}")
             continue
+        t = time.perf_counter()
         rc = main(argv)
         err = capsys.readouterr().err.strip().splitlines()
-        (ran if rc == 0 else failed).append(f"{where}:{line} expertcache {' '.join(argv)} -> {rc}"
+        (ran if rc == 0 else failed).append(f"{where}:{line} expertcache {' '.join(argv)} -> {rc} "
+                                            f"({time.perf_counter() - t:.1f} s)"
                                             + ("" if rc == 0 else f": {err[-1] if err else ''}"))
     print("\n".join(["ran:", *ran, "--help only:", *checked]))
     assert not failed, "\n".join(failed)

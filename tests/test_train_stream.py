@@ -251,3 +251,30 @@ def test_the_floor_from_headers_and_the_resident_check_before_the_first_step(fp3
         assert len(str(e.value).splitlines()) == 1
     finally:
         base.close()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_packed_chunk_is_dequantized_as_the_reference_into_one_reused_buffer(bits):
+    """A chunk of packed experts, as the trainer computes them: each expert exactly `quant.dequantize`'s weights,
+    and the second chunk written into the first one's buffer (no fresh tensor per chunk and layer)."""
+    from expertcache.runtime.engine.train_stream import compute_weights
+    from expertcache.runtime.kernels import quant
+
+    torch.manual_seed(bits)
+    views = {}
+    for name, shape in (("gate_up_proj", (4, 128, 64)), ("down_proj", (4, 64, 64))):
+        for part, v in quant.quantize(torch.randn(shape) * 0.1, bits, 32).items():
+            views[f"{name}.{part}"] = v
+    buffers = {}
+    first = compute_weights(views, torch.bfloat16, buffers)
+    for name, t in first.items():
+        ref = torch.stack([quant.dequantize({k: v[i] for k, v in quant.parts(views, name).items()}, bits, 32,
+                                            torch.bfloat16) for i in range(4)])
+        assert torch.equal(t, ref), name
+    ptrs = {k: v.data_ptr() for k, v in first.items()}
+    again = compute_weights({k: v[:2] for k, v in views.items()}, torch.bfloat16, buffers)
+    from expertcache.runtime.kernels import cpu_kernels
+
+    if cpu_kernels.available():
+        assert {k: v.data_ptr() for k, v in again.items()} == ptrs
+    assert all(v.shape[0] == 2 for v in again.values())

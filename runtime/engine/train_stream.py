@@ -176,6 +176,7 @@ class LayerReader:
         self.ex = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="train-read")
         self.reads = self.bytes_read = 0
         self.wait_s = 0.0  # time compute waited for reads (what overlap did not hide)
+        self.buffers: dict[str, torch.Tensor] = {}  # packed experts dequantized: one chunk's, reused (`compute_weights`)
 
     def chunks(self, layer: int, experts: list[int]):
         """`(index of the chunk's first expert in experts, {name: [n, ...] views})` per chunk, in order."""
@@ -216,17 +217,33 @@ def weights_dtype(meta) -> torch.dtype:
     return dt if dt.is_floating_point else torch.bfloat16
 
 
-def compute_weights(views: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def compute_weights(views: dict[str, torch.Tensor], dtype: torch.dtype,
+                    buffers: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The experts' tensors as the family's forward takes them, in `dtype`: views of the slots as they are, or
-    packed ones dequantized (`quant.dequantize`: exactly the weights the integer kernels multiply) one expert at a
-    time into a `[n, ...]` tensor (the fp32 intermediates of one expert, not of the chunk)."""
+    packed ones dequantized (`quant.dequantize`: exactly the weights the integer kernels multiply) into a `[n, ...]`
+    tensor. With the CPU kernels, the whole chunk in one pass into `buffers` (one per tensor name, reused by every
+    chunk and layer: valid until the next call); without them, one expert at a time in torch (the fp32
+    intermediates of one expert, not of the chunk)."""
     fmt = quant.format_of(views)
     if fmt is None:
         return {k: v if v.dtype == dtype else v.to(dtype) for k, v in views.items()}
     bits, group = fmt
     out = {}
+    from expertcache.runtime.kernels import cpu_kernels
+
+    fast = dtype in (torch.bfloat16, torch.float32) and cpu_kernels.available()
     for name in sorted({k.rsplit(".", 1)[0] for k in views}):
         parts = quant.parts(views, name)
+        if fast:
+            q = parts["q"]
+            n = q.numel() * (2 if bits == 4 else 1)
+            buf = None if buffers is None else buffers.get(name)
+            if buf is None or buf.dtype != dtype or buf.numel() < n:
+                buf = torch.empty(n, dtype=dtype)
+                if buffers is not None:
+                    buffers[name] = buf
+            out[name] = cpu_kernels.dequant_q(parts, bits, group, dtype, out=buf)
+            continue
         first = quant.dequantize({k: v[0] for k, v in parts.items()}, bits, group, dtype)
         t = out[name] = torch.empty((parts["q"].shape[0], *first.shape), dtype=dtype)
         t[0] = first
@@ -294,7 +311,7 @@ class StreamedExperts(nn.Module):
         out_dt = x.dtype
         x, w = x.to(wdt), w.to(wdt)  # the experts' dtype (no-ops for an fp32 checkpoint); gradients pass the casts
         for start, views in self._reader[0].chunks(self.pos, used.tolist()):
-            tensors = compute_weights(views, wdt)
+            tensors = compute_weights(views, wdt, self._reader[0].buffers)
             n = next(iter(tensors.values())).shape[0]
             t = copy.copy(self._proto)
             for k, v in tensors.items():

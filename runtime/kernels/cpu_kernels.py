@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import platform
 import threading
@@ -193,6 +194,26 @@ def swiglu_q(x, gu: dict, dn: dict, bits: int, group: int, slots, weights) -> to
     """The integer path: `gu`/`dn` hold `q`, `scales` (and `mins` for int4) as written by `runtime.quant`."""
     return torch.ops.expertcache_cpu.swiglu_q(x, gu["q"], gu["scales"], gu.get("mins"), dn["q"], dn["scales"],
                                               dn.get("mins"), bits, group, slots, weights).to(x.dtype)
+
+
+def dequant_q(t: dict, bits: int, group: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`quant.dequantize(t, bits, group, dtype)` bit for bit, in one pass over the codes (bf16 or fp32 out; `t`
+    holds `q`, `scales` (and `mins`) with any leading dims, as a store's slot views). `out`: a contiguous buffer of
+    that dtype and at least as many values to write into (returned as a view of the result's shape); reusing one
+    saves the page faults of a fresh tensor, as much time as the pass itself at an expert chunk's size."""
+    q = t["q"]
+    shape = (*q.shape[:-1], q.shape[-1] * (2 if bits == 4 else 1))
+    n = math.prod(shape)
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"dequant_q: bf16 or fp32 out, not {dtype}")
+    if out is None:
+        out = torch.empty(n, dtype=dtype)
+    elif out.dtype != dtype or not out.is_contiguous() or out.numel() < n:
+        raise ValueError(f"dequant_q: out must be contiguous {dtype} of at least {n} values")
+    res = out.view(-1)[:n].view(shape)
+    torch.ops.expertcache_cpu.dequant_q(q.contiguous(), t["scales"].contiguous(),
+                                        t["mins"].contiguous() if "mins" in t else None, bits, group, res)
+    return res
 
 
 def linear_q(x, q, scales, mins, bits: int, group: int, bias=None) -> torch.Tensor:

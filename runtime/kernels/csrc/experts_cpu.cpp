@@ -996,6 +996,73 @@ double read_bytes(const at::Tensor& buf) {
   return static_cast<double>(s & 0xFFFFFFFF);
 }
 
+// The weights a packed tensor stands for, as `quant.dequantize` computes them in fp32 (the code as a float, minus 8
+// for symmetric int4; times its group's scale; plus its group's minimum), then rounded to bf16 (to nearest even)
+// or kept in fp32: bit for bit the reference, one pass over the codes instead of five over fp32 copies (streamed
+// training multiplies packed experts as float weights, forward and backward). The multiply and the add are
+// rounded apart (the `_round` forms, which the compiler cannot fuse into an FMA), as torch's two in-place ops do.
+// q: [..., rows, n / 2] uint8 (int4, the 64-input chunks of the header) or [..., rows, n] int8; scales (and mins)
+// [..., rows, n / group] fp16. Writes `out` (contiguous bf16 or fp32, rows x n values): a buffer the caller reuses
+// (a fresh one of 100 MB costs as much in page faults as the pass itself).
+void dequant_q(const at::Tensor& q, const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t bits,
+               int64_t group, const at::Tensor& out) {
+  TORCH_CHECK(bits == 4 || bits == 8, "dequant_q: bits must be 4 or 8");
+  TORCH_CHECK(q.is_contiguous() && scales.is_contiguous() && q.dim() >= 1, "dequant_q: contiguous q and scales");
+  TORCH_CHECK(q.scalar_type() == (bits == 4 ? at::kByte : at::kChar), "dequant_q: q must be ",
+              bits == 4 ? "uint8" : "int8", " for ", bits, " bits");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf, "dequant_q: fp16 scales expected");
+  const int64_t n = q.size(-1) * (bits == 4 ? 2 : 1);
+  const int64_t rows = q.numel() / std::max<int64_t>(q.size(-1), 1);
+  TORCH_CHECK(group >= 16 && group % 16 == 0 && n % group == 0 && (bits == 8 || n % 64 == 0),
+              "dequant_q: group ", group, " and ", n, " inputs do not fit the format");
+  const int64_t ng = n / group;
+  TORCH_CHECK(scales.numel() == rows * ng, "dequant_q: scales hold ", scales.numel(), " values, expected ", rows * ng);
+  const at::Half* mp = nullptr;
+  if (mins.has_value()) {
+    TORCH_CHECK(bits == 4, "dequant_q: minimums are int4's");
+    TORCH_CHECK(mins->is_contiguous() && mins->scalar_type() == at::kHalf && mins->numel() == rows * ng,
+                "dequant_q: mins must be contiguous fp16 of the scales' shape");
+    mp = mins->data_ptr<at::Half>();
+  }
+  const bool sym4 = bits == 4 && mp == nullptr;
+  const bool to_bf16 = out.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(out.is_contiguous() && (to_bf16 || out.scalar_type() == at::kFloat) && out.numel() == rows * n,
+              "dequant_q: out must be contiguous bf16 or fp32 of ", rows * n, " values");
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(q.data_ptr());
+  const at::Half* sp = scales.data_ptr<at::Half>();
+  const int64_t qrow = q.size(-1);
+  at::BFloat16* ob = to_bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
+  float* of = to_bf16 ? nullptr : out.data_ptr<float>();
+  constexpr int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    const __m128i lo4 = _mm_set1_epi8(0x0F);
+    const __m512 eight = _mm512_set1_ps(8.0f);
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* qr = qp + r * qrow;
+      for (int64_t i = 0; i < n; i += 16) {
+        __m512 v;
+        if (bits == 4) {
+          const int64_t off = i % 64;
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + (i / 64) * 32 + (off & 31)));
+          const __m128i c = off < 32 ? _mm_and_si128(b, lo4) : _mm_and_si128(_mm_srli_epi16(b, 4), lo4);
+          v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c));
+          if (sym4) v = _mm512_sub_round_ps(v, eight, R);
+        } else {
+          v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + i))));
+        }
+        const int64_t g = r * ng + i / group;
+        v = _mm512_mul_round_ps(v, _mm512_set1_ps(static_cast<float>(sp[g])), R);
+        if (mp != nullptr) v = _mm512_add_round_ps(v, _mm512_set1_ps(static_cast<float>(mp[g])), R);
+        if (ob != nullptr) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(ob + r * n + i), (__m256i)_mm512_cvtneps_pbh(v));
+        } else {
+          _mm512_storeu_ps(of + r * n + i, v);
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(expertcache_cpu, m) {
@@ -1003,6 +1070,7 @@ TORCH_LIBRARY(expertcache_cpu, m) {
   m.def("swiglu_q(Tensor x, Tensor gu_q, Tensor gu_s, Tensor? gu_m, Tensor dn_q, Tensor dn_s, Tensor? dn_m, "
         "int bits, int group, Tensor slots, Tensor weights) -> Tensor");
   m.def("read_bytes(Tensor buf) -> float");
+  m.def("dequant_q(Tensor q, Tensor scales, Tensor? mins, int bits, int group, Tensor(a!) out) -> ()");
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("linear_q(Tensor x, Tensor q, Tensor scales, Tensor? mins, int bits, int group, Tensor? bias) -> Tensor");
   m.def("attend_one(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
@@ -1016,6 +1084,7 @@ TORCH_LIBRARY_IMPL(expertcache_cpu, CPU, m) {
   m.impl("swiglu_bf16", &swiglu_bf16);
   m.impl("swiglu_q", &swiglu_q);
   m.impl("read_bytes", &read_bytes);
+  m.impl("dequant_q", &dequant_q);
   m.impl("linear_bf16", &linear_bf16);
   m.impl("linear_q", &linear_q);
   m.impl("attend_one", &attend_one);
