@@ -59,6 +59,31 @@ def _done(recipe: CacheAwareRecipe) -> dict | None:
     return r if same and r.get("global_step") == recipe.train.max_steps else None
 
 
+def asked_blocks(r: dict) -> tuple[int, int] | None:
+    """(blocks per domain, tokens per block) an eval was asked for: as the frontier recorded it, or, for an eval
+    written before it did, the most blocks of any domain (a note names the number asked where the text had fewer)."""
+    if isinstance(r.get("asked_blocks"), list):
+        return tuple(r["asked_blocks"])
+    shapes = list((r.get("stepwise_blocks") or {}).values())
+    if not shapes:
+        return None
+    asked = [int(n.rsplit(", ", 1)[1].split()[0]) for n in r.get("sample_notes", []) if " blocks of " in n]
+    return max([s[0] for s in shapes] + asked), shapes[0][1]
+
+
+def with_blocks(r: dict, p: dict, blocks: int, seq: int) -> dict:
+    """Eval `r` with its step-wise part replaced by ppl-only eval `p`'s (the same model and serving): the blocks,
+    their figures and notes; the seconds of both recorded."""
+    out = {**r, **{k: p[k] for k in ("stepwise", "stepwise_blocks", "n_blocks")}}
+    out["sample_notes"] = [n for n in r.get("sample_notes", []) if " blocks of " not in n] + \
+        [n for n in p.get("sample_notes", []) if " blocks of " in n]
+    out["asked_blocks"] = [blocks, seq]
+    out["stepwise_again"] = {"seconds": p.get("seconds"), "blocks_before": r.get("n_blocks"),
+                             "documents_seconds": r.get("seconds")}
+    out["seconds"] = round((r.get("seconds") or 0) + (p.get("seconds") or 0), 1)
+    return out
+
+
 def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> list[dict]:
     """Every variant in turn: trained (or its finished run reused), evaluated and gated, and the rows so far
     written (JSON and plot) after each one, so an interrupted frontier keeps what it measured."""
@@ -89,23 +114,36 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
         # batched evaluation would count whole blocks: the base's LRU loads must be comparable to reroute's)
         method = "token" if engine is not None else "auto"
         accuracy = f.lossy_accuracy if engine is not None and engine.lossy else "token"
+        tasks, limit = (f.lossy_tasks, f.lossy_limit) if lossy else (f.tasks, f.limit)
+        if ppl_only:  # only the step-wise blocks' figures are read (the base's LRU demand loads)
+            tasks, limit = [], None
+        blocks, seq = (f.lossy_ppl_blocks, f.lossy_seq_len) if lossy else (f.ppl_blocks, f.seq_len)
+        label = "plain" if engine is None else engine.label()
         path = evals / f"{name}.json"
         if path.is_file():
             r = json.loads(path.read_text())
             # older evals lack the gate's fingerprints (and accuracy_method: token); one served otherwise is not
             # this row's
-            if r.get("format_version") == EVAL_FORMAT_VERSION and r.get("policy") == (engine.label() if engine
-                                                                                       else "plain") \
+            if r.get("format_version") == EVAL_FORMAT_VERSION and r.get("policy") == label \
                     and (engine is None or r.get("stepwise", {}).get("method") == "token") \
                     and r.get("accuracy_method", "token") in (accuracy, "batched"):
-                return r
-        log(f"[frontier] eval {name} [{'plain' if engine is None else engine.label()}]")
-        tasks, limit = (f.lossy_tasks, f.lossy_limit) if lossy else (f.tasks, f.limit)
-        if ppl_only:  # only the step-wise blocks' figures are read (the base's LRU demand loads)
-            tasks, limit = [], None
-        blocks, seq = (f.lossy_ppl_blocks, f.lossy_seq_len) if lossy else (f.ppl_blocks, f.seq_len)
+                same_docs = list(r.get("tasks") or []) == list(tasks) and r.get("limit") == limit
+                if same_docs and asked_blocks(r) == (blocks, seq):
+                    return r
+                if same_docs and tasks:
+                    # the documents' part stands (the same tasks and limit; evaluate scores them apart from the
+                    # blocks, with an engine of their own): only the step-wise blocks are evaluated again
+                    log(f"[frontier] eval {name} [{label}]: the step-wise blocks again ({blocks} of {seq} tokens "
+                        f"per domain; the documents' scores kept)")
+                    p = evaluate(model, engine=engine, tasks=[], limit=None, ppl_blocks=blocks, seq_len=seq,
+                                 stepwise=method, accuracy=accuracy, **kw)
+                    r = with_blocks(r, p, blocks, seq)
+                    write_json(path, r)
+                    return r
+        log(f"[frontier] eval {name} [{label}]")
         r = evaluate(model, engine=engine, tasks=tasks, limit=limit, ppl_blocks=blocks, seq_len=seq, stepwise=method,
                      accuracy=accuracy, **kw)
+        r["asked_blocks"] = [blocks, seq]
         write_json(path, r)
         return r
 

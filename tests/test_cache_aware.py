@@ -569,6 +569,30 @@ def test_frontier_trains_each_variant_once_gates_it_and_writes_rows(tiny_data, t
     stamp = (tmp_path / "fr" / "miss" / "result.json").stat().st_mtime_ns
     assert run_frontier(recipe, log=lambda *a: None) == rows
     assert (tmp_path / "fr" / "miss" / "result.json").stat().st_mtime_ns == stamp
+    # more step-wise blocks for the reroute rows (a gate asked for them): only those blocks are evaluated again, the
+    # documents' scores kept (the same tasks and limit); the rows rest on the new blocks
+    docs = json.loads((tmp_path / "fr" / "evals" / "miss-reroute.json").read_text())["lm_eval_docs"]
+    ov["frontier.lossy_ppl_blocks"] = 2
+    more = load_recipe(CacheAwareRecipe, CA_RECIPES / "frontier.yaml", [f"{k}={v}" for k, v in ov.items()] + [
+        "frontier.variants={control: [locality.weight=0], miss: [locality.weight=1.0, quality.distill=0.5], "
+        "streamed: [locality.weight=1.0, quality.trainable=routers, train.memory_gb=8]}"])
+    logged = []
+    set_streamed_runtime(train_stream)
+    try:
+        again = run_frontier(more, log=logged.append)
+    finally:
+        set_streamed_runtime(None)
+    assert sorted(x.split(" [")[0] for x in logged if x.startswith("[frontier] eval")) == [
+        "[frontier] eval base-lossy", "[frontier] eval base-lru", "[frontier] eval base-reroute",
+        "[frontier] eval miss-reroute"]
+    assert sum("the documents' scores kept" in x for x in logged) == 3  # base-lru has no documents: evaluated anew
+    fresh = json.loads((tmp_path / "fr" / "evals" / "miss-reroute.json").read_text())
+    assert fresh["lm_eval_docs"] == docs and set(fresh["n_blocks"].values()) == {2} and fresh["asked_blocks"] == [2, 16]
+    for r, before in zip(again, rows):
+        assert r["n_blocks"] == (2 if r["serving"] == "reroute" else before["n_blocks"])
+        assert r["n_documents"] == before["n_documents"]
+        if r["serving"] == "plain":
+            assert r["gate"] == before["gate"] and r["dppl_overall_ci95"] == before["dppl_overall_ci95"]
     typo = load_recipe(CacheAwareRecipe, CA_RECIPES / "frontier.yaml", [
         "frontier.variants={typo: [locality.wieght=1]}", "frontier.reroute=[]", "frontier.control=",
         f"out_dir={tmp_path / 'typo'}"])
