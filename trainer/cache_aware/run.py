@@ -91,7 +91,6 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     from expertcache.telemetry.errors import InputError
 
     from ..aux_routers import AuxRouters, config_for
-    from ..cache_eval import evaluate_checkpoint
     from expertcache.telemetry.corpus import packed_blocks
 
     from ..data import CorpusDataModule
@@ -178,11 +177,6 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     save_model_dir(model, tok, model_dir, aux)
     plot_training_curve(out / "logs", out / "training_curve.png")
 
-    e = recipe.eval
-    base_res = baseline_eval(recipe)
-    cand = evaluate_checkpoint(model_dir, recipe.data.corpus, e.split, out / f"trace-{e.split}.parquet",
-                               e.prompt_len, e.decode_tokens, e.max_seqs, e.capacities, e.ppl_blocks, e.seq_len,
-                               aux=aux.eval() if aux is not None else None)
     result = {"name": recipe.name, "mode": recipe.mode, "base": str(base), "out_dir": str(out),
               "global_step": trainer.global_step, "resumed_from_step": start_step,
               "train_seconds_this_run": round(train_s, 1),
@@ -190,7 +184,7 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
               "parameters": {"backbone": n_backbone, "aux_routers": n_aux,
                              "aux_fraction_of_backbone": n_aux / n_backbone},
               "losses": module.step_losses,
-              "baseline": base_res, "candidate": cand, "summary": summarize(recipe, base_res, cand)}
+              **cache_figures(recipe, out, aux.eval() if aux is not None else None)}
     from expertcache.telemetry.atomic import write_json
 
     write_json(out / "result.json", result)
@@ -224,16 +218,23 @@ def with_cache_summary(recipe: CacheAwareRecipe, res: dict) -> dict:
     into result.json, so they are measured once."""
     if "summary" in res:
         return res
+    out = Path(res["out_dir"])
+    res = {**res, **cache_figures(recipe, out)}
+    write_json(out / "result.json", res)
+    return res
+
+
+def cache_figures(recipe: CacheAwareRecipe, out: Path, aux=None) -> dict:
+    """`baseline`, `candidate` and `summary` of a run's saved model (`out/model`, its trace beside it) against the
+    base under the recipe's eval spec: what every finished run's result.json holds."""
     from ..cache_eval import evaluate_checkpoint
 
-    out = Path(res["out_dir"])
     e = recipe.eval
     base_res = baseline_eval(recipe)
     cand = evaluate_checkpoint(out / "model", recipe.data.corpus, e.split, out / f"trace-{e.split}.parquet",
-                               e.prompt_len, e.decode_tokens, e.max_seqs, e.capacities, e.ppl_blocks, e.seq_len)
-    res = {**res, "baseline": base_res, "candidate": cand, "summary": summarize(recipe, base_res, cand)}
-    write_json(out / "result.json", res)
-    return res
+                               e.prompt_len, e.decode_tokens, e.max_seqs, e.capacities, e.ppl_blocks, e.seq_len,
+                               aux=aux)
+    return {"baseline": base_res, "candidate": cand, "summary": summarize(recipe, base_res, cand)}
 
 
 def run_sweep(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
