@@ -996,6 +996,58 @@ double read_bytes(const at::Tensor& buf) {
   return static_cast<double>(s & 0xFFFFFFFF);
 }
 
+// A packed tensor's codes: q rows of `qrow` bytes, fp16 scales (and int4 minimums, or none: symmetric int4) per
+// `group` inputs, `ng` groups a row.
+struct QCodes {
+  const uint8_t* q;
+  const at::Half* s;
+  const at::Half* m;
+  int64_t qrow, ng, group;
+  int bits;
+};
+
+// Rows [r0, r1) and inputs [c0, c1) (16-aligned) of the weights, as `quant.dequantize` computes them (below), into
+// `out` (row stride `ld`): bf16 rounded to nearest even, or fp32.
+template <typename T>
+inline void dequant_tile(const QCodes& c, int64_t r0, int64_t r1, int64_t c0, int64_t c1, T* out, int64_t ld) {
+  constexpr int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m128i lo4 = _mm_set1_epi8(0x0F);
+  const __m512 eight = _mm512_set1_ps(8.0f);
+  const bool sym4 = c.bits == 4 && c.m == nullptr;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* qr = c.q + r * c.qrow;
+    T* o = out + (r - r0) * ld - c0;
+    int64_t g = r * c.ng + c0 / c.group, gend = (c0 / c.group + 1) * c.group;  // (no division in the loop)
+    __m512 vs = _mm512_set1_ps(static_cast<float>(c.s[g]));
+    __m512 vm = c.m != nullptr ? _mm512_set1_ps(static_cast<float>(c.m[g])) : vs;
+    for (int64_t i = c0; i < c1; i += 16) {
+      if (i == gend) {  // the next group: its scale and minimum, converted once
+        ++g;
+        gend += c.group;
+        vs = _mm512_set1_ps(static_cast<float>(c.s[g]));
+        if (c.m != nullptr) vm = _mm512_set1_ps(static_cast<float>(c.m[g]));
+      }
+      __m512 v;
+      if (c.bits == 4) {
+        const int64_t off = i % 64;
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + (i / 64) * 32 + (off & 31)));
+        const __m128i lo = off < 32 ? _mm_and_si128(b, lo4) : _mm_and_si128(_mm_srli_epi16(b, 4), lo4);
+        v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
+        if (sym4) v = _mm512_sub_round_ps(v, eight, R);
+      } else {
+        v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + i))));
+      }
+      v = _mm512_mul_round_ps(v, vs, R);
+      if (c.m != nullptr) v = _mm512_add_round_ps(v, vm, R);
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), (__m256i)_mm512_cvtneps_pbh(v));
+      } else {
+        _mm512_storeu_ps(o + i, v);
+      }
+    }
+  }
+}
+
 // The weights a packed tensor stands for, as `quant.dequantize` computes them in fp32 (the code as a float, minus 8
 // for symmetric int4; times its group's scale; plus its group's minimum), then rounded to bf16 (to nearest even)
 // or kept in fp32: bit for bit the reference, one pass over the codes instead of five over fp32 copies (streamed
@@ -1024,42 +1076,16 @@ void dequant_q(const at::Tensor& q, const at::Tensor& scales, const c10::optiona
                 "dequant_q: mins must be contiguous fp16 of the scales' shape");
     mp = mins->data_ptr<at::Half>();
   }
-  const bool sym4 = bits == 4 && mp == nullptr;
   const bool to_bf16 = out.scalar_type() == at::kBFloat16;
   TORCH_CHECK(out.is_contiguous() && (to_bf16 || out.scalar_type() == at::kFloat) && out.numel() == rows * n,
               "dequant_q: out must be contiguous bf16 or fp32 of ", rows * n, " values");
-  const uint8_t* qp = reinterpret_cast<const uint8_t*>(q.data_ptr());
-  const at::Half* sp = scales.data_ptr<at::Half>();
-  const int64_t qrow = q.size(-1);
+  const QCodes c{reinterpret_cast<const uint8_t*>(q.data_ptr()), scales.data_ptr<at::Half>(), mp, q.size(-1), ng,
+                 group, static_cast<int>(bits)};
   at::BFloat16* ob = to_bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
   float* of = to_bf16 ? nullptr : out.data_ptr<float>();
-  constexpr int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    const __m128i lo4 = _mm_set1_epi8(0x0F);
-    const __m512 eight = _mm512_set1_ps(8.0f);
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* qr = qp + r * qrow;
-      for (int64_t i = 0; i < n; i += 16) {
-        __m512 v;
-        if (bits == 4) {
-          const int64_t off = i % 64;
-          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + (i / 64) * 32 + (off & 31)));
-          const __m128i c = off < 32 ? _mm_and_si128(b, lo4) : _mm_and_si128(_mm_srli_epi16(b, 4), lo4);
-          v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c));
-          if (sym4) v = _mm512_sub_round_ps(v, eight, R);
-        } else {
-          v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + i))));
-        }
-        const int64_t g = r * ng + i / group;
-        v = _mm512_mul_round_ps(v, _mm512_set1_ps(static_cast<float>(sp[g])), R);
-        if (mp != nullptr) v = _mm512_add_round_ps(v, _mm512_set1_ps(static_cast<float>(mp[g])), R);
-        if (ob != nullptr) {
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(ob + r * n + i), (__m256i)_mm512_cvtneps_pbh(v));
-        } else {
-          _mm512_storeu_ps(of + r * n + i, v);
-        }
-      }
-    }
+    if (ob != nullptr) dequant_tile(c, r0, r1, 0, n, ob + r0 * n, n);
+    else dequant_tile(c, r0, r1, 0, n, of + r0 * n, n);
   });
 }
 
