@@ -59,12 +59,14 @@ def _recipe(tiny_data, base, out, **extra):
     return load_recipe(CacheAwareRecipe, CA_RECIPES / "locality.yaml", [f"{k}={v}" for k, v in o.items()])
 
 
-@pytest.mark.parametrize("chunk", [16, 3])
-def test_streamed_layer_matches_memory_and_reads_each_touched_expert_once_per_pass(fp32_base, chunk):
+@pytest.mark.parametrize("chunk,swiglu", [(16, True), (3, True), (3, False)])
+def test_streamed_layer_matches_memory_and_reads_each_touched_expert_once_per_pass(fp32_base, chunk, swiglu):
     """One forward and backward: the streamed model's logits, loss and router gradients equal the in-memory
-    model's, whether a layer's experts come in one chunk or in chunks of 3 (read while the previous computes); the
-    experts read are exactly each layer's distinct selected experts, once in the forward and once in the backward;
-    no gradient reaches an expert."""
+    model's, whether a layer's experts come in one chunk or in chunks of 3 (read while the previous computes), with
+    the SwiGLU families' own backward or the family's forward recomputed under autograd; the experts read are
+    exactly each layer's distinct selected experts, once in the forward and once in the backward (the SwiGLU
+    backward skips the first MoE layer's reads: its input needs no gradient, and its routing weights' gradient is
+    the outputs the forward kept); no gradient reaches an expert."""
     from expertcache.runtime.engine.train_stream import StreamedExperts, open_streamed
     from expertcache.telemetry.hf import load_causal_lm
 
@@ -76,12 +78,16 @@ def test_streamed_layer_matches_memory_and_reads_each_touched_expert_once_per_pa
         g.requires_grad_(True)
     out = ref(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False)
     out.loss.backward()
-    touched = sum(int(lg.float().softmax(-1).topk(2, dim=-1).indices.unique().numel()) for lg in out.router_logits)
+    per_layer = [int(lg.float().softmax(-1).topk(2, dim=-1).indices.unique().numel()) for lg in out.router_logits]
+    touched = sum(per_layer)
 
     base = open_streamed(fp32_base, "disk", chunk=chunk)
     try:
         m = base.model
         assert all(isinstance(L.mlp.experts, StreamedExperts) for L in m.model.layers)
+        assert all(L.mlp.experts.swiglu for L in m.model.layers)  # qwen3_moe: the SwiGLU backward by default
+        for L in m.model.layers:
+            L.mlp.experts.swiglu = swiglu
         assert not any(p.is_meta for p in m.parameters())  # the experts hold no parameters at all
         sg = [L.mlp.gate.weight for L in m.model.layers]
         for g in sg:
@@ -90,8 +96,9 @@ def test_streamed_layer_matches_memory_and_reads_each_touched_expert_once_per_pa
         assert base.counters()["reads"] == touched  # the forward: each layer's distinct experts, once
         so.loss.backward()
         c = base.counters()
-        assert c["reads"] == 2 * touched  # and once more in the backward
-        assert c["bytes_read"] == 2 * touched * base.reader.meta.expert_bytes
+        back = touched - per_layer[0] if swiglu else touched
+        assert c["reads"] == touched + back  # and once more in the backward
+        assert c["bytes_read"] == (touched + back) * base.reader.meta.expert_bytes
         assert base.reader.pool.n_slots == min(2 * chunk, 8)
         torch.testing.assert_close(so.logits, out.logits, rtol=1e-5, atol=1e-6)
         for a, b in zip(sg, gates):
@@ -278,3 +285,45 @@ def test_a_packed_chunk_is_dequantized_as_the_reference_into_one_reused_buffer(b
     if cpu_kernels.available():
         assert {k: v.data_ptr() for k, v in again.items()} == ptrs
     assert all(v.shape[0] == 2 for v in again.values())
+
+
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
+def test_swiglu_backward_equals_the_family_forward_under_autograd_on_packed_experts(fp32_base, tmp_path, compute):
+    """On an int8 base (experts dequantized one at a time for `_SwigluStreamed`, a chunk at a time for the family's
+    forward), one forward and backward through both paths: the same loss and router gradients, to fp32 rounding
+    when the experts compute in fp32, and within bf16's noise when they compute in bf16 (the default for packed
+    experts: both paths then differ from fp32 by about as much as from each other)."""
+    from expertcache.runtime.engine.train_stream import open_streamed
+    from expertcache.runtime.kernels import quant_write
+
+    q = tmp_path / "int8"
+    quant_write.write_quantized(fp32_base, q, 8, 32)
+    ids = torch.randint(2, 500, (2, 24), generator=torch.Generator().manual_seed(1))
+    base = open_streamed(q, "disk", chunk=3)
+    try:
+        base.reader.dtype = compute
+        m = base.model
+        gates = [L.mlp.gate.weight for L in m.model.layers]
+        for g in gates:
+            g.requires_grad_(True)
+        got = {}
+        for swiglu in (False, True):
+            for L in m.model.layers:
+                L.mlp.experts.swiglu = swiglu
+                g = L.mlp.gate.weight
+                g.grad = None
+            loss = m(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            got[swiglu] = (loss.detach(), [g.grad.clone() for g in gates])
+        (l0, g0), (l1, g1) = got[False], got[True]
+        assert all(float(g.abs().sum()) > 0 for g in g0)
+        if compute == torch.float32:
+            torch.testing.assert_close(l1, l0, rtol=1e-6, atol=0)
+            for a, b in zip(g1, g0):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+        else:
+            torch.testing.assert_close(l1, l0, rtol=1e-3, atol=0)
+            for a, b in zip(g1, g0):
+                assert float((a - b).norm() / b.norm()) < 0.1
+    finally:
+        base.close()

@@ -6,10 +6,15 @@
     base.save_into(folder, base.model)             # the checkpoint copied, its router tensors rewritten in place
 
 Per pass (a forward, or a backward) each MoE layer reads every expert its tokens selected once, into one layer's
-slot pool (`tiers.SlotPool` of E slots, reused by every layer), and computes all of that expert's tokens with the
-family's own experts forward over the slots (packed experts dequantized first). The backward reads them again and
-recomputes the layer's expert outputs under autograd (`_Streamed`): gradients reach the routing weights (so the
-routers) and the hidden states (so earlier layers' routers), never the experts, and no expert outlives its layer.
+slot pool (`tiers.SlotPool` of E slots, reused by every layer), and computes all of that expert's tokens at once.
+Gradients reach the routing weights (so the routers) and the hidden states (so earlier layers' routers), never the
+experts, and no expert outlives its layer. Two paths:
+- the SwiGLU families (`swiglu_fits`: qwen3_moe, mixtral, olmoe, deepseek_v3): `_SwigluStreamed` keeps each
+  (token, choice)'s gate, up and output from the forward and has a backward of its own, which reads the experts
+  again for the two products through them (none for the first MoE layer, whose input needs no gradient); packed
+  experts are dequantized one at a time;
+- any other family: `_Streamed` runs the family's own experts forward over the slots (packed experts dequantized a
+  chunk at a time), and the backward reads them again and recomputes it under autograd.
 
 `plan` sizes a run from the checkpoint's headers alone (nothing is read but the config and the safetensors or store
 headers), so a budget too small is refused before any work (`floor_bytes`).
@@ -285,12 +290,93 @@ class _Streamed(torch.autograd.Function):
         return grads[0], grads[1], None, None
 
 
+# The experts classes whose forward is transformers' shared SwiGLU loop over fused 3-D tensors (the same source in
+# each): per expert, gate, up = x gate_up^T; h = silu(gate) * up; y = h down^T; out += y * routing weight.
+SWIGLU_CLASSES = ("Qwen3MoeExperts", "MixtralExperts", "OlmoeExperts", "DeepseekV3Experts")
+
+
+def swiglu_fits(original: nn.Module) -> bool:
+    """True when `original` is one of `SWIGLU_CLASSES` with SiLU and exactly `gate_up_proj` [E, 2I, H] and
+    `down_proj` [E, H, I]: then `_SwigluStreamed` computes what its forward computes."""
+    params = dict(original.named_parameters(recurse=False))
+    if type(original).__name__ not in SWIGLU_CLASSES or set(params) != {"gate_up_proj", "down_proj"}:
+        return False
+    gu, dn = params["gate_up_proj"], params["down_proj"]
+    act = getattr(original, "act_fn", None)
+    return (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation") and gu.dim() == dn.dim() == 3 \
+        and gu.shape[1] == 2 * dn.shape[2] and gu.shape[2] == dn.shape[1]
+
+
+class _SwigluStreamed(torch.autograd.Function):
+    """`_Streamed` for the SwiGLU families (`swiglu_fits`), with a backward of its own instead of recomputing the
+    forward under autograd: the forward keeps each (token, choice)'s gate and up `[P, 2I]` and unweighted output
+    `[P, H]` (the activations a MoE layer keeps in memory anyway), and the backward reads each expert once more for
+    the two products through it (`dh = g_y down`, `dx = [dgate, dup] gate_up`): three products a pass where the
+    recomputation took six. Experts compute one at a time (a packed one dequantized into a buffer of one expert's
+    size, which stays in the cache for its products)."""
+
+    @staticmethod
+    def forward(ctx, x, w, ids, mod):
+        reader = mod._reader[0]
+        wdt, out_dt = reader.dtype, x.dtype
+        T, k = ids.shape
+        x, w = x.detach().to(wdt), w.detach().to(wdt)
+        used, inv = ids.unique(return_inverse=True)
+        order = torch.argsort(inv.reshape(-1), stable=True)  # (token, choice) pairs by expert, then by token
+        tok = order // k
+        offs = [0] + torch.bincount(inv.reshape(-1), minlength=used.numel()).cumsum(0).tolist()
+        inter = mod.intermediate
+        gu = torch.empty(order.numel(), 2 * inter, dtype=wdt)
+        ys = torch.empty(order.numel(), x.shape[1], dtype=wdt)
+        xs = x[tok]
+        for e, a, b, W in mod.experts_of(used, offs):
+            torch.mm(xs[a:b], W["gate_up_proj"].t(), out=gu[a:b])
+            h = mod.act(gu[a:b, :inter]) * gu[a:b, inter:]
+            torch.mm(h, W["down_proj"].t(), out=ys[a:b])
+        wp = w.reshape(-1)[order]
+        out = torch.zeros_like(x).index_add_(0, tok, ys * wp[:, None])
+        ctx.mod, ctx.used, ctx.offs, ctx.k = mod, used, offs, k
+        ctx.in_dtypes = (out_dt, w.dtype)
+        ctx.save_for_backward(order, wp, gu, ys)
+        return out.to(out_dt)
+
+    @staticmethod
+    def backward(ctx, g):
+        order, wp, gu, ys = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[:2]
+        if not (need_x or need_w):
+            return None, None, None, None
+        mod, k = ctx.mod, ctx.k
+        wdt = gu.dtype
+        tok = order // k
+        T = g.shape[0]
+        gs = g.to(wdt)[tok]  # [P, H]
+        dw = None
+        if need_w:  # d out / d weight of a pair = its unweighted output
+            dwp = (gs.float() * ys.float()).sum(-1)
+            dw = torch.zeros(T * k, dtype=torch.float32).index_put_((order,), dwp).view(T, k).to(ctx.in_dtypes[1])
+        dx = None
+        if need_x:
+            inter = mod.intermediate
+            gy = gs * wp[:, None]
+            dxs = torch.empty_like(gs)
+            for e, a, b, W in mod.experts_of(ctx.used, ctx.offs):
+                dh = (gy[a:b] @ W["down_proj"]).float()  # [m, I]
+                gate, up = gu[a:b, :inter].float(), gu[a:b, inter:].float()
+                sg = torch.sigmoid(gate)
+                act = gate * sg
+                dgu = torch.cat((dh * up * (sg * (1 + gate * (1 - sg))), dh * act), 1).to(wdt)
+                torch.mm(dgu, W["gate_up_proj"], out=dxs[a:b])
+            dx = torch.zeros(T, gs.shape[1], dtype=wdt).index_add_(0, tok, dxs).to(ctx.in_dtypes[0])
+        return dx, dw, None, None
+
+
 class StreamedExperts(nn.Module):
     """Stands in for a MoE block's experts module: `forward(hidden [T, H], top_k_index [T, k], top_k_weights
     [T, k])` as the original, computed by the original class's forward over the experts read for this call, one
     chunk of experts at a time."""
 
-    def __init__(self, reader: LayerReader, pos: int, original: nn.Module):
+    def __init__(self, reader: LayerReader, pos: int, original: nn.Module, swiglu: bool | None = None):
         super().__init__()
         self._reader = [reader]  # a list: not a submodule
         self.pos = pos
@@ -299,9 +385,28 @@ class StreamedExperts(nn.Module):
         proto._modules = dict(original._modules)
         self._proto = proto
         self._forward = type(original).forward
+        # the SwiGLU families' own backward (`_SwigluStreamed`), or the family's forward under autograd (any family)
+        self.swiglu = swiglu_fits(original) if swiglu is None else swiglu
+        if self.swiglu:
+            self.intermediate = original.down_proj.shape[2]
+            self.act = original.act_fn
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        return _Streamed.apply(hidden_states, top_k_weights, top_k_index, self)
+        fn = _SwigluStreamed if self.swiglu else _Streamed
+        return fn.apply(hidden_states, top_k_weights, top_k_index, self)
+
+    def experts_of(self, used: torch.Tensor, offs: list[int]):
+        """`(expert, first pair, end pair, {name: weights})` for each expert in `used` that has pairs, in order, as
+        the reader lands them (one pass: each read once); packed weights are dequantized one expert at a time into
+        the reader's buffers (valid until the next expert)."""
+        r = self._reader[0]
+        for start, views in r.chunks(self.pos, used.tolist()):
+            n = next(iter(views.values())).shape[0]
+            for j in range(n):
+                a, b = offs[start + j], offs[start + j + 1]
+                if b > a:
+                    W = compute_weights({kk: v[j:j + 1] for kk, v in views.items()}, r.dtype, r.buffers)
+                    yield start + j, a, b, {kk: v[0] for kk, v in W.items()}
 
     def chunk_outputs(self, x, w, ids):
         """Each chunk's part of the layer's output `[T, H]` (their sum is the output)."""
