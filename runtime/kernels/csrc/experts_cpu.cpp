@@ -1008,8 +1008,49 @@ struct QCodes {
 
 // Rows [r0, r1) and inputs [c0, c1) (16-aligned) of the weights, as `quant.dequantize` computes them (below), into
 // `out` (row stride `ld`): bf16 rounded to nearest even, or fp32.
+// int4 to bf16 by table: the 16 values a group's codes stand for, computed as below (so the same bits), as bf16
+// words in a register, then 32 codes looked up per instruction (`vpermw`), 64 per 32 bytes of codes.
+inline __m512i int4_table(const QCodes& c, int64_t g) {
+  constexpr int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  __m512 v = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  if (c.m == nullptr) v = _mm512_sub_round_ps(v, _mm512_set1_ps(8.0f), R);
+  v = _mm512_mul_round_ps(v, _mm512_set1_ps(static_cast<float>(c.s[g])), R);
+  if (c.m != nullptr) v = _mm512_add_round_ps(v, _mm512_set1_ps(static_cast<float>(c.m[g])), R);
+  return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(v));  // (words 16-31 never indexed)
+}
+
+inline void dequant_rows_int4_bf16(const QCodes& c, int64_t r0, int64_t r1, int64_t c0, int64_t c1, at::BFloat16* out,
+                                   int64_t ld) {
+  const __m256i lo4 = _mm256_set1_epi8(0x0F);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* qr = c.q + r * c.qrow;
+    at::BFloat16* o = out + (r - r0) * ld - c0;
+    __m512i tlo = _mm512_setzero_si512(), thi = tlo;
+    int64_t glo = -1;
+    for (int64_t i = c0; i < c1; i += 64) {  // one 64-input chunk: low nibbles inputs 0-31, high ones 32-63
+      const int64_t g = r * c.ng + i / c.group;  // (group 32: the high half is the next group)
+      if (g != glo) {
+        glo = g;
+        tlo = int4_table(c, g);
+        thi = c.group == 32 ? int4_table(c, g + 1) : tlo;
+      }
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr + (i / 64) * 32));
+      const __m512i ilo = _mm512_cvtepu8_epi16(_mm256_and_si256(b, lo4));
+      const __m512i ihi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(b, 4), lo4));
+      _mm512_storeu_si512(o + i, _mm512_permutexvar_epi16(ilo, tlo));
+      _mm512_storeu_si512(o + i + 32, _mm512_permutexvar_epi16(ihi, thi));
+    }
+  }
+}
+
 template <typename T>
 inline void dequant_tile(const QCodes& c, int64_t r0, int64_t r1, int64_t c0, int64_t c1, T* out, int64_t ld) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (c.bits == 4 && c0 % 64 == 0 && c1 % 64 == 0 && (c.group == 32 || c.group % 64 == 0)) {
+      dequant_rows_int4_bf16(c, r0, r1, c0, c1, out, ld);
+      return;
+    }
+  }
   constexpr int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   const __m128i lo4 = _mm_set1_epi8(0x0F);
   const __m512 eight = _mm512_set1_ps(8.0f);
