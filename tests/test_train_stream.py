@@ -327,3 +327,48 @@ def test_swiglu_backward_equals_the_family_forward_under_autograd_on_packed_expe
                 assert float((a - b).norm() / b.norm()) < 0.1
     finally:
         base.close()
+
+
+def test_the_backward_reads_the_next_layers_first_chunk_ahead(tiny_data, tmp_path):
+    """A 4-layer base in chunks of 3: each layer's backward starts reading the first chunk of the layer below
+    while its own last chunk computes, and the layer below starts on it. No expert is read twice, gradients equal the
+    in-memory model's; a pass that turns out different from the one read ahead waits for it (counted as read) and
+    reads its own, and its experts are the right ones."""
+    from tiny_models import build_model, tiny_config
+
+    from expertcache.runtime.engine.train_stream import open_streamed
+    from expertcache.telemetry.hf import load_causal_lm, load_tokenizer
+
+    tok = load_tokenizer(tiny_data["tokenizer"])
+    folder = tmp_path / "base4"
+    build_model(tiny_config("qwen3_moe", vocab_size=len(tok), moe_intermediate_size=32, num_hidden_layers=4),
+                seed=3).save_pretrained(folder)
+    ids = torch.randint(2, 500, (2, 24), generator=torch.Generator().manual_seed(2))
+    ref = load_causal_lm(folder, dtype=torch.float32)
+    ref.requires_grad_(False)
+    for L in ref.model.layers:
+        L.mlp.gate.weight.requires_grad_(True)
+    out = ref(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False)
+    out.loss.backward()
+    per_layer = [int(lg.float().softmax(-1).topk(2, dim=-1).indices.unique().numel()) for lg in out.router_logits]
+    base = open_streamed(folder, "disk", chunk=3)
+    try:
+        m, r = base.model, base.reader
+        for L in m.model.layers:
+            L.mlp.gate.weight.requires_grad_(True)
+        m(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False).loss.backward()
+        assert r.reads == sum(per_layer) + sum(per_layer[1:])  # forward, then backward of layers 3, 2, 1
+        assert r.ahead_hits == 2  # layers 2 and 1 started on their first chunk, read during 3's and 2's last
+        for a, b in zip(m.model.layers, ref.model.layers):
+            torch.testing.assert_close(a.mlp.gate.weight.grad, b.mlp.gate.weight.grad, rtol=1e-4, atol=1e-7)
+        # a read-ahead the next pass does not match: waited for, counted, and the pass reads its own experts
+        want = {k: v.clone() for k, v in next(iter(r.chunks(2, [5, 6, 7])))[1].items()}
+        before = r.reads
+        for _ in r.chunks(1, [0, 1, 2], then=(3, [0, 1, 2, 3])):
+            pass
+        got = {k: v.clone() for k, v in next(iter(r.chunks(2, [5, 6, 7])))[1].items()}
+        assert r.reads == before + 3 + 3 + 3 and r.ahead_hits == 2
+        for k in want:
+            assert torch.equal(got[k], want[k])
+    finally:
+        base.close()

@@ -11,8 +11,9 @@ Gradients reach the routing weights (so the routers) and the hidden states (so e
 experts, and no expert outlives its layer. Two paths:
 - the SwiGLU families (`swiglu_fits`: qwen3_moe, mixtral, olmoe, deepseek_v3): `_SwigluStreamed` keeps each
   (token, choice)'s gate, up and output from the forward and has a backward of its own, which reads the experts
-  again for the two products through them (none for the first MoE layer, whose input needs no gradient); packed
-  experts are dequantized one at a time;
+  again for the two products through them (none for the first MoE layer, whose input needs no gradient), and
+  starts reading the first chunk of the layer below while its own last chunk computes; packed experts are
+  dequantized one at a time;
 - any other family: `_Streamed` runs the family's own experts forward over the slots (packed experts dequantized a
   chunk at a time), and the backward reads them again and recomputes it under autograd.
 
@@ -182,16 +183,34 @@ class LayerReader:
         self.reads = self.bytes_read = 0
         self.wait_s = 0.0  # time compute waited for reads (what overlap did not hide)
         self.buffers: dict[str, torch.Tensor] = {}  # packed experts dequantized: one chunk's, reused (`compute_weights`)
+        self.half = 0  # the pool's half the next chunk goes to (chunks alternate halves across passes too)
+        self.ahead = None  # (layer, first chunk's experts, futures, half): a next pass's first chunk, already reading
+        self.ahead_hits = 0  # passes that started on a chunk read ahead
+        self.back_plan: dict[int, list[int] | None] = {}  # per layer: the experts its backward reads (`_SwigluStreamed`)
 
-    def chunks(self, layer: int, experts: list[int]):
-        """`(index of the chunk's first expert in experts, {name: [n, ...] views})` per chunk, in order."""
+    def _submit(self, layer: int, group: list[int], half: int):
+        c = self.chunk
+        return [self.ex.submit(self.tier.read, layer, e, self.pool, half * c + j) for j, e in enumerate(group)]
+
+    def chunks(self, layer: int, experts: list[int], then: tuple[int, list[int]] | None = None):
+        """`(index of the chunk's first expert in experts, {name: [n, ...] views})` per chunk, in order. `then`:
+        the `(layer, experts)` of the pass that follows this one, whose first chunk starts reading while this pass's
+        last chunk computes (so the next layer does not start by waiting; a pass that turns out different waits for
+        it and reads its own)."""
         c = self.chunk
         groups = [experts[i:i + c] for i in range(0, len(experts), c)]
-
-        def submit(g):  # (at most 2 chunks per pass share the pool when 2 chunks exceed E: then g < 2)
-            return [self.ex.submit(self.tier.read, layer, e, self.pool, (g % 2) * c + j)
-                    for j, e in enumerate(groups[g])]
-        pending = submit(0) if groups else []
+        ahead, self.ahead = self.ahead, None
+        full = self.pool.n_slots >= 2 * c  # two whole halves (else E < 2 chunks: a pass starts at half 0, no read-ahead)
+        pending, half = [], self.half if full else 0
+        if ahead is not None:
+            if groups and ahead[0] == layer and ahead[1] == groups[0]:
+                pending, half = ahead[2], ahead[3]  # read ahead by the pass before: its half of the pool
+                self.ahead_hits += 1
+            else:  # not this pass's: it must land before its slots are read into again (and it was read)
+                self.bytes_read += sum(f.result() for f in ahead[2])
+                self.reads += len(ahead[2])
+        if groups and not pending:
+            pending = self._submit(layer, groups[0], half)
         try:
             for g, group in enumerate(groups):
                 t0 = time.perf_counter()
@@ -199,9 +218,14 @@ class LayerReader:
                 self.bytes_read += sum(f.result() for f in futs)
                 self.wait_s += time.perf_counter() - t0
                 self.reads += len(group)
+                b = half * c
+                half ^= 1  # the other half: the chunk before this one is done with it
                 if g + 1 < len(groups):
-                    pending = submit(g + 1)  # into the other half, while this chunk computes
-                b = (g % 2) * c
+                    pending = self._submit(layer, groups[g + 1], half)  # while this chunk computes
+                elif then is not None and then[1] and full:
+                    first = then[1][:c]
+                    self.ahead = (then[0], first, self._submit(then[0], first, half), half)
+                self.half = half
                 yield g * c, {k: v[b:b + len(group)] for k, v in self.pool.views.items()}
         finally:  # an abandoned pass: no read may still be writing a slot when the next one starts
             for f in pending:
@@ -211,6 +235,10 @@ class LayerReader:
         return {"reads": self.reads, "bytes_read": self.bytes_read, "read_wait_s": self.wait_s}
 
     def close(self) -> None:
+        if self.ahead is not None:
+            for f in self.ahead[2]:
+                f.exception()
+            self.ahead = None
         self.ex.shutdown(wait=True)
         self.tier.close()
 
@@ -329,6 +357,8 @@ class _SwigluStreamed(torch.autograd.Function):
         gu = torch.empty(order.numel(), 2 * inter, dtype=wdt)
         ys = torch.empty(order.numel(), x.shape[1], dtype=wdt)
         xs = x[tok]
+        if ctx.needs_input_grad[0]:  # this layer's backward reads these (the layer below
+            mod._reader[0].back_plan[mod.pos] = used.tolist()  # reads ahead into them: `experts_of(then=...)`)
         for e, a, b, W in mod.experts_of(used, offs):
             torch.mm(xs[a:b], W["gate_up_proj"].t(), out=gu[a:b])
             h = mod.act(gu[a:b, :inter]) * gu[a:b, inter:]
@@ -360,7 +390,10 @@ class _SwigluStreamed(torch.autograd.Function):
             inter = mod.intermediate
             gy = gs * wp[:, None]
             dxs = torch.empty_like(gs)
-            for e, a, b, W in mod.experts_of(ctx.used, ctx.offs):
+            plan = mod._reader[0].back_plan
+            below = [p for p in plan if p < mod.pos and plan[p]]
+            then = (max(below), plan[max(below)]) if below else None  # the next backward to read
+            for e, a, b, W in mod.experts_of(ctx.used, ctx.offs, then):
                 dh = (gy[a:b] @ W["down_proj"]).float()  # [m, I]
                 gate, up = gu[a:b, :inter].float(), gu[a:b, inter:].float()
                 sg = torch.sigmoid(gate)
@@ -395,12 +428,12 @@ class StreamedExperts(nn.Module):
         fn = _SwigluStreamed if self.swiglu else _Streamed
         return fn.apply(hidden_states, top_k_weights, top_k_index, self)
 
-    def experts_of(self, used: torch.Tensor, offs: list[int]):
+    def experts_of(self, used: torch.Tensor, offs: list[int], then=None):
         """`(expert, first pair, end pair, {name: weights})` for each expert in `used` that has pairs, in order, as
-        the reader lands them (one pass: each read once); packed weights are dequantized one expert at a time into
-        the reader's buffers (valid until the next expert)."""
+        the reader lands them (one pass: each read once; `then`: `LayerReader.chunks`' next pass); packed weights
+        are dequantized one expert at a time into the reader's buffers (valid until the next expert)."""
         r = self._reader[0]
-        for start, views in r.chunks(self.pos, used.tolist()):
+        for start, views in r.chunks(self.pos, used.tolist(), then):
             n = next(iter(views.values())).shape[0]
             for j in range(n):
                 a, b = offs[start + j], offs[start + j + 1]
