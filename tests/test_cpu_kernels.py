@@ -1034,3 +1034,28 @@ def test_dequant_kernel_is_the_reference_bit_for_bit(bits, group, symmetric):
     for bad in (torch.empty(10, dtype=torch.bfloat16), torch.empty(buf.numel(), dtype=torch.float16)):
         with pytest.raises(ValueError):
             ck.dequant_q(t, bits, group, torch.bfloat16, out=bad)
+
+
+@needs_ext
+@pytest.mark.skipif(not (ck.available() and ck.amx_available()), reason="no AMX-BF16 tile units on this CPU")
+@pytest.mark.parametrize("group,symmetric", [(64, False), (32, False), (128, True)])
+def test_packed_int4_times_tokens_on_the_tile_units_equals_the_dequantized_product(group, symmetric):
+    """`qmm_amx` (streamed training's int4 expert products): x W^T and x W with W dequantized in registers equal the
+    same products with W dequantized by `quant.dequantize` (fp32 product of the same bf16 values), to bf16's
+    rounding of the result, for token counts that fill no tile, one, several and more than one pass of six (100),
+    and for the shapes of a Qwen3-30B-A3B expert and a small one."""
+    g = torch.Generator().manual_seed(group)
+    for n, k in ((1536, 2048), (2048, 768), (64, 128)):
+        if k % group:
+            continue
+        t = quant.quantize(torch.randn(n, k, generator=g) * 0.05, 4, group, symmetric=symmetric)
+        w = quant.dequantize(t, 4, group, torch.bfloat16).float()
+        for m in (1, 17, 48, 100):
+            x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+            xt = torch.randn(m, n, generator=g).to(torch.bfloat16)
+            for got, ref in ((ck.qmm_amx(x, t, group), x.float() @ w.t()),
+                             (ck.qmm_amx(xt, t, group, trans=True), xt.float() @ w)):
+                assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+                torch.testing.assert_close(got.float(), ref, rtol=8e-3, atol=ref.abs().max().item() * 4e-3)
+    assert ck.qmm_fits(t, 4, group) and not ck.qmm_fits(t, 8, group)
+    assert not ck.qmm_fits({"q": torch.zeros(48, 64, dtype=torch.uint8)}, 4, group)  # rows not a multiple of 32

@@ -372,3 +372,48 @@ def test_the_backward_reads_the_next_layers_first_chunk_ahead(tiny_data, tmp_pat
             assert torch.equal(got[k], want[k])
     finally:
         base.close()
+
+
+def test_int4_experts_multiply_packed_on_the_tile_units_as_dequantized(tiny_data, tmp_path, monkeypatch):
+    """An int4 base whose experts fit the tile kernel (hidden and expert width 64): on a CPU with AMX-BF16 the
+    SwiGLU path multiplies them packed (`qmm_amx`, called for every product), and one forward and backward gives
+    the loss and router gradients of the same path with each expert dequantized first, within bf16's noise."""
+    from tiny_models import build_model, tiny_config
+
+    from expertcache.runtime.engine.train_stream import open_streamed
+    from expertcache.runtime.kernels import cpu_kernels, quant_write
+    from expertcache.telemetry.hf import load_tokenizer
+
+    if not (cpu_kernels.available() and cpu_kernels.amx_available()):
+        pytest.skip("no AMX-BF16 tile units on this CPU")
+    tok = load_tokenizer(tiny_data["tokenizer"])
+    folder, q = tmp_path / "b64", tmp_path / "int4"
+    build_model(tiny_config("qwen3_moe", vocab_size=len(tok), hidden_size=64, moe_intermediate_size=64,
+                            num_hidden_layers=3), seed=4).save_pretrained(folder)
+    quant_write.write_quantized(folder, q, 4, 32)
+    ids = torch.randint(2, 500, (2, 24), generator=torch.Generator().manual_seed(3))
+    calls = []
+    real = cpu_kernels.qmm_amx
+    monkeypatch.setattr(cpu_kernels, "qmm_amx", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = {}
+    for amx in (True, False):
+        monkeypatch.setattr(cpu_kernels, "amx_available", lambda amx=amx: amx)
+        base = open_streamed(q, "disk", chunk=3)
+        try:
+            m = base.model
+            for L in m.model.layers:
+                L.mlp.gate.weight.requires_grad_(True)
+            loss = m(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            got[amx] = (float(loss), [L.mlp.gate.weight.grad.clone() for L in m.model.layers])
+            if amx:
+                # forward: 2 products per expert per layer; backward: 2 per expert for layers 1 and 2
+                assert len(calls) == 2 * base.reader.reads
+                calls.clear()
+        finally:
+            base.close()
+    assert not calls  # the dequantized path never calls the tile kernel
+    (l1, g1), (l0, g0) = got[True], got[False]
+    assert abs(l1 - l0) <= 1e-3 * abs(l0)
+    for a, b in zip(g1, g0):
+        assert float(b.abs().sum()) > 0 and float((a - b).norm() / b.norm()) < 0.1

@@ -360,9 +360,9 @@ class _SwigluStreamed(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # this layer's backward reads these (the layer below
             mod._reader[0].back_plan[mod.pos] = used.tolist()  # reads ahead into them: `experts_of(then=...)`)
         for e, a, b, W in mod.experts_of(used, offs):
-            torch.mm(xs[a:b], W["gate_up_proj"].t(), out=gu[a:b])
+            gu[a:b] = W.mm("gate_up_proj", xs[a:b])
             h = mod.act(gu[a:b, :inter]) * gu[a:b, inter:]
-            torch.mm(h, W["down_proj"].t(), out=ys[a:b])
+            ys[a:b] = W.mm("down_proj", h)
         wp = w.reshape(-1)[order]
         out = torch.zeros_like(x).index_add_(0, tok, ys * wp[:, None])
         ctx.mod, ctx.used, ctx.offs, ctx.k = mod, used, offs, k
@@ -394,14 +394,52 @@ class _SwigluStreamed(torch.autograd.Function):
             below = [p for p in plan if p < mod.pos and plan[p]]
             then = (max(below), plan[max(below)]) if below else None  # the next backward to read
             for e, a, b, W in mod.experts_of(ctx.used, ctx.offs, then):
-                dh = (gy[a:b] @ W["down_proj"]).float()  # [m, I]
+                dh = W.mm("down_proj", gy[a:b], trans=True).float()  # [m, I]
                 gate, up = gu[a:b, :inter].float(), gu[a:b, inter:].float()
                 sg = torch.sigmoid(gate)
                 act = gate * sg
                 dgu = torch.cat((dh * up * (sg * (1 + gate * (1 - sg))), dh * act), 1).to(wdt)
-                torch.mm(dgu, W["gate_up_proj"], out=dxs[a:b])
+                dxs[a:b] = W.mm("gate_up_proj", dgu, trans=True)
             dx = torch.zeros(T, gs.shape[1], dtype=wdt).index_add_(0, tok, dxs).to(ctx.in_dtypes[0])
         return dx, dw, None, None
+
+
+class _DenseExpert:
+    """One expert's weights as float tensors: `mm(name, x)` = x W^T, `mm(name, x, trans=True)` = x W."""
+
+    def __init__(self, w: dict[str, torch.Tensor]):
+        self.w = w
+
+    def mm(self, name: str, x: torch.Tensor, trans: bool = False) -> torch.Tensor:
+        return x @ self.w[name] if trans else x @ self.w[name].t()
+
+
+class _PackedExpert:
+    """One int4 expert as its packed parts, multiplied on the tile units (`cpu_kernels.qmm_amx`)."""
+
+    def __init__(self, parts: dict[str, dict[str, torch.Tensor]], group: int):
+        self.parts, self.group = parts, group
+
+    def mm(self, name: str, x: torch.Tensor, trans: bool = False) -> torch.Tensor:
+        from expertcache.runtime.kernels import cpu_kernels
+
+        return cpu_kernels.qmm_amx(x, self.parts[name], self.group, trans)
+
+
+def _packed_amx(views: dict[str, torch.Tensor], dtype: torch.dtype):
+    """`({name: parts}, group)` when a chunk's experts can multiply packed on the tile units (int4, bf16 compute,
+    shapes `cpu_kernels.qmm_fits` takes, a CPU with AMX-BF16 and its state granted); None otherwise."""
+    fmt = quant.format_of(views)
+    if fmt is None or fmt[0] != 4 or dtype != torch.bfloat16:
+        return None
+    from expertcache.runtime.kernels import cpu_kernels
+
+    parts = {name: quant.parts(views, name) for name in ("gate_up_proj", "down_proj")}
+    if not all(cpu_kernels.qmm_fits({k: v[0] for k, v in p.items()}, 4, fmt[1]) for p in parts.values()):
+        return None
+    if not cpu_kernels.amx_available():
+        return None
+    return parts, fmt[1]
 
 
 class StreamedExperts(nn.Module):
@@ -429,17 +467,24 @@ class StreamedExperts(nn.Module):
         return fn.apply(hidden_states, top_k_weights, top_k_index, self)
 
     def experts_of(self, used: torch.Tensor, offs: list[int], then=None):
-        """`(expert, first pair, end pair, {name: weights})` for each expert in `used` that has pairs, in order, as
-        the reader lands them (one pass: each read once; `then`: `LayerReader.chunks`' next pass); packed weights
-        are dequantized one expert at a time into the reader's buffers (valid until the next expert)."""
+        """`(expert, first pair, end pair, weights)` for each expert in `used` that has pairs, in order, as the
+        reader lands them (one pass: each read once; `then`: `LayerReader.chunks`' next pass). `weights.mm(name, x,
+        trans)` is `x W^T` (`x W`): int4 experts on a CPU with tile units multiply packed (`cpu_kernels.qmm_amx`),
+        other packed ones are dequantized one expert at a time into the reader's buffers (valid until the next)."""
         r = self._reader[0]
         for start, views in r.chunks(self.pos, used.tolist(), then):
             n = next(iter(views.values())).shape[0]
+            packed = _packed_amx(views, r.dtype)
             for j in range(n):
                 a, b = offs[start + j], offs[start + j + 1]
-                if b > a:
+                if b <= a:
+                    continue
+                if packed is not None:
+                    yield start + j, a, b, _PackedExpert({k: {p: v[j] for p, v in t.items()} for k, t in packed[0].items()},
+                                                         packed[1])
+                else:
                     W = compute_weights({kk: v[j:j + 1] for kk, v in views.items()}, r.dtype, r.buffers)
-                    yield start + j, a, b, {kk: v[0] for kk, v in W.items()}
+                    yield start + j, a, b, _DenseExpert({kk: v[0] for kk, v in W.items()})
 
     def chunk_outputs(self, x, w, ids):
         """Each chunk's part of the layer's output `[T, H]` (their sum is the output)."""

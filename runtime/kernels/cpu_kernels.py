@@ -25,7 +25,7 @@ import torch
 
 _SRC = Path(__file__).parent / "csrc" / "experts_cpu.cpp"
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma",
-          "-mf16c", "-std=c++17", "-fopenmp"]  # at::parallel_for is OpenMP in torch's CPU wheels
+          "-mf16c", "-mamx-tile", "-mamx-bf16", "-std=c++17", "-fopenmp"]  # (AMX: used only where the CPU has it)  # at::parallel_for is OpenMP in torch's CPU wheels
 _NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
 _lock = threading.Lock()
 _state: dict = {}
@@ -214,6 +214,28 @@ def dequant_q(t: dict, bits: int, group: int, dtype: torch.dtype, out: torch.Ten
     torch.ops.expertcache_cpu.dequant_q(q.contiguous(), t["scales"].contiguous(),
                                         t["mins"].contiguous() if "mins" in t else None, bits, group, res)
     return res
+
+
+def amx_available() -> bool:
+    """True when the CPU has AMX-BF16 tiles and Linux granted this process their state (asked once)."""
+    if "amx" not in _state:
+        _state["amx"] = bool(available() and "amx_bf16" in cpu_flags() and torch.ops.expertcache_cpu.amx_init())
+    return _state["amx"]
+
+
+def qmm_fits(t: dict, bits: int, group: int) -> bool:
+    """Whether `qmm_amx` takes this packed matrix: int4, rows a multiple of 32, inputs of 64, groups of 32."""
+    q = t["q"]
+    return bits == 4 and q.dim() == 2 and q.shape[0] % 32 == 0 and (2 * q.shape[1]) % 64 == 0 and group % 32 == 0
+
+
+def qmm_amx(x: torch.Tensor, t: dict, group: int, trans: bool = False) -> torch.Tensor:
+    """x [M, K] -> x W^T [M, N] (`trans`: x [M, N] -> x W [M, K]) for one int4 matrix W [N, K] (`t`: its `q`,
+    `scales`, `mins`), bf16, on the CPU's tile units (`amx_available`): W dequantized 16 x 32 values at a time
+    (`quant.dequantize`'s values in bf16) and never written out; fp32 accumulation."""
+    return torch.ops.expertcache_cpu.qmm_amx(x.to(torch.bfloat16).contiguous(), t["q"].contiguous(),
+                                             t["scales"].contiguous(), t["mins"].contiguous() if "mins" in t else None,
+                                             group, trans)
 
 
 def linear_q(x, q, scales, mins, bits: int, group: int, bias=None) -> torch.Tensor:

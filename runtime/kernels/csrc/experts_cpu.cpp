@@ -19,6 +19,8 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -1130,6 +1132,210 @@ void dequant_q(const at::Tensor& q, const at::Tensor& scales, const c10::optiona
   });
 }
 
+
+// ------------------------------------------------------------------------- AMX: packed experts for training ------
+// Streamed training multiplies each packed expert by the ~10-60 tokens that chose it, forward (x W^T) and through
+// its transpose for the backward (g W). ATen's bf16 matmul needs W dequantized to memory first, and at these sizes
+// runs at a fraction of the matrix units' rate. Here the tile matrix units (AMX) multiply tiles of W dequantized
+// into registers one 16 x 32 block at a time (the values of `quant.dequantize`, rounded to bf16), against the
+// tokens' tiles; W is never written out. fp32 accumulation in the tiles, bf16 out (as a bf16 matmul rounds it).
+// The CPU must have AMX-BF16 and the kernel must have been granted the tile state (`amx_init`).
+
+struct TileCfg {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_init() {
+  // ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): Linux grants the tile data state per process
+  return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+
+inline void tiles_on() {  // 8 tiles of 16 rows x 64 bytes
+  TileCfg cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// 32 codes (inputs k0..k0+31, 32-aligned) of a packed row, as 16-bit indices: the low nibbles of the 64-input chunk's
+// 32 bytes for its first half, the high ones for its second.
+inline __m512i codes32(const uint8_t* qr, int64_t k0) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr + (k0 / 64) * 32));
+  const __m256i c = (k0 & 32) ? _mm256_srli_epi16(b, 4) : b;
+  return _mm512_cvtepu8_epi16(_mm256_and_si256(c, _mm256_set1_epi8(0x0F)));
+}
+
+// 16 codes (inputs k0..k0+15, 16-aligned) as 16-bit indices.
+inline __m256i codes16(const uint8_t* qr, int64_t k0) {
+  const int64_t off = k0 % 64;
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + (k0 / 64) * 32 + (off & 31)));
+  const __m128i c = off < 32 ? b : _mm_srli_epi16(b, 4);
+  return _mm256_cvtepu8_epi16(_mm_and_si128(c, _mm_set1_epi8(0x0F)));
+}
+
+// Tiles: 0 the weights' block, 1 the tokens' block (loaded in turn for each of up to 6 token blocks), 2-7 sums.
+constexpr int MAX_MB = 6;
+
+// (the tile intrinsics take their register numbers as literals: one case per sum tile)
+#define EC_TILE_CASES(F) F(0, 2) F(1, 3) F(2, 4) F(3, 5) F(4, 6) F(5, 7)
+
+inline void tile_step_fwd(int64_t nb, const uint32_t* bb, int64_t stride) {  // sums[j] += weights x tokens[j]
+  for (int64_t j = 0; j < nb; ++j) {
+    _tile_loadd(1, bb + j * 16, stride);
+    switch (j) {
+#define F(J, T) case J: _tile_dpbf16ps(T, 0, 1); break;
+      EC_TILE_CASES(F)
+#undef F
+    }
+  }
+}
+
+inline void tile_step_bwd(int64_t nb, const uint16_t* aa, int64_t N) {  // sums[j] += tokens[j] x weights
+  for (int64_t j = 0; j < nb; ++j) {
+    _tile_loadd(1, aa + j * 16 * N, N * 2);
+    switch (j) {
+#define F(J, T) case J: _tile_dpbf16ps(T, 1, 0); break;
+      EC_TILE_CASES(F)
+#undef F
+    }
+  }
+}
+
+inline void tiles_zero(int64_t nb) {
+  for (int64_t j = 0; j < nb; ++j) switch (j) {
+#define F(J, T) case J: _tile_zero(T); break;
+      EC_TILE_CASES(F)
+#undef F
+    }
+}
+
+inline void tile_store(int64_t j, float* c) {
+  switch (j) {
+#define F(J, T) case J: _tile_stored(T, c, 64); break;
+    EC_TILE_CASES(F)
+#undef F
+  }
+}
+
+// x [M, K] (trans false: y = x W^T, [M, N]) or [M, N] (trans true: y = x W, [M, K]), W [N, K] int4 (q [N, K / 2],
+// fp16 scales and minimums [N, K / G], or no minimums: symmetric). Needs N % 32 == 0, K % 64 == 0, G % 32 == 0.
+// The weights are dequantized by table (`int4_table`: each group's 16 values, the bits of `quant.dequantize`).
+at::Tensor qmm_amx(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                   const c10::optional<at::Tensor>& mins, int64_t group, bool trans) {
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kByte, "qmm_amx: int4 q [N, K / 2] expected");
+  const int64_t N = q.size(0), K = q.size(1) * 2;
+  TORCH_CHECK(N % 32 == 0 && K % 64 == 0 && group % 32 == 0 && K % group == 0, "qmm_amx: N % 32, K % 64 and group % 32 expected");
+  const int64_t ng = K / group;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == N * ng,
+              "qmm_amx: contiguous fp16 scales [N, K / group] expected");
+  TORCH_CHECK(!mins.has_value() || (mins->scalar_type() == at::kHalf && mins->is_contiguous() && mins->numel() == N * ng),
+              "qmm_amx: contiguous fp16 mins expected");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(1) == (trans ? N : K), "qmm_amx: bf16 x [M, ",
+              trans ? N : K, "] expected");
+  const int64_t M = x.size(0), Mp = (M + 15) / 16 * 16;
+  auto y = at::empty({M, trans ? K : N}, x.options());
+  if (M == 0) return y;
+  const QCodes qc{q.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.has_value() ? mins->data_ptr<at::Half>() : nullptr,
+                  K / 2, ng, group, 4};
+  auto xc = x.contiguous();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  if (!trans) {
+    // y^T = W x^T. B: x^T in pairs, [K / 2][Mp][2] (zero past M); C: y^T blocks [16 n][16 m], written out transposed
+    std::vector<uint32_t> xb(static_cast<size_t>(K / 2 * Mp), 0);
+    for (int64_t m = 0; m < M; ++m) {
+      const uint32_t* xr = reinterpret_cast<const uint32_t*>(xp + m * K);
+      for (int64_t kp = 0; kp < K / 2; ++kp) xb[kp * Mp + m] = xr[kp];
+    }
+    const __m512i col = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+    at::parallel_for(0, N / 16, 1, [&](int64_t b0, int64_t b1) {
+      tiles_on();
+      alignas(64) uint16_t a[16 * 32];
+      alignas(64) float c[16 * 16];
+      __m512i tab[16];
+      for (int64_t m0 = 0; m0 < Mp; m0 += 16 * MAX_MB) {  // up to 6 token blocks share each dequantized block
+        const int64_t nb = std::min<int64_t>(MAX_MB, (Mp - m0) / 16);
+        for (int64_t blk = b0; blk < b1; ++blk) {
+          const int64_t n0 = blk * 16;
+          tiles_zero(nb);
+          int64_t gcur = -1;
+          for (int64_t k0 = 0; k0 < K; k0 += 32) {
+            if (k0 / group != gcur) {
+              gcur = k0 / group;
+              for (int r = 0; r < 16; ++r) tab[r] = int4_table(qc, (n0 + r) * ng + gcur);
+            }
+            for (int r = 0; r < 16; ++r)
+              _mm512_store_si512(a + r * 32, _mm512_permutexvar_epi16(codes32(qc.q + (n0 + r) * qc.qrow, k0), tab[r]));
+            _tile_loadd(0, a, 64);
+            tile_step_fwd(nb, xb.data() + (k0 / 2) * Mp + m0, Mp * 4);
+          }
+          for (int64_t j = 0; j < nb; ++j) {
+            tile_store(j, c);
+            for (int mm = 0; mm < 16; ++mm) {
+              const int64_t t = m0 + j * 16 + mm;
+              if (t >= M) break;
+              const __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(col, _mm512_set1_epi32(mm)), c, 4);
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + t * N + n0), (__m256i)_mm512_cvtneps_pbh(v));
+            }
+          }
+        }
+      }
+      _tile_release();
+    });
+  } else {
+    // y = x W. A: x padded to Mp rows (zeros); B: W's rows in interleaved pairs, 16 inputs at a time; C: y blocks
+    std::vector<uint16_t> xa(static_cast<size_t>(Mp * N), 0);
+    std::memcpy(xa.data(), xp, static_cast<size_t>(M * N) * 2);
+    at::parallel_for(0, K / 16, 1, [&](int64_t b0, int64_t b1) {
+      tiles_on();
+      alignas(64) uint16_t b[16 * 32];
+      alignas(64) float c[16 * 16];
+      std::vector<__m256i> tabs(static_cast<size_t>(N));  // each row's table for the current group
+      const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                             21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+      for (int64_t m0 = 0; m0 < Mp; m0 += 16 * MAX_MB) {
+        const int64_t nb = std::min<int64_t>(MAX_MB, (Mp - m0) / 16);
+        int64_t gcur = -1;
+        for (int64_t blk = b0; blk < b1; ++blk) {
+          const int64_t k0 = blk * 16;
+          if (k0 / group != gcur) {
+            gcur = k0 / group;
+            for (int64_t r = 0; r < N; ++r) tabs[r] = _mm512_castsi512_si256(int4_table(qc, r * ng + gcur));
+          }
+          tiles_zero(nb);
+          for (int64_t n0 = 0; n0 < N; n0 += 32) {
+            for (int p = 0; p < 16; ++p) {  // tile row p: W rows n0 + 2p and n0 + 2p + 1, interleaved
+              const int64_t r0 = n0 + 2 * p;
+              const __m256i lo = _mm256_permutexvar_epi16(codes16(qc.q + r0 * qc.qrow, k0), tabs[r0]);
+              const __m256i hi = _mm256_permutexvar_epi16(codes16(qc.q + (r0 + 1) * qc.qrow, k0), tabs[r0 + 1]);
+              _mm512_store_si512(b + p * 32, _mm512_permutexvar_epi16(inter, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)));
+            }
+            _tile_loadd(0, b, 64);
+            tile_step_bwd(nb, xa.data() + m0 * N + n0, N);
+          }
+          for (int64_t j = 0; j < nb; ++j) {
+            tile_store(j, c);
+            for (int mm = 0; mm < 16; ++mm) {
+              const int64_t t = m0 + j * 16 + mm;
+              if (t >= M) break;
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + t * K + k0),
+                                  (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + mm * 16)));
+            }
+          }
+        }
+      }
+      _tile_release();
+    });
+  }
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(expertcache_cpu, m) {
@@ -1138,6 +1344,8 @@ TORCH_LIBRARY(expertcache_cpu, m) {
         "int bits, int group, Tensor slots, Tensor weights) -> Tensor");
   m.def("read_bytes(Tensor buf) -> float");
   m.def("dequant_q(Tensor q, Tensor scales, Tensor? mins, int bits, int group, Tensor(a!) out) -> ()");
+  m.def("qmm_amx(Tensor x, Tensor q, Tensor scales, Tensor? mins, int group, bool trans) -> Tensor");
+  m.def("amx_init() -> bool");
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("linear_q(Tensor x, Tensor q, Tensor scales, Tensor? mins, int bits, int group, Tensor? bias) -> Tensor");
   m.def("attend_one(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
@@ -1147,11 +1355,16 @@ TORCH_LIBRARY(expertcache_cpu, m) {
         "-> (Tensor, Tensor)");
 }
 
+TORCH_LIBRARY_IMPL(expertcache_cpu, CompositeExplicitAutograd, m) {
+  m.impl("amx_init", &amx_init);
+}
+
 TORCH_LIBRARY_IMPL(expertcache_cpu, CPU, m) {
   m.impl("swiglu_bf16", &swiglu_bf16);
   m.impl("swiglu_q", &swiglu_q);
   m.impl("read_bytes", &read_bytes);
   m.impl("dequant_q", &dequant_q);
+  m.impl("qmm_amx", &qmm_amx);
   m.impl("linear_bf16", &linear_bf16);
   m.impl("linear_q", &linear_q);
   m.impl("attend_one", &attend_one);
