@@ -37,7 +37,7 @@ def child(src: str, build: str, mode: str, bits: int, group: int, pool: int, thr
     from expertcache.runtime.kernels import quant
 
     Path(build).mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name="expertcache_cpu", sources=[src], extra_cflags=ck._FLAGS, extra_ldflags=["-fopenmp"],
+    cpp_extension.load(name="expertcache_cpu", sources=[src], extra_cflags=ck.flags(), extra_ldflags=["-fopenmp"],
                        build_directory=build, is_python_module=False)
     ck._state.update(ok=True, why=None)
     torch.set_num_threads(threads)

@@ -25,10 +25,26 @@ import torch
 
 _SRC = Path(__file__).parent / "csrc" / "experts_cpu.cpp"
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma",
-          "-mf16c", "-mamx-tile", "-mamx-bf16", "-std=c++17", "-fopenmp"]  # (AMX: used only where the CPU has it)  # at::parallel_for is OpenMP in torch's CPU wheels
+          "-mf16c", "-std=c++17", "-fopenmp"]
+_AMX_FLAGS = ["-mamx-tile", "-mamx-bf16"]  # added where the compiler knows them (the tile code is used only where
+                                          # the CPU has the units: `amx_available`)  # at::parallel_for is OpenMP in torch's CPU wheels
 _NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
 _lock = threading.Lock()
 _state: dict = {}
+
+
+def flags() -> list[str]:
+    """The build's flags: `_FLAGS`, and AMX's where the C++ compiler accepts them (GCC 11 and later)."""
+    if "flags" not in _state:
+        import subprocess
+
+        try:
+            ok = subprocess.run([os.environ.get("CXX", "c++"), *_AMX_FLAGS, "-x", "c++", "-E", "-"], input=b"",
+                                capture_output=True, timeout=60).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            ok = False
+        _state["flags"] = _FLAGS + (_AMX_FLAGS if ok else [])
+    return _state["flags"]
 
 
 def cache_dir() -> Path:
@@ -37,7 +53,7 @@ def cache_dir() -> Path:
     # two environments sharing one folder, a clean clone's `make test` venv beside the working tree's, rebuilt
     # each other's extension on every switch)
     torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
-    digest = hashlib.sha256(_SRC.read_bytes() + " ".join(_FLAGS).encode() + torch_dir.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(_SRC.read_bytes() + " ".join(flags()).encode() + torch_dir.encode()).hexdigest()[:16]
     return Path(base) / "ext" / f"torch{torch.__version__.replace('+', '_')}-{digest}"
 
 
@@ -111,7 +127,7 @@ def load(verbose: bool = False) -> bool:
                         from expertcache.telemetry.atomic import write_bytes
 
                         write_bytes(src, _SRC.read_bytes())
-                    cpp_extension.load(name="expertcache_cpu", sources=[str(src)], extra_cflags=_FLAGS,
+                    cpp_extension.load(name="expertcache_cpu", sources=[str(src)], extra_cflags=flags(),
                                        extra_ldflags=["-fopenmp"],
                                        build_directory=str(d), is_python_module=False, verbose=verbose)
                 torch.ops.expertcache_cpu.read_bytes  # noqa: B018 - registered?

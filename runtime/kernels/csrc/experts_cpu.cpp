@@ -1141,6 +1141,7 @@ void dequant_q(const at::Tensor& q, const at::Tensor& scales, const c10::optiona
 // tokens' tiles; W is never written out. fp32 accumulation in the tiles, bf16 out (as a bf16 matmul rounds it).
 // The CPU must have AMX-BF16 and the kernel must have been granted the tile state (`amx_init`).
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 struct TileCfg {
   uint8_t palette_id = 1;
   uint8_t start_row = 0;
@@ -1335,6 +1336,17 @@ at::Tensor qmm_amx(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   }
   return y;
 }
+
+#else  // a compiler without AMX: the tile code is not built, and `amx_init` says no
+
+bool amx_init() { return false; }
+
+at::Tensor qmm_amx(const at::Tensor& x, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, int64_t,
+                   bool) {
+  TORCH_CHECK(false, "qmm_amx: this build has no AMX code (the compiler lacked -mamx-tile / -mamx-bf16)");
+  return x;
+}
+#endif
 
 }  // namespace
 
