@@ -1172,14 +1172,6 @@ inline __m512i codes32(const uint8_t* qr, int64_t k0) {
   return _mm512_cvtepu8_epi16(_mm256_and_si256(c, _mm256_set1_epi8(0x0F)));
 }
 
-// 16 codes (inputs k0..k0+15, 16-aligned) as 16-bit indices.
-inline __m256i codes16(const uint8_t* qr, int64_t k0) {
-  const int64_t off = k0 % 64;
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + (k0 / 64) * 32 + (off & 31)));
-  const __m128i c = off < 32 ? b : _mm_srli_epi16(b, 4);
-  return _mm256_cvtepu8_epi16(_mm_and_si128(c, _mm_set1_epi8(0x0F)));
-}
-
 // Tiles: 0 the weights' block, 1 the tokens' block (loaded in turn for each of up to 6 token blocks), 2-7 sums.
 constexpr int MAX_MB = 6;
 
@@ -1290,45 +1282,60 @@ at::Tensor qmm_amx(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
       _tile_release();
     });
   } else {
-    // y = x W. A: x padded to Mp rows (zeros); B: W's rows in interleaved pairs, 16 inputs at a time; C: y blocks
+    // y = x W. A: x padded to Mp rows (zeros); B: W's rows in interleaved pairs, 16 inputs a tile; C: y blocks.
+    // Inputs go 32 at a time (two tiles of B from one lookup per row): the second tile of every 32 rows is kept
+    // (`odd`, N / 32 tiles) for the second pass over the rows.
     std::vector<uint16_t> xa(static_cast<size_t>(Mp * N), 0);
     std::memcpy(xa.data(), xp, static_cast<size_t>(M * N) * 2);
-    at::parallel_for(0, K / 16, 1, [&](int64_t b0, int64_t b1) {
+    at::parallel_for(0, K / 32, 1, [&](int64_t b0, int64_t b1) {
       tiles_on();
       alignas(64) uint16_t b[16 * 32];
       alignas(64) float c[16 * 16];
-      std::vector<__m256i> tabs(static_cast<size_t>(N));  // each row's table for the current group
-      const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                             21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+      std::vector<__m512i> tabs(static_cast<size_t>(N));  // each row's table for the current group
+      std::vector<__m512i> odd(static_cast<size_t>(N / 2));  // [N / 32][16]: the second 16 inputs' tiles
+      const __m512i ilo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+      const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
+      auto out = [&](int64_t m0, int64_t nb, int64_t k0) {
+        for (int64_t j = 0; j < nb; ++j) {
+          tile_store(j, c);
+          for (int mm = 0; mm < 16; ++mm) {
+            const int64_t t = m0 + j * 16 + mm;
+            if (t >= M) break;
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + t * K + k0),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + mm * 16)));
+          }
+        }
+      };
       for (int64_t m0 = 0; m0 < Mp; m0 += 16 * MAX_MB) {
         const int64_t nb = std::min<int64_t>(MAX_MB, (Mp - m0) / 16);
         int64_t gcur = -1;
         for (int64_t blk = b0; blk < b1; ++blk) {
-          const int64_t k0 = blk * 16;
+          const int64_t k0 = blk * 32;
           if (k0 / group != gcur) {
             gcur = k0 / group;
-            for (int64_t r = 0; r < N; ++r) tabs[r] = _mm512_castsi512_si256(int4_table(qc, r * ng + gcur));
+            for (int64_t r = 0; r < N; ++r) tabs[r] = int4_table(qc, r * ng + gcur);
           }
           tiles_zero(nb);
           for (int64_t n0 = 0; n0 < N; n0 += 32) {
+            __m512i* keep = odd.data() + (n0 / 32) * 16;
             for (int p = 0; p < 16; ++p) {  // tile row p: W rows n0 + 2p and n0 + 2p + 1, interleaved
               const int64_t r0 = n0 + 2 * p;
-              const __m256i lo = _mm256_permutexvar_epi16(codes16(qc.q + r0 * qc.qrow, k0), tabs[r0]);
-              const __m256i hi = _mm256_permutexvar_epi16(codes16(qc.q + (r0 + 1) * qc.qrow, k0), tabs[r0 + 1]);
-              _mm512_store_si512(b + p * 32, _mm512_permutexvar_epi16(inter, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)));
+              const __m512i v0 = _mm512_permutexvar_epi16(codes32(qc.q + r0 * qc.qrow, k0), tabs[r0]);
+              const __m512i v1 = _mm512_permutexvar_epi16(codes32(qc.q + (r0 + 1) * qc.qrow, k0), tabs[r0 + 1]);
+              _mm512_store_si512(b + p * 32, _mm512_permutex2var_epi16(v0, ilo, v1));
+              keep[p] = _mm512_permutex2var_epi16(v0, ihi, v1);
             }
             _tile_loadd(0, b, 64);
             tile_step_bwd(nb, xa.data() + m0 * N + n0, N);
           }
-          for (int64_t j = 0; j < nb; ++j) {
-            tile_store(j, c);
-            for (int mm = 0; mm < 16; ++mm) {
-              const int64_t t = m0 + j * 16 + mm;
-              if (t >= M) break;
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + t * K + k0),
-                                  (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + mm * 16)));
-            }
+          out(m0, nb, k0);
+          tiles_zero(nb);
+          for (int64_t n0 = 0; n0 < N; n0 += 32) {
+            _tile_loadd(0, odd.data() + (n0 / 32) * 16, 64);
+            tile_step_bwd(nb, xa.data() + m0 * N + n0, N);
           }
+          out(m0, nb, k0 + 16);
         }
       }
       _tile_release();
