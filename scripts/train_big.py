@@ -39,7 +39,8 @@ def run_one(ckpt: Path, out: Path, a, cg) -> dict:
             f"data.tokenizer={ckpt}", f"data.batch_size={a.batch_size}", f"data.seq_len={a.seq_len}",
             "data.val_batches=1", f"train.max_steps={a.steps}", "train.warmup_steps=1", "train.log_every=1",
             f"train.val_every={a.steps + 1}", f"train.ckpt_every={a.steps}", "train.wandb=false",
-            f"train.memory_gb={a.memory_gb}", f"train.expert_tier={a.tier}", "quality.trainable=routers",
+            f"train.memory_gb={a.memory_gb}", f"train.expert_tier={a.tier}", f"train.frozen_dtype={a.frozen_dtype}",
+            "quality.trainable=routers",
             f"quality.distill={a.distill}", "locality.weight=1.0", "--resume", "false"]
     cmd = [sys.executable, "-c", "import sys; from expertcache.recipes.cli import main; sys.exit(main())", *args]
     if cg is not None:
@@ -80,6 +81,10 @@ def main() -> None:
     ap.add_argument("--distill", type=float, default=0.0, help="quality.distill (a third read pass per step)")
     ap.add_argument("--bits", type=int, default=0, help="also the run on the checkpoint quantized to 4 or 8 bits")
     ap.add_argument("--group", type=int, default=64)
+    ap.add_argument("--frozen_dtype", default="fp32", choices=["fp32", "bf16"],
+                    help="train.frozen_dtype: the frozen non-expert weights in fp32 or bf16 (routers stay fp32)")
+    ap.add_argument("--runs", default="bf16,int4", help="which runs: bf16 (the checkpoint as it is) and/or int4/int8 "
+                    "(--bits); a run left out is not in the JSON")
     ap.add_argument("--out", default="results/train_big.json")
     ap.add_argument("--drop_model", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
                     help="delete each run's trained checkpoint once measured (each is as large as the base)")
@@ -97,9 +102,11 @@ def main() -> None:
         write_checkpoint(ckpt, a.make_layers)
     cg, why = MemoryCgroup.create(int(a.cgroup_gb * 2 ** 30)) if a.cgroup_gb else (None, "not asked")
     runs = []
+    which = {w.strip() for w in a.runs.split(",") if w.strip()}
     try:
-        runs.append(run_one(ckpt, work / "bf16", a, cg))
-        if a.bits:
+        if "bf16" in which:
+            runs.append(run_one(ckpt, work / "bf16", a, cg))
+        if a.bits and which - {"bf16"}:
             from expertcache.runtime.kernels import quant_write
 
             q = work / f"int{a.bits}-ckpt"

@@ -207,6 +207,8 @@ def test_quantized_base_trains_its_routers_packed(tiny_data, fp32_base, tmp_path
                                                          "quality.trainable=routers"),
     ({"train.memory_gb": 0.001}, "is below the floor of"),
     ({"train.memory_gb": 8, "train.expert_tier": "floppy"}, "floppy"),
+    ({"train.memory_gb": 8, "train.frozen_dtype": "fp16"}, "train.frozen_dtype='fp16'; expected fp32 or bf16"),
+    ({"train.frozen_dtype": "bf16"}, "train.frozen_dtype=bf16 applies to streamed experts"),
 ])
 def test_bad_streamed_recipes_are_one_line_before_any_work(tiny_data, fp32_base, tmp_path, capsys, extra, needle):
     from expertcache.recipes.cli import main
@@ -417,3 +419,52 @@ def test_int4_experts_multiply_packed_on_the_tile_units_as_dequantized(tiny_data
     assert abs(l1 - l0) <= 1e-3 * abs(l0)
     for a, b in zip(g1, g0):
         assert float(b.abs().sum()) > 0 and float((a - b).norm() / b.norm()) < 0.1
+
+
+def test_frozen_bf16_weights_train_fp32_routers_to_the_fp32_run_within_bf16_noise(tiny_data, fp32_base, tmp_path):
+    """`train.frozen_dtype=bf16`: the frozen non-expert weights and the activations in bf16, the routers (weights,
+    gradients, Adam) in fp32. Its losses follow the fp32 streamed run within bf16's noise, step by step; the routers
+    it saves are fp32 and differ from the base's (they trained), every other tensor is the base's bytes; the floor
+    counts the frozen weights at 2 bytes each."""
+    from safetensors.torch import load_file
+
+    from expertcache.trainer.cache_aware import run_cache_aware
+
+    fp = run_cache_aware(_recipe(tiny_data, fp32_base, tmp_path / "fp32", **{"train.memory_gb": 8}))
+    bf = run_cache_aware(_recipe(tiny_data, fp32_base, tmp_path / "bf16",
+                                 **{"train.memory_gb": 8, "train.frozen_dtype": "bf16"}))
+    assert bf["completed"] and len(bf["losses"]) == len(fp["losses"]) == 4
+    np.testing.assert_allclose(bf["losses"], fp["losses"], rtol=3e-2)
+    assert bf["losses"] != fp["losses"]  # bf16 did run: not the fp32 numbers
+    assert bf["floor_bytes"]["non_expert_weights"] * 2 == fp["floor_bytes"]["non_expert_weights"]
+    base = load_file(str(fp32_base / "model.safetensors"))
+    got = load_file(str(tmp_path / "bf16" / "model" / "model.safetensors"))
+    routers = {f"model.layers.{i}.mlp.gate.weight" for i in range(2)}
+    assert {k for k in base if not torch.equal(base[k], got[k])} == routers
+    assert all(got[k].dtype == torch.float32 for k in routers)
+
+
+def test_frozen_bf16_keeps_the_routers_and_their_gradients_in_fp32(tiny_data, fp32_base, tmp_path):
+    """After `keep_routers_fp32`: the routers' weights fp32, every other weight bf16; a forward and backward runs
+    (the routers take their bf16 input in fp32) and leaves fp32 gradients on the routers alone."""
+    from expertcache.runtime.engine.train_stream import open_streamed
+    from expertcache.trainer.cache_aware.stream import keep_routers_fp32
+
+    recipe = _recipe(tiny_data, fp32_base, tmp_path / "x", **{"train.memory_gb": 8, "train.frozen_dtype": "bf16"})
+    base = open_streamed(fp32_base, "disk", torch.bfloat16)
+    try:
+        m = base.model
+        keep_routers_fp32(recipe, m)
+        m.requires_grad_(False)
+        routers = {f"model.layers.{i}.mlp.gate.weight" for i in range(2)}
+        for n, p in m.named_parameters():
+            assert p.dtype == (torch.float32 if n in routers else torch.bfloat16), n
+            p.requires_grad_(n in routers)
+        ids = torch.randint(2, 500, (2, 16), generator=torch.Generator().manual_seed(5))
+        m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        for n, p in m.named_parameters():
+            assert (p.grad is not None) == (n in routers), n
+            if p.grad is not None:
+                assert p.grad.dtype == torch.float32 and float(p.grad.abs().sum()) > 0
+    finally:
+        base.close()

@@ -71,6 +71,10 @@ class TrainSpec:
                            "floor is refused, the floor printed); 0: the whole model in memory")
     expert_tier: str = opt("disk", "with train.memory_gb: where streamed experts are read from (disk: the "
                            "checkpoint, page cache bypassed; host: every expert in RAM; throttled:<GB/s>)")
+    frozen_dtype: str = opt("fp32", "with streamed experts: the frozen non-expert weights (attention, norms, "
+                            "embeddings) and the activations through them in fp32, or bf16 (half their memory, their "
+                            "matmuls on the CPU's bf16 units; the routers, their gradients and Adam's state stay "
+                            "fp32)")
 
 
     def __post_init__(self):
@@ -95,6 +99,8 @@ class TrainSpec:
             raise RecipeError(f"train.devices={self.devices!r}; expected auto or a count >= 1")
         if not (math.isfinite(self.memory_gb) and self.memory_gb >= 0):
             raise RecipeError(f"train.memory_gb={self.memory_gb}; expected a finite number >= 0 (0: no streaming)")
+        if self.frozen_dtype not in ("fp32", "bf16"):
+            raise RecipeError(f"train.frozen_dtype={self.frozen_dtype!r}; expected fp32 or bf16")
         if self.num_nodes < 1:
             raise RecipeError(f"train.num_nodes={self.num_nodes}; expected an integer >= 1")
         if str(self.devices).isdigit():  # `auto` is checked once Lightning resolved it (distributed.check_world)

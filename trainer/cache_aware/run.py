@@ -116,6 +116,7 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     if parts is not None:
         streamed = stream._RUNTIME.open_streamed(base, recipe.train.expert_tier, stream.compute_dtype(recipe))
         model = streamed.model
+        stream.keep_routers_fp32(recipe, model)
     else:
         model = load_causal_lm(base, dtype=torch.float32)
     check_vocab(tok, model.config)

@@ -55,6 +55,12 @@ def wants_stream(recipe, base: Path) -> bool:
     it asks."""
     bits = quantized_bits(base)
     streamed = recipe.train.memory_gb > 0 or bits is not None
+    if not streamed and recipe.train.frozen_dtype != "fp32":
+        raise InputError(f"train.frozen_dtype={recipe.train.frozen_dtype} applies to streamed experts "
+                         f"(train.memory_gb > 0); in memory the whole model is fp32 (train.precision sets it)")
+    if streamed and recipe.train.frozen_dtype == "bf16" and recipe.mode != "locality-only":
+        raise InputError(f"train.frozen_dtype=bf16 trains the routers of locality-only recipes; this recipe's mode "
+                         f"{recipe.mode} trains aux routers, which take fp32 hidden states: use train.frozen_dtype=fp32")
     trains = recipe.quality.trainable if recipe.mode != "aux-only" else "routers"  # aux-only: the backbone frozen
     if bits is not None and trains != "routers":
         raise InputError(f"quality.trainable={trains}: the base {base} holds int{bits} experts (expertcache "
@@ -72,9 +78,26 @@ def wants_stream(recipe, base: Path) -> bool:
 
 
 def compute_dtype(recipe) -> torch.dtype:
-    """The non-expert weights' dtype: bf16 under `train.precision=bf16-true`, else fp32 (what the in-memory path
-    loads); the experts are converted to it per use."""
-    return torch.bfloat16 if recipe.train.precision == "bf16-true" else torch.float32
+    """The non-expert weights' dtype: bf16 under `train.precision=bf16-true` or `train.frozen_dtype=bf16`, else
+    fp32 (what the in-memory path loads); the experts are converted to it per use."""
+    t = recipe.train
+    return torch.bfloat16 if t.precision == "bf16-true" or t.frozen_dtype == "bf16" else torch.float32
+
+
+def keep_routers_fp32(recipe, model) -> None:
+    """`train.frozen_dtype=bf16` (the frozen weights loaded in bf16): the routers, which train, go back to fp32 (their
+    weights, gradients and Adam's state), and each takes its bf16 input in fp32 (a forward pre-hook), so that the
+    routing is computed in fp32 as before; what follows the router (the experts, the residual stream) stays bf16."""
+    if recipe.train.frozen_dtype != "bf16" or recipe.train.precision == "bf16-true":
+        return
+    from expertcache.telemetry.adapters import adapter_for
+
+    def up(_module, args):
+        return tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+    for L in adapter_for(model).moe_layers(model):
+        L.router.float()
+        L.router.register_forward_pre_hook(up)
 
 
 def open_base(recipe, base: Path):
