@@ -68,13 +68,17 @@ class ExpertFormat:
         return self.name
 
 
-def swiglu_bf16(tmpl) -> bool:
-    """bf16 `gate_up_proj [S, 2I, H]` / `down_proj [S, H, I]` slots of a SwiGLU family without biases."""
+def swiglu_layout(tmpl) -> bool:
+    """`gate_up_proj [S, 2I, H]` / `down_proj [S, H, I]` tensors of a SwiGLU family (SiLU) without biases."""
     gu, dn = getattr(tmpl, "gate_up_proj", None), getattr(tmpl, "down_proj", None)
     act = getattr(getattr(tmpl, "config", None), "hidden_act", None)
-    return (isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dtype == torch.bfloat16
-            and dn.dtype == torch.bfloat16 and gu.dim() == 3 and dn.dim() == 3
+    return (isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3 and dn.dim() == 3
             and gu.shape[1] == 2 * dn.shape[2] and not getattr(tmpl, "has_bias", False) and act == "silu")
+
+
+def swiglu_bf16(tmpl) -> bool:
+    """bf16 slots of a SwiGLU family without biases (`swiglu_layout`)."""
+    return swiglu_layout(tmpl) and tmpl.gate_up_proj.dtype == torch.bfloat16 and tmpl.down_proj.dtype == torch.bfloat16
 
 
 @WEIGHT_FORMAT_REGISTRY.register("mixed")

@@ -324,15 +324,12 @@ SWIGLU_CLASSES = ("Qwen3MoeExperts", "MixtralExperts", "OlmoeExperts", "Deepseek
 
 
 def swiglu_fits(original: nn.Module) -> bool:
-    """True when `original` is one of `SWIGLU_CLASSES` with SiLU and exactly `gate_up_proj` [E, 2I, H] and
-    `down_proj` [E, H, I]: then `_SwigluStreamed` computes what its forward computes."""
-    params = dict(original.named_parameters(recurse=False))
-    if type(original).__name__ not in SWIGLU_CLASSES or set(params) != {"gate_up_proj", "down_proj"}:
-        return False
-    gu, dn = params["gate_up_proj"], params["down_proj"]
-    act = getattr(original, "act_fn", None)
-    return (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation") and gu.dim() == dn.dim() == 3 \
-        and gu.shape[1] == 2 * dn.shape[2] and gu.shape[2] == dn.shape[1]
+    """True when `original` is one of `SWIGLU_CLASSES` with the decode kernels' SwiGLU layout (`formats.
+    swiglu_layout`: SiLU, `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I], no biases): then `_SwigluStreamed`
+    computes what its forward computes."""
+    from expertcache.runtime.engine.formats import swiglu_layout
+
+    return type(original).__name__ in SWIGLU_CLASSES and swiglu_layout(original)
 
 
 class _SwigluStreamed(torch.autograd.Function):
@@ -358,7 +355,7 @@ class _SwigluStreamed(torch.autograd.Function):
         ys = torch.empty(order.numel(), x.shape[1], dtype=wdt)
         xs = x[tok]
         if ctx.needs_input_grad[0]:  # this layer's backward reads these (the layer below
-            mod._reader[0].back_plan[mod.pos] = used.tolist()  # reads ahead into them: `experts_of(then=...)`)
+            reader.back_plan[mod.pos] = used.tolist()  # reads ahead into them: `experts_of(then=...)`)
         for e, a, b, W in mod.experts_of(used, offs):
             gu[a:b] = W.mm("gate_up_proj", xs[a:b])
             h = mod.act(gu[a:b, :inter]) * gu[a:b, inter:]
