@@ -25,9 +25,9 @@ import torch
 
 _SRC = Path(__file__).parent / "csrc" / "experts_cpu.cpp"
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma",
-          "-mf16c", "-std=c++17", "-fopenmp"]
+          "-mf16c", "-std=c++17", "-fopenmp"]  # at::parallel_for is OpenMP in torch's CPU wheels
 _AMX_FLAGS = ["-mamx-tile", "-mamx-bf16"]  # added where the compiler knows them (the tile code is used only where
-                                          # the CPU has the units: `amx_available`)  # at::parallel_for is OpenMP in torch's CPU wheels
+                                          # the CPU has the units: `amx_available`)
 _NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
 _lock = threading.Lock()
 _state: dict = {}
