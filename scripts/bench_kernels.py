@@ -183,8 +183,9 @@ def quantized(model: Path, fmt: str, work: Path, linears: bool) -> Path:
 
 
 CONDITIONS = ("alone", "memory-contended")
-STREAMER = ("import os, numpy as np\nos.sched_setaffinity(0, {%d})\na = np.ones(1 << 26); b = np.empty_like(a)\n"
-            "while True:\n    np.copyto(b, a)\n")
+# Says "streaming" once its arrays are written and the first copy is done: the condition starts from there.
+STREAMER = ("import os, sys, numpy as np\nos.sched_setaffinity(0, {%d})\na = np.ones(%d); b = np.empty_like(a)\n"
+            "np.copyto(b, a)\nprint('streaming', flush=True)\nwhile True:\n    np.copyto(b, a)\n")
 
 
 def _bad(msg: str) -> None:
@@ -196,10 +197,11 @@ def _bad(msg: str) -> None:
 class Condition:
     """`with Condition(name):` the measurements inside run under it: `alone` changes nothing; `memory-contended`
     starts a process streaming memory on the second core (`STREAMER`) and pins this process (and the processes it
-    starts) to the first, until the block ends."""
+    starts) to the first, until the block ends. The streamer copies arrays of `elements` float64 (512 MiB each by
+    default: far beyond any cache; a test passes fewer, to start faster)."""
 
-    def __init__(self, name: str):
-        self.name, self.proc, self.saved = name, None, None
+    def __init__(self, name: str, elements: int = 1 << 26):
+        self.name, self.proc, self.saved, self.elements = name, None, None, elements
 
     def __enter__(self):
         if self.name == "alone":
@@ -212,9 +214,9 @@ class Condition:
                              "process)")
         self.saved = set(cpus)
         os.sched_setaffinity(0, {cpus[0]})
-        self.proc = subprocess.Popen([sys.executable, "-c", STREAMER % cpus[1]])
-        time.sleep(2.0)  # its arrays written once: streaming from here on
-        if self.proc.poll() is not None:
+        self.proc = subprocess.Popen([sys.executable, "-c", STREAMER % (cpus[1], self.elements)], stdout=subprocess.PIPE, text=True)
+        if self.proc.stdout.readline().strip() != "streaming":  # '' when it died before streaming
+            self.proc.wait()
             raise SystemExit(f"bench_kernels: the memory-streaming process exited ({self.proc.returncode})")
         return self
 
@@ -227,7 +229,7 @@ class Condition:
         return False
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="bf16 checkpoint (with tokenizer) for the decode pairs; none: kernels only")
     ap.add_argument("--threads", default="1,2")
@@ -250,7 +252,7 @@ def main() -> None:
     ap.add_argument("--work", default="runs/bench-kernels", help="where quantized copies of --model are kept")
     ap.add_argument("--out", default=str(ROOT / "results" / "kernels.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     threads = [int(t) for t in a.threads.split(",")]
     formats = [f for f in a.formats.split(",") if f]
     if not formats or any(f not in FORMATS and f not in FILE_FORMATS for f in formats):

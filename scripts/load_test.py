@@ -568,7 +568,7 @@ def _versus_vllm(res: dict) -> dict | None:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=40)
     ap.add_argument("--clients", type=int, default=6)
@@ -607,12 +607,14 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.child:
         return child(a.dir, a.port, a.max_positions)
     if a.throughput:
         if not (Path(a.model) / "config.json").is_file():
-            raise SystemExit(f"--model {a.model}: no checkpoint there (run `make quickstart` first, or pass --model)")
+            print(f"load_test: --model {a.model}: no checkpoint there (run `make quickstart` first, or pass --model)",
+                  file=sys.stderr)
+            sys.exit(2)
         if a.passes < 1:
             print(f"load_test: --passes {a.passes}: expected 1 or more", file=sys.stderr)
             sys.exit(2)

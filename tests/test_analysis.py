@@ -46,6 +46,7 @@ def test_hit_curves_hold_out_the_static_fit_and_rank_belady_first():
 
 
 @pytest.mark.skipif(not (REF / "code.npz").is_file(), reason="the shipped reference traces are missing")
+@pytest.mark.slow  # simulates the real Qwen3 traces (about 1.5 s)
 def test_real_qwen3_traces_reproduce_published_numbers(tmp_path):
     import_trace(REF / "code.npz", tmp_path / "code.parquet", domain="code")
     ids, seq, pos = read_trace(tmp_path / "code.parquet").routing()

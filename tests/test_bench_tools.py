@@ -355,7 +355,7 @@ def test_bench_big_skips_accelerate_with_its_reason_when_the_disk_cannot_hold_it
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the contended condition needs two cores")
-def test_the_memory_contended_condition_streams_on_the_other_core_and_restores_this_process():
+def test_the_memory_contended_condition_streams_on_the_other_core_and_restores_this_process(capsys):
     """`bench_kernels --conditions memory-contended`: inside the condition a second process streams memory on the
     second core and this process (with what it starts) is pinned to the first; afterwards the streamer is gone and
     the affinity is what it was. A name outside the two conditions is one line, exit 2."""
@@ -368,7 +368,7 @@ def test_the_memory_contended_condition_streams_on_the_other_core_and_restores_t
         sys.path.remove(str(REPO / "scripts"))
     before = os.sched_getaffinity(0)
     cpus = sorted(before)
-    with bench_kernels.Condition("memory-contended") as c:
+    with bench_kernels.Condition("memory-contended", elements=1 << 20) as c:
         assert os.sched_getaffinity(0) == {cpus[0]}
         assert c.proc.poll() is None  # streaming
         child = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
@@ -377,6 +377,8 @@ def test_the_memory_contended_condition_streams_on_the_other_core_and_restores_t
     assert c.proc.poll() is not None and os.sched_getaffinity(0) == before
     with bench_kernels.Condition("alone") as c:
         assert c.proc is None and os.sched_getaffinity(0) == before
-    p = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_kernels.py"), "--conditions", "busy"],
-                       capture_output=True, text=True)
-    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith("bench_kernels: --conditions busy")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        bench_kernels.main(["--conditions", "busy"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("bench_kernels: --conditions busy"), err

@@ -32,6 +32,7 @@ def _pct(x):
     return 100 * math.expm1(x)
 
 
+@pytest.mark.slow  # Monte Carlo coverage (about 2 s)
 def test_dppl_interval_covers_the_true_difference_at_about_the_stated_rate():
     rng = np.random.default_rng(0)
     delta = {"code": 0.004, "prose": 0.0, "math": 0.012}
@@ -58,6 +59,7 @@ def _paired(rng, n, p_gain, p_loss, p_base=0.6):
     return base, cand
 
 
+@pytest.mark.slow  # Monte Carlo coverage (about 1 s)
 def test_dacc_interval_covers_the_true_difference_at_about_the_stated_rate():
     rng = np.random.default_rng(1)
     hits, trials, n = 0, 300, 200
@@ -85,6 +87,7 @@ def test_dacc_interval_is_honest_where_the_runs_rarely_disagree(n, p_gain, p_los
     assert dacc_interval(base, cand)[1:] == pytest.approx([100 * lo[0], 100 * hi[0]])
 
 
+@pytest.mark.slow  # brute force over tables (about 1 s)
 def test_dacc_interval_against_the_score_test_by_brute_force():
     """The bisection's ends are where the score test with the constrained maximum-likelihood loss rate (found here
     on a grid of q, not by the closed form) stops rejecting."""
@@ -237,6 +240,7 @@ def test_samples_to_resolve():
     assert samples_to_resolve(1.0, 0.5, 1.5, 1.0, 64) == -1  # on the threshold: no sample size resolves it
 
 
+@pytest.mark.slow  # Monte Carlo (about 1.5 s)
 def test_following_the_sample_size_suggestion_shrinks_the_interval_as_promised():
     """At n' blocks per domain (from n = 12) the interval's end on the threshold side should sit about where the
     threshold is now measured from the estimate: half-width(n') ~ |est - threshold| at n. Synthetic, same

@@ -53,6 +53,7 @@ def toy_policy(tmp_path_factory):
     return d / "toy.safetensors"
 
 
+@pytest.mark.slow  # fits a policy on a periodic trace (2-4 s)
 def test_periodic_routing_reaches_belady(tmp_path):
     """A loop of 3 disjoint expert sets per layer with room for 2 of them: LRU always evicts the set needed next
     (0 hits); Belady keeps the two used soonest and hits 2 steps of 3.
@@ -135,6 +136,7 @@ def test_simulator_equals_cache_state(toy_policy):
         assert scorer._states == {}
 
 
+@pytest.mark.slow  # the fit and analyze CLI end to end (about 2 s)
 def test_cli_fit_and_analyze_rows(tmp_path, capsys):
     from expertcache.recipes.cli import main
     from expertcache.telemetry.cachesim import simulate_scored

@@ -330,6 +330,7 @@ def test_data_build_rebuilds_its_own_folders(tmp_path, capsys):
     assert rc == 0 and output_marker(tmp_path / "data" / "corpus")["command"] == "data build", err
 
 
+@pytest.mark.slow  # the analyze CLI twice with plots (about 1.5 s)
 def test_analyze_replaces_only_its_own_analysis(tmp_path, capsys):
     """A re-run asks for --overwrite; an analysis from before markers (summary.json and plots) counts as analyze's
     own; the quickstart's re-run passes --overwrite true."""

@@ -39,6 +39,7 @@ def _one_line(capsys, *needles) -> str:
 
 # --- serve ---------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # starts a server (about 1.5 s)
 def test_an_unknown_chat_role_is_a_400_naming_the_roles_and_the_server_goes_on(ckpt):
     """From the real server over HTTP: role "wizard" is a 400 whose message names every accepted role (param
     messages.0.role); a turn the template itself refuses is a 400 with the template's words, not a 500; a valid
@@ -153,6 +154,7 @@ def test_bench_decode_refuses_lookahead_distances_before_any_pass(ckpt, tmp_path
     assert not (tmp_path / "b.json").exists()
 
 
+@pytest.mark.slow  # a whole bench decode run (about 2 s)
 def test_bench_decode_runs_the_engines_predictor_not_probe_1(ckpt, tmp_path, capsys):
     """--engine.predictor lookahead:1 ran as probe:1 (the default list ignored it): its row is lookahead:1."""
     from expertcache.runtime.commands import bench_decode

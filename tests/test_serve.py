@@ -181,6 +181,7 @@ def test_max_tokens_beyond_the_context_is_refused_and_the_server_goes_on(server)
     assert r.status_code == 200
 
 
+@pytest.mark.slow  # many requests through a server (about 1.5 s)
 def test_concurrent_requests_are_batched_with_the_same_answers(server, client):
     """Four clients at once share the running batch (the health endpoint saw more than one sequence decoding)
     and each gets the greedy text it gets alone: rows of different lengths do not see each other's tokens."""

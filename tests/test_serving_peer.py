@@ -116,12 +116,16 @@ def test_the_peer_ratios_are_ours_over_vllms_at_each_client_count_and_on_the_cha
     assert lt._versus_vllm(res) is None
 
 
-def test_load_test_refuses_bad_passes_and_a_missing_corpus_in_one_line(tmp_path):
-    import subprocess
-
+def test_load_test_refuses_bad_passes_a_missing_corpus_and_a_missing_model_in_one_line(tmp_path, capsys):
+    """Each is one line on stderr and exit 2, before anything starts (run in this process: its `main(argv)`)."""
+    lt = _load_test()
     (tmp_path / "config.json").write_text("{}")
-    for args, want in ((["--passes", "0"], "load_test: --passes 0: expected 1 or more"),
-                       (["--full-vocab", str(tmp_path / "nope")], "load_test: --full-vocab: no corpus at")):
-        p = subprocess.run([sys.executable, str(ROOT / "scripts" / "load_test.py"), "--throughput", "--model",
-                            str(tmp_path), *args], capture_output=True, text=True, timeout=120)
-        assert p.returncode == 2 and p.stderr.strip().startswith(want) and "Traceback" not in p.stderr, p.stderr
+    for args, want in ((["--model", str(tmp_path), "--passes", "0"], "load_test: --passes 0: expected 1 or more"),
+                       (["--model", str(tmp_path), "--full-vocab", str(tmp_path / "nope")],
+                        "load_test: --full-vocab: no corpus at"),
+                       (["--model", str(tmp_path / "none")], f"load_test: --model {tmp_path / 'none'}: no checkpoint")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            lt.main(["--throughput", *args])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and err.startswith(want) and len(err.splitlines()) == 1, err

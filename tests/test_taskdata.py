@@ -41,6 +41,7 @@ def _in_training(corpus, texts: dict[str, list[str]]) -> list[str]:
     return [t for d, ts in texts.items() for t in ts if t in joined[d]]
 
 
+@pytest.mark.slow  # builds every task past the test split (about 1.5 s)
 def test_tasks_hold_no_training_text_even_past_the_test_split(corpus, tmp_path):
     out = tmp_path / "tasks"
     counts = build_task_data(corpus, out, split="test", per_domain=300)

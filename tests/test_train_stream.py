@@ -108,6 +108,7 @@ def test_streamed_layer_matches_memory_and_reads_each_touched_expert_once_per_pa
         base.close()
 
 
+@pytest.mark.slow  # two training runs, step by step (about 2 s)
 def test_streamed_router_training_matches_in_memory_training(tiny_data, fp32_base, tmp_path):
     """The key claim: the same recipe (routers only, LM + distillation to the base + locality) trained with the
     experts streamed gives the in-memory run's loss at every step and its final routers (fp32, rtol 1e-4); the
@@ -155,6 +156,7 @@ def test_streamed_router_training_matches_in_memory_training(tiny_data, fp32_bas
     ref.expertcache.close()
 
 
+@pytest.mark.slow  # three training runs (about 2 s)
 def test_streamed_run_resumes_from_checkpoints_that_hold_only_what_trains(tiny_data, fp32_base, tmp_path):
     """A streamed run's resumable checkpoints hold the routers (and the optimizer state), not the frozen weights; a
     run stopped at step 2 and resumed to 4 ends with the routers (and losses) of the in-memory run stopped and
@@ -421,6 +423,7 @@ def test_int4_experts_multiply_packed_on_the_tile_units_as_dequantized(tiny_data
         assert float(b.abs().sum()) > 0 and float((a - b).norm() / b.norm()) < 0.1
 
 
+@pytest.mark.slow  # two training runs (about 1.5 s)
 def test_frozen_bf16_weights_train_fp32_routers_to_the_fp32_run_within_bf16_noise(tiny_data, fp32_base, tmp_path):
     """`train.frozen_dtype=bf16`: the frozen non-expert weights and the activations in bf16, the routers (weights,
     gradients, Adam) in fp32. Its losses follow the fp32 streamed run within bf16's noise, step by step; the routers
