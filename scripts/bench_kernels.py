@@ -54,6 +54,12 @@ def _spec(spec) -> tuple[int, int, bool]:
     return bits, group, bool(rest and rest[0])
 
 
+def _tuning() -> dict | None:
+    from expertcache.runtime.kernels import cpu_kernels as ck
+
+    return ck.tuning() or None
+
+
 def kernel_figures(threads: int, pool: int = 32, k: int = 8, rounds: int = 30) -> list[dict]:
     import torch
 
@@ -343,6 +349,9 @@ def main(argv: list[str] | None = None) -> None:
     res = {
         "command": "python scripts/bench_kernels.py " + " ".join(sys.argv[1:]),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        # the kernels' prefetch settings in force (this machine's tuning.json, chosen at first use; every child
+        # process reads the same file), and where they came from
+        "tuning": _tuning(),
         "model": model_info, "tokens": a.tokens, "depth": a.depth, "rounds": a.rounds,
         "seconds": round(time.time() - t_start, 1),
         "kernels": kernels, "pairs": pairs,

@@ -13,6 +13,10 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The CPU kernels' prefetch distances stay at their built-in defaults: choosing them by measurement (what a user's
+# first run does, once per machine) would time kernels while the other worker runs tests. tests/test_cpu_tuning.py
+# checks the choice itself.
+os.environ.setdefault("EXPERTCACHE_TUNE", "off")
 # Under `pytest -n 2` (make test / test-fast) each worker is one process: one torch thread each keeps the two
 # workers off each other's core (two threads each on 2 cores made every torch call contend). The CLI children that
 # tests start inherit it. A test that needs a thread count passes it explicitly.

@@ -131,6 +131,13 @@ def load(verbose: bool = False) -> bool:
                                        extra_ldflags=["-fopenmp"],
                                        build_directory=str(d), is_python_module=False, verbose=verbose)
                 torch.ops.expertcache_cpu.read_bytes  # noqa: B018 - registered?
+                _state["ok"] = True  # (set_tuning's callers check it)
+                try:
+                    _apply_tuning(d)
+                except Exception as e:  # noqa: BLE001 - the kernels stay usable; the defaults are kept
+                    _state["tuning"] = {"source": f"defaults (the measurement failed: {type(e).__name__}: {e})"}
+                    warnings.warn(f"expertcache: the CPU kernels keep their built-in prefetch distances "
+                                  f"({type(e).__name__}: {e})", RuntimeWarning, stacklevel=2)
             except Exception as e:  # noqa: BLE001 - any failure falls back; the line says what it was
                 msg = str(e).strip().splitlines()
                 why = f"the build failed ({type(e).__name__}: {msg[-1] if msg else ''})"
@@ -149,6 +156,141 @@ def available() -> bool:
 def why_unavailable() -> str | None:
     load()
     return _state.get("why")
+
+
+# --- prefetch distances chosen on this machine -------------------------------------------------------------------
+# The integer kernels' software prefetch distance (bytes ahead along a row) and the int4 group-32 kernels' scale
+# prefetch (rows ahead) are settings of the extension (`set_tuning`). At first use on a machine, `tune` times the
+# int8 and int4 expert kernels at one thread on Qwen3-30B-A3B's expert shape, 8 experts drawn from a pool larger
+# than any cache, under each candidate, alternated over rounds, and keeps the fastest (the built-in default unless
+# another is at least TUNE_MARGIN faster); the choice and every candidate's median time go to `tuning.json` beside
+# the build, keyed by the CPU, and later processes read it. `EXPERTCACHE_TUNE=off` keeps the built-in defaults (the
+# tests run so), `EXPERTCACHE_TUNE=again` measures anew. Prefetching never changes a result, only its time.
+TUNE_DISTANCES = (0, 2048, 4096, 8192, 16384, 32768)
+TUNE_SCALE_ROWS = (0, 16)
+TUNE_DEFAULTS = {"pf_int8": 8192, "pf_int4": 8192, "scale_rows": 16}
+TUNE_MARGIN = 0.03
+_TUNE_FILE = "tuning.json"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def set_tuning(pf_int8: int = -1, pf_int4: int = -1, scale_rows: int = -1, pf_bf16: int = -1) -> dict:
+    """Set the extension's prefetch settings (a negative one is left as it is); returns them as they were."""
+    was = torch.ops.expertcache_cpu.set_tuning(pf_bf16, pf_int8, pf_int4, scale_rows)
+    return {"pf_bf16": was[0], "pf_int8": was[1], "pf_int4": was[2], "scale_rows": was[3]}
+
+
+def tuning() -> dict:
+    """The settings in force (after `load`, which applies this machine's tuning), and `source`: the tuning file
+    they came from, or the defaults."""
+    load()
+    return {**set_tuning(), "source": _state.get("tuning", {}).get("source")} if _state.get("ok") else {}
+
+
+def measure_prefetch(rounds: int = 5, calls: int = 8, pool: int = 24) -> dict:
+    """Median seconds per call of the int8 and int4 (group 32) expert kernels under each candidate, one thread,
+    candidates alternated within each round; and the best setting per format."""
+    import statistics
+    import time
+
+    H, I, k = 2048, 768, 8
+    if pool < k:
+        raise ValueError(f"measure_prefetch: a pool of {pool} experts cannot give {k} distinct ones a call")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    was = set_tuning()
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = (torch.randn(1, H, generator=g) * 0.5).bfloat16()
+        w = torch.full((1, k), 1.0 / k)
+        # packed experts written directly (the values do not change the time; a random fill costs more than it
+        # measures): codes of one pattern, unit scales, zero minimums
+        def packed(rows, cols, bits):
+            t = {"q": torch.full((pool, rows, cols * bits // 8), 0x35, dtype=torch.int8 if bits == 8 else torch.uint8),
+                 "scales": torch.full((pool, rows, cols // 32), 0.01, dtype=torch.float16)}
+            if bits == 4:
+                t["mins"] = torch.full((pool, rows, cols // 32), -0.05, dtype=torch.float16)
+            return t
+
+        draws = [torch.randperm(pool, generator=g)[:k][None] for _ in range(calls)]
+        out = {}
+        for bits in (8, 4):
+            gu, dn = packed(2 * I, H, bits), packed(H, I, bits)
+            fmt = f"int{bits}"
+            cands = [(d, s) for d in TUNE_DISTANCES for s in (TUNE_SCALE_ROWS if bits == 4 else (was["scale_rows"],))]
+            times = {c: [] for c in cands}
+            for s in draws[:2]:  # warm: the first touch of the pool's pages is not a kernel's time
+                swiglu_q(x, gu, dn, bits, 32, s, w)
+            for r in range(rounds):
+                for c in (cands if r % 2 == 0 else cands[::-1]):
+                    set_tuning(**{f"pf_{fmt}": c[0], "scale_rows": c[1]})
+                    t0 = time.perf_counter()
+                    for s in draws:
+                        swiglu_q(x, gu, dn, bits, 32, s, w)
+                    times[c].append((time.perf_counter() - t0) / calls)
+            med = {c: statistics.median(v) for c, v in times.items()}
+            default = (TUNE_DEFAULTS[f"pf_{fmt}"], TUNE_DEFAULTS["scale_rows"] if bits == 4 else was["scale_rows"])
+            best = min(med, key=med.get)
+            if med[best] > (1 - TUNE_MARGIN) * med[default]:
+                best = default
+            out[fmt] = {"best": {"distance": best[0], "scale_rows": best[1]}, "default_s": med[default],
+                        "best_s": med[best], "bytes_per_call": k * sum(t.nbytes for t in (*gu.values(), *dn.values())) // pool,
+                        "candidates": [{"distance": c[0], "scale_rows": c[1], "s": v} for c, v in med.items()]}
+            del gu, dn
+        return out
+    finally:
+        set_tuning(**{k_: v for k_, v in was.items()})
+        torch.set_num_threads(threads)
+
+
+def _apply_tuning(d: Path) -> None:
+    """Called by `load` once the extension is in: this machine's settings from `d`/tuning.json, measured first if
+    there are none for this CPU (under the build's lock: one process measures, the others wait and read)."""
+    import json
+    import sys
+
+    mode = os.environ.get("EXPERTCACHE_TUNE", "").strip().lower()
+    if mode not in ("", "on", "off", "again"):
+        warnings.warn(f"expertcache: EXPERTCACHE_TUNE={mode!r} is not one of on, off, again; taken as on",
+                      RuntimeWarning, stacklevel=3)
+    if mode == "off":
+        _state["tuning"] = {"source": "defaults (EXPERTCACHE_TUNE=off)", **TUNE_DEFAULTS}
+        return
+    path, cpu = d / _TUNE_FILE, cpu_model()
+
+    def read():
+        try:
+            rec = json.loads(path.read_text())
+            return rec if rec.get("cpu") == cpu and rec.get("defaults") == TUNE_DEFAULTS else None
+        except (OSError, ValueError, AttributeError):
+            return None
+
+    rec = None if mode == "again" else read()
+    if rec is None:
+        with _build_lock(d):
+            rec = None if mode == "again" else read()
+            if rec is None:
+                print("expertcache: choosing the CPU kernels' prefetch distances for this machine (once, about "
+                      f"2 s; EXPERTCACHE_TUNE=off skips it; kept in {path})", file=sys.stderr, flush=True)
+                m = measure_prefetch()
+                rec = {"cpu": cpu, "defaults": TUNE_DEFAULTS, "threads": 1,
+                       "choice": {"pf_int8": m["int8"]["best"]["distance"], "pf_int4": m["int4"]["best"]["distance"],
+                                  "scale_rows": m["int4"]["best"]["scale_rows"]},
+                       "measured": m}
+                from expertcache.telemetry.atomic import write_text
+
+                write_text(path, json.dumps(rec, indent=1))
+    set_tuning(**rec["choice"])
+    _state["tuning"] = {"source": str(path), **rec["choice"]}
 
 
 def swiglu_bf16(x, gate_up, down, slots, weights) -> torch.Tensor:

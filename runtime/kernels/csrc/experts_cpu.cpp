@@ -34,17 +34,27 @@ namespace {
 
 constexpr int64_t UP_ROWS = 16;    // rows of gate (and of up) per work item
 constexpr int64_t DOWN_ROWS = 32;  // output rows per work item
-constexpr int64_t PF_BYTES = 8192;  // software prefetch distance along a row (and on into the next rows)
+// Software prefetch distances, per weight format: how far along a row (and on into the next rows) the weights are
+// fetched ahead of where they are read. What suits one machine does not suit another (a host with half the memory
+// bandwidth ran the integer kernels at half the fraction of it), so these are settings: `set_tuning` sets them,
+// and cpu_kernels.py chooses them by a short measurement at first use on each machine, cached beside the build.
+// 0 turns a format's software prefetch off. The defaults are what the first host measured best.
+enum PfFormat { PF_BF16 = 0, PF_INT8 = 1, PF_INT4 = 2 };
+int64_t g_pf_bytes[3] = {8192, 8192, 8192};
 // Rows ahead whose scales and minimums the int4 group-32 kernels prefetch: streams beside the weights' that the
 // hardware alone left cold (int4 g32 decode, 4 layers: 6.58 -> 6.11 ms at one thread, 5.16-5.44 -> 4.92 at two).
-constexpr int64_t SCALE_PF = 16;
+// 0: none. A setting too (`set_tuning`).
+int64_t g_scale_pf = 16;
+
+inline int64_t pf_bytes(int bits) { return g_pf_bytes[bits == 16 ? PF_BF16 : bits == 8 ? PF_INT8 : PF_INT4]; }
 
 // The prefetch distance for rows read `step` rows at a time (each `row_bytes` long, consecutive in memory): a whole
-// number of steps, at least PF_BYTES, so that every row of a later step is fetched at the offset being read (with
-// a distance of PF_BYTES alone, rows of 4 KiB read 4 at a time had half of the next step's rows never prefetched).
-inline int64_t pf_rows(int64_t step, int64_t row_bytes) {
-  const int64_t s = step * row_bytes;
-  return s * ((PF_BYTES + s - 1) / s);
+// number of steps, at least the format's distance, so that every row of a later step is fetched at the offset being
+// read (with the distance alone, rows of 4 KiB read 4 at a time had half of the next step's rows never prefetched).
+// 0 where the format's prefetch is off.
+inline int64_t pf_rows(int64_t step, int64_t row_bytes, int bits) {
+  const int64_t d = pf_bytes(bits), s = step * row_bytes;
+  return d <= 0 ? 0 : s * ((d + s - 1) / s);
 }
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
@@ -103,17 +113,17 @@ inline float dot_bf16_pf(const uint16_t* w, const uint16_t* x, int64_t n, int64_
   return out;
 }
 
-// dot_bf16_n for 1 <= nt <= DOT_TOKENS vectors: one vector as dot_bf16 (no prefetch), more with it (PF_BYTES)
+// dot_bf16_n for 1 <= nt <= DOT_TOKENS vectors: one vector as dot_bf16 (no prefetch), more with it (bf16's distance)
 inline void dot_bf16_tokens(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t n, int64_t nt, float* out) {
   switch (nt) {
     case 1: dot_bf16_n<1, false>(w, x, ldx, n, 0, out); break;
-    case 2: dot_bf16_n<2, true>(w, x, ldx, n, PF_BYTES, out); break;
-    case 3: dot_bf16_n<3, true>(w, x, ldx, n, PF_BYTES, out); break;
-    case 4: dot_bf16_n<4, true>(w, x, ldx, n, PF_BYTES, out); break;
-    case 5: dot_bf16_n<5, true>(w, x, ldx, n, PF_BYTES, out); break;
-    case 6: dot_bf16_n<6, true>(w, x, ldx, n, PF_BYTES, out); break;
-    case 7: dot_bf16_n<7, true>(w, x, ldx, n, PF_BYTES, out); break;
-    default: dot_bf16_n<8, true>(w, x, ldx, n, PF_BYTES, out); break;
+    case 2: dot_bf16_n<2, true>(w, x, ldx, n, g_pf_bytes[PF_BF16], out); break;
+    case 3: dot_bf16_n<3, true>(w, x, ldx, n, g_pf_bytes[PF_BF16], out); break;
+    case 4: dot_bf16_n<4, true>(w, x, ldx, n, g_pf_bytes[PF_BF16], out); break;
+    case 5: dot_bf16_n<5, true>(w, x, ldx, n, g_pf_bytes[PF_BF16], out); break;
+    case 6: dot_bf16_n<6, true>(w, x, ldx, n, g_pf_bytes[PF_BF16], out); break;
+    case 7: dot_bf16_n<7, true>(w, x, ldx, n, g_pf_bytes[PF_BF16], out); break;
+    default: dot_bf16_n<8, true>(w, x, ldx, n, g_pf_bytes[PF_BF16], out); break;
   }
 }
 
@@ -185,8 +195,8 @@ at::Tensor swiglu_bf16(const at::Tensor& x, const at::Tensor& gate_up, const at:
       for (int64_t r = r0; r < r1; ++r) {
         for (int64_t q = g.start[u]; q < g.start[u + 1]; ++q) {
           const int64_t p = g.order[q], t = p / K;
-          const float gv = dot_bf16_pf(base + r * H, xp + t * H, H, PF_BYTES);
-          const float uv = dot_bf16_pf(base + (r + I) * H, xp + t * H, H, PF_BYTES);
+          const float gv = dot_bf16_pf(base + r * H, xp + t * H, H, g_pf_bytes[PF_BF16]);
+          const float uv = dot_bf16_pf(base + (r + I) * H, xp + t * H, H, g_pf_bytes[PF_BF16]);
           ap[p * I + r] = to_bf16(silu(gv) * uv);
         }
       }
@@ -202,7 +212,7 @@ at::Tensor swiglu_bf16(const at::Tensor& x, const at::Tensor& gate_up, const at:
       for (int64_t o = o0; o < o1; ++o) {
         for (int64_t q = g.start[u]; q < g.start[u + 1]; ++q) {
           const int64_t p = g.order[q];
-          yp[(p / K) * H + o] += wp[p] * dot_bf16_pf(base + o * I, ap + p * I, I, PF_BYTES);
+          yp[(p / K) * H + o] += wp[p] * dot_bf16_pf(base + o * I, ap + p * I, I, g_pf_bytes[PF_BF16]);
         }
       }
     }
@@ -457,13 +467,13 @@ template <int BITS>
 inline void qrow(const QMat& m, int64_t s, int64_t row, int64_t groups, float* sc, float* mn, const uint8_t*& w,
                  const float*& sr, const float*& mr, bool pf_scales) {
   w = m.q + s * m.qs0 + row * m.qs1;
-  if (BITS == 4 && pf_scales) {  // int4 group 32 (a scale and a minimum per 16 bytes: a fifth of the bytes read)
-    // prefetches the scales and minimums of the row SCALE_PF rows on, streams the hardware left cold; where they
+  if (BITS == 4 && pf_scales && g_scale_pf > 0) {  // int4 group 32 (a scale and a minimum per 16 bytes: a fifth of the bytes read)
+    // prefetches the scales and minimums of the row g_scale_pf rows on, streams the hardware left cold; where they
     // are a sixteenth the extra instructions did not pay for int8 (int4 group 128 was not measured)
-    const char* ps = reinterpret_cast<const char*>(m.s + s * m.ss0 + (row + SCALE_PF) * m.ss1);
+    const char* ps = reinterpret_cast<const char*>(m.s + s * m.ss0 + (row + g_scale_pf) * m.ss1);
     for (int64_t o = 0; o < groups * 2; o += 64) _mm_prefetch(ps + o, _MM_HINT_T0);
     if (m.m) {
-      const char* pm = reinterpret_cast<const char*>(m.m + s * m.ss0 + (row + SCALE_PF) * m.ss1);
+      const char* pm = reinterpret_cast<const char*>(m.m + s * m.ss0 + (row + g_scale_pf) * m.ss1);
       for (int64_t o = 0; o < groups * 2; o += 64) _mm_prefetch(pm + o, _MM_HINT_T0);
     }
   }
@@ -510,7 +520,7 @@ at::Tensor swiglu_q_impl(const at::Tensor& x, const QMat& gu, const QMat& dn, in
   std::vector<float> a(P * I);
   const int64_t nb = I / UP_ROWS;  // I % 64 == 0
   const int64_t gH = H / G, gI = I / G;
-  const int64_t pf_up = pf_rows(2, H * BITS / 8), pf_dn = pf_rows(4, I * BITS / 8);  // rows read 2 (4) at a time
+  const int64_t pf_up = pf_rows(2, H * BITS / 8, BITS), pf_dn = pf_rows(4, I * BITS / 8, BITS);  // rows read 2 (4) at a time
   at::parallel_for(0, U * nb, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> sc(4 * gH), mn(4 * gH);
     for (int64_t it = b0; it < b1; ++it) {
@@ -596,7 +606,7 @@ at::Tensor linear_q_impl(const at::Tensor& x, const QMat& w, int64_t O, int64_t 
     xa[t] = quantize_act(xf.data_ptr<float>() + t * N, N, G, xq.data() + t * qact_bytes(N),
                          xfl.data() + t * qact_floats(N), BITS == 4);
   float* yp = y.data_ptr<float>();
-  const int64_t gN = N / G, pf = pf_rows(4, N * BITS / 8);
+  const int64_t gN = N / G, pf = pf_rows(4, N * BITS / 8, BITS);
   at::parallel_for(0, (O + 3) / 4, 16, [&](int64_t b0, int64_t b1) {
     std::vector<float> sc(4 * gN), mn(4 * gN);
     for (int64_t b = b0; b < b1; ++b) {
@@ -1357,6 +1367,20 @@ at::Tensor qmm_amx(const at::Tensor& x, const at::Tensor&, const at::Tensor&, co
 
 }  // namespace
 
+// The prefetch settings as they were (bf16, int8 and int4 distances in bytes, scale rows ahead), after setting each
+// given one (a negative one is left as it is). Set between calls, never during one.
+std::vector<int64_t> set_tuning(int64_t bf16, int64_t int8, int64_t int4, int64_t scale_rows) {
+  std::vector<int64_t> was{g_pf_bytes[PF_BF16], g_pf_bytes[PF_INT8], g_pf_bytes[PF_INT4], g_scale_pf};
+  const int64_t want[3] = {bf16, int8, int4};
+  for (int f = 0; f < 3; ++f) {
+    TORCH_CHECK(want[f] < (int64_t{1} << 20), "set_tuning: a prefetch distance of ", want[f], " bytes is beyond 1 MiB");
+    if (want[f] >= 0) g_pf_bytes[f] = want[f];
+  }
+  TORCH_CHECK(scale_rows < 1024, "set_tuning: ", scale_rows, " scale rows ahead is beyond 1023");
+  if (scale_rows >= 0) g_scale_pf = scale_rows;
+  return was;
+}
+
 TORCH_LIBRARY(expertcache_cpu, m) {
   m.def("swiglu_bf16(Tensor x, Tensor gate_up, Tensor down, Tensor slots, Tensor weights) -> Tensor");
   m.def("swiglu_q(Tensor x, Tensor gu_q, Tensor gu_s, Tensor? gu_m, Tensor dn_q, Tensor dn_s, Tensor? dn_m, "
@@ -1365,6 +1389,7 @@ TORCH_LIBRARY(expertcache_cpu, m) {
   m.def("dequant_q(Tensor q, Tensor scales, Tensor? mins, int bits, int group, Tensor(a!) out) -> ()");
   m.def("qmm_amx(Tensor x, Tensor q, Tensor scales, Tensor? mins, int group, bool trans) -> Tensor");
   m.def("amx_init() -> bool");
+  m.def("set_tuning(int bf16, int int8, int int4, int scale_rows) -> int[]");
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("linear_q(Tensor x, Tensor q, Tensor scales, Tensor? mins, int bits, int group, Tensor? bias) -> Tensor");
   m.def("attend_one(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
@@ -1376,6 +1401,7 @@ TORCH_LIBRARY(expertcache_cpu, m) {
 
 TORCH_LIBRARY_IMPL(expertcache_cpu, CompositeExplicitAutograd, m) {
   m.impl("amx_init", &amx_init);
+  m.impl("set_tuning", &set_tuning);
 }
 
 TORCH_LIBRARY_IMPL(expertcache_cpu, CPU, m) {

@@ -1,0 +1,109 @@
+"""The CPU kernels' prefetch distances, chosen per machine (`cpu_kernels.measure_prefetch`, `_apply_tuning`): a
+setting changes a kernel's time, never its result; the choice is measured once, kept beside the build for this CPU,
+read by later processes, and measured again for another CPU or on request; bad settings are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from expertcache.runtime.kernels import cpu_kernels as ck
+from expertcache.runtime.kernels import quant
+
+pytestmark = pytest.mark.skipif(not ck.available(), reason=f"CPU kernels unavailable: {ck.why_unavailable()}")
+
+
+@pytest.fixture
+def restore():
+    was = ck.set_tuning()
+    yield was
+    ck.set_tuning(**was)
+
+
+@pytest.mark.parametrize("bits,group,sym", [(8, 32, False), (4, 32, False), (4, 32, True), (4, 128, False)])
+def test_a_prefetch_setting_changes_no_result_bit(bits, group, sym, restore):
+    g = torch.Generator().manual_seed(1)
+    S, H, I = 6, 256, 128
+    gu = quant.quantize((torch.randn(S, 2 * I, H, generator=g) * 0.05).bfloat16(), bits, group, sym)
+    dn = quant.quantize((torch.randn(S, H, I, generator=g) * 0.05).bfloat16(), bits, group, sym)
+    lin = quant.quantize((torch.randn(192, H, generator=g) * 0.05).bfloat16(), bits, group, sym)
+    x = torch.randn(3, H, generator=g).bfloat16()
+    slots, w = torch.tensor([[0, 5], [2, 3], [5, 1]]), torch.rand(3, 2, generator=g)
+    outs = []
+    for pf, rows in ((8192, 16), (0, 0), (2048, 16), (32768, 3)):
+        ck.set_tuning(pf_int8=pf, pf_int4=pf, scale_rows=rows)
+        outs.append((ck.swiglu_q(x, gu, dn, bits, group, slots, w),
+                     ck.linear_q(x, lin["q"], lin["scales"], lin.get("mins"), bits, group)))
+    for y, z in outs[1:]:
+        assert torch.equal(y, outs[0][0]) and torch.equal(z, outs[0][1])
+    assert ck.set_tuning()["pf_int8"] == 32768  # the settings did change
+
+
+def test_set_tuning_refuses_distances_past_a_mebibyte(restore):
+    with pytest.raises(RuntimeError, match="beyond 1 MiB"):
+        ck.set_tuning(pf_int4=1 << 20)
+    with pytest.raises(RuntimeError, match="beyond 1023"):
+        ck.set_tuning(scale_rows=4096)
+    assert ck.set_tuning() == restore  # nothing half-set
+
+
+def _fake_measure(calls):
+    def measure(**_):
+        calls.append(1)
+        best = {"distance": 2048, "scale_rows": 0}
+        return {"int8": {"best": {"distance": 4096, "scale_rows": 16}}, "int4": {"best": best}}
+    return measure
+
+
+def test_the_choice_is_measured_once_per_cpu_kept_beside_the_build_and_read_after(tmp_path, monkeypatch, restore):
+    calls = []
+    monkeypatch.setattr(ck, "measure_prefetch", _fake_measure(calls))
+    monkeypatch.delenv("EXPERTCACHE_TUNE", raising=False)
+    ck._apply_tuning(tmp_path)
+    rec = json.loads((tmp_path / "tuning.json").read_text())
+    assert calls == [1] and rec["cpu"] == ck.cpu_model()
+    assert rec["choice"] == {"pf_int8": 4096, "pf_int4": 2048, "scale_rows": 0}
+    assert {k: ck.set_tuning()[k] for k in rec["choice"]} == rec["choice"]  # in force
+    ck.set_tuning(**restore)
+    ck._apply_tuning(tmp_path)  # a later process: reads, does not measure
+    assert calls == [1] and ck.set_tuning()["pf_int4"] == 2048
+    assert ck.tuning()["source"] == str(tmp_path / "tuning.json")
+    rec["cpu"] = "another CPU"
+    (tmp_path / "tuning.json").write_text(json.dumps(rec))
+    ck._apply_tuning(tmp_path)  # another machine's record: measured again, for this one
+    assert calls == [1, 1] and json.loads((tmp_path / "tuning.json").read_text())["cpu"] == ck.cpu_model()
+    monkeypatch.setenv("EXPERTCACHE_TUNE", "again")
+    ck._apply_tuning(tmp_path)
+    assert calls == [1, 1, 1]
+    (tmp_path / "tuning.json").write_text("{not json")  # a damaged record: measured again, not an error
+    monkeypatch.delenv("EXPERTCACHE_TUNE")
+    ck._apply_tuning(tmp_path)
+    assert calls == [1, 1, 1, 1]
+
+
+def test_off_keeps_the_defaults_and_an_unknown_mode_is_one_warning(tmp_path, monkeypatch, restore):
+    calls = []
+    monkeypatch.setattr(ck, "measure_prefetch", _fake_measure(calls))
+    monkeypatch.setenv("EXPERTCACHE_TUNE", "off")
+    ck.set_tuning(pf_int8=1024)
+    ck._apply_tuning(tmp_path)
+    assert calls == [] and not (tmp_path / "tuning.json").exists() and ck.set_tuning()["pf_int8"] == 1024
+    monkeypatch.setenv("EXPERTCACHE_TUNE", "sometimes")
+    with pytest.warns(RuntimeWarning, match="EXPERTCACHE_TUNE='sometimes' is not one of on, off, again"):
+        ck._apply_tuning(tmp_path)
+    assert calls == [1]
+
+
+def test_the_measurement_times_every_candidate_and_keeps_the_default_unless_another_is_faster(restore):
+    m = ck.measure_prefetch(rounds=2, calls=2, pool=8)
+    assert ck.set_tuning() == restore  # the settings it tried are undone
+    for fmt in ("int8", "int4"):
+        r = m[fmt]
+        cands = {(c["distance"], c["scale_rows"]): c["s"] for c in r["candidates"]}
+        assert {d for d, _ in cands} == set(ck.TUNE_DISTANCES) and all(s > 0 for s in cands.values())
+        best = (r["best"]["distance"], r["best"]["scale_rows"])
+        assert cands[best] == r["best_s"] and r["best_s"] <= r["default_s"]
+        if best != (ck.TUNE_DEFAULTS[f"pf_{fmt}"], ck.TUNE_DEFAULTS["scale_rows"] if fmt == "int4" else best[1]):
+            assert r["best_s"] <= (1 - ck.TUNE_MARGIN) * r["default_s"]
