@@ -255,6 +255,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--conditions", default="alone",
                     help="comma-separated: alone, memory-contended (a second process streaming memory on the other "
                          "core; one thread only)")
+    ap.add_argument("--prefetch_sweep", choices=["true", "false"], default="false",
+                    help="also time the int8 and int4 kernels under every prefetch distance the first-use tuning "
+                         "chooses from (`cpu_kernels.measure_prefetch`, one thread, 7 alternated rounds), in each "
+                         "condition: what this machine's tuning.json chose, and what a slower memory would")
     ap.add_argument("--work", default="runs/bench-kernels", help="where quantized copies of --model are kept")
     ap.add_argument("--out", default=str(ROOT / "results" / "kernels.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -285,6 +289,14 @@ def main(argv: list[str] | None = None) -> None:
             kernels += [{**row, "condition": cond} for t in threads_in(cond) for row in kernel_figures(t)]
     for row in kernels:
         print(json.dumps(row), file=sys.stderr, flush=True)
+    sweep = {}
+    if a.prefetch_sweep == "true":
+        from expertcache.runtime.kernels import cpu_kernels as ck
+
+        for cond in conditions:
+            with Condition(cond):
+                sweep[cond] = ck.measure_prefetch(rounds=7)
+            print(json.dumps({cond: {f: m["best"] for f, m in sweep[cond].items()}}), file=sys.stderr, flush=True)
     pairs = []
     model_info = None
     if a.model:
@@ -354,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
         "tuning": _tuning(),
         "model": model_info, "tokens": a.tokens, "depth": a.depth, "rounds": a.rounds,
         "seconds": round(time.time() - t_start, 1),
-        "kernels": kernels, "pairs": pairs,
+        "kernels": kernels, "pairs": pairs, **({"prefetch_sweep": sweep} if sweep else {}),
         "targets": {"kernel_fraction_one_thread": 0.7, "tpot_ratio": 1.25},
         "pass": {"kernels": {k["format"] + tag(k["condition"]): k["fraction_of_read_bandwidth"] >= 0.7 for k in one},
                  "pairs": {f"{p['format']}@{p['threads']}{tag(p['condition'])}": p["ratio"] <= 1.25 for p in pairs}},

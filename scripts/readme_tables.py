@@ -84,6 +84,29 @@ def kernels_table(d: dict, pairs_only: bool = False) -> str:
     return "\n".join(rows)
 
 
+def prefetch_sweep_table(d: dict) -> str:
+    """results/prefetch_sweep.json -> the int8 and int4 kernels' time under each prefetch distance the first-use
+    tuning chooses from, per condition, the default and the choice marked."""
+    rows = ["| condition | format | " + " | ".join(f"{x // 1024} KiB" if x else "off" for x in _sweep_distances(d))
+            + " | chosen |", "|---|---|" + "---|" * (len(_sweep_distances(d)) + 1)]
+    for cond, fmts in d["prefetch_sweep"].items():
+        for fmt, m in fmts.items():
+            rows_ = sorted({c["scale_rows"] for c in m["candidates"]})
+            for sr in rows_:
+                cells = {c["distance"]: c["s"] for c in m["candidates"] if c["scale_rows"] == sr}
+                best = m["best"]["distance"] if m["best"]["scale_rows"] == sr else None
+                what = fmt + (f", scales {sr} rows ahead" if fmt == "int4" else "")
+                rows.append(f"| {cond} | {what} | " + " | ".join(
+                    (f"**{cells[x] * 1e3:.2f} ms**" if x == best else f"{cells[x] * 1e3:.2f} ms") if x in cells else "—"
+                    for x in _sweep_distances(d)) + f" | {'yes' if best is not None else ''} |")
+    return "\n".join(rows)
+
+
+def _sweep_distances(d: dict) -> list[int]:
+    return sorted({c["distance"] for fmts in d["prefetch_sweep"].values() for m in fmts.values()
+                   for c in m["candidates"]})
+
+
 def serve_load_table(d: dict) -> str:
     """results/serve_load.json (or serve_batching.json) -> each system's rounds against one client: ours at 1/4 of
     the experts and all resident, and vLLM's CPU build beside them where it ran (a skipped system: its reason)."""
@@ -338,10 +361,13 @@ def tables() -> dict[str, str]:
         out["serve_prompt_cache"] = _block("serve_prompt_cache.json", f"{provenance(d['command'], 'serve_prompt_cache.json')}"
                                            f"; git {_git(d, 'commit')}", prompt_cache_table(d))
     # the kernels and every decode against llama.cpp (the first with its kernel rows, the others pairs only)
-    for name in ("kernels", "kernels_file", "kernels_int4_2t", "kernels_depth1024"):
+    for name in ("kernels", "kernels_amd_epyc", "kernels_file", "kernels_int4_2t", "kernels_depth1024"):
         if (d := _load(f"{name}.json")):
             out[name] = _block(f"{name}.json", provenance(d["command"], f"{name}.json"),
-                               kernels_table(d, pairs_only=name != "kernels"))
+                               kernels_table(d, pairs_only=name not in ("kernels", "kernels_amd_epyc")))
+    if (d := _load("prefetch_sweep.json")):
+        out["prefetch_sweep"] = _block("prefetch_sweep.json", f"{provenance(d['command'], 'prefetch_sweep.json')}"
+                                       f"; git {_git(d.get('provenance', d), 'commit')}", prefetch_sweep_table(d))
     if (d := _load("bench_cachesim.json")):
         out["bench_cachesim"] = _block("bench_cachesim.json",
                                        f"python scripts/bench_cachesim.py; git {_git(d, 'commit')}", cachesim_table(d))

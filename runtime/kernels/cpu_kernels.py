@@ -169,7 +169,7 @@ def why_unavailable() -> str | None:
 TUNE_DISTANCES = (0, 2048, 4096, 8192, 16384, 32768)
 TUNE_SCALE_ROWS = (0, 16)
 TUNE_DEFAULTS = {"pf_int8": 8192, "pf_int4": 8192, "scale_rows": 16}
-TUNE_MARGIN = 0.03
+TUNE_MARGIN = 0.05
 _TUNE_FILE = "tuning.json"
 
 
@@ -202,6 +202,8 @@ def measure_prefetch(rounds: int = 5, calls: int = 8, pool: int = 24) -> dict:
     import statistics
     import time
 
+    if not load():
+        raise RuntimeError(f"measure_prefetch: the CPU kernels are unavailable ({why_unavailable()})")
     H, I, k = 2048, 768, 8
     if pool < k:
         raise ValueError(f"measure_prefetch: a pool of {pool} experts cannot give {k} distinct ones a call")
