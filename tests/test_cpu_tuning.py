@@ -106,4 +106,18 @@ def test_the_measurement_times_every_candidate_and_keeps_the_default_unless_anot
         best = (r["best"]["distance"], r["best"]["scale_rows"])
         assert cands[best] == r["best_s"] and r["best_s"] <= r["default_s"]
         if best != (ck.TUNE_DEFAULTS[f"pf_{fmt}"], ck.TUNE_DEFAULTS["scale_rows"] if fmt == "int4" else best[1]):
-            assert r["best_s"] <= (1 - ck.TUNE_MARGIN) * r["default_s"]
+            won = {(c["distance"], c["scale_rows"]): c["rounds_beating_default"] for c in r["candidates"]}
+            assert r["best_s"] <= (1 - ck.TUNE_MARGIN) * r["default_s"] and won[best] >= ck.TUNE_WINS * r["rounds"]
+
+
+def test_a_candidate_replaces_the_default_only_when_clearly_faster_in_the_median_and_round_by_round():
+    d = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    lucky = [0.5, 0.5, 0.5, 1.1, 1.1, 1.1, 1.1][::-1]  # median 1.1: slower, though far faster in three rounds
+    noisy = [0.8, 0.8, 0.8, 0.8, 1.1, 1.1, 1.1]  # median 0.8, but beats the default in 4 rounds of 7
+    close = [0.97] * 7  # faster every round, by less than the margin
+    clear = [0.85, 0.9, 0.88, 0.86, 0.9, 0.87, 1.01]  # 6 rounds of 7, median 0.88
+    faster = [0.6, 0.65, 0.62, 0.7, 0.61, 0.63, 0.64]
+    assert ck.choose({"d": d, "lucky": lucky, "noisy": noisy, "close": close}, "d")[0] == "d"
+    assert ck.choose({"d": d, "noisy": noisy, "clear": clear}, "d")[0] == "clear"
+    best, med, wins = ck.choose({"d": d, "clear": clear, "faster": faster}, "d")
+    assert best == "faster" and wins == {"d": 0, "clear": 6, "faster": 7} and med["clear"] == 0.88

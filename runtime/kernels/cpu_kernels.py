@@ -162,14 +162,15 @@ def why_unavailable() -> str | None:
 # The integer kernels' software prefetch distance (bytes ahead along a row) and the int4 group-32 kernels' scale
 # prefetch (rows ahead) are settings of the extension (`set_tuning`). At first use on a machine, `tune` times the
 # int8 and int4 expert kernels at one thread on Qwen3-30B-A3B's expert shape, 8 experts drawn from a pool larger
-# than any cache, under each candidate, alternated over rounds, and keeps the fastest (the built-in default unless
-# another is at least TUNE_MARGIN faster); the choice and every candidate's median time go to `tuning.json` beside
+# than any cache, under each candidate, alternated over rounds, and keeps the fastest of those clearly faster than
+# the built-in default (by TUNE_MARGIN in the median, and in TUNE_WINS of the rounds), else the default; the choice and every candidate's median time go to `tuning.json` beside
 # the build, keyed by the CPU, and later processes read it. `EXPERTCACHE_TUNE=off` keeps the built-in defaults (the
 # tests run so), `EXPERTCACHE_TUNE=again` measures anew. Prefetching never changes a result, only its time.
 TUNE_DISTANCES = (0, 2048, 4096, 8192, 16384, 32768)
 TUNE_SCALE_ROWS = (0, 16)
 TUNE_DEFAULTS = {"pf_int8": 8192, "pf_int4": 8192, "scale_rows": 16}
-TUNE_MARGIN = 0.05
+TUNE_MARGIN = 0.05  # a candidate replaces the default only when its median is this much faster
+TUNE_WINS = 0.8  # and it beat the default in this share of the rounds (paired within each round)
 _TUNE_FILE = "tuning.json"
 
 
@@ -196,10 +197,22 @@ def tuning() -> dict:
     return {**set_tuning(), "source": _state.get("tuning", {}).get("source")} if _state.get("ok") else {}
 
 
+def choose(times: dict, default) -> tuple:
+    """(the choice, median per candidate, rounds each beat the default in) from per-round times {candidate: [s]}:
+    the fastest median among candidates clearly faster than `default` (TUNE_MARGIN in the median, and faster in the
+    same round in TUNE_WINS of the rounds), else `default`."""
+    import statistics
+
+    med = {c: statistics.median(v) for c, v in times.items()}
+    wins = {c: sum(a < b for a, b in zip(v, times[default])) for c, v in times.items()}
+    n = len(times[default])
+    clear = [c for c in med if med[c] <= (1 - TUNE_MARGIN) * med[default] and wins[c] >= TUNE_WINS * n]
+    return (min(clear, key=med.get) if clear else default), med, wins
+
+
 def measure_prefetch(rounds: int = 5, calls: int = 8, pool: int = 24) -> dict:
     """Median seconds per call of the int8 and int4 (group 32) expert kernels under each candidate, one thread,
-    candidates alternated within each round; and the best setting per format."""
-    import statistics
+    candidates alternated within each round; and the setting `choose` keeps per format."""
     import time
 
     if not load():
@@ -239,14 +252,13 @@ def measure_prefetch(rounds: int = 5, calls: int = 8, pool: int = 24) -> dict:
                     for s in draws:
                         swiglu_q(x, gu, dn, bits, 32, s, w)
                     times[c].append((time.perf_counter() - t0) / calls)
-            med = {c: statistics.median(v) for c, v in times.items()}
             default = (TUNE_DEFAULTS[f"pf_{fmt}"], TUNE_DEFAULTS["scale_rows"] if bits == 4 else was["scale_rows"])
-            best = min(med, key=med.get)
-            if med[best] > (1 - TUNE_MARGIN) * med[default]:
-                best = default
+            best, med, wins = choose(times, default)
             out[fmt] = {"best": {"distance": best[0], "scale_rows": best[1]}, "default_s": med[default],
-                        "best_s": med[best], "bytes_per_call": k * sum(t.nbytes for t in (*gu.values(), *dn.values())) // pool,
-                        "candidates": [{"distance": c[0], "scale_rows": c[1], "s": v} for c, v in med.items()]}
+                        "best_s": med[best], "rounds": rounds,
+                        "bytes_per_call": k * sum(t.nbytes for t in (*gu.values(), *dn.values())) // pool,
+                        "candidates": [{"distance": c[0], "scale_rows": c[1], "s": v, "rounds_beating_default": wins[c]}
+                                       for c, v in med.items()]}
             del gu, dn
         return out
     finally:
