@@ -194,7 +194,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
-    from expertcache.telemetry.atomic import check_output, copy_tree, write_json
+    from expertcache.telemetry.atomic import check_output, copy_tree
     from expertcache.telemetry.hf import context_length, load_config, load_tokenizer
     from expertcache.telemetry.provenance import provenance
 
@@ -257,7 +257,9 @@ def main() -> None:
            **provenance(REPO)}
     print(json.dumps(out, indent=2))
     if a.out:
-        write_json(a.out, out)
+        from expertcache.runtime.bench.results import write_result
+
+        write_result(a.out, out, config=vars(a), command=out["command"])
 
 
 async def _stream_once(url: str, prompt: list[int]) -> None:
