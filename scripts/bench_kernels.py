@@ -220,7 +220,8 @@ class Condition:
                              "process)")
         self.saved = set(cpus)
         os.sched_setaffinity(0, {cpus[0]})
-        self.proc = subprocess.Popen([sys.executable, "-c", STREAMER % (cpus[1], self.elements)], stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen([sys.executable, "-c", STREAMER % (cpus[1], self.elements)],
+                                     stdout=subprocess.PIPE, text=True)
         if self.proc.stdout.readline().strip() != "streaming":  # '' when it died before streaming
             self.proc.wait()
             raise SystemExit(f"bench_kernels: the memory-streaming process exited ({self.proc.returncode})")

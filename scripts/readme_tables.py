@@ -282,18 +282,19 @@ def _git(d: dict, key: str = "git_commit") -> str:
 def make_times_table(d: dict | None) -> str:
     """results/make_times.json (scripts/timed.py) -> the wall times of `make quickstart`, `make test-fast`,
     `make test` as last measured, with the machine they were measured on."""
-    rows = ["| command | wall time | exit | machine | 1-min load after | commit | when |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| command | wall time | exit | machine | 1-min load after | CPU time the host took | commit | when |",
+            "|---|---|---|---|---|---|---|---|"]
     for key, cmd in (("make-quickstart", "make quickstart"), ("make-test-fast", "make test-fast"),
                      ("make-test", "make test")):
         r = (d or {}).get(key)
         if not r:
-            rows.append(f"| `{cmd}` | {NOT_MEASURED} | | | | | |")
+            rows.append(f"| `{cmd}` | {NOT_MEASURED} | | | | | | |")
             continue
         m, s = divmod(round(r["wall_s"]), 60)
         load = "—" if r.get("load_after_1min") is None else f"{r['load_after_1min']:.1f}"
         where = f"{r.get('cpus', '?')} CPUs {r.get('machine', '')}" + (" (CI)" if r.get("ci") else "")
-        rows.append(f"| `{cmd}` | {m} min {s:02d} s | {r.get('exit', '?')} | {where} | {load} | "
+        steal = "—" if r.get("cpu_steal_s") is None else f"{r['cpu_steal_s']:.1f} s"
+        rows.append(f"| `{cmd}` | {m} min {s:02d} s | {r.get('exit', '?')} | {where} | {load} | {steal} | "
                     f"{r.get('commit', '?')} | {r.get('when', '?')} |")
     return "\n".join(rows)
 

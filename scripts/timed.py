@@ -25,15 +25,26 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "results" / "make_times.json"
 
 
+def steal_s() -> float | None:
+    """CPU seconds the hypervisor has taken from this machine's CPUs since boot (/proc/stat's steal), or None: on a
+    shared host the same command's wall time moves with it."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
         print("usage: python scripts/timed.py NAME -- CMD [ARGS ...]", file=sys.stderr)
         return 2
     name, cmd = argv[0], argv[2:]
     head = rev_parse("HEAD", ROOT)  # the code that runs, taken before it starts
-    t0 = time.perf_counter()
+    st0, t0 = steal_s(), time.perf_counter()
     rc = subprocess.call(cmd)
-    wall = time.perf_counter() - t0
+    wall, st1 = time.perf_counter() - t0, steal_s()
     try:
         times = json.loads(OUT.read_text())
     except (OSError, ValueError):
@@ -41,6 +52,7 @@ def main(argv: list[str]) -> int:
     load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     times[name] = {"wall_s": round(wall, 1), "exit": rc, "command": " ".join(cmd), "commit": head,
                    "cpus": os.cpu_count(), "machine": platform.machine(), "load_after_1min": load1,
+                   "cpu_steal_s": None if st0 is None or st1 is None else round(st1 - st0, 1),
                    "ci": bool(os.environ.get("CI")),
                    "when": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
     write_json(OUT, times)  # silently: the command's own last line (pytest's summary) stays the last line

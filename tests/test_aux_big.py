@@ -38,6 +38,7 @@ def _train(setup, trace, out, capsys=None):
                  "--recipe.routers.lr", "0.01", "--recipe.routers.prefetch_threshold", "0.05"])
 
 
+@pytest.mark.slow  # records through the engine, trains, serves (about 1 s)
 def test_offloaded_record_trains_aux_routers_that_spatio_serves(setup, tmp_path, capsys):
     mem, off = tmp_path / "mem.parquet", tmp_path / "off.parquet"
     assert _record(setup, mem, "--hidden", "true") == 0
@@ -116,6 +117,7 @@ def test_engine_options_imply_offload_and_trace_is_for_aux_only(setup, tmp_path,
                     ["mode=joint", "routers.trace=t.parquet"])
 
 
+@pytest.mark.slow  # two recordings of a checkpoint (about 1 s)
 def test_offloaded_record_of_a_bf16_checkpoint_matches_in_memory(setup, tmp_path):
     """bf16: the engine's CPU kernels (patched routers, the one-function decode step) run, and the router hooks
     still see every forward; the ids are the same and the hidden states agree to bf16 rounding."""

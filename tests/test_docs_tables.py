@@ -52,8 +52,25 @@ def test_make_times_read_not_measured_until_measured(gen):
     t = gen.make_times_table({"make-test-fast": {"wall_s": 126.4, "exit": 0, "commit": "abc1234", "cpus": 2,
                                                  "machine": "x86_64", "load_after_1min": 1.5, "ci": False,
                                                  "when": "2026-01-01T00:00:00Z"}})
-    assert "| `make test-fast` | 2 min 06 s | 0 | 2 CPUs x86_64 | 1.5 | abc1234 |" in t
+    assert "| `make test-fast` | 2 min 06 s | 0 | 2 CPUs x86_64 | 1.5 | — | abc1234 |" in t  # an older record
     assert t.count(gen.NOT_MEASURED) == 2
+    t = gen.make_times_table({"make-test": {"wall_s": 61.0, "exit": 1, "commit": "abc1234", "cpus": 2,
+                                            "machine": "x86_64", "load_after_1min": 1.5, "cpu_steal_s": 7.25}})
+    assert "| `make test` | 1 min 01 s | 1 | 2 CPUs x86_64 | 1.5 | 7.2 s | abc1234 |" in t
+
+
+def test_timed_counts_the_cpu_time_the_host_took():
+    import importlib.util
+
+    from helpers import REPO
+
+    spec = importlib.util.spec_from_file_location("timed", REPO / "scripts" / "timed.py")
+    timed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timed)
+    a = timed.steal_s()
+    if a is None:
+        pytest.skip("no /proc/stat steal field here")
+    assert a >= 0 and timed.steal_s() >= a  # a counter since boot
 
 
 def test_provenance_carries_no_machine_paths(gen):

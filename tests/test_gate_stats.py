@@ -267,6 +267,7 @@ def test_following_the_sample_size_suggestion_shrinks_the_interval_as_promised()
     assert min(suggested) > 12
 
 
+@pytest.mark.slow  # Monte Carlo (about 1 s)
 def test_a_model_against_a_second_evaluation_of_itself_never_fails():
     """Calibration: the candidate is the baseline plus zero-mean per-block noise (a second evaluation with other
     sampling), over 50 seeds and both sample sizes: PASS or INCONCLUSIVE, never FAIL."""

@@ -107,6 +107,7 @@ def test_loading_executes_no_code(toy_policy, tmp_path, monkeypatch):
         LearnedPolicy.load(evil)
 
 
+@pytest.mark.slow  # simulates every policy step (about 1 s)
 def test_simulator_equals_cache_state(toy_policy):
     ids = random_trace(seed=7).astype(np.int64)
     n_l, n_t, k = ids.shape

@@ -214,6 +214,7 @@ def _cli(argv, capsys) -> tuple[int, list[str]]:
     return rc, capsys.readouterr().err.strip().splitlines()
 
 
+@pytest.mark.slow  # every writing command in turn (about 1 s)
 def test_a_folder_of_user_files_survives_every_writing_commands_out(ckpt, tmp_path, capsys, monkeypatch):
     import expertcache.runtime.storage.checkpoint as checkpoint
 

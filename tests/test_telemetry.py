@@ -216,6 +216,7 @@ def _rows(w, ids, seq=0):
             token=np.zeros(n, np.int32), ids=np.asarray(ids), weights=np.ones((n, 2), np.float16))
 
 
+@pytest.mark.slow  # records twice, one killed (about 1 s)
 def test_a_clean_trace_says_complete_and_an_interrupted_one_says_partial(tmp_path):
     from expertcache.telemetry.analysis import analyze, text_summary
     from expertcache.telemetry.parquet_trace import read_meta

@@ -27,6 +27,7 @@ def ckpts(tmp_path_factory):
     return {"fp32": fp32, "bf16": bf16}
 
 
+@pytest.mark.slow  # records and analyzes a trace (about 1 s)
 def test_own_prompts_are_recorded_in_the_served_dtype_and_analyzed(ckpts, tmp_path, capsys):
     from expertcache.telemetry.hf import load_tokenizer
 

@@ -186,6 +186,7 @@ def talk(tmp_path_factory):
     return d, text
 
 
+@pytest.mark.slow  # generate, eval and serve in turn (about 1 s)
 def test_generate_eval_and_serve_refuse_the_damaged_checkpoint_in_one_line(talk, tmp_path, capsys):
     d, text = talk
     engine = ["--engine.capacity", "2"]
@@ -294,6 +295,7 @@ def test_serve_refuses_a_request_that_meets_a_damaged_expert_and_goes_on(talk, m
         m.expertcache.close()
 
 
+@pytest.mark.slow  # the same three on the plain model (about 1 s)
 def test_the_plain_model_is_checked_too(talk, tmp_path, capsys):
     """No engine options (eval's default, generate --plain true): the whole model is in memory, and the same
     checks run over it once; a NaN expert is refused in one line naming its tensor, and nothing is written."""

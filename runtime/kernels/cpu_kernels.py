@@ -160,10 +160,11 @@ def why_unavailable() -> str | None:
 
 # --- prefetch distances chosen on this machine -------------------------------------------------------------------
 # The integer kernels' software prefetch distance (bytes ahead along a row) and the int4 group-32 kernels' scale
-# prefetch (rows ahead) are settings of the extension (`set_tuning`). At first use on a machine, `tune` times the
-# int8 and int4 expert kernels at one thread on Qwen3-30B-A3B's expert shape, 8 experts drawn from a pool larger
-# than any cache, under each candidate, alternated over rounds, and keeps the fastest of those clearly faster than
-# the built-in default (by TUNE_MARGIN in the median, and in TUNE_WINS of the rounds), else the default; the choice and every candidate's median time go to `tuning.json` beside
+# prefetch (rows ahead) are settings of the extension (`set_tuning`). At first use on a machine, `load` calls
+# `_apply_tuning`: `measure_prefetch` times the int8 and int4 expert kernels at one thread on Qwen3-30B-A3B's expert
+# shape, 8 experts drawn from a pool larger than any cache, under each candidate, alternated over rounds, and
+# `choose` keeps the fastest of those clearly faster than the built-in default (by TUNE_MARGIN in the median, and in
+# TUNE_WINS of the rounds), else the default. The choice and every candidate's median time go to `tuning.json` beside
 # the build, keyed by the CPU, and later processes read it. `EXPERTCACHE_TUNE=off` keeps the built-in defaults (the
 # tests run so), `EXPERTCACHE_TUNE=again` measures anew. Prefetching never changes a result, only its time.
 TUNE_DISTANCES = (0, 2048, 4096, 8192, 16384, 32768)
@@ -228,7 +229,7 @@ def measure_prefetch(rounds: int = 7, calls: int = 8, pool: int = 24) -> dict:
         x = (torch.randn(1, H, generator=g) * 0.5).bfloat16()
         w = torch.full((1, k), 1.0 / k)
         # packed experts written directly (the values do not change the time; a random fill costs more than it
-        # measures): codes of one pattern, unit scales, zero minimums
+        # measures): codes of one byte pattern, one small scale and minimum throughout
         def packed(rows, cols, bits):
             t = {"q": torch.full((pool, rows, cols * bits // 8), 0x35, dtype=torch.int8 if bits == 8 else torch.uint8),
                  "scales": torch.full((pool, rows, cols // 32), 0.01, dtype=torch.float16)}
