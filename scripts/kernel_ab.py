@@ -87,7 +87,7 @@ def run(src, build, mode, bits, group, pool, threads, out="") -> dict:
     return r if mode == "time" else {}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int | None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="HEAD", help="git revision of A (B is the working tree)")
     ap.add_argument("--formats", default="int4-g32,int4-g128")
@@ -96,11 +96,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="")
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.child:
         from expertcache.runtime.bench.runner import read_config
 
         return child(**read_config(a.child))
+    bad = [f for f in a.formats.split(",") if f not in FORMATS]
+    if bad or not a.formats:
+        print(f"kernel_ab: --formats {a.formats}: expected a subset of {','.join(FORMATS)}", file=sys.stderr)
+        return 2
     import torch
 
     from expertcache.runtime.kernels.cpu_kernels import cache_dir
@@ -146,4 +150,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

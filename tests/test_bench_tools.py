@@ -382,3 +382,22 @@ def test_the_memory_contended_condition_streams_on_the_other_core_and_restores_t
         bench_kernels.main(["--conditions", "busy"])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("bench_kernels: --conditions busy"), err
+
+
+def test_kernel_ab_refuses_an_unknown_format_and_revision_in_one_line_with_exit_2(capsys):
+    """scripts/kernel_ab.py: a format outside its table was a KeyError traceback after the first format's rounds, and
+    a revision git does not know exited 0; both are one line and exit 2 before anything is built."""
+    import importlib.util
+
+    from helpers import REPO
+
+    spec = importlib.util.spec_from_file_location("kernel_ab", REPO / "scripts" / "kernel_ab.py")
+    kab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kab)
+    for argv, want in ((["--formats", "int4-g32,int8"], "kernel_ab: --formats int4-g32,int8: expected a subset of"),
+                       (["--base", "no-such-revision", "--formats", "int8-g32"],
+                        "kernel_ab: 'no-such-revision' names no commit")):
+        capsys.readouterr()
+        assert kab.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(want), err
