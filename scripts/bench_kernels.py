@@ -190,7 +190,7 @@ def quantized(model: Path, fmt: str, work: Path, linears: bool) -> Path:
 
 CONDITIONS = ("alone", "memory-contended")
 # Says "streaming" once its arrays are written and the first copy is done: the condition starts from there.
-STREAMER = ("import os, sys, numpy as np\nos.sched_setaffinity(0, {%d})\na = np.ones(%d); b = np.empty_like(a)\n"
+STREAMER = ("import os, numpy as np\nos.sched_setaffinity(0, {%d})\na = np.ones(%d); b = np.empty_like(a)\n"
             "np.copyto(b, a)\nprint('streaming', flush=True)\nwhile True:\n    np.copyto(b, a)\n")
 
 
