@@ -87,24 +87,20 @@ def kernels_table(d: dict, pairs_only: bool = False) -> str:
 def prefetch_sweep_table(d: dict) -> str:
     """results/prefetch_sweep.json -> the int8 and int4 kernels' time under each prefetch distance the first-use
     tuning chooses from, per condition, the default and the choice marked."""
-    rows = ["| condition | format | " + " | ".join(f"{x // 1024} KiB" if x else "off" for x in _sweep_distances(d))
-            + " | chosen |", "|---|---|" + "---|" * (len(_sweep_distances(d)) + 1)]
+    dists = sorted({c["distance"] for fmts in d["prefetch_sweep"].values() for m in fmts.values()
+                    for c in m["candidates"]})
+    rows = ["| condition | format | " + " | ".join(f"{x // 1024} KiB" if x else "off" for x in dists) + " | chosen |",
+            "|---|---|" + "---|" * (len(dists) + 1)]
     for cond, fmts in d["prefetch_sweep"].items():
         for fmt, m in fmts.items():
-            rows_ = sorted({c["scale_rows"] for c in m["candidates"]})
-            for sr in rows_:
+            for sr in sorted({c["scale_rows"] for c in m["candidates"]}):
                 cells = {c["distance"]: c["s"] for c in m["candidates"] if c["scale_rows"] == sr}
                 best = m["best"]["distance"] if m["best"]["scale_rows"] == sr else None
                 what = fmt + (f", scales {sr} rows ahead" if fmt == "int4" else "")
                 rows.append(f"| {cond} | {what} | " + " | ".join(
                     (f"**{cells[x] * 1e3:.2f} ms**" if x == best else f"{cells[x] * 1e3:.2f} ms") if x in cells else "—"
-                    for x in _sweep_distances(d)) + f" | {'yes' if best is not None else ''} |")
+                    for x in dists) + f" | {'yes' if best is not None else ''} |")
     return "\n".join(rows)
-
-
-def _sweep_distances(d: dict) -> list[int]:
-    return sorted({c["distance"] for fmts in d["prefetch_sweep"].values() for m in fmts.values()
-                   for c in m["candidates"]})
 
 
 def serve_load_table(d: dict) -> str:

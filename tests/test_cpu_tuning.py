@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from expertcache.runtime.kernels import cpu_kernels as ck
+from expertcache.runtime.bench.results import cpu_model
 from expertcache.runtime.kernels import quant
 
 pytestmark = pytest.mark.skipif(not ck.available(), reason=f"CPU kernels unavailable: {ck.why_unavailable()}")
@@ -63,7 +64,7 @@ def test_the_choice_is_measured_once_per_cpu_kept_beside_the_build_and_read_afte
     monkeypatch.delenv("EXPERTCACHE_TUNE", raising=False)
     ck._apply_tuning(tmp_path)
     rec = json.loads((tmp_path / "tuning.json").read_text())
-    assert calls == [1] and rec["cpu"] == ck.cpu_model()
+    assert calls == [1] and rec["cpu"] == cpu_model()
     assert rec["choice"] == {"pf_int8": 4096, "pf_int4": 2048, "scale_rows": 0}
     assert {k: ck.set_tuning()[k] for k in rec["choice"]} == rec["choice"]  # in force
     ck.set_tuning(**restore)
@@ -73,7 +74,7 @@ def test_the_choice_is_measured_once_per_cpu_kept_beside_the_build_and_read_afte
     rec["cpu"] = "another CPU"
     (tmp_path / "tuning.json").write_text(json.dumps(rec))
     ck._apply_tuning(tmp_path)  # another machine's record: measured again, for this one
-    assert calls == [1, 1] and json.loads((tmp_path / "tuning.json").read_text())["cpu"] == ck.cpu_model()
+    assert calls == [1, 1] and json.loads((tmp_path / "tuning.json").read_text())["cpu"] == cpu_model()
     monkeypatch.setenv("EXPERTCACHE_TUNE", "again")
     ck._apply_tuning(tmp_path)
     assert calls == [1, 1, 1]

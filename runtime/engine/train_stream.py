@@ -477,8 +477,9 @@ class StreamedExperts(nn.Module):
                 if b <= a:
                     continue
                 if packed is not None:
-                    yield start + j, a, b, _PackedExpert({k: {p: v[j] for p, v in t.items()} for k, t in packed[0].items()},
-                                                         packed[1])
+                    parts, group = packed
+                    yield start + j, a, b, _PackedExpert({k: {p: v[j] for p, v in t.items()} for k, t in parts.items()},
+                                                         group)
                 else:
                     W = compute_weights({kk: v[j:j + 1] for kk, v in views.items()}, r.dtype, r.buffers)
                     yield start + j, a, b, _DenseExpert({kk: v[0] for kk, v in W.items()})

@@ -175,16 +175,6 @@ TUNE_WINS = 0.85  # and it beat the default in this share of the rounds (paired 
 _TUNE_FILE = "tuning.json"
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def set_tuning(pf_int8: int = -1, pf_int4: int = -1, scale_rows: int = -1, pf_bf16: int = -1) -> dict:
     """Set the extension's prefetch settings (a negative one is left as it is); returns them as they were."""
     was = torch.ops.expertcache_cpu.set_tuning(pf_bf16, pf_int8, pf_int4, scale_rows)
@@ -280,6 +270,8 @@ def _apply_tuning(d: Path) -> None:
     if mode == "off":
         _state["tuning"] = {"source": "defaults (EXPERTCACHE_TUNE=off)", **TUNE_DEFAULTS}
         return
+    from expertcache.runtime.bench.results import cpu_model
+
     path, cpu = d / _TUNE_FILE, cpu_model()
 
     def read():
