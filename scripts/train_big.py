@@ -89,6 +89,12 @@ def main() -> None:
     ap.add_argument("--drop_model", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
                     help="delete each run's trained checkpoint once measured (each is as large as the base)")
     a = ap.parse_args()
+    which = {w.strip() for w in a.runs.split(",") if w.strip()}
+    known = {"bf16", *([f"int{a.bits}"] if a.bits else [])}
+    if not which or which - known:
+        print(f"train_big: --runs {a.runs}: expected a subset of {','.join(sorted(known))} (int4/int8 need --bits)",
+              file=sys.stderr)
+        sys.exit(2)
 
     from expertcache.runtime.commands import _git_commit
     from expertcache.runtime.bench.memcg import MemoryCgroup
@@ -102,7 +108,6 @@ def main() -> None:
         write_checkpoint(ckpt, a.make_layers)
     cg, why = MemoryCgroup.create(int(a.cgroup_gb * 2 ** 30)) if a.cgroup_gb else (None, "not asked")
     runs = []
-    which = {w.strip() for w in a.runs.split(",") if w.strip()}
     try:
         if "bf16" in which:
             runs.append(run_one(ckpt, work / "bf16", a, cg))
