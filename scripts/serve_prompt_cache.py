@@ -176,7 +176,7 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, int(round(q / 100 * (len(s) - 1)))))]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(REPO / "runs" / "starter" / "model"),
                     help="checkpoint (default: the quickstart's); read only, served from a copy")
@@ -192,7 +192,7 @@ def main() -> None:
     ap.add_argument("--stream_tokens", type=int, default=240)
     ap.add_argument("--prefill_chunk", type=int, default=256)
     ap.add_argument("--out", default=None)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
 
     from expertcache.telemetry.atomic import check_output, copy_tree
     from expertcache.telemetry.hf import context_length, load_config, load_tokenizer
@@ -200,9 +200,16 @@ def main() -> None:
 
     if a.out:
         check_output(a.out)
+    from expertcache.telemetry.errors import InputError
+
     src = Path(a.model)
-    ctx = context_length(load_config(src))
-    tok = load_tokenizer(src)
+    try:
+        ctx = context_length(load_config(src))
+        tok = load_tokenizer(src)
+    except InputError as e:  # the checkpoint is named by the user: one line, exit 2 (no model, no quickstart yet)
+        print(f"serve_prompt_cache: --model: {e}" + ("; `make quickstart` makes the default one"
+                                                       if a.model == ap.get_default("model") else ""), file=sys.stderr)
+        sys.exit(2)
     hist_turn1 = a.history - a.answer  # turn 1's prompt; its answer completes the history
     a_hist = argparse.Namespace(**{**vars(a), "history": hist_turn1})
     long_len = min(a.long, ctx - 1) if ctx else a.long
@@ -243,7 +250,7 @@ def main() -> None:
                 for p, _ in procs.values():
                     p.terminate()
                     p.wait(timeout=60)
-    out = {"command": "python scripts/serve_prompt_cache.py " + " ".join(sys.argv[1:]),
+    out = {"command": "python scripts/serve_prompt_cache.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "inputs": {"model": str(a.model), "context": ctx, "history_tokens": a.history, "answer_tokens": a.answer,
                       "question_tokens": a.question, "new_tokens": a.new, "rounds": a.rounds,
                       "long_prompt_asked": a.long, "long_prompt_tokens": long_len,

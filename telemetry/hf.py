@@ -71,7 +71,9 @@ def load_config(path: str | Path):
     from transformers import AutoConfig
 
     p = Path(path)
-    if p.exists() and not (p / "config.json").is_file():
+    if not p.exists():
+        raise InputError(f"no HF checkpoint at {p}: no such folder")
+    if not (p / "config.json").is_file():
         raise InputError(f"no HF checkpoint at {p} (expected {p / 'config.json'})")
     try:
         return AutoConfig.from_pretrained(str(p))
