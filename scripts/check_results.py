@@ -14,7 +14,15 @@ What `--write` adds, only where the file lacks it, never a figure:
   the YAML is the JSON's (written by the same run), marked `"config_recovered_from"`.
 - `command` where a file of the repository names the exact command that writes that exact file (`DOCUMENTED`;
   checked against that file's text, so it cannot drift), marked `"command_recovered_from"`.
-A list (frontier*.json) has no place for a key without changing what its readers read: reported, left alone.
+- `config` for a result that names only its command, `python scripts/X.py ARGS`: the arguments as X's own parser
+  resolved them at the commit the result records (its defaults then; X's source from git, run up to its parse in a
+  child process), marked `"config_recovered_from"`; not where that source no longer imports or a default came from
+  a name that has moved.
+- a frontier's list of rows (frontier*.json): each row's `commit`, `command` and `config` as the frontier recipe
+  writes them today, from the recipe whose YAML, at the commit that wrote the rows (following renames and a
+  file copied whole), names that output; each row marked `"config_recovered_from"`.
+- paths of the machine that ran it (under /work, /root, /home, /tmp) made portable as `write_result` writes
+  them: relative inside the repository, `.../<last name>` elsewhere. Only those strings change.
 """
 
 from __future__ import annotations
@@ -58,6 +66,8 @@ def config_of(d, path: Path) -> str | None:
         return "config"
     if isinstance(d, list) and d and all(isinstance(r, dict) and r.get("config") for r in d):
         return "config"  # a list of rows, each with its own
+    if isinstance(d, dict) and d and all(isinstance(v, dict) and v.get("config") for v in d.values()):
+        return "config"  # one entry per target (make_times.json's), each with its own
     if isinstance(d, dict) and d.get("inputs"):
         return "inputs" + (" + .config.yaml" if _yaml(path).is_file() else "")
     return ".config.yaml beside" if _yaml(path).is_file() else None
@@ -128,11 +138,118 @@ def agrees(cfg: dict, d: dict) -> bool:
     return True
 
 
+# what runs a script's own source from a commit, up to its argument parser, and prints the arguments it resolved
+_PARSE_ONLY = r"""
+import argparse, builtins, json, sys, types
+path, argv = sys.argv[1], sys.argv[2:]
+class Moved(types.ModuleType):  # a project name that has moved since: the parser does not need it
+    def __getattr__(self, name):
+        return Moved(name)
+    def __call__(self, *a, **k):
+        return Moved("call")
+real_import = builtins.__import__
+def project_import(name, globals=None, locals=None, fromlist=(), level=0):
+    try:
+        m = real_import(name, globals, locals, fromlist, level)
+    except ImportError:
+        if name.startswith("expertcache"):
+            return Moved(name)
+        raise
+    if name.startswith("expertcache") and any(not hasattr(m, f) for f in fromlist or ()):
+        return Moved(name)
+    return m
+builtins.__import__ = project_import
+class Parsed(BaseException):
+    pass
+real = argparse.ArgumentParser.parse_args
+def parse(self, args=None, namespace=None):
+    raise Parsed(vars(real(self, args, namespace)))
+argparse.ArgumentParser.parse_args = parse
+sys.argv = [path, *argv]
+sys.path.insert(0, path.rsplit("/", 1)[0])
+mod = types.ModuleType("recovered")
+mod.__file__ = path
+try:
+    exec(compile(sys.stdin.read(), path, "exec"), mod.__dict__)
+    main = mod.__dict__.get("main")
+    if main is not None:
+        try:
+            main(argv)
+        except TypeError:
+            main()
+except Parsed as p:
+    if any(isinstance(v, Moved) for v in p.args[0].values()):
+        sys.exit(1)  # a default came from a name that moved: not what that run read
+    print(json.dumps(p.args[0], default=str))
+    sys.exit(0)
+sys.exit(1)
+"""
+
+
+def parsed_config(command: str, commit: str, root: Path = ROOT) -> dict | None:
+    """The arguments `python scripts/X.py ARGS` resolved, as X's own parser read them at `commit` (its defaults
+    then, not today's): X's source from git, run only up to its parse, in a child process. None when the command
+    is not a script's, git lacks that commit's file, or its source no longer imports."""
+    import shlex
+    import subprocess
+
+    try:
+        argv = shlex.split(command)
+    except ValueError:
+        return None
+    if len(argv) < 2 or argv[0] != "python" or not argv[1].startswith("scripts/") or not argv[1].endswith(".py"):
+        return None
+    commit = commit.split("+")[0].split(",")[0]
+    src = subprocess.run(["git", "show", f"{commit}:{argv[1]}"], capture_output=True, text=True, cwd=root)
+    if src.returncode:
+        return None
+    p = subprocess.run([sys.executable, "-c", _PARSE_ONLY, str(root / argv[1]), *argv[2:]], input=src.stdout,
+                       capture_output=True, text=True, cwd=root, timeout=120)
+    if p.returncode:
+        return None
+    from expertcache.runtime.bench.results import portable
+
+    return portable(json.loads(p.stdout.strip().splitlines()[-1]))
+
+
+MACHINE_ROOTS = ("work", "root", "home", "tmp")  # where a run's own files lie on a machine: its paths, not the result's
+
+
+def machine_paths(d) -> int:
+    """How many strings in `d` (keys and values, at any depth) name a path under one of MACHINE_ROOTS."""
+    from expertcache.runtime.bench.results import _ABS
+
+    if isinstance(d, dict):
+        return sum(machine_paths(k) + machine_paths(v) for k, v in d.items())
+    if isinstance(d, list):
+        return sum(machine_paths(v) for v in d)
+    return int(isinstance(d, str) and any(m.group(0).split("/")[1] in MACHINE_ROOTS for m in _ABS.finditer(d)))
+
+
+def without_machine_paths(d):
+    """`d` with each path under MACHINE_ROOTS made portable as `write_result` writes it (relative inside the
+    repository, `.../<last name>` elsewhere); every other string, and every number, as it was."""
+    from expertcache.runtime.bench.results import _ABS, portable
+
+    if isinstance(d, dict):
+        return {without_machine_paths(k): without_machine_paths(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [without_machine_paths(v) for v in d]
+    if not isinstance(d, str):
+        return d
+    return _ABS.sub(lambda m: portable(m.group(0)) if m.group(0).split("/")[1] in MACHINE_ROOTS else m.group(0), d)
+
+
 def recover(d: dict, path: Path) -> list[str]:
     """What git history truthfully gives a result that lacks it (see the module's doc); what was added."""
     from expertcache.telemetry.provenance import last_commit
 
     added = []
+    if machine_paths(d):
+        clean = without_machine_paths(d)
+        d.clear()
+        d.update(clean)
+        added.append("portable paths")
     head = last_commit(path)
     if commit_of(d) is None and head:
         d["provenance"] = {"commit": head, "dirty": None, "recovered_from": "git log"}
@@ -150,6 +267,14 @@ def recover(d: dict, path: Path) -> list[str]:
         if cmd and command_of(d) is None:
             d["command"] = f"expertcache {cmd} --config results/{y.name}"
             added.append("command")
+    cmd, commit = command_of(d), commit_of(d)
+    if not d.get("config") and config_of(d, path) is None and cmd and commit:
+        cfg = parsed_config(cmd, commit, path.resolve().parents[1])
+        if cfg is not None:
+            script = cmd.split()[1]
+            d["config"] = cfg
+            d["config_recovered_from"] = f"the command, parsed by {script} as it was at {commit.split('+')[0]}"
+            added.append("config")
     doc = DOCUMENTED.get(path.name)
     if doc and command_of(d) is None and doc[0] in (ROOT / doc[1]).read_text():
         d["command"], d["command_recovered_from"] = doc
@@ -157,37 +282,118 @@ def recover(d: dict, path: Path) -> list[str]:
     return added
 
 
+def _git(root: Path, *args: str) -> str:
+    import subprocess
+
+    p = subprocess.run(["git", *args], capture_output=True, text=True, cwd=root)
+    return p.stdout if p.returncode == 0 else ""
+
+
+def _written_at(root: Path, name: str, rows: list) -> tuple[str, str] | None:
+    """(commit, path) where git last wrote these rows: the last commit that added or changed `results/<name>`
+    (following renames), or, for a copy added whole, the results file it equals in the parent commit and that
+    file's own last change."""
+    log = _git(root, "log", "--follow", "--diff-filter=AM", "--format=%h", "--name-only", "-1", "--", f"results/{name}")
+    parts = log.split()
+    if len(parts) != 2:
+        return None
+    c, path = parts
+    if _git(root, "log", "-1", "--diff-filter=A", "--format=%h", c, "--", path).strip() == c:  # added whole: a copy?
+        for other in _git(root, "ls-tree", "--name-only", f"{c}~1", "results/").split():
+            if other.endswith(".json") and other != path:
+                try:
+                    if json.loads(_git(root, "show", f"{c}~1:{other}") or "null") == rows:
+                        c = _git(root, "log", "-1", "--format=%h", f"{c}~1", "--", other).strip()
+                        return (c, other) if c else None
+                except json.JSONDecodeError:
+                    continue
+    return c, path
+
+
+def recover_rows(d: list, path: Path) -> list[str]:
+    """A frontier's list of rows without commit or configuration: each row gets them as the frontier recipe
+    writes them today (`commit`, `command`, `config`: recipe, base, split, variant, evaluation sizes), from the
+    recipe whose YAML, at the commit that wrote the rows, names that output (`frontier.out`; failing that, its text
+    names the file); only when exactly one recipe does and every row is that recipe's base, control or a variant of it."""
+    import yaml
+
+    added = []
+    if machine_paths(d):
+        d[:] = without_machine_paths(d)
+        added.append("portable paths")
+    if not d or not all(isinstance(r, dict) and r.get("name") for r in d) or all(r.get("config") for r in d):
+        return added
+    root = path.resolve().parents[1]
+    at = _written_at(root, path.name, d)
+    if at is None:
+        return added
+    c, written = at
+    found = []
+    for f in _git(root, "ls-tree", "--name-only", c, "recipes/cache-aware/").split():
+        if not f.endswith(".yaml"):
+            continue
+        text = _git(root, "show", f"{c}:{f}")
+        try:
+            y = yaml.safe_load(text) or {}
+        except yaml.YAMLError:
+            continue
+        fr = y.get("frontier") if isinstance(y, dict) else None
+        if isinstance(fr, dict) and (fr.get("out") == written or written in text):
+            found.append((f, y, fr))
+    exact = [x for x in found if x[2].get("out") == written]
+    if len(exact) == 1:
+        found = exact
+    if len(found) != 1:
+        return added
+    f, y, fr = found[0]
+    variants = fr.get("variants") or {}
+    if not all(r["name"] in ("base", fr.get("control", "control"), *variants) for r in d):
+        return added
+    for r in d:
+        lossy = r.get("serving") == "reroute"
+        keys = ("tasks", "limit", "ppl_blocks", "seq_len", "accuracy")
+        sizes = {k: fr[("lossy_" if lossy else "") + k] for k in keys if ("lossy_" if lossy else "") + k in fr}
+        r.setdefault("commit", c)
+        r.setdefault("command", f"expertcache train-cache-aware --recipe {y.get('name')}")
+        r["config"] = {"recipe": y.get("name"), "base": y.get("base"), "split": fr.get("split", "test"),
+                       "variant": list(variants.get(r["name"], [])), "eval": sizes}
+        r["config_recovered_from"] = f"{f} at {c} (it wrote {written})"
+    return added + ["commit", "config", "command"]
+
+
 def rows(results: Path, write: bool = False) -> list[dict]:
     out = []
     for p in sorted(results.glob("*.json")):
         d = json.loads(p.read_text())
         added = []
-        if write and isinstance(d, dict):
-            added = recover(d, p)
+        if write and isinstance(d, (dict, list)):
+            added = recover(d, p) if isinstance(d, dict) else recover_rows(d, p)
             if added:
                 from expertcache.telemetry.atomic import write_json
 
                 write_json(p, d)
         n, same = claims(d)
         out.append({"file": p.name, "commit": commit_of(d), "config": config_of(d, p), "command": command_of(d),
+                    "machine_paths": machine_paths(d),
                     "claims_rechecked": n, "claims_same": same, "added": added,
                     "list": isinstance(d, list)})
     return out
 
 
 def table(rs: list[dict]) -> str:
-    lines = ["| file | commit | configuration | command named | claims re-decided (same) | added now |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| file | commit | configuration | command named | machine paths | claims re-decided (same) | added now |",
+             "|---|---|---|---|---|---|---|"]
     for r in rs:
         rechecked = f"{r['claims_rechecked']} ({r['claims_same']})" if r["claims_rechecked"] else "—"
         lines.append(f"| {r['file']} | {r['commit'] or ('— (a list)' if r['list'] else '—')} | {r['config'] or '—'} | "
-                     f"{'yes' if r['command'] else '—'} | "
+                     f"{'yes' if r['command'] else '—'} | {r['machine_paths'] or '—'} | "
                      f"{rechecked} | "
                      f"{', '.join(r['added']) or '—'} |")
     n = len(rs)
     lines.append(f"\n{n} files: commit {sum(bool(r['commit']) for r in rs)}, configuration "
                  f"{sum(bool(r['config']) for r in rs)}, command {sum(bool(r['command']) for r in rs)}, all three "
-                 f"{sum(bool(r['commit'] and r['config'] and r['command']) for r in rs)}; claims re-decided "
+                 f"{sum(bool(r['commit'] and r['config'] and r['command']) for r in rs)}, with machine paths "
+                 f"{sum(bool(r['machine_paths']) for r in rs)}; claims re-decided "
                  f"{sum(r['claims_rechecked'] for r in rs)}, the same {sum(r['claims_same'] for r in rs)}")
     return "\n".join(lines)
 

@@ -23,6 +23,7 @@ from expertcache.telemetry.provenance import rev_parse
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "results" / "make_times.json"
+ENV = ("OMP_NUM_THREADS", "PYTEST_ADDOPTS", "PYTEST_XDIST_AUTO_NUM_WORKERS", "CI")  # and every EXPERTCACHE_*
 
 
 def steal_s() -> float | None:
@@ -54,6 +55,10 @@ def main(argv: list[str]) -> int:
                    "cpus": os.cpu_count(), "machine": platform.machine(), "load_after_1min": load1,
                    "cpu_steal_s": None if st0 is None or st1 is None else round(st1 - st0, 1),
                    "ci": bool(os.environ.get("CI")),
+                   # what the time depends on beyond the commit: the target, its command, the settings it inherits
+                   "config": {"target": name, "argv": cmd,
+                              "env": {k: v for k, v in sorted(os.environ.items())
+                                      if k.startswith("EXPERTCACHE_") or k in ENV}},
                    "when": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
     write_json(OUT, times)  # silently: the command's own last line (pytest's summary) stays the last line
     # the README's and docs' tables follow the file at once (else the docs-tables test of the next `make test`

@@ -222,8 +222,9 @@ def test_check_results_recovers_only_what_git_history_and_the_configs_say(tmp_pa
     assert b["command"] == "expertcache bench big --config results/big.config.yaml" and "provenance" not in b
     assert "config" not in o and "command" not in o
     out = capsys.readouterr().out
-    assert "| big.json | abc1234 | config | yes | 1 (1) | config, command |" in out, out
-    assert "3 files: commit 3, configuration 2, command 1, all three 1; claims re-decided 2, the same 2" in out
+    assert "| big.json | abc1234 | config | yes | — | 1 (1) | config, command |" in out, out
+    assert ("3 files: commit 3, configuration 2, command 1, all three 1, with machine paths 0; claims re-decided 2, "
+            "the same 2") in out
     # a list of rows (the frontier's) is traceable when every row records commit, command and config
     cmd = "expertcache train-cache-aware --recipe f"
     rows = [{"name": n, "commit": "abc1234", "command": cmd, "config": {"variant": []}} for n in "ab"]
@@ -233,3 +234,67 @@ def test_check_results_recovers_only_what_git_history_and_the_configs_say(tmp_pa
     (res / "other.json").write_text(json.dumps(o))
     assert cr.main(["--results", str(res)]) == 1
     assert cr.main(["--results", str(res), "--write"]) == 1 and json.loads((res / "plain.json").read_text()) == plain
+
+
+def test_check_results_recovers_a_scripts_config_a_frontiers_rows_and_portable_paths(tmp_path, capsys):
+    """`scripts/check_results.py --write` on a repository of its own: a result that names only `python
+    scripts/x.py ARGS` gets the arguments x's own parser resolved at the commit the result records (a default
+    changed since reads as it was then, and the script never runs past its parse); one whose default came from a
+    project name that has moved gets none; a frontier's rows get commit, command and config from the recipe that
+    named their output when they were written (a variant changed since reads as it was then); a path of the
+    machine becomes portable, a URL path stays, and no number moves."""
+    import subprocess
+
+    cr = _check_results()
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+
+    def commit(msg):
+        for cmd in (["add", "-A"], ["commit", "-qm", msg]):
+            subprocess.run(git + cmd, cwd=tmp_path, check=True)
+        return subprocess.run(["git", "log", "-1", "--format=%h"], cwd=tmp_path, capture_output=True,
+                              text=True).stdout.strip()
+
+    subprocess.run(git + ["init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "scripts").mkdir()
+    script = ("import argparse\n\ndef main(argv=None):\n    ap = argparse.ArgumentParser()\n"
+              "    ap.add_argument('--rounds', type=int, default={d})\n    ap.add_argument('--out')\n"
+              "    a = ap.parse_args(argv)\n    open('RAN', 'w').write('ran')\n")
+    (tmp_path / "scripts" / "x.py").write_text(script.format(d=3))
+    (tmp_path / "scripts" / "moved.py").write_text(
+        "import argparse\nfrom expertcache.nowhere import ROUNDS\n\ndef main(argv=None):\n"
+        "    ap = argparse.ArgumentParser()\n    ap.add_argument('--rounds', default=ROUNDS)\n    ap.parse_args(argv)\n")
+    c1 = commit("scripts")
+    res, rec = tmp_path / "results", tmp_path / "recipes" / "cache-aware"
+    res.mkdir()
+    rec.mkdir(parents=True)
+    recipe = "name: fr\nbase: runs/b\nfrontier:\n  out: results/fr.json\n  control: control\n  variants:\n" \
+             "    control: [x=0]\n    v1: [x={v}]\n  limit: 8\n  ppl_blocks: 4\n"
+    (rec / "fr.yaml").write_text(recipe.format(v=1))
+    a = {"command": "python scripts/x.py --out results/a.json", "provenance": {"commit": c1}, "figure": 2.5,
+         "model": "/work/somewhere/ckpt", "url": "http://127.0.0.1:8000/v1/chat/completions"}
+    (res / "a.json").write_text(json.dumps(a))
+    (res / "b.json").write_text(json.dumps({"command": "python scripts/moved.py", "provenance": {"commit": c1}}))
+    rows = [{"name": "control", "serving": "plain", "miss_reduction_1_8": 0.1},
+            {"name": "v1", "serving": "plain", "miss_reduction_1_8": 0.5}]
+    (res / "fr.json").write_text(json.dumps(rows))
+    c2 = commit("results")
+    (tmp_path / "scripts" / "x.py").write_text(script.format(d=5))
+    (rec / "fr.yaml").write_text(recipe.format(v=2))
+    commit("later")
+    assert cr.main(["--results", str(res), "--write"]) == 0
+    got = json.loads((res / "a.json").read_text())
+    assert got["config"] == {"rounds": 3, "out": "results/a.json"}, got["config"]  # the default at c1, not 5
+    assert got["config_recovered_from"] == f"the command, parsed by scripts/x.py as it was at {c1}"
+    assert got["model"] == ".../ckpt" and got["url"] == a["url"] and got["figure"] == 2.5
+    assert not (tmp_path / "RAN").exists()  # parsed, never run
+    assert "config" not in json.loads((res / "b.json").read_text())
+    fr = json.loads((res / "fr.json").read_text())
+    assert [r["miss_reduction_1_8"] for r in fr] == [0.1, 0.5]
+    assert all(r["commit"] == c2 and r["command"] == "expertcache train-cache-aware --recipe fr" for r in fr)
+    assert [r["config"]["variant"] for r in fr] == [["x=0"], ["x=1"]]  # as the recipe was when they were written
+    assert fr[1]["config"] == {"recipe": "fr", "base": "runs/b", "split": "test", "variant": ["x=1"],
+                               "eval": {"limit": 8, "ppl_blocks": 4}}
+    out = capsys.readouterr().out
+    assert "| a.json | " + c1 + " | config | yes | — | — | portable paths, config |" in out, out
+    assert "| fr.json | " + c2 + " | config | yes | — | — | commit, config, command |" in out, out
+    assert cr.machine_paths({"p": ["/tmp/x/y"], "/root/k": 1}) == 2 and cr.machine_paths({"u": "/v1/models"}) == 0
