@@ -4,6 +4,7 @@ Prints JSON.   python experiments/bench_split_reads.py [--capacity 0.125] [--rou
 
 import argparse
 import json
+import sys
 
 import numpy as np
 
@@ -45,4 +46,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from expertcache.telemetry.errors import run_script
+
+    sys.exit(run_script(main))

@@ -15,18 +15,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+
+from expertcache.telemetry.errors import count
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="a bf16 (or packed) checkpoint the CPU kernels compute")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--context", type=int, default=512, help="prompt tokens before decoding")
-    ap.add_argument("--tokens", type=int, default=16, help="tokens decoded per run")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=count, default=1)
+    ap.add_argument("--context", type=count, default=512, help="prompt tokens before decoding")
+    ap.add_argument("--tokens", type=count, default=16, help="tokens decoded per run")
+    ap.add_argument("--rounds", type=count, default=3)
     a = ap.parse_args()
-    if a.context < 1 or a.tokens < 1 or a.rounds < 1 or a.threads < 1:
-        raise SystemExit("ab_attention: --context, --tokens, --rounds and --threads must be >= 1")
     import torch
 
     from expertcache.runtime.kernels import cpu_kernels as ck, patches
@@ -61,4 +62,6 @@ def main() -> None:
                       "kernel_vs_sdpa": compare(times["kernel"], times["sdpa"])}))
 
 if __name__ == "__main__":
-    main()
+    from expertcache.telemetry.errors import run_script
+
+    sys.exit(run_script(main))

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from expertcache.telemetry.atomic import atomic_open, copy_tree, write_bytes, write_text
+from expertcache.telemetry.errors import count
 
 REPO = Path(__file__).resolve().parents[1]
 # as root, permissions do not stop a read or a write: the `as_nobody` cases drop the two capabilities that let
@@ -965,7 +966,7 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the temporary environment")
     ap.add_argument("--update", action="store_true", help="with --only: replace those rows of the existing --out "
                     "table (same ids), keep the others")
-    ap.add_argument("--jobs", type=int, default=2, help="cases run at once (each watches its own files)")
+    ap.add_argument("--jobs", type=count, default=2, help="cases run at once (each watches its own files)")
     args = ap.parse_args()
     if args.only and not args.update and Path(args.out) == REPO / "results" / "bad_inputs.json":
         ap.error("--only without --update would replace the whole committed table with the selected cases: add "
@@ -1006,4 +1007,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from expertcache.telemetry.errors import run_script
+
+    sys.exit(run_script(main))

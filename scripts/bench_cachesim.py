@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from expertcache.telemetry.errors import count
+
 ROOT = Path(__file__).resolve().parents[1]
 REF = ROOT / "telemetry" / "reference" / "qwen3-30b-a3b-routing"
 TARGETS = {"lru": 2e6, "lfu": 2e6, "static": 2e6, "learned": 5e5}
@@ -93,7 +95,7 @@ def _verify(ids: np.ndarray, e: int, policy_file: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3, help="timed rounds per figure (median reported)")
+    ap.add_argument("--rounds", type=count, default=3, help="timed rounds per figure (median reported)")
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_cachesim.json"), help="JSON to write ('' for none)")
     ap.add_argument("--workdir", default=None, help="folder for the Parquet trace and the policy file (default: temp)")
     a = ap.parse_args()
@@ -198,4 +200,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from expertcache.telemetry.errors import run_script
+
+    sys.exit(run_script(main))

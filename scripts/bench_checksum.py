@@ -17,10 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import numpy as np
 import torch
+
+from expertcache.telemetry.errors import count, fraction, nonnegative
 
 
 def _decode(model, prompt, n_new: int, warmup: int) -> list[float]:
@@ -37,12 +40,12 @@ def _loads(stats) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--capacity", type=float, default=0.125)
-    ap.add_argument("--tokens", type=int, default=32, help="decode steps timed per pass")
-    ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=3, help="off/on pairs (alternated)")
-    ap.add_argument("--prompt-len", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--capacity", type=fraction, default=0.125)
+    ap.add_argument("--tokens", type=count, default=32, help="decode steps timed per pass")
+    ap.add_argument("--warmup", type=nonnegative, default=4)
+    ap.add_argument("--rounds", type=count, default=3, help="off/on pairs (alternated)")
+    ap.add_argument("--prompt-len", type=count, default=16)
+    ap.add_argument("--threads", type=count, default=1)
     ap.add_argument("--out", default=None, help="also write the JSON here")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -116,4 +119,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from expertcache.telemetry.errors import run_script
+
+    sys.exit(run_script(main))

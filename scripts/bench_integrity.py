@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import replace
 
 import numpy as np
 import torch
+
+from expertcache.telemetry.errors import count, fraction, nonnegative
 
 
 
@@ -31,12 +34,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default=None, help="routing trace (default: the shipped Qwen3-30B-A3B code trace)")
     ap.add_argument("--expert-shape", default="2048x768", help="HIDDENxINTERMEDIATE (Qwen3-30B-A3B: 2048x768)")
-    ap.add_argument("--layers", type=int, default=2, help="MoE layers replayed (the store: layers x E experts)")
-    ap.add_argument("--capacity", type=float, default=0.25)
+    ap.add_argument("--layers", type=count, default=2, help="MoE layers replayed (the store: layers x E experts)")
+    ap.add_argument("--capacity", type=fraction, default=0.25)
     ap.add_argument("--tier", default="disk")
-    ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=3, help="off / on_cold / on_warm triples (order reversed every other round)")
+    ap.add_argument("--tokens", type=count, default=48)
+    ap.add_argument("--warmup", type=nonnegative, default=4)
+    ap.add_argument("--rounds", type=count, default=3, help="off / on_cold / on_warm triples (order reversed every other round)")
     ap.add_argument("--store-dir", default="runs/stores")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     a = ap.parse_args()
@@ -110,4 +113,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from expertcache.telemetry.errors import run_script
+
+    sys.exit(run_script(main))

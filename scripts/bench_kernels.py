@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from expertcache.telemetry.errors import count
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
@@ -240,9 +242,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="bf16 checkpoint (with tokenizer) for the decode pairs; none: kernels only")
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rounds", type=count, default=3)
+    ap.add_argument("--tokens", type=count, default=32)
+    ap.add_argument("--reps", type=count, default=3)
     ap.add_argument("--depth", type=int, default=0,
                     help="tokens already in the context when decode starts (ours: the prompt's length, at least 8; "
                          "llama-bench -d): long contexts time the attention over the KV cache")
@@ -377,4 +379,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from expertcache.telemetry.errors import run_script
+
+    sys.exit(run_script(main))

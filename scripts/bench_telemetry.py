@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from expertcache.telemetry.errors import count, nonnegative
 from expertcache.telemetry.parquet_trace import TraceWriter
 from expertcache.telemetry.recorder import Recorder, rows_from_calls
 
@@ -28,16 +29,20 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="runs/base-tiny/model", help="HF checkpoint; if absent, the base-tiny "
                     "recipe's shape with random weights (routing costs the same)")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--reps", type=int, default=12, help="alternations (each runs every variant once)")
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--batch", type=count, default=8)
+    ap.add_argument("--seq", type=count, default=256)
+    ap.add_argument("--reps", type=count, default=12, help="alternations (each runs every variant once)")
+    ap.add_argument("--warmup", type=nonnegative, default=2)
     a = ap.parse_args()
 
-    from transformers import AutoModelForCausalLM
+    from expertcache.telemetry.errors import InputError
+    from expertcache.telemetry.hf import load_causal_lm
 
+    if a.model != ap.get_default("model") and not Path(a.model, "config.json").is_file():
+        raise InputError(f"--model {a.model}: no checkpoint there (no config.json); leave --model out to time the "
+                         f"base-tiny recipe's shape with random weights")
     if Path(a.model, "config.json").is_file():
-        model, source = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32), a.model
+        model, source = load_causal_lm(a.model, dtype=torch.float32), a.model
     else:
         from expertcache.recipes.cli import resolve_recipe
         from expertcache.trainer.config import load_recipe
@@ -45,6 +50,8 @@ def main() -> int:
 
         r = load_recipe(PretrainRecipe, resolve_recipe("base-tiny"))
         torch.manual_seed(0)
+        from transformers import AutoModelForCausalLM
+
         model, source = AutoModelForCausalLM.from_config(r.model.to_hf_config(8192, 0, 1)), "base-tiny shape, random"
     model.eval()
     x = torch.randint(2, model.config.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0))
@@ -97,4 +104,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from expertcache.telemetry.errors import run_script
+
+    sys.exit(run_script(main))

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from expertcache.telemetry.errors import count, nonnegative
+
 
 class StepTimer:
     """Wall time between consecutive batch starts: data fetch, forward, backward, optimizer, Lightning hooks."""
@@ -88,9 +90,9 @@ def bare_block(model, spec, batches, steps):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default="base-tiny", help="shipped recipe name or YAML (model shape and batch)")
-    ap.add_argument("--steps", type=int, default=8, help="steps per block")
-    ap.add_argument("--warmup", type=int, default=2, help="steps excluded at the start of every block")
-    ap.add_argument("--rounds", type=int, default=3, help="Lightning/bare alternations")
+    ap.add_argument("--steps", type=count, default=8, help="steps per block")
+    ap.add_argument("--warmup", type=nonnegative, default=2, help="steps excluded at the start of every block")
+    ap.add_argument("--rounds", type=count, default=3, help="Lightning/bare alternations")
     ap.add_argument("--threads", type=int, default=0)
     a = ap.parse_args()
 
@@ -143,4 +145,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from expertcache.telemetry.errors import run_script
+
+    sys.exit(run_script(main))

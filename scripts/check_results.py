@@ -404,10 +404,16 @@ def main(argv=None) -> int:
     ap.add_argument("--write", action="store_true", help="add the provenance git history recovers")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
     a = ap.parse_args(argv)
+    if not Path(a.results).is_dir():
+        from expertcache.telemetry.errors import InputError
+
+        raise InputError(f"--results {a.results}: no such folder")
     rs = rows(Path(a.results), a.write)
     print(json.dumps(rs, indent=2) if a.json else table(rs))
     return 0 if all(r["claims_rechecked"] == r["claims_same"] for r in rs) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from expertcache.telemetry.errors import run_script
+
+    sys.exit(run_script(main))

@@ -37,6 +37,7 @@ import torch
 from expertcache.evals.gate import EVAL_FORMAT_VERSION, gate
 from expertcache.evals.run import blocks_sha256, stepwise_blocks, tokenizer_fingerprint
 from expertcache.evals.stepwise import stepwise_perplexity
+from expertcache.telemetry.errors import count
 
 
 def record(step: dict, idx: dict[str, np.ndarray], blocks: dict[str, np.ndarray], tok: dict) -> dict:
@@ -79,14 +80,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--base", type=Path, default=Path("runs/base-tiny/model"))
     ap.add_argument("--corpus", default="data/corpus")
-    ap.add_argument("--seq_len", type=int, default=128)
-    ap.add_argument("--pool", type=int, default=128, help="blocks per domain every candidate is scored on")
-    ap.add_argument("--sample", type=int, default=8, help="blocks per domain each seed gates on (eval's default)")
-    ap.add_argument("--calib_blocks", type=int, default=64, help="blocks per domain the degradation is set on")
-    ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--seq_len", type=count, default=128)
+    ap.add_argument("--pool", type=count, default=128, help="blocks per domain every candidate is scored on")
+    ap.add_argument("--sample", type=count, default=8, help="blocks per domain each seed gates on (eval's default)")
+    ap.add_argument("--calib_blocks", type=count, default=64, help="blocks per domain the degradation is set on")
+    ap.add_argument("--seeds", type=count, default=20)
     ap.add_argument("--target", type=float, default=3.0, help="the degraded model's Δppl, %%")
     ap.add_argument("--harmless", type=float, default=0.1, help="the harmless change's Δppl, %%")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=count, default=2)
     ap.add_argument("--out", type=Path, default=Path("results/gate_calibration.json"))
     a = ap.parse_args()
     if not (a.base / "config.json").is_file():
@@ -201,4 +202,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from expertcache.telemetry.errors import run_script
+
+    sys.exit(run_script(main))

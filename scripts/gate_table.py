@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from expertcache.evals.gate import EVAL_FORMAT_VERSION, gate
 from expertcache.evals.run import evaluate
 from expertcache.runtime.engine.config import EngineConfig
 from expertcache.telemetry.atomic import write_json, write_text
+from expertcache.telemetry.errors import count, fraction
 
 PLAIN_TASKS = ["ec_ppl_code", "ec_ppl_prose", "ec_ppl_math", "ec_cloze_code", "ec_cloze_prose", "ec_cloze_math",
                "ec_math_em"]
@@ -31,12 +33,12 @@ def main() -> None:
     ap.add_argument("--candidates", nargs="+", required=True)
     ap.add_argument("--out", required=True, help="folder for every eval JSON, gates.json and gates.md")
     ap.add_argument("--corpus", default="data/corpus")
-    ap.add_argument("--capacity", type=float, default=0.125)
+    ap.add_argument("--capacity", type=fraction, default=0.125)
     ap.add_argument("--tau", type=float, default=0.1)
-    ap.add_argument("--limit", type=int, default=24, help="documents per plain task")
-    ap.add_argument("--lossy-limit", type=int, default=8, help="documents per task under rerouting")
-    ap.add_argument("--ppl-blocks", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--limit", type=count, default=24, help="documents per plain task")
+    ap.add_argument("--lossy-limit", type=count, default=8, help="documents per task under rerouting")
+    ap.add_argument("--ppl-blocks", type=count, default=4)
+    ap.add_argument("--seq-len", type=count, default=128)
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -101,4 +103,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from expertcache.telemetry.errors import run_script
+
+    sys.exit(run_script(main))

@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from expertcache.telemetry.errors import count
+
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "runtime" / "kernels" / "csrc" / "experts_cpu.cpp"
 FORMATS = {"int8-g32": (8, 32), "int4-g32": (4, 32), "int4-g64": (4, 64), "int4-g128": (4, 128)}
@@ -92,8 +94,8 @@ def main(argv: list[str] | None = None) -> int | None:
     ap.add_argument("--base", default="HEAD", help="git revision of A (B is the working tree)")
     ap.add_argument("--formats", default="int4-g32,int4-g128")
     ap.add_argument("--pools", default="8,32")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=count, default=5)
+    ap.add_argument("--threads", type=count, default=1)
     ap.add_argument("--out", default="")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -150,4 +152,6 @@ def main(argv: list[str] | None = None) -> int | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from expertcache.telemetry.errors import run_script
+
+    sys.exit(run_script(main))

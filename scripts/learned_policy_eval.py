@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from expertcache.telemetry.errors import nonnegative
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
@@ -93,7 +95,7 @@ def main() -> int:
     ap.add_argument("--ref", default=str(DEFAULT_REF), help="the reference folder (code.npz, general.npz)")
     ap.add_argument("--base-fit", default=None, help="our base's validation trace (Parquet)")
     ap.add_argument("--base-test", default=None, help="our base's test trace (Parquet)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=nonnegative, default=0)
     ap.add_argument("--out", default=str(REPO / "results" / "learned_policy.json"))
     a = ap.parse_args()
     ref = Path(a.ref)
@@ -135,4 +137,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from expertcache.telemetry.errors import run_script
+
+    sys.exit(run_script(main))

@@ -21,14 +21,15 @@ import json
 import sys
 
 from expertcache.runtime.bench.llamacpp import LlamaCppError, build, decode, source_dir
+from expertcache.telemetry.errors import count
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="a Hugging Face checkpoint folder with its tokenizer")
     ap.add_argument("--formats", default="bf16,q8_0,q4_0")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--threads", type=count, default=1)
+    ap.add_argument("--tokens", type=count, default=32)
     ap.add_argument("--build_only", action="store_true")
     a = ap.parse_args()
     try:
@@ -46,4 +47,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from expertcache.telemetry.errors import run_script
+
+    sys.exit(run_script(main))

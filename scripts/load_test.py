@@ -44,6 +44,7 @@ from pathlib import Path
 
 from expertcache.runtime.bench.runner import wait_serving
 from expertcache.telemetry.atomic import open_log
+from expertcache.telemetry.errors import count, nonnegative, positive
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = "tiny-moe"
@@ -570,18 +571,18 @@ def _versus_vllm(res: dict) -> dict | None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seconds", type=float, default=40)
-    ap.add_argument("--clients", type=int, default=6)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=30, help="per-request client timeout (s)")
-    ap.add_argument("--max-positions", type=int, default=1024, help="the tiny model's context length")
+    ap.add_argument("--seconds", type=positive, default=40)
+    ap.add_argument("--clients", type=count, default=6)
+    ap.add_argument("--seed", type=nonnegative, default=0)
+    ap.add_argument("--timeout", type=positive, default=30, help="per-request client timeout (s)")
+    ap.add_argument("--max-positions", type=count, default=1024, help="the tiny model's context length")
     ap.add_argument("--out", default=None)
     ap.add_argument("--throughput", action="store_true", help="the batched-serving throughput rounds instead")
     ap.add_argument("--model", default="runs/ca-starter/model", help="--throughput: the checkpoint served")
-    ap.add_argument("--requests", type=int, default=48, help="--throughput: requests per round")
-    ap.add_argument("--max-tokens", type=int, default=32, help="--throughput: tokens per request")
-    ap.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="--throughput: client counts")
-    ap.add_argument("--max-batch", type=int, default=16, help="--throughput: the server's --max_batch")
+    ap.add_argument("--requests", type=count, default=48, help="--throughput: requests per round")
+    ap.add_argument("--max-tokens", type=count, default=32, help="--throughput: tokens per request")
+    ap.add_argument("--levels", type=count, nargs="+", default=[1, 2, 4, 8, 16], help="--throughput: client counts")
+    ap.add_argument("--max-batch", type=count, default=16, help="--throughput: the server's --max_batch")
     ap.add_argument("--serve-args", default="", help="--throughput: more `expertcache serve` options for both")
     ap.add_argument("--systems", nargs="+", default=["quarter", "quarter_disk", "all_resident"],
                     choices=["quarter", "quarter_disk", "all_resident", "vllm"],
@@ -590,10 +591,10 @@ def main(argv: list[str] | None = None) -> None:
                          "outside the repository by scripts/vllm_peer.py --build_only)")
     ap.add_argument("--chat", action="store_true",
                     help="--throughput: also a multi-turn chat load (each request carries the conversation so far)")
-    ap.add_argument("--chat-conversations", type=int, default=8, help="--chat: conversations, all at once")
-    ap.add_argument("--chat-turns", type=int, default=6, help="--chat: turns per conversation")
-    ap.add_argument("--chat-words", type=int, default=120, help="--chat: words per user message")
-    ap.add_argument("--passes", type=int, default=1,
+    ap.add_argument("--chat-conversations", type=count, default=8, help="--chat: conversations, all at once")
+    ap.add_argument("--chat-turns", type=count, default=6, help="--chat: turns per conversation")
+    ap.add_argument("--chat-words", type=count, default=120, help="--chat: words per user message")
+    ap.add_argument("--passes", type=count, default=1,
                     help="--throughput: passes over the systems, alternated (the order reversed every other pass); "
                          "each figure is the median over the passes")
     ap.add_argument("--full-vocab", default=None, metavar="CORPUS",
@@ -602,7 +603,7 @@ def main(argv: list[str] | None = None) -> None:
                          "without text streams nothing for them")
     ap.add_argument("--vllm-cores", default="0", help="--systems vllm: the cores its compute threads bind to "
                                                       "(VLLM_CPU_OMP_THREADS_BIND; ours runs 1 thread)")
-    ap.add_argument("--max-model-len", type=int, default=4096, help="--systems vllm: its context length")
+    ap.add_argument("--max-model-len", type=count, default=4096, help="--systems vllm: its context length")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0, help="--systems vllm: its KV cache (GiB, >= 1)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dir", default=None, help=argparse.SUPPRESS)
@@ -715,4 +716,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from expertcache.telemetry.errors import run_script
+
+    sys.exit(run_script(main))

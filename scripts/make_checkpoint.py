@@ -13,6 +13,7 @@ import torch
 from transformers import Qwen3MoeConfig
 
 from expertcache.telemetry.atomic import atomic_dir
+from expertcache.telemetry.errors import count
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny_models import build_model  # noqa: E402 (the tests' seeded random-weight builder)
@@ -21,14 +22,19 @@ from tiny_models import build_model  # noqa: E402 (the tests' seeded random-weig
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--experts", type=int, default=32)
-    ap.add_argument("--top-k", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--inter", type=int, default=512, help="one expert's intermediate size")
-    ap.add_argument("--vocab", type=int, default=16384)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--layers", type=count, default=8)
+    ap.add_argument("--experts", type=count, default=32)
+    ap.add_argument("--top-k", type=count, default=4)
+    ap.add_argument("--hidden", type=count, default=1024)
+    ap.add_argument("--inter", type=count, default=512, help="one expert's intermediate size")
+    ap.add_argument("--vocab", type=count, default=16384)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     a = ap.parse_args()
+    if a.top_k > a.experts:
+        from expertcache.telemetry.errors import InputError
+
+        raise InputError(f"--top-k {a.top_k} with --experts {a.experts}: a token cannot choose more experts than "
+                         f"there are")
     cfg = Qwen3MoeConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=4 * a.hidden,
                          moe_intermediate_size=a.inter, num_hidden_layers=a.layers, num_attention_heads=8,
                          num_key_value_heads=4, head_dim=128, num_experts=a.experts, num_experts_per_tok=a.top_k,
@@ -42,4 +48,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from expertcache.telemetry.errors import run_script
+
+    sys.exit(run_script(main))

@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from expertcache.telemetry.cache import CacheState
-from expertcache.telemetry.provenance import provenance
 from expertcache.runtime.bench.replay import REFERENCE_TRACE
 from expertcache.runtime.engine.trace_predictors import CooccurrenceEstimator
+from expertcache.telemetry.cache import CacheState
+from expertcache.telemetry.errors import count
+from expertcache.telemetry.provenance import provenance
 from expertcache.telemetry.routing import load_routing
 
 
@@ -89,8 +91,8 @@ def score(steps, rank, tops=(1, 2, 3, 4)) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", default=str(REFERENCE_TRACE), help="routing trace (default: the reference code trace)")
-    ap.add_argument("--layers", type=int, default=27, help="MoE layers (bench big's 27)")
-    ap.add_argument("--slots", type=int, default=24, help="LRU slots per layer (16 cached + 8 victims)")
+    ap.add_argument("--layers", type=count, default=27, help="MoE layers (bench big's 27)")
+    ap.add_argument("--slots", type=count, default=24, help="LRU slots per layer (16 cached + 8 victims)")
     ap.add_argument("--fit", default="1000:2000", help="tokens the logistic model is fitted on (co-occurrence: "
                     "the tokens before them)")
     ap.add_argument("--eval", default="2000:3000", help="tokens scored (bench big decodes from token 2000)")
@@ -135,4 +137,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from expertcache.telemetry.errors import run_script
+
+    sys.exit(run_script(main))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import numpy as np
 import torch
@@ -35,9 +36,9 @@ def main() -> None:
     ap.add_argument("--routers", default=None, help="checkpoint dir with aux_routers.safetensors for this backbone")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    from transformers import AutoModelForCausalLM
+    from expertcache.telemetry.hf import load_causal_lm
 
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    model = load_causal_lm(a.model, dtype=torch.float32).eval()
     tr = read_trace(a.trace).filter(phase="decode")
     check_compatible(tr.meta, model)
     ad = adapter_for(model)
@@ -72,4 +73,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from expertcache.telemetry.errors import run_script
+
+    sys.exit(run_script(main))

@@ -42,6 +42,7 @@ from expertcache.evals.gate import EVAL_FORMAT_VERSION, gate
 from expertcache.evals.run import evaluate
 from expertcache.runtime.engine.config import EngineConfig
 from expertcache.telemetry.atomic import atomic_dir, write_text
+from expertcache.telemetry.errors import count
 
 VARIANTS = {"int8-g32": (8, 32), "int4-g32": (4, 32), "int4-g64": (4, 64), "int4-g128": (4, 128),
             # the non-expert linears packed too (`quantize --linears true`: attention; the tied output head and the
@@ -94,14 +95,14 @@ def main() -> None:
     ap.add_argument("--out", default="results/quantized.json")
     ap.add_argument("--corpus", default="data/corpus")
     ap.add_argument("--variants", nargs="+", default=[*VARIANTS, *MIXED], choices=[*VARIANTS, *MIXED])
-    ap.add_argument("--ppl_blocks", type=int, default=64, help="step-wise blocks per domain")
-    ap.add_argument("--seq_len", type=int, default=128)
-    ap.add_argument("--limit", type=int, default=None, help="documents per accuracy task (default: all)")
+    ap.add_argument("--ppl_blocks", type=count, default=64, help="step-wise blocks per domain")
+    ap.add_argument("--seq_len", type=count, default=128)
+    ap.add_argument("--limit", type=count, default=None, help="documents per accuracy task (default: all)")
     ap.add_argument("--decode_tokens", type=int, default=32, help="bench decode tokens per pass (0: skip decode)")
     ap.add_argument("--on_miss", nargs="*", type=float, default=[0.125, 0.25],
                     help="capacities (fractions of E) of the 4-bit-on-miss rows (none: skip them)")
-    ap.add_argument("--lossy_blocks", type=int, default=8, help="step-wise blocks per domain, on-miss rows")
-    ap.add_argument("--lossy_limit", type=int, default=16, help="documents per task, on-miss rows")
+    ap.add_argument("--lossy_blocks", type=count, default=8, help="step-wise blocks per domain, on-miss rows")
+    ap.add_argument("--lossy_limit", type=count, default=16, help="documents per task, on-miss rows")
     ap.add_argument("--keep_rows", action="store_true",
                     help="keep the rows of --out (written by an earlier run) whose names this run does not measure, "
                          "each marked with the command that measured it: a new variant joins the table without "
@@ -290,4 +291,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from expertcache.telemetry.errors import run_script
+
+    sys.exit(run_script(main))

@@ -430,4 +430,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from expertcache.telemetry.errors import run_script
+
+    sys.exit(run_script(main, sys.argv[1:]))

@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from expertcache.telemetry.errors import count
+
 REPO = Path(__file__).resolve().parents[1]
 NAME = "m"
 
@@ -181,16 +183,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default=str(REPO / "runs" / "starter" / "model"),
                     help="checkpoint (default: the quickstart's); read only, served from a copy")
     ap.add_argument("--capacities", type=float, nargs="+", default=[1.0, 0.25])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--history", type=int, default=1000, help="tokens of history before the follow-up turn "
+    ap.add_argument("--rounds", type=count, default=3)
+    ap.add_argument("--history", type=count, default=1000, help="tokens of history before the follow-up turn "
                     "(turn 1's prompt and answer)")
-    ap.add_argument("--answer", type=int, default=8, help="turn 1's answer (greedy tokens)")
-    ap.add_argument("--question", type=int, default=8, help="the follow-up turn's new tokens")
-    ap.add_argument("--new", type=int, default=8, help="greedy tokens decoded for the follow-up turn")
-    ap.add_argument("--long", type=int, default=2048, help="the long prompt of the chunked-prefill rounds")
-    ap.add_argument("--streams", type=int, default=2)
-    ap.add_argument("--stream_tokens", type=int, default=240)
-    ap.add_argument("--prefill_chunk", type=int, default=256)
+    ap.add_argument("--answer", type=count, default=8, help="turn 1's answer (greedy tokens)")
+    ap.add_argument("--question", type=count, default=8, help="the follow-up turn's new tokens")
+    ap.add_argument("--new", type=count, default=8, help="greedy tokens decoded for the follow-up turn")
+    ap.add_argument("--long", type=count, default=2048, help="the long prompt of the chunked-prefill rounds")
+    ap.add_argument("--streams", type=count, default=2)
+    ap.add_argument("--stream_tokens", type=count, default=240)
+    ap.add_argument("--prefill_chunk", type=count, default=256)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
@@ -277,4 +279,6 @@ async def _stream_once(url: str, prompt: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from expertcache.telemetry.errors import run_script
+
+    sys.exit(run_script(main))

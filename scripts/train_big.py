@@ -65,7 +65,7 @@ def run_one(ckpt: Path, out: Path, a, cg) -> dict:
     return out_row
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="checkpoint folder (bf16)")
     ap.add_argument("--make_layers", type=int, default=0, help="first write bench big's checkpoint with this many "
@@ -83,18 +83,36 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--frozen_dtype", default="fp32", choices=["fp32", "bf16"],
                     help="train.frozen_dtype: the frozen non-expert weights in fp32 or bf16 (routers stay fp32)")
-    ap.add_argument("--runs", default="bf16,int4", help="which runs: bf16 (the checkpoint as it is) and/or int4/int8 "
-                    "(--bits); a run left out is not in the JSON")
+    ap.add_argument("--runs", default=None, help="which runs: bf16 (the checkpoint as it is) and/or int4/int8 "
+                    "(--bits); a run left out is not in the JSON (default: bf16, and int{--bits} with --bits)")
     ap.add_argument("--out", default="results/train_big.json")
     ap.add_argument("--drop_model", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
                     help="delete each run's trained checkpoint once measured (each is as large as the base)")
     a = ap.parse_args()
+    from expertcache.telemetry.errors import InputError
+
+    if a.bits not in (0, 4, 8):
+        raise InputError(f"--bits {a.bits}: expected 4 or 8 (0: the bf16 run only)")
+    if a.runs is None:
+        a.runs = "bf16" + (f",int{a.bits}" if a.bits else "")
     which = {w.strip() for w in a.runs.split(",") if w.strip()}
     known = {"bf16", *([f"int{a.bits}"] if a.bits else [])}
     if not which or which - known:
-        print(f"train_big: --runs {a.runs}: expected a subset of {','.join(sorted(known))} (int4/int8 need --bits)",
-              file=sys.stderr)
-        sys.exit(2)
+        raise InputError(f"--runs {a.runs}: expected a subset of {','.join(sorted(known))} (int4/int8 need --bits)")
+    for name in ("steps", "batch_size", "seq_len"):
+        if getattr(a, name) < 1:
+            raise InputError(f"--{name} {getattr(a, name)}: expected an integer >= 1")
+    if not a.memory_gb > 0 or not a.cgroup_gb >= 0 or a.make_layers < 0:
+        raise InputError(f"--memory_gb {a.memory_gb:g}, --cgroup_gb {a.cgroup_gb:g}, --make_layers {a.make_layers}: "
+                         f"expected memory_gb > 0 (streamed experts), cgroup_gb >= 0 (0: no cgroup), make_layers >= 0")
+    if not a.make_layers and not (Path(a.model) / "config.json").is_file():
+        raise InputError(f"--model {a.model}: no checkpoint there (no config.json); --make_layers N writes bench "
+                         f"big's checkpoint of N layers there first")
+    if not Path(a.corpus).is_dir():
+        raise InputError(f"--corpus {a.corpus}: no such folder (`expertcache corpus` or `make quickstart` builds one)")
+    from expertcache.telemetry.atomic import check_output
+
+    check_output(a.out)
 
     from expertcache.runtime.commands import _git_commit
     from expertcache.runtime.bench.memcg import MemoryCgroup
@@ -124,11 +142,21 @@ def main() -> None:
     from expertcache.runtime.bench.bigckpt import physical_ram
 
     doc = {"commit": commit, "host_ram_bytes": physical_ram(), "cgroup": why or "memory cgroup", "runs": runs}
+    failed = [r for r in runs if not r.get("completed")]
+    for r in failed:
+        print(f"train_big: the run on {r.get('checkpoint')} did not complete: {r.get('error', 'stopped early')}",
+              file=sys.stderr)
+    if failed and len(failed) == len(runs):  # nothing measured: the last result stays as it was
+        print(f"train_big: no run completed; {a.out} not written", file=sys.stderr)
+        return 1
     from expertcache.runtime.bench.results import write_result
 
     write_result(a.out, doc, config=vars(a))
     print(json.dumps(doc))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    from expertcache.telemetry.errors import run_script
+
+    sys.exit(run_script(main))

@@ -7,3 +7,40 @@ class InputError(ValueError):
     Raised where the input enters, with the value and what was expected. The CLI prints its message as one
     line and exits with status 2; any other exception is a bug and keeps its traceback.
     """
+
+
+def run_script(main, *args) -> int:
+    """A script's entry, `sys.exit(run_script(main))`: what `main(*args)` returns as an exit status (None: 0); bad
+    input the package refuses (an InputError, a file or folder that is not there or not one) is one line, the
+    script's name and the message, and exit 2, as the CLI does; anything else is a bug and keeps its traceback."""
+    import sys
+    from pathlib import Path
+
+    prog = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else "script"
+    try:
+        rc = main(*args)
+    except (InputError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+        print(f"{prog}: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    return rc if isinstance(rc, int) else 0
+
+
+def _typed(name: str, kind, ok):
+    """An argparse `type=` that parses with `kind` and refuses what `ok` refuses; argparse then says `argument
+    --X: invalid <name> value: '...'` (a usage line and that one line, exit 2) before any work."""
+    def parse(text: str):
+        v = kind(text)
+        if not ok(v):
+            raise ValueError(text)
+        return v
+    parse.__name__ = name
+    return parse
+
+
+count = _typed("integer >= 1", int, lambda v: v >= 1)  # rounds, tokens, steps, layers, clients ...
+nonnegative = _typed("integer >= 0", int, lambda v: v >= 0)  # warm-up steps, a seed
+positive = _typed("number > 0", float, lambda v: v > 0 and v != float("inf"))  # seconds, GB
+fraction = _typed("fraction in (0, 1]", float, lambda v: 0 < v <= 1)  # a cache capacity as a fraction of E

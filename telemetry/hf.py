@@ -64,6 +64,16 @@ def load_gguf_tokenizer(path: str | Path):
                          f"{(str(e).splitlines() or [''])[0][:120]})") from None
 
 
+def _no_folder(path: str | Path) -> None:
+    """A path that names no folder here and cannot be a hub id either (absolute, ./ or ../, or more than one
+    `/`): one InputError, where transformers would say "Repo id must be in the form 'repo_name' ..."."""
+    text = str(path)
+    if Path(text).exists():
+        return
+    if text.startswith(("/", "./", "../", "~")) or text.count("/") > 1 or not text:
+        raise InputError(f"no HF checkpoint at {text}: no such folder")
+
+
 def load_config(path: str | Path):
     """A checkpoint's `config.json` as a transformers config, or one InputError naming the folder."""
     import json
@@ -71,9 +81,8 @@ def load_config(path: str | Path):
     from transformers import AutoConfig
 
     p = Path(path)
-    if not p.exists():
-        raise InputError(f"no HF checkpoint at {p}: no such folder")
-    if not (p / "config.json").is_file():
+    _no_folder(path)
+    if p.exists() and not (p / "config.json").is_file():
         raise InputError(f"no HF checkpoint at {p} (expected {p / 'config.json'})")
     try:
         return AutoConfig.from_pretrained(str(p))
@@ -105,6 +114,7 @@ def load_causal_lm(path: str | Path, **kwargs):
     from transformers import AutoModelForCausalLM
 
     p = Path(path)
+    _no_folder(path)
     if p.exists() and not (p / "config.json").is_file():
         raise InputError(f"no HF checkpoint at {p} (expected {p / 'config.json'})")
     try:

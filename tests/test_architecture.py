@@ -194,6 +194,23 @@ def script_argparse_violations(trees: dict[str, ast.Module]) -> list[str]:
     return bad
 
 
+def script_entry_violations(trees: dict[str, ast.Module]) -> list[str]:
+    """A script runs as `sys.exit(run_script(main))` (`telemetry/errors.py`): bad input the package refuses is
+    one line and exit 2 there, as in the CLI, not a traceback. A `__main__` block that calls no `run_script`, and a
+    script with a `main` but no `__main__` block, break it."""
+    bad = []
+    for rel, tree in trees.items():
+        blocks = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+        has_main = any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body)
+        if not blocks:
+            if has_main:
+                bad.append(f"{rel}: a main() and no `if __name__ == \"__main__\":` block")
+            continue
+        if not any(isinstance(c, ast.Call) and _name(c.func) == "run_script" for b in blocks for c in ast.walk(b)):
+            bad.append(f"{rel}:{blocks[0].lineno}: the __main__ block calls main without run_script")
+    return bad
+
+
 def commit_violations(trees: dict[str, ast.Module]) -> list[str]:
     """The commit a result came from is looked up once: `telemetry/provenance.py` (`git_commit`, `provenance`,
     `rev_parse`), which says whether the code is dirty too. Any other `git rev-parse` (a command list or a string
@@ -489,7 +506,7 @@ def script_trees():
 
 
 @pytest.mark.parametrize("check", [write_violations, commit_violations, script_argparse_violations, pip_violations,
-                                   import_violations], ids=lambda f: f.__name__)
+                                   import_violations, script_entry_violations], ids=lambda f: f.__name__)
 def test_scripts_follow_the_rules(script_trees, check):
     """scripts/ (and experiments/) write files through atomic.py, look up the commit through provenance.py and
     import the package by its installed name; argparse is theirs, run from main()."""
@@ -505,6 +522,8 @@ def test_scripts_follow_the_rules(script_trees, check):
     (script_argparse_violations, "import argparse\nap = argparse.ArgumentParser()\na = ap.parse_args()"),
     (pip_violations, "cmd = ['pip', 'download', '--no-binary', ':all:', 'llama-cpp-python']"),
     (import_violations, "from runtime.engine import EngineConfig"),
+    (script_entry_violations, "import sys\ndef main():\n    pass\nif __name__ == '__main__':\n    sys.exit(main())"),
+    (script_entry_violations, "def main():\n    pass\n"),
 ], ids=lambda x: x.__name__ if callable(x) else "")
 def test_script_rules_catch_a_violation(check, snippet):
     assert check({"scripts/stray.py": ast.parse(snippet)}) != []

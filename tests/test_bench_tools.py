@@ -422,3 +422,57 @@ def test_serve_prompt_cache_names_a_missing_or_empty_checkpoint_in_one_line_with
         assert e.value.code == 2 and len(err.splitlines()) == 1 and needle in err, err
         assert err.startswith("serve_prompt_cache: --model:") and "make quickstart" not in err, err
     assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.parametrize("script, argv, needle", [
+    ("train_big", ["--model", "{nx}", "--corpus", "{nx}"], "--model {nx}: no checkpoint there"),
+    ("train_big", ["--model", "{nx}", "--corpus", "{nx}", "--bits", "4", "--steps", "0"], "--steps 0: expected"),
+    ("train_big", ["--model", "{nx}", "--corpus", "{nx}", "--bits", "5"], "--bits 5: expected 4 or 8"),
+    ("check_results", ["--results", "{nx}"], "--results {nx}: no such folder"),
+    ("load_test", ["--clients", "0"], "argument --clients: invalid integer >= 1 value: '0'"),
+    ("load_test", ["--seconds", "-1"], "argument --seconds: invalid number > 0 value: '-1'"),
+    ("make_checkpoint", ["--out", "{tmp}/c", "--top-k", "8", "--experts", "4"], "cannot choose more experts"),
+    ("make_checkpoint", ["--out", "{tmp}/c", "--dtype", "float33"], "argument --dtype: invalid choice"),
+    ("predictor_recall", ["--model", "{nx}", "--trace", "{nx}"], "no HF checkpoint at {nx}: no such folder"),
+    ("bench_telemetry", ["--model", "{nx}"], "--model {nx}: no checkpoint there"),
+    ("serve_prompt_cache", ["--rounds", "0"], "argument --rounds: invalid integer >= 1 value: '0'"),
+    ("bench_integrity", ["--capacity", "-1"], "argument --capacity: invalid fraction in (0, 1] value: '-1'"),
+    ("timed", None, "No such file or directory"),
+])
+def test_scripts_refuse_bad_input_in_one_line_with_exit_2_before_any_work(script, argv, needle, tmp_path,
+                                                                           monkeypatch, capsys):
+    """A hostile user's bad input to scripts/ (found by trying each): each is one line (argparse's usage line
+    before it at most) and exit 2, through `run_script` as every script's entry, before anything is written. Before,
+    train_big.py on a missing checkpoint exited 0 and overwrote results/train_big.json with a run that did not
+    complete; load_test.py --clients 0 wrote a result that said pass with no request; make_checkpoint.py wrote a
+    checkpoint whose tokens choose more experts than it has; predictor_recall.py said "Repo id must be in the form"
+    from inside transformers; bench_telemetry.py timed a random model for a --model that is not there."""
+    import importlib.util
+
+    from helpers import REPO
+
+    from expertcache.telemetry.errors import run_script
+
+    nx = str(tmp_path / "nope")
+    spec = importlib.util.spec_from_file_location(script, REPO / "scripts" / f"{script}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    if argv is None:  # timed.py: the command it times is not there
+        monkeypatch.setattr(sys, "argv", ["scripts/timed.py"])
+        monkeypatch.setattr(mod, "OUT", tmp_path / "make_times.json")
+        call = (mod.main, ["x", "--", nx])
+    else:
+        monkeypatch.setattr(sys, "argv", [f"scripts/{script}.py", *[a.format(nx=nx, tmp=tmp_path) for a in argv]])
+        call = (mod.main,)
+    try:
+        rc = run_script(*call)
+    except SystemExit as e:  # argparse's own refusal
+        rc = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err and "Traceback" not in "\n".join(err), (rc, err)
+    assert needle.format(nx=nx) in err[-1], err
+    assert len(err) == 1 or err[0].startswith("usage:"), err
+    if not err[0].startswith("usage:"):
+        assert err[0].startswith(f"{script}:"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
