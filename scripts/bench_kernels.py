@@ -266,7 +266,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=str(ROOT / "results" / "kernels.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    threads = [int(t) for t in a.threads.split(",")]
+    try:
+        threads = [int(t) for t in a.threads.split(",")]
+    except ValueError:
+        threads = []
+    if not threads or min(threads) < 1:
+        _bad(f"bench_kernels: --threads {a.threads}: expected thread counts >= 1, comma-separated (e.g. 1,2)")
     formats = [f for f in a.formats.split(",") if f]
     if not formats or any(f not in FORMATS and f not in FILE_FORMATS for f in formats):
         _bad(f"bench_kernels: --formats {a.formats}: expected a subset of {','.join([*FORMATS, *FILE_FORMATS])}")

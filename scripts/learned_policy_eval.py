@@ -102,6 +102,13 @@ def main() -> int:
     if not (ref / "code.npz").is_file():
         print(f"reference data not found at {ref}", file=sys.stderr)
         return 2
+    if (a.base_fit is None) != (a.base_test is None):
+        print("learned_policy_eval: --base-fit and --base-test name a pair: give both or neither", file=sys.stderr)
+        return 2
+    for name, p in (("--base-fit", a.base_fit), ("--base-test", a.base_test)):
+        if p is not None and not Path(p).is_file():  # checked before the reference fits, which take minutes
+            print(f"learned_policy_eval: {name} {p}: no such trace", file=sys.stderr)
+            return 2
     from expertcache.telemetry.provenance import provenance
 
     prov = provenance(REPO)

@@ -98,9 +98,15 @@ def main() -> None:
     ap.add_argument("--eval", default="2000:3000", help="tokens scored (bench big decodes from token 2000)")
     ap.add_argument("--out", default=None, help="write the JSON here too")
     a = ap.parse_args()
+    from expertcache.telemetry.errors import InputError
+
+    try:
+        (f0, f1), (e0, e1) = (tuple(map(int, w.split(":"))) for w in (a.fit, a.eval))
+    except ValueError:
+        raise InputError(f"--fit {a.fit} --eval {a.eval}: expected START:END token windows, e.g. 1000:2000") from None
+    if not (0 <= f0 < f1 and 0 <= e0 < e1):
+        raise InputError(f"--fit {a.fit} --eval {a.eval}: each window's START must be below its END, both >= 0")
     ids = load_routing(a.trace).ids[:a.layers]
-    f0, f1 = map(int, a.fit.split(":"))
-    e0, e1 = map(int, a.eval.split(":"))
     e = int(ids.max()) + 1
     m = CooccurrenceEstimator(ids[:, :f0], e).m  # the logistic model's feature: fitted before its own window
     fit, ev = features(ids, m, a.slots, f0, f1), features(ids, m, a.slots, e0, e1)

@@ -113,6 +113,9 @@ def main() -> None:
                          "and evaluated as a row (none: skipped)")
     a = ap.parse_args()
     base, work = Path(a.base), Path(a.work)
+    from expertcache.telemetry.hf import load_config
+
+    load_config(base)  # a base that is not a checkpoint: one line before anything is made
     work.mkdir(parents=True, exist_ok=True)
     cli = [sys.executable, "-m", "expertcache.recipes.cli"]
     served = EngineConfig(capacity=1.0, tier="host")

@@ -438,6 +438,10 @@ def test_serve_prompt_cache_names_a_missing_or_empty_checkpoint_in_one_line_with
     ("serve_prompt_cache", ["--rounds", "0"], "argument --rounds: invalid integer >= 1 value: '0'"),
     ("bench_integrity", ["--capacity", "-1"], "argument --capacity: invalid fraction in (0, 1] value: '-1'"),
     ("timed", None, "No such file or directory"),
+    ("miss_predictability", ["--trace", "{nx}", "--fit", "abc"], "expected START:END token windows"),
+    ("bench_kernels", ["--threads", "abc", "--model", "{nx}"], "--threads abc: expected thread counts >= 1"),
+    ("learned_policy_eval", ["--base-fit", "{nx}", "--base-test", "{nx}"], "--base-fit {nx}: no such trace"),
+    ("quantized_table", ["--base", "{nx}", "--work", "{tmp}/work"], "no HF checkpoint at {nx}: no such folder"),
 ])
 def test_scripts_refuse_bad_input_in_one_line_with_exit_2_before_any_work(script, argv, needle, tmp_path,
                                                                            monkeypatch, capsys):
