@@ -40,16 +40,18 @@ def atomic_dir(path: str | Path, command: str | None = None, overwrite: bool = F
     import shutil
 
     path = Path(path)
+    made = [p for p in (path.parent, *path.parent.parents) if not p.exists()]  # innermost first
     path.parent.mkdir(parents=True, exist_ok=True)
-    if command is not None:
-        claim_dir(path, command, overwrite=overwrite, legacy=legacy)
-    else:
-        clean_stale(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     old = path.with_name(f".{path.name}.old-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    done = False
     try:
+        if command is not None:
+            claim_dir(path, command, overwrite=overwrite, legacy=legacy)
+        else:
+            clean_stale(path)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
         yield tmp
         if command is not None:
             claim_dir(path, command, overwrite=overwrite, legacy=legacy)
@@ -57,9 +59,15 @@ def atomic_dir(path: str | Path, command: str | None = None, overwrite: bool = F
         if path.exists():
             path.rename(old)
         tmp.rename(path)
+        done = True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)
+        for d in made if not done else ():  # a failed block leaves no folder it made on the way either
+            try:
+                d.rmdir()
+            except OSError:
+                break
 
 
 # --- whose folder an output folder is ---------------------------------------------------------------------------

@@ -90,6 +90,26 @@ def test_a_folder_filled_while_the_block_ran_is_not_replaced(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_a_refused_or_failed_write_leaves_no_folder_it_made_on_the_way(tmp_path):
+    """`expertcache analyze --trace MISSING --out NEW/a/b` refused the trace but left NEW/a behind: a block that
+    fails (or a claim refused) removes the parent folders atomic_dir made for it, not one that was there before;
+    a block that succeeds keeps them."""
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(InputError):
+        with atomic_dir(tmp_path / "mine" / "new" / "deeper" / "out", command="analyze"):
+            raise InputError("trace not found")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"] and not any((tmp_path / "mine").iterdir())
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("the user's")
+    with pytest.raises(InputError):  # refused by the claim: a folder of someone else's files
+        with atomic_dir(tmp_path / "taken", command="analyze"):
+            pass
+    assert (tmp_path / "taken" / "keep.txt").read_text() == "the user's"
+    with atomic_dir(tmp_path / "made" / "out", command="analyze") as d:
+        (d / "x.json").write_text("{}")
+    assert (tmp_path / "made" / "out" / "x.json").is_file()
+
+
 def test_resumable_commands_continue_their_own_folder_only(tmp_path):
     from expertcache.telemetry.atomic import mark_output, own_dir
     from expertcache.trainer.runfolder import is_run_folder
