@@ -471,3 +471,41 @@ def test_frozen_bf16_keeps_the_routers_and_their_gradients_in_fp32(tiny_data, fp
                 assert p.grad.dtype == torch.float32 and float(p.grad.abs().sum()) > 0
     finally:
         base.close()
+
+
+def test_attention_adapters_train_beside_the_routers_the_same_streamed_as_in_memory(tiny_data, fp32_base, tmp_path):
+    """`quality.lora_rank` (#44: low-rank adapters on attention through peft, beside the routers): the streamed run
+    gives the in-memory run's losses and saved tensors (fp32, rtol 1e-4); the checkpoint is a plain one (the
+    adapters merged into q/k/v/o, no adapter tensor, the base's names and shapes) in which exactly the routers and
+    the four attention projections of each layer moved; the distillation starts at 0 (the adapters start at B = 0
+    and the base is read with them off) and the figures name what trained."""
+    from safetensors.torch import load_file
+
+    from expertcache.trainer.cache_aware import run_cache_aware
+
+    lora = {"quality.lora_rank": 4, "quality.lora_alpha": 8}
+    mem = run_cache_aware(_recipe(tiny_data, fp32_base, tmp_path / "mem", **lora))
+    st = run_cache_aware(_recipe(tiny_data, fp32_base, tmp_path / "st", **lora, **{"train.memory_gb": 8}))
+    np.testing.assert_allclose(st["losses"], mem["losses"], rtol=1e-4)
+    assert mem["lora"] == st["lora"] and mem["lora"]["parameters"] > 0 and st["trainable"] == \
+        "routers + attention adapters"
+    base = load_file(str(fp32_base / "model.safetensors"))
+    a = load_file(str(tmp_path / "mem" / "model" / "model.safetensors"))
+    b = load_file(str(tmp_path / "st" / "model" / "model.safetensors"))
+    assert a.keys() == b.keys() == base.keys()
+    assert all(a[k].shape == base[k].shape and a[k].dtype == base[k].dtype for k in base)
+    moved = {k for k in base if not torch.equal(base[k], b[k])}
+    want = {f"model.layers.{i}.mlp.gate.weight" for i in range(2)} | \
+        {f"model.layers.{i}.self_attn.{p}.weight" for i in range(2) for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    assert moved == want, sorted(moved ^ want)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6)
+    distill = [float(x) for x in _logged(tmp_path / "st", "train/distill")]
+    assert distill[0] == pytest.approx(0, abs=1e-6) and distill[-1] > 0
+
+
+def _logged(out, key):
+    import csv
+
+    rows = [r for f in sorted((out / "logs").glob("version_*/metrics.csv")) for r in csv.DictReader(f.open())]
+    return [r[key] for r in rows if r.get(key)]

@@ -175,10 +175,26 @@ class QualitySpec:
                          "distributions, token by token (0: off); lets routing move while the outputs stay")
     trainable: str = opt("all", "what the backbone trains: all | routers (router weights only) | moe (routers and "
                          "routed experts)")
+    lora_rank: int = opt(0, "low-rank adapters (peft LoRA) of this rank on attention's projections, trained beside "
+                         "the routers (trainable=routers or moe; in memory or streamed) and merged into the saved "
+                         "checkpoint; 0: none")
+    lora_alpha: float = opt(16.0, "the adapters' scale is lora_alpha / lora_rank")
+    lora_targets: list[str] = opt(["q_proj", "k_proj", "v_proj", "o_proj"], "the projections that get an adapter "
+                                  "(the last name of each Linear)")
 
     def __post_init__(self):
         if self.trainable not in TRAINABLE:
             raise RecipeError(f"quality.trainable={self.trainable!r}; expected one of {', '.join(TRAINABLE)}")
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise RecipeError(f"quality.lora_rank={self.lora_rank!r}; expected an integer >= 0 (0: no adapters)")
+        if not (isinstance(self.lora_alpha, (int, float)) and math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
+            raise RecipeError(f"quality.lora_alpha={self.lora_alpha!r}; expected a number > 0")
+        if self.lora_rank and self.trainable == "all":
+            raise RecipeError("quality.lora_rank applies to quality.trainable=routers or moe (adapters beside a "
+                              "frozen backbone); trainable=all trains attention's weights themselves")
+        if self.lora_rank and not self.lora_targets:
+            raise RecipeError("quality.lora_targets=[]: name the projections that get an adapter, e.g. "
+                              "[q_proj,k_proj,v_proj,o_proj]")
         if not (self.lm_weight >= 0 and self.distill >= 0) or not (self.lm_weight or self.distill) \
                 or not math.isfinite(self.lm_weight + self.distill):
             raise RecipeError("quality.lm_weight and quality.distill must be >= 0, and not both 0")

@@ -136,16 +136,21 @@ def _meta_like(p: StreamPlan):
     return M
 
 
-def check_budget(p: StreamPlan, memory_gb: float, tokens: int, distill: bool) -> dict:
-    """The floor's parts; `InputError` (one line, the floor printed) when `memory_gb` is below it."""
+def check_budget(p: StreamPlan, memory_gb: float, tokens: int, distill: bool, adapter_params: int = 0) -> dict:
+    """The floor's parts; `InputError` (one line, the floor printed) when `memory_gb` is below it.
+    `adapter_params`: attention adapters trained beside the routers (fp32 weight, gradient, two Adam moments)."""
     parts = floor_bytes(p, tokens, distill)
+    if adapter_params:
+        parts["adapter_state"] = adapter_params * 4 * 4
+        parts["total"] += parts["adapter_state"]
     if memory_gb * 1e9 < parts["total"]:
         gb = {k: v / 1e9 for k, v in parts.items()}
         raise InputError(
             f"train.memory_gb={memory_gb:g} is below the floor of {gb['total']:.3f} GB for streamed training of "
             f"{p.path} ({tokens} tokens per step): non-expert weights {gb['non_expert_weights']:.3f}, experts in "
             f"flight {gb['experts_in_flight']:.3f}, activations {gb['activations']:.3f}, router state "
-            f"{gb['router_state']:.3f}, reads {gb['staging']:.3f}, this process {gb['process']:.3f} GB; raise "
+            f"{gb['router_state']:.3f}" + (f", adapters {gb['adapter_state']:.3f}" if "adapter_state" in gb else "")
+            + f", reads {gb['staging']:.3f}, this process {gb['process']:.3f} GB; raise "
             f"train.memory_gb to at least {gb['total']:.3f} or lower data.batch_size / data.seq_len")
     return parts
 
@@ -157,7 +162,8 @@ def check_resident(base: "StreamedBase", memory_gb: float, parts: dict) -> int:
     the header-only floor cannot see the corpus's tokens or the allocator's overhead."""
     now = rss_bytes()
     pool = base.reader.pool.n_slots * base.reader.meta.block_bytes
-    need = now + max(0, parts["experts_in_flight"] - pool) + parts["activations"] + parts["router_state"]
+    need = now + max(0, parts["experts_in_flight"] - pool) + parts["activations"] + parts["router_state"] \
+        + parts.get("adapter_state", 0)
     if memory_gb * 1e9 < need:
         raise InputError(f"train.memory_gb={memory_gb:g}: with the base open and the data ready this process holds "
                          f"{now / 1e9:.3f} GB, and a step adds {(need - now) / 1e9:.3f} GB: {need / 1e9:.3f} GB in "
@@ -535,10 +541,11 @@ class StreamedBase:
     def counters(self) -> dict:
         return self.reader.counters()
 
-    def save_into(self, folder: str | Path, model) -> None:
-        """The base checkpoint copied into `folder` (a temporary folder of `atomic_dir`), its router tensors
-        rewritten in place with `model`'s (same dtype and shape; nothing else changes, experts are copied as bytes).
-        A quantized base's store gets the new router fingerprint in its header. Memory: one tensor at a time."""
+    def save_into(self, folder: str | Path, model, also=()) -> None:
+        """The base checkpoint copied into `folder` (a temporary folder of `atomic_dir`), its router tensors (and
+        the parameters named in `also`: attention weights with adapters merged in) rewritten in place with
+        `model`'s (same dtype and shape; nothing else changes, experts are copied as bytes). A quantized base's
+        store gets the new router fingerprint in its header. Memory: one tensor at a time."""
         from expertcache.telemetry.adapters import adapter_for, router_fingerprint
 
         from expertcache.runtime.storage.checkpoint import Checkpoint, checkpoint_name
@@ -551,18 +558,19 @@ class StreamedBase:
         ckpt = Checkpoint(folder)
         a = adapter_for(model)
         names = {id(p): n for n, p in model.named_parameters()}
-        for L in a.moe_layers(model):
-            for p in L.router.parameters():
-                ck = checkpoint_name(names[id(p)], a.family)
-                t = ckpt.tensors.get(ck)
-                if t is None or tuple(t.shape) != tuple(p.shape):
-                    raise InputError(f"{self.path}: router tensor {ck} not found with shape {list(p.shape)}")
-                raw = p.detach().to(t.dtype).contiguous().view(torch.uint8).numpy().tobytes()
-                fd = os.open(ckpt.files[t.file], os.O_WRONLY)
-                try:
-                    os.pwrite(fd, raw, t.start)
-                finally:
-                    os.close(fd)
+        params = dict(model.named_parameters())
+        rewrite = [p for L in a.moe_layers(model) for p in L.router.parameters()] + [params[n] for n in also]
+        for p in rewrite:
+            ck = checkpoint_name(names[id(p)], a.family)
+            t = ckpt.tensors.get(ck)
+            if t is None or tuple(t.shape) != tuple(p.shape):
+                raise InputError(f"{self.path}: tensor {ck} not found with shape {list(p.shape)}")
+            raw = p.detach().to(t.dtype).contiguous().view(torch.uint8).numpy().tobytes()
+            fd = os.open(ckpt.files[t.file], os.O_WRONLY)
+            try:
+                os.pwrite(fd, raw, t.start)
+            finally:
+                os.close(fd)
         qc = quant.read_config(folder)
         if qc is not None:
             from expertcache.runtime.storage.store import read_store_meta

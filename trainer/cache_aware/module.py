@@ -57,6 +57,9 @@ class CacheAwareModule(CausalLMModule):
                 p.requires_grad_(False)
         elif recipe.quality.trainable != "all":
             keep = {id(p) for L in self.moe for p in L.router.parameters()}
+            from ..lora import is_adapter_param
+
+            keep |= {id(p) for n, p in model.named_parameters() if is_adapter_param(n)}  # quality.lora_rank
             if recipe.quality.trainable == "moe":
                 keep |= {id(p) for L in self.moe for p in L.experts.parameters()}
             for p in model.parameters():
@@ -182,6 +185,10 @@ class CacheAwareModule(CausalLMModule):
         # which shadows the registered parameter that functional_call swaps: swapped there instead (else the base
         # would be the model itself, and the distillation loss 0 with no gradient)
         views, swap = {}, {}
+        from ..lora import adapters_off
+
+        off = adapters_off(self.model)  # the base: attention without the adapters too (quality.lora_rank)
+        off.__enter__()
         try:
             for name, t in self._base_routers.items():
                 owner, _, attr = name.rpartition(".")
@@ -193,6 +200,7 @@ class CacheAwareModule(CausalLMModule):
                     swap[name] = t
             return torch.func.functional_call(self.model, swap, (), {"input_ids": ids, "use_cache": False}).logits
         finally:
+            off.__exit__(None, None, None)
             for (module, attr), v in views.items():
                 module.__dict__[attr] = v
             self._capture = capture

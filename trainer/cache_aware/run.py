@@ -120,6 +120,16 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     else:
         model = load_causal_lm(base, dtype=torch.float32)
     check_vocab(tok, model.config)
+    q = recipe.quality
+    lora = None
+    if q.lora_rank:
+        if recipe.mode == "aux-only":
+            raise RecipeError("quality.lora_rank trains adapters in the backbone; mode aux-only keeps the backbone "
+                              "frozen (set quality.lora_rank=0, or mode locality-only / joint)")
+        from ..lora import add_lora
+
+        lora = {"rank": q.lora_rank, "alpha": q.lora_alpha, "targets": list(q.lora_targets),
+                "parameters": add_lora(model, q.lora_rank, q.lora_alpha, q.lora_targets)}
     if (base / "tokenizer.json").is_file():
         from expertcache.telemetry.hf import load_tokenizer
 
@@ -169,12 +179,17 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
         if trainer.global_rank != 0:  # data-parallel workers: rank 0 alone writes the checkpoint and the reports
             return None
         if streamed is not None:
-            return _finish_streamed(recipe, streamed, parts, module, trainer, train_s, start_step, tok, out, aux)
+            return _finish_streamed(recipe, streamed, parts, module, trainer, train_s, start_step, tok, out, aux,
+                                    lora)
     finally:
         if streamed is not None:
             streamed.close()
 
     model_dir = out / "model"
+    if lora is not None:  # the checkpoint is a plain one: each adapter merged into its projection
+        from ..lora import merge_into
+
+        merge_into(model)
     save_model_dir(model, tok, model_dir, aux)
     plot_training_curve(out / "logs", out / "training_curve.png")
 
@@ -184,7 +199,7 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
               "locality": to_dict(recipe.locality), "routers": to_dict(recipe.routers) if aux is not None else None,
               "parameters": {"backbone": n_backbone, "aux_routers": n_aux,
                              "aux_fraction_of_backbone": n_aux / n_backbone},
-              "losses": module.step_losses,
+              "losses": module.step_losses, "lora": lora,
               **cache_figures(recipe, out, aux.eval() if aux is not None else None)}
     from expertcache.telemetry.atomic import write_json
 
@@ -195,19 +210,26 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     return result
 
 
-def _finish_streamed(recipe, streamed, parts, module, trainer, train_s, start_step, tok, out, aux) -> dict:
+def _finish_streamed(recipe, streamed, parts, module, trainer, train_s, start_step, tok, out, aux, lora=None) -> dict:
     """A streamed run's end: the checkpoint (the base's files, routers rewritten) and result.json with the
     training figures (`stream.stream_result`). The end-of-run evaluation, which loads the model whole, is left to
     `expertcache eval --model OUT/model` (it serves through the offload engine)."""
     from ..runfolder import plot_training_curve
     from . import stream
 
-    stream.save_model(streamed, module.model, tok, out / "model", aux)
+    merged = []
+    if lora is not None:  # merged into the projections' weights, which the saved copy rewrites beside the routers
+        from ..lora import merge_into
+
+        merged = merge_into(module.model)
+    stream.save_model(streamed, module.model, tok, out / "model", aux, also=merged)
     plot_training_curve(out / "logs", out / "training_curve.png")
     result = {"name": recipe.name, "mode": recipe.mode, "base": str(recipe.base), "out_dir": str(out),
               "streamed": True, "global_step": trainer.global_step, "resumed_from_step": start_step,
-              "train_seconds_this_run": round(train_s, 1), "locality": to_dict(recipe.locality),
+              "train_seconds_this_run": round(train_s, 1), "locality": to_dict(recipe.locality), "lora": lora,
               **stream.stream_result(recipe, streamed, parts, module, trainer, train_s, start_step)}
+    if lora is not None:
+        result["trainable"] = "routers + attention adapters"
     write_json(out / "result.json", result)
     return result
 

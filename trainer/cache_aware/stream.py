@@ -25,7 +25,7 @@ class StreamedRuntime(Protocol):
 
     def plan(self, path, dtype: torch.dtype, tier: str = "disk"): ...
 
-    def check_budget(self, plan, memory_gb: float, tokens: int, distill: bool) -> dict: ...
+    def check_budget(self, plan, memory_gb: float, tokens: int, distill: bool, adapter_params: int = 0) -> dict: ...
 
     def open_streamed(self, path, tier: str = "disk", dtype: torch.dtype = torch.float32): ...
 
@@ -109,17 +109,30 @@ def open_base(recipe, base: Path):
     dtype = compute_dtype(recipe)
     plan = _RUNTIME.plan(base, dtype, recipe.train.expert_tier)
     tokens = recipe.data.batch_size * recipe.data.seq_len
-    parts = _RUNTIME.check_budget(plan, recipe.train.memory_gb, tokens, bool(recipe.quality.distill))
+    q = recipe.quality
+    adapters = 0
+    if q.lora_rank:  # counted on the config's shapes (a model on the meta device: nothing allocated)
+        from transformers import AutoModelForCausalLM
+
+        from expertcache.telemetry.hf import load_config
+
+        from ..lora import adapter_params
+
+        with torch.device("meta"):
+            adapters = adapter_params(AutoModelForCausalLM.from_config(load_config(base)), q.lora_rank,
+                                      q.lora_targets)
+    parts = _RUNTIME.check_budget(plan, recipe.train.memory_gb, tokens, bool(recipe.quality.distill), adapters)
     return plan, parts
 
 
-def save_model(streamed, model, tok, model_dir: Path, aux=None) -> None:
-    """The trained checkpoint: the base's files copied, router tensors rewritten (`StreamedBase.save_into`), the
-    tokenizer and the aux routers beside them; swapped into place whole."""
+def save_model(streamed, model, tok, model_dir: Path, aux=None, also=()) -> None:
+    """The trained checkpoint: the base's files copied, router tensors (and the parameters named in `also`: the
+    attention weights the adapters were merged into) rewritten (`StreamedBase.save_into`), the tokenizer and the
+    aux routers beside them; swapped into place whole."""
     from expertcache.telemetry.atomic import atomic_dir
 
     with atomic_dir(model_dir) as tmp:
-        streamed.save_into(tmp, model)
+        streamed.save_into(tmp, model, also)
         tok.save_pretrained(str(tmp))
         if aux is not None:
             aux.save(tmp, model)

@@ -1,0 +1,103 @@
+"""Low-rank adapters on attention (peft's LoRA), trained beside the routers (`quality.lora_rank`).
+
+Router-only post-training moves where tokens go, not what attention computes; an adapter of rank r on attention's
+projections (q/k/v/o by default) lets the backbone follow the new routing at a few parameters per layer, while the
+experts, the embeddings and the rest stay frozen. It works the same in memory and with streamed experts (attention
+is never streamed). The base the run distils to is the same weights with the adapters off and the original routers
+(`adapters_off`): no second copy. The checkpoint a run saves is a plain one: each adapter merged into its
+projection's weight (`merge_into`), so transformers, `expertcache load` and llama.cpp's converter read it as they
+read the base.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from .config import RecipeError
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # attention's projections in every family the adapters know
+
+
+def is_adapter_param(name: str) -> bool:
+    """Whether a parameter name is an adapter's (peft names them `...lora_A.<adapter>.weight`)."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def targeted(model: torch.nn.Module, targets) -> list[str]:
+    """The Linear modules an adapter goes on: those whose last name is one of `targets`."""
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in targets]
+
+
+def adapter_params(model: torch.nn.Module, rank: int, targets) -> int:
+    """Parameters the adapters add: rank x (in + out) per targeted Linear (the model may be on the meta device)."""
+    mods = dict(model.named_modules())
+    return sum(rank * (mods[n].in_features + mods[n].out_features) for n in targeted(model, targets))
+
+
+def add_lora(model: torch.nn.Module, rank: int, alpha: float, targets) -> int:
+    """Adapters of rank `rank` (scale alpha / rank; B starts at 0, so the model starts as the base) on every
+    targeted projection, in place; returns how many parameters they add. A target list that names no Linear of the
+    model is refused in one line, naming the projections it has."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    found = targeted(model, targets)
+    if not found:
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+                        and "attn" in n})
+        raise RecipeError(f"quality.lora_targets={list(targets)} names no Linear of this model; its attention has "
+                          f"{', '.join(names) or 'none'}")
+    n = adapter_params(model, rank, targets)
+    frozen = {id(p): p.requires_grad for p in model.parameters()}
+    inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0,
+                                       bias="none"), model)
+    for p in model.parameters():  # peft freezes everything but its adapters: what trained before still trains
+        if id(p) in frozen:
+            p.requires_grad_(frozen[id(p)])
+    return n
+
+
+def _layers(model: torch.nn.Module) -> list:
+    from peft.tuners.lora import LoraLayer
+
+    return [m for m in model.modules() if isinstance(m, LoraLayer)]
+
+
+@contextmanager
+def adapters_off(model: torch.nn.Module):
+    """The base's forward: every adapter skipped, their parameters untouched (peft's own `enable_adapters` would
+    flip `requires_grad`, mid-step, on the parameters the optimizer steps)."""
+    layers = _layers(model)
+    was = [m._disable_adapters for m in layers]
+    try:
+        for m in layers:
+            m._disable_adapters = True
+        yield
+    finally:
+        for m, w in zip(layers, was):
+            m._disable_adapters = w
+
+
+def has_adapters(model: torch.nn.Module) -> bool:
+    return bool(_layers(model))
+
+
+@torch.no_grad()
+def merge_into(model: torch.nn.Module) -> list[str]:
+    """Each adapter merged into its projection (W + alpha/r * B A, in W's dtype) and the projection put back as the
+    plain Linear it was, so the model saves under the base's tensor names; returns the merged weights' parameter
+    names. For the end of training: the adapters are gone after it."""
+    from peft.tuners.lora import LoraLayer
+
+    merged = []
+    for name, m in list(model.named_modules()):
+        if not isinstance(m, LoraLayer):
+            continue
+        base = m.get_base_layer()
+        delta = sum(m.get_delta_weight(a) for a in m.active_adapters)
+        base.weight.copy_((base.weight.float() + delta.float()).to(base.weight.dtype))
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner) if owner else model, attr, base)
+        merged.append(f"{name}.weight")
+    return merged
