@@ -157,21 +157,25 @@ def test_streamed_router_training_matches_in_memory_training(tiny_data, fp32_bas
 
 
 @pytest.mark.slow  # three training runs (about 2 s)
-def test_streamed_run_resumes_from_checkpoints_that_hold_only_what_trains(tiny_data, fp32_base, tmp_path):
-    """A streamed run's resumable checkpoints hold the routers (and the optimizer state), not the frozen weights; a
-    run stopped at step 2 and resumed to 4 ends with the routers (and losses) of the in-memory run stopped and
-    resumed the same way."""
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_streamed_run_resumes_from_checkpoints_that_hold_only_what_trains(tiny_data, fp32_base, tmp_path, lora_rank):
+    """A streamed run's resumable checkpoints hold the routers (and the attention adapters, with quality.lora_rank)
+    and the optimizer state, not the frozen weights; a run stopped at step 2 and resumed to 4 ends with the routers
+    (and losses) of the in-memory run stopped and resumed the same way."""
     from safetensors.torch import load_file
 
     from expertcache.trainer.cache_aware import run_cache_aware
 
     def stop_and_resume(out, **kw):
+        kw["quality.lora_rank"] = lora_rank
         run_cache_aware(_recipe(tiny_data, fp32_base, out, **kw, **{"train.ckpt_every": 2, "train.max_steps": 2}))
         return run_cache_aware(_recipe(tiny_data, fp32_base, out, **kw, **{"train.ckpt_every": 2}))
 
     st = stop_and_resume(tmp_path / "st", **{"train.memory_gb": 8})
     ck = torch.load(tmp_path / "st" / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
-    assert set(ck["state_dict"]) == {f"model.model.layers.{i}.mlp.gate.weight" for i in range(2)}
+    adapters = {k for k in ck["state_dict"] if ".lora_" in k}
+    assert set(ck["state_dict"]) - adapters == {f"model.model.layers.{i}.mlp.gate.weight" for i in range(2)}
+    assert len(adapters) == (16 if lora_rank else 0)  # A and B on q, k, v, o of both layers
     mem = stop_and_resume(tmp_path / "mem")
     assert st["resumed_from_step"] == mem["resumed_from_step"] == 2 and st["global_step"] == 4
     np.testing.assert_allclose(st["losses"], mem["losses"], rtol=1e-4)  # the resumed steps 3 and 4
