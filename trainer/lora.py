@@ -59,6 +59,10 @@ def add_lora(model: torch.nn.Module, rank: int, alpha: float, targets) -> int:
 
 
 def _layers(model: torch.nn.Module) -> list:
+    import sys
+
+    if "peft" not in sys.modules:  # no adapter was ever added in this process: nothing to import to know it
+        return []
     from peft.tuners.lora import LoraLayer
 
     return [m for m in model.modules() if isinstance(m, LoraLayer)]

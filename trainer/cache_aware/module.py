@@ -184,11 +184,9 @@ class CacheAwareModule(CausalLMModule):
         # Inside FSDP's forward (use_orig_params) each parameter is read from a plain tensor view set on its module,
         # which shadows the registered parameter that functional_call swaps: swapped there instead (else the base
         # would be the model itself, and the distillation loss 0 with no gradient)
-        views, swap = {}, {}
         from ..lora import adapters_off
 
-        off = adapters_off(self.model)  # the base: attention without the adapters too (quality.lora_rank)
-        off.__enter__()
+        views, swap = {}, {}
         try:
             for name, t in self._base_routers.items():
                 owner, _, attr = name.rpartition(".")
@@ -198,9 +196,9 @@ class CacheAwareModule(CausalLMModule):
                     module.__dict__[attr] = t
                 else:
                     swap[name] = t
-            return torch.func.functional_call(self.model, swap, (), {"input_ids": ids, "use_cache": False}).logits
+            with adapters_off(self.model):  # the base's attention too: no adapters (quality.lora_rank)
+                return torch.func.functional_call(self.model, swap, (), {"input_ids": ids, "use_cache": False}).logits
         finally:
-            off.__exit__(None, None, None)
             for (module, attr), v in views.items():
                 module.__dict__[attr] = v
             self._capture = capture
