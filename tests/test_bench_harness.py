@@ -236,6 +236,7 @@ def test_check_results_recovers_only_what_git_history_and_the_configs_say(tmp_pa
     assert cr.main(["--results", str(res), "--write"]) == 1 and json.loads((res / "plain.json").read_text()) == plain
 
 
+@pytest.mark.slow  # git history, and a child process that parses each script
 def test_check_results_recovers_a_scripts_config_a_frontiers_rows_and_portable_paths(tmp_path, capsys):
     """`scripts/check_results.py --write` on a repository of its own: a result that names only `python
     scripts/x.py ARGS` gets the arguments x's own parser resolved at the commit the result records (a default

@@ -477,6 +477,7 @@ def test_frozen_bf16_keeps_the_routers_and_their_gradients_in_fp32(tiny_data, fp
         base.close()
 
 
+@pytest.mark.slow  # two training runs and their evaluation (11.5 s alone, with its fixtures)
 def test_attention_adapters_train_beside_the_routers_the_same_streamed_as_in_memory(tiny_data, fp32_base, tmp_path):
     """`quality.lora_rank` (#44: low-rank adapters on attention through peft, beside the routers): the streamed run
     gives the in-memory run's losses and saved tensors (fp32, rtol 1e-4); the checkpoint is a plain one (the
