@@ -74,3 +74,18 @@ def test_a_recipe_commands_help_still_lists_the_recipes_keys(capsys):
         cli.main(["pretrain", "--help"])
     out = capsys.readouterr().out
     assert "--recipe.model.num_layers" in out and "decoder layers, every one a MoE layer" in out
+
+
+def test_the_quick_exit_keeps_what_a_normal_exit_does():
+    """`exit_now` (the console scripts' way out, skipping the interpreter's module teardown) still waits for a
+    non-daemon thread, runs the atexit handlers, flushes a large buffered stdout into a pipe and exits with the
+    status given."""
+    code = ("import atexit, threading, time\n"
+            "from expertcache.recipes.cli import exit_now\n"
+            "atexit.register(lambda: print('atexit ran'))\n"
+            "threading.Thread(target=lambda: (time.sleep(0.2), print('thread done'))).start()\n"
+            "print('x' * 200000)\n"
+            "exit_now(3)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    lines = p.stdout.splitlines()
+    assert p.returncode == 3 and lines == ["x" * 200000, "thread done", "atexit ran"], (p.returncode, p.stderr)
