@@ -40,6 +40,10 @@ def main() -> None:
     ap.add_argument("--ppl-blocks", type=count, default=4)
     ap.add_argument("--seq-len", type=count, default=128)
     a = ap.parse_args()
+    from expertcache.telemetry.hf import load_config
+
+    for m in [a.base, *a.candidates]:  # every checkpoint named, before the output folder is made
+        load_config(m)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     kw = dict(corpus=a.corpus, task_dir=out / "task-data", ppl_blocks=a.ppl_blocks, seq_len=a.seq_len)

@@ -38,6 +38,9 @@ def main() -> int:
             return 0
         if not a.model:
             ap.error("--model is required (or --build_only)")
+        from expertcache.telemetry.hf import load_config
+
+        load_config(a.model)  # a checkpoint, before any build, conversion or cache folder
         for f in a.formats.split(","):
             print(json.dumps(decode(a.model, f, a.threads, a.tokens)), flush=True)
     except LlamaCppError as e:

@@ -11,7 +11,7 @@ class InputError(ValueError):
 
 def run_script(main, *args) -> int:
     """A script's entry, `sys.exit(run_script(main))`: what `main(*args)` returns as an exit status (None: 0); bad
-    input the package refuses (an InputError, a file or folder that is not there or not one) is one line, the
+    input the package refuses (an InputError, a file or folder that is not there, not one, or in the way) is one line, the
     script's name and the message, and exit 2, as the CLI does; anything else is a bug and keeps its traceback."""
     import sys
     from pathlib import Path
@@ -19,7 +19,7 @@ def run_script(main, *args) -> int:
     prog = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else "script"
     try:
         rc = main(*args)
-    except (InputError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+    except (InputError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError) as e:
         print(f"{prog}: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -442,6 +442,8 @@ def test_serve_prompt_cache_names_a_missing_or_empty_checkpoint_in_one_line_with
     ("bench_kernels", ["--threads", "abc", "--model", "{nx}"], "--threads abc: expected thread counts >= 1"),
     ("learned_policy_eval", ["--base-fit", "{nx}", "--base-test", "{nx}"], "--base-fit {nx}: no such trace"),
     ("quantized_table", ["--base", "{nx}", "--work", "{tmp}/work"], "no HF checkpoint at {nx}: no such folder"),
+    ("gate_table", ["--base", "{nx}", "--candidates", "{nx}", "--out", "{tmp}/gates"], "no HF checkpoint at {nx}"),
+    ("llamacpp_peer", ["--model", "{nx}"], "no HF checkpoint at {nx}: no such folder"),
 ])
 def test_scripts_refuse_bad_input_in_one_line_with_exit_2_before_any_work(script, argv, needle, tmp_path,
                                                                            monkeypatch, capsys):
