@@ -250,7 +250,7 @@ def _call(fn, sub_cfg, parser):
 def main(argv: list[str] | None = None) -> int:
     from jsonargparse import ArgumentError
 
-    from expertcache.telemetry.errors import InputError
+    from expertcache.telemetry.errors import BAD_INPUT
 
     argv = list(sys.argv[1:] if argv is None else argv)
     name = next((a for a in argv if not a.startswith("-")), "expertcache")
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                    + (f"; got {given.group(1)}" if given else ""))
         print(f"expertcache {name}: error: {msg}", file=sys.stderr)
         return 2
-    except (InputError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
+    except BAD_INPUT as e:
         print(f"expertcache {name}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

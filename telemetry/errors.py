@@ -9,6 +9,11 @@ class InputError(ValueError):
     """
 
 
+# what a command or a script reports as bad input (one line, exit 2): the package's own refusal, and a path given
+# that is not there, not a file or folder as asked, in the way, or not ours to read or write
+BAD_INPUT = (InputError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError)
+
+
 def run_script(main, *args) -> int:
     """A script's entry, `sys.exit(run_script(main))`: what `main(*args)` returns as an exit status (None: 0); bad
     input the package refuses (an InputError, a file or folder that is not there, not one, or in the way) is one line, the
@@ -19,7 +24,7 @@ def run_script(main, *args) -> int:
     prog = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else "script"
     try:
         rc = main(*args)
-    except (InputError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError) as e:
+    except BAD_INPUT as e:
         print(f"{prog}: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
