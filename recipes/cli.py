@@ -319,21 +319,32 @@ def exit_now(code: int) -> None:
     command and on every process of a data-parallel run. What the normal exit does that matters still runs, in
     its order: other (non-daemon) threads are waited for, the atexit handlers run (wandb's, logging's flush), and
     the standard streams are flushed. Files are never left half-written by skipping the rest: outputs are written
-    whole and closed before a command returns (`telemetry/atomic.py`)."""
+    whole and closed before a command returns (`telemetry/atomic.py`). Under a profiler or a tracer (`python -m
+    cProfile`, `-m trace`, a debugger), in interactive mode, or with EXPERTCACHE_FAST_EXIT=0, it leaves the normal
+    way, so that what runs after the program still runs."""
     import atexit
     import os
     import threading
 
-    me = threading.current_thread()
-    for t in threading.enumerate():
-        if t is not me and not t.daemon:
-            t.join()
+    if sys.getprofile() is not None or sys.gettrace() is not None or sys.flags.interactive \
+            or os.environ.get("EXPERTCACHE_FAST_EXIT", "1") == "0":
+        sys.exit(code)
+    # what the interpreter's own exit does first: waits for the non-daemon threads, and before that tells idle
+    # thread pools (concurrent.futures registers it there) to stop, whose workers would otherwise wait forever
+    threading._shutdown()
     atexit._run_exitfuncs()
+    lost = False
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more can reach it
+        except (OSError, ValueError):  # a full disk, a closed pipe: the output did not all arrive
+            lost = lost or stream is sys.stdout
+    if lost and code == 0:  # as the interpreter reports an unflushable stdout: not a success
+        try:
+            os.write(2, b"expertcache: error: the output could not be written in full (stdout)\n")
+        except OSError:
             pass
+        code = 120
     os._exit(code)
 
 

@@ -3,6 +3,7 @@ torch and transformers to list the commands)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -79,13 +80,32 @@ def test_a_recipe_commands_help_still_lists_the_recipes_keys(capsys):
 def test_the_quick_exit_keeps_what_a_normal_exit_does():
     """`exit_now` (the console scripts' way out, skipping the interpreter's module teardown) still waits for a
     non-daemon thread, runs the atexit handlers, flushes a large buffered stdout into a pipe and exits with the
-    status given."""
-    code = ("import atexit, threading, time\n"
+    status given; an idle thread pool still referenced from a cycle (the engine's readers) does not keep it waiting
+    forever (a join of every thread did); a stdout that cannot take the output is exit 120, not a success; under a
+    profiler it leaves the normal way (cProfile writes its file)."""
+    code = ("import atexit, threading, time, concurrent.futures as cf\n"
             "from expertcache.recipes.cli import exit_now\n"
             "atexit.register(lambda: print('atexit ran'))\n"
             "threading.Thread(target=lambda: (time.sleep(0.2), print('thread done'))).start()\n"
+            "class Engine: pass\n"
+            "e = Engine(); e.me = e; e.pool = cf.ThreadPoolExecutor(2); e.pool.submit(time.sleep, 0.01).result()\n"
             "print('x' * 200000)\n"
             "exit_now(3)\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     lines = p.stdout.splitlines()
     assert p.returncode == 3 and lines == ["x" * 200000, "thread done", "atexit ran"], (p.returncode, p.stderr)
+    full = "from expertcache.recipes.cli import exit_now\nprint('{}' * 1000)\nexit_now(0)\n"  # under the buffer: the exit's flush fails
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered, as a user's shell has it
+    with open("/dev/full", "w") as out:
+        p = subprocess.run([sys.executable, "-c", full], stdout=out, stderr=subprocess.PIPE, text=True, timeout=60,
+                           env=env)
+    assert p.returncode == 120 and "could not be written" in p.stderr, (p.returncode, p.stderr)
+
+
+def test_the_quick_exit_steps_aside_for_a_profiler(tmp_path):
+    """`python -m cProfile -o FILE -m expertcache.recipes.cli ...` writes its profile: the quick exit would skip
+    what runs after the program."""
+    prof = tmp_path / "p.prof"
+    p = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "expertcache.recipes.cli",
+                        "--help"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and prof.stat().st_size > 0, p.stderr
