@@ -79,3 +79,32 @@ def test_bad_adapter_settings_are_one_line_and_exit_2_before_any_work(tmp_path, 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_adapters_train_in_fp32_on_a_bf16_model():
+    """peft makes the adapters in the base layer's dtype; on bf16 frozen weights they would train in bf16 (an
+    Adam step below bf16's resolution rounds away): they are fp32, as the routers are, and the forward still runs."""
+    from expertcache.trainer.lora import add_lora, is_adapter_param
+
+    model = _model().to(torch.bfloat16)
+    add_lora(model, 4, 8.0, ["q_proj", "v_proj"])
+    dtypes = {p.dtype for n, p in model.named_parameters() if is_adapter_param(n)}
+    assert dtypes == {torch.float32}
+    _perturb(model)
+    with torch.no_grad():
+        out = model(input_ids=_ids(model)).logits
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+
+
+def test_adapters_with_a_frozen_backbone_are_refused_with_the_recipe(tmp_path, capsys):
+    """`mode=aux-only` (the backbone frozen; from a trace it never runs the model) with `quality.lora_rank` was
+    dropped without a word from a trace, and refused only after the run folder was made otherwise: refused in one
+    line when the recipe is read."""
+    from expertcache.recipes.cli import main
+
+    for extra in ([], ["routers.trace=nowhere.parquet"]):
+        assert main(["train-cache-aware", "--recipe", "aux-only", f"out_dir={tmp_path / 'o'}",
+                     "quality.trainable=routers", "quality.lora_rank=8", *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "mode aux-only keeps the backbone frozen" in err, err
+        assert not (tmp_path / "o").exists()

@@ -514,3 +514,23 @@ def _logged(out, key):
 
     rows = [r for f in sorted((out / "logs").glob("version_*/metrics.csv")) for r in csv.DictReader(f.open())]
     return [r[key] for r in rows if r.get(key)]
+
+
+@pytest.mark.slow  # a training run
+def test_adapters_on_bf16_frozen_weights_are_added_to_the_checkpoints_own_tensors(tiny_data, fp32_base, tmp_path):
+    """With `train.frozen_dtype=bf16` the attention weights the run computes with are a bf16 copy of the fp32 base's;
+    the saved checkpoint adds each adapter to the base's own fp32 tensor (the review found every saved attention
+    weight rounded to bf16 when the merged copy was written back). Each saved projection moved, in fp32, and is not
+    a bf16-rounded tensor."""
+    from safetensors.torch import load_file
+
+    from expertcache.trainer.cache_aware import run_cache_aware
+
+    run_cache_aware(_recipe(tiny_data, fp32_base, tmp_path / "st", **{
+        "train.memory_gb": 8, "train.frozen_dtype": "bf16", "train.max_steps": 2, "quality.lora_rank": 4}))
+    base = load_file(str(fp32_base / "model.safetensors"))
+    saved = load_file(str(tmp_path / "st" / "model" / "model.safetensors"))
+    for k in [k for k in base if "self_attn" in k and k.endswith("proj.weight")]:
+        w, s = base[k], saved[k]
+        assert s.dtype == w.dtype == torch.float32 and not torch.equal(s, w), k  # trained
+        assert not torch.equal(s, s.bfloat16().float()), k  # not a bf16 copy written back

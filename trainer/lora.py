@@ -36,6 +36,15 @@ def adapter_params(model: torch.nn.Module, rank: int, targets) -> int:
     return sum(rank * (mods[n].in_features + mods[n].out_features) for n in targeted(model, targets))
 
 
+def adapter_bytes(model: torch.nn.Module, rank: int, targets, tokens: int) -> int:
+    """Memory the adapters add to a training step on `tokens` tokens: their fp32 weights, gradients and two Adam
+    moments (16 bytes a parameter), and what each keeps for its backward per token: its input in fp32 (peft casts
+    it to the adapter's dtype) and the rank-wide product."""
+    mods = dict(model.named_modules())
+    per_token = sum(4 * (mods[n].in_features + rank) for n in targeted(model, targets))
+    return 16 * adapter_params(model, rank, targets) + tokens * per_token
+
+
 def add_lora(model: torch.nn.Module, rank: int, alpha: float, targets) -> int:
     """Adapters of rank `rank` (scale alpha / rank; B starts at 0, so the model starts as the base) on every
     targeted projection, in place; returns how many parameters they add. A target list that names no Linear of the
@@ -52,9 +61,11 @@ def add_lora(model: torch.nn.Module, rank: int, alpha: float, targets) -> int:
     frozen = {id(p): p.requires_grad for p in model.parameters()}
     inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0,
                                        bias="none"), model)
-    for p in model.parameters():  # peft freezes everything but its adapters: what trained before still trains
-        if id(p) in frozen:
+    for name, p in model.named_parameters():
+        if id(p) in frozen:  # peft freezes everything but its adapters: what trained before still trains
             p.requires_grad_(frozen[id(p)])
+        elif is_adapter_param(name) and p.dtype != torch.float32:  # peft makes them in the base's dtype: they
+            p.data = p.data.float()  # train in fp32, as the routers do (an Adam step in bf16 rounds away)
     return n
 
 
@@ -85,6 +96,17 @@ def adapters_off(model: torch.nn.Module):
 
 def has_adapters(model: torch.nn.Module) -> bool:
     return bool(_layers(model))
+
+
+@torch.no_grad()
+def deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """{the projection's weight name, as in the base: alpha/r * B A in fp32} for every adapted projection: what a
+    streamed run adds to the checkpoint's own tensors (`StreamedBase.save_into`), so the saved weights are the
+    base's, not a bf16 copy of them (`train.frozen_dtype=bf16`), plus the adapters."""
+    from peft.tuners.lora import LoraLayer
+
+    return {f"{name}.weight": sum(m.get_delta_weight(a).float() for a in m.active_adapters)
+            for name, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
 @torch.no_grad()

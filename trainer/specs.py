@@ -363,6 +363,9 @@ class CacheAwareRecipe:
         if self.mode == "aux-only" and (self.locality.weight or self.locality.domain_weight):
             raise RecipeError("mode=aux-only freezes the backbone, so locality.weight and locality.domain_weight "
                               "would do nothing; set them to 0")
+        if self.quality.lora_rank and self.mode == "aux-only":
+            raise RecipeError("quality.lora_rank trains adapters in the backbone; mode aux-only keeps the backbone "
+                              "frozen (set quality.lora_rank=0, or mode locality-only / joint)")
         if self.routers.trace and self.mode != "aux-only":
             raise RecipeError(f"routers.trace is for mode=aux-only (the backbone frozen); mode={self.mode} trains "
                               f"the backbone on live forwards")

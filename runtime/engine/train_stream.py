@@ -136,20 +136,20 @@ def _meta_like(p: StreamPlan):
     return M
 
 
-def check_budget(p: StreamPlan, memory_gb: float, tokens: int, distill: bool, adapter_params: int = 0) -> dict:
+def check_budget(p: StreamPlan, memory_gb: float, tokens: int, distill: bool, adapter_bytes: int = 0) -> dict:
     """The floor's parts; `InputError` (one line, the floor printed) when `memory_gb` is below it.
-    `adapter_params`: attention adapters trained beside the routers (fp32 weight, gradient, two Adam moments)."""
+    `adapter_bytes`: what attention adapters trained beside the routers add (their state and activations)."""
     parts = floor_bytes(p, tokens, distill)
-    if adapter_params:
-        parts["adapter_state"] = adapter_params * 4 * 4
-        parts["total"] += parts["adapter_state"]
+    if adapter_bytes:
+        parts["adapters"] = adapter_bytes
+        parts["total"] += adapter_bytes
     if memory_gb * 1e9 < parts["total"]:
         gb = {k: v / 1e9 for k, v in parts.items()}
         raise InputError(
             f"train.memory_gb={memory_gb:g} is below the floor of {gb['total']:.3f} GB for streamed training of "
             f"{p.path} ({tokens} tokens per step): non-expert weights {gb['non_expert_weights']:.3f}, experts in "
             f"flight {gb['experts_in_flight']:.3f}, activations {gb['activations']:.3f}, router state "
-            f"{gb['router_state']:.3f}" + (f", adapters {gb['adapter_state']:.3f}" if "adapter_state" in gb else "")
+            f"{gb['router_state']:.3f}" + (f", adapters {gb['adapters']:.3f}" if "adapters" in gb else "")
             + f", reads {gb['staging']:.3f}, this process {gb['process']:.3f} GB; raise "
             f"train.memory_gb to at least {gb['total']:.3f} or lower data.batch_size / data.seq_len")
     return parts
@@ -163,7 +163,7 @@ def check_resident(base: "StreamedBase", memory_gb: float, parts: dict) -> int:
     now = rss_bytes()
     pool = base.reader.pool.n_slots * base.reader.meta.block_bytes
     need = now + max(0, parts["experts_in_flight"] - pool) + parts["activations"] + parts["router_state"] \
-        + parts.get("adapter_state", 0)
+        + parts.get("adapters", 0)
     if memory_gb * 1e9 < need:
         raise InputError(f"train.memory_gb={memory_gb:g}: with the base open and the data ready this process holds "
                          f"{now / 1e9:.3f} GB, and a step adds {(need - now) / 1e9:.3f} GB: {need / 1e9:.3f} GB in "
@@ -541,11 +541,12 @@ class StreamedBase:
     def counters(self) -> dict:
         return self.reader.counters()
 
-    def save_into(self, folder: str | Path, model, also=()) -> None:
-        """The base checkpoint copied into `folder` (a temporary folder of `atomic_dir`), its router tensors (and
-        the parameters named in `also`: attention weights with adapters merged in) rewritten in place with
-        `model`'s (same dtype and shape; nothing else changes, experts are copied as bytes). A quantized base's
-        store gets the new router fingerprint in its header. Memory: one tensor at a time."""
+    def save_into(self, folder: str | Path, model, add=None) -> None:
+        """The base checkpoint copied into `folder` (a temporary folder of `atomic_dir`), its router tensors
+        rewritten in place with `model`'s, and each tensor named in `add` ({name: delta}, the attention adapters)
+        replaced by its own value plus the delta, summed in fp32 (same dtype and shape; nothing else changes,
+        experts are copied as bytes). A quantized base's store gets the new router fingerprint in its header.
+        Memory: one tensor at a time."""
         from expertcache.telemetry.adapters import adapter_for, router_fingerprint
 
         from expertcache.runtime.storage.checkpoint import Checkpoint, checkpoint_name
@@ -558,15 +559,24 @@ class StreamedBase:
         ckpt = Checkpoint(folder)
         a = adapter_for(model)
         names = {id(p): n for n, p in model.named_parameters()}
-        params = dict(model.named_parameters())
-        rewrite = [p for L in a.moe_layers(model) for p in L.router.parameters()] + [params[n] for n in also]
-        for p in rewrite:
-            ck = checkpoint_name(names[id(p)], a.family)
+        new = {names[id(p)]: p.detach() for L in a.moe_layers(model) for p in L.router.parameters()}
+        for name, delta in (add or {}).items():
+            new[name] = delta  # (added to the checkpoint's own value below)
+        for name, value in new.items():
+            ck = checkpoint_name(name, a.family)
             t = ckpt.tensors.get(ck)
-            if t is None or tuple(t.shape) != tuple(p.shape):
-                raise InputError(f"{self.path}: tensor {ck} not found with shape {list(p.shape)}")
-            raw = p.detach().to(t.dtype).contiguous().view(torch.uint8).numpy().tobytes()
-            fd = os.open(ckpt.files[t.file], os.O_WRONLY)
+            if t is None or tuple(t.shape) != tuple(value.shape):
+                raise InputError(f"{self.path}: tensor {ck} not found with shape {list(value.shape)}")
+            path = ckpt.files[t.file]
+            if add and name in add:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    own = torch.frombuffer(bytearray(os.pread(fd, t.nbytes, t.start)), dtype=t.dtype).view(t.shape)
+                finally:
+                    os.close(fd)
+                value = own.float() + value.float()
+            raw = value.to(t.dtype).contiguous().view(torch.uint8).numpy().tobytes()
+            fd = os.open(path, os.O_WRONLY)
             try:
                 os.pwrite(fd, raw, t.start)
             finally:

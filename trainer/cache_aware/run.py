@@ -122,10 +122,7 @@ def run_cache_aware(recipe: CacheAwareRecipe, resume: bool = True) -> dict:
     check_vocab(tok, model.config)
     q = recipe.quality
     lora = None
-    if q.lora_rank:
-        if recipe.mode == "aux-only":
-            raise RecipeError("quality.lora_rank trains adapters in the backbone; mode aux-only keeps the backbone "
-                              "frozen (set quality.lora_rank=0, or mode locality-only / joint)")
+    if q.lora_rank:  # (aux-only, which keeps the backbone frozen, is refused with the recipe)
         from ..lora import add_lora
 
         lora = {"rank": q.lora_rank, "alpha": q.lora_alpha, "targets": list(q.lora_targets),
@@ -217,12 +214,12 @@ def _finish_streamed(recipe, streamed, parts, module, trainer, train_s, start_st
     from ..runfolder import plot_training_curve
     from . import stream
 
-    merged = []
-    if lora is not None:  # merged into the projections' weights, which the saved copy rewrites beside the routers
-        from ..lora import merge_into
+    added = {}
+    if lora is not None:  # each adapter added to its projection's tensor as the checkpoint holds it, in fp32
+        from ..lora import deltas
 
-        merged = merge_into(module.model)
-    stream.save_model(streamed, module.model, tok, out / "model", aux, also=merged)
+        added = deltas(module.model)
+    stream.save_model(streamed, module.model, tok, out / "model", aux, add=added)
     plot_training_curve(out / "logs", out / "training_curve.png")
     result = {"name": recipe.name, "mode": recipe.mode, "base": str(recipe.base), "out_dir": str(out),
               "streamed": True, "global_step": trainer.global_step, "resumed_from_step": start_step,

@@ -25,7 +25,7 @@ class StreamedRuntime(Protocol):
 
     def plan(self, path, dtype: torch.dtype, tier: str = "disk"): ...
 
-    def check_budget(self, plan, memory_gb: float, tokens: int, distill: bool, adapter_params: int = 0) -> dict: ...
+    def check_budget(self, plan, memory_gb: float, tokens: int, distill: bool, adapter_bytes: int = 0) -> dict: ...
 
     def open_streamed(self, path, tier: str = "disk", dtype: torch.dtype = torch.float32): ...
 
@@ -116,23 +116,23 @@ def open_base(recipe, base: Path):
 
         from expertcache.telemetry.hf import load_config
 
-        from ..lora import adapter_params
+        from ..lora import adapter_bytes
 
         with torch.device("meta"):
-            adapters = adapter_params(AutoModelForCausalLM.from_config(load_config(base)), q.lora_rank,
-                                      q.lora_targets)
+            adapters = adapter_bytes(AutoModelForCausalLM.from_config(load_config(base)), q.lora_rank,
+                                     q.lora_targets, tokens)
     parts = _RUNTIME.check_budget(plan, recipe.train.memory_gb, tokens, bool(recipe.quality.distill), adapters)
     return plan, parts
 
 
-def save_model(streamed, model, tok, model_dir: Path, aux=None, also=()) -> None:
-    """The trained checkpoint: the base's files copied, router tensors (and the parameters named in `also`: the
-    attention weights the adapters were merged into) rewritten (`StreamedBase.save_into`), the tokenizer and the
-    aux routers beside them; swapped into place whole."""
+def save_model(streamed, model, tok, model_dir: Path, aux=None, add=None) -> None:
+    """The trained checkpoint: the base's files copied, router tensors rewritten and `add` ({tensor name: delta}:
+    the attention adapters) added to the base's own tensors (`StreamedBase.save_into`), the tokenizer and the aux
+    routers beside them; swapped into place whole."""
     from expertcache.telemetry.atomic import atomic_dir
 
     with atomic_dir(model_dir) as tmp:
-        streamed.save_into(tmp, model, also)
+        streamed.save_into(tmp, model, add)
         tok.save_pretrained(str(tmp))
         if aux is not None:
             aux.save(tmp, model)
