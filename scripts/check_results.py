@@ -147,6 +147,9 @@ class Moved(types.ModuleType):  # a project name that has moved since: the parse
         return Moved(name)
     def __call__(self, *a, **k):
         return Moved("call")
+    def __str__(self):  # a default made from a moved name (str(), an f-string) is not what that run read either
+        raise ImportError("moved")
+    __format__ = lambda self, spec: self.__str__()
 real_import = builtins.__import__
 def project_import(name, globals=None, locals=None, fromlist=(), level=0):
     try:
@@ -163,7 +166,10 @@ class Parsed(BaseException):
     pass
 real = argparse.ArgumentParser.parse_args
 def parse(self, args=None, namespace=None):
-    raise Parsed(vars(real(self, args, namespace)))
+    ns = vars(real(self, args, namespace))
+    given = sorted({a.dest for a in self._actions for s in a.option_strings
+                    for t in argv if t == s or t.startswith(s + "=")})
+    raise Parsed(ns, given)
 argparse.ArgumentParser.parse_args = parse
 sys.argv = [path, *argv]
 sys.path.insert(0, path.rsplit("/", 1)[0])
@@ -180,16 +186,18 @@ try:
 except Parsed as p:
     if any(isinstance(v, Moved) for v in p.args[0].values()):
         sys.exit(1)  # a default came from a name that moved: not what that run read
-    print(json.dumps(p.args[0], default=str))
+    print(json.dumps({"all": p.args[0], "given": p.args[1]}, default=str))
     sys.exit(0)
 sys.exit(1)
 """
 
 
-def parsed_config(command: str, commit: str, root: Path = ROOT) -> dict | None:
+def parsed_config(command: str, commit: str, root: Path = ROOT, given_only: bool = False) -> dict | None:
     """The arguments `python scripts/X.py ARGS` resolved, as X's own parser read them at `commit` (its defaults
-    then, not today's): X's source from git, run only up to its parse, in a child process. None when the command
-    is not a script's, git lacks that commit's file, or its source no longer imports."""
+    then, not today's): X's source from git, run only up to its parse, in a child process. `given_only`: only the
+    options the command names (where `commit` is not certainly the run's own code, its defaults may not be what the
+    run read). None when the command is not a script's, git lacks that commit's file, its source no longer imports
+    or takes over 2 minutes to reach its parse."""
     import shlex
     import subprocess
 
@@ -203,13 +211,18 @@ def parsed_config(command: str, commit: str, root: Path = ROOT) -> dict | None:
     src = subprocess.run(["git", "show", f"{commit}:{argv[1]}"], capture_output=True, text=True, cwd=root)
     if src.returncode:
         return None
-    p = subprocess.run([sys.executable, "-c", _PARSE_ONLY, str(root / argv[1]), *argv[2:]], input=src.stdout,
-                       capture_output=True, text=True, cwd=root, timeout=120)
+    try:
+        p = subprocess.run([sys.executable, "-c", _PARSE_ONLY, str(root / argv[1]), *argv[2:]], input=src.stdout,
+                           capture_output=True, text=True, cwd=root, timeout=120)
+    except subprocess.TimeoutExpired:
+        return None
     if p.returncode:
         return None
     from expertcache.runtime.bench.results import portable
 
-    return portable(json.loads(p.stdout.strip().splitlines()[-1]))
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    cfg = {k: v for k, v in got["all"].items() if not given_only or k in got["given"]}
+    return portable(cfg)
 
 
 MACHINE_ROOTS = ("work", "root", "home", "tmp")  # where a run's own files lie on a machine: its paths, not the result's
@@ -223,7 +236,14 @@ def machine_paths(d) -> int:
         return sum(machine_paths(k) + machine_paths(v) for k, v in d.items())
     if isinstance(d, list):
         return sum(machine_paths(v) for v in d)
-    return int(isinstance(d, str) and any(m.group(0).split("/")[1] in MACHINE_ROOTS for m in _ABS.finditer(d)))
+    return int(isinstance(d, str) and any(_machine(m.group(0)) for m in _ABS.finditer(d)))
+
+
+def _machine(path: str) -> bool:
+    """A path under one of MACHINE_ROOTS, below it (`/tmp/x`; `/tmp` alone, as prose names it, is not a run's
+    file)."""
+    parts = path.split("/")
+    return len(parts) >= 3 and parts[1] in MACHINE_ROOTS
 
 
 def without_machine_paths(d):
@@ -232,12 +252,15 @@ def without_machine_paths(d):
     from expertcache.runtime.bench.results import _ABS, portable
 
     if isinstance(d, dict):
-        return {without_machine_paths(k): without_machine_paths(v) for k, v in d.items()}
+        out = {without_machine_paths(k): without_machine_paths(v) for k, v in d.items()}
+        if len(out) != len(d):  # two keys that differ only by their machine's folders: neither is dropped
+            raise ValueError("keys collide once made portable")
+        return out
     if isinstance(d, list):
         return [without_machine_paths(v) for v in d]
     if not isinstance(d, str):
         return d
-    return _ABS.sub(lambda m: portable(m.group(0)) if m.group(0).split("/")[1] in MACHINE_ROOTS else m.group(0), d)
+    return _ABS.sub(lambda m: portable(m.group(0)) if _machine(m.group(0)) else m.group(0), d)
 
 
 def recover(d: dict, path: Path) -> list[str]:
@@ -246,10 +269,14 @@ def recover(d: dict, path: Path) -> list[str]:
 
     added = []
     if machine_paths(d):
-        clean = without_machine_paths(d)
-        d.clear()
-        d.update(clean)
-        added.append("portable paths")
+        try:
+            clean = without_machine_paths(d)
+        except ValueError:  # left as it is: the table still counts its machine paths
+            clean = None
+        if clean is not None:
+            d.clear()
+            d.update(clean)
+            added.append("portable paths")
     head = last_commit(path)
     if commit_of(d) is None and head:
         d["provenance"] = {"commit": head, "dirty": None, "recovered_from": "git log"}
@@ -269,11 +296,20 @@ def recover(d: dict, path: Path) -> list[str]:
             added.append("command")
     cmd, commit = command_of(d), commit_of(d)
     if not d.get("config") and config_of(d, path) is None and cmd and commit:
-        cfg = parsed_config(cmd, commit, path.resolve().parents[1])
+        prov = d.get("provenance") if isinstance(d.get("provenance"), dict) else {}
+        # the run's own clean commit: its script's defaults are the run's; a commit git log gave (the one that added
+        # the file: the run's code is it or an earlier one) or a dirty tree: only what the command itself names
+        own = not prov.get("recovered_from") and "+" not in commit and prov.get("dirty") is not True
+        cfg = parsed_config(cmd, commit, path.resolve().parents[1], given_only=not own)
         if cfg is not None:
             script = cmd.split()[1]
+            c = commit.split("+")[0]
             d["config"] = cfg
-            d["config_recovered_from"] = f"the command, parsed by {script} as it was at {commit.split('+')[0]}"
+            d["config_recovered_from"] = (
+                f"the command, parsed by {script} as it was at {c} (the run's own commit; the last command that "
+                f"wrote the file)" if own else
+                f"the options the command names, parsed by {script} as it was at {c} (the last commit that changed the "
+                f"file: the run's code is that commit's or an earlier one's, so its defaults are not recorded)")
             added.append("config")
     doc = DOCUMENTED.get(path.name)
     if doc and command_of(d) is None and doc[0] in (ROOT / doc[1]).read_text():
@@ -314,13 +350,17 @@ def recover_rows(d: list, path: Path) -> list[str]:
     """A frontier's list of rows without commit or configuration: each row gets them as the frontier recipe
     writes them today (`commit`, `command`, `config`: recipe, base, split, variant, evaluation sizes), from the
     recipe whose YAML, at the commit that wrote the rows, names that output (`frontier.out`; failing that, its text
-    names the file); only when exactly one recipe does and every row is that recipe's base, control or a variant of it."""
+    names the file); only when exactly one recipe does and every row is that recipe's base, control or a variant of
+    it. A row with a config of its own, or with another commit, is left as it is."""
     import yaml
 
     added = []
     if machine_paths(d):
-        d[:] = without_machine_paths(d)
-        added.append("portable paths")
+        try:
+            d[:] = without_machine_paths(d)
+            added.append("portable paths")
+        except ValueError:
+            pass
     if not d or not all(isinstance(r, dict) and r.get("name") for r in d) or all(r.get("config") for r in d):
         return added
     root = path.resolve().parents[1]
@@ -350,6 +390,8 @@ def recover_rows(d: list, path: Path) -> list[str]:
     if not all(r["name"] in ("base", fr.get("control", "control"), *variants) for r in d):
         return added
     for r in d:
+        if r.get("config") or r.get("commit", c) != c:  # a row's own record, or one from another commit: left
+            continue
         lossy = r.get("serving") == "reroute"
         keys = ("tasks", "limit", "ppl_blocks", "seq_len", "accuracy")
         sizes = {k: fr[("lossy_" if lossy else "") + k] for k in keys if ("lossy_" if lossy else "") + k in fr}

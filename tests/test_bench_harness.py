@@ -275,6 +275,12 @@ def test_check_results_recovers_a_scripts_config_a_frontiers_rows_and_portable_p
          "model": "/work/somewhere/ckpt", "url": "http://127.0.0.1:8000/v1/chat/completions"}
     (res / "a.json").write_text(json.dumps(a))
     (res / "b.json").write_text(json.dumps({"command": "python scripts/moved.py", "provenance": {"commit": c1}}))
+    later = {"command": "python scripts/x.py --out results/c.json", "figure": 1.0,  # its commit from git log only
+             "provenance": {"commit": c1, "dirty": None, "recovered_from": "git log"}}
+    (res / "c.json").write_text(json.dumps(later))
+    clash = {"command": "python scripts/nowhere.py", "provenance": {"commit": c1},
+             "per_model": {"/work/a/model": 1, "/tmp/b/model": 2}, "note": "a store on /tmp (tmpfs)"}
+    (res / "d.json").write_text(json.dumps(clash))
     rows = [{"name": "control", "serving": "plain", "miss_reduction_1_8": 0.1},
             {"name": "v1", "serving": "plain", "miss_reduction_1_8": 0.5}]
     (res / "fr.json").write_text(json.dumps(rows))
@@ -285,10 +291,14 @@ def test_check_results_recovers_a_scripts_config_a_frontiers_rows_and_portable_p
     assert cr.main(["--results", str(res), "--write"]) == 0
     got = json.loads((res / "a.json").read_text())
     assert got["config"] == {"rounds": 3, "out": "results/a.json"}, got["config"]  # the default at c1, not 5
-    assert got["config_recovered_from"] == f"the command, parsed by scripts/x.py as it was at {c1}"
+    assert got["config_recovered_from"].startswith(f"the command, parsed by scripts/x.py as it was at {c1} (the run's")
     assert got["model"] == ".../ckpt" and got["url"] == a["url"] and got["figure"] == 2.5
     assert not (tmp_path / "RAN").exists()  # parsed, never run
     assert "config" not in json.loads((res / "b.json").read_text())
+    c = json.loads((res / "c.json").read_text())  # the run's own defaults unknown: only what the command names
+    assert c["config"] == {"out": "results/c.json"} and "defaults are not recorded" in c["config_recovered_from"]
+    d = json.loads((res / "d.json").read_text())  # two keys would become one: left as it was, still counted
+    assert d["per_model"] == clash["per_model"] and d["note"] == clash["note"] and cr.machine_paths(d) == 2
     fr = json.loads((res / "fr.json").read_text())
     assert [r["miss_reduction_1_8"] for r in fr] == [0.1, 0.5]
     assert all(r["commit"] == c2 and r["command"] == "expertcache train-cache-aware --recipe fr" for r in fr)
@@ -298,4 +308,7 @@ def test_check_results_recovers_a_scripts_config_a_frontiers_rows_and_portable_p
     out = capsys.readouterr().out
     assert "| a.json | " + c1 + " | config | yes | — | — | portable paths, config |" in out, out
     assert "| fr.json | " + c2 + " | config | yes | — | — | commit, config, command |" in out, out
-    assert cr.machine_paths({"p": ["/tmp/x/y"], "/root/k": 1}) == 2 and cr.machine_paths({"u": "/v1/models"}) == 0
+    assert cr.machine_paths({"p": ["/tmp/x/y"], "/root/k/v": 1}) == 2 and cr.machine_paths({"u": "/v1/models"}) == 0
+    assert cr.machine_paths("a store on /tmp (tmpfs)") == 0
+    mixed = [{"name": "control", "config": {"own": True}}, {"name": "v1", "commit": "0000000"}]
+    assert cr.recover_rows(mixed, res / "fr.json") and mixed[0]["config"] == {"own": True} and "config" not in mixed[1]
