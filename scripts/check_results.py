@@ -399,7 +399,8 @@ def recover_rows(d: list, path: Path) -> list[str]:
         r.setdefault("command", f"expertcache train-cache-aware --recipe {y.get('name')}")
         r["config"] = {"recipe": y.get("name"), "base": y.get("base"), "split": fr.get("split", "test"),
                        "variant": list(variants.get(r["name"], [])), "eval": sizes}
-        r["config_recovered_from"] = f"{f} at {c} (it wrote {written})"
+        r["config_recovered_from"] = (f"{f} at {c}, the last commit that changed the rows (then {written}): the "
+                                      f"run's recipe is that commit's or an earlier one's")
     return added + ["commit", "config", "command"]
 
 
