@@ -40,12 +40,17 @@ def atomic_dir(path: str | Path, command: str | None = None, overwrite: bool = F
     import shutil
 
     path = Path(path)
-    made = [p for p in (path.parent, *path.parent.parents) if not p.exists()]  # innermost first
-    path.parent.mkdir(parents=True, exist_ok=True)
+    made = []  # the parent folders this call made (innermost first): only those go if the block fails
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     old = path.with_name(f".{path.name}.old-{os.getpid()}")
     done = False
     try:
+        for p in reversed([p for p in (path.parent, *path.parent.parents) if not p.exists()]):
+            try:
+                p.mkdir()
+            except FileExistsError:  # made meanwhile by someone else: theirs, never removed here
+                continue
+            made.insert(0, p)
         if command is not None:
             claim_dir(path, command, overwrite=overwrite, legacy=legacy)
         else:

@@ -67,10 +67,10 @@ def load_gguf_tokenizer(path: str | Path):
 def _no_folder(path: str | Path) -> None:
     """A path that names no folder here and cannot be a hub id either (absolute, ./ or ../, or more than one
     `/`): one InputError, where transformers would say "Repo id must be in the form 'repo_name' ..."."""
-    text = str(path)
+    text = str(Path(path).expanduser())
     if Path(text).exists():
         return
-    if text.startswith(("/", "./", "../", "~")) or text.count("/") > 1 or not text:
+    if text.startswith(("/", "./", "../", "~")) or text.count("/") > 1:
         raise InputError(f"no HF checkpoint at {text}: no such folder")
 
 
@@ -80,7 +80,7 @@ def load_config(path: str | Path):
 
     from transformers import AutoConfig
 
-    p = Path(path)
+    p = Path(path).expanduser()
     _no_folder(path)
     if p.exists() and not (p / "config.json").is_file():
         raise InputError(f"no HF checkpoint at {p} (expected {p / 'config.json'})")
@@ -113,7 +113,7 @@ def load_causal_lm(path: str | Path, **kwargs):
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
-    p = Path(path)
+    p = Path(path).expanduser()
     _no_folder(path)
     if p.exists() and not (p / "config.json").is_file():
         raise InputError(f"no HF checkpoint at {p} (expected {p / 'config.json'})")

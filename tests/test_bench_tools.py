@@ -482,3 +482,19 @@ def test_scripts_refuse_bad_input_in_one_line_with_exit_2_before_any_work(script
     if not err[0].startswith("usage:"):
         assert err[0].startswith(f"{script}:"), err
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
+
+
+
+def test_a_checkpoint_path_with_a_tilde_is_read_from_home(tmp_path, monkeypatch):
+    """`~/models/x` (from a YAML file, or `--model=~/x`, which the shell does not expand) names a folder under home:
+    read there, not refused as a folder that is not there; one that is not there says so."""
+    from tiny_lm import make_tiny_checkpoint
+
+    from expertcache.telemetry.errors import InputError
+    from expertcache.telemetry.hf import load_config
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    make_tiny_checkpoint(tmp_path / "models" / "m")
+    assert load_config("~/models/m").model_type
+    with pytest.raises(InputError, match="no such folder"):
+        load_config("~/models/none")

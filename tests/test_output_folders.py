@@ -108,6 +108,12 @@ def test_a_refused_or_failed_write_leaves_no_folder_it_made_on_the_way(tmp_path)
     with atomic_dir(tmp_path / "made" / "out", command="analyze") as d:
         (d / "x.json").write_text("{}")
     assert (tmp_path / "made" / "out" / "x.json").is_file()
+    # a parent another process makes while the block runs is theirs: not removed when this block fails
+    with pytest.raises(InputError):
+        with atomic_dir(tmp_path / "race" / "deep" / "out", command="analyze"):
+            (tmp_path / "race" / "deep" / "theirs").mkdir()
+            raise InputError("failed")
+    assert (tmp_path / "race" / "deep" / "theirs").is_dir()
 
 
 def test_resumable_commands_continue_their_own_folder_only(tmp_path):
