@@ -38,7 +38,10 @@ DOCUMENTED = {"load_test.json": ("python scripts/load_test.py --seconds 40 --cli
                                  "scripts/load_test.py"),
               "serve_load.json": ("python scripts/load_test.py --throughput --out results/serve_load.json",
                                   "scripts/load_test.py"),
-              "bad_inputs.json": ("python scripts/bad_inputs.py", "scripts/bad_inputs.py")}
+              "bad_inputs.json": ("python scripts/bad_inputs.py", "scripts/bad_inputs.py"),
+              "bench_decode_0.87gb.json": ("expertcache bench decode --model runs/ckpt-0.87gb --capacities "
+                                           "[0.125,0.25] --predictors [probe:1,lookahead:3] --rounds 3 --prompts 2",
+                                           "docs/benchmarks.md")}
 
 
 def commit_of(d) -> str | None:
@@ -312,7 +315,7 @@ def recover(d: dict, path: Path) -> list[str]:
                 f"file: the run's code is that commit's or an earlier one's, so its defaults are not recorded)")
             added.append("config")
     doc = DOCUMENTED.get(path.name)
-    if doc and command_of(d) is None and doc[0] in (ROOT / doc[1]).read_text():
+    if doc and command_of(d) is None and doc[0] in " ".join((ROOT / doc[1]).read_text().split()):  # (lines wrap)
         d["command"], d["command_recovered_from"] = doc
         added.append("command")
     return added
