@@ -99,9 +99,6 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_cachesim.json"), help="JSON to write ('' for none)")
     ap.add_argument("--workdir", default=None, help="folder for the Parquet trace and the policy file (default: temp)")
     a = ap.parse_args()
-    if a.rounds < 1:
-        print("--rounds must be >= 1", file=sys.stderr)
-        return 2
 
     from expertcache.telemetry.cachesim import capacity_count, global_steps, simulate
     from expertcache.telemetry.learned_policy import LearnedPolicy, simulate_learned

@@ -612,22 +612,17 @@ def main(argv: list[str] | None = None) -> None:
     if a.child:
         return child(a.dir, a.port, a.max_positions)
     if a.throughput:
+        from expertcache.telemetry.errors import InputError
+
         if not (Path(a.model) / "config.json").is_file():
-            print(f"load_test: --model {a.model}: no checkpoint there (run `make quickstart` first, or pass --model)",
-                  file=sys.stderr)
-            sys.exit(2)
-        if a.passes < 1:
-            print(f"load_test: --passes {a.passes}: expected 1 or more", file=sys.stderr)
-            sys.exit(2)
+            raise InputError(f"--model {a.model}: no checkpoint there (run `make quickstart` first, or pass --model)")
         if a.full_vocab:
             from expertcache.telemetry.corpus import load_corpus
-            from expertcache.telemetry.errors import InputError
 
             try:
                 load_corpus(a.full_vocab)
             except InputError as e:
-                print(f"load_test: --full-vocab: {e}", file=sys.stderr)
-                sys.exit(2)
+                raise InputError(f"--full-vocab: {e}") from None
         out = throughput(a)
         print(json.dumps(out, indent=2))
         if a.out:

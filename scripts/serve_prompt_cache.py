@@ -208,10 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         ctx = context_length(load_config(src))
         tok = load_tokenizer(src)
-    except InputError as e:  # the checkpoint is named by the user: one line, exit 2 (no model, no quickstart yet)
-        print(f"serve_prompt_cache: --model: {e}" + ("; `make quickstart` makes the default one"
-                                                       if a.model == ap.get_default("model") else ""), file=sys.stderr)
-        sys.exit(2)
+    except InputError as e:  # (no model yet on a fresh clone: the default's line says what makes it)
+        raise InputError(f"--model: {e}" + ("; `make quickstart` makes the default one"
+                                            if a.model == ap.get_default("model") else "")) from None
     hist_turn1 = a.history - a.answer  # turn 1's prompt; its answer completes the history
     a_hist = argparse.Namespace(**{**vars(a), "history": hist_turn1})
     long_len = min(a.long, ctx - 1) if ctx else a.long

@@ -64,14 +64,18 @@ def load_gguf_tokenizer(path: str | Path):
                          f"{(str(e).splitlines() or [''])[0][:120]})") from None
 
 
-def _no_folder(path: str | Path) -> None:
-    """A path that names no folder here and cannot be a hub id either (absolute, ./ or ../, or more than one
-    `/`): one InputError, where transformers would say "Repo id must be in the form 'repo_name' ..."."""
-    text = str(Path(path).expanduser())
-    if Path(text).exists():
-        return
-    if text.startswith(("/", "./", "../", "~")) or text.count("/") > 1:
-        raise InputError(f"no HF checkpoint at {text}: no such folder")
+def _checkpoint_dir(path: str | Path) -> Path:
+    """`path` (`~` expanded) as a checkpoint folder, or one InputError: a folder without config.json, or a path that
+    names no folder here and cannot be a hub id either (absolute, ./ or ../, or more than one `/`), where
+    transformers would say "Repo id must be in the form 'repo_name' ..."."""
+    p = Path(path).expanduser()
+    text = str(p)
+    if not p.exists():
+        if text.startswith(("/", "./", "../", "~")) or text.count("/") > 1:
+            raise InputError(f"no HF checkpoint at {text}: no such folder")
+    elif not (p / "config.json").is_file():
+        raise InputError(f"no HF checkpoint at {p} (expected {p / 'config.json'})")
+    return p
 
 
 def load_config(path: str | Path):
@@ -80,10 +84,7 @@ def load_config(path: str | Path):
 
     from transformers import AutoConfig
 
-    p = Path(path).expanduser()
-    _no_folder(path)
-    if p.exists() and not (p / "config.json").is_file():
-        raise InputError(f"no HF checkpoint at {p} (expected {p / 'config.json'})")
+    p = _checkpoint_dir(path)
     try:
         return AutoConfig.from_pretrained(str(p))
     except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
@@ -113,10 +114,7 @@ def load_causal_lm(path: str | Path, **kwargs):
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
-    p = Path(path).expanduser()
-    _no_folder(path)
-    if p.exists() and not (p / "config.json").is_file():
-        raise InputError(f"no HF checkpoint at {p} (expected {p / 'config.json'})")
+    p = _checkpoint_dir(path)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(str(p), output_loading_info=True, **kwargs)
     except InputError:

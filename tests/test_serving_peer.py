@@ -116,8 +116,11 @@ def test_the_peer_ratios_are_ours_over_vllms_at_each_client_count_and_on_the_cha
     assert lt._versus_vllm(res) is None
 
 
-def test_load_test_refuses_bad_passes_a_missing_corpus_and_a_missing_model_in_one_line(tmp_path, capsys):
-    """Each is one line on stderr and exit 2, before anything starts (run in this process: its `main(argv)`)."""
+def test_load_test_refuses_bad_passes_a_missing_corpus_and_a_missing_model_in_one_line(tmp_path, capsys, monkeypatch):
+    """Each is one line on stderr and exit 2, before anything starts (run in this process: its `main(argv)`, through
+    the scripts' entry `run_script`)."""
+    from expertcache.telemetry.errors import run_script
+
     lt = _load_test()
     (tmp_path / "config.json").write_text("{}")
     for args, want in ((["--model", str(tmp_path), "--passes", "0"], "argument --passes: invalid integer >= 1"),
@@ -125,9 +128,12 @@ def test_load_test_refuses_bad_passes_a_missing_corpus_and_a_missing_model_in_on
                         "load_test: --full-vocab: no corpus at"),
                        (["--model", str(tmp_path / "none")], f"load_test: --model {tmp_path / 'none'}: no checkpoint")):
         capsys.readouterr()
-        with pytest.raises(SystemExit) as e:
-            lt.main(["--throughput", *args])
+        monkeypatch.setattr(sys, "argv", ["scripts/load_test.py"])
+        try:
+            code = run_script(lt.main, ["--throughput", *args])
+        except SystemExit as e:  # argparse's own refusal
+            code = e.code
         err = capsys.readouterr().err.strip()
         if err.startswith("usage:"):  # argparse's own refusal: its usage, then the one line
             err = err.splitlines()[-1].split("error: ", 1)[-1]
-        assert e.value.code == 2 and err.startswith(want) and len(err.splitlines()) == 1, err
+        assert code == 2 and err.startswith(want) and len(err.splitlines()) == 1, err

@@ -17,32 +17,27 @@ import torch
 
 from .config import RecipeError
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # attention's projections in every family the adapters know
-
-
 def is_adapter_param(name: str) -> bool:
     """Whether a parameter name is an adapter's (peft names them `...lora_A.<adapter>.weight`)."""
     return ".lora_A." in name or ".lora_B." in name
 
 
-def targeted(model: torch.nn.Module, targets) -> list[str]:
+def targeted(model: torch.nn.Module, targets) -> list[torch.nn.Linear]:
     """The Linear modules an adapter goes on: those whose last name is one of `targets`."""
-    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in targets]
+    return [m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in targets]
 
 
 def adapter_params(model: torch.nn.Module, rank: int, targets) -> int:
     """Parameters the adapters add: rank x (in + out) per targeted Linear (the model may be on the meta device)."""
-    mods = dict(model.named_modules())
-    return sum(rank * (mods[n].in_features + mods[n].out_features) for n in targeted(model, targets))
+    return sum(rank * (m.in_features + m.out_features) for m in targeted(model, targets))
 
 
 def adapter_bytes(model: torch.nn.Module, rank: int, targets, tokens: int) -> int:
     """Memory the adapters add to a training step on `tokens` tokens: their fp32 weights, gradients and two Adam
     moments (16 bytes a parameter), and what each keeps for its backward per token: its input in fp32 (peft casts
     it to the adapter's dtype) and the rank-wide product."""
-    mods = dict(model.named_modules())
-    per_token = sum(4 * (mods[n].in_features + rank) for n in targeted(model, targets))
-    return 16 * adapter_params(model, rank, targets) + tokens * per_token
+    return sum(16 * rank * (m.in_features + m.out_features) + tokens * 4 * (m.in_features + rank)
+               for m in targeted(model, targets))
 
 
 def add_lora(model: torch.nn.Module, rank: int, alpha: float, targets) -> int:
@@ -51,8 +46,7 @@ def add_lora(model: torch.nn.Module, rank: int, alpha: float, targets) -> int:
     model is refused in one line, naming the projections it has."""
     from peft import LoraConfig, inject_adapter_in_model
 
-    found = targeted(model, targets)
-    if not found:
+    if not targeted(model, targets):
         names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
                         and "attn" in n})
         raise RecipeError(f"quality.lora_targets={list(targets)} names no Linear of this model; its attention has "
@@ -94,10 +88,6 @@ def adapters_off(model: torch.nn.Module):
             m._disable_adapters = w
 
 
-def has_adapters(model: torch.nn.Module) -> bool:
-    return bool(_layers(model))
-
-
 @torch.no_grad()
 def deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """{the projection's weight name, as in the base: alpha/r * B A in fp32} for every adapted projection: what a
@@ -106,7 +96,7 @@ def deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from peft.tuners.lora import LoraLayer
 
     return {f"{name}.weight": sum(m.get_delta_weight(a).float() for a in m.active_adapters)
-            for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+            for name, m in model.named_modules() if isinstance(m, LoraLayer)}  # (merge_into adds the same)
 
 
 @torch.no_grad()
@@ -114,16 +104,11 @@ def merge_into(model: torch.nn.Module) -> list[str]:
     """Each adapter merged into its projection (W + alpha/r * B A, in W's dtype) and the projection put back as the
     plain Linear it was, so the model saves under the base's tensor names; returns the merged weights' parameter
     names. For the end of training: the adapters are gone after it."""
-    from peft.tuners.lora import LoraLayer
-
-    merged = []
-    for name, m in list(model.named_modules()):
-        if not isinstance(m, LoraLayer):
-            continue
-        base = m.get_base_layer()
-        delta = sum(m.get_delta_weight(a) for a in m.active_adapters)
-        base.weight.copy_((base.weight.float() + delta.float()).to(base.weight.dtype))
+    add = deltas(model)
+    for weight, delta in add.items():
+        name = weight.removesuffix(".weight")
+        base = model.get_submodule(name).get_base_layer()
+        base.weight.copy_((base.weight.float() + delta).to(base.weight.dtype))
         owner, _, attr = name.rpartition(".")
         setattr(model.get_submodule(owner) if owner else model, attr, base)
-        merged.append(f"{name}.weight")
-    return merged
+    return list(add)

@@ -567,18 +567,12 @@ class StreamedBase:
             t = ckpt.tensors.get(ck)
             if t is None or tuple(t.shape) != tuple(value.shape):
                 raise InputError(f"{self.path}: tensor {ck} not found with shape {list(value.shape)}")
-            path = ckpt.files[t.file]
-            if add and name in add:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    own = torch.frombuffer(bytearray(os.pread(fd, t.nbytes, t.start)), dtype=t.dtype).view(t.shape)
-                finally:
-                    os.close(fd)
-                value = own.float() + value.float()
-            raw = value.to(t.dtype).contiguous().view(torch.uint8).numpy().tobytes()
-            fd = os.open(path, os.O_WRONLY)
+            fd = os.open(ckpt.files[t.file], os.O_RDWR)
             try:
-                os.pwrite(fd, raw, t.start)
+                if add and name in add:  # the checkpoint's own value, plus the delta
+                    own = torch.frombuffer(bytearray(os.pread(fd, t.nbytes, t.start)), dtype=t.dtype).view(t.shape)
+                    value = own.float() + value.float()
+                os.pwrite(fd, value.to(t.dtype).contiguous().view(torch.uint8).numpy().tobytes(), t.start)
             finally:
                 os.close(fd)
         qc = quant.read_config(folder)
