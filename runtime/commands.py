@@ -483,7 +483,7 @@ def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(),
           served_model_name: Optional[str] = None, log_level: str = "info", max_batch: int = 8,
           kv_cache_gb: float = 1.0, api_key: Optional[str] = None, chat_template: Optional[str] = None,
           trace: Optional[str] = None, trace_rotate_tokens: int = 50_000, prompt_cache: bool = True,
-          prefill_chunk: int = 256, merge_prefill: bool = True) -> int:
+          prefill_chunk: int = 256) -> int:
     """OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
 
     Concurrent requests are batched continuously: each joins the running batch after its prefill and leaves it
@@ -515,8 +515,6 @@ def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(),
         prefill_chunk: the most prompt tokens per prefill forward (1 .. the model's context); a long prompt is
             prefilled chunk by chunk between the running batch's decode steps, each chunk (while sequences decode)
             sized to take about one decode step
-        merge_prefill: run each such chunk and the batch's decode step as one pass over the experts (the two
-            forwards meet at every MoE layer, whose experts are read once for both); false: one forward each
     """
     import os
 
@@ -561,7 +559,7 @@ def serve(model: Optional[str] = None, engine: EngineConfig = EngineConfig(),
         tok.chat_template = template
     run(m, tok, served_model_name or str(path), host, port, log_level, max_batch=max_batch, kv_cache_gb=kv_cache_gb,
         api_key=api_key, trace_dir=trace, trace_rotate_tokens=trace_rotate_tokens, prompt_cache=prompt_cache,
-        prefill_chunk=prefill_chunk, merge_prefill=merge_prefill)
+        prefill_chunk=prefill_chunk)
     return 0
 
 

@@ -85,7 +85,6 @@ class OffloadEngine:
         self.cache_policy, self.keep_scores = keep_policy(cfg.policy, keep_scores, e, k, n_l)
         self.pinned = pinned or {}
         self.decode_rows: int | None = None  # set by the decode loop (decode.Batch) during a batched decode step
-        self.meeting = None  # a `serve.merge.Meeting` while a decode step and a prompt chunk share each layer
         self.pools, self.modules = [], []
         shared = SlotPool(self.meta, n_slots, fast, touch=True) if cfg.budget == "global" else None
         for i, layer in enumerate(self.layers):

@@ -49,11 +49,7 @@ class OffloadedExperts(nn.Module):
         self.eager = impl in (None, "eager")  # eager adds experts one by one in expert order; the others sum over k
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        engine = self._engine[0]
-        m = engine.meeting  # two forwards meeting at each layer (`serve.merge`): the layer once for both
-        if m is not None and m.party() is not None:
-            return m.meet(engine.run_layer, self, hidden_states, top_k_index, top_k_weights)
-        return engine.run_layer(self, hidden_states, top_k_index, top_k_weights)
+        return self._engine[0].run_layer(self, hidden_states, top_k_index, top_k_weights)
 
     def check_cpu_kernel(self) -> None:
         """`--engine.kernel cpu` refused in one line where it cannot run on this layer's experts."""

@@ -189,20 +189,6 @@ class Batch:
             self._keep(keep)
         return events
 
-    def step_with(self, job: "Prefill", budget: int | None = None) -> tuple[list, bool, int]:
-        """`step()` and `job.advance(budget)` as one pass over the experts (`merge.merged`: the two forwards meet at
-        each MoE layer, whose experts run once for the rows of both), where the model has an engine, rows are
-        running and no trace records each forward; otherwise the chunk, then the step. Returns (the step's events,
-        whether the prompt is done, the MoE layers computed once for both). If either fails, the exception is
-        raised: the batch's cache and the job's may both be half-updated."""
-        engine = getattr(self.model, "expertcache", None)
-        if engine is None or self.trace is not None or not self.rows:
-            done = job.advance(budget)
-            return self.step(), done, 0
-        from expertcache.runtime.serve.merge import merged
-
-        return merged(engine, self.step, lambda: job.advance(budget))
-
     def _save(self, rows: list[int]) -> None:
         """Keep the KV of the finished `rows` (prompt and output, as fed) in the prefix cache: a chat's next turn
         starts with them."""

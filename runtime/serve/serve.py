@@ -105,8 +105,6 @@ class _Metrics:
                                      "prompt cache (not prefilled)", registry=r)
         self.prompt_prefilled = Counter("expertcache_prompt_tokens_prefilled", "Prompt tokens prefilled (forwards "
                                         "through the model)", registry=r)
-        self.prompt_merged = Counter("expertcache_prompt_tokens_merged", "Prompt tokens prefilled in the same pass "
-                                     "over the experts as a decode step (--merge_prefill)", registry=r)
         self.generated = Counter("expertcache_generated_tokens", "Tokens generated", registry=r)
         self.queued = Gauge("expertcache_queue_depth", "Requests waiting for the decode worker", registry=r)
         self.running = Gauge("expertcache_running", "Sequences decoding now (the batch)", registry=r)
@@ -230,8 +228,7 @@ class Decoder:
     it never keeps a request waiting)."""
 
     def __init__(self, model, metrics: _Metrics, torch_threads: int | None = None, max_batch: int = 8,
-                 kv_cache_gb: float = 1.0, prompt_cache: bool = True, prefill_chunk: int = 256,
-                 merge_prefill: bool = True):
+                 kv_cache_gb: float = 1.0, prompt_cache: bool = True, prefill_chunk: int = 256):
         import collections
 
         import torch
@@ -243,7 +240,6 @@ class Decoder:
         self.batch = Batch(model, max_batch)
         self.kv_cache_bytes = int(kv_cache_gb * 2**30)
         self.batch.prefill_chunk = prefill_chunk
-        self.merge_prefill = merge_prefill  # a prompt chunk and the decode step in one pass (`Batch.step_with`)
         self.prefix = self.batch.prefix_cache = PrefixCache(self.kv_cache_bytes) if prompt_cache else None
         if self.prefix is not None:
             metrics.registry.register(_PrefixCollector(self.prefix))
@@ -280,24 +276,20 @@ class Decoder:
             if gone:
                 for g, _ in self.batch.cancel(gone):
                     self._finish(g)
-            rows = len(self.batch)
-            events = self._prefill()  # the decode step's events, where it ran merged with a prompt chunk
+            self._prefill()
             self._flush()
-            if events is not None:
-                self.metrics.batch.observe(rows)
-            elif not len(self.batch):
+            if not len(self.batch):
                 continue
-            else:
-                self.metrics.batch.observe(len(self.batch))
-                try:
-                    t0 = time.perf_counter()
-                    events = self.batch.step()
-                    self._step_s = _ema(self._step_s, time.perf_counter() - t0)
-                except BaseException as e:  # noqa: BLE001 - every row of the failed step gets the error
-                    for g in self.batch.fail():
-                        self._finish(g, e)
-                    self._flush()
-                    continue
+            self.metrics.batch.observe(len(self.batch))
+            try:
+                t0 = time.perf_counter()
+                events = self.batch.step()
+                self._step_s = _ema(self._step_s, time.perf_counter() - t0)
+            except BaseException as e:  # noqa: BLE001 - every row of the failed step gets the error
+                for g in self.batch.fail():
+                    self._finish(g, e)
+                self._flush()
+                continue
             for g, piece in events:
                 if piece:
                     g._put("text", piece, len(g.token_scores))
@@ -380,18 +372,16 @@ class Decoder:
             lo, target = MIN_CHUNK, CHUNK_STEPS * step
         self._n = max(lo, min(round(n * target / seconds), 1 << 20))
 
-    def _prefill(self) -> list | None:
+    def _prefill(self) -> None:
         """This turn's prefill: at most `prefill_chunk` prompt tokens, the prompt under way first, then (while
-        tokens are left) queued requests as they fit, each starting from its longest cached prefix. While sequences
-        decode (and `merge_prefill`), the chunk and the batch's decode step run as one pass over the experts
-        (`decode.Batch.step_with`): then the step's events are returned (the loop does not step again), else None."""
+        tokens are left) queued requests as they fit, each starting from its longest cached prefix."""
         budget = self._chunk()
         self._bound(self.job.g if self.job is not None else None)
         while budget > 0:
             if self.job is None:
                 with self.cond:
                     if self.stopped or not self.pending or not self._fits(self.pending[0]):
-                        return None
+                        return
                     g = self.pending.popleft()
                 self._move(queued=-1, running=+1)
                 if g.cancel.is_set():
@@ -415,67 +405,29 @@ class Decoder:
                 self._finish(job.g)
                 continue
             before = job.pos
-            n = None if budget == float("inf") else int(budget)
-            if self.merge_prefill and len(self.batch) and self.batch.trace is None:
-                return self._merged(job, n)
             try:
                 t0 = time.perf_counter()
-                done = job.advance(n)
+                done = job.advance(None if budget == float("inf") else int(budget))
                 if len(self.batch) and job.pos - before == budget:  # a whole chunk beside running sequences
                     self._timed(job.pos - before, time.perf_counter() - t0)
                 budget -= job.pos - before
                 self.metrics.prompt_prefilled.inc(job.pos - before)
+                if not done:
+                    return
+                self.job = None
+                kv = job.cache.layers
+                self._per = sum(layer.keys.numel() + layer.values.numel() for layer in kv) \
+                    * kv[0].keys.element_size() / job.pos  # bytes per position (a batch of one), before the join
+                pieces = self.batch.finish(job)
             except BaseException as e:  # noqa: BLE001 - this request's prefill failed; the batch goes on
                 self.job = None
                 self._finish(job.g, e)
                 continue
-            if not done:
-                return None
-            self.job = None
-            self._joined(job)
-        return None
-
-    def _merged(self, job, n: int | None) -> list:
-        """The running batch's decode step and `job`'s next chunk (at most `n` tokens) as one pass over the experts.
-        Returns the step's events. The chunk is sized from its cost beside the step: the merged step's time less
-        a decode step's (`_timed`). A failure fails the batch's rows and the job (both caches may be
-        half-updated)."""
-        before = job.pos
-        try:
-            t0 = time.perf_counter()
-            events, done, layers = self.batch.step_with(job, n)
-            seconds = time.perf_counter() - t0
-        except BaseException as e:  # noqa: BLE001 - the shared step failed: its rows and the prompt get the error
-            self.job = None
-            for g in self.batch.fail():
-                self._finish(g, e)
-            self._finish(job.g, e)
-            return []
-        if n is not None and job.pos - before == n and self._step_s is not None:
-            self._timed(n, max(seconds - self._step_s, 0.1 * self._step_s))
-        self.metrics.prompt_prefilled.inc(job.pos - before)
-        if layers:
-            self.metrics.prompt_merged.inc(job.pos - before)
-        if done:
-            self.job = None
-            self._joined(job)
-        return events
-
-    def _joined(self, job) -> None:
-        """A finished prefill: its first token chosen and its row joined (`Batch.finish`); a failure fails it."""
-        try:
-            kv = job.cache.layers
-            self._per = sum(layer.keys.numel() + layer.values.numel() for layer in kv) \
-                * kv[0].keys.element_size() / job.pos  # bytes per position (a batch of one), before the join
-            pieces = self.batch.finish(job)
-        except BaseException as e:  # noqa: BLE001 - this request's prefill failed; the batch goes on
-            self._finish(job.g, e)
-            return
-        g = job.g
-        for piece in pieces:
-            g._put("text", piece, len(g.token_scores))
-        if g.finish_reason is not None:
-            self._finish(g)
+            g = job.g
+            for piece in pieces:
+                g._put("text", piece, len(g.token_scores))
+            if g.finish_reason is not None:
+                self._finish(g)
 
     def _finish(self, g, err: BaseException | None = None) -> None:
         if g.t_start is not None:  # what the decode did, whether or not its client stayed to the end
@@ -718,13 +670,12 @@ def check_api_key(api_key: str | None) -> None:
 def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_default: int | None = None,
                torch_threads: int | None = None, max_batch: int = 8, kv_cache_gb: float = 1.0,
                api_key: str | None = None, trace_dir: str | None = None, trace_rotate_tokens: int = 50_000,
-               prompt_cache: bool = True, prefill_chunk: int = 256, merge_prefill: bool = True):
+               prompt_cache: bool = True, prefill_chunk: int = 256):
     """The ASGI app. `max_tokens_default`: chat requests without max_tokens decode up to this many tokens
     (default: the model's context length less the prompt). `max_batch`: sequences decoded together (1: one at a
     time); `kv_cache_gb`: the bound of the batch's KV cache and the prompt cache together; `prompt_cache`: keep
     earlier sequences' KV and start each prompt from its longest cached prefix; `prefill_chunk`: prompt tokens per
-    prefill forward between the batch's decode steps; `merge_prefill`: a prompt chunk and the batch's decode step
-    in one pass over the experts; `api_key`: required as a bearer token on /v1; `trace_dir`:
+    prefill forward between the batch's decode steps; `api_key`: required as a bearer token on /v1; `trace_dir`:
     record the routing of every request into rotating Parquet traces there (`telemetry.live_trace`)."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
@@ -737,8 +688,7 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
     check_prefill_chunk(prefill_chunk, context_length(model))
     engine = getattr(model, "expertcache", None)
     metrics = _Metrics(engine)
-    decoder = Decoder(model, metrics, torch_threads, max_batch, kv_cache_gb, prompt_cache, prefill_chunk,
-                      merge_prefill)
+    decoder = Decoder(model, metrics, torch_threads, max_batch, kv_cache_gb, prompt_cache, prefill_chunk)
     trace = None
     if trace_dir is not None:
         from expertcache.telemetry.live_trace import LiveTrace
@@ -809,7 +759,7 @@ def create_app(model, tokenizer, model_name: str = "expertcache", max_tokens_def
         return {"status": "ok", "model": model_name, "scheduling": SCHEDULING, "running": decoder.running,
                 "queued": decoder.queued, "trace": trace.describe() if trace is not None else None,
                 "max_batch": decoder.batch.max_rows if decoder.batch.batchable is not False else 1,
-                "prefill_chunk": decoder.batch.prefill_chunk, "merge_prefill": decoder.merge_prefill,
+                "prefill_chunk": decoder.batch.prefill_chunk,
                 "prompt_cache": None if decoder.prefix is None else {
                     "bytes": decoder.prefix.nbytes, "bound_bytes": decoder.prefix.max_bytes,
                     "entries": len(decoder.prefix), "hits": decoder.prefix.hits, "misses": decoder.prefix.misses,
