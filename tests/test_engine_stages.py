@@ -236,6 +236,23 @@ def test_each_weight_format_is_one_registered_class(store, tmp_path):
             eng.close()
 
 
+def test_the_expert_kernel_takes_calls_whose_experts_have_few_pairs_each():
+    """The bf16 kernel reads an expert once for all its pairs but computes them one at a time; torch's GEMMs pay a
+    fixed cost per expert. Calls up to EXPERT_ROWS rows, and larger ones with at most PAIRS_PER_EXPERT pairs per
+    expert touched (a prompt chunk spread over most experts), take the kernel; a long prompt does not."""
+    from expertcache.runtime.kernels import cpu_kernels as ck
+
+    g = torch.Generator().manual_seed(0)
+
+    def spread(rows):  # top-8 of 128 experts, each row its own random choice
+        return torch.stack([torch.randperm(128, generator=g)[:8] for _ in range(rows)])
+
+    assert ck.expert_rows_fit(spread(100))  # 800 pairs over 128 experts: 6.25 each
+    assert not ck.expert_rows_fit(spread(512))  # 32 each
+    assert ck.expert_rows_fit(torch.randint(0, 4, (ck.EXPERT_ROWS, 2), generator=g))  # decode-sized: always
+    assert not ck.expert_rows_fit(torch.randint(0, 4, (ck.EXPERT_ROWS + 1, 2), generator=g))  # 66 pairs over 4
+
+
 def test_each_part_checks_its_own_fields_and_the_config_what_crosses_parts():
     """`EngineConfig.check` runs each part's `check` (a bad field is refused by its own part, with the message the
     flat config always gave), then the checks that read two parts (a part alone accepts them)."""

@@ -169,9 +169,10 @@ class Triton(Native):
 
 @WEIGHT_FORMAT_REGISTRY.register("cpu_bf16")
 class CpuBf16(Native):
-    """bf16 SwiGLU experts without biases on CPU slots: up to `cpu_kernels.EXPERT_ROWS` rows through the AVX-512 kernel
-    (`cpu_kernels.swiglu_bf16`), fp32 accumulation, equal to plain up to rounding; a prefill's rows, inputs autograd
-    records through, and CUDA inputs through the family's own forward."""
+    """bf16 SwiGLU experts without biases on CPU slots: calls whose experts have few (token, choice) pairs each
+    (`cpu_kernels.expert_rows_fit`: a decode step, a short prompt chunk) through the AVX-512 kernel
+    (`cpu_kernels.swiglu_bf16`), fp32 accumulation, equal to plain up to rounding; a long prompt's rows, inputs
+    autograd records through, and CUDA inputs through the family's own forward."""
 
     name, one_call = "cpu_bf16", True
 
@@ -180,13 +181,10 @@ class CpuBf16(Native):
         return kernel in ("cpu", "auto") and device == "cpu" and swiglu_bf16(tmpl) and cpu_kernels.available()
 
     def compute(self, x, slots, weights, tensors=None):
-        # the kernel is a decode kernel (each row streams its experts' weights); a prefill's rows share experts, and
-        # the family's forward (torch's GEMMs over each expert's rows) reuses them: 512 prompt tokens, 4-layer
-        # Qwen3-30B-A3B shape, all resident, 2 threads: ~270 tokens/s through the kernel, ~960 through torch
         # (not `decode_input`, whose no-grad rule is the linears': the engine's own drivers, the replay among them,
         # call with grad enabled and no input that requires it, and stay on the kernel)
         records = torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad)
-        if x.is_cuda or x.shape[0] > cpu_kernels.EXPERT_ROWS or records:
+        if x.is_cuda or records or not cpu_kernels.expert_rows_fit(slots):
             return super().compute(x, slots, weights, tensors)
         t = self.over(tensors)
         return cpu_kernels.swiglu_bf16(x, t.gate_up_proj, t.down_proj, slots, weights)

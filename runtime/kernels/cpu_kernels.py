@@ -314,11 +314,23 @@ def linear_bf16(x, weight, bias=None) -> torch.Tensor:
 
 
 MAX_ROWS = 8  # decode-sized calls take the kernels; a prefill's GEMM stays with torch (oneDNN)
-# rows the bf16 expert kernel takes (a decode step of up to 32 sequences, a short prompt chunk): each expert's rows
-# are read once for the tokens that chose it, and with a few tokens per expert that beats torch's grouped GEMMs;
-# 4-layer Qwen3-30B-A3B shape, random routing, 1 thread, one layer: 16 rows 60 vs 105 ms, 32 rows 94 vs 136 ms
-# (a 512-token prompt: ~270 tokens/s through the kernel, ~960 through torch, 2 threads)
-EXPERT_ROWS = 32
+# The bf16 expert kernel reads each expert's weights once for the tokens that chose it and computes its (token,
+# choice) pairs one dot product at a time; torch's GEMMs (the family's forward) compute an expert's pairs together
+# at a fixed cost per expert. So the kernel wins while experts have few pairs each, whatever the rows: a decode step,
+# a prompt chunk spread over most experts. Per layer of the 4-layer Qwen3-30B-A3B shape (128 experts, top-8, random
+# routing), every expert resident, AMD EPYC, kernel vs torch: 1 thread, 36 rows 34 vs 76 ms, 72 rows 54 vs 97,
+# 144 rows (9 pairs an expert) 97 vs 114, 288 rows 180 vs 122; 2 threads 30 vs 54, 40 vs 67, 64 vs 67, 112 vs 94
+# (and a 512-token prompt: ~270 tokens/s through the kernel, ~960 through torch, 2 threads).
+EXPERT_ROWS = 32  # calls of at most this many rows take the kernel
+PAIRS_PER_EXPERT = 8  # larger calls take it while their pairs are at most this many per expert they touch
+
+
+def expert_rows_fit(slots: torch.Tensor) -> bool:
+    """Whether the bf16 expert kernel should compute a call whose (token, choice) pairs go to `slots` `[T, k]`:
+    at most `EXPERT_ROWS` rows, or at most `PAIRS_PER_EXPERT` pairs per slot they touch."""
+    if slots.shape[0] <= EXPERT_ROWS:
+        return True
+    return slots.numel() <= PAIRS_PER_EXPERT * int(torch.unique(slots).numel())
 
 
 def decode_input(x) -> bool:
