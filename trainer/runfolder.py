@@ -47,6 +47,7 @@ def fit_resumable(recipe, module, dm, out: Path, resume: bool = True) -> tuple[i
     """Fit `module` with Lightning under `recipe.train`, checkpointing into `out/checkpoints` and resuming from
     the newest complete checkpoint there. Returns (step resumed from, seconds trained this run, trainer)."""
     import lightning as L
+    import torch
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
     ckpt_dir = out / "checkpoints"
@@ -71,6 +72,8 @@ def fit_resumable(recipe, module, dm, out: Path, resume: bool = True) -> tuple[i
     from .distributed import check_world, strategy_for, unshard
     from .progress_bar import training_bar
 
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     try:
         trainer = L.Trainer(
             max_steps=t.max_steps, accelerator=t.accelerator, precision=t.precision,
@@ -82,14 +85,17 @@ def fit_resumable(recipe, module, dm, out: Path, resume: bool = True) -> tuple[i
             callbacks=[ModelCheckpoint(dirpath=str(ckpt_dir), filename="step{step}", every_n_train_steps=t.ckpt_every,
                                        save_top_k=1, save_last=True, auto_insert_metric_name=False),
                        LearningRateMonitor(logging_interval="step"), DropPrevious(), training_bar()],
-            enable_model_summary=False, default_root_dir=str(out))
+            enable_model_summary=False, default_root_dir=str(out), deterministic="warn" if t.deterministic else None)
     except (MisconfigurationException, ValueError, ImportError) as e:  # an accelerator, precision or strategy
         # Lightning lacks, or one whose package is not installed (tpu: torch_xla)
         raise RecipeError(f"train.accelerator/precision/devices/num_nodes/strategy: {' '.join(str(e).split())}") \
             from None
     check_world(trainer, t, recipe.data.batch_size)
     started = time.time()
-    trainer.fit(module, datamodule=dm, ckpt_path=str(latest) if latest else None, weights_only=True)
+    try:
+        trainer.fit(module, datamodule=dm, ckpt_path=str(latest) if latest else None, weights_only=True)
+    finally:  # Lightning set torch's deterministic algorithms for the whole process: back as they were
+        torch.use_deterministic_algorithms(was_deterministic, warn_only=was_warn_only)
     unshard(trainer, module)  # FSDP: rank 0's module gets the whole weights it saves and evaluates
     return start_step, time.time() - started, trainer
 
@@ -151,7 +157,7 @@ def plot_training_curve(log_dir: Path, out_png: Path) -> None:
 # its two values (the run would continue, and its recipe.yaml and result say, a recipe it was not trained with).
 RESUME_FREE = ("name", "train.max_steps", "train.threads", "train.wandb", "train.wandb_project", "train.log_every",
                "train.val_every", "train.ckpt_every", "train.accelerator", "train.devices", "train.num_nodes",
-               "train.strategy",
+               "train.strategy", "train.deterministic",
                "data.val_batches", "eval_blocks", "eval.", "sweep.", "frontier.")
 PATH_KEYS = ("data.corpus", "data.tokenizer", "base")
 # what a run writes into its folder (moved aside, not deleted, when a run starts over)

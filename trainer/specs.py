@@ -61,6 +61,10 @@ class TrainSpec:
     ckpt_every: int = opt(100, "write a resumable checkpoint every N optimizer steps")
     log_every: int = opt(10, "log training metrics every N steps")
     seed: int = opt(0, "seed for initialisation and data order")
+    deterministic: bool = opt(True, "torch's deterministic algorithms while training (Lightning's deterministic="
+                              "'warn': a warning names any op that has none), so a run repeated with the same seed, "
+                              "data and thread count gives the same weights; false: torch's defaults, whose parallel "
+                              "reductions may sum in another order on each run")
     threads: int = opt(0, "torch intra-op threads (0: leave torch's default)")
     wandb: bool = opt(True, "log to wandb (offline unless WANDB_MODE says otherwise)")
     wandb_project: str = opt("expertcache", "wandb project name")
