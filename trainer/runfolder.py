@@ -12,6 +12,7 @@ A resume with a recipe other than the one the run was started with is refused (`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -47,7 +48,6 @@ def fit_resumable(recipe, module, dm, out: Path, resume: bool = True) -> tuple[i
     """Fit `module` with Lightning under `recipe.train`, checkpointing into `out/checkpoints` and resuming from
     the newest complete checkpoint there. Returns (step resumed from, seconds trained this run, trainer)."""
     import lightning as L
-    import torch
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
     ckpt_dir = out / "checkpoints"
@@ -72,32 +72,44 @@ def fit_resumable(recipe, module, dm, out: Path, resume: bool = True) -> tuple[i
     from .distributed import check_world, strategy_for, unshard
     from .progress_bar import training_bar
 
-    was_deterministic = torch.are_deterministic_algorithms_enabled()
-    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    try:
-        trainer = L.Trainer(
-            max_steps=t.max_steps, accelerator=t.accelerator, precision=t.precision,
-            devices=int(t.devices) if str(t.devices).isdigit() else t.devices, num_nodes=t.num_nodes,
-            strategy=strategy_for(t),
-            use_distributed_sampler=False,  # the data module splits each global batch across ranks itself
-            val_check_interval=t.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
-            gradient_clip_val=t.grad_clip or None, log_every_n_steps=t.log_every, logger=_loggers(recipe, out),
-            callbacks=[ModelCheckpoint(dirpath=str(ckpt_dir), filename="step{step}", every_n_train_steps=t.ckpt_every,
-                                       save_top_k=1, save_last=True, auto_insert_metric_name=False),
-                       LearningRateMonitor(logging_interval="step"), DropPrevious(), training_bar()],
-            enable_model_summary=False, default_root_dir=str(out), deterministic="warn" if t.deterministic else None)
-    except (MisconfigurationException, ValueError, ImportError) as e:  # an accelerator, precision or strategy
-        # Lightning lacks, or one whose package is not installed (tpu: torch_xla)
-        raise RecipeError(f"train.accelerator/precision/devices/num_nodes/strategy: {' '.join(str(e).split())}") \
-            from None
-    check_world(trainer, t, recipe.data.batch_size)
-    started = time.time()
-    try:
+    callbacks = [ModelCheckpoint(dirpath=str(ckpt_dir), filename="step{step}", every_n_train_steps=t.ckpt_every,
+                                 save_top_k=1, save_last=True, auto_insert_metric_name=False),
+                 LearningRateMonitor(logging_interval="step"), DropPrevious(), training_bar()]
+    with deterministic_algorithms(t.deterministic):  # (Lightning sets them for the process: restored after)
+        try:
+            trainer = L.Trainer(
+                max_steps=t.max_steps, accelerator=t.accelerator, precision=t.precision,
+                devices=int(t.devices) if str(t.devices).isdigit() else t.devices, num_nodes=t.num_nodes,
+                strategy=strategy_for(t),
+                use_distributed_sampler=False,  # the data module splits each global batch across ranks itself
+                val_check_interval=t.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+                gradient_clip_val=t.grad_clip or None, log_every_n_steps=t.log_every, logger=_loggers(recipe, out),
+                callbacks=callbacks, enable_model_summary=False, default_root_dir=str(out),
+                deterministic="warn" if t.deterministic else None)
+        except (MisconfigurationException, ValueError, ImportError) as e:  # an accelerator, precision or strategy
+            # Lightning lacks, or one whose package is not installed (tpu: torch_xla)
+            raise RecipeError(f"train.accelerator/precision/devices/num_nodes/strategy: {' '.join(str(e).split())}") \
+                from None
+        check_world(trainer, t, recipe.data.batch_size)
+        started = time.time()
         trainer.fit(module, datamodule=dm, ckpt_path=str(latest) if latest else None, weights_only=True)
-    finally:  # Lightning set torch's deterministic algorithms for the whole process: back as they were
-        torch.use_deterministic_algorithms(was_deterministic, warn_only=was_warn_only)
     unshard(trainer, module)  # FSDP: rank 0's module gets the whole weights it saves and evaluates
     return start_step, time.time() - started, trainer
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(on: bool):
+    """torch's deterministic algorithms for the block when `on` (`train.deterministic`; warn_only: an op without
+    one is named in a warning, never refused), and the process's own setting as it was afterwards."""
+    import torch
+
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        if on:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
 def latest_checkpoint(ckpt_dir: Path) -> tuple[Path | None, int]:

@@ -79,7 +79,7 @@ def run_from_trace(recipe, base: Path, resume: bool = True) -> dict:
 
     from ..aux_routers import AuxRouters, config_for
     from ..config import RecipeError, to_dict
-    from ..runfolder import finish_run, is_run_folder
+    from ..runfolder import deterministic_algorithms, finish_run, is_run_folder
     from . import stream
 
     r = recipe.routers
@@ -131,26 +131,27 @@ def run_from_trace(recipe, base: Path, resume: bool = True) -> dict:
         losses: list[float] = []
         t0 = time.perf_counter()
         aux.train()
-        for step in range(recipe.train.max_steps):
-            if not order:
-                order = list(rng.permutation(len(groups)))
-            idx = groups[order.pop()]  # [B, T] token indices
-            b = idx.shape[0]
-            flat = idx.reshape(-1)
-            h = [torch.from_numpy(hidden[i, flat]).to(dtype) for i in range(len(routers))]
-            k = [torch.from_numpy(ids[i, flat].astype(np.int64)) for i in range(len(routers))]
-            parts = aux.loss(h, k, routers, b)
-            loss = sum(parts.values())
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            losses.append(float(loss.detach()))
-            if not math.isfinite(losses[-1]):
-                raise InputError(f"routers.trace {r.trace}: the aux loss became {losses[-1]} at step {step} "
-                                 f"(non-finite hidden states in the trace?)")
-            if recipe.train.log_every and (step + 1) % recipe.train.log_every == 0:
-                print(f"step {step + 1}/{recipe.train.max_steps} aux loss {losses[-1]:.4f}", file=sys.stderr)
+        with deterministic_algorithms(recipe.train.deterministic):  # a repeated run: the same routers
+            for step in range(recipe.train.max_steps):
+                if not order:
+                    order = list(rng.permutation(len(groups)))
+                idx = groups[order.pop()]  # [B, T] token indices
+                b = idx.shape[0]
+                flat = idx.reshape(-1)
+                h = [torch.from_numpy(hidden[i, flat]).to(dtype) for i in range(len(routers))]
+                k = [torch.from_numpy(ids[i, flat].astype(np.int64)) for i in range(len(routers))]
+                parts = aux.loss(h, k, routers, b)
+                loss = sum(parts.values())
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sched.step()
+                losses.append(float(loss.detach()))
+                if not math.isfinite(losses[-1]):
+                    raise InputError(f"routers.trace {r.trace}: the aux loss became {losses[-1]} at step {step} "
+                                     f"(non-finite hidden states in the trace?)")
+                if recipe.train.log_every and (step + 1) % recipe.train.log_every == 0:
+                    print(f"step {step + 1}/{recipe.train.max_steps} aux loss {losses[-1]:.4f}", file=sys.stderr)
         train_s = time.perf_counter() - t0
         stream.save_model(streamed, model, tok, out / "model", aux.eval())
     finally:
