@@ -32,6 +32,8 @@ import json
 import sys
 from pathlib import Path
 
+from expertcache.runtime.bench.results import machine_paths, without_machine_paths
+
 ROOT = Path(__file__).resolve().parents[1]
 # results written by a command that a file of the repository states for that output, with that file
 DOCUMENTED = {"load_test.json": ("python scripts/load_test.py --seconds 40 --clients 6 --out results/load_test.json",
@@ -226,44 +228,6 @@ def parsed_config(command: str, commit: str, root: Path = ROOT, given_only: bool
     got = json.loads(p.stdout.strip().splitlines()[-1])
     cfg = {k: v for k, v in got["all"].items() if not given_only or k in got["given"]}
     return portable(cfg)
-
-
-MACHINE_ROOTS = ("work", "root", "home", "tmp")  # where a run's own files lie on a machine: its paths, not the result's
-
-
-def machine_paths(d) -> int:
-    """How many strings in `d` (keys and values, at any depth) name a path under one of MACHINE_ROOTS."""
-    from expertcache.runtime.bench.results import _ABS
-
-    if isinstance(d, dict):
-        return sum(machine_paths(k) + machine_paths(v) for k, v in d.items())
-    if isinstance(d, list):
-        return sum(machine_paths(v) for v in d)
-    return int(isinstance(d, str) and any(_machine(m.group(0)) for m in _ABS.finditer(d)))
-
-
-def _machine(path: str) -> bool:
-    """A path under one of MACHINE_ROOTS, below it (`/tmp/x`; `/tmp` alone, as prose names it, is not a run's
-    file)."""
-    parts = path.split("/")
-    return len(parts) >= 3 and parts[1] in MACHINE_ROOTS
-
-
-def without_machine_paths(d):
-    """`d` with each path under MACHINE_ROOTS made portable as `write_result` writes it (relative inside the
-    repository, `.../<last name>` elsewhere); every other string, and every number, as it was."""
-    from expertcache.runtime.bench.results import _ABS, portable
-
-    if isinstance(d, dict):
-        out = {without_machine_paths(k): without_machine_paths(v) for k, v in d.items()}
-        if len(out) != len(d):  # two keys that differ only by their machine's folders: neither is dropped
-            raise ValueError("keys collide once made portable")
-        return out
-    if isinstance(d, list):
-        return [without_machine_paths(v) for v in d]
-    if not isinstance(d, str):
-        return d
-    return _ABS.sub(lambda m: portable(m.group(0)) if _machine(m.group(0)) else m.group(0), d)
 
 
 def recover(d: dict, path: Path) -> list[str]:

@@ -76,6 +76,12 @@ def test_the_result_writer_always_records_provenance_and_configuration(tmp_path,
     r2 = write_result(tmp_path / "s.json", {}, command="python scripts/x.py", provenance=p, read_GBps=2.5)
     assert r2["provenance"]["machine"]["read_GBps"] == 2.5 and r2["command"] == "python scripts/x.py"
     assert p["machine"]["read_GBps"] is None  # the caller's provenance is not changed
+    # nor in what the benchmark measured (load_test's model and server commands were): URLs and prose stay
+    body = {"inputs": {"model": "/work/ckpt/q30-4l"}, "cmd": "serve --model /tmp/tput-x/model --port 1",
+            "url": "/v1/chat/completions", "note": "a store on /tmp (tmpfs)", "tpot_s": [0.1]}
+    got = write_result(tmp_path / "b.json", body, command="python scripts/x.py", provenance=p)
+    assert got["inputs"] == {"model": ".../q30-4l"} and got["cmd"] == "serve --model .../model --port 1"
+    assert got["url"] == body["url"] and got["note"] == body["note"] and got["tpot_s"] == [0.1]
 
 
 def test_a_memory_cgroup_needs_root_and_stale_ones_are_removed_at_the_next_start(tmp_path, monkeypatch, capsys):

@@ -89,6 +89,40 @@ def portable(value):
     return _ABS.sub(one, value)
 
 
+MACHINE_ROOTS = ("work", "root", "home", "tmp")  # where a run's own files lie on a machine: its paths, not the result's
+
+
+def machine_paths(d) -> int:
+    """How many strings in `d` (keys and values, at any depth) name a path under one of MACHINE_ROOTS."""
+    if isinstance(d, dict):
+        return sum(machine_paths(k) + machine_paths(v) for k, v in d.items())
+    if isinstance(d, list):
+        return sum(machine_paths(v) for v in d)
+    return int(isinstance(d, str) and any(_machine(m.group(0)) for m in _ABS.finditer(d)))
+
+
+def _machine(path: str) -> bool:
+    """A path under one of MACHINE_ROOTS, below it (`/tmp/x`; `/tmp` alone, as prose names it, is not a run's
+    file)."""
+    parts = path.split("/")
+    return len(parts) >= 3 and parts[1] in MACHINE_ROOTS
+
+
+def without_machine_paths(d):
+    """`d` with each path under MACHINE_ROOTS made portable as `write_result` writes it (relative inside the
+    repository, `.../<last name>` elsewhere); every other string, and every number, as it was."""
+    if isinstance(d, dict):
+        out = {without_machine_paths(k): without_machine_paths(v) for k, v in d.items()}
+        if len(out) != len(d):  # two keys that differ only by their machine's folders: neither is dropped
+            raise ValueError("keys collide once made portable")
+        return out
+    if isinstance(d, list):
+        return [without_machine_paths(v) for v in d]
+    if not isinstance(d, str):
+        return d
+    return _ABS.sub(lambda m: portable(m.group(0)) if _machine(m.group(0)) else m.group(0), d)
+
+
 def own_command() -> str:
     """This process's command line as a user would type it: `expertcache ...` or `python scripts/x.py ...`."""
     argv = list(sys.argv)
@@ -131,11 +165,12 @@ def write_result(path: str | Path, payload: dict, config=None, command: str | No
                  provenance: dict | None = None, read_GBps: float | None = None) -> dict:
     """`payload` with `provenance` (`provenance`: what `started()` took when the run began; else taken now),
     `config` (the resolved configuration) and `command` (default: this process's), written to `path` as JSON
-    through the atomic writer. Returns what was written."""
+    through the atomic writer, with no path of this machine in any of them (the payload's made portable as
+    `without_machine_paths` does; URLs and prose stay). Returns what was written."""
     prov = dict(provenance) if provenance is not None else started()
     if read_GBps is not None:
         prov["machine"] = {**prov.get("machine", {}), "read_GBps": read_GBps}
-    out = {**payload, "provenance": prov, "config": portable(plain(config)),
+    out = {**without_machine_paths(payload), "provenance": prov, "config": portable(plain(config)),
            "command": portable(command or own_command())}
     write_json(path, out)
     return out
