@@ -82,6 +82,8 @@ def test_the_result_writer_always_records_provenance_and_configuration(tmp_path,
     got = write_result(tmp_path / "b.json", body, command="python scripts/x.py", provenance=p)
     assert got["inputs"] == {"model": ".../q30-4l"} and got["cmd"] == "serve --model .../model --port 1"
     assert got["url"] == body["url"] and got["note"] == body["note"] and got["tpot_s"] == [0.1]
+    clash = {"per_model": {"/tmp/a/model": 1, "/tmp/b/model": 2}}  # would collide: written as it is, not lost
+    assert write_result(tmp_path / "c.json", clash, command="x", provenance=p)["per_model"] == clash["per_model"]
 
 
 def test_a_memory_cgroup_needs_root_and_stale_ones_are_removed_at_the_next_start(tmp_path, monkeypatch, capsys):

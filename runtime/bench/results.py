@@ -166,11 +166,16 @@ def write_result(path: str | Path, payload: dict, config=None, command: str | No
     """`payload` with `provenance` (`provenance`: what `started()` took when the run began; else taken now),
     `config` (the resolved configuration) and `command` (default: this process's), written to `path` as JSON
     through the atomic writer, with no path of this machine in any of them (the payload's made portable as
-    `without_machine_paths` does; URLs and prose stay). Returns what was written."""
+    `without_machine_paths` does; URLs and prose stay; a payload whose keys would collide is written as it is).
+    Returns what was written."""
     prov = dict(provenance) if provenance is not None else started()
     if read_GBps is not None:
         prov["machine"] = {**prov.get("machine", {}), "read_GBps": read_GBps}
-    out = {**without_machine_paths(payload), "provenance": prov, "config": portable(plain(config)),
+    try:
+        payload = without_machine_paths(payload)
+    except ValueError:  # keys that name this machine's files and would collide once portable: kept, not lost
+        pass
+    out = {**payload, "provenance": prov, "config": portable(plain(config)),
            "command": portable(command or own_command())}
     write_json(path, out)
     return out
