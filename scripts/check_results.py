@@ -32,7 +32,7 @@ import json
 import sys
 from pathlib import Path
 
-from expertcache.runtime.bench.results import machine_paths, without_machine_paths
+from expertcache.runtime.bench.results import machine_paths, portable_payload
 
 ROOT = Path(__file__).resolve().parents[1]
 # results written by a command that a file of the repository states for that output, with that file
@@ -236,11 +236,8 @@ def recover(d: dict, path: Path) -> list[str]:
 
     added = []
     if machine_paths(d):
-        try:
-            clean = without_machine_paths(d)
-        except ValueError:  # left as it is: the table still counts its machine paths
-            clean = None
-        if clean is not None:
+        clean = portable_payload(d)
+        if clean is not d:  # (else left as it is: the table still counts its machine paths)
             d.clear()
             d.update(clean)
             added.append("portable paths")
@@ -323,11 +320,10 @@ def recover_rows(d: list, path: Path) -> list[str]:
 
     added = []
     if machine_paths(d):
-        try:
-            d[:] = without_machine_paths(d)
+        clean = portable_payload(d)
+        if clean is not d:
+            d[:] = clean
             added.append("portable paths")
-        except ValueError:
-            pass
     if not d or not all(isinstance(r, dict) and r.get("name") for r in d) or all(r.get("config") for r in d):
         return added
     root = path.resolve().parents[1]

@@ -16,8 +16,9 @@ BAD_INPUT = (InputError, FileNotFoundError, FileExistsError, IsADirectoryError, 
 
 def run_script(main, *args) -> int:
     """A script's entry, `sys.exit(run_script(main))`: what `main(*args)` returns as an exit status (None: 0); bad
-    input the package refuses (an InputError, a file or folder that is not there, not one, or in the way) is one line, the
-    script's name and the message, and exit 2, as the CLI does; anything else is a bug and keeps its traceback."""
+    input the package refuses (an InputError, a file or folder that is not there, not one, or in the way) is one
+    line, the script's name and the message, and exit 2, as the CLI does; anything else is a bug and keeps its
+    traceback."""
     import sys
     from pathlib import Path
 

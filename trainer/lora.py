@@ -17,6 +17,7 @@ import torch
 
 from .config import RecipeError
 
+
 def is_adapter_param(name: str) -> bool:
     """Whether a parameter name is an adapter's (peft names them `...lora_A.<adapter>.weight`)."""
     return ".lora_A." in name or ".lora_B." in name

@@ -123,6 +123,15 @@ def without_machine_paths(d):
     return _ABS.sub(lambda m: portable(m.group(0)) if _machine(m.group(0)) else m.group(0), d)
 
 
+def portable_payload(d):
+    """`without_machine_paths(d)`, or `d` itself (the same object) where two keys would collide once made
+    portable: a result is never lost or merged for its paths' sake (`write_result`, scripts/check_results.py)."""
+    try:
+        return without_machine_paths(d)
+    except ValueError:
+        return d
+
+
 def own_command() -> str:
     """This process's command line as a user would type it: `expertcache ...` or `python scripts/x.py ...`."""
     argv = list(sys.argv)
@@ -171,11 +180,7 @@ def write_result(path: str | Path, payload: dict, config=None, command: str | No
     prov = dict(provenance) if provenance is not None else started()
     if read_GBps is not None:
         prov["machine"] = {**prov.get("machine", {}), "read_GBps": read_GBps}
-    try:
-        payload = without_machine_paths(payload)
-    except ValueError:  # keys that name this machine's files and would collide once portable: kept, not lost
-        pass
-    out = {**payload, "provenance": prov, "config": portable(plain(config)),
+    out = {**portable_payload(payload), "provenance": prov, "config": portable(plain(config)),
            "command": portable(command or own_command())}
     write_json(path, out)
     return out
