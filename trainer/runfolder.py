@@ -100,16 +100,21 @@ def fit_resumable(recipe, module, dm, out: Path, resume: bool = True) -> tuple[i
 @contextlib.contextmanager
 def deterministic_algorithms(on: bool):
     """torch's deterministic algorithms for the block when `on` (`train.deterministic`; warn_only: an op without
-    one is named in a warning, never refused), and the process's own setting as it was afterwards."""
+    one is named in a warning, never refused), without their filling of every new tensor's memory (a write of each
+    `torch.empty` that no result depends on), and the process's own settings as they were afterwards."""
     import torch
+    import torch.utils.deterministic as det
 
     was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = det.fill_uninitialized_memory
     try:
         if on:
             torch.use_deterministic_algorithms(True, warn_only=True)
+            det.fill_uninitialized_memory = False
         yield
     finally:
         torch.use_deterministic_algorithms(was, warn_only=warn_only)
+        det.fill_uninitialized_memory = fill
 
 
 def latest_checkpoint(ckpt_dir: Path) -> tuple[Path | None, int]:
