@@ -369,7 +369,7 @@ def tables() -> dict[str, str]:
         out["bench_cachesim"] = _block("bench_cachesim.json",
                                        f"python scripts/bench_cachesim.py; git {_git(d, 'commit')}", cachesim_table(d))
     for name, fn in (("bench_big", bigbench.table), ("bench_big_native", bigbench.table),
-                     ("bench_big_16gb", bigbench.table), ("bench_decode_0.87gb", bench.table),
+                     ("bench_decode_0.87gb", bench.table),
                      ("replay_bf16", replay.table), ("bench_big_prefill", bigprefill.table)):
         if (d := _load(f"{name}.json")):
             cfg = f"results/{name}.config.yaml"
