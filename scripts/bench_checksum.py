@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="also write the JSON here")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    from expertcache.runtime.bench.harness import alternate, compare
+    from expertcache.runtime.bench.harness import alternate, compare, tpot_figures
     from expertcache.runtime.bench.results import started, write_result
 
     prov = started()  # the code and the machine, before the work
@@ -98,7 +98,8 @@ def main() -> None:
     for i in range(n_cold):
         checksum(cold[i * nbytes:(i + 1) * nbytes])
     t_cold = (time.perf_counter() - t0) / n_cold
-    med = {k: float(np.median(v)) for k, v in tpot.items()}
+    figures = tpot_figures(tpot)
+    med = figures["tpot_median_s"]
     per_tok = loads["on"] / tokens["on"]  # experts read per token (demand + prefetch, prefill included)
     out = {"inputs": {"model": a.model, "checkpoint_bytes": sum(p.stat().st_size for p in src.files),
                       "capacity": a.capacity, "tier": "disk", "predictor": "none", "tokens": a.tokens,
@@ -106,7 +107,7 @@ def main() -> None:
                       "expert_bytes": nbytes, "num_experts": src.num_experts, "moe_layers": len(src.prefixes),
                       "page_cache": eng.tier.describe().get("page_cache")},
            "verify_seconds": rep["seconds"], "verify_bytes": rep["expert_bytes_checked"],
-           "tpot_median_s": med, "tpot_p90_s": {k: float(np.percentile(v, 90)) for k, v in tpot.items()},
+           **figures,
            "tpot_round_medians_s": rounds, "on_vs_off": compare(rounds["on"], rounds["off"]),
            "experts_read_per_token": per_tok, "hash_s_per_expert": t_hash,
            "hash_GBps": nbytes / t_hash / 1e9, "hash_s_per_expert_cold": t_cold, "hash_GBps_cold": nbytes / t_cold / 1e9,

@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--store-dir", default="runs/stores")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     a = ap.parse_args()
-    from expertcache.runtime.bench.harness import alternate, compare
+    from expertcache.runtime.bench.harness import alternate, compare, tpot_figures
     from expertcache.runtime.bench.results import started, write_result
 
     prov = started()  # the code and the machine, before the work
@@ -93,13 +93,14 @@ def main() -> None:
             k = t.nbytes // 2
             magnitudes(region[i * n_el:i * n_el + k].view(1, -1))
     t_scan = (time.perf_counter() - t0) / n
-    med = {m: float(np.median(v)) for m, v in tpot.items()}
+    figures = tpot_figures(tpot)
+    med = figures["tpot_median_s"]
     per_tok = loads["on_cold"] / max(toks["on_cold"], 1)
     out = {"inputs": {"trace": str(a.trace or REFERENCE_TRACE), "layers": a.layers, "num_experts": e,
                       "expert_shape": [hidden, inter], "expert_bytes": meta.expert_bytes, "capacity": a.capacity,
                       "tier": a.tier, "page_cache": rp.tier.describe().get("page_cache"), "tokens": a.tokens,
                       "warmup": a.warmup, "rounds": a.rounds, "torch_threads": torch.get_num_threads()},
-           "tpot_median_s": med, "tpot_p90_s": {m: float(np.percentile(v, 90)) for m, v in tpot.items()},
+           **figures,
            "tpot_round_medians_s": rounds, "on_cold_vs_off": compare(rounds["on_cold"], rounds["off"]),
            "on_warm_vs_off": compare(rounds["on_warm"], rounds["off"]),
            "experts_read_per_token": per_tok, "scan_s_per_expert_cold": t_scan,

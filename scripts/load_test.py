@@ -42,6 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from expertcache.runtime.bench.harness import alternate
 from expertcache.runtime.bench.runner import wait_serving
 from expertcache.telemetry.atomic import open_log
 from expertcache.telemetry.errors import count, nonnegative, positive
@@ -497,11 +498,11 @@ def throughput(a) -> dict:
             a = argparse.Namespace(**{**vars(a), "model": str(copy)})
             res["inputs"]["tokenizer"] = (f"a byte-level BPE of the model's whole vocabulary learned from "
                                           f"{a.full_vocab}'s train split (the weights and config are the model's)")
-        passes: dict[str, list[dict]] = {k: [] for k in systems}
-        for i in range(a.passes):
-            for name in (list(systems) if i % 2 == 0 else list(systems)[::-1]):
-                print(f"pass {i + 1}/{a.passes}: {name}", file=sys.stderr, flush=True)
-                passes[name].append(_measure(name, a, systems[name], prompts, convs, d))
+        def one_pass(name: str, i: int) -> dict:
+            print(f"pass {i + 1}/{a.passes}: {name}", file=sys.stderr, flush=True)
+            return _measure(name, a, systems[name], prompts, convs, d)
+
+        passes = alternate(list(systems), a.passes, one_pass)  # the systems' order reversed every other pass
     for name, ps in passes.items():
         m = _median_of_passes(ps)
         if "chat" in m:

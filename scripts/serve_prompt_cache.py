@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from expertcache.runtime.bench.harness import order
 from expertcache.telemetry.errors import count
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,9 +129,8 @@ async def _ttft_rounds(servers: dict, tok, text: list[int], a) -> dict:
         for r in range(a.rounds):
             history = text[r * a.history:(r + 1) * a.history]
             question = text[-(r + 1) * a.question:][:a.question]
-            order = list(servers) if r % 2 == 0 else list(servers)[::-1]
             got = {}
-            for name in order:
+            for name in order(list(servers), r):  # the harness's order: reversed every other round
                 url = servers[name]
                 _, answer = await _stream(client, url, history, a.answer)
                 follow = history + tok("".join(answer), add_special_tokens=False)["input_ids"] + question

@@ -220,6 +220,30 @@ def commit_violations(trees: dict[str, ast.Module]) -> list[str]:
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and "rev-parse" in node.value]
 
 
+HARNESS = "runtime/bench/harness.py"  # the one alternation harness (`order`, `alternate`)
+
+
+def alternation_violations(trees: dict[str, ast.Module]) -> list[str]:
+    """Arms alternated round by round go through `runtime/bench/harness.py` (`alternate`, or `order` where a round
+    is asynchronous): a function elsewhere that reverses a sequence (`[::-1]`) and tests a round's parity (`% 2`)
+    is a second harness."""
+    bad = []
+    for rel, tree in trees.items():
+        if rel == HARNESS:
+            continue
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            nodes = list(ast.walk(fn))
+            parity = any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) and isinstance(n.right, ast.Constant)
+                         and n.right.value == 2 for n in nodes)
+            rev = any(isinstance(n, ast.Slice) and isinstance(n.step, ast.UnaryOp) and isinstance(n.step.op, ast.USub)
+                      and isinstance(n.step.operand, ast.Constant) and n.step.operand.value == 1 for n in nodes)
+            if parity and rev:
+                bad.append(f"{rel}:{fn.lineno}: {fn.name} alternates arms itself (use runtime/bench/harness.py)")
+    return bad
+
+
 def pip_violations(trees: dict[str, ast.Module]) -> list[str]:
     """`pip download --no-binary :all:` builds every build dependency from source too (over 8 minutes for
     llama-cpp-python's, against 23 s for `--no-binary llama-cpp-python`): a command list names the package."""
@@ -230,7 +254,25 @@ def pip_violations(trees: dict[str, ast.Module]) -> list[str]:
                 vals = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
                 if any(a == "--no-binary" and b == ":all:" for a, b in zip(vals, vals[1:])):
                     bad.append(f"{rel}:{node.lineno}: --no-binary :all: (name the package instead)")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and ALL_BINARY.search(node.value):
+                bad.append(f"{rel}:{node.lineno}: --no-binary :all: in a command (name the package instead)")
     return bad
+
+
+ALL_BINARY = re.compile(r"pip\b.*--no-binary[ =]:all:")  # a pip command line that builds everything from source
+
+
+def text_pip_violations(files: dict[str, str]) -> list[str]:
+    """The same rule over the command lines the Makefile, shell scripts and docs give: {path: text}."""
+    return [f"{rel}:{i}: --no-binary :all: (name the package instead)"
+            for rel, text in files.items() for i, line in enumerate(text.splitlines(), 1) if ALL_BINARY.search(line)]
+
+
+def command_texts() -> dict[str, str]:
+    """The Makefile, scripts/*.sh, the README and docs/*.md: {path: text}."""
+    paths = [ROOT / "Makefile", ROOT / "README.md", *sorted((ROOT / "scripts").glob("*.sh")),
+             *sorted((ROOT / "docs").glob("*.md"))]
+    return {str(p.relative_to(ROOT)): p.read_text() for p in paths if p.is_file()}
 
 
 # the rules' own homes: the fraction-or-count rule and the budget rule
@@ -506,7 +548,8 @@ def script_trees():
 
 
 @pytest.mark.parametrize("check", [write_violations, commit_violations, script_argparse_violations, pip_violations,
-                                   import_violations, script_entry_violations], ids=lambda f: f.__name__)
+                                   import_violations, script_entry_violations, alternation_violations],
+                         ids=lambda f: f.__name__)
 def test_scripts_follow_the_rules(script_trees, check):
     """scripts/ (and experiments/) write files through atomic.py, look up the commit through provenance.py and
     import the package by its installed name; argparse is theirs, run from main()."""
@@ -522,11 +565,21 @@ def test_scripts_follow_the_rules(script_trees, check):
     (script_argparse_violations, "import argparse\nap = argparse.ArgumentParser()\na = ap.parse_args()"),
     (pip_violations, "cmd = ['pip', 'download', '--no-binary', ':all:', 'llama-cpp-python']"),
     (import_violations, "from runtime.engine import EngineConfig"),
+    (alternation_violations, "def main():\n    for i in range(n):\n"
+                             "        for s in (list(systems) if i % 2 == 0 else list(systems)[::-1]):\n"
+                             "            run(s)\n"),  # load_test.py's own loop, before it used the harness
     (script_entry_violations, "import sys\ndef main():\n    pass\nif __name__ == '__main__':\n    sys.exit(main())"),
     (script_entry_violations, "def main():\n    pass\n"),
 ], ids=lambda x: x.__name__ if callable(x) else "")
 def test_script_rules_catch_a_violation(check, snippet):
     assert check({"scripts/stray.py": ast.parse(snippet)}) != []
+
+
+def test_no_command_line_downloads_every_build_dependency_as_source():
+    assert text_pip_violations(command_texts()) == []
+    planted = {"Makefile": "sources:\n\t$(BIN)/python -m pip download -q --no-deps --no-binary :all: x==1 -d d\n"}
+    assert text_pip_violations(planted) == ["Makefile:2: --no-binary :all: (name the package instead)"]
+    assert pip_violations({"trainer/stray.py": ast.parse("hint = f'or pip download --no-binary :all: x -d {d}'")})
 
 
 def test_a_script_may_parse_its_arguments_in_main():
@@ -538,7 +591,7 @@ def test_a_script_may_parse_its_arguments_in_main():
 
 @pytest.mark.parametrize("check", [import_violations, cycle_violations, write_violations, from_pretrained_violations,
                                    argparse_violations, capacity_violations, name_list_violations,
-                                   flag_violations, commit_violations, pip_violations],
+                                   flag_violations, commit_violations, pip_violations, alternation_violations],
                          ids=lambda f: f.__name__)
 def test_rule_holds(trees, check):
     assert check(trees) == []

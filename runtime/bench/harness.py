@@ -68,3 +68,9 @@ def compare(a: Sequence[float], b: Sequence[float]) -> dict:
     whether the ratio is claimed (`claimed`)."""
     return {"ratio": float(np.median(a) / np.median(b)), "a_rounds_s": [float(min(a)), float(max(a))],
             "b_rounds_s": [float(min(b)), float(max(b))], "rounds": [len(a), len(b)], "claimed": claimed(a, b)}
+
+
+def tpot_figures(tpot: dict[str, Sequence[float]]) -> dict:
+    """Each arm's time per output token over all its timed tokens: `tpot_median_s` and `tpot_p90_s`, by arm."""
+    return {"tpot_median_s": {k: float(np.median(v)) for k, v in tpot.items()},
+            "tpot_p90_s": {k: float(np.percentile(v, 90)) for k, v in tpot.items()}}

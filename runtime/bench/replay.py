@@ -331,12 +331,6 @@ def table(res: dict) -> str:
     return "\n".join(rows)
 
 
-def save(res: dict, path: str | Path) -> None:
-    from expertcache.telemetry.atomic import write_json
-
-    write_json(path, res)
-
-
 def plot_recall(res: dict, png: str | Path) -> None:
     """TPOT against predictor recall: the oracle degraded to each stated recall, with on-demand and the
     realizable predictors (at their measured recall of the next layer's experts) marked."""

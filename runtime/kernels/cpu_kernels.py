@@ -206,6 +206,8 @@ def measure_prefetch(rounds: int = 7, calls: int = 8, pool: int = 24) -> dict:
     candidates alternated within each round; and the setting `choose` keeps per format."""
     import time
 
+    from expertcache.runtime.bench.harness import alternate
+
     if not load():
         raise RuntimeError(f"measure_prefetch: the CPU kernels are unavailable ({why_unavailable()})")
     H, I, k = 2048, 768, 8
@@ -233,16 +235,18 @@ def measure_prefetch(rounds: int = 7, calls: int = 8, pool: int = 24) -> dict:
             gu, dn = packed(2 * I, H, bits), packed(H, I, bits)
             fmt = f"int{bits}"
             cands = [(d, s) for d in TUNE_DISTANCES for s in (TUNE_SCALE_ROWS if bits == 4 else (was["scale_rows"],))]
-            times = {c: [] for c in cands}
             for s in draws[:2]:  # warm: the first touch of the pool's pages is not a kernel's time
                 swiglu_q(x, gu, dn, bits, 32, s, w)
-            for r in range(rounds):
-                for c in (cands if r % 2 == 0 else cands[::-1]):
-                    set_tuning(**{f"pf_{fmt}": c[0], "scale_rows": c[1]})
-                    t0 = time.perf_counter()
-                    for s in draws:
-                        swiglu_q(x, gu, dn, bits, 32, s, w)
-                    times[c].append((time.perf_counter() - t0) / calls)
+
+            def timed(c: str, _r: int) -> float:
+                set_tuning(**{f"pf_{fmt}": by_name[c][0], "scale_rows": by_name[c][1]})
+                t0 = time.perf_counter()
+                for s in draws:
+                    swiglu_q(x, gu, dn, bits, 32, s, w)
+                return (time.perf_counter() - t0) / calls
+
+            by_name = {f"{d}/{r}": (d, r) for d, r in cands}  # the harness's arms are names
+            times = {by_name[c]: v for c, v in alternate(list(by_name), rounds, timed).items()}
             default = (TUNE_DEFAULTS[f"pf_{fmt}"], TUNE_DEFAULTS["scale_rows"] if bits == 4 else was["scale_rows"])
             best, med, wins = choose(times, default)
             out[fmt] = {"best": {"distance": best[0], "scale_rows": best[1]}, "default_s": med[default],
