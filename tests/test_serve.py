@@ -411,3 +411,32 @@ def test_prefill_chunks_beside_decoding_carry_prompt_and_keep_streams_within_thr
     assert abs(d._n - want_n) <= 2, d._n
     if want_n > MIN_CHUNK:
         assert all(step_s + t <= 3.05 * step_s for t in times[5:])
+
+
+def test_a_queue_of_prompts_gets_a_chunk_each_per_turn_and_one_prompt_one_chunk():
+    """While sequences decode, a turn prefills one chunk (`_n` tokens, about a decode step's time) for each prompt
+    waiting for its first token, the one under way included, at most PREFILL_SHARE_MAX, and never beyond
+    `--prefill_chunk`; with nothing decoding, a whole `--prefill_chunk`. One long prompt beside running streams
+    still gets one chunk a turn (what keeps their inter-token latency within CHUNK_STEPS + 1 steps)."""
+    import collections
+    import types
+
+    from expertcache.runtime.serve.serve import PREFILL_SHARE_MAX, Decoder
+
+    class Rows(list):
+        prefill_chunk = 4096
+
+    d = types.SimpleNamespace(batch=Rows(["a", "b"]), pending=collections.deque(), job=object(), _n=36)
+    chunk = types.MethodType(Decoder._chunk, d)
+    assert chunk() == 36  # one prompt under way, none queued: one chunk
+    d.pending.extend(range(3))
+    assert chunk() == 4 * 36  # four prompts wait for their first token
+    d.pending.extend(range(20))
+    assert chunk() == PREFILL_SHARE_MAX * 36  # bounded
+    d.batch.prefill_chunk = 100
+    assert chunk() == 100  # never past --prefill_chunk
+    d.job, d.pending = None, collections.deque()
+    assert chunk() == 36  # nothing waits yet: a turn still has room for one chunk
+    d.batch = Rows()
+    d.batch.prefill_chunk = 100
+    assert chunk() == 100  # nothing decoding: nobody waits on the prefill
