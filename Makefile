@@ -23,10 +23,12 @@ $(BIN)/python:
 # versions (pip freeze equal). Without uv, pip installs them as before. --compile-bytecode writes the .pyc files
 # pip writes: without them every process compiles what it imports (`import lightning.pytorch` 7.3 s against 5.6,
 # where PYTHONDONTWRITEBYTECODE is set), and the suite took 359 s against 296.
+# uv reads no pip configuration: an index pip is pointed at through the environment is handed on.
+UV_INDEX = $(if $(PIP_INDEX_URL),UV_DEFAULT_INDEX="$(PIP_INDEX_URL)",)
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	( $(BIN)/python -m pip install -q uv && $(BIN)/python -m uv pip install -q --compile-bytecode --python $(BIN)/python -e ".[test,triton]" ) \
+	( $(BIN)/python -m pip install -q uv && $(UV_INDEX) $(BIN)/python -m uv pip install -q --compile-bytecode --python $(BIN)/python -e ".[test,triton]" ) \
 	  || $(BIN)/python -m pip install -q -e ".[test,triton]" "$(TORCH_SPEC)"
 	touch $(STAMP)
 
