@@ -34,8 +34,17 @@ ENGINE_FIELDS = set(EngineConfig.__dataclass_fields__) - {"device"}
 
 
 def engine_from_args(args: dict) -> EngineConfig | None:
-    """The `EngineConfig` named by lm-eval model args (strings from the command line), or None for plain."""
+    """The `EngineConfig` named by lm-eval model args, or None for plain: `engine`, an `EngineConfig` itself
+    (`expertcache eval` hands its resolved configuration on as it is), or its fields as strings (lm-eval's command
+    line, `--model_args capacity=0.25,...`), parsed once; not both."""
     given = {k: v for k, v in args.items() if k in ENGINE_FIELDS}
+    cfg = args.get("engine")
+    if cfg is not None:
+        if not isinstance(cfg, EngineConfig):
+            raise InputError(f"model_args engine={cfg!r}: expected an EngineConfig (or its fields as model args)")
+        if given:
+            raise InputError(f"model_args engine=... and engine fields {sorted(given)} both given: one or the other")
+        return cfg
     return EngineConfig.from_text(given) if given else None
 
 
@@ -51,7 +60,7 @@ class ExpertCacheLM(HFLM):
         path = resolve(pretrained)
         self.serve = served_engine(path, engine_from_args(kwargs))  # quantized: through the engine
         check_replayable(self.serve, accuracy)
-        kwargs = {k: v for k, v in kwargs.items() if k not in ENGINE_FIELDS}
+        kwargs = {k: v for k, v in kwargs.items() if k not in ENGINE_FIELDS | {"engine"}}
         self.replay = None
         if accuracy == "replay":  # the plain model, its routers serving as the reroute policy would
             model, self.engine = open_model(path, None, dtype, device)

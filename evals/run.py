@@ -208,8 +208,8 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
            "accuracy_method": accuracy if serve is not None and serve.lossy else "batched"}
     if tasks:
         args = {"pretrained": str(model_dir), "batch_size": batch_size, "dtype": dtype, "device": device}
-        if serve is not None:
-            args.update({k: v for k, v in asdict(serve).items() if k != "device"})
+        if serve is not None:  # the resolved configuration as it is, not parsed again from its fields' text
+            args["engine"] = serve
         if accuracy == "replay":
             args["accuracy"] = "replay"
         r = lm_eval.simple_evaluate(model="expertcache", model_args=args,

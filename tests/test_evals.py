@@ -141,6 +141,21 @@ def test_bad_engine_options_are_refused(capsys):
     assert engine_from_args({"capacity": "0.25", "miss": "reroute"}).lossy
 
 
+def test_eval_hands_its_engine_configuration_to_lm_eval_as_it_is():
+    """`expertcache eval` gives lm-eval's model the resolved `EngineConfig` itself (no text round trip); lm-eval's
+    own command line gives its fields as text; both at once, or something else as `engine`, is one line."""
+    from expertcache.evals.lm import engine_from_args
+    from expertcache.runtime import EngineConfig
+
+    cfg = EngineConfig(capacity=16, tier="host", miss="reroute", tau=0.05)
+    assert engine_from_args({"engine": cfg, "batch_size": 4}) is cfg
+    assert engine_from_args({"capacity": "16", "tier": "host", "miss": "reroute", "tau": "0.05"}) == cfg
+    with pytest.raises(InputError, match="both given"):
+        engine_from_args({"engine": cfg, "capacity": "0.5"})
+    with pytest.raises(InputError, match="expected an EngineConfig"):
+        engine_from_args({"engine": "capacity=0.5"})
+
+
 def test_a_users_own_task_yaml_is_evaluated_and_gated(evals, tiny_data, tmp_path):
     """lm-eval's convention: a folder of task YAMLs over local files, named in --tasks beside the local ones."""
     rows = [{"question": f"Is {a} plus {b} equal to {a + b + (i % 2)}?", "label": 1 - i % 2}
