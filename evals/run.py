@@ -228,6 +228,9 @@ def evaluate(model_dir: str | Path, corpus: str = "data/corpus", engine: EngineC
                   res["n_documents"].items() if not limit and t in LOCAL_TASKS and not t.startswith("ec_ppl_")
                   and n < TASK_DOCS]
         if out:
+            margs = (r.get("config") or {}).get("model_args")
+            if isinstance(margs, dict) and serve is not None:  # the engine's fields, as the eval JSON records them
+                r["config"]["model_args"] = {**margs, "engine": asdict(serve)}
             write_json(Path(out).with_suffix(".lm_eval.json"), r)
     res["n_blocks"] = {d: len(b) for d, b in blocks.items()}  # the samples the gate's intervals rest on
     res["sample_notes"] = notes  # where the held-out text gave fewer blocks or documents than asked

@@ -413,27 +413,32 @@ def test_prefill_chunks_beside_decoding_carry_prompt_and_keep_streams_within_thr
         assert all(step_s + t <= 3.05 * step_s for t in times[5:])
 
 
-def test_a_queue_of_prompts_gets_a_chunk_each_per_turn_and_one_prompt_one_chunk():
-    """While sequences decode, a turn prefills one chunk (`_n` tokens, about a decode step's time) for each prompt
-    waiting for its first token, the one under way included, at most PREFILL_SHARE_MAX, and never beyond
-    `--prefill_chunk`; with nothing decoding, a whole `--prefill_chunk`. One long prompt beside running streams
-    still gets one chunk a turn (what keeps their inter-token latency within CHUNK_STEPS + 1 steps)."""
+def test_a_turns_prefill_grows_with_the_prompts_that_could_start_and_one_prompt_gets_one_chunk():
+    """While sequences decode, a turn may prefill one chunk (`_n` tokens, about a decode step's time) for each prompt
+    waiting for its first token that could start (the one under way, and queued ones up to the free rows), at most
+    PREFILL_SHARE_MAX, never beyond `--prefill_chunk`; with nothing decoding, a whole `--prefill_chunk`. One long
+    prompt beside running streams gets one chunk a turn (what keeps their inter-token latency within CHUNK_STEPS + 1
+    steps); prompts that no free row could take do not count."""
     import collections
     import types
 
     from expertcache.runtime.serve.serve import PREFILL_SHARE_MAX, Decoder
 
     class Rows(list):
-        prefill_chunk = 4096
+        prefill_chunk, max_rows = 4096, 32
 
     d = types.SimpleNamespace(batch=Rows(["a", "b"]), pending=collections.deque(), job=object(), _n=36)
     chunk = types.MethodType(Decoder._chunk, d)
     assert chunk() == 36  # one prompt under way, none queued: one chunk
     d.pending.extend(range(3))
-    assert chunk() == 4 * 36  # four prompts wait for their first token
+    assert chunk() == 4 * 36  # four prompts wait for their first token, each with a row to take
     d.pending.extend(range(20))
     assert chunk() == PREFILL_SHARE_MAX * 36  # bounded
-    d.batch.prefill_chunk = 100
+    d.batch.max_rows = 4  # 2 rows decode, 1 is the prompt under way's: 1 free row for the 23 queued
+    assert chunk() == 2 * 36
+    d.batch.max_rows = 3  # no free row: the queued prompts cannot start, so they buy nothing
+    assert chunk() == 36
+    d.batch.max_rows, d.batch.prefill_chunk = 32, 100
     assert chunk() == 100  # never past --prefill_chunk
     d.job, d.pending = None, collections.deque()
     assert chunk() == 36  # nothing waits yet: a turn still has room for one chunk
