@@ -225,8 +225,8 @@ HARNESS = "runtime/bench/harness.py"  # the one alternation harness (`order`, `a
 
 def alternation_violations(trees: dict[str, ast.Module]) -> list[str]:
     """Arms alternated round by round go through `runtime/bench/harness.py` (`alternate`, or `order` where a round
-    is asynchronous): a function elsewhere that reverses a sequence (`[::-1]`) and tests a round's parity (`% 2`)
-    is a second harness."""
+    is asynchronous): a function elsewhere that reverses a sequence (`[::-1]`, `reversed(...)`) and tests a round's
+    parity (`% 2`, `& 1`) is a second harness."""
     bad = []
     for rel, tree in trees.items():
         if rel == HARNESS:
@@ -235,10 +235,12 @@ def alternation_violations(trees: dict[str, ast.Module]) -> list[str]:
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             nodes = list(ast.walk(fn))
-            parity = any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) and isinstance(n.right, ast.Constant)
-                         and n.right.value == 2 for n in nodes)
-            rev = any(isinstance(n, ast.Slice) and isinstance(n.step, ast.UnaryOp) and isinstance(n.step.op, ast.USub)
-                      and isinstance(n.step.operand, ast.Constant) and n.step.operand.value == 1 for n in nodes)
+            parity = any(isinstance(n, ast.BinOp) and isinstance(n.right, ast.Constant)
+                         and ((isinstance(n.op, ast.Mod) and n.right.value == 2)
+                              or (isinstance(n.op, ast.BitAnd) and n.right.value == 1)) for n in nodes)
+            rev = any((isinstance(n, ast.Slice) and isinstance(n.step, ast.UnaryOp) and isinstance(n.step.op, ast.USub)
+                       and isinstance(n.step.operand, ast.Constant) and n.step.operand.value == 1)
+                      or (isinstance(n, ast.Call) and _name(n.func) == "reversed") for n in nodes)
             if parity and rev:
                 bad.append(f"{rel}:{fn.lineno}: {fn.name} alternates arms itself (use runtime/bench/harness.py)")
     return bad
@@ -568,6 +570,8 @@ def test_scripts_follow_the_rules(script_trees, check):
     (alternation_violations, "def main():\n    for i in range(n):\n"
                              "        for s in (list(systems) if i % 2 == 0 else list(systems)[::-1]):\n"
                              "            run(s)\n"),  # load_test.py's own loop, before it used the harness
+    (alternation_violations, "async def rounds():\n    for r in range(n):\n"
+                             "        for s in (arms if not r & 1 else reversed(arms)):\n            await run(s)\n"),
     (script_entry_violations, "import sys\ndef main():\n    pass\nif __name__ == '__main__':\n    sys.exit(main())"),
     (script_entry_violations, "def main():\n    pass\n"),
 ], ids=lambda x: x.__name__ if callable(x) else "")
