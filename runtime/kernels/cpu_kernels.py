@@ -238,15 +238,14 @@ def measure_prefetch(rounds: int = 7, calls: int = 8, pool: int = 24) -> dict:
             for s in draws[:2]:  # warm: the first touch of the pool's pages is not a kernel's time
                 swiglu_q(x, gu, dn, bits, 32, s, w)
 
-            def timed(c: str, _r: int) -> float:
-                set_tuning(**{f"pf_{fmt}": by_name[c][0], "scale_rows": by_name[c][1]})
+            def timed(c: tuple, _r: int) -> float:  # one round of candidate c = (distance, scale rows)
+                set_tuning(**{f"pf_{fmt}": c[0], "scale_rows": c[1]})
                 t0 = time.perf_counter()
                 for s in draws:
                     swiglu_q(x, gu, dn, bits, 32, s, w)
                 return (time.perf_counter() - t0) / calls
 
-            by_name = {f"{d}/{r}": (d, r) for d, r in cands}  # the harness's arms are names
-            times = {by_name[c]: v for c, v in alternate(list(by_name), rounds, timed).items()}
+            times = alternate(cands, rounds, timed)
             default = (TUNE_DEFAULTS[f"pf_{fmt}"], TUNE_DEFAULTS["scale_rows"] if bits == 4 else was["scale_rows"])
             best, med, wins = choose(times, default)
             out[fmt] = {"best": {"distance": best[0], "scale_rows": best[1]}, "default_s": med[default],
