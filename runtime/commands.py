@@ -152,7 +152,7 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
               engine: EngineConfig = EngineConfig(tier="disk"),
               experts: list[str] = ["bf16"], routing: str = "trace", cgroup: bool = True,
               keep_gguf: bool = False, llamacpp_dir: Optional[str] = None, quant_linears: bool = False,
-              prefill: list[int] = [], decode: bool = True, llamacpp_build: bool = True,
+              prefill: list[int] = [], decode: bool = True, llamacpp_build: bool = True, checkpoint: str = "bf16",
               out: Optional[str] = "results/bench_big.json") -> dict:
     """A Qwen3-30B-A3B-shaped checkpoint larger than RAM, decoded by expertcache (disk tier, cache within the
     budget), transformers + accelerate disk offload and the page cache (mmap), on the same routing, alternated,
@@ -206,6 +206,11 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
         decode: run the decode rounds (false: the prefill phase alone)
         llamacpp_build: build llama.cpp when it is not built (10-30 minutes of every core); false: its systems are
             skipped, saying so
+        checkpoint: bf16 (random bf16 weights in safetensors; int8/int4 copies quantized from it) | q4_0 (no bf16
+            copy: a llama.cpp Q4_0 GGUF of the same random draws written directly, about 17 GB at 48 layers where
+            bf16 takes 58, and imported by `import-gguf` as the int4 checkpoint expertcache reads: llama.cpp and
+            expertcache serve the same codes and scales). q4_0 takes --experts [int4] --quant_linears true and the
+            expertcache and llama.cpp systems only
         out: the JSON (a PNG beside it when decode runs)
     """
     config = dict(locals())  # the resolved configuration, recorded in the result
@@ -220,6 +225,16 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
     if not experts or any(f not in ("bf16", "int8", "int4") for f in experts) or len(set(experts)) < len(experts):
         raise InputError(f"--experts {experts}: expected distinct formats among bf16, int8, int4")
 
+    if checkpoint not in ("bf16", "q4_0"):
+        raise InputError(f"--checkpoint {checkpoint!r}: expected bf16 or q4_0")
+    if checkpoint == "q4_0":
+        if list(experts) != ["int4"] or not quant_linears:
+            raise InputError("--checkpoint q4_0 is served as int4 with packed linears (the GGUF imported as it "
+                             "is): give --experts [int4] --quant_linears true")
+        bf16_only = [x for x in systems if not x.startswith(("expertcache", "llama.cpp"))]
+        if bf16_only:
+            raise InputError(f"--checkpoint q4_0: {bf16_only[0]} reads the bf16 checkpoint, which q4_0 does not "
+                             f"write; run expertcache and llama.cpp systems")
     check_output(out)
     engine.check()
     prov = started()  # the code that runs (commit, dirty) and the machine, before it runs
@@ -266,7 +281,7 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
                   progress=lambda n, what=None: _step(prog, task, n, what),
                   experts=tuple(experts), routing=routing, cgroup=cgroup, keep_gguf=keep_gguf,
                   llamacpp_dir=llamacpp_dir, quant_linears=quant_linears, prefill=tuple(prefill), decode=decode,
-                  llamacpp_build=llamacpp_build)
+                  llamacpp_build=llamacpp_build, checkpoint=checkpoint)
     res["git_commit"] = commit
     failed = {sys_: r["errors"] for sys_, r in res["systems"].items() if r.get("errors")}
     # a system asked for that failed or was skipped makes the run exit 1 (its reason stays in the JSON)

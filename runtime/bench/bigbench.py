@@ -45,7 +45,7 @@ from expertcache.runtime.bench.harness import alternate, compare
 from expertcache.runtime.bench.runner import read_config, run_child, write_config
 
 from expertcache.runtime.bench.bigckpt import ALIGN, EXPERTS, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, TOP_K, expert_bytes, physical_ram, \
-    write_checkpoint
+    q4_0_expert_bytes, write_checkpoint, write_gguf_q4_0
 from expertcache.runtime.storage.checkpoint import free_disk
 from expertcache.runtime.engine.config import EngineConfig
 
@@ -469,9 +469,10 @@ def load_run_config(path: str | Path) -> dict:
     return cfg
 
 
-def prepare_llamacpp(systems, routing: str, ckpt: Path, out_dir: Path, llamacpp_dir=None, build: bool = True):
+def prepare_llamacpp(systems, routing: str, ckpt: Path, out_dir: Path, llamacpp_dir=None, build: bool = True,
+                     given: Path | None = None):
     """For the llama.cpp systems asked for: `(bin dir, GGUF, {})` once llama.cpp is built and the checkpoint
-    converted (both reused), or `(None, None, {system: why})` when they cannot run (trace routing, or a step that
+    converted (both reused; `given`: a GGUF written already, used as it is), or `(None, None, {system: why})` when they cannot run (trace routing, or a step that
     failed: its one line). `build` False: a llama.cpp not built already is not downloaded nor built (10-30 minutes
     of every core): its systems are skipped, saying so."""
     want = [s for s in systems if system_entry(s).native_only]
@@ -489,6 +490,8 @@ def prepare_llamacpp(systems, routing: str, ckpt: Path, out_dir: Path, llamacpp_
                                          f"--llamacpp_build false (building takes 10-30 minutes of every core)")
         src = llamacpp.source_dir(cache)
         bins = llamacpp.build(src)
+        if given is not None:
+            return bins, given, {}
         need, free = have_ckpt(ckpt), free_disk(out_dir)  # a BF16 GGUF is about the checkpoint's size
         if not llamacpp.gguf_path(ckpt, "bf16", out_dir).exists() and free < need + (1 << 30):
             raise llamacpp.LlamaCppError("convert", f"the GGUF needs about {need / 1e9:.1f} GB of disk and "
@@ -647,7 +650,7 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
               engine: EngineConfig = EngineConfig(tier="disk"), timeout_s: int = 3600, progress=None,
               experts=("bf16",), routing: str = "trace", cgroup: bool = True, keep_gguf: bool = False,
               llamacpp_dir: str | Path | None = None, quant_linears: bool = False, prefill=(), decode: bool = True,
-              llamacpp_build: bool = True) -> dict:
+              llamacpp_build: bool = True, checkpoint: str = "bf16") -> dict:
     """Write (or reuse) the checkpoint, then run every system `rounds` times, alternated, each in its own process.
     `slow_tokens`/`slow_warmup`: the token counts for accelerate, whose per-token time is minutes-scale here.
     `experts`: the formats expertcache serves (int8/int4: `expertcache quantize` copies, group 32, reused;
@@ -660,24 +663,45 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
     the JSON (`skipped`); `llamacpp_build` False skips them when llama.cpp is not built already.
     `prefill`: prompt lengths of the prefill phase (`bigprefill`: one cold prefill per length, system and round,
     alternated, then one prefill per length with every expert resident for the roofline); `decode` False runs the
-    prefill phase alone."""
+    prefill phase alone.
+    `checkpoint` q4_0: no bf16 checkpoint; a llama.cpp Q4_0 GGUF of the same random draws is written directly
+    (`bigckpt.write_gguf_q4_0`) and imported (`import-gguf`: the same codes and scales, attention and the output head
+    packed too) as the int4 checkpoint every expertcache system reads, while llama.cpp reads the GGUF itself:
+    `experts` must be (int4,) and `quant_linears` True; mmap and accelerate, which read bf16, cannot run."""
     from expertcache.runtime.bench.memcg import MemoryCgroup
     from expertcache.runtime.bench.replay import REFERENCE_TRACE
 
     trace = trace or REFERENCE_TRACE
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    per_layer = EXPERTS * expert_bytes()
+    q4_0 = checkpoint == "q4_0"
+    if q4_0 and (tuple(experts) != ("int4",) or not quant_linears):
+        raise InputError("checkpoint q4_0 is served as int4 with packed linears (the GGUF imported as it is): "
+                         "use --experts [int4] --quant_linears true")
+    per_layer = EXPERTS * (q4_0_expert_bytes() if q4_0 else expert_bytes())
     want = layers or int(np.ceil(ram_factor * physical_ram() / per_layer))
     ckpt = out_dir / "qwen3-30b-a3b-shaped"
-    have = have_ckpt(ckpt)
-    fits = int((free_disk(out_dir) + have - (4 << 30)) // per_layer)  # 4 GiB kept free
+    given_gguf = out_dir / f"{ckpt.name}-q4_0.gguf" if q4_0 else None
+    have = (dir_bytes(quantized_path(ckpt, "int4", True)) + (given_gguf.stat().st_size if given_gguf.is_file()
+                                                               else 0)) if q4_0 else have_ckpt(ckpt)
+    # the bf16 checkpoint's experts, or the GGUF's and their imported copy's; 4 GiB kept free
+    fits = int((free_disk(out_dir) + have - (4 << 30)) // (per_layer * (2 if q4_0 else 1)))
     n_layers = min(want, fits, 48)
     note = None if n_layers >= want else f"disk holds {n_layers} layers; {want} wanted for {ram_factor}x RAM"
     if n_layers < 2:
         raise InputError(f"not enough free disk for even 2 layers of experts ({per_layer / 1e9:.1f} GB each)")
-    write_checkpoint(ckpt, n_layers, progress=progress)
-    for f in experts:
+    if q4_0:
+        write_gguf_q4_0(given_gguf, n_layers, progress=progress)
+        q = quantized_path(ckpt, "int4", True)
+        have_layers = json.loads((q / "config.json").read_text())["num_hidden_layers"] \
+            if (q / "config.json").is_file() else None
+        if have_layers != n_layers:
+            from expertcache.runtime.kernels.gguf_import import import_gguf
+
+            import_gguf(given_gguf, q, overwrite=True)
+    else:
+        write_checkpoint(ckpt, n_layers, progress=progress)
+    for f in experts if not q4_0 else ():
         q = quantized_path(ckpt, f, quant_linears)
         if f != "bf16" and not (q / "config.json").is_file():
             from expertcache.runtime.kernels.quant_write import write_quantized
@@ -690,7 +714,8 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
         from expertcache.runtime.kernels.cpu_kernels import load as load_kernels  # first round: inside the cgroup, beside a loaded model, a
 
         load_kernels()  # build crawled along at half a core for over ten minutes, its time the run's
-    bins, gguf_path, skipped = prepare_llamacpp(systems, routing, ckpt, out_dir, llamacpp_dir, llamacpp_build)
+    bins, gguf_path, skipped = prepare_llamacpp(systems, routing, ckpt, out_dir, llamacpp_dir, llamacpp_build,
+                                                given_gguf)
     why = accelerate_disk(ckpt, budget_gb, out_dir, gguf_path is not None) if "accelerate" in systems else None
     if why:
         skipped["accelerate"] = why
@@ -758,19 +783,20 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
         if cg is not None:
             cg.close()
     resident = resident_prefills(prefill, ckpt, n_layers * per_layer, job, tokens, warmup, engine, out_dir,
-                                 timeout_s) if prefill else {}
+                                 timeout_s, experts[0]) if prefill else {}
     load_avg.append(os.getloadavg())
     cold = [x["page_cache_dropped"] for rs in runs.values() for x in rs] \
         + [x["page_cache_dropped"] for rs in pre.values() for r in rs for x in r]
     gguf_bytes = gguf_path.stat().st_size if gguf_path is not None and gguf_path.exists() else 0
-    if gguf_path is not None and not keep_gguf:
+    if gguf_path is not None and not keep_gguf and not q4_0:  # q4_0's GGUF is the checkpoint itself: kept
         gguf_path.unlink(missing_ok=True)
     disk_used = have_ckpt(ckpt)
     off = offload_dir(ckpt)
     quant_used = {f: sum(p.stat().st_size for p in quantized_path(ckpt, f, quant_linears).iterdir() if p.is_file())
                   for f in experts if f != "bf16"}
     res = {"inputs": {"shape": {"hidden": HIDDEN, "experts": EXPERTS, "expert": [HIDDEN, INTER], "top_k": TOP_K,
-                                "heads": [HEADS, KV_HEADS, HEAD_DIM], "vocab": 32768, "dtype": "bfloat16"},
+                                "heads": [HEADS, KV_HEADS, HEAD_DIM], "vocab": 32768,
+                                "dtype": "q4_0" if q4_0 else "bfloat16"}, "checkpoint": checkpoint,
                       "layers": n_layers, "expert_bytes_total": n_layers * per_layer, "physical_ram": physical_ram(),
                       "experts_over_ram": n_layers * per_layer / physical_ram(), "note": note,
                       "budget_gb": budget_gb, "tokens": tokens, "warmup": warmup,
@@ -781,9 +807,10 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                       "torch_threads": threads, "llamacpp_threads": threads, "prefill": list(prefill),
                       "decode": decode, "load_average_start_end": load_avg,
                       "page_cache_dropped_before_each": all(cold)},
-           "disk_used_bytes": {"checkpoint": disk_used, **{f"checkpoint_{f}": b for f, b in quant_used.items()},
+           "disk_used_bytes": {"checkpoint": disk_used if not q4_0 else gguf_bytes, **{f"checkpoint_{f}": b for f, b in quant_used.items()},
                                "accelerate_offload": dir_bytes(off),
-                               "llamacpp_gguf": gguf_bytes, "llamacpp_gguf_kept": bool(gguf_bytes and keep_gguf)},
+                               "llamacpp_gguf": gguf_bytes,
+                               "llamacpp_gguf_kept": bool(gguf_bytes and (keep_gguf or q4_0))},
            "rounds": rounds, "routing": routing,
            "memory_cgroup_bytes": cg.limit_bytes if cg is not None else None,
            "memory_cgroup_note": (f"every system but the :unbounded ones ran inside a {cg.limit_bytes / 2**30:g} GiB "
@@ -859,7 +886,7 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
 
 
 def resident_prefills(lengths, ckpt: Path, expert_bytes_total: int, job: dict, tokens: int, warmup: int,
-                      engine: EngineConfig, out_dir: Path, timeout_s: float) -> dict:
+                      engine: EngineConfig, out_dir: Path, timeout_s: float, fmt: str = "bf16") -> dict:
     """The roofline's compute term: per prompt length, one prefill by expertcache with every expert in memory
     (`run_prefill(resident=True)`, its own process, no cgroup), when a host copy and the slots of every expert fit
     in the memory available now; else `{"skipped": why}` for each length."""
@@ -872,7 +899,7 @@ def resident_prefills(lengths, ckpt: Path, expert_bytes_total: int, job: dict, t
                                f"{avail / 2**30:.1f} GiB are available"} for n in lengths}
     out = {}
     for n in lengths:
-        s = "expertcache:on-demand"
+        s = "expertcache:on-demand" + ("" if fmt == "bf16" else f":{fmt}")  # the experts' first format
         cfg = write_run_config(out_dir / f"resident.prefill{n}.run.yaml", s,
                                dict(job, tokens=tokens, warmup=warmup, prompt_len=n), engine, "resident")
         out[n] = run_process(cfg, out_dir / f"resident-prefill{n}.log", None, timeout_s)

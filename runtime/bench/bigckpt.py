@@ -40,6 +40,16 @@ def physical_ram() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def _bpe(texts: list[str] | None = None, vocab: int = 300):
+    """The byte-level BPE `write_tokenizer` saves (a `tokenizers.Tokenizer`)."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    bpe = ByteLevelBPETokenizer(add_prefix_space=False)
+    bpe.train_from_iterator(texts or ["the expert cache keeps the hot experts close and reads the rest from disk"] * 64,
+                            vocab_size=vocab, min_frequency=2, special_tokens=["<|endoftext|>"], show_progress=False)
+    return bpe._tokenizer
+
+
 def write_tokenizer(out: Path, texts: list[str] | None = None, vocab: int = 300) -> None:
     """A byte-level BPE, so the checkpoint is complete for tools that need a tokenizer. By default a small one (the
     256 byte tokens, a few merges, `<|endoftext|>`; llama.cpp's converter pads the vocabulary to the model's with
@@ -47,13 +57,9 @@ def write_tokenizer(out: Path, texts: list[str] | None = None, vocab: int = 300)
     (see `full_vocab_copy`). Kept when one is there."""
     if (out / "tokenizer.json").is_file():
         return
-    from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
-    bpe = ByteLevelBPETokenizer(add_prefix_space=False)
-    bpe.train_from_iterator(texts or ["the expert cache keeps the hot experts close and reads the rest from disk"] * 64,
-                            vocab_size=vocab, min_frequency=2, special_tokens=["<|endoftext|>"], show_progress=False)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>",
+    tok = PreTrainedTokenizerFast(tokenizer_object=_bpe(texts, vocab), eos_token="<|endoftext|>",
                                   bos_token="<|endoftext|>", unk_token=None, model_max_length=4096)
     from expertcache.telemetry.atomic import atomic_dir
 
@@ -158,4 +164,129 @@ def write_checkpoint(out: str | Path, layers: int, vocab: int = 32768, layers_pe
     write_text(out / "config.json", cfg.to_json_string())
     write_tokenizer(out)
     write_json(out / "model.safetensors.index.json", {"metadata": {}, "weight_map": weight_map})  # the marker: last
+    return out
+
+
+Q4_0_BLOCK = (32, 18)  # llama.cpp's Q4_0: 32 weights in 18 bytes (an fp16 scale, 16 bytes of nibbles)
+
+
+def q4_0_expert_bytes() -> int:
+    """Bytes of one expert's three matrices in Q4_0 (as the GGUF holds them; `import-gguf` keeps the same bytes)."""
+    return 3 * HIDDEN * INTER // Q4_0_BLOCK[0] * Q4_0_BLOCK[1]
+
+
+def write_gguf_q4_0(out: str | Path, layers: int, vocab: int = 32768, progress=None) -> Path:
+    """The checkpoint of `write_checkpoint` (the same random draws, in the same order) written directly as a llama.cpp
+    GGUF with llama.cpp's own Q4_0 rule (gguf's reference quantization) for every matrix but the router, and no bf16
+    copy anywhere: the 48-layer shape's bf16 experts are 58 GB, its Q4_0 file 17 GB. Norms and routers are F32, as
+    llama.cpp's converter writes them; the metadata and the tokenizer (the small byte-level BPE, padded to the
+    vocabulary with unused tokens) as the converter writes them for Qwen3-MoE. Tensors are written one at a time (a
+    layer's experts are never all in memory); the file is complete when it has its name (`atomic_open`'s rule).
+    Reused when it is there with `layers` layers. `expertcache import-gguf` turns it into the int4 checkpoint that
+    expertcache serves, with the same codes and scales."""
+    import gguf
+
+    from expertcache.telemetry.atomic import atomic_open
+
+    out = Path(out)
+    if out.is_file():
+        r = gguf.GGUFReader(str(out))
+        if int(r.fields["qwen3moe.block_count"].contents()) == layers:
+            return out
+    cfg = big_config(layers, vocab)
+    Q = gguf.GGMLQuantizationType
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape, scale=0.02):  # write_checkpoint's draws, in its order
+        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+    def q4(t: torch.Tensor) -> np.ndarray:
+        return gguf.quants.quantize(t.float().numpy(), Q.Q4_0)
+
+    def f32(t: torch.Tensor) -> np.ndarray:
+        return t.float().numpy()
+
+    pool = {n: [rnd(*s) for _ in range(8)] for n, s in (("gate_proj", (INTER, HIDDEN)), ("up_proj", (INTER, HIDDEN)),
+                                                         ("down_proj", (HIDDEN, INTER)))}
+    pool_q = {n: [q4(w) for w in ws] for n, ws in pool.items()}  # each distinct expert matrix quantized once
+    del pool
+    Q_W, KV = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    ones = lambda n: np.ones(n, dtype=np.float32)  # noqa: E731 - the norms' weights, as write_checkpoint's
+    # (name, numpy shape, kind, make): every tensor in write_checkpoint's draw order, made when it is written
+    plan = []
+    for li in range(layers):
+        b = f"blk.{li}"
+        plan += [(f"{b}.attn_norm.weight", [HIDDEN], Q.F32, lambda: ones(HIDDEN)),
+                 (f"{b}.ffn_norm.weight", [HIDDEN], Q.F32, lambda: ones(HIDDEN)),
+                 (f"{b}.attn_q.weight", [Q_W, HIDDEN], Q.Q4_0, lambda: q4(rnd(Q_W, HIDDEN))),
+                 (f"{b}.attn_k.weight", [KV, HIDDEN], Q.Q4_0, lambda: q4(rnd(KV, HIDDEN))),
+                 (f"{b}.attn_v.weight", [KV, HIDDEN], Q.Q4_0, lambda: q4(rnd(KV, HIDDEN))),
+                 (f"{b}.attn_output.weight", [HIDDEN, Q_W], Q.Q4_0, lambda: q4(rnd(HIDDEN, Q_W))),
+                 (f"{b}.attn_q_norm.weight", [HEAD_DIM], Q.F32, lambda: ones(HEAD_DIM)),
+                 (f"{b}.attn_k_norm.weight", [HEAD_DIM], Q.F32, lambda: ones(HEAD_DIM)),
+                 (f"{b}.ffn_gate_inp.weight", [EXPERTS, HIDDEN], Q.F32, lambda: f32(rnd(EXPERTS, HIDDEN)))]
+        for gname, proj, shape in (("ffn_gate_exps", "gate_proj", [EXPERTS, INTER, HIDDEN]),
+                                   ("ffn_up_exps", "up_proj", [EXPERTS, INTER, HIDDEN]),
+                                   ("ffn_down_exps", "down_proj", [EXPERTS, HIDDEN, INTER])):
+            plan.append((f"{b}.{gname}.weight", shape, Q.Q4_0,  # expert e of layer li: write_checkpoint's choice
+                         lambda li=li, proj=proj: np.stack([pool_q[proj][(e + li) % 8] for e in range(EXPERTS)])))
+    plan += [("token_embd.weight", [vocab, HIDDEN], Q.Q4_0, lambda: q4(rnd(vocab, HIDDEN))),
+             ("output_norm.weight", [HIDDEN], Q.F32, lambda: ones(HIDDEN)),
+             ("output.weight", [vocab, HIDDEN], Q.Q4_0, lambda: q4(rnd(vocab, HIDDEN)))]
+
+    tj = json.loads(_bpe().to_str())
+    vocab_of = {**tj["model"]["vocab"], **{t["content"]: t["id"] for t in tj.get("added_tokens", [])}}
+    tokens = [f"[PAD{i}]" for i in range(vocab)]  # the converter pads a small vocabulary the same way
+    types = [gguf.TokenType.UNUSED] * vocab
+    for t, i in vocab_of.items():
+        tokens[i], types[i] = t, gguf.TokenType.NORMAL
+    for t in tj.get("added_tokens", []):
+        types[t["id"]] = gguf.TokenType.CONTROL
+
+    with atomic_open(out) as f:
+        w = gguf.GGUFWriter(None, "qwen3moe")  # the file is handed to it below, so the temporary name is atomic_open's
+        w.add_type("model")
+        w.add_name("qwen3-30b-a3b-shaped")
+        w.add_block_count(layers)
+        w.add_context_length(cfg.max_position_embeddings)
+        w.add_embedding_length(HIDDEN)
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_head_count(HEADS)
+        w.add_head_count_kv(KV_HEADS)
+        w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        w.add_expert_count(EXPERTS)
+        w.add_expert_used_count(TOP_K)
+        w.add_key_length(HEAD_DIM)
+        w.add_value_length(HEAD_DIM)
+        w.add_expert_feed_forward_length(INTER)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt-2")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tj["model"]["merges"]])
+        w.add_bos_token_id(cfg.bos_token_id)
+        w.add_eos_token_id(cfg.eos_token_id)
+        w.add_pad_token_id(cfg.pad_token_id)
+        w.add_add_bos_token(False)
+        w.add_add_eos_token(False)
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+        for name, shape, kind, _ in plan:
+            if kind == Q.Q4_0:
+                nbytes = int(np.prod(shape)) // Q4_0_BLOCK[0] * Q4_0_BLOCK[1]
+                w.add_tensor_info(name, [*shape[:-1], shape[-1] // Q4_0_BLOCK[0] * Q4_0_BLOCK[1]], np.dtype(np.uint8),
+                                  nbytes, raw_dtype=kind)
+            else:
+                w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
+        w.fout = [f]
+        w.state = gguf.gguf_writer.WriterState.EMPTY
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for i, (name, shape, kind, make) in enumerate(plan):
+            w.write_tensor_data(make())
+            if progress and name.endswith("ffn_down_exps.weight"):
+                progress(1)
+        w.fout = None  # atomic_open closes, fsyncs and names the file
     return out
