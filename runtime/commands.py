@@ -225,6 +225,11 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
     if not experts or any(f not in ("bf16", "int8", "int4") for f in experts) or len(set(experts)) < len(experts):
         raise InputError(f"--experts {experts}: expected distinct formats among bf16, int8, int4")
 
+    check_output(out)
+    engine.check()
+    prov = started()  # the code that runs (commit, dirty) and the machine, before it runs
+    commit = (prov["commit"] or "") + ("+dirty" if prov["dirty"] else "")  # `git_commit`'s form, one lookup
+    check_systems(systems, engine, routing)  # known, with valid options and predictors, runnable under --routing
     if checkpoint not in ("bf16", "q4_0"):
         raise InputError(f"--checkpoint {checkpoint!r}: expected bf16 or q4_0")
     if checkpoint == "q4_0":
@@ -235,11 +240,6 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
         if bf16_only:
             raise InputError(f"--checkpoint q4_0: {bf16_only[0]} reads the bf16 checkpoint, which q4_0 does not "
                              f"write; run expertcache and llama.cpp systems")
-    check_output(out)
-    engine.check()
-    prov = started()  # the code that runs (commit, dirty) and the machine, before it runs
-    commit = (prov["commit"] or "") + ("+dirty" if prov["dirty"] else "")  # `git_commit`'s form, one lookup
-    check_systems(systems, engine, routing)  # known, with valid options and predictors, runnable under --routing
     import math
 
     if not (math.isfinite(budget_gb) and budget_gb > 0 and math.isfinite(ram_factor) and ram_factor > 0) \

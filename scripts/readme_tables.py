@@ -303,12 +303,18 @@ def headline_table() -> str:
             ("bench_big.json", "34 GB bf16 Qwen3-30B-A3B-shaped checkpoint, 8 GiB memory, experts from disk",
              "expertcache:on-demand", ("accelerate", "mmap", "mmap:unbounded")),
             ("bench_big_native.json", "the same, with the checkpoint's own routing", "expertcache:prefetch",
-             ("llama.cpp", "llama.cpp:unbounded"))):
+             ("llama.cpp", "llama.cpp:unbounded")),
+            ("bench_big_48l.json", None, "expertcache:on-demand:int4", ("llama.cpp", "llama.cpp:unbounded"))):
         d = _load(name)
+        if d and what is None:  # the full-depth run: its depth and size as it ran
+            i = d["inputs"]
+            what = (f"{i['layers']}-layer Qwen3-30B-A3B shape, int4 against llama.cpp's Q4_0 of the same weights "
+                    f"({i['expert_bytes_total'] / 1e9:.1f} GB of experts), {i['budget_gb']:g} GiB memory, own routing")
         for peer in peers if d else ():
             c = d["comparisons"].get(f"{system} vs {peer}")
             if c:
-                rows.append(f"| {what} | {system.split(':')[1]}, {d['systems'][system]['tpot_median_s']:.3f} s/tok | "
+                rows.append(f"| {what} | {' '.join(system.split(':')[1:])}, "
+                            f"{d['systems'][system]['tpot_median_s']:.3f} s/tok | "
                             f"{peer}, {d['systems'][peer]['tpot_median_s']:.3f} s/tok | {c['ratio']:.2f} | "
                             f"{'yes' if c['claimed'] else 'no: rounds overlap'} | results/{name} |")
     sl = _load("serve_load.json")
@@ -376,6 +382,13 @@ def tables() -> dict[str, str]:
             how = (f"expertcache {'bench big' if 'big' in name else 'bench decode'} --config {cfg}; "
                    if (ROOT / cfg).is_file() else "") + f"git {_git(d)}"
             out[name] = _block(f"{name}.json", how, fn(d).rstrip())
+    if (d := _load("bench_big_48l.json")) and d.get("systems"):  # the full-depth int4 run: decode, then its prefill
+        cfg = "results/bench_big_48l.config.yaml"
+        how = (f"expertcache bench big --config {cfg}; " if (ROOT / cfg).is_file() else "") + f"git {_git(d)}"
+        if d["inputs"].get("decode", True):
+            out["bench_big_48l"] = _block("bench_big_48l.json", how, bigbench.table(d).rstrip())
+        if d["inputs"].get("prefill"):
+            out["bench_big_48l_prefill"] = _block("bench_big_48l.json", how, bigprefill.table(d).rstrip())
     # the post-training frontier and the first losses re-gated the same way (lists of rows)
     for name, recipe in (("frontier", "frontier-grown"), ("frontier_small_samples", "frontier"),
                          ("frontier_earlier", "frontier-earlier")):

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -501,3 +502,85 @@ def test_a_checkpoint_path_with_a_tilde_is_read_from_home(tmp_path, monkeypatch)
     assert load_config("~/models/m").model_type
     with pytest.raises(InputError, match="no such folder"):
         load_config("~/models/none")
+
+
+TINY_SHAPE = dict(HIDDEN=128, INTER=128, EXPERTS=8, TOP_K=2, HEADS=4, KV_HEADS=2, HEAD_DIM=32)
+
+
+def test_the_q4_0_gguf_is_write_checkpoints_draws_and_imports_with_the_same_codes(tmp_path, monkeypatch):
+    """#47 item 5: bench big's 48-layer checkpoint exists only as a Q4_0 GGUF (its bf16 experts would be 58 GB). On a
+    tiny shape: the GGUF holds `write_checkpoint`'s routers exactly and its experts within Q4_0's error; `import-gguf`
+    gives expertcache the file's own codes and scales (its dequantized experts equal gguf's dequantization of the
+    file's bytes); the model decodes; a second call reuses the file; nothing half-written is left beside it."""
+    import gguf
+    from gguf import quants
+
+    from expertcache.runtime.bench import bigckpt
+    from expertcache.runtime.kernels.gguf_import import import_gguf
+    from expertcache.runtime.storage.loader import load
+    from expertcache.telemetry.adapters import adapter_for
+
+    for k, v in TINY_SHAPE.items():
+        monkeypatch.setattr(bigckpt, k, v)
+    f = bigckpt.write_gguf_q4_0(tmp_path / "m.gguf", 2, vocab=512)
+    assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
+    mtime = f.stat().st_mtime_ns
+    assert bigckpt.write_gguf_q4_0(f, 2, vocab=512).stat().st_mtime_ns == mtime  # reused
+    other = tmp_path / "other.gguf"  # another depth, a damaged file and a dead run's temporary: written again
+    bigckpt.write_gguf_q4_0(other, 3, vocab=512)
+    (tmp_path / ".other.gguf.tmp-999999999").write_bytes(b"half")
+    bigckpt.write_gguf_q4_0(other, 2, vocab=512)
+    assert int(gguf.GGUFReader(str(other)).fields["qwen3moe.block_count"].contents()) == 2
+    other.write_bytes(other.read_bytes()[:4096])
+    bigckpt.write_gguf_q4_0(other, 2, vocab=512)
+    assert other.stat().st_size == f.stat().st_size
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "other.gguf"]
+    other.unlink()
+    ref = bigckpt.write_checkpoint(tmp_path / "bf16", 2, vocab=512)
+    r = gguf.GGUFReader(str(f))
+    t = {x.name: x for x in r.tensors}
+    assert t["blk.1.ffn_gate_exps.weight"].tensor_type == gguf.GGMLQuantizationType.Q4_0
+    from safetensors import safe_open
+
+    with safe_open(str(next(ref.glob("model-00001-*.safetensors"))), "pt") as s:
+        router = s.get_tensor("model.layers.1.mlp.gate.weight").float()
+        expert = s.get_tensor("model.layers.1.mlp.experts.5.up_proj.weight").float()
+    assert torch.equal(torch.from_numpy(np.array(t["blk.1.ffn_gate_inp.weight"].data)).reshape(router.shape), router)
+    up = torch.from_numpy(quants.dequantize(t["blk.1.ffn_up_exps.weight"].data, gguf.GGMLQuantizationType.Q4_0))
+    up = up.reshape(8, 128, 128)
+    err = float((up[5] - expert).norm() / expert.norm())
+    assert 0.02 < err < 0.2, err  # quantized (not the bf16 values), within 4 bits' error
+    out = tmp_path / "int4"
+    import_gguf(f, out)
+    m = load(out)
+    layer = adapter_for(m).moe_layers(m)[1]
+    assert torch.equal(layer.router.weight.float(), router)
+    from expertcache.runtime.kernels import quant
+
+    from expertcache.runtime.storage.tiers import SlotPool
+
+    eng = m.expertcache  # expert 5 of layer 1 read through the engine's own tier into a slot of its own
+    slots = SlotPool(eng.meta, 1)
+    eng.tier.read(1, 5, slots, 0)
+    views = {n: v[0] for n, v in slots.views.items()}
+    gate_up = quant.dequantize({"q": views["gate_up_proj.q"], "scales": views["gate_up_proj.scales"]}, 4, 32)
+    assert torch.equal(gate_up[128:], up[5])  # the file's own codes and scales, repacked without rounding
+    with torch.no_grad():
+        ids = m.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False, pad_token_id=1)
+    assert ids.shape == (1, 6)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--checkpoint", "fp8"], "--checkpoint 'fp8': expected bf16 or q4_0"),
+    (["--checkpoint", "q4_0", "--quant_linears", "true"], "give --experts [int4] --quant_linears true"),
+    (["--checkpoint", "q4_0", "--experts", "[int4]"], "give --experts [int4] --quant_linears true"),
+    (["--checkpoint", "q4_0", "--experts", "[int4]", "--quant_linears", "true", "--systems",
+      "[expertcache:on-demand,mmap]"], "--checkpoint q4_0: mmap reads the bf16 checkpoint"),
+])
+def test_bench_big_refuses_a_q4_0_checkpoint_it_cannot_serve_before_writing_anything(tmp_path, capsys, argv, needle):
+    from expertcache.recipes.cli import main
+
+    assert main(["bench", "big", "--out_dir", str(tmp_path / "d"), "--out", str(tmp_path / "b.json"), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    assert not (tmp_path / "d").exists()

@@ -411,7 +411,9 @@ def run_prefill(system: str, ckpt: str | Path, trace: str | Path, budget_gb: flo
     ttft, read, st, touched, first = once()
     res = {"system": system, "prompt_tokens": prompt_len, "tokens_per_s": prompt_len / ttft, "ttft_s": ttft,
            "disk_read_bytes": read, "load_s": load_s, "experts_touched": touched, "first_token": first,
-           "expert_bytes": 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * 2,  # bf16 gate, up, down
+           # an expert's bytes as read: the engine's store (int8/int4 packed), else bf16 gate, up, down
+           "expert_bytes": eng.meta.expert_bytes if eng is not None
+           else 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * 2,
            "peak_rss_bytes": peak_rss_bytes(), "resident": resident}
     if eng is not None:
         res.update({"engine_bytes_moved": st.bytes_moved, "stall_s": st.stall_s, "expert_compute_s": st.compute_s,
@@ -472,9 +474,10 @@ def load_run_config(path: str | Path) -> dict:
 def prepare_llamacpp(systems, routing: str, ckpt: Path, out_dir: Path, llamacpp_dir=None, build: bool = True,
                      given: Path | None = None):
     """For the llama.cpp systems asked for: `(bin dir, GGUF, {})` once llama.cpp is built and the checkpoint
-    converted (both reused; `given`: a GGUF written already, used as it is), or `(None, None, {system: why})` when they cannot run (trace routing, or a step that
-    failed: its one line). `build` False: a llama.cpp not built already is not downloaded nor built (10-30 minutes
-    of every core): its systems are skipped, saying so."""
+    converted (both reused; `given`: a GGUF written already, used as it is), or `(None, None, {system: why})` when
+    they cannot run (trace routing, or a step that failed: its one line). `build` False: a llama.cpp not built
+    already is not downloaded nor built (10-30 minutes of every core): its systems are skipped, saying so.
+    """
     want = [s for s in systems if system_entry(s).native_only]
     if not want:
         return None, None, {}
@@ -491,7 +494,7 @@ def prepare_llamacpp(systems, routing: str, ckpt: Path, out_dir: Path, llamacpp_
         src = llamacpp.source_dir(cache)
         bins = llamacpp.build(src)
         if given is not None:
-            return bins, given, {}
+            return bins, given, {}  # (q4_0: the checkpoint, written as a GGUF)
         need, free = have_ckpt(ckpt), free_disk(out_dir)  # a BF16 GGUF is about the checkpoint's size
         if not llamacpp.gguf_path(ckpt, "bf16", out_dir).exists() and free < need + (1 << 30):
             raise llamacpp.LlamaCppError("convert", f"the GGUF needs about {need / 1e9:.1f} GB of disk and "
@@ -680,10 +683,11 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                          "use --experts [int4] --quant_linears true")
     per_layer = EXPERTS * (q4_0_expert_bytes() if q4_0 else expert_bytes())
     want = layers or int(np.ceil(ram_factor * physical_ram() / per_layer))
-    ckpt = out_dir / "qwen3-30b-a3b-shaped"
-    given_gguf = out_dir / f"{ckpt.name}-q4_0.gguf" if q4_0 else None
-    have = (dir_bytes(quantized_path(ckpt, "int4", True)) + (given_gguf.stat().st_size if given_gguf.is_file()
-                                                               else 0)) if q4_0 else have_ckpt(ckpt)
+    # q4_0's own names: its int4 copy is the GGUF's import, never the bf16 checkpoint's `quantize` copy
+    ckpt = out_dir / ("qwen3-30b-a3b-shaped-q4_0" if q4_0 else "qwen3-30b-a3b-shaped")
+    given_gguf = out_dir / f"{ckpt.name}.gguf" if q4_0 else None
+    have = (dir_bytes(quantized_path(ckpt, "int4", True))
+            + (given_gguf.stat().st_size if given_gguf.is_file() else 0)) if q4_0 else have_ckpt(ckpt)
     # the bf16 checkpoint's experts, or the GGUF's and their imported copy's; 4 GiB kept free
     fits = int((free_disk(out_dir) + have - (4 << 30)) // (per_layer * (2 if q4_0 else 1)))
     n_layers = min(want, fits, 48)
@@ -695,7 +699,7 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
         q = quantized_path(ckpt, "int4", True)
         have_layers = json.loads((q / "config.json").read_text())["num_hidden_layers"] \
             if (q / "config.json").is_file() else None
-        if have_layers != n_layers:
+        if have_layers != n_layers or q.stat().st_mtime < given_gguf.stat().st_mtime:  # (re)written since
             from expertcache.runtime.kernels.gguf_import import import_gguf
 
             import_gguf(given_gguf, q, overwrite=True)
@@ -807,9 +811,10 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                       "torch_threads": threads, "llamacpp_threads": threads, "prefill": list(prefill),
                       "decode": decode, "load_average_start_end": load_avg,
                       "page_cache_dropped_before_each": all(cold)},
-           "disk_used_bytes": {"checkpoint": disk_used if not q4_0 else gguf_bytes, **{f"checkpoint_{f}": b for f, b in quant_used.items()},
+           "disk_used_bytes": {"checkpoint": given_gguf.stat().st_size if q4_0 else disk_used,
+                               **{f"checkpoint_{f}": b for f, b in quant_used.items()},
                                "accelerate_offload": dir_bytes(off),
-                               "llamacpp_gguf": gguf_bytes,
+                               "llamacpp_gguf": 0 if q4_0 else gguf_bytes,  # q4_0: the checkpoint itself
                                "llamacpp_gguf_kept": bool(gguf_bytes and (keep_gguf or q4_0))},
            "rounds": rounds, "routing": routing,
            "memory_cgroup_bytes": cg.limit_bytes if cg is not None else None,
@@ -1012,7 +1017,7 @@ def plot(res: dict, png: str | Path) -> None:
     ax[1].legend(loc="lower right")
     i = res["inputs"]
     fig.suptitle(f"{i['layers']} layers x 128 experts ({i['expert_bytes_total'] / 2**30:.1f} GiB of experts, "
-                 f"{i['experts_over_ram']:.2f}x RAM), bf16, "
+                 f"{i['experts_over_ram']:.2f}x RAM), {i['shape'].get('dtype', 'bfloat16')}, "
                  + ("reference Qwen3-30B-A3B routing" if res.get("routing", "trace") == "trace" else "native routing"))
     fig.tight_layout()
     from expertcache.telemetry.atomic import write_figure

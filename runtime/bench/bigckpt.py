@@ -167,6 +167,7 @@ def write_checkpoint(out: str | Path, layers: int, vocab: int = 32768, layers_pe
     return out
 
 
+GGUF_NAME = "expertcache bench big, Qwen3-30B-A3B-shaped"  # general.name of `write_gguf_q4_0`'s files
 Q4_0_BLOCK = (32, 18)  # llama.cpp's Q4_0: 32 weights in 18 bytes (an fp16 scale, 16 bytes of nibbles)
 
 
@@ -186,13 +187,26 @@ def write_gguf_q4_0(out: str | Path, layers: int, vocab: int = 32768, progress=N
     expertcache serves, with the same codes and scales."""
     import gguf
 
-    from expertcache.telemetry.atomic import atomic_open
+    from expertcache.telemetry.atomic import _alive, atomic_open
 
     out = Path(out)
+    want = {"general.name": GGUF_NAME, "qwen3moe.block_count": layers, "qwen3moe.expert_count": EXPERTS,
+            "qwen3moe.embedding_length": HIDDEN, "qwen3moe.expert_feed_forward_length": INTER}
     if out.is_file():
-        r = gguf.GGUFReader(str(out))
-        if int(r.fields["qwen3moe.block_count"].contents()) == layers:
+        try:  # this writer's file at this shape: reused; anything else (another shape, a foreign file): replaced
+            r = gguf.GGUFReader(str(out))
+            same = all(k in r.fields and r.fields[k].contents() == v for k, v in want.items()) \
+                and len(r.fields["tokenizer.ggml.tokens"].contents()) == vocab
+            del r
+        except Exception:  # noqa: BLE001 - a file gguf cannot read is one to write again
+            same = False
+        if same:
             return out
+        out.unlink()  # before the new one is written: the disk need not hold both
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):  # a run killed while writing (atomic_open's temporaries)
+        pid = stale.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            stale.unlink()
     cfg = big_config(layers, vocab)
     Q = gguf.GGMLQuantizationType
     g = torch.Generator().manual_seed(0)
@@ -246,7 +260,7 @@ def write_gguf_q4_0(out: str | Path, layers: int, vocab: int = 32768, progress=N
     with atomic_open(out) as f:
         w = gguf.GGUFWriter(None, "qwen3moe")  # the file is handed to it below, so the temporary name is atomic_open's
         w.add_type("model")
-        w.add_name("qwen3-30b-a3b-shaped")
+        w.add_name(GGUF_NAME)
         w.add_block_count(layers)
         w.add_context_length(cfg.max_position_embeddings)
         w.add_embedding_length(HIDDEN)
