@@ -172,7 +172,8 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
         prompt_len: prompt tokens
         rounds: alternated runs per system (a ratio is claimed only where the round medians do not overlap)
         systems: which systems run: expertcache:on-demand, expertcache:prefetch, accelerate, mmap (in the
-            cgroup), mmap:unbounded, llama.cpp (in the cgroup), llama.cpp:unbounded (llama.cpp only with
+            cgroup), mmap:unbounded, llama.cpp (in the cgroup), llama.cpp:no-repack (in the cgroup, its weights
+            left in the mapped file: `--repack 0`), llama.cpp:unbounded (llama.cpp only with
             --routing native: it is built from the PyPI sdist's source and the checkpoint converted to a BF16
             GGUF the first time, which takes tens of minutes and as much disk as the checkpoint; accelerate writes
             a converted copy of what the budget leaves out, deleted when done. Either is skipped, with the reason

@@ -504,6 +504,13 @@ def prepare_llamacpp(systems, routing: str, ckpt: Path, out_dir: Path, llamacpp_
         return None, None, {s: str(e) for s in want}
 
 
+def llamacpp_options(system: str) -> tuple[str, ...]:
+    """llama-bench's options for a llama.cpp system: `llama.cpp:no-repack` keeps the weights in the mapped file
+    (`--repack 0`). By default llama.cpp repacks Q4_0/Q8_0 weights into interleaved rows in anonymous memory at load:
+    the whole model resident, which a memory cgroup smaller than the model cannot hold."""
+    return ("--repack", "0") if system.endswith(":no-repack") else ()
+
+
 def run_llamacpp(system: str, bins: Path, gguf: Path, tokens: int, warmup: int, prompt_len: int, threads: int,
                  preexec=None, timeout_s: float = 3600, log: Path | None = None) -> dict:
     """One round of llama.cpp (`llama-bench`, its own process, in the cgroup when `preexec` joins it): `prompt_len`
@@ -513,7 +520,7 @@ def run_llamacpp(system: str, bins: Path, gguf: Path, tokens: int, warmup: int, 
     included, and `disk_read_includes_load` says so)."""
     from expertcache.runtime.bench.llamacpp import bench
 
-    r = bench(bins, gguf, threads, tokens, warmup, prompt_len, 1, preexec, timeout_s, log)
+    r = bench(bins, gguf, threads, tokens, warmup, prompt_len, 1, preexec, timeout_s, log, llamacpp_options(system))
     if r["read_bytes_timed"] is not None:  # from the end of the warm-up test: the timed test (its context and
         per_tok, with_load = r["read_bytes_timed"] / (tokens + 1), False  # one-token warm-up included)
     else:
@@ -535,7 +542,7 @@ def run_llamacpp_prefill(system: str, bins: Path, gguf: Path, prompt_len: int, t
     bytes read are the whole process's (loading included, `disk_read_includes_load`)."""
     from expertcache.runtime.bench.llamacpp import bench_prompt
 
-    r = bench_prompt(bins, gguf, threads, prompt_len, preexec, timeout_s, log)
+    r = bench_prompt(bins, gguf, threads, prompt_len, preexec, timeout_s, log, llamacpp_options(system))
     return {"system": system, "prompt_tokens": prompt_len, "tokens_per_s": r["tokens_per_s"],
             "ttft_s": float(np.median(r["prompt_s"])), "disk_read_bytes": r["read_bytes"],
             "disk_read_includes_load": True, "peak_rss_bytes": r["peak_rss_bytes"], "llamacpp_build": r["build"],
@@ -572,10 +579,12 @@ SYSTEM_REGISTRY.register("accelerate", System(("accelerate",), run_one, run_pref
 SYSTEM_REGISTRY.register("mmap", System(("mmap", "mmap:unbounded"), run_one, run_prefill), takes_arg="unbounded",
                          default="",
                          convert=_variant(("", "unbounded")), arg_help="mmap or mmap:unbounded")
-SYSTEM_REGISTRY.register("llama.cpp", System(("llama.cpp", "llama.cpp:unbounded"), run_llamacpp, run_llamacpp_prefill,
-                                             own_process=False,
-                                             native_only=True), takes_arg="unbounded", default="",
-                         convert=_variant(("", "unbounded")), arg_help="llama.cpp or llama.cpp:unbounded")
+SYSTEM_REGISTRY.register("llama.cpp", System(("llama.cpp", "llama.cpp:unbounded", "llama.cpp:no-repack"), run_llamacpp,
+                                             run_llamacpp_prefill, own_process=False,
+                                             native_only=True), takes_arg="variant", default="",
+                         convert=_variant(("", "unbounded", "no-repack")),
+                         arg_help="llama.cpp, llama.cpp:unbounded, or llama.cpp:no-repack (in the cgroup, weights kept "
+                                  "in the mapped file: --repack 0)")
 SYSTEMS = tuple(v for e in SYSTEM_REGISTRY.entries() for v in e.obj.variants)  # every full name, from the registry
 
 

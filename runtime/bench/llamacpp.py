@@ -208,14 +208,14 @@ def prompt_row(lines: list[str], n_prompt: int) -> dict:
 
 
 def bench_prompt(bins: Path, model: Path, threads: int, n_prompt: int, preexec=None, timeout_s: float = 3600,
-                 log: Path | None = None) -> dict:
+                 log: Path | None = None, extra: tuple[str, ...] = ()) -> dict:
     """One `llama-bench -p N -n 0 -r 1` process (mmap): its prompt tokens/s and seconds (`prompt_row`), the bytes
     the child read from storage in all (loading included: llama-bench prints nothing before its test ends), its
     peak RSS and the command."""
     from expertcache.telemetry.memory import child_peak_rss_bytes
 
     cmd = [str(bins / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", str(n_prompt), "-n", "0",
-           "-r", "1", "-o", "jsonl"]
+           "-r", "1", "-o", "jsonl", *extra]
     lines, _, ru, wall = _llama_bench(cmd, preexec, timeout_s, log)
     return {**prompt_row(lines, n_prompt), "read_bytes": ru.ru_inblock * 512, "wall_s": wall,
             "peak_rss_bytes": child_peak_rss_bytes(ru), "cmd": " ".join(cmd)}
@@ -230,8 +230,8 @@ def built(cache: Path | None = None) -> Path | None:
 
 
 def bench(bins: Path, model: Path, threads: int, tokens: int, warmup: int = 0, depth: int = 0, reps: int = 1,
-          preexec=None, timeout_s: float = 3600, log: Path | None = None) -> dict:
-    """One `llama-bench` process (mmap, its default): `-d depth` tokens of context, then `warmup` decoded tokens
+          preexec=None, timeout_s: float = 3600, log: Path | None = None, extra: tuple[str, ...] = ()) -> dict:
+    """One `llama-bench` process (mmap, its default; `extra`: more of its options, e.g. `--repack 0`): `-d depth` tokens of context, then `warmup` decoded tokens
     as one untimed test (when > 0) and `tokens` decoded tokens `reps` times, timed by llama-bench (which also runs
     its own one-token warm-up before each test). `preexec`: run in the child before exec (joining a memory cgroup).
     `log`: where llama-bench's own messages go (kept for a failed run's diagnosis).
@@ -245,7 +245,7 @@ def bench(bins: Path, model: Path, threads: int, tokens: int, warmup: int = 0, d
 
     gens = f"{warmup},{tokens}" if warmup > 0 else str(tokens)
     cmd = [str(bins / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", "0", "-n", gens, "-d",
-           str(depth), "-r", str(reps), "-o", "jsonl"]
+           str(depth), "-r", str(reps), "-o", "jsonl", *extra]
     lines, marks, ru, wall = _llama_bench(cmd, preexec, timeout_s, log)
     try:
         rows = [json.loads(x) for x in lines]
