@@ -284,7 +284,10 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
                   llamacpp_dir=llamacpp_dir, quant_linears=quant_linears, prefill=tuple(prefill), decode=decode,
                   llamacpp_build=llamacpp_build, checkpoint=checkpoint)
     res["git_commit"] = commit
-    failed = {sys_: r["errors"] for sys_, r in res["systems"].items() if r.get("errors")}
+    failed = {sys_: r.get("errors", []) + [f"prefill {p['prompt_tokens']}: {e}" for p in r.get("prefill", [])
+                                           for e in p.get("errors", [])]
+              for sys_, r in res["systems"].items()}  # a decode round or a prefill that failed, each
+    failed = {k: v for k, v in failed.items() if v}
     # a system asked for that failed or was skipped makes the run exit 1 (its reason stays in the JSON)
     res["ok"] = not failed and not res.get("skipped")
     if out:

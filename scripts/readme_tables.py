@@ -304,7 +304,8 @@ def headline_table() -> str:
              "expertcache:on-demand", ("accelerate", "mmap", "mmap:unbounded")),
             ("bench_big_native.json", "the same, with the checkpoint's own routing", "expertcache:prefetch",
              ("llama.cpp", "llama.cpp:unbounded")),
-            ("bench_big_48l.json", None, "expertcache:on-demand:int4", ("llama.cpp", "llama.cpp:unbounded"))):
+            ("bench_big_48l.json", None, "expertcache:on-demand:int4",
+             ("llama.cpp:no-repack", "llama.cpp:unbounded"))):
         d = _load(name)
         if d and what is None:  # the full-depth run: its depth and size as it ran
             i = d["inputs"]

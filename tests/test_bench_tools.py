@@ -93,6 +93,19 @@ def test_bench_big_exits_1_when_a_system_it_ran_failed(tmp_path, monkeypatch, ca
     assert written["command"] == f"expertcache bench big --out_dir .../d --out .../{out.name}"
 
 
+def test_bench_big_exits_1_when_a_prefill_it_ran_failed(tmp_path, monkeypatch, capsys):
+    """#47: a prefill killed in the cgroup is a failure too, even when every decode round ran (the 48-layer run's
+    2,048-token prefills were killed and its JSON said ok)."""
+    from expertcache.recipes.cli import main
+
+    row = {**_MMAP_ROW, "prefill": [{"prompt_tokens": 2048, "runs": 1, "errors": ["exit -9 (killed)"]}]}
+    _bench_big_returns(monkeypatch, {"inputs": {}, "systems": {"mmap": row}})
+    out = tmp_path / "b.json"
+    assert main(["bench", "big", "--systems", "[mmap]", "--out_dir", str(tmp_path / "d"), "--out", str(out)]) == 1
+    assert "1 system(s) failed: mmap: prefill 2048: exit -9 (killed)" in capsys.readouterr().err
+    assert json.loads(out.read_text())["ok"] is False
+
+
 def test_bench_big_says_which_systems_it_skipped_and_exits_1(tmp_path, monkeypatch, capsys):
     """A skipped system (llama.cpp whose build failed) is not a success either: one stderr line each, exit 1, the
     reason in the JSON."""
