@@ -323,3 +323,13 @@ def test_check_results_recovers_a_scripts_config_a_frontiers_rows_and_portable_p
     assert cr.machine_paths("a store on /tmp (tmpfs)") == 0
     mixed = [{"name": "control", "config": {"own": True}}, {"name": "v1", "commit": "0000000"}]
     assert cr.recover_rows(mixed, res / "fr.json") and mixed[0]["config"] == {"own": True} and "config" not in mixed[1]
+
+
+def test_a_table_says_why_a_ratio_is_not_claimed():
+    """Too few rounds and overlapping rounds are different reasons; a table printed the second for both (the
+    48-layer run's 2,048-token prefill had one expertcache round)."""
+    from expertcache.runtime.bench.harness import claim_text, compare
+
+    assert claim_text(compare([1.0, 1.1, 1.2], [2.0, 2.1, 2.2])) == "yes"
+    assert claim_text(compare([1.0, 2.1, 1.2], [2.0, 1.1, 2.2])) == "no: the rounds overlap"
+    assert claim_text(compare([1.0], [2.0, 2.1, 2.2])) == "no: 1 round on one side, 3 needed"

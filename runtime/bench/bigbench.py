@@ -41,7 +41,7 @@ from expertcache.telemetry.errors import InputError
 from expertcache.telemetry.memory import peak_rss_bytes, rss_bytes
 from expertcache.telemetry.registry import Registry
 
-from expertcache.runtime.bench.harness import alternate, compare
+from expertcache.runtime.bench.harness import alternate, claim_text, compare
 from expertcache.runtime.bench.runner import read_config, run_child, write_config
 
 from expertcache.runtime.bench.bigckpt import ALIGN, EXPERTS, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, TOP_K, expert_bytes, physical_ram, \
@@ -999,7 +999,7 @@ def table(res: dict) -> str:
             return f"{r['prefetch_loads_per_token']:.2f} ({r['prefetch_hits_per_token']:.2f})"
 
         rows += ["", "| comparison | TPOT ratio | claimed (rounds apart) | prefetched/tok (used) |", "|---|---|---|---|"]
-        rows += [f"| {k} | {v['ratio']:.2f} | {'yes' if v['claimed'] else 'no: the rounds overlap'} | "
+        rows += [f"| {k} | {v['ratio']:.2f} | {claim_text(v)} | "
                  f"{pre(res['systems'].get(k.split(' vs ')[0], {}))} |" for k, v in comp.items()]
     return "\n".join(rows)
 

@@ -74,3 +74,14 @@ def tpot_figures(tpot: dict[str, Sequence[float]]) -> dict:
     """Each arm's time per output token over all its timed tokens: `tpot_median_s` and `tpot_p90_s`, by arm."""
     return {"tpot_median_s": {k: float(np.median(v)) for k, v in tpot.items()},
             "tpot_p90_s": {k: float(np.percentile(v, 90)) for k, v in tpot.items()}}
+
+
+def claim_text(c: dict) -> str:
+    """A `compare` result's claim as a table says it: yes, or why not (too few rounds on a side, or the rounds
+    overlap)."""
+    if c["claimed"]:
+        return "yes"
+    n = c.get("rounds")
+    if n and min(n) < MIN_ROUNDS:
+        return f"no: {min(n)} round{'s' if min(n) != 1 else ''} on one side, {MIN_ROUNDS} needed"
+    return "no: the rounds overlap"
