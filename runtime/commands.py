@@ -217,7 +217,8 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
     config = dict(locals())  # the resolved configuration, recorded in the result
     from expertcache.telemetry.progress import Progress
 
-    from expertcache.runtime.bench.bigbench import ROUTINGS, bench_big as run, check_systems, plot, table
+    from expertcache.runtime.bench.bigbench import ROUTINGS, bench_big as run, check_checkpoint, check_systems, \
+        plot, table
     from expertcache.runtime.bench.results import started, write_result
 
     if routing not in ROUTINGS:
@@ -231,16 +232,7 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
     prov = started()  # the code that runs (commit, dirty) and the machine, before it runs
     commit = (prov["commit"] or "") + ("+dirty" if prov["dirty"] else "")  # `git_commit`'s form, one lookup
     check_systems(systems, engine, routing)  # known, with valid options and predictors, runnable under --routing
-    if checkpoint not in ("bf16", "q4_0"):
-        raise InputError(f"--checkpoint {checkpoint!r}: expected bf16 or q4_0")
-    if checkpoint == "q4_0":
-        if list(experts) != ["int4"] or not quant_linears:
-            raise InputError("--checkpoint q4_0 is served as int4 with packed linears (the GGUF imported as it "
-                             "is): give --experts [int4] --quant_linears true")
-        bf16_only = [x for x in systems if not x.startswith(("expertcache", "llama.cpp"))]
-        if bf16_only:
-            raise InputError(f"--checkpoint q4_0: {bf16_only[0]} reads the bf16 checkpoint, which q4_0 does not "
-                             f"write; run expertcache and llama.cpp systems")
+    check_checkpoint(checkpoint, experts, quant_linears, systems)  # before the checkpoint is written
     import math
 
     if not (math.isfinite(budget_gb) and budget_gb > 0 and math.isfinite(ram_factor) and ram_factor > 0) \

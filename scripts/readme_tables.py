@@ -18,6 +18,7 @@ from expertcache.runtime.bench import bench
 from expertcache.runtime.bench import bigbench
 from expertcache.runtime.bench import bigprefill
 from expertcache.runtime.bench import replay
+from expertcache.runtime.bench.harness import claim_text
 from expertcache.trainer.cache_aware import frontier_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -317,7 +318,7 @@ def headline_table() -> str:
                 rows.append(f"| {what} | {' '.join(system.split(':')[1:])}, "
                             f"{d['systems'][system]['tpot_median_s']:.3f} s/tok | "
                             f"{peer}, {d['systems'][peer]['tpot_median_s']:.3f} s/tok | {c['ratio']:.2f} | "
-                            f"{'yes' if c['claimed'] else 'no: rounds overlap'} | results/{name} |")
+                            f"{claim_text(c)} | results/{name} |")
     sl = _load("serve_load.json")
     if sl and sl.get("versus_vllm"):
         ours = {r["clients"]: r for r in sl["systems"]["all_resident"]["rounds"]}
@@ -375,21 +376,19 @@ def tables() -> dict[str, str]:
     if (d := _load("bench_cachesim.json")):
         out["bench_cachesim"] = _block("bench_cachesim.json",
                                        f"python scripts/bench_cachesim.py; git {_git(d, 'commit')}", cachesim_table(d))
-    for name, fn in (("bench_big", bigbench.table), ("bench_big_native", bigbench.table),
-                     ("bench_decode_0.87gb", bench.table),
-                     ("replay_bf16", replay.table), ("bench_big_prefill", bigprefill.table)):
-        if (d := _load(f"{name}.json")):
-            cfg = f"results/{name}.config.yaml"
+    # (table, its results file, the function that draws it): the 48-layer run's file holds a decode and a prefill
+    for name, src, fn in (("bench_big", "bench_big", bigbench.table), ("bench_big_native", "bench_big_native",
+                                                                          bigbench.table),
+                          ("bench_decode_0.87gb", "bench_decode_0.87gb", bench.table),
+                          ("replay_bf16", "replay_bf16", replay.table),
+                          ("bench_big_prefill", "bench_big_prefill", bigprefill.table),
+                          ("bench_big_48l", "bench_big_48l", bigbench.table),
+                          ("bench_big_48l_prefill", "bench_big_48l", bigprefill.table)):
+        if (d := _load(f"{src}.json")):
+            cfg = f"results/{src}.config.yaml"
             how = (f"expertcache {'bench big' if 'big' in name else 'bench decode'} --config {cfg}; "
                    if (ROOT / cfg).is_file() else "") + f"git {_git(d)}"
-            out[name] = _block(f"{name}.json", how, fn(d).rstrip())
-    if (d := _load("bench_big_48l.json")) and d.get("systems"):  # the full-depth int4 run: decode, then its prefill
-        cfg = "results/bench_big_48l.config.yaml"
-        how = (f"expertcache bench big --config {cfg}; " if (ROOT / cfg).is_file() else "") + f"git {_git(d)}"
-        if d["inputs"].get("decode", True):
-            out["bench_big_48l"] = _block("bench_big_48l.json", how, bigbench.table(d).rstrip())
-        if d["inputs"].get("prefill"):
-            out["bench_big_48l_prefill"] = _block("bench_big_48l.json", how, bigprefill.table(d).rstrip())
+            out[name] = _block(f"{src}.json", how, fn(d).rstrip())
     # the post-training frontier and the first losses re-gated the same way (lists of rows)
     for name, recipe in (("frontier", "frontier-grown"), ("frontier_small_samples", "frontier"),
                          ("frontier_earlier", "frontier-earlier")):

@@ -161,6 +161,25 @@ def check_system(name: str, engine: EngineConfig, routing: str) -> None:
     check_predictor_spec(spec)
 
 
+CHECKPOINTS = ("bf16", "q4_0")  # --checkpoint: what bench big writes (see `bench_big`)
+
+
+def check_checkpoint(checkpoint: str, experts, quant_linears: bool, systems) -> None:
+    """bench big's --checkpoint with the formats and systems it can serve, before anything is written: q4_0 (no
+    bf16 copy) is served as int4 with packed linears, by expertcache and llama.cpp only."""
+    if checkpoint not in CHECKPOINTS:
+        raise InputError(f"--checkpoint {checkpoint!r}: expected {' or '.join(CHECKPOINTS)}")
+    if checkpoint != "q4_0":
+        return
+    if list(experts) != ["int4"] or not quant_linears:
+        raise InputError("--checkpoint q4_0 is served as int4 with packed linears (the GGUF imported as it is): "
+                         "give --experts [int4] --quant_linears true")
+    bf16_only = [x for x in systems if not x.startswith(("expertcache", "llama.cpp"))]
+    if bf16_only:
+        raise InputError(f"--checkpoint q4_0: {bf16_only[0]} reads the bf16 checkpoint, which q4_0 does not write; "
+                         f"run expertcache and llama.cpp systems")
+
+
 def check_systems(systems, engine: EngineConfig, routing: str) -> None:
     """bench big's --systems, before the checkpoint is written: at least one, each known with its options
     (`check_system`), none twice, none that cannot run under `routing` (llama.cpp takes no forced routing), and
@@ -686,10 +705,7 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
     trace = trace or REFERENCE_TRACE
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    q4_0 = checkpoint == "q4_0"
-    if q4_0 and (tuple(experts) != ("int4",) or not quant_linears):
-        raise InputError("checkpoint q4_0 is served as int4 with packed linears (the GGUF imported as it is): "
-                         "use --experts [int4] --quant_linears true")
+    q4_0 = checkpoint == "q4_0"  # (checked by `check_checkpoint` before anything is written)
     per_layer = EXPERTS * (q4_0_expert_bytes() if q4_0 else expert_bytes())
     want = layers or int(np.ceil(ram_factor * physical_ram() / per_layer))
     # q4_0's own names: its int4 copy is the GGUF's import, never the bf16 checkpoint's `quantize` copy
