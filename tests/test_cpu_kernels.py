@@ -189,6 +189,54 @@ def test_integer_kernels_equal_their_arithmetic_and_stay_near_the_dequantized_we
 
 
 @needs_ext
+@pytest.mark.parametrize("bits,group,sym", [(8, 32, False), (4, 32, False), (4, 64, True)])
+def test_a_prompts_many_pair_experts_take_the_gemm_and_the_rest_the_integer_kernel(bits, group, sym):
+    """`swiglu_q_split`: an expert with at least `min_pairs` pairs is dequantized and multiplied in x's dtype, so in
+    fp32 it equals the dequantized weights with exact activations (1e-5, where the integer kernel is 4% off); the
+    other pairs go through the kernel, so a token none of whose choices is such an expert gets the kernel's own row
+    (up to the order of its k sums, 1e-5); with no such expert the call is the kernel's, bit for bit."""
+    S, T, K, H, I = 6, 12, 2, 256, 128
+    gu, dn, g = _experts(S, H, I, seed=bits + group)
+    x = torch.randn(T, H, generator=g)
+    slots = torch.stack([torch.tensor([0, 1 + t % (S - 1)]) if t < 9 else torch.tensor([1 + t % (S - 1), 2 + t % 4])
+                         for t in range(T)])  # expert 0: 9 pairs; the others 3 or 4 each
+    w = torch.rand(T, K, generator=g)
+    qg, qd = quant.quantize(gu, bits, group, symmetric=sym), quant.quantize(dn, bits, group, symmetric=sym)
+    dg, dd = quant.dequantize(qg, bits, group), quant.dequantize(qd, bits, group)
+    exact = swiglu_reference(x, dg, dd, slots, w)
+    kernel = ck.swiglu_q(x, qg, qd, bits, group, slots, w)
+    assert _rel(kernel, exact) > 1e-3  # the kernel's rounding of activations is visible at this size
+    assert _rel(ck.swiglu_q_split(x, qg, qd, bits, group, slots, w, min_pairs=1), exact) < 1e-5
+    part = ck.swiglu_q_split(x, qg, qd, bits, group, slots, w, min_pairs=9)  # expert 0 alone takes the GEMM
+    assert _rel(part[:9], exact[:9]) < 4e-2 and _rel(part[:9], kernel[:9]) > 1e-4
+    assert torch.allclose(part[9:], kernel[9:], rtol=1e-5, atol=1e-6)
+    assert torch.equal(ck.swiglu_q_split(x, qg, qd, bits, group, slots, w, min_pairs=10), kernel)
+    xb = x.bfloat16()  # bf16 in, bf16 out: the GEMM in bf16, within bf16's rounding of the exact result
+    got = ck.swiglu_q_split(xb, qg, qd, bits, group, slots, w, min_pairs=1)
+    assert got.dtype == torch.bfloat16 and _rel(got, swiglu_reference(xb.float(), dg, dd, slots, w)) < 1e-2
+
+
+@needs_ext
+def test_the_packed_experts_of_a_long_prompt_reach_the_gemm_through_quant_swiglu(monkeypatch):
+    """`quant.swiglu` on the CPU (the int8/int4 pools' path) goes through `swiglu_q_split`: an expert with
+    `GEMM_PAIRS` pairs is computed from its dequantized weights, one with fewer by the kernel."""
+    S, H, I, T = 4, 256, 128, 16
+    gu, dn, g = _experts(S, H, I, seed=5)
+    q = {}
+    for name, w_ in (("gate_up_proj", gu), ("down_proj", dn)):
+        q.update({f"{name}.{p}": v for p, v in quant.quantize(w_, 4, 32).items()})
+    x = torch.randn(T, H, generator=g)
+    slots, w = torch.zeros(T, 1, dtype=torch.long), torch.ones(T, 1)
+    dg = quant.dequantize(quant.parts(q, "gate_up_proj"), 4, 32)
+    dd = quant.dequantize(quant.parts(q, "down_proj"), 4, 32)
+    exact = swiglu_reference(x, dg, dd, slots, w)
+    monkeypatch.setitem(ck.GEMM_PAIRS, 4, T)
+    assert _rel(quant.swiglu(x, q, slots, w), exact) < 1e-5
+    monkeypatch.setitem(ck.GEMM_PAIRS, 4, T + 1)
+    assert _rel(quant.swiglu(x, q, slots, w), exact) > 1e-3
+
+
+@needs_ext
 @pytest.mark.parametrize("bits,group,sym", [(8, 32, False), (4, 32, False), (4, 64, False), (4, 32, True)])
 def test_integer_kernels_take_an_odd_number_of_64_input_chunks(bits, group, sym):
     """int4 reads two 64-input chunks per load; an odd count leaves the last chunk to the one-chunk loop (H 320:

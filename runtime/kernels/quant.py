@@ -236,8 +236,9 @@ def kernel_fits(views: dict[str, torch.Tensor]) -> bool:
 def swiglu(x, views: dict[str, torch.Tensor], slots, weights) -> torch.Tensor:
     """Routed SwiGLU experts over quantized views (`[S, ...]` each): on CUDA the triton kernel that dequantizes
     inside (`kernels.swiglu_triton_q`); on the CPU the integer kernel where the extension is built and takes the
-    shapes (`kernel_fits`); else the slots that are used dequantized and computed in float (the same weights,
-    exact activations)."""
+    shapes (`kernel_fits`), except the experts with many (token, choice) pairs in the call (a prompt's), which are
+    dequantized and multiplied by torch's GEMM (`cpu_kernels.swiglu_q_split`); else the slots that are used
+    dequantized and computed in float (the same weights, exact activations)."""
     from expertcache.runtime.kernels import cpu_kernels
     from expertcache.runtime.kernels.triton_experts import swiglu_reference
 
@@ -250,8 +251,8 @@ def swiglu(x, views: dict[str, torch.Tensor], slots, weights) -> torch.Tensor:
 
         if HAVE_TRITON and all(t.stride(-1) == 1 for t in views.values()):  # dequantized inside the kernel
             return swiglu_triton_q(x, gu, dn, bits, group, slots, weights)
-    elif cpu_kernels.available() and kernel_fits(views):
-        return cpu_kernels.swiglu_q(x, gu, dn, bits, group, slots, weights)
+    elif cpu_kernels.available() and kernel_fits(views):  # an expert with many pairs: dequantized + torch's GEMM
+        return cpu_kernels.swiglu_q_split(x, gu, dn, bits, group, slots, weights)
     used, inv = slots.unique(return_inverse=True)
     g = dequantize({k: v[used] for k, v in gu.items()}, bits, group)
     d = dequantize({k: v[used] for k, v in dn.items()}, bits, group)
