@@ -327,6 +327,32 @@ def test_packed_linear_kernel_stays_near_the_dequantized_weights(bits, group, sy
 
 
 @needs_ext
+def test_a_prefills_packed_linears_share_one_buffer_and_a_backward_keeps_its_own_weight():
+    """Many rows: two `QuantLinear`s one after the other give exactly `F.linear` over `quant.dequantize`'s weights
+    (the C++ pass writes the same values into one reused buffer); with autograd recording, the weight is a tensor
+    of its own, so a gradient taken after the other layer ran is still the first layer's."""
+    g = torch.Generator().manual_seed(3)
+    lins, refs = [], []
+    for out in (96, 64):
+        t = quant.quantize(torch.randn(out, 128, generator=g), 4, 32)
+        lin = qlinear.QuantLinear(128, out, 4, 32, False, torch.float32, device="cpu")
+        for part, v in t.items():
+            getattr(lin, qlinear.LINEAR_PARTS[part]).copy_(v)
+        lins.append(lin)
+        refs.append(quant.dequantize(t, 4, 32))
+    x = torch.randn(16, 128, generator=g)
+    with torch.no_grad():
+        a, b = lins[0](x), lins[1](x)
+        assert torch.equal(a, torch.nn.functional.linear(x, refs[0]))
+        assert torch.equal(b, torch.nn.functional.linear(x, refs[1]))
+    xg = x.clone().requires_grad_(True)
+    y = lins[0](xg)
+    lins[1](x)  # writes the shared buffer
+    y.sum().backward()
+    assert torch.allclose(xg.grad, refs[0].sum(0).expand(16, -1), rtol=1e-5, atol=1e-5)
+
+
+@needs_ext
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,Hq,Hk,L,D", [(1, 32, 4, 40, 128), (2, 8, 8, 1, 64), (3, 12, 4, 77, 8),
                                          (1, 16, 1, 300, 256), (2, 6, 2, 33, 72)])

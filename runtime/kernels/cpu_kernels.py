@@ -384,10 +384,16 @@ def swiglu_q(x, gu: dict, dn: dict, bits: int, group: int, slots, weights) -> to
 # int8 1 thread 16: 1.48 vs 1.46, 24: 2.32 vs 1.62; 2 threads 12: 0.70 vs 0.71, 24: 1.09 vs 0.72. A decode step
 # (a pair or two per expert) never reaches it; a prompt chunk's experts do.
 GEMM_PAIRS = {8: 16, 4: 32}
-_bufs = threading.local()  # each thread's dequantization buffers (`swiglu_q_split`), reused call after call
+_bufs = threading.local()  # each thread's dequantization buffers, reused call after call (`scratch`)
+SCRATCH_MAX = 64 << 20  # a larger dequantized matrix (an output head's) is a fresh tensor, freed after its call
 
 
-def _buffer(name: str, dtype: torch.dtype, n: int) -> torch.Tensor:
+def scratch(name: str, dtype: torch.dtype, n: int) -> torch.Tensor | None:
+    """This thread's reused buffer `name` of at least `n` values of `dtype` (for `dequant_q`'s `out`: a fresh
+    tensor's page faults cost as much as the pass), or None above `SCRATCH_MAX` bytes. Only for a result used within
+    the call: a later call overwrites it (never one autograd keeps for a backward)."""
+    if n * dtype.itemsize > SCRATCH_MAX:
+        return None
     b = getattr(_bufs, name, None)
     if b is None or b.dtype != dtype or b.numel() < n:
         b = torch.empty(n, dtype=dtype)
@@ -428,8 +434,8 @@ def swiglu_q_split(x, gu: dict, dn: dict, bits: int, group: int, slots, weights,
         ids = order[ends[j] - int(cnt[j]):ends[j]]
         s = int(used[j])
         g_parts, d_parts = {p: v[s] for p, v in gu.items()}, {p: v[s] for p, v in dn.items()}
-        g = dequant_q(g_parts, bits, group, cdt, _buffer("gate_up_" + str(cdt), cdt, 2 * inter * x.shape[-1]))
-        d = dequant_q(d_parts, bits, group, cdt, _buffer("down_" + str(cdt), cdt, inter * x.shape[-1]))
+        g = dequant_q(g_parts, bits, group, cdt, scratch("gate_up", cdt, 2 * inter * x.shape[-1]))
+        d = dequant_q(d_parts, bits, group, cdt, scratch("down", cdt, inter * x.shape[-1]))
         te = tok[ids]
         h = torch.nn.functional.linear(x[te].to(cdt), g)  # [n, 2I]
         a = torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float()
