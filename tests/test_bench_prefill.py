@@ -27,7 +27,8 @@ def test_prefill_phase_rows_and_roofline_on_a_tiny_checkpoint(tiny_ckpt, tmp_pat
     from expertcache.runtime.bench import bigbench, bigprefill
 
     slot = bigbench._slot_bytes(tiny_ckpt)  # the budget's accounting slot: 4 cached + 2 staging per layer, 6 stream
-    budget_gb = (bigbench.RAM_OTHER + 18.5 * slot) / 2**30
+    layers = json.loads((tiny_ckpt / "config.json").read_text())["num_hidden_layers"]
+    budget_gb = (bigbench.RAM_OTHER + bigbench.PROMPT_RESERVE * 24 * layers + 18.5 * slot) / 2**30
     cfg = bigbench.write_run_config(tmp_path / "ec.yaml", "expertcache:on-demand", {
         "ckpt": str(tiny_ckpt), "trace": None, "budget_gb": budget_gb, "tokens": 1, "warmup": 0, "prompt_len": 24,
         "start": 0, "routing": "native", "quant_linears": False}, bigbench.EngineConfig(tier="disk"), "prefill")
@@ -37,6 +38,15 @@ def test_prefill_phase_rows_and_roofline_on_a_tiny_checkpoint(tiny_ckpt, tmp_pat
     res = bigbench.run_prefill("expertcache:on-demand", tiny_ckpt, None, budget_gb, 24, 0, routing="native",
                                resident=True)
     assert ec["engine"]["capacity"] == 4 and res["engine"]["capacity"] == 8
+    # the prompt's working memory comes out of the budget: a longer prompt leaves fewer slots, a far longer none
+    longer = 24 + int(2 * slot * layers / (bigbench.PROMPT_RESERVE * layers)) + 1
+    _, eng, _ = bigbench._load_system("expertcache:on-demand", tiny_ckpt, int(budget_gb * 2**30), layers, None, 0,
+                                      bigbench.EngineConfig(tier="disk"), prompt_len=longer)
+    assert eng.describe()["capacity"] < 4
+    eng.close()
+    with pytest.raises(bigbench.InputError, match="leaves no cache slots .* and a 9999-token prompt"):
+        bigbench._load_system("expertcache:on-demand", tiny_ckpt, int(budget_gb * 2**30), layers, None, 0,
+                              bigbench.EngineConfig(tier="disk"), prompt_len=9999)
     assert ec["first_token"] == mm["first_token"] == res["first_token"]  # lossless: the same prefill
     assert ec["experts_touched"] == mm["experts_touched"] == res["experts_touched"] > 2 * 2
     assert ec["expert_bytes"] == 3 * 32 * 16 * 2

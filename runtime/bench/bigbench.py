@@ -60,6 +60,11 @@ FORMATS = FORMAT_REGISTRY.names()
 TRACE_START = 2000  # the trace's token that routes the prompt's first; the predictor is fitted on tokens before it
 RAM_OTHER = 2 << 30  # what an expertcache system's budget leaves beside its cache: non-expert weights (~1.3 GB at
 # this shape; 1.67 GiB resident after loading), interpreter, activations
+PROMPT_RESERVE = 12 << 10  # and, for a prefill, per prompt token and layer: what a long cold prefill adds to the
+# process. Measured on the 48-layer int4 checkpoint (8 GiB budget, one forward): the resident set grew by 0.80 GB over
+# a 512-token prefill and 1.62 GB over a 2,048-token one (the KV cache, heap the forward keeps, oneDNN's primitives,
+# the expert calls' rows), about 10 KiB per token and layer beyond RAM_OTHER's room; 2,048 tokens were killed in the
+# cgroup without it
 
 
 def parse_system(name: str) -> tuple[str, str, dict[str, str]]:
@@ -199,13 +204,14 @@ def check_systems(systems, engine: EngineConfig, routing: str) -> None:
 
 
 def _load_system(system: str, ckpt: Path, budget: int, layers: int, trace_ids: np.ndarray | None, start: int,
-                 engine: EngineConfig, resident: bool = False):
+                 engine: EngineConfig, resident: bool = False, prompt_len: int = 0):
     """`(model, engine or None, routers)` for one system; expertcache's under `engine` with the capacity the budget
     leaves. The prefetch row predicts with `engine.predictor` when one is given (a trace's own, cooccurrence or
     oracle[:recall], over `trace_ids`, the routing replayed from `start`); else with the co-occurrence predictor
     fitted on the trace's tokens before `start` (trace routing), or, with `trace_ids` None (the checkpoint's own
     routing), the probe of the next layer's router. `resident`: expertcache with every expert in memory (capacity
-    1.0, host tier), whatever the budget."""
+    1.0, host tier), whatever the budget. `prompt_len`: a prefill's prompt, whose working memory (`PROMPT_RESERVE`
+    per token and layer) the budget keeps beside the cache."""
     from expertcache.telemetry.adapters import adapter_for
 
     if system.startswith("expertcache"):  # expertcache:on-demand | :prefetch, then :int8 / :int4 for quantized
@@ -219,9 +225,11 @@ def _load_system(system: str, ckpt: Path, budget: int, layers: int, trace_ids: n
         # made, the cache's whole size is resident from the start, and a cgroup of the budget holds no slack
         n_exp, top_k = _ckpt_shape(ckpt)[:2]  # the checkpoint's own (a test's tiny one; bigckpt's otherwise)
         stream = min(STREAM_SLOTS_PER_K * top_k, n_exp) * _slot_bytes(ckpt)
-        cap = budget_capacity(budget - RAM_OTHER - stream, _slot_bytes(ckpt), layers, top_k, n_exp)  # packed: more
+        other = RAM_OTHER + PROMPT_RESERVE * prompt_len * layers
+        cap = budget_capacity(budget - other - stream, _slot_bytes(ckpt), layers, top_k, n_exp)  # packed: more
         if cap < 1 and not resident:
-            raise InputError(f"a budget of {budget / 2**30:.1f} GiB leaves no cache slots after the non-expert weights")
+            raise InputError(f"a budget of {budget / 2**30:.1f} GiB leaves no cache slots after the non-expert weights"
+                             + (f" and a {prompt_len}-token prompt" if prompt_len else ""))
         cfg, pred = replace(engine, capacity=cap, predictor="none"), "none"  # "none": the config's predictor
         if resident:  # every expert in memory: the prefill's compute alone (the roofline's compute term)
             cfg = replace(engine, capacity=1.0, tier="host", predictor="none")
@@ -402,7 +410,7 @@ def run_prefill(system: str, ckpt: str | Path, trace: str | Path, budget_gb: flo
     cfg_engine = engine or EngineConfig(tier="disk")
     t0 = time.perf_counter()
     m, eng, routers = _load_system(system, ckpt, int(budget_gb * 2**30), cfg["num_hidden_layers"], ids, start,
-                                   cfg_engine, resident)
+                                   cfg_engine, resident, prompt_len)
     load_s = time.perf_counter() - t0
     prompt = torch.randint(2, cfg["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(0))
 
