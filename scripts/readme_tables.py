@@ -297,9 +297,10 @@ def make_times_table(d: dict | None) -> str:
 
 
 def headline_table() -> str:
-    """The README's one table of headline figures, each a ratio of time per output token with whether its rounds
-    are apart (the benchmarks' one claim rule), drawn from the results files that docs/benchmarks.md prints whole."""
-    rows = ["| what | expertcache | against | TPOT ratio | claimed | from |", "|---|---|---|---|---|---|"]
+    """The README's one table of headline figures, each a ratio of times (per output token, or to the first token of
+    a cold prompt) with whether its rounds are apart (the benchmarks' one claim rule), drawn from the results files that docs/benchmarks.md prints whole."""
+    rows = ["| what | expertcache | against | time ratio (ours / theirs) | claimed | from |",
+            "|---|---|---|---|---|---|"]
     for name, what, system, peers in (
             ("bench_big.json", "34 GB bf16 Qwen3-30B-A3B-shaped checkpoint, 8 GiB memory, experts from disk",
              "expertcache:on-demand", ("accelerate", "mmap", "mmap:unbounded")),
@@ -319,6 +320,17 @@ def headline_table() -> str:
                             f"{d['systems'][system]['tpot_median_s']:.3f} s/tok | "
                             f"{peer}, {d['systems'][peer]['tpot_median_s']:.3f} s/tok | {c['ratio']:.2f} | "
                             f"{claim_text(c)} | results/{name} |")
+    d = _load("bench_big_48l.json")  # its cold prompts: time to the first token, the inverse of prompt tokens/s
+    system = "expertcache:on-demand:int4"
+    for row in (d["systems"][system].get("prefill") or []) if d else ():
+        n = row["prompt_tokens"]
+        for peer in ("llama.cpp:no-repack", "llama.cpp:unbounded"):
+            c = d.get("prefill_comparisons", {}).get(f"{n}: {system} vs {peer}")
+            theirs = {r["prompt_tokens"]: r for r in d["systems"][peer].get("prefill") or []}.get(n)
+            if c and theirs and row.get("tokens_per_s") and theirs.get("tokens_per_s"):
+                rows.append(f"| the same, a cold {n:,}-token prompt (time to first token) | "
+                            f"{row['tokens_per_s']:.1f} prompt tokens/s | {peer}, {theirs['tokens_per_s']:.1f} | "
+                            f"{1 / c['ratio']:.2f} | {claim_text(c)} | results/bench_big_48l.json |")
     sl = _load("serve_load.json")
     if sl and sl.get("versus_vllm"):
         ours = {r["clients"]: r for r in sl["systems"]["all_resident"]["rounds"]}

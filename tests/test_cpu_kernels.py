@@ -804,6 +804,33 @@ def test_a_quantized_checkpoint_decodes_like_its_dequantized_reference(saved, tm
     eng.close()
 
 
+@needs_ext
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_prompts_packed_experts_through_the_gemm_give_the_dequantized_models_logits(saved, tmp_path, monkeypatch,
+                                                                                      bits):
+    """Through the engine (cache of half the experts, disk tier), with every expert of a call taking the GEMM
+    (`GEMM_PAIRS` 1): the prefill's logits are the model holding the dequantized integers up to bf16's rounding
+    (1e-2, where the integer kernel's int8 activations are allowed 5%), and the GEMM really ran (the prefill
+    alone: no decode step)."""
+    from expertcache.runtime import EngineConfig, load
+    from tiny_models import build_model, tiny_config
+
+    src = tmp_path / "src"
+    build_model(tiny_config("qwen3_moe", hidden_size=64, moe_intermediate_size=64, intermediate_size=64),
+                seed=7, dtype=torch.bfloat16).save_pretrained(src)
+    q = tmp_path / "q"
+    quant_write.write_quantized(src, q, bits, 32)
+    ref = _logits(_dequantized_reference(src, q, bits, 32), steps=0)
+    calls = []
+    real = ck.dequant_q
+    monkeypatch.setattr(ck, "dequant_q", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setitem(ck.GEMM_PAIRS, bits, 1)
+    m = load(q, engine=EngineConfig(capacity=0.5, tier="disk", kernel="auto"))
+    got = _logits(m, steps=0)
+    m.expertcache.close()
+    assert calls and _rel(got, ref) < 1e-2, _rel(got, ref)
+
+
 @pytest.mark.parametrize("fam", SWIGLU)
 @pytest.mark.parametrize("bits,sym", [(8, False), (4, False), (4, True)])
 def test_quantized_linears_decode_like_their_dequantized_reference(saved, tmp_path, fam, bits, sym):
