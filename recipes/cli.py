@@ -230,7 +230,34 @@ def _write_config(parser, cfg) -> None:
     p = Path(out)
     target = p / "config.yaml" if p.is_dir() else p.with_name(p.stem + ".config.yaml")
     if target.parent.is_dir():
-        write_text(target, parser.dump(cfg))
+        text = parser.dump(cfg)
+        from expertcache.runtime.bench.results import ROOT
+
+        if target.parent.resolve() == ROOT / "results":  # a committed result's: no machine's paths
+            text = _portable_config(parser, text)
+        write_text(target, text)
+
+
+def _portable_config(parser, text: str) -> str:
+    """A configuration for the repository's results/: an argument that names a machine's path is left out where
+    the command has a default for it (an output folder: a re-run uses its own), else made portable as results
+    are (`results.without_machine_paths`: `.../<last name>`), so the file says what ran without the machine."""
+    import yaml
+
+    from expertcache.runtime.bench.results import machine_paths, without_machine_paths
+
+    d = yaml.safe_load(text)
+    if not isinstance(d, dict):
+        return text
+    defaults = parser.get_defaults()
+    out = {}
+    for k, v in d.items():
+        if machine_paths(v):
+            if getattr(defaults, k, None) is not None:
+                continue
+            v = without_machine_paths(v)
+        out[k] = v
+    return yaml.safe_dump(out, sort_keys=False)
 
 
 def _call(fn, sub_cfg, parser):

@@ -101,3 +101,24 @@ def test_no_absolute_machine_paths_in_readme_and_docs(gen):
     assert ABSOLUTE.search("measured with --model /work/ckpt/q30 here")  # the check itself can fail
     assert not ABSOLUTE.search("runs/ca-starter/model and results/bench_big.json")
 
+
+
+def test_committed_run_configurations_carry_no_machine_paths():
+    """results/*.config.yaml (what `--config` re-runs): no machine's folders. The CLI writes them so: an argument
+    naming one is left out where the command has a default (an output folder), else made `.../<last name>`."""
+    import yaml
+    from jsonargparse import ArgumentParser
+
+    from expertcache.recipes import cli
+    from expertcache.runtime.bench.results import machine_paths
+
+    bad = {p.name: k for p in (ROOT / "results").glob("*.config.yaml")
+           for k, v in yaml.safe_load(p.read_text()).items() if machine_paths(v)}
+    assert not bad, bad
+    parser = ArgumentParser()
+    parser.add_argument("--out_dir", default="runs/x")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--layers", type=int, default=4)
+    cfg = parser.parse_args(["--out_dir", "/work/bb48/run", "--model", "/tmp/ckpt/q30-4l", "--layers", "48"])
+    got = yaml.safe_load(cli._portable_config(parser, parser.dump(cfg)))
+    assert got == {"model": ".../q30-4l", "layers": 48}
