@@ -234,30 +234,27 @@ def _write_config(parser, cfg) -> None:
         from expertcache.runtime.bench.results import ROOT
 
         if target.parent.resolve() == ROOT / "results":  # a committed result's: no machine's paths
-            text = _portable_config(parser, text)
+            text = _portable_config(text)
         write_text(target, text)
 
 
-def _portable_config(parser, text: str) -> str:
-    """A configuration for the repository's results/: an argument that names a machine's path is left out where
-    the command has a default for it (an output folder: a re-run uses its own), else made portable as results
-    are (`results.without_machine_paths`: `.../<last name>`), so the file says what ran without the machine."""
+DROPPED_WHEN_MACHINE = ("out_dir", "work", "runs")  # output folders: a re-run uses its own
+
+
+def _portable_config(text: str) -> str:
+    """A configuration for the repository's results/: an output folder (`DROPPED_WHEN_MACHINE`) that names a
+    machine's path is left out (a re-run writes into its own default); every other value naming one, at any depth
+    (an input, an engine field), is made portable as results are (`results.portable_payload`: `.../<last name>`),
+    so the file says what ran without the machine."""
     import yaml
 
-    from expertcache.runtime.bench.results import machine_paths, without_machine_paths
+    from expertcache.runtime.bench.results import machine_paths, portable_payload
 
     d = yaml.safe_load(text)
     if not isinstance(d, dict):
         return text
-    defaults = parser.get_defaults()
-    out = {}
-    for k, v in d.items():
-        if machine_paths(v):
-            if getattr(defaults, k, None) is not None:
-                continue
-            v = without_machine_paths(v)
-        out[k] = v
-    return yaml.safe_dump(out, sort_keys=False)
+    out = {k: v for k, v in d.items() if not (k in DROPPED_WHEN_MACHINE and machine_paths(v))}
+    return yaml.safe_dump(portable_payload(out), sort_keys=False)
 
 
 def _call(fn, sub_cfg, parser):

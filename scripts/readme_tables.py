@@ -298,7 +298,8 @@ def make_times_table(d: dict | None) -> str:
 
 def headline_table() -> str:
     """The README's one table of headline figures, each a ratio of times (per output token, or to the first token of
-    a cold prompt) with whether its rounds are apart (the benchmarks' one claim rule), drawn from the results files that docs/benchmarks.md prints whole."""
+    a cold prompt) with whether its rounds are apart (the benchmarks' one claim rule), drawn from the results files
+    that docs/benchmarks.md prints whole."""
     rows = ["| what | expertcache | against | time ratio (ours / theirs) | claimed | from |",
             "|---|---|---|---|---|---|"]
     for name, what, system, peers in (
@@ -322,13 +323,13 @@ def headline_table() -> str:
                             f"{claim_text(c)} | results/{name} |")
     d = _load("bench_big_48l.json")  # its cold prompts: time to the first token, the inverse of prompt tokens/s
     system = "expertcache:on-demand:int4"
-    for row in (d["systems"][system].get("prefill") or []) if d else ():
+    for row in (d["systems"].get(system, {}).get("prefill") or []) if d else ():
         n = row["prompt_tokens"]
         for peer in ("llama.cpp:no-repack", "llama.cpp:unbounded"):
             c = d.get("prefill_comparisons", {}).get(f"{n}: {system} vs {peer}")
-            theirs = {r["prompt_tokens"]: r for r in d["systems"][peer].get("prefill") or []}.get(n)
+            theirs = {r["prompt_tokens"]: r for r in d["systems"].get(peer, {}).get("prefill") or []}.get(n)
             if c and theirs and row.get("tokens_per_s") and theirs.get("tokens_per_s"):
-                rows.append(f"| the same, a cold {n:,}-token prompt (time to first token) | "
+                rows.append(f"| the 48-layer int4 run, a cold {n:,}-token prompt (time to first token) | "
                             f"{row['tokens_per_s']:.1f} prompt tokens/s | {peer}, {theirs['tokens_per_s']:.1f} | "
                             f"{1 / c['ratio']:.2f} | {claim_text(c)} | results/bench_big_48l.json |")
     sl = _load("serve_load.json")

@@ -217,6 +217,28 @@ def test_a_prompts_many_pair_experts_take_the_gemm_and_the_rest_the_integer_kern
 
 
 @needs_ext
+def test_the_gemm_path_refuses_what_the_kernel_refuses_and_a_reused_buffer_cannot_feed_a_backward():
+    """A call all through the GEMM still checks its slots (the kernel's own check, which it skips); and a buffer
+    `dequant_q` writes again is seen by autograd: a graph that kept the earlier weights raises, never computes a
+    gradient from the new ones."""
+    S, H, I = 3, 128, 64
+    gu, dn, g = _experts(S, H, I, seed=2)
+    qg, qd = quant.quantize(gu, 4, 32), quant.quantize(dn, 4, 32)
+    x = torch.randn(4, H, generator=g)
+    with pytest.raises(ValueError, match="indices in"):
+        ck.swiglu_q_split(x, qg, qd, 4, 32, torch.tensor([[0], [1], [-1], [2]]), torch.ones(4, 1), min_pairs=1)
+    with pytest.raises(ValueError, match="rows of x"):
+        ck.swiglu_q_split(x[:3], qg, qd, 4, 32, torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1), min_pairs=1)
+    buf = torch.empty(2 * I * H)
+    w = ck.dequant_q({p: v[0] for p, v in qg.items()}, 4, 32, torch.float32, buf)
+    xg = torch.randn(2, H, requires_grad=True)
+    y = torch.nn.functional.linear(xg, w)
+    ck.dequant_q({p: v[1] for p, v in qg.items()}, 4, 32, torch.float32, buf)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+@needs_ext
 def test_the_packed_experts_of_a_long_prompt_reach_the_gemm_through_quant_swiglu(monkeypatch):
     """`quant.swiglu` on the CPU (the int8/int4 pools' path) goes through `swiglu_q_split`: an expert with
     `GEMM_PAIRS` pairs is computed from its dequantized weights, one with fewer by the kernel."""

@@ -17,8 +17,9 @@ pytestmark = pytest.mark.skipif(not ck.available(), reason=f"CPU kernels unavail
 
 
 @pytest.fixture
-def restore():
+def restore(monkeypatch):
     was = ck.set_tuning()
+    monkeypatch.setattr(ck, "GEMM_PAIRS", dict(ck.GEMM_PAIRS))  # `_apply_tuning` sets this machine's thresholds
     yield was
     ck.set_tuning(**was)
 
@@ -58,18 +59,30 @@ def _fake_measure(calls):
     return measure
 
 
+def _fake_gemm(**_):
+    return {"int8": {"pairs": 20}, "int4": {"pairs": 40}}
+
+
 def test_the_choice_is_measured_once_per_cpu_kept_beside_the_build_and_read_after(tmp_path, monkeypatch, restore):
     calls = []
     monkeypatch.setattr(ck, "measure_prefetch", _fake_measure(calls))
+    monkeypatch.setattr(ck, "measure_gemm_pairs", _fake_gemm)
     monkeypatch.delenv("EXPERTCACHE_TUNE", raising=False)
     ck._apply_tuning(tmp_path)
     rec = json.loads((tmp_path / "tuning.json").read_text())
     assert calls == [1] and rec["cpu"] == cpu_model()
     assert rec["choice"] == {"pf_int8": 4096, "pf_int4": 2048, "scale_rows": 0}
     assert {k: ck.set_tuning()[k] for k in rec["choice"]} == rec["choice"]  # in force
+    assert rec["gemm_pairs"] == {"int8": 20, "int4": 40} and ck.GEMM_PAIRS == {8: 20, 4: 40}
     ck.set_tuning(**restore)
+    ck.GEMM_PAIRS.update({8: 16, 4: 32})
     ck._apply_tuning(tmp_path)  # a later process: reads, does not measure
-    assert calls == [1] and ck.set_tuning()["pf_int4"] == 2048
+    assert calls == [1] and ck.set_tuning()["pf_int4"] == 2048 and ck.GEMM_PAIRS == {8: 20, 4: 40}
+    del rec["gemm_pairs"]  # a record from before the thresholds were measured: measured again
+    (tmp_path / "tuning.json").write_text(json.dumps(rec))
+    ck._apply_tuning(tmp_path)
+    assert calls == [1, 1] and json.loads((tmp_path / "tuning.json").read_text())["gemm_pairs"]["int4"] == 40
+    calls.pop()
     assert ck.tuning()["source"] == str(tmp_path / "tuning.json")
     rec["cpu"] = "another CPU"
     (tmp_path / "tuning.json").write_text(json.dumps(rec))
@@ -87,6 +100,7 @@ def test_the_choice_is_measured_once_per_cpu_kept_beside_the_build_and_read_afte
 def test_off_keeps_the_defaults_and_an_unknown_mode_is_one_warning(tmp_path, monkeypatch, restore):
     calls = []
     monkeypatch.setattr(ck, "measure_prefetch", _fake_measure(calls))
+    monkeypatch.setattr(ck, "measure_gemm_pairs", _fake_gemm)
     monkeypatch.setenv("EXPERTCACHE_TUNE", "off")
     ck.set_tuning(pf_int8=1024)
     ck._apply_tuning(tmp_path)
@@ -122,3 +136,16 @@ def test_a_candidate_replaces_the_default_only_when_clearly_faster_in_the_median
     assert ck.choose({"d": d, "noisy": noisy, "clear": clear}, "d")[0] == "clear"
     best, med, wins = ck.choose({"d": d, "clear": clear, "faster": faster}, "d")
     assert best == "faster" and wins == {"d": 0, "clear": 6, "faster": 7} and med["clear"] == 0.88
+
+
+def test_the_gemm_threshold_is_where_the_gemm_wins_from_then_on():
+    """`measure_gemm_pairs` times both paths at every candidate count of pairs, and keeps the smallest count from
+    which the GEMM is faster at every larger one (never, if it does not win at the largest)."""
+    m = ck.measure_gemm_pairs(rounds=1, experts=2)
+    for fmt in ("int8", "int4"):
+        c = m[fmt]["candidates"]
+        assert [r["pairs"] for r in c] == list(ck.GEMM_CANDIDATES)
+        assert all(r["kernel_s"] > 0 and r["gemm_s"] > 0 for r in c)
+        wins = [r["gemm_s"] < r["kernel_s"] for r in c]
+        expect = next((r["pairs"] for i, r in enumerate(c) if all(wins[i:])), ck.GEMM_NEVER)
+        assert m[fmt]["pairs"] == expect

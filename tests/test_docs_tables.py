@@ -118,7 +118,12 @@ def test_committed_run_configurations_carry_no_machine_paths():
     parser = ArgumentParser()
     parser.add_argument("--out_dir", default="runs/x")
     parser.add_argument("--model", default=None)
+    parser.add_argument("--corpus", default="data/corpus")  # an input with a default: kept, made portable
     parser.add_argument("--layers", type=int, default=4)
-    cfg = parser.parse_args(["--out_dir", "/work/bb48/run", "--model", "/tmp/ckpt/q30-4l", "--layers", "48"])
-    got = yaml.safe_load(cli._portable_config(parser, parser.dump(cfg)))
-    assert got == {"model": ".../q30-4l", "layers": 48}
+    parser.add_argument("--engine.tier", default="disk")
+    parser.add_argument("--engine.miss_copy", default="")
+    cfg = parser.parse_args(["--out_dir", "/work/bb48/run", "--model", "/tmp/ckpt/q30-4l", "--layers", "48",
+                             "--corpus", "/work/data/corpus", "--engine.miss_copy", "/tmp/q4"])
+    got = yaml.safe_load(cli._portable_config(parser.dump(cfg)))
+    assert got == {"model": ".../q30-4l", "corpus": ".../corpus", "layers": 48,
+                   "engine": {"tier": "disk", "miss_copy": ".../q4"}}

@@ -44,6 +44,8 @@ def prefill_rows(rounds: list[list[dict]], lengths) -> list[dict]:
             for k in ("engine_bytes_moved", "stall_s", "expert_compute_s"):
                 if k in ok[0]:
                     row[k] = float(np.median([x[k] for x in ok]))
+            if "engine" in ok[0]:  # the cache a prefill ran with (its budget keeps the prompt's memory beside it)
+                row["capacity"] = ok[0]["engine"].get("capacity")
             if "read_bandwidth" in ok[0]:
                 row["read_bandwidth_GBps"] = float(np.median([x["read_bandwidth"]["at_queue_depth_GBps"]
                                                               for x in ok]))

@@ -182,10 +182,12 @@ def set_tuning(pf_int8: int = -1, pf_int4: int = -1, scale_rows: int = -1, pf_bf
 
 
 def tuning() -> dict:
-    """The settings in force (after `load`, which applies this machine's tuning), and `source`: the tuning file
-    they came from, or the defaults."""
+    """The settings in force (after `load`, which applies this machine's tuning): the prefetch distances, the
+    pairs per expert from which a prompt's packed experts take the GEMM (`gemm_pairs`), and `source`: the tuning
+    file they came from, or the defaults."""
     load()
-    return {**set_tuning(), "source": _state.get("tuning", {}).get("source")} if _state.get("ok") else {}
+    return ({**set_tuning(), "gemm_pairs": {f"int{b}": n for b, n in GEMM_PAIRS.items()},
+             "source": _state.get("tuning", {}).get("source")} if _state.get("ok") else {})
 
 
 def choose(times: dict, default) -> tuple:
@@ -199,6 +201,17 @@ def choose(times: dict, default) -> tuple:
     n = len(times[default])
     clear = [c for c in med if med[c] <= (1 - TUNE_MARGIN) * med[default] and wins[c] >= TUNE_WINS * n]
     return (min(clear, key=med.get) if clear else default), med, wins
+
+
+def _packed_pool(n: int, rows: int, cols: int, bits: int) -> dict:
+    """`n` packed experts' matrices `[n, rows, cols]` (group 32) written directly, for timing (the values do not
+    change the time; a random fill costs more than it measures): codes of one byte pattern, one small scale and
+    minimum throughout."""
+    t = {"q": torch.full((n, rows, cols * bits // 8), 0x35, dtype=torch.int8 if bits == 8 else torch.uint8),
+         "scales": torch.full((n, rows, cols // 32), 0.01, dtype=torch.float16)}
+    if bits == 4:
+        t["mins"] = torch.full((n, rows, cols // 32), -0.05, dtype=torch.float16)
+    return t
 
 
 def measure_prefetch(rounds: int = 7, calls: int = 8, pool: int = 24) -> dict:
@@ -220,14 +233,8 @@ def measure_prefetch(rounds: int = 7, calls: int = 8, pool: int = 24) -> dict:
         g = torch.Generator().manual_seed(0)
         x = (torch.randn(1, H, generator=g) * 0.5).bfloat16()
         w = torch.full((1, k), 1.0 / k)
-        # packed experts written directly (the values do not change the time; a random fill costs more than it
-        # measures): codes of one byte pattern, one small scale and minimum throughout
         def packed(rows, cols, bits):
-            t = {"q": torch.full((pool, rows, cols * bits // 8), 0x35, dtype=torch.int8 if bits == 8 else torch.uint8),
-                 "scales": torch.full((pool, rows, cols // 32), 0.01, dtype=torch.float16)}
-            if bits == 4:
-                t["mins"] = torch.full((pool, rows, cols // 32), -0.05, dtype=torch.float16)
-            return t
+            return _packed_pool(pool, rows, cols, bits)
 
         draws = [torch.randperm(pool, generator=g)[:k][None] for _ in range(calls)]
         out = {}
@@ -280,7 +287,8 @@ def _apply_tuning(d: Path) -> None:
     def read():
         try:
             rec = json.loads(path.read_text())
-            return rec if rec.get("cpu") == cpu and rec.get("defaults") == TUNE_DEFAULTS else None
+            return rec if (rec.get("cpu") == cpu and rec.get("defaults") == TUNE_DEFAULTS
+                           and {"int8", "int4"} <= set(rec.get("gemm_pairs") or {})) else None
         except (OSError, ValueError, AttributeError):
             return None
 
@@ -289,18 +297,22 @@ def _apply_tuning(d: Path) -> None:
         with _build_lock(d):
             rec = None if mode == "again" else read()
             if rec is None:
-                print("expertcache: choosing the CPU kernels' prefetch distances for this machine (once, about "
-                      f"2 s; EXPERTCACHE_TUNE=off skips it; kept in {path})", file=sys.stderr, flush=True)
+                print("expertcache: choosing the CPU kernels' prefetch distances, and the pairs per expert at "
+                      "which a prompt's packed experts take the GEMM, for this machine (once, about 4 s; "
+                      f"EXPERTCACHE_TUNE=off skips it; kept in {path})", file=sys.stderr, flush=True)
                 m = measure_prefetch()
+                gm = measure_gemm_pairs()
                 rec = {"cpu": cpu, "defaults": TUNE_DEFAULTS, "threads": 1,
                        "choice": {"pf_int8": m["int8"]["best"]["distance"], "pf_int4": m["int4"]["best"]["distance"],
                                   "scale_rows": m["int4"]["best"]["scale_rows"]},
-                       "measured": m}
+                       "gemm_pairs": {"int8": gm["int8"]["pairs"], "int4": gm["int4"]["pairs"]},
+                       "measured": m, "measured_gemm": gm}
                 from expertcache.telemetry.atomic import write_text
 
                 write_text(path, json.dumps(rec, indent=1))
     set_tuning(**rec["choice"])
-    _state["tuning"] = {"source": str(path), **rec["choice"]}
+    GEMM_PAIRS.update({8: int(rec["gemm_pairs"]["int8"]), 4: int(rec["gemm_pairs"]["int4"])})
+    _state["tuning"] = {"source": str(path), **rec["choice"], "gemm_pairs": dict(rec["gemm_pairs"])}
 
 
 def swiglu_bf16(x, gate_up, down, slots, weights) -> torch.Tensor:
@@ -378,12 +390,13 @@ def swiglu_q(x, gu: dict, dn: dict, bits: int, group: int, slots, weights) -> to
 
 # The integer kernel computes a packed expert's (token, choice) pairs one dot product at a time; dequantizing the
 # expert (`dequant_q`, about 0.3-0.8 ms for one Qwen3-30B-A3B expert) and multiplying its pairs by torch's GEMM costs
-# a fixed amount and far less per pair. An expert with at least this many pairs in one call takes the GEMM. Measured
-# per expert (H 2048, I 768, group 32), AMD EPYC, kernel vs dequantize + GEMM, ms: int4 1 thread 16 pairs 1.22 vs
-# 1.27, 32 pairs 2.28 vs 2.47, 64 pairs 4.21 vs 2.94; 2 threads 16: 0.71 vs 0.93, 32: 1.37 vs 1.25, 64: 2.18 vs 1.50.
-# int8 1 thread 16: 1.48 vs 1.46, 24: 2.32 vs 1.62; 2 threads 12: 0.70 vs 0.71, 24: 1.09 vs 0.72. A decode step
-# (a pair or two per expert) never reaches it; a prompt chunk's experts do.
-GEMM_PAIRS = {8: 16, 4: 32}
+# a fixed amount and far less per pair. An expert with at least this many pairs in one call takes the GEMM. These are
+# the defaults (`EXPERTCACHE_TUNE=off`): at first use on a machine `measure_gemm_pairs` measures where the two paths
+# cross there, and `_apply_tuning` keeps it beside the build with the prefetch distances. On this AMD EPYC it measured
+# 16 (int8) and 24 (int4) in 3 of 3 processes at 2 threads, 12 and 24 at one. A whole layer (128 experts, random
+# top-8, 2 threads, medians of 5): int4 at 512 tokens 194 ms on the kernel, 128-130 ms from 16 or 24 pairs, 160 from
+# 32; int8 204 ms, 114 from 16. A decode step (a pair or two per expert) never reaches it; a prompt chunk's do.
+GEMM_PAIRS = {8: 16, 4: 24}
 _bufs = threading.local()  # each thread's dequantization buffers, reused call after call (`scratch`)
 SCRATCH_MAX = 64 << 20  # a larger dequantized matrix (an output head's) is a fresh tensor, freed after its call
 
@@ -405,7 +418,7 @@ def swiglu_q_split(x, gu: dict, dn: dict, bits: int, group: int, slots, weights,
                    min_pairs: int | None = None) -> torch.Tensor:
     """`swiglu_q`'s result with each expert that has at least `min_pairs` (token, choice) pairs in the call
     (`GEMM_PAIRS[bits]` by default) dequantized (`dequant_q`, exactly the weights the kernel multiplies) into a
-    reused buffer and multiplied by torch's GEMM in x's dtype (bf16 or fp32; exact activations, as
+    reused buffer and multiplied by torch's GEMM in x's dtype (bf16 or fp32; fp16 in fp32; exact activations, as
     `triton_experts.swiglu_reference`), the other pairs through the integer kernel in one call. Every pair is added
     to its token's fp32 sum, then cast to x's dtype. A call with no such expert is `swiglu_q` itself."""
     need = GEMM_PAIRS[bits] if min_pairs is None else max(int(min_pairs), 1)
@@ -413,6 +426,10 @@ def swiglu_q_split(x, gu: dict, dn: dict, bits: int, group: int, slots, weights,
     if slots.numel() < need or torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad):
         return swiglu_q(x, gu, dn, bits, group, slots, weights)
     flat = slots.reshape(-1)
+    n_slots = gu["q"].shape[0]
+    if x.shape[0] != t_ or (flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n_slots)):
+        raise ValueError(f"swiglu_q_split: {x.shape[0]} rows of x for slots {tuple(slots.shape)} with indices in "
+                         f"[0, {n_slots})")  # the kernel's own check, which a call all through the GEMM skips
     used, inv, cnt = torch.unique(flat, return_inverse=True, return_counts=True)
     big = cnt >= need
     if not bool(big.any()):
@@ -444,6 +461,60 @@ def swiglu_q_split(x, gu: dict, dn: dict, bits: int, group: int, slots, weights,
     return out.to(x.dtype)
 
 
+GEMM_CANDIDATES = (8, 12, 16, 24, 32, 48, 64)  # pairs per expert at which `measure_gemm_pairs` compares the paths
+GEMM_NEVER = 1 << 30  # a threshold no call reaches: the GEMM never won at any candidate
+
+
+def measure_gemm_pairs(rounds: int = 5, experts: int = 16, pool: int = 64) -> dict:
+    """Where a prompt's packed experts should leave the integer kernel for dequantize + GEMM on this machine
+    (`GEMM_PAIRS`): for each format (int8, int4 group 32) and each candidate count of pairs per expert, the median
+    time of one call over `experts` Qwen3-30B-A3B-shaped experts each with that many pairs, through the kernel and
+    through the GEMM, every (count, path) alternated over `rounds` rounds at torch's current thread count. Each call
+    takes the next `experts` of a `pool` larger than the caches (a prompt's layer reads its experts from memory,
+    not from a warm cache: measured on a warm pool of 8, the kernel looked faster than it is, up to 48 pairs). The
+    threshold is the smallest candidate from which the GEMM is faster at every larger one (`GEMM_NEVER` if none)."""
+    import statistics
+    import time
+
+    from expertcache.runtime.bench.harness import alternate
+
+    if not load():
+        raise RuntimeError(f"measure_gemm_pairs: the CPU kernels are unavailable ({why_unavailable()})")
+    H, I = 2048, 768
+    g = torch.Generator().manual_seed(0)
+    if pool < experts:
+        raise ValueError(f"measure_gemm_pairs: a pool of {pool} experts cannot give {experts} distinct ones a call")
+    out = {"threads": torch.get_num_threads(), "rounds": rounds, "experts": experts, "pool": pool}
+    nxt = [0]
+    for bits in (8, 4):
+        gu, dn = _packed_pool(pool, 2 * I, H, bits), _packed_pool(pool, H, I, bits)
+        cases = {p: ((torch.randn(experts * p, H, generator=g) * 0.5).bfloat16(),
+                     torch.arange(experts).repeat_interleave(p)[:, None], torch.ones(experts * p, 1))
+                 for p in GEMM_CANDIDATES}
+
+        def call(c: tuple) -> None:
+            x, s, w = cases[c[0]]
+            first = nxt[0] % (pool - experts + 1)
+            nxt[0] += experts
+            swiglu_q_split(x, gu, dn, bits, 32, s + first, w, min_pairs=1 if c[1] == "gemm" else GEMM_NEVER)
+
+        def timed(c: tuple, _r: int) -> float:
+            t0 = time.perf_counter()
+            call(c)
+            return time.perf_counter() - t0
+
+        arms = [(p, path) for p in GEMM_CANDIDATES for path in ("kernel", "gemm")]
+        for c in arms[:2] + arms[-2:]:  # warm: the buffers' first pages and the GEMM's first shapes
+            call(c)
+        med = {c: statistics.median(v) for c, v in alternate(arms, rounds, timed).items()}
+        wins = [med[(p, "gemm")] < med[(p, "kernel")] for p in GEMM_CANDIDATES]
+        pairs = next((p for i, p in enumerate(GEMM_CANDIDATES) if all(wins[i:])), GEMM_NEVER)
+        out[f"int{bits}"] = {"pairs": pairs, "candidates": [
+            {"pairs": p, "kernel_s": med[(p, "kernel")], "gemm_s": med[(p, "gemm")]} for p in GEMM_CANDIDATES]}
+        del gu, dn, cases
+    return out
+
+
 def dequant_q(t: dict, bits: int, group: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """`quant.dequantize(t, bits, group, dtype)` bit for bit, in one pass over the codes (bf16 or fp32 out; `t`
     holds `q`, `scales` (and `mins`) with any leading dims, as a store's slot views). `out`: a contiguous buffer of
@@ -461,6 +532,7 @@ def dequant_q(t: dict, bits: int, group: int, dtype: torch.dtype, out: torch.Ten
     res = out.view(-1)[:n].view(shape)
     torch.ops.expertcache_cpu.dequant_q(q.contiguous(), t["scales"].contiguous(),
                                         t["mins"].contiguous() if "mins" in t else None, bits, group, res)
+    torch.autograd.graph.increment_version(res)  # the op writes in place unseen: a graph that kept `out` now raises
     return res
 
 

@@ -45,7 +45,7 @@ class QuantLinear(torch.nn.Module):
         if cpu_kernels.decode_input(x) and self.in_features % 64 == 0 and cpu_kernels.available():
             return cpu_kernels.linear_q(x, self.weight_q, self.weight_scales, getattr(self, "weight_mins", None),
                                         self.bits, self.group, self.bias)
-        if not x.is_cuda and x.dtype in (torch.bfloat16, torch.float32) and self.in_features % 64 == 0 \
+        if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and self.in_features % 64 == 0 \
                 and cpu_kernels.available():  # one pass in C++ (bit for bit `dequantize`), into a reused buffer
             keeps = torch.is_grad_enabled() and x.requires_grad  # autograd keeps the weight for the backward
             n = self.in_features * self.out_features
