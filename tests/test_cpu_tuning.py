@@ -140,12 +140,12 @@ def test_a_candidate_replaces_the_default_only_when_clearly_faster_in_the_median
 
 def test_the_gemm_threshold_is_where_the_gemm_wins_from_then_on():
     """`measure_gemm_pairs` times both paths at every candidate count of pairs, and keeps the smallest count from
-    which the GEMM is faster at every larger one (never, if it does not win at the largest)."""
+    which the GEMM is within `GEMM_SLACK` of the kernel at every larger one (never, if not at the largest)."""
     m = ck.measure_gemm_pairs(rounds=1, experts=2)
     for fmt in ("int8", "int4"):
         c = m[fmt]["candidates"]
         assert [r["pairs"] for r in c] == list(ck.GEMM_CANDIDATES)
         assert all(r["kernel_s"] > 0 and r["gemm_s"] > 0 for r in c)
-        wins = [r["gemm_s"] < r["kernel_s"] for r in c]
+        wins = [r["gemm_s"] <= ck.GEMM_SLACK * r["kernel_s"] for r in c]
         expect = next((r["pairs"] for i, r in enumerate(c) if all(wins[i:])), ck.GEMM_NEVER)
         assert m[fmt]["pairs"] == expect

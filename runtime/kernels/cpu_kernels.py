@@ -298,7 +298,7 @@ def _apply_tuning(d: Path) -> None:
             rec = None if mode == "again" else read()
             if rec is None:
                 print("expertcache: choosing the CPU kernels' prefetch distances, and the pairs per expert at "
-                      "which a prompt's packed experts take the GEMM, for this machine (once, about 4 s; "
+                      "which a prompt's packed experts take the GEMM, for this machine (once, about 6 s; "
                       f"EXPERTCACHE_TUNE=off skips it; kept in {path})", file=sys.stderr, flush=True)
                 m = measure_prefetch()
                 gm = measure_gemm_pairs()
@@ -392,8 +392,9 @@ def swiglu_q(x, gu: dict, dn: dict, bits: int, group: int, slots, weights) -> to
 # expert (`dequant_q`, about 0.3-0.8 ms for one Qwen3-30B-A3B expert) and multiplying its pairs by torch's GEMM costs
 # a fixed amount and far less per pair. An expert with at least this many pairs in one call takes the GEMM. These are
 # the defaults (`EXPERTCACHE_TUNE=off`): at first use on a machine `measure_gemm_pairs` measures where the two paths
-# cross there, and `_apply_tuning` keeps it beside the build with the prefetch distances. On this AMD EPYC it measured
-# 16 (int8) and 24 (int4) in 3 of 3 processes at 2 threads, 12 and 24 at one. A whole layer (128 experts, random
+# cross there, and `_apply_tuning` keeps it beside the build with the prefetch distances. On this AMD EPYC, 2 threads,
+# it measured 16 (int8) and 24 (int4) in 2 of 3 processes, 24 and 32 in the third (near the crossing the two paths
+# are within 10% of each other per expert), 12 and 24 at one thread. A whole layer (128 experts, random
 # top-8, 2 threads, medians of 5): int4 at 512 tokens 194 ms on the kernel, 128-130 ms from 16 or 24 pairs, 160 from
 # 32; int8 204 ms, 114 from 16. A decode step (a pair or two per expert) never reaches it; a prompt chunk's do.
 GEMM_PAIRS = {8: 16, 4: 24}
@@ -463,16 +464,20 @@ def swiglu_q_split(x, gu: dict, dn: dict, bits: int, group: int, slots, weights,
 
 GEMM_CANDIDATES = (8, 12, 16, 24, 32, 48, 64)  # pairs per expert at which `measure_gemm_pairs` compares the paths
 GEMM_NEVER = 1 << 30  # a threshold no call reaches: the GEMM never won at any candidate
+GEMM_SLACK = 1.1  # the GEMM is taken where it is at most this much slower than the kernel in the measurement: a call
+# of a few experts favours the kernel against a prompt's whole layer (here, int4 at 24 pairs: the kernel 10% faster in
+# the measurement, yet a layer of 512 tokens took 130 ms with the GEMM from 24 pairs on and 160 ms from 32)
 
 
-def measure_gemm_pairs(rounds: int = 5, experts: int = 16, pool: int = 64) -> dict:
+def measure_gemm_pairs(rounds: int = 7, experts: int = 16, pool: int = 64) -> dict:
     """Where a prompt's packed experts should leave the integer kernel for dequantize + GEMM on this machine
     (`GEMM_PAIRS`): for each format (int8, int4 group 32) and each candidate count of pairs per expert, the median
     time of one call over `experts` Qwen3-30B-A3B-shaped experts each with that many pairs, through the kernel and
     through the GEMM, every (count, path) alternated over `rounds` rounds at torch's current thread count. Each call
     takes the next `experts` of a `pool` larger than the caches (a prompt's layer reads its experts from memory,
     not from a warm cache: measured on a warm pool of 8, the kernel looked faster than it is, up to 48 pairs). The
-    threshold is the smallest candidate from which the GEMM is faster at every larger one (`GEMM_NEVER` if none)."""
+    threshold is the smallest candidate from which the GEMM is within `GEMM_SLACK` of the kernel at every larger
+    one (`GEMM_NEVER` if none)."""
     import statistics
     import time
 
@@ -507,7 +512,7 @@ def measure_gemm_pairs(rounds: int = 5, experts: int = 16, pool: int = 64) -> di
         for c in arms[:2] + arms[-2:]:  # warm: the buffers' first pages and the GEMM's first shapes
             call(c)
         med = {c: statistics.median(v) for c, v in alternate(arms, rounds, timed).items()}
-        wins = [med[(p, "gemm")] < med[(p, "kernel")] for p in GEMM_CANDIDATES]
+        wins = [med[(p, "gemm")] <= GEMM_SLACK * med[(p, "kernel")] for p in GEMM_CANDIDATES]
         pairs = next((p for i, p in enumerate(GEMM_CANDIDATES) if all(wins[i:])), GEMM_NEVER)
         out[f"int{bits}"] = {"pairs": pairs, "candidates": [
             {"pairs": p, "kernel_s": med[(p, "kernel")], "gemm_s": med[(p, "gemm")]} for p in GEMM_CANDIDATES]}
