@@ -390,8 +390,8 @@ def tables() -> dict[str, str]:
         out["bench_cachesim"] = _block("bench_cachesim.json",
                                        f"python scripts/bench_cachesim.py; git {_git(d, 'commit')}", cachesim_table(d))
     # (table, its results file, the function that draws it): the 48-layer run's file holds a decode and a prefill
-    for name, src, fn in (("bench_big", "bench_big", bigbench.table), ("bench_big_native", "bench_big_native",
-                                                                          bigbench.table),
+    for name, src, fn in (("bench_big", "bench_big", bigbench.table),
+                          ("bench_big_native", "bench_big_native", bigbench.table),
                           ("bench_decode_0.87gb", "bench_decode_0.87gb", bench.table),
                           ("replay_bf16", "replay_bf16", replay.table),
                           ("bench_big_prefill", "bench_big_prefill", bigprefill.table),

@@ -233,8 +233,9 @@ def bench(bins: Path, model: Path, threads: int, tokens: int, warmup: int = 0, d
           preexec=None, timeout_s: float = 3600, log: Path | None = None, extra: tuple[str, ...] = ()) -> dict:
     """One `llama-bench` process (mmap, its default; `extra`: more of its options, e.g. `--repack 0`): `-d depth`
     tokens of context, then `warmup` decoded tokens as one untimed test (when > 0) and `tokens` decoded tokens
-    `reps` times, timed by llama-bench (which also runs its own one-token warm-up before each test). `preexec`: run in the child before exec (joining a memory cgroup).
-    `log`: where llama-bench's own messages go (kept for a failed run's diagnosis).
+    `reps` times, timed by llama-bench (which also runs its own one-token warm-up before each test). `preexec`: run
+    in the child before exec (joining a memory cgroup). `log`: where llama-bench's own messages go (kept for a
+    failed run's diagnosis).
 
     Returns seconds per token (`tpot_s`: one figure per repetition, llama-bench's mean over its `tokens`), the
     child's own peak RSS and the bytes it read from storage: in all (its rusage from wait4, `ru_inblock`: the counter

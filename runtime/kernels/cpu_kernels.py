@@ -427,14 +427,14 @@ def swiglu_q_split(x, gu: dict, dn: dict, bits: int, group: int, slots, weights,
     if slots.numel() < need or torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad):
         return swiglu_q(x, gu, dn, bits, group, slots, weights)
     flat = slots.reshape(-1)
-    n_slots = gu["q"].shape[0]
-    if x.shape[0] != t_ or (flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n_slots)):
-        raise ValueError(f"swiglu_q_split: {x.shape[0]} rows of x for slots {tuple(slots.shape)} with indices in "
-                         f"[0, {n_slots})")  # the kernel's own check, which a call all through the GEMM skips
-    used, inv, cnt = torch.unique(flat, return_inverse=True, return_counts=True)
+    used, inv, cnt = torch.unique(flat, return_inverse=True, return_counts=True)  # `used` sorted
     big = cnt >= need
     if not bool(big.any()):
-        return swiglu_q(x, gu, dn, bits, group, slots, weights)
+        return swiglu_q(x, gu, dn, bits, group, slots, weights)  # (the kernel checks its inputs)
+    n_slots = gu["q"].shape[0]
+    if x.shape[0] != t_ or int(used[0]) < 0 or int(used[-1]) >= n_slots:
+        raise ValueError(f"swiglu_q_split: {x.shape[0]} rows of x for slots {tuple(slots.shape)} with indices in "
+                         f"[0, {n_slots})")  # the kernel's own check, which a call all through the GEMM skips
     tok = torch.arange(t_).repeat_interleave(k)
     wf = weights.reshape(-1)
     out = torch.zeros(t_, x.shape[-1], dtype=torch.float32)
