@@ -533,9 +533,9 @@ def test_the_time_budget_adds_up_and_puts_the_time_where_it_went(family_models):
     """Per token: expert compute, stall, other compute and overhead, each from its own clock (the kernels, the
     waits, the model's forward, run_layer, the decode loop's clock), none negative, summing to TPOT within 5%. All
     resident: not one wait, compute on both sides. A paced link at 1 MB/s with 2 of 8 experts resident: the steps
-    wait, and the reads never beat the link. Only what load cannot change is asserted (counts, clocks that are zero
-    or not, a pace the link's own sleeps bound); how much of TPOT the wait takes is a benchmark's figure
-    (`bench decode` prints the budget), not a test's."""
+    wait. Only what load cannot change is asserted: counts, and clocks that are zero or not. The link's pace is
+    `test_read_limits_measure_the_tier_as_the_engine_reads_it`'s, counted on a clock only its sleeps move; how much
+    of TPOT the wait takes is a benchmark's figure (`bench decode` prints the budget), not a test's."""
     from expertcache.runtime.serve.generate import timed_greedy
 
     model, path = family_models["qwen3_moe"]
@@ -562,8 +562,7 @@ def test_the_time_budget_adds_up_and_puts_the_time_where_it_went(family_models):
         assert b["expert_compute"] > 0 and b["other_compute"] > 0 and b["overhead"] > 0
         if slow:
             assert st.demand_loads > 0 and st.stall_s > 0 and st.read_busy_s > 0, st
-            gbps = st.per_token(None)["read_GBps_in_flight"]
-            assert 0 < gbps <= 0.00105, gbps  # never faster than the link (its sleeps see to it; slower is load)
+            assert st.per_token(None)["read_GBps_in_flight"] > 0  # the link's pace is counted, not timed: below
         else:
             assert st.stall_s == 0 and st.demand_loads == 0, st  # nothing was read, so nothing was waited for
             assert st.read_busy_s == 0 and st.per_token(None)["read_GBps_in_flight"] is None
