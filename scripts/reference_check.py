@@ -6,7 +6,12 @@ Imports both NumPy traces into Parquet with `expertcache trace import`'s code, t
   semantics (relative error of demand misses per token), with our token-granularity hit rate beside it;
 - reuse@lag1 and chance per layer against stickiness.csv (lag 1);
 - experts needed for 90/95/99% coverage per layer against working_set.csv.
-Prints one JSON object; `--out FILE` also writes it.
+Prints one JSON object; `--out FILE` also writes it (with the commit and configuration).
+
+`--ours TOKEN REFERENCE`: two `expertcache analyze` summaries of one of your own traces (`summary.json`, token and
+reference semantics) whose figures go beside Qwen's, the same figures taken the same way (the generated table of
+docs/telemetry.md: `--ours runs/routing/token/summary.json runs/routing/reference/summary.json --out
+results/routing_vs_qwen.json`).
 """
 
 from __future__ import annotations
@@ -46,11 +51,47 @@ def cache_table(ids_layer: np.ndarray, csv_path: Path) -> list[dict]:
     return rows
 
 
+CAP_FRAC = 0.125  # the capacity the docs' table compares at (Qwen: 17 of 128 experts, the paper's nearest row)
+
+
+def mine(token: str, reference: str) -> dict:
+    """The figures of two `analyze` summaries of one trace (token, then reference semantics) that the table sets
+    beside Qwen's: reuse@lag1 and chance over all layers, the share of experts serving 95% of accesses, each
+    policy's hit rate at CAP_FRAC of E (mean over layers) in both semantics, lookahead recall at distance 2."""
+    from expertcache.telemetry.errors import InputError
+
+    out = {}
+    for want, path in (("token", token), ("reference", reference)):
+        try:
+            s = json.loads(Path(path).read_text())
+            got = s["semantics"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise InputError(f"--ours {path}: not an `expertcache analyze` summary.json ({e})") from None
+        if got != want:
+            raise InputError(f"--ours {path}: --semantics {got}; expected {want} (TOKEN first, then REFERENCE)")
+        hits = {h["policy"]: h["hit_rate_per_layer"] for h in s["hit_curves"]
+                if abs(h["capacity_frac"] - CAP_FRAC) < 1e-9}
+        if not hits:
+            raise InputError(f"--ours {path}: no hit curve at {CAP_FRAC:g} of E (capacities {s['capacities']})")
+        out[f"hit_rate_{want}"] = hits
+        if want == "token":
+            r = s["routing"]
+            out.update({"model": Path(str(s["model"])).name, "num_experts": s["num_experts"], "top_k": s["top_k"],
+                        "tokens": r["tokens"], "phase": s["phase"], "reuse_lag1": r["reuse_lag1"],
+                        "coverage_95": r["coverage_mean"]["0.95"],
+                        "lookahead_recall_2": (s.get("lookahead_recall") or {}).get("2", {}).get("mean")})
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ref", default=str(DEFAULT_REF), help="the reference folder")
     ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--ours", nargs=2, default=None, metavar=("TOKEN", "REFERENCE"),
+                    help="two `expertcache analyze` summary.json files of one trace (--semantics token, then "
+                         "reference): their figures beside Qwen's")
     a = ap.parse_args()
+    ours = mine(*a.ours) if a.ours else None
     ref = Path(a.ref)
     if not (ref / "code.npz").is_file():
         print(f"reference data not found at {ref}", file=sys.stderr)
@@ -102,12 +143,13 @@ def main() -> int:
         }
     worst = max(d["layer24_max_abs_rel_err"] for d in result["domains"].values())
     result["table_within_2pct"] = worst <= 0.02
-    out = json.dumps(result, indent=2)
-    print(out)
+    if ours is not None:
+        result["ours"] = ours
+    print(json.dumps(result, indent=2))
     if a.out:
-        from expertcache.telemetry.atomic import write_text
+        from expertcache.runtime.bench.results import write_result
 
-        write_text(a.out, out)
+        write_result(a.out, result, config=vars(a))
     return 0
 
 

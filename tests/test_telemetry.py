@@ -311,3 +311,33 @@ def test_an_output_that_is_an_input_is_refused(tmp_path):
     with pytest.raises(InputError, match="is also an input"):
         import_trace(tmp_path / "t.npz", tmp_path / "." / "t.npz")
     assert (tmp_path / "t.npz").read_bytes() == before
+
+
+def test_a_traces_figures_go_beside_qwens_from_two_analyze_summaries(tmp_path):
+    """scripts/reference_check.py --ours TOKEN REFERENCE: the figures docs/telemetry.md's generated table sets
+    beside Qwen3-30B-A3B's come from `analyze` summaries of one trace, token semantics first; the order, or a file
+    that is no summary, is one line."""
+    import importlib.util
+
+    from expertcache.telemetry.analysis import analyze
+    from expertcache.telemetry.errors import InputError
+    from helpers import REPO
+
+    spec = importlib.util.spec_from_file_location("reference_check", REPO / "scripts" / "reference_check.py")
+    rc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rc)
+    trace = tmp_path / "t.parquet"
+    with TraceWriter(trace, _meta()) as w:
+        _rows(w, distinct_ids(np.random.default_rng(0), 16, (40, 2)))
+    tok = analyze(trace, tmp_path / "tok", by_domain=False)
+    ref = analyze(trace, tmp_path / "ref", by_domain=False, semantics="reference")
+    got = rc.mine(tmp_path / "tok" / "summary.json", tmp_path / "ref" / "summary.json")
+    at = [h for h in tok["hit_curves"] if h["capacity"] == 2]  # 1/8 of 16 experts
+    assert got["hit_rate_token"] == {h["policy"]: h["hit_rate_per_layer"] for h in at}
+    assert got["hit_rate_reference"]["belady"] == next(h["hit_rate_per_layer"] for h in ref["hit_curves"]
+                                                       if h["capacity"] == 2 and h["policy"] == "belady")
+    assert got["reuse_lag1"] == tok["routing"]["reuse_lag1"] and got["lookahead_recall_2"] is None
+    with pytest.raises(InputError, match="--semantics reference; expected token"):
+        rc.mine(tmp_path / "ref" / "summary.json", tmp_path / "tok" / "summary.json")
+    with pytest.raises(InputError, match="not an `expertcache analyze` summary.json"):
+        rc.mine(trace, tmp_path / "ref" / "summary.json")
