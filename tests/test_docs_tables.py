@@ -47,6 +47,39 @@ def test_a_drifted_table_is_caught_and_rewritten(gen, generated):
     assert "no table named 'nosuch'" in unknown
 
 
+FIGURE = re.compile(r"(?<![\w.])\d+\.\d+")  # a number with a decimal point: what a measurement prints
+FIGURES_MAX = 3  # an unmarked table may quote a threshold or a definition's constant, not a run's figures
+
+
+def unmarked_tables(text: str) -> list[tuple[int, int]]:
+    """(first line, decimal figures) of every table outside fenced code and outside `<!-- table:NAME -->` markers."""
+    out, marked, start, n = [], False, None, 0
+    for i, line in _prose(text) + [(None, "")]:
+        if line.startswith("<!-- table:"):
+            marked = True
+        elif line.startswith("<!-- /table:"):
+            marked = False
+        if line.startswith("|") and not marked:
+            start, n = start or i, n + len(FIGURE.findall(line))
+        elif start is not None:
+            out.append((start, n))
+            start, n = None, 0
+    return out
+
+
+def test_every_table_of_figures_is_generated(gen):
+    """A table that holds a run's figures lives between markers, so the generator writes it from its results file;
+    a table typed by hand (options, definitions, rooms) quotes at most FIGURES_MAX decimal numbers."""
+    bad = [f"{p.relative_to(ROOT)}:{i}: {n} figures" for p in gen.documents()
+           for i, n in unmarked_tables(p.read_text()) if n > FIGURES_MAX]
+    assert not bad, "tables typed by hand with a run's figures (put them in a results file and the generator):\n" \
+        + "\n".join(bad)
+    planted = "text\n| run | tokens/s |\n|---|---|\n| a | 1.25 |\n| b | 2.50 |\n| c | 3.75 |\n| d | 5.00 |\n"
+    assert unmarked_tables(planted) == [(2, 4)]  # the check itself can fail
+    assert unmarked_tables(f"<!-- table:x -->\n{planted}<!-- /table:x -->\n") == []
+    assert unmarked_tables(f"```\n{planted}```\n") == []
+
+
 def test_make_times_read_not_measured_until_measured(gen):
     assert gen.make_times_table(None).count(gen.NOT_MEASURED) == 3
     t = gen.make_times_table({"make-test-fast": {"wall_s": 126.4, "exit": 0, "commit": "abc1234", "cpus": 2,
