@@ -222,7 +222,8 @@ def frontier_row(name: str, serving: str, res: dict | None, g: dict, caps: dict 
            # the gate's paired intervals (in %, in points), the samples they rest on, and the three-way verdict
            "dppl_overall_ci95": g["dppl_overall_ci95"], "dppl_max_domain_ci95": g["dppl_max_domain_ci95"],
            "dacc_ci95": g["dacc_ci95"], "dacc_method": g.get("dacc_method"), "n_blocks": g["n_blocks"],
-           "n_documents": g["n_documents"], "gate": g["gate"], "failures": g["failures"], "unresolved": g["unresolved"], "resolve": g["resolve"],
+           "n_documents": g["n_documents"], "gate": g["gate"], "failures": g["failures"],
+           "unresolved": g["unresolved"], "resolve": g["resolve"],
            "dppl_percent": d, "dacc_points": g["dacc_points"]}
     if res is None:
         return row

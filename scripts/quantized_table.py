@@ -229,7 +229,8 @@ def main() -> None:
                      "dppl_overall_ci95": g["dppl_overall_ci95"], "dppl_max_domain_ci95": g["dppl_max_domain_ci95"],
                      "dacc_points": g["dacc_points"], "dacc_ci95": g["dacc_ci95"], "n_blocks": g["n_blocks"],
                      "n_documents": g["n_documents"], "gate": g["gate"], "failures": g["failures"],
-                     "dacc_method": g.get("dacc_method"), "expert_bytes": stored, "expert_bytes_ratio": stored / bf16_bytes,
+                     "dacc_method": g.get("dacc_method"),
+                     "expert_bytes": stored, "expert_bytes_ratio": stored / bf16_bytes,
                      "relative_error_max": err,
                      # the bf16 row's copy stores the rounded weights in the base's fp32: its decode would move
                      # fp32 bytes, so it has none (the bytes column is what bf16 storage takes)

@@ -77,8 +77,8 @@ def mine(token: str, reference: str) -> dict:
         if want == "token":
             r = s["routing"]
             m = Path(str(s["model"]))  # a folder's name (runs/base-tiny/model: base-tiny/model), no machine path
-            out.update({"model": "/".join(m.parts[-2:]) if m.name == "model" else m.name, "num_experts": s["num_experts"], "top_k": s["top_k"],
-                        "tokens": r["tokens"], "phase": s["phase"], "reuse_lag1": r["reuse_lag1"],
+            out.update({"model": "/".join(m.parts[-2:]) if m.name == "model" else m.name,
+                        "num_experts": s["num_experts"], "top_k": s["top_k"], "tokens": r["tokens"], "phase": s["phase"], "reuse_lag1": r["reuse_lag1"],
                         "coverage_95": r["coverage_mean"]["0.95"],
                         "lookahead_recall_2": (s.get("lookahead_recall") or {}).get("2", {}).get("mean")})
     return out

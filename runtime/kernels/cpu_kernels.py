@@ -233,13 +233,10 @@ def measure_prefetch(rounds: int = 7, calls: int = 8, pool: int = 24) -> dict:
         g = torch.Generator().manual_seed(0)
         x = (torch.randn(1, H, generator=g) * 0.5).bfloat16()
         w = torch.full((1, k), 1.0 / k)
-        def packed(rows, cols, bits):
-            return _packed_pool(pool, rows, cols, bits)
-
         draws = [torch.randperm(pool, generator=g)[:k][None] for _ in range(calls)]
         out = {}
         for bits in (8, 4):
-            gu, dn = packed(2 * I, H, bits), packed(H, I, bits)
+            gu, dn = _packed_pool(pool, 2 * I, H, bits), _packed_pool(pool, H, I, bits)
             fmt = f"int{bits}"
             cands = [(d, s) for d in TUNE_DISTANCES for s in (TUNE_SCALE_ROWS if bits == 4 else (was["scale_rows"],))]
             for s in draws[:2]:  # warm: the first touch of the pool's pages is not a kernel's time
