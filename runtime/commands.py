@@ -177,7 +177,10 @@ def bench_big(out_dir: str = "runs/bench-big", trace: Optional[str] = None, budg
             --routing native: it is built from the PyPI sdist's source and the checkpoint converted to a BF16
             GGUF the first time, which takes tens of minutes and as much disk as the checkpoint; accelerate writes
             a converted copy of what the budget leaves out, deleted when done. Either is skipped, with the reason
-            in the JSON, when the disk cannot hold it). An expertcache
+            in the JSON, when the disk cannot hold it), vllm (in the cgroup), vllm:unbounded (vLLM's CPU build,
+            --routing native, from its own venv, which `python scripts/vllm_peer.py --build_only` makes once;
+            it loads every weight before it runs, so it is skipped, saying so, where the checkpoint does not fit
+            in the memory it would have: e.g. with --layers 4). An expertcache
             system may add engine options after slashes, over --engine's, to compare configurations in one
             alternated run: e.g. [expertcache:on-demand,expertcache:on-demand/victims=false]
         layers: MoE layers (default: experts >= ram_factor x RAM)

