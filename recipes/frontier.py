@@ -19,6 +19,7 @@ other figures (1/4 of E, Belady, the λ = 0 control, the Temporal router) where 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from expertcache.telemetry.atomic import write_json
@@ -84,6 +85,48 @@ def with_blocks(r: dict, p: dict, blocks: int, seq: int) -> dict:
     return out
 
 
+def documents_to_grow(g: dict, limit: int, cap: int) -> tuple[dict[str, int], str | None]:
+    """`({task: documents}, why not)` for a plain row's gate: where it is INCONCLUSIVE on accuracy alone (perplexity
+    resolved, nothing failing), each unresolved task with the documents that would resolve it, a quarter above the
+    gate's estimate (`evals.commands.GROWTH_MARGIN`: an interval that just touches its threshold at today's estimate
+    resolves only half the time), at most `cap`. Nothing (and the reason) when more documents cannot decide the
+    row: a task whose held-out text gave fewer than `limit` (it has no more), or an estimate on its threshold."""
+    from expertcache.evals.commands import GROWTH_MARGIN
+
+    r = g.get("resolve") or {}
+    if g.get("gate") != "INCONCLUSIVE" or g.get("failures") or r.get("blocks_per_domain") is not None:
+        return {}, "not INCONCLUSIVE on accuracy alone"
+    want = {}
+    for task, need in (r.get("documents") or {}).items():
+        have = (g.get("n_documents") or {}).get(task, 0)
+        if need == -1:
+            return {}, f"{task}: its estimate sits on the threshold (no number of documents resolves it)"
+        if not isinstance(need, int) or need <= have:
+            continue
+        if have < limit:
+            return {}, f"{task}: the held-out text gave {have} documents, ~{need} would resolve it"
+        want[task] = min(math.ceil(need * GROWTH_MARGIN), cap)
+    want = {t: n for t, n in want.items() if n > (g.get("n_documents") or {}).get(t, 0)}
+    return want, None if want else "no task can grow within frontier.grow_documents"
+
+
+TASK_FIELDS = ("lm_eval", "lm_eval_samples", "lm_eval_docs", "n_documents", "lm_eval_versions")
+
+
+def with_tasks(r: dict, p: dict, tasks: list[str]) -> dict:
+    """Eval `r` with `tasks`' documents replaced by eval `p`'s (the same model and serving, those tasks on more
+    documents); every other task and the step-wise part stay `r`'s. `grown` records each replaced task's
+    documents before and after, and the seconds of both evaluations are added."""
+    out = dict(r)
+    for k in TASK_FIELDS:
+        out[k] = {**(r.get(k) or {}), **{t: v for t, v in (p.get(k) or {}).items() if t in tasks}}
+    mine = [n for n in p.get("sample_notes", []) if n.split(":", 1)[0] in tasks]
+    out["sample_notes"] = [n for n in r.get("sample_notes", []) if n.split(":", 1)[0] not in tasks] + mine
+    out["grown"] = {t: [(r.get("n_documents") or {}).get(t), out["n_documents"].get(t)] for t in tasks}
+    out["seconds"] = round((r.get("seconds") or 0) + (p.get("seconds") or 0), 1)
+    return out
+
+
 def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> list[dict]:
     """Every variant in turn: trained (or its finished run reused), evaluated and gated, and the rows so far
     written (JSON and plot) after each one, so an interrupted frontier keeps what it measured."""
@@ -109,7 +152,7 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
     evals = out / "evals"
     kw = dict(corpus=recipe.data.corpus, task_dir=evals / "task-data", split=f.split)
 
-    def ev(model, name, engine=None, lossy=False, ppl_only=False):
+    def ev(model, name, engine=None, lossy=False, ppl_only=False, grown=None):
         # served rows count the cache's demand loads token by token, as decoding sees them (a lossless policy's
         # batched evaluation would count whole blocks: the base's LRU loads must be comparable to reroute's)
         method = "token" if engine is not None else "auto"
@@ -118,6 +161,10 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
         if ppl_only:  # only the step-wise blocks' figures are read (the base's LRU demand loads)
             tasks, limit = [], None
         blocks, seq = (f.lossy_ppl_blocks, f.lossy_seq_len) if lossy else (f.ppl_blocks, f.seq_len)
+        where = kw
+        if grown is not None:  # (tasks, documents): those tasks alone, on more documents, no blocks; their task
+            (tasks, limit), blocks = grown, 0  # data built apart, so the documents every other eval read stay
+            where = {**kw, "task_dir": evals / f"task-data-{limit}"}
         label = "plain" if engine is None else engine.label()
         path = evals / f"{name}.json"
         if path.is_file():
@@ -136,13 +183,13 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
                     log(f"[frontier] eval {name} [{label}]: the step-wise blocks again ({blocks} of {seq} tokens "
                         f"per domain; the documents' scores kept)")
                     p = evaluate(model, engine=engine, tasks=[], limit=None, ppl_blocks=blocks, seq_len=seq,
-                                 stepwise=method, accuracy=accuracy, **kw)
+                                 stepwise=method, accuracy=accuracy, **where)
                     r = with_blocks(r, p, blocks, seq)
                     write_json(path, r)
                     return r
         log(f"[frontier] eval {name} [{label}]")
         r = evaluate(model, engine=engine, tasks=tasks, limit=limit, ppl_blocks=blocks, seq_len=seq, stepwise=method,
-                     accuracy=accuracy, **kw)
+                     accuracy=accuracy, **where)
         r["asked_blocks"] = [blocks, seq]
         write_json(path, r)
         return r
@@ -175,7 +222,8 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
         # each row says where it came from: the commit, and the recipe, variant and evaluation samples it ran with
         ev_sizes = ({"tasks": f.lossy_tasks, "limit": f.lossy_limit, "ppl_blocks": f.lossy_ppl_blocks,
                      "seq_len": f.lossy_seq_len, "accuracy": f.lossy_accuracy} if row["serving"] == "reroute" else
-                    {"tasks": f.tasks, "limit": f.limit, "ppl_blocks": f.ppl_blocks, "seq_len": f.seq_len})
+                    {"tasks": f.tasks, "limit": f.limit, "ppl_blocks": f.ppl_blocks, "seq_len": f.seq_len,
+                     "grow_documents": f.grow_documents if row["name"] in f.grow else None})
         row.update(commit=commit, command=f"expertcache train-cache-aware --recipe {recipe.name}",
                    config={"recipe": recipe.name, "base": recipe.base, "split": f.split,
                            "variant": list(f.variants.get(row["name"], [])), "eval": ev_sizes})
@@ -204,8 +252,25 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
         if name == f.control:
             control = res
         model = str(Path(res["out_dir"]) / "model")
-        g = gate(base_plain, ev(model, f"{name}-plain"))
-        rows.append(frontier_row(name, "plain", res, g, res["summary"]["capacities"], control))
+        cand = ev(model, f"{name}-plain")
+        g = gate(base_plain, cand)
+        grown = None
+        if name in f.grow and g["gate"] == "INCONCLUSIVE":
+            want, why = documents_to_grow(g, f.limit, f.grow_documents)
+            if want:  # one document count for the tasks grown (the most any asks), in one evaluation per model
+                tasks, n = sorted(want), max(want.values())
+                log(f"[frontier] {name} INCONCLUSIVE on accuracy ({', '.join(g['unresolved'])}): the base and "
+                    f"{name} again on {n} documents of {', '.join(tasks)}")
+                key = f"grown{n}-{'+'.join(tasks)}"
+                g = gate(with_tasks(base_plain, ev(base, f"base-plain-{key}", grown=(tasks, n)), tasks),
+                         with_tasks(cand, ev(model, f"{name}-plain-{key}", grown=(tasks, n)), tasks))
+                grown = {t: g["n_documents"].get(t) for t in tasks}
+            else:
+                log(f"[frontier] {name} INCONCLUSIVE, not grown: {why}")
+        row = frontier_row(name, "plain", res, g, res["summary"]["capacities"], control)
+        if grown:
+            row["grown_documents"] = grown  # tasks evaluated again on more documents (their counts in n_documents)
+        rows.append(row)
         if name in f.reroute:
             rows.append(served_row(name, model, res, control, point))
         publish()

@@ -466,6 +466,40 @@ def test_serving_aware_run_with_the_margin_loss_logs_its_reroutes(tiny_data, tin
         run_cache_aware(too_small)
 
 
+def test_a_frontier_row_grows_only_the_accuracy_tasks_more_documents_can_decide():
+    """frontier.grow_documents: a row INCONCLUSIVE on accuracy alone grows each unresolved task to a quarter above
+    the gate's estimate, within the cap; nothing grows while perplexity is unresolved or failing, where a task's
+    held-out text is spent (it gave fewer than asked), or where an estimate sits on its threshold. The grown eval
+    replaces those tasks' documents and keeps the rest, the step-wise part included."""
+    from expertcache.recipes.frontier import documents_to_grow, with_tasks
+
+    g = {"gate": "INCONCLUSIVE", "failures": [], "n_documents": {"ec_cloze_math": 2000, "ec_cloze_prose": 833},
+         "resolve": {"blocks_per_domain": None, "documents": {"ec_cloze_math": 11756, "ec_cloze_prose": None}}}
+    assert documents_to_grow(g, 2000, 20000) == ({"ec_cloze_math": 14695}, None)  # ceil(11756 x 1.25)
+    assert documents_to_grow(g, 2000, 8000) == ({"ec_cloze_math": 8000}, None)
+    spent = {**g, "resolve": {"blocks_per_domain": None, "documents": {"ec_cloze_math": 11756, "ec_cloze_prose": 1221}}}
+    want, why = documents_to_grow(spent, 2000, 20000)
+    assert want == {} and why.startswith("ec_cloze_prose: the held-out text gave 833 documents, ~1221")
+    on_edge = {**g, "resolve": {"blocks_per_domain": None, "documents": {"ec_cloze_math": -1}}}
+    assert documents_to_grow(on_edge, 2000, 20000)[0] == {}
+    for other in ({**g, "resolve": {"blocks_per_domain": 40, "documents": {"ec_cloze_math": 11756}}},
+                  {**g, "gate": "FAIL", "failures": ["Δppl"]}, {**g, "gate": "PASS"}):
+        assert documents_to_grow(other, 2000, 20000)[0] == {}
+    r = {"lm_eval": {"a": {"acc": 0.5}, "b": {"acc": 0.7}}, "lm_eval_docs": {"a": {"acc": [1, 0]}, "b": {"acc": [1]}},
+         "lm_eval_samples": {"a": {"effective": 2}, "b": {"effective": 1}}, "n_documents": {"a": 2, "b": 1},
+         "lm_eval_versions": {"a": 1, "b": 1}, "stepwise": {"ppl": {"overall": 3.0}}, "seconds": 10.0,
+         "sample_notes": ["a: 2 documents, 4 asked (the task data has no more)", "code: 3 blocks of 8 tokens"]}
+    p = {"lm_eval": {"a": {"acc": 0.25}}, "lm_eval_docs": {"a": {"acc": [1, 0, 0, 0]}},
+         "lm_eval_samples": {"a": {"effective": 4}}, "n_documents": {"a": 4}, "lm_eval_versions": {"a": 1},
+         "stepwise": None, "seconds": 5.0, "sample_notes": []}
+    out = with_tasks(r, p, ["a"])
+    assert out["lm_eval_docs"] == {"a": {"acc": [1, 0, 0, 0]}, "b": {"acc": [1]}}
+    assert out["n_documents"] == {"a": 4, "b": 1}
+    assert out["lm_eval"]["a"] == {"acc": 0.25} and out["lm_eval"]["b"] == {"acc": 0.7}
+    assert out["stepwise"] == r["stepwise"] and out["grown"] == {"a": [2, 4]} and out["seconds"] == 15.0
+    assert out["sample_notes"] == ["code: 3 blocks of 8 tokens"]  # a's note was about its smaller sample
+
+
 def test_frontier_trains_each_variant_once_gates_it_and_writes_rows(tiny_data, tiny_base, tmp_path):
     from expertcache.recipes.frontier import run_frontier
     from expertcache.trainer.cache_aware import CacheAwareRecipe

@@ -314,6 +314,11 @@ class FrontierSpec:
                               "documents; loglikelihood tasks only)")
     lossy_ppl_blocks: int = opt(4, "step-wise perplexity blocks per domain, reroute rows")
     lossy_seq_len: int = opt(128, "tokens per step-wise block, reroute rows")
+    grow: list[str] = opt([], "variants whose plain row, when INCONCLUSIVE on accuracy alone and the held-out text "
+                          "can grow its unresolved tasks, is decided on more documents: the base and the variant "
+                          "evaluated again on those tasks with the documents the gate asks for (a quarter above its "
+                          "estimate, at most grow_documents per task) and gated on them")
+    grow_documents: int = opt(8000, "the most documents per task a grown row is evaluated on")
     out: str = opt("results/frontier.json", "the rows (a JSON list); the plot is written beside it (.png)")
 
     def __post_init__(self):
@@ -334,6 +339,11 @@ class FrontierSpec:
         if min(self.limit, self.ppl_blocks, self.seq_len, self.lossy_limit, self.lossy_ppl_blocks,
                self.lossy_seq_len) < 1:
             raise RecipeError("frontier limits, blocks and sequence lengths must be >= 1")
+        if [g for g in self.grow if g not in self.variants]:
+            raise RecipeError(f"frontier.grow names {[g for g in self.grow if g not in self.variants][0]!r}, which "
+                              f"is not a variant")
+        if self.grow_documents < 1:
+            raise RecipeError(f"frontier.grow_documents={self.grow_documents}: expected a document count >= 1")
 
 
 @dataclass
