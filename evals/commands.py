@@ -280,7 +280,7 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
 
     from expertcache.telemetry.stats import check_bootstrap
 
-    from .gate import format_gate, gate as judge, load_eval
+    from .gate import format_gate, gate as judge, load_eval, with_tasks
     from .run import evaluate
 
     from expertcache.telemetry.atomic import check_output
@@ -295,20 +295,24 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
 
     from expertcache.telemetry.progress import Progress
 
-    def load(x: str, served: Optional[EngineConfig], side: str, rnd: int) -> dict:
+    def load(x: str, served: Optional[EngineConfig], side: str, rnd: int, only=None) -> dict:
         if Path(x).suffix == ".json":
             return load_eval(x)
         with Progress(transient=True) as prog:  # a growing gate runs for minutes: show where it is (#46)
             what = (f"gate round {rnd}/{grow + 1}: " if grow else "") + f"{side} step-wise perplexity"
             task = prog.add_task(what, total=ppl_blocks * 3)
+            if only is not None:  # (tasks, documents): those tasks alone on more documents, no blocks, their task
+                ts, n = only  # data built apart (the documents already scored stay what they were)
+                return evaluate(x, corpus, served, ts, None, f"{task_dir}-{n}", n, 0, seq_len,
+                                include_path=include_path, dtype=dtype, device=device)
             return evaluate(x, corpus, served, tasks, None, task_dir, limit, ppl_blocks, seq_len,
                             include_path=include_path, dtype=dtype, device=device,
                             progress=lambda: prog.advance(task))
 
     th = GateThresholds(max_dppl, max_dppl_domain, min_dacc)
     t0 = time.time()
-    g = judge(load(baseline, None, "baseline", 1), load(candidate, engine, "candidate", 1), th, confidence,
-              resamples, seed)
+    sides = [load(baseline, None, "baseline", 1), load(candidate, engine, "candidate", 1)]
+    g = judge(*sides, th, confidence, resamples, seed)
     rounds = [_round(g, ppl_blocks, limit, time.time() - t0)]
     notes: list[str] = []
     for _ in range(grow):
@@ -319,19 +323,29 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
         notes += why
         if (nb, nl) == (ppl_blocks, limit):
             break
+        # the blocks resolve and only documents grow: the tasks left unresolved alone are evaluated again, the
+        # blocks and every other task's documents kept (a cloze task on 12,000 documents need not bring the rest)
+        only = unresolved_tasks(g) if nb == ppl_blocks and nl is not None and all(Path(x).suffix != ".json" for x
+                                                                                 in (baseline, candidate)) else []
         # the next round's cost at the last one's pace: it grows with the blocks (and documents) evaluated
         scale = max(nb / max(ppl_blocks, 1), (nl or 0) / max(limit or nl or 1, 1))
         print(f"gate: round {len(rounds)}/{grow + 1} INCONCLUSIVE on {g['n_blocks']} blocks per domain"
               + (f" and {max(g['n_documents'].values())} documents per task" if g["n_documents"] else "")
               + "".join(f" ({u})" for u in g["unresolved"][:1])
-              + f"; round {len(rounds) + 1}: both again on {nb} blocks" + (f" and {nl} documents" if nl is not None
-                                                                           else "")
+              + (f"; round {len(rounds) + 1}: {', '.join(only)} again on {nl} documents (the blocks and other "
+                 f"tasks kept)" if only else f"; round {len(rounds) + 1}: both again on {nb} blocks"
+                 + (f" and {nl} documents" if nl is not None else ""))
               + f", ~{rounds[-1]['seconds'] * scale:.0f} s at the last round's pace", file=sys.stderr)
         ppl_blocks, limit = nb, nl
         t0 = time.time()
-        g = judge(load(baseline, None, "baseline", len(rounds) + 1),
-                  load(candidate, engine, "candidate", len(rounds) + 1), th, confidence, resamples, seed)
-        rounds.append(_round(g, ppl_blocks, limit, time.time() - t0))
+        rnd = len(rounds) + 1
+        if only:
+            sides = [with_tasks(sides[0], load(baseline, None, "baseline", rnd, (only, nl)), only),
+                     with_tasks(sides[1], load(candidate, engine, "candidate", rnd, (only, nl)), only)]
+        else:
+            sides = [load(baseline, None, "baseline", rnd), load(candidate, engine, "candidate", rnd)]
+        g = judge(*sides, th, confidence, resamples, seed)
+        rounds.append({**_round(g, ppl_blocks, limit, time.time() - t0), "tasks_grown": only or None})
     if grow:
         if g["gate"] == "INCONCLUSIVE" and len(rounds) == grow + 1:
             notes.append(f"still INCONCLUSIVE after {grow} growth round(s): --grow more, or accept the interval")
@@ -346,6 +360,13 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
 
 
 GROWTH_MARGIN = 1.25  # a resolve count is where the interval would just touch its threshold at today's estimate
+
+
+def unresolved_tasks(g: dict) -> list[str]:
+    """The accuracy tasks an INCONCLUSIVE gate asks more documents of than it had (its `resolve`)."""
+    have = g.get("n_documents") or {}
+    return sorted(t for t, n in ((g.get("resolve") or {}).get("documents") or {}).items()
+                  if isinstance(n, int) and n > have.get(t, 0))
 
 
 def _round(g: dict, ppl_blocks: int, limit: Optional[int], seconds: float) -> dict:

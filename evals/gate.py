@@ -304,6 +304,24 @@ def gate(baseline: dict, candidate: dict, th: GateThresholds = GateThresholds(),
             "failures": fails, "unresolved": v["unresolved"], "resolve": v["resolve"]}
 
 
+TASK_FIELDS = ("lm_eval", "lm_eval_samples", "lm_eval_docs", "n_documents", "lm_eval_versions")
+
+
+def with_tasks(r: dict, p: dict, tasks: list[str]) -> dict:
+    """Eval `r` with `tasks`' documents replaced by eval `p`'s (the same model and serving, those tasks on more
+    documents: a growing gate's round, or a frontier row decided on more documents); every other task and the
+    step-wise part stay `r`'s; both sides of a gate are replaced alike (their documents are compared). `grown`
+    records each replaced task's documents before and after, and the seconds of both evaluations are added."""
+    out = dict(r)
+    for k in TASK_FIELDS:
+        out[k] = {**(r.get(k) or {}), **{t: v for t, v in (p.get(k) or {}).items() if t in tasks}}
+    mine = [n for n in p.get("sample_notes", []) if n.split(":", 1)[0] in tasks]
+    out["sample_notes"] = [n for n in r.get("sample_notes", []) if n.split(":", 1)[0] not in tasks] + mine
+    out["grown"] = {t: [(r.get("n_documents") or {}).get(t), out["n_documents"].get(t)] for t in tasks}
+    out["seconds"] = round((r.get("seconds") or 0) + (p.get("seconds") or 0), 1)
+    return out
+
+
 def _side(res: dict) -> dict:
     """What one side of the gate evaluated: enough for `eval --size_from` to evaluate that configuration again."""
     shapes = [s for s in (res.get("stepwise_blocks") or {}).values() if isinstance(s, list) and len(s) == 2]

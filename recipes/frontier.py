@@ -110,27 +110,10 @@ def documents_to_grow(g: dict, limit: int, cap: int) -> tuple[dict[str, int], st
     return want, None if want else "no task can grow within frontier.grow_documents"
 
 
-TASK_FIELDS = ("lm_eval", "lm_eval_samples", "lm_eval_docs", "n_documents", "lm_eval_versions")
-
-
-def with_tasks(r: dict, p: dict, tasks: list[str]) -> dict:
-    """Eval `r` with `tasks`' documents replaced by eval `p`'s (the same model and serving, those tasks on more
-    documents); every other task and the step-wise part stay `r`'s. `grown` records each replaced task's
-    documents before and after, and the seconds of both evaluations are added."""
-    out = dict(r)
-    for k in TASK_FIELDS:
-        out[k] = {**(r.get(k) or {}), **{t: v for t, v in (p.get(k) or {}).items() if t in tasks}}
-    mine = [n for n in p.get("sample_notes", []) if n.split(":", 1)[0] in tasks]
-    out["sample_notes"] = [n for n in r.get("sample_notes", []) if n.split(":", 1)[0] not in tasks] + mine
-    out["grown"] = {t: [(r.get("n_documents") or {}).get(t), out["n_documents"].get(t)] for t in tasks}
-    out["seconds"] = round((r.get("seconds") or 0) + (p.get("seconds") or 0), 1)
-    return out
-
-
 def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> list[dict]:
     """Every variant in turn: trained (or its finished run reused), evaluated and gated, and the rows so far
     written (JSON and plot) after each one, so an interrupted frontier keeps what it measured."""
-    from expertcache.evals.gate import EVAL_FORMAT_VERSION, gate
+    from expertcache.evals.gate import EVAL_FORMAT_VERSION, gate, with_tasks
     from expertcache.evals.run import evaluate
     from expertcache.runtime.engine.config import EngineConfig
     from expertcache.trainer.cache_aware import run_cache_aware

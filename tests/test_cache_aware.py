@@ -471,7 +471,8 @@ def test_a_frontier_row_grows_only_the_accuracy_tasks_more_documents_can_decide(
     the gate's estimate, within the cap; nothing grows while perplexity is unresolved or failing, where a task's
     held-out text is spent (it gave fewer than asked), or where an estimate sits on its threshold. The grown eval
     replaces those tasks' documents and keeps the rest, the step-wise part included."""
-    from expertcache.recipes.frontier import documents_to_grow, with_tasks
+    from expertcache.evals.gate import with_tasks
+    from expertcache.recipes.frontier import documents_to_grow
 
     g = {"gate": "INCONCLUSIVE", "failures": [], "n_documents": {"ec_cloze_math": 2000, "ec_cloze_prose": 833},
          "resolve": {"blocks_per_domain": None, "documents": {"ec_cloze_math": 11756, "ec_cloze_prose": None}}}

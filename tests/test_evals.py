@@ -612,6 +612,18 @@ def test_gate_grows_an_inconclusive_sample_and_says_when_it_cannot(evals, tiny_d
     assert " s at the last round's pace" in line
     if grown["gate"] == "INCONCLUSIVE":  # the text ran out, or the rounds did: a note says which
         assert grown["sizing"]["notes"], grown["sizing"]
+    # the blocks resolve and accuracy does not: only the unresolved task is evaluated again, on more documents;
+    # the blocks and the step-wise figures are the first round's
+    capsys.readouterr()
+    acc = gate_cmd(str(evals["base_model"]), str(cand), **{**kw, "tasks": ["ec_math_em"], "limit": 3,
+                                                           "min_dacc": -1.0}, max_dppl=1e6, grow=1, max_documents=6)
+    first, second = acc["sizing"]["rounds"]
+    assert first["gate"] == "INCONCLUSIVE" and first["resolve"]["blocks_per_domain"] is None
+    assert second["tasks_grown"] == ["ec_math_em"] and second["ppl_blocks"] == first["ppl_blocks"]
+    assert second["n_blocks"] == first["n_blocks"] and acc["dppl_overall_ci95"] == first["dppl_overall_ci95"]
+    assert second["limit"] == 6 and acc["n_documents"]["ec_math_em"] > 3
+    assert (evals["root"] / "tasks-6").is_dir()  # the grown documents' task data, built apart
+    assert "ec_math_em again on 6 documents (the blocks and other tasks kept)" in capsys.readouterr().err
     # the caps and the text stop the growth, with a note
     g = {"resolve": {"blocks_per_domain": 40, "documents": {"t": 30}}, "n_blocks": 14, "n_documents": {"t": 8}}
     assert grow_sample(g, 14, 8, 256, 128)[:2] == (50, 38)
