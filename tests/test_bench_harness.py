@@ -168,19 +168,20 @@ def test_bench_big_refuses_a_system_nobody_registered_in_one_line(tmp_path, caps
     from expertcache.recipes.cli import main
     from expertcache.runtime.bench.bigbench import SYSTEM_REGISTRY, SYSTEMS, parse_system, system_entry
 
-    listing = "expertcache:<config>, accelerate, mmap[:<unbounded>], llama.cpp[:<variant>]"
-    for bad in ("vllm", "mmap:bounded", "expertcache:eager"):
+    listing = "expertcache:<config>, accelerate, mmap[:<unbounded>], llama.cpp[:<variant>], vllm[:<variant>]"
+    for bad in ("sglang", "mmap:bounded", "vllm:offload", "expertcache:eager"):
         assert main(["bench", "big", "--systems", f"[{bad}]", "--out_dir", str(tmp_path / "d"),
                      "--out", str(tmp_path / "b.json")]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and f"system {bad!r}" in err[0], err
         assert not (tmp_path / "d").exists()
-    assert f"unknown system 'vllm'; expected one of: {listing}" in (
-        pytest.raises(InputError, parse_system, "vllm").value.args[0])
+    assert f"unknown system 'sglang'; expected one of: {listing}" in (
+        pytest.raises(InputError, parse_system, "sglang").value.args[0])
     assert SYSTEM_REGISTRY.listing() == listing
     assert SYSTEMS == ("expertcache:on-demand", "expertcache:prefetch", "accelerate", "mmap", "mmap:unbounded",
-                       "llama.cpp", "llama.cpp:unbounded", "llama.cpp:no-repack")
+                       "llama.cpp", "llama.cpp:unbounded", "llama.cpp:no-repack", "vllm", "vllm:unbounded")
     assert system_entry("llama.cpp:unbounded").native_only and not system_entry("llama.cpp").own_process
+    assert system_entry("vllm:unbounded").native_only and not system_entry("vllm").own_process
     from expertcache.runtime.bench.bigbench import llamacpp_options
 
     assert llamacpp_options("llama.cpp:no-repack") == ("--repack", "0") and llamacpp_options("llama.cpp") == ()
