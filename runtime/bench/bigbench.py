@@ -1077,10 +1077,12 @@ def table(res: dict) -> str:
             + f" / {rb['one_at_a_time_GBps']:.2f} / {rb['at_queue_depth_GBps']:.2f} (depth {rb['queue_depth']:.0f})"
         peak = f"{r['cgroup_peak_bytes'] / 2**30:.2f}" if r.get("cgroup_peak_bytes") else "unbounded"
         name = s + (" (a limit: reads the trace's future)" if r.get("realisable") is False else "")
+        read = f"{r['disk_read_bytes_per_token'] / 1e6:.0f}" + (" (with loading)" if r.get("disk_read_includes_load")
+                                                                else "")
+        hit = f"{r['hit_rate']:.3f}" if "hit_rate" in r else "—"  # a peer keeps no cache of experts to count
         rows.append(f"| {name} | {r['tpot_median_s']:.3f} | "
                     f"{', '.join(f'{x:.3f}' for x in r.get('tpot_round_medians_s', []))} | {r['tpot_p90_s']:.3f} | "
-                    f"{r['peak_rss_bytes'] / 2**30:.2f} | {peak} | {r['disk_read_bytes_per_token'] / 1e6:.0f} | "
-                    f"{r.get('hit_rate', float('nan')):.3f} | {budget} | {reads} |")
+                    f"{r['peak_rss_bytes'] / 2**30:.2f} | {peak} | {read} | {hit} | {budget} | {reads} |")
     roof = {s: r["roofline"] for s, r in res["systems"].items() if r.get("roofline")}
     if roof:
         def loads(r):  # rows written before these counters existed show none
