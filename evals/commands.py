@@ -298,13 +298,15 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
     def load(x: str, served: Optional[EngineConfig], side: str, rnd: int, only=None) -> dict:
         if Path(x).suffix == ".json":
             return load_eval(x)
+        if only is not None:  # (tasks, documents): those tasks alone on more documents, no blocks, their task
+            ts, n = only  # data built apart (the documents already scored stay what they were)
+            print(f"gate: round {rnd}/{grow + 1}: {side}'s {', '.join(ts)} on {n} documents", file=sys.stderr)
+            apart = Path(task_dir).with_name(f"{Path(task_dir).name}-{n}")
+            return evaluate(x, corpus, served, ts, None, apart, n, 0, seq_len, include_path=include_path,
+                            dtype=dtype, device=device)
         with Progress(transient=True) as prog:  # a growing gate runs for minutes: show where it is (#46)
             what = (f"gate round {rnd}/{grow + 1}: " if grow else "") + f"{side} step-wise perplexity"
             task = prog.add_task(what, total=ppl_blocks * 3)
-            if only is not None:  # (tasks, documents): those tasks alone on more documents, no blocks, their task
-                ts, n = only  # data built apart (the documents already scored stay what they were)
-                return evaluate(x, corpus, served, ts, None, f"{task_dir}-{n}", n, 0, seq_len,
-                                include_path=include_path, dtype=dtype, device=device)
             return evaluate(x, corpus, served, tasks, None, task_dir, limit, ppl_blocks, seq_len,
                             include_path=include_path, dtype=dtype, device=device,
                             progress=lambda: prog.advance(task))
@@ -345,6 +347,7 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
         else:
             sides = [load(baseline, None, "baseline", rnd), load(candidate, engine, "candidate", rnd)]
         g = judge(*sides, th, confidence, resamples, seed)
+        # (a round that grew some tasks: `limit` is theirs, the others kept the documents they had)
         rounds.append({**_round(g, ppl_blocks, limit, time.time() - t0), "tasks_grown": only or None})
     if grow:
         if g["gate"] == "INCONCLUSIVE" and len(rounds) == grow + 1:

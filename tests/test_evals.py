@@ -571,7 +571,7 @@ def test_a_task_folder_built_for_fewer_documents_is_built_again_for_the_limit(ti
     assert any(n.startswith(f"ec_cloze_prose: {held} documents, 3000 asked") for n in r["sample_notes"])
 
 
-def test_gate_grows_an_inconclusive_sample_and_says_when_it_cannot(evals, tiny_data, tmp_path, capsys):
+def test_gate_grows_an_inconclusive_sample_and_says_when_it_cannot(evals, tiny_data, tmp_path, capsys, monkeypatch):
     """`gate --grow`: an INCONCLUSIVE verdict is evaluated again, both sides, on the sample its intervals ask for
     (a quarter more), within the caps and the held-out text, and the JSON keeps every round."""
     import math
@@ -615,8 +615,18 @@ def test_gate_grows_an_inconclusive_sample_and_says_when_it_cannot(evals, tiny_d
     # the blocks resolve and accuracy does not: only the unresolved task is evaluated again, on more documents;
     # the blocks and the step-wise figures are the first round's
     capsys.readouterr()
+    import expertcache.evals.run as run_mod
+
+    calls, real = [], run_mod.evaluate
+
+    def recorded(*a, **k):  # what each evaluation was asked for: (tasks, documents, blocks)
+        calls.append((list(a[3]), a[6], a[7]))
+        return real(*a, **k)
+
+    monkeypatch.setattr(run_mod, "evaluate", recorded)
     acc = gate_cmd(str(evals["base_model"]), str(cand), **{**kw, "tasks": ["ec_math_em"], "limit": 3,
                                                            "min_dacc": -1.0}, max_dppl=1e6, grow=1, max_documents=6)
+    assert calls == [(["ec_math_em"], 3, 2)] * 2 + [(["ec_math_em"], 6, 0)] * 2  # round 2: no blocks again
     first, second = acc["sizing"]["rounds"]
     assert first["gate"] == "INCONCLUSIVE" and first["resolve"]["blocks_per_domain"] is None
     assert second["tasks_grown"] == ["ec_math_em"] and second["ppl_blocks"] == first["ppl_blocks"]

@@ -74,7 +74,7 @@ def test_bench_big_skips_vllm_with_the_reason_never_installing_it(tmp_path, monk
     systems = ["expertcache:on-demand", "vllm", "vllm:unbounded"]
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    (ckpt / "model.safetensors").write_bytes(b"\0" * (3 << 20))
+    (ckpt / "model.safetensors").write_bytes(b"\0" * (3 << 20))  # beside it, vLLM's KV cache and own 2 GiB
     py, skipped = bigbench.prepare_vllm(systems, "trace", ckpt, 1 << 30)
     assert py is None and set(skipped) == {"vllm", "vllm:unbounded"} and "--routing native" in skipped["vllm"]
     with pytest.raises(InputError, match="--routing native"):  # refused before anything is written
@@ -88,9 +88,10 @@ def test_bench_big_skips_vllm_with_the_reason_never_installing_it(tmp_path, monk
     assert "\n" not in why and "vllm_peer.py --build_only" in why and str(home) in why
     assert not any(home.iterdir())
     _ready_venv(home, Path(sys.executable))
-    py, skipped = bigbench.prepare_vllm(systems, "native", ckpt, 2 << 20)  # a 2 MiB cgroup, a 3 MiB checkpoint
+    py, skipped = bigbench.prepare_vllm(systems, "native", ckpt, 2 << 30)  # a 2 GiB cgroup: 2 GiB + 3 MiB asked
     assert py == home / "venv" / "bin" / "python" and set(skipped) == {"vllm"}
-    assert "loads every weight first" in skipped["vllm"] and "do not fit in the 0.0 GiB" in skipped["vllm"], skipped
+    assert "loads every weight first" in skipped["vllm"] and "about 2.0 GiB, do not fit in the 2.0 GiB" in \
+        skipped["vllm"], skipped
     assert bigbench.prepare_vllm(["mmap", "llama.cpp"], "native", ckpt, 1 << 30) == (None, {})
     with pytest.raises(InputError, match="vllm reads the bf16 checkpoint"):
         bigbench.check_checkpoint("q4_0", ["int4"], True, ["expertcache:on-demand", "vllm"])
@@ -98,8 +99,12 @@ def test_bench_big_skips_vllm_with_the_reason_never_installing_it(tmp_path, monk
 
 def test_a_vllm_bench_run_is_read_from_its_result_line_and_a_failure_is_one_line(tmp_path):
     """`vllm.bench` runs the driver in the venv's python: a python without vLLM fails with one line naming the step
-    and the driver's last words; a run that prints its RESULT line gives its figures with the child's own peak
-    RSS and reads (from its rusage)."""
+    and the driver's last words; a run that prints its RESULT line gives its figures, the peak RSS the driver read
+    of itself and the reads of its rusage; a result with the wrong token count or unreadable, a context past the
+    checkpoint's positions, and a run past its time limit (its whole session killed) are one line each."""
+    import os
+    import time
+
     from expertcache.runtime.bench import vllm
 
     with pytest.raises(vllm.VllmError) as e:  # this python has no vllm: the driver's import fails
@@ -108,15 +113,36 @@ def test_a_vllm_bench_run_is_read_from_its_result_line_and_a_failure_is_one_line
     assert e.value.step == "bench" and "\n" not in msg and msg.startswith("vLLM bench failed: exit 1: ")
     assert "No module named 'vllm'" in msg and str(tmp_path / "run.log") in msg
     fake = tmp_path / "python"  # stands in for the venv's python: prints what the driver prints
-    res = {"load_s": 1.5, "output_ids": [4, 5, 6], "vllm_version": "0.32.0", "tpot_s": [0.02, 0.03]}
-    fake.write_text(f"#!/bin/sh\necho 'loading...'\necho 'RESULT {json.dumps(res)}'\n")
-    fake.chmod(0o755)
-    r = vllm.bench(fake, tmp_path, "decode", [1, 2, 3], 1, 2, threads=2)
-    assert r["tpot_s"] == [0.02, 0.03] and r["load_s"] == 1.5 and r["threads"] == 2
-    assert r["peak_rss_bytes"] > 0 and r["read_bytes"] >= 0 and '"phase": "decode"' in r["cmd"]
-    fake.write_text("#!/bin/sh\necho 'loading...'\n")  # exit 0 without a result: not a success
-    with pytest.raises(vllm.VllmError, match=r"^vLLM bench failed: exit 0: loading\.\.\.$"):
-        vllm.bench(fake, tmp_path, "prefill", [1, 2, 3])
+
+    def prints(body: str) -> Path:
+        fake.write_text("#!/bin/sh\necho 'loading...'\n" + body)
+        fake.chmod(0o755)
+        return fake
+
+    res = {"load_s": 1.5, "output_ids": [4, 5, 6, 7], "vllm_version": "0.32.0", "tpot_s": [0.02, 0.03],
+           "peak_rss_bytes": 123456789}
+    r = vllm.bench(prints(f"echo 'RESULT {json.dumps(res)}'\n"), tmp_path, "decode", [1, 2, 3], 1, 2, threads=2)
+    assert r["tpot_s"] == [0.02, 0.03] and r["load_s"] == 1.5 and r["threads"] == min(2, len(os.sched_getaffinity(0)))
+    assert r["peak_rss_bytes"] == 123456789 and r["read_bytes"] >= 0 and '"phase": "decode"' in r["cmd"]
+    with pytest.raises(vllm.VllmError, match=r"^vLLM bench failed: exit 0: loading\.\.\.$"):  # no result: not done
+        vllm.bench(prints(""), tmp_path, "prefill", [1, 2, 3])
+    short = dict(res, output_ids=[4, 5, 6])  # the engine stopped early: its figures would be short
+    with pytest.raises(vllm.VllmError, match="3 tokens generated, 4 asked"):
+        vllm.bench(prints(f"echo 'RESULT {json.dumps(short)}'\n"), tmp_path, "decode", [1, 2, 3], 1, 2)
+    with pytest.raises(vllm.VllmError, match="an unreadable RESULT line"):
+        vllm.bench(prints("echo 'RESULT {not json'\n"), tmp_path, "decode", [1, 2, 3], 1, 2)
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 5}))
+    with pytest.raises(vllm.VllmError, match="7 tokens of prompt and output exceed the checkpoint's 5 positions"):
+        vllm.bench(prints(""), tmp_path, "decode", [1, 2, 3], 1, 2)
+    pid_file = tmp_path / "child.pid"  # a run that hangs, with a process of its own
+    t0 = time.perf_counter()
+    with pytest.raises(vllm.VllmError, match=r"^vLLM bench failed: no result within 1 s"):
+        vllm.bench(prints(f"sleep 60 & echo $! > {pid_file}\nwait\n"), tmp_path, "prefill", [1], timeout_s=1)
+    assert time.perf_counter() - t0 < 30
+    child = int(pid_file.read_text())
+    time.sleep(0.2)
+    state = Path(f"/proc/{child}/status")
+    assert not state.exists() or "State:\tZ" in state.read_text()  # gone with its session (or a zombie to reap)
 
 
 def test_the_full_vocabulary_copy_links_the_weights_and_covers_every_id(tmp_path):

@@ -576,6 +576,9 @@ def run_llamacpp_prefill(system: str, bins: Path, gguf: Path, prompt_len: int, t
             "threads": r["threads"], "cmd": r["cmd"]}
 
 
+VLLM_OVERHEAD = 2 << 30  # beside a vLLM run's weights: its KV cache (1 GiB) and about 1 GiB of torch and vLLM
+
+
 def prepare_vllm(systems, routing: str, ckpt: Path, budget_bytes: int | None):
     """For the vLLM systems asked for: `(its venv's python, {system: why})`, the python None when none can run:
     trace routing, or no venv made (bench big does not install it: `python scripts/vllm_peer.py --build_only`
@@ -594,12 +597,15 @@ def prepare_vllm(systems, routing: str, ckpt: Path, budget_bytes: int | None):
     if py is None:
         return None, {s: f"vLLM's venv is not made in {vllm.cache_dir()}: `python scripts/vllm_peer.py --build_only` "
                          f"makes it (about 3.5 GB)" for s in want}
-    need, skipped = have_ckpt(ckpt), {}
+    # every weight, its KV cache (VLLM_CPU_KVCACHE_SPACE, 1 GiB) and about 1 GiB of its own (torch, vLLM)
+    weights, skipped = have_ckpt(ckpt), {}
+    need = weights + VLLM_OVERHEAD
     for s in want:
         room = available_memory() if s.endswith(":unbounded") or budget_bytes is None else budget_bytes
         if need > room:
-            skipped[s] = (f"vLLM loads every weight first: the checkpoint's {need / 2**30:.1f} GiB do not fit in "
-                          f"the {room / 2**30:.1f} GiB it would have")
+            skipped[s] = (f"vLLM loads every weight first: the checkpoint's {weights / 2**30:.1f} GiB, with its KV "
+                          f"cache and its own memory about {need / 2**30:.1f} GiB, do not fit in the "
+                          f"{room / 2**30:.1f} GiB it would have")
     return (py if len(skipped) < len(want) else None), skipped
 
 
@@ -830,11 +836,11 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
     why = accelerate_disk(ckpt, budget_gb, out_dir, gguf_path is not None) if "accelerate" in systems else None
     if why:
         skipped["accelerate"] = why
-    start = TRACE_START
-    cg, cg_note = MemoryCgroup.create(int(budget_gb * 2**30)) if cgroup else (None, "--cgroup false")
-    vllm_python, why = prepare_vllm(systems, routing, ckpt, cg.limit_bytes if cg is not None else None)
+    vllm_python, why = prepare_vllm(systems, routing, ckpt, int(budget_gb * 2**30) if cgroup else None)
     skipped.update(why)
     systems = [s for s in systems if s not in skipped]
+    start = TRACE_START
+    cg, cg_note = MemoryCgroup.create(int(budget_gb * 2**30)) if cgroup else (None, "--cgroup false")
     # the peers that start their own process: what each reads (llama.cpp: its build and GGUF; vLLM: its venv's
     # python and the bf16 checkpoint), and the error its steps raise
     from expertcache.runtime.bench.llamacpp import LlamaCppError

@@ -33,7 +33,7 @@ MISMATCHED = ("torchvision", "torchaudio", "torchcodec")
 
 
 class VllmError(RuntimeError):
-    """One step of the vLLM peer failed: `step` is venv | install | import | start."""
+    """One step of the vLLM peer failed: `step` is venv | install | import | start | bench."""
 
     def __init__(self, step: str, why: str):
         super().__init__(f"vLLM {step} failed: {why}")
@@ -154,10 +154,12 @@ def bench(python: Path, model: str | Path, phase: str, prompt_ids: list[int], wa
           threads: int = 1, preexec=None, timeout_s: float = 3600, log: Path | None = None,
           kv_cache_gb: float = 1.0) -> dict:
     """One bench big run of vLLM in a child process of its venv's `python` (`vllm_driver.py`, the engine in that
-    process): `phase` decode (`tpot_s`: one per timed token after `warmup`) or prefill (`ttft_s`), with `load_s`,
-    `output_ids`, `vllm_version`, and from the child's rusage its peak RSS and the bytes it read from storage
-    (loading included). `preexec` joins a memory cgroup; `threads` compute threads on cores 0..threads-1. A failure
-    (no result, a non-zero exit, the time limit) is one `VllmError` line naming the step `bench`."""
+    process, a session of its own): `phase` decode (`tpot_s`: one per timed token after `warmup`) or prefill
+    (`ttft_s`), with `load_s`, `output_ids`, `vllm_version`, its own peak RSS (VmHWM, as the driver read it), and
+    from its rusage the bytes it read from storage (loading included). `preexec` joins a memory cgroup; `threads`
+    compute threads, bound to the first cores this process may run on. Its context is the run's tokens, within the
+    checkpoint's positions. A failure (no result, an unreadable one, a non-zero exit, the time limit: the whole
+    session killed) is one `VllmError` line naming the step `bench`."""
     import json
     import tempfile
     import threading
@@ -165,17 +167,35 @@ def bench(python: Path, model: str | Path, phase: str, prompt_ids: list[int], wa
 
     from expertcache.telemetry.memory import child_peak_rss_bytes
 
+    need = len(prompt_ids) + (1 if phase == "prefill" else 1 + warmup + tokens)
+    try:
+        positions = json.loads((Path(model) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        positions = None
+    if positions is not None and need > positions:
+        raise VllmError("bench", f"{need} tokens of prompt and output exceed the checkpoint's {positions} positions")
     cfg = {"model": str(model), "phase": phase, "prompt_ids": [int(i) for i in prompt_ids], "warmup": warmup,
-           "tokens": tokens, "max_model_len": len(prompt_ids) + warmup + tokens + 16}
-    cmd = [str(python), "-P", str(DRIVER), json.dumps(cfg)]
-    env = _env(f"0-{threads - 1}" if threads > 1 else "0", kv_cache_gb, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+           "tokens": tokens, "max_model_len": min(need + 16, positions or need + 16)}
+    cmd = [str(python), str(DRIVER), json.dumps(cfg)]
+    cores = sorted(os.sched_getaffinity(0))[:max(1, threads)]  # (under taskset or a cpuset: the cores it has)
+    env = _env(",".join(map(str, cores)), kv_cache_gb, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     t0 = time.perf_counter()
+    late = threading.Event()
+
+    def kill():  # the time limit: the driver's whole session (anything it started), then wait4 reaps it
+        late.set()
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
     with tempfile.TemporaryFile("w+") as out:
         try:
-            p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=preexec)
-        except OSError as e:
-            raise VllmError("bench", f"{cmd[0]}: {e.strerror or e}") from None
-        timer = threading.Timer(timeout_s, p.kill)
+            p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=preexec,
+                                 start_new_session=True)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise VllmError("bench", f"{cmd[0]}: {getattr(e, 'strerror', None) or e}") from None
+        timer = threading.Timer(timeout_s, kill)
         timer.start()
         try:
             _, status, ru = os.wait4(p.pid, 0)  # the child's own rusage (the engine runs in it)
@@ -186,15 +206,22 @@ def bench(python: Path, model: str | Path, phase: str, prompt_ids: list[int], wa
         text = out.read()
     wall = time.perf_counter() - t0
     if log is not None:
-        write_text(log, " ".join(cmd[:3]) + " CONFIG\n" + text)
+        write_text(log, " ".join(cmd[:2]) + " CONFIG\n" + text)
     lines = [ln for ln in text.splitlines() if ln.strip()]
-    res = next((ln for ln in reversed(lines) if ln.startswith("RESULT ")), None)
-    if p.returncode != 0 or res is None:
-        if wall >= timeout_s:
-            raise VllmError("bench", f"no result within {timeout_s:.0f} s")
+    line = next((ln for ln in reversed(lines) if ln.startswith("RESULT ")), None)
+    where = f" (log: {log})" if log is not None else ""
+    if late.is_set():
+        raise VllmError("bench", f"no result within {timeout_s:.0f} s{where}")
+    if p.returncode != 0 or line is None:
         why = " (killed: out of memory in the cgroup?)" if p.returncode in (-9, 137) else ""
-        where = f" (log: {log})" if log is not None else ""
         raise VllmError("bench", f"exit {p.returncode}{why}: {lines[-1][:300] if lines else 'no output'}{where}")
-    return {**json.loads(res[len("RESULT "):]), "peak_rss_bytes": child_peak_rss_bytes(ru),
-            "read_bytes": ru.ru_inblock * 512, "wall_s": wall, "threads": threads,
+    try:
+        res = json.loads(line[len("RESULT "):])
+        got = len(res["output_ids"])
+        peak = int(res.pop("peak_rss_bytes", 0)) or child_peak_rss_bytes(ru)
+    except (ValueError, KeyError, TypeError) as e:
+        raise VllmError("bench", f"an unreadable RESULT line ({e}){where}") from None
+    if got != need - len(prompt_ids):
+        raise VllmError("bench", f"{got} tokens generated, {need - len(prompt_ids)} asked{where}")
+    return {**res, "peak_rss_bytes": peak, "read_bytes": ru.ru_inblock * 512, "wall_s": wall, "threads": len(cores),
             "cmd": f"{DRIVER.name} {json.dumps({k: v for k, v in cfg.items() if k != 'prompt_ids'})}"}

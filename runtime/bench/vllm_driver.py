@@ -14,7 +14,9 @@ stamped when it brings a new token:
   stamps of the timed tokens (one step each: batch of one).
 - prefill: the prompt and one token; `ttft_s` = from the request's arrival to its first token.
 
-Prints one line `RESULT <json>` last: `load_s`, `tpot_s` or `ttft_s`, `output_ids`, `vllm_version`.
+Prints one line `RESULT <json>` last: `load_s`, `tpot_s` or `ttft_s`, `output_ids`, `vllm_version`, and this
+process's own peak resident set (`peak_rss_bytes`, VmHWM: the caller's rusage would also count what the caller
+held when it forked). Then it exits at once: nothing it measured depends on vLLM's shutdown, which may linger.
 """
 
 import json
@@ -47,13 +49,25 @@ def main() -> int:
             if len(got) > len(ids):
                 stamps += [time.perf_counter()] * (len(got) - len(ids))  # (one token a step at a batch of one)
                 ids = got
-    res = {"load_s": load_s, "output_ids": ids, "vllm_version": vllm.__version__}
+    res = {"load_s": load_s, "output_ids": ids, "vllm_version": vllm.__version__, "peak_rss_bytes": _vm_hwm()}
     if prefill:
         res["ttft_s"] = stamps[1] - stamps[0]
     else:
         timed = stamps[2 + cfg["warmup"]:]  # after the first token (the prompt's) and the warm-up tokens
         res["tpot_s"] = [b - a for a, b in zip(stamps[1 + cfg["warmup"]:], timed)]
     print("RESULT " + json.dumps(res), flush=True)
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _vm_hwm() -> int:
+    """This process's peak resident set (/proc/self/status VmHWM, kB); 0 where it cannot be read."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return 0
 
 
