@@ -24,6 +24,19 @@ def peak_rss_bytes() -> int:
     return _status_bytes("VmHWM")
 
 
+def reset_peak_rss() -> bool:
+    """Start this process's peak resident set again from its resident set now (writing 5 to /proc/self/clear_refs,
+    Linux 4.0 on), so that a run inside a longer process (a frontier's streamed variant after others trained in
+    memory) records its own peak; False where the kernel refuses, and the peak then covers the process's life."""
+    from expertcache.telemetry.atomic import write_setting
+
+    try:
+        write_setting("/proc/self/clear_refs", "5")
+        return True
+    except OSError:
+        return False
+
+
 def rss_bytes(pid: int | str = "self") -> int:
     """A process's resident set now (VmRSS): this one's, or another's (a server under load)."""
     return _status_bytes("VmRSS", pid)

@@ -334,3 +334,16 @@ def test_a_table_says_why_a_ratio_is_not_claimed():
     assert claim_text(compare([1.0, 1.1, 1.2], [2.0, 2.1, 2.2])) == "yes"
     assert claim_text(compare([1.0, 2.1, 1.2], [2.0, 1.1, 2.2])) == "no: the rounds overlap"
     assert claim_text(compare([1.0], [2.0, 2.1, 2.2])) == "no: 1 round on one side, 3 needed"
+
+
+def test_a_run_inside_a_longer_process_can_start_its_peak_memory_again():
+    """`reset_peak_rss`: after 300 MB were written and freed, the process's peak still holds them; reset, the peak
+    is the resident set of now (a frontier's streamed variant records its own peak, not the earlier variants')."""
+    from expertcache.telemetry.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+
+    x = b"\1" * (300 << 20)  # written, so resident
+    held = rss_bytes()
+    del x
+    assert peak_rss_bytes() > held - (16 << 20) and held > rss_bytes() + (200 << 20)  # freed; the peak remembers
+    assert reset_peak_rss()
+    assert peak_rss_bytes() < rss_bytes() + (100 << 20)

@@ -17,7 +17,7 @@ from typing import Optional, Protocol
 import torch
 
 from expertcache.telemetry.errors import InputError
-from expertcache.telemetry.memory import peak_rss_bytes
+from expertcache.telemetry.memory import peak_rss_bytes, reset_peak_rss
 
 
 class StreamedRuntime(Protocol):
@@ -100,6 +100,9 @@ def keep_routers_fp32(recipe, model) -> None:
         L.router.register_forward_pre_hook(up)
 
 
+_PEAK_SCOPE = "the process's life"  # what `peak_rss_bytes` covers: this run once `open_base` reset the peak
+
+
 def open_base(recipe, base: Path):
     """`(StreamedBase, floor parts)`: the budget checked from the checkpoint's headers, then the base opened."""
     if _RUNTIME is None:
@@ -122,6 +125,8 @@ def open_base(recipe, base: Path):
             adapters = adapter_bytes(AutoModelForCausalLM.from_config(load_config(base)), q.lora_rank,
                                      q.lora_targets, tokens)
     parts = _RUNTIME.check_budget(plan, recipe.train.memory_gb, tokens, bool(recipe.quality.distill), adapters)
+    global _PEAK_SCOPE
+    _PEAK_SCOPE = "this run" if reset_peak_rss() else "the process's life"  # the budget is the run's, not the process's
     return plan, parts
 
 
@@ -173,7 +178,7 @@ def stream_result(recipe, streamed, parts: dict, module, trainer, train_s: float
             "expert_reads": c["reads"], "bytes_read_per_step": per_step,
             "read_wait_s": c["read_wait_s"],  # compute waiting on reads (what the overlap did not hide)
             "disk_read_gbps": bw, "roofline_tokens_per_s": tokens / (per_step / (bw * 1e9)) if bw and per_step
-            else None, "peak_rss_bytes": peak_rss_bytes(),
+            else None, "peak_rss_bytes": peak_rss_bytes(), "peak_rss_scope": _PEAK_SCOPE,
             "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
             "losses": losses, "completed": trainer.global_step == recipe.train.max_steps,
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
