@@ -848,6 +848,9 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
 
     peer_args = {"llama.cpp": (bins, gguf_path), "vllm": (vllm_python, ckpt)}
     peer_errors = (LlamaCppError, VllmError)
+
+    def peer(s: str) -> tuple:  # what a peer system's runner reads, by its registered name
+        return peer_args[parse_system(s)[0].split(":")[0]]
     job = {"ckpt": str(ckpt), "trace": str(trace), "budget_gb": budget_gb, "prompt_len": prompt_len, "start": start,
            "routing": routing, "quant_linears": quant_linears}
     configs = {}  # each system's run configuration, written once: the file its process reads
@@ -866,8 +869,8 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
 
         dropped = cold_start(bounded)
         try:
-            x = system_entry(s).run(s, *peer_args[parse_system(s)[0].split(":")[0]], tokens, warmup, prompt_len,
-                                    threads, bounded.preexec if bounded else None, timeout_s, log)
+            x = system_entry(s).run(s, *peer(s), tokens, warmup, prompt_len, threads,
+                                    bounded.preexec if bounded else None, timeout_s, log)
             return {**x, "cgroup_peak_bytes": bounded.peak_bytes() if bounded else None, "page_cache_dropped": dropped}
         except peer_errors as e:
             return {"error": str(e), "page_cache_dropped": dropped}
@@ -886,8 +889,8 @@ def bench_big(out_dir: str | Path = "runs/bench-big", trace: str | Path | None =
             else:
                 dropped = cold_start(bounded)
                 try:
-                    x = {**system_entry(s).prefill(s, *peer_args[parse_system(s)[0].split(":")[0]], n, threads,
-                                                    bounded.preexec if bounded else None, timeout_s, log),
+                    x = {**system_entry(s).prefill(s, *peer(s), n, threads, bounded.preexec if bounded else None,
+                                                    timeout_s, log),
                          "cgroup_peak_bytes": bounded.peak_bytes() if bounded else None, "page_cache_dropped": dropped}
                 except peer_errors as e:
                     x = {"error": str(e), "page_cache_dropped": dropped}
