@@ -320,15 +320,22 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
     for _ in range(grow):
         if g["gate"] != "INCONCLUSIVE":
             break
-        nb, nl, why = grow_sample(g, ppl_blocks, limit, max_blocks, max_documents,
-                                  docs_can_grow=limit is not None or any(t in LOCAL_TASKS for t in tasks or ()))
-        notes += why
-        if (nb, nl) == (ppl_blocks, limit):
-            break
-        # the blocks resolve and only documents grow: the tasks left unresolved alone are evaluated again, the
-        # blocks and every other task's documents kept (a cloze task on 12,000 documents need not bring the rest)
-        only = unresolved_tasks(g) if nb == ppl_blocks and nl is not None and all(Path(x).suffix != ".json" for x
-                                                                                 in (baseline, candidate)) else []
+        only: list[str] = []
+        if limit is not None and (g.get("resolve") or {}).get("blocks_per_domain") is None:
+            # the blocks resolve and only documents can decide: the unresolved tasks alone are evaluated again,
+            # task by task as the frontier does (one whose held-out text is spent stops the growth: no other
+            # task's documents can make the gate PASS), the blocks and every other task's documents kept
+            want, why = documents_to_grow(g, limit, max_documents)
+            if not want:
+                notes.append(why)
+                break
+            only, nb, nl = sorted(want), ppl_blocks, max(want.values())
+        else:
+            nb, nl, why = grow_sample(g, ppl_blocks, limit, max_blocks, max_documents,
+                                      docs_can_grow=limit is not None or any(t in LOCAL_TASKS for t in tasks or ()))
+            notes += why
+            if (nb, nl) == (ppl_blocks, limit):
+                break
         # the next round's cost at the last one's pace: it grows with the blocks (and documents) evaluated
         scale = max(nb / max(ppl_blocks, 1), (nl or 0) / max(limit or nl or 1, 1))
         print(f"gate: round {len(rounds)}/{grow + 1} INCONCLUSIVE on {g['n_blocks']} blocks per domain"
@@ -365,11 +372,29 @@ def gate(baseline: str, candidate: str, engine: Optional[EngineConfig] = None, m
 GROWTH_MARGIN = 1.25  # a resolve count is where the interval would just touch its threshold at today's estimate
 
 
-def unresolved_tasks(g: dict) -> list[str]:
-    """The accuracy tasks an INCONCLUSIVE gate asks more documents of than it had (its `resolve`)."""
+def documents_to_grow(g: dict, limit: int, cap: int, cap_name: str = "--max_documents"
+                      ) -> tuple[dict[str, int], str | None]:
+    """`({task: documents}, why not)` for a gate INCONCLUSIVE on accuracy alone (perplexity resolved, nothing
+    failing): each unresolved task with the documents that would resolve it, a quarter above the gate's estimate
+    (`GROWTH_MARGIN`), at most `cap`. Nothing, and the reason, when more documents cannot decide it: a task whose
+    held-out text gave fewer than `limit` asked (it has no more; growing the others cannot make the gate PASS), an
+    estimate on its threshold, or every task already at the cap. Task by task: `gate --grow` and the frontier's
+    `frontier.grow` both ask this one function."""
+    r = g.get("resolve") or {}
+    if g.get("gate") != "INCONCLUSIVE" or g.get("failures") or r.get("blocks_per_domain") is not None:
+        return {}, "not INCONCLUSIVE on accuracy alone"
     have = g.get("n_documents") or {}
-    return sorted(t for t, n in ((g.get("resolve") or {}).get("documents") or {}).items()
-                  if isinstance(n, int) and n > have.get(t, 0))
+    want = {}
+    for task, need in sorted((r.get("documents") or {}).items()):
+        if need == -1:
+            return {}, f"{task}: its Δacc estimate sits on the threshold (no number of documents resolves it)"
+        if not isinstance(need, int) or need <= have.get(task, 0):
+            continue
+        if have.get(task, 0) < limit:
+            return {}, f"{task}: the held-out text gave {have.get(task, 0)} documents, ~{need} would resolve it"
+        want[task] = min(math.ceil(need * GROWTH_MARGIN), cap)
+    want = {t: n for t, n in want.items() if n > have.get(t, 0)}
+    return want, None if want else f"no unresolved task can grow within {cap_name} {cap}"
 
 
 def _round(g: dict, ppl_blocks: int, limit: Optional[int], seconds: float) -> dict:

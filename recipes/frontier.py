@@ -19,7 +19,6 @@ other figures (1/4 of E, Belady, the λ = 0 control, the Temporal router) where 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from expertcache.telemetry.atomic import write_json
@@ -85,34 +84,10 @@ def with_blocks(r: dict, p: dict, blocks: int, seq: int) -> dict:
     return out
 
 
-def documents_to_grow(g: dict, limit: int, cap: int) -> tuple[dict[str, int], str | None]:
-    """`({task: documents}, why not)` for a plain row's gate: where it is INCONCLUSIVE on accuracy alone (perplexity
-    resolved, nothing failing), each unresolved task with the documents that would resolve it, a quarter above the
-    gate's estimate (`evals.commands.GROWTH_MARGIN`: an interval that just touches its threshold at today's estimate
-    resolves only half the time), at most `cap`. Nothing (and the reason) when more documents cannot decide the
-    row: a task whose held-out text gave fewer than `limit` (it has no more), or an estimate on its threshold."""
-    from expertcache.evals.commands import GROWTH_MARGIN
-
-    r = g.get("resolve") or {}
-    if g.get("gate") != "INCONCLUSIVE" or g.get("failures") or r.get("blocks_per_domain") is not None:
-        return {}, "not INCONCLUSIVE on accuracy alone"
-    want = {}
-    for task, need in (r.get("documents") or {}).items():
-        have = (g.get("n_documents") or {}).get(task, 0)
-        if need == -1:
-            return {}, f"{task}: its estimate sits on the threshold (no number of documents resolves it)"
-        if not isinstance(need, int) or need <= have:
-            continue
-        if have < limit:
-            return {}, f"{task}: the held-out text gave {have} documents, ~{need} would resolve it"
-        want[task] = min(math.ceil(need * GROWTH_MARGIN), cap)
-    want = {t: n for t, n in want.items() if n > (g.get("n_documents") or {}).get(t, 0)}
-    return want, None if want else "no task can grow within frontier.grow_documents"
-
-
 def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> list[dict]:
     """Every variant in turn: trained (or its finished run reused), evaluated and gated, and the rows so far
     written (JSON and plot) after each one, so an interrupted frontier keeps what it measured."""
+    from expertcache.evals.commands import documents_to_grow
     from expertcache.evals.gate import EVAL_FORMAT_VERSION, gate, with_tasks
     from expertcache.evals.run import evaluate
     from expertcache.runtime.engine.config import EngineConfig
@@ -239,7 +214,7 @@ def run_frontier(recipe: CacheAwareRecipe, resume: bool = True, log=print) -> li
         g = gate(base_plain, cand)
         grown = None
         if name in f.grow and g["gate"] == "INCONCLUSIVE":
-            want, why = documents_to_grow(g, f.limit, f.grow_documents)
+            want, why = documents_to_grow(g, f.limit, f.grow_documents, "frontier.grow_documents")
             if want:  # one document count for the tasks grown (the most any asks), in one evaluation per model
                 tasks, n = sorted(want), max(want.values())
                 log(f"[frontier] {name} INCONCLUSIVE on accuracy ({', '.join(g['unresolved'])}): the base and "

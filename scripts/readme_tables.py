@@ -425,7 +425,8 @@ def tables() -> dict[str, str]:
                                         f"; git {_git(d.get('provenance', d), 'commit')}", routing_table(d))
     if (d := _load("bench_cachesim.json")):
         out["bench_cachesim"] = _block("bench_cachesim.json",
-                                       f"python scripts/bench_cachesim.py; git {_git(d, 'commit')}", cachesim_table(d))
+                                       f"{provenance(d['command'], 'bench_cachesim.json')}; git {_git(d, 'commit')}",
+                                       cachesim_table(d))
     # (table, its results file, the function that draws it): the 48-layer run's file holds a decode and a prefill
     for name, src, fn in (("bench_big", "bench_big", bigbench.table),
                           ("bench_big_native", "bench_big_native", bigbench.table),

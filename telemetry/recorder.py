@@ -2,7 +2,7 @@
 
 The hook keeps references to the router's own outputs (logits, weights, ids) and, on request, to its input
 (the hidden state entering the layer's MoE block); conversion to NumPy happens once per batch, outside the
-forward, so recording ids + weights costs little more than the forward itself (`scripts/bench_telemetry.py`).
+forward, so recording ids + weights costs little more than the forward itself (`expertcache bench telemetry`).
 """
 
 from __future__ import annotations

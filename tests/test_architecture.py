@@ -280,7 +280,9 @@ def command_texts() -> dict[str, str]:
 # the rules' own homes: the fraction-or-count rule and the budget rule
 CAPACITY_HOMES = {("telemetry/cachesim.py", "capacity_count"), ("telemetry/cachesim.py", "budget_capacity")}
 # a floor division by a byte size that is not a cache's slot count, each with what it counts
-BYTE_COUNTS = {("runtime/kernels/quant_write.py", "allocate_by_usage")}  # experts a precision budget upgrades
+# bytes divided by bytes that are no cache's slots: the experts a precision budget upgrades; how many experts' worth
+# of bytes a checksum benchmark hashes
+BYTE_COUNTS = {("runtime/kernels/quant_write.py", "allocate_by_usage"), ("runtime/bench/checks.py", "bench_checksum")}
 # a value that is E, the experts of a layer, however the code spells it
 _EXPERTS = re.compile(r"^(num_experts|num_local_experts|n_routed_experts|n_experts|EXPERTS|E|e|n_e)$")
 

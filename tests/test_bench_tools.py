@@ -451,9 +451,7 @@ def test_serve_prompt_cache_names_a_missing_or_empty_checkpoint_in_one_line_with
     ("make_checkpoint", ["--out", "{tmp}/c", "--top-k", "8", "--experts", "4"], "cannot choose more experts"),
     ("make_checkpoint", ["--out", "{tmp}/c", "--dtype", "float33"], "argument --dtype: invalid choice"),
     ("predictor_recall", ["--model", "{nx}", "--trace", "{nx}"], "no HF checkpoint at {nx}: no such folder"),
-    ("bench_telemetry", ["--model", "{nx}"], "--model {nx}: no checkpoint there"),
     ("serve_prompt_cache", ["--rounds", "0"], "argument --rounds: invalid integer >= 1 value: '0'"),
-    ("bench_integrity", ["--capacity", "-1"], "argument --capacity: invalid fraction in (0, 1] value: '-1'"),
     ("timed", None, "No such file or directory"),
     ("miss_predictability", ["--trace", "{nx}", "--fit", "abc"], "expected START:END token windows"),
     ("bench_kernels", ["--threads", "abc", "--model", "{nx}"], "--threads abc: expected thread counts >= 1"),
@@ -597,3 +595,69 @@ def test_bench_big_refuses_a_q4_0_checkpoint_it_cannot_serve_before_writing_anyt
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["bench", "integrity", "--capacity", "-1"], "--capacity -1.0: a fraction of the experts in (0, 1]"),
+    (["bench", "integrity", "--rounds", "0"], "--rounds 0: counts must be >= 1"),
+    (["bench", "integrity", "--layers", "4000"], "--layers 4000: the trace has"),
+    (["bench", "checksum", "--model", "{nx}"], "{nx}"),
+    (["bench", "cachesim", "--rounds", "0"], "--rounds 0: expected an integer >= 1"),
+    (["bench", "telemetry", "--model", "{nx}"], "--model {nx}: no checkpoint there"),
+    (["bench", "train", "--steps", "2", "--warmup", "2"], "--warmup 2: leaves none of --steps 2 to time"),
+    (["bench", "train", "--recipe", "{nx}"], "neither a file nor a shipped recipe"),
+])
+def test_bench_subcommands_refuse_bad_input_in_one_line_with_exit_2(argv, needle, tmp_path, capsys):
+    """The benchmarks that were scripts, now `expertcache bench checksum|integrity|cachesim|telemetry|train`: bad
+    input is one line and exit 2 before any work (nothing written). (bench telemetry on a --model that is not there
+    timed a random model before.)"""
+    from expertcache.recipes.cli import main
+
+    nx = str(tmp_path / "nope")
+    out = tmp_path / "r.json"
+    assert main([*[a.format(nx=nx) for a in argv], "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle.format(nx=nx) in err[0], err
+    assert not out.exists()
+
+
+def test_bench_integrity_alternates_its_three_modes_and_writes_a_result_with_its_command(tmp_path, capsys):
+    """`expertcache bench integrity` on a small replay: every mode timed each round, the shares of TPOT computed from
+    them, and the JSON written with its commit, configuration and the command that reruns it."""
+    from expertcache.recipes.cli import main
+
+    out = tmp_path / "integrity.json"
+    argv = ["bench", "integrity", "--expert_shape", "64x32", "--layers", "1", "--tokens", "4", "--warmup", "1",
+            "--rounds", "2", "--store_dir", str(tmp_path / "stores"), "--out", str(out)]
+    assert main(argv) == 0
+    r = json.loads(out.read_text())
+    assert set(r["tpot_round_medians_s"]) == {"off", "on_cold", "on_warm"}
+    assert all(len(v) == 2 and all(t > 0 for t in v) for v in r["tpot_round_medians_s"].values())
+    med = r["tpot_median_s"]
+    assert r["share_of_tpot"]["on_cold_ab"] == pytest.approx(med["on_cold"] / med["off"] - 1)
+    assert r["inputs"]["expert_shape"] == [64, 32] and r["experts_read_per_token"] > 0
+    assert r["command"].startswith("expertcache bench integrity --expert_shape 64x32 --layers 1 --tokens 4")
+    assert r["config"]["rounds"] == 2 and "commit" in r
+
+
+def test_bench_train_and_bench_telemetry_time_both_arms_of_each_round(tmp_path):
+    """`expertcache bench train` (Lightning against a bare loop) and `bench telemetry` (a forward with and without
+    the recorder) on the smoke recipe's shape: each arm timed in every round, the ratio computed from the medians,
+    the result written with the command that reruns it."""
+    from expertcache.recipes.cli import main
+
+    out = tmp_path / "train.json"
+    assert main(["bench", "train", "--recipe", "smoke", "--steps", "3", "--warmup", "1", "--rounds", "2",
+                 "--threads", "1", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["lightning"]["steps"] == r["bare"]["steps"] == 2 * 2
+    assert r["lightning_over_bare_tokens_per_s"] == pytest.approx(
+        r["bare"]["median_step_s"] / r["lightning"]["median_step_s"], rel=1e-2)
+    assert r["command"].startswith("expertcache bench train --recipe smoke --steps 3 --warmup 1 --rounds 2 --threads 1")
+    out = tmp_path / "telemetry.json"
+    assert main(["bench", "telemetry", "--model", str(tmp_path / "absent-default"), "--out", str(out)]) == 2
+    assert main(["bench", "telemetry", "--batch", "1", "--seq", "16", "--reps", "2", "--warmup", "0",
+                 "--out", str(out)]) == 0
+    t = json.loads(out.read_text())
+    assert set(t["forward_s_median"]) == {"plain", "ids_weights", "plain_control", "with_hidden"}
+    assert t["batch"] == [1, 16] and all(v > 0 for v in t["forward_s_median"].values())

@@ -472,7 +472,7 @@ def test_a_frontier_row_grows_only_the_accuracy_tasks_more_documents_can_decide(
     held-out text is spent (it gave fewer than asked), or where an estimate sits on its threshold. The grown eval
     replaces those tasks' documents and keeps the rest, the step-wise part included."""
     from expertcache.evals.gate import with_tasks
-    from expertcache.recipes.frontier import documents_to_grow
+    from expertcache.evals.commands import documents_to_grow
 
     g = {"gate": "INCONCLUSIVE", "failures": [], "n_documents": {"ec_cloze_math": 2000, "ec_cloze_prose": 833},
          "resolve": {"blocks_per_domain": None, "documents": {"ec_cloze_math": 11756, "ec_cloze_prose": None}}}
@@ -483,6 +483,9 @@ def test_a_frontier_row_grows_only_the_accuracy_tasks_more_documents_can_decide(
     assert want == {} and why.startswith("ec_cloze_prose: the held-out text gave 833 documents, ~1221")
     on_edge = {**g, "resolve": {"blocks_per_domain": None, "documents": {"ec_cloze_math": -1}}}
     assert documents_to_grow(on_edge, 2000, 20000)[0] == {}
+    assert documents_to_grow({**g, "n_documents": {"ec_cloze_math": 8000, "ec_cloze_prose": 833}}, 2000, 8000,
+                             "frontier.grow_documents") == ({}, "no unresolved task can grow within "
+                                                                "frontier.grow_documents 8000")
     for other in ({**g, "resolve": {"blocks_per_domain": 40, "documents": {"ec_cloze_math": 11756}}},
                   {**g, "gate": "FAIL", "failures": ["Δppl"]}, {**g, "gate": "PASS"}):
         assert documents_to_grow(other, 2000, 20000)[0] == {}

@@ -1182,3 +1182,23 @@ def test_packed_int4_times_tokens_on_the_tile_units_equals_the_dequantized_produ
                 torch.testing.assert_close(got.float(), ref, rtol=8e-3, atol=ref.abs().max().item() * 4e-3)
     assert ck.qmm_fits(t, 4, group) and not ck.qmm_fits(t, 8, group)
     assert not ck.qmm_fits({"q": torch.zeros(48, 64, dtype=torch.uint8)}, 4, group)  # rows not a multiple of 32
+
+
+@needs_ext
+def test_bench_attention_times_both_arms_and_they_decode_the_same_tokens(saved, tmp_path):
+    """`expertcache bench attention` (once scripts/ab_attention.py): our decode attention and sdpa alternated on one
+    loaded model, each round timing both; the two arms decode the same greedy tokens; the result file carries the
+    command that reruns it."""
+    import json
+
+    from expertcache.recipes.cli import main
+
+    out = tmp_path / "attention.json"
+    assert main(["bench", "attention", "--model", str(saved / "qwen3_moe"), "--context", "8", "--tokens", "3",
+                 "--rounds", "2", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["same_tokens"] is True
+    assert len(r["kernel"]["rounds_ms"]) == len(r["sdpa"]["rounds_ms"]) == 2
+    assert all(x > 0 for arm in ("kernel", "sdpa") for x in r[arm]["rounds_ms"])
+    assert r["command"].startswith("expertcache bench attention --model")
+    assert main(["bench", "attention", "--model", str(saved / "qwen3_moe"), "--rounds", "0"]) == 2

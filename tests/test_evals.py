@@ -634,6 +634,19 @@ def test_gate_grows_an_inconclusive_sample_and_says_when_it_cannot(evals, tiny_d
     assert second["limit"] == 6 and acc["n_documents"]["ec_math_em"] > 3
     assert (evals["root"] / "tasks-6").is_dir()  # the grown documents' task data, built apart
     assert "ec_math_em again on 6 documents (the blocks and other tasks kept)" in capsys.readouterr().err
+    # the tasks to grow are the frontier's own function's (`documents_to_grow`, per task; its rules are tested in
+    # test_cache_aware): where it says a task's held-out text is spent, the gate grows nothing and says why
+    import expertcache.evals.commands as commands_mod
+
+    calls.clear()
+    asked = []
+    monkeypatch.setattr(commands_mod, "documents_to_grow", lambda g, limit, cap: asked.append((limit, cap)) or (
+        {}, "ec_math_em: the held-out text gave 3 documents, ~40 would resolve it"))
+    spent = gate_cmd(str(evals["base_model"]), str(cand), **{**kw, "tasks": ["ec_math_em"], "limit": 3,
+                                                             "min_dacc": -1.0}, max_dppl=1e6, grow=1, max_documents=6)
+    assert asked == [(3, 6)] and len(calls) == 2 and len(spent["sizing"]["rounds"]) == 1
+    assert spent["gate"] == "INCONCLUSIVE" and spent["sizing"]["notes"] == [
+        "ec_math_em: the held-out text gave 3 documents, ~40 would resolve it"]
     # the caps and the text stop the growth, with a note
     g = {"resolve": {"blocks_per_domain": 40, "documents": {"t": 30}}, "n_blocks": 14, "n_documents": {"t": 8}}
     assert grow_sample(g, 14, 8, 256, 128)[:2] == (50, 38)

@@ -119,7 +119,7 @@ class Loads:
         # the layer computes as soon as the bytes land, and the step's output is held (`end_step`) until every check
         # of its reads has passed. One thread: a check scans memory (the whole expert once). Where the compute's
         # threads take every core, the check runs in the load thread before the read completes, as a third thread
-        # beside two compute threads on two cores costs more than it hides (replay, bench_integrity, 2 threads:
+        # beside two compute threads on two cores costs more than it hides (replay, bench integrity, 2 threads:
         # +17% TPOT on first reads beside the compute against +10% before it; 1 thread: +2-5% -> 0).
         self.checker = ThreadPoolExecutor(1, thread_name_prefix="expert-check") if self.checks and overlap else None
         self._cores = usable_cores()

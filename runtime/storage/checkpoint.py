@@ -53,7 +53,7 @@ PARTS = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")), "down_proj": 
 CHECKSUM_INDEX = ".expertcache-checksums.json"  # beside the safetensors files; written by `verify.verify`
 INDEX_FORMAT, INDEX_VERSION = "expertcache-checksums", 1
 # Check every expert read against its checksum when the source has them (a store's table, a checkpoint's index).
-# scripts/bench_checksum.py (results/bench_checksum.json): 250 MB bf16 checkpoint, 3 MiB experts, disk tier, 1/8
+# `expertcache bench checksum` (results/bench_checksum.json): 250 MB bf16 checkpoint, 3 MiB experts, disk tier, 1/8
 # of E, no predictor, ~9.7 experts read per token: xxh3_64 adds 2.0% of TPOT (hash time x reads), A/B 2.4% and
 # -0.0% in two runs of 12 alternated rounds: under the 5% bar, so on by default (`load(verify=False)` opts out).
 VERIFY_DEFAULT = True

@@ -236,7 +236,7 @@ def load(model: str | Path, capacity: float = 0.25, tier: str = "auto", device: 
     `Predictor`; the spatio predictor and the scored policy read the checkpoint's aux routers through
     `predictors.aux_routers_for` (the loader the entry point installed); `keep_scores`: the scored policy's
     keep-score source. `verify`: check every expert read against the checkpoint's checksum index (`expertcache
-    verify` writes it); None = `checkpoint.VERIFY_DEFAULT` (on: about 2% of TPOT, scripts/bench_checksum.py), False
+    verify` writes it); None = `checkpoint.VERIFY_DEFAULT` (on: about 2% of TPOT, `expertcache bench checksum`), False
     = off, True = on and warn when there is no index. A mismatch raises `InputError` naming the layer, expert and
     file. Every other engine option (policy, miss, tau, budget, kernel, workers, ...) goes in one
     `engine=EngineConfig(...)` (what the commands take), which then carries capacity, tier and device too (a

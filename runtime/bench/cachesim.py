@@ -1,27 +1,8 @@
-#!/usr/bin/env python
-"""Cache simulator speed on the real Qwen3-30B-A3B routing shipped in telemetry/reference (48 layers x 8,000
-tokens x top-8 = 3.07 M accesses per pass), and `expertcache analyze` of that trace end to end. Prints JSON and
-writes `results/bench_cachesim.json` (`--out`).
-
-- `accesses_per_s[policy]`: token semantics, capacity 1/8 of E, the slower of one cache per layer (48 caches,
-  summed) and one global budget (the same slots shared by every layer); median of `--rounds` rounds after a
-  warm-up call (numba compiles once and caches its machine code; the first call's time is reported apart).
-  ``learned`` includes computing the policy's keep scores (features + MLP, float64) for the whole trace, so it is
-  the cost of one capacity from scratch; `learned_amortized` is what `analyze` pays per simulated access when one
-  pass of scores feeds its 5 capacities x 2 budgets.
-- `analyze_reference_s`: wall time of `expertcache analyze` (a fresh process, imports included) on the trace
-  imported to Parquet; `analyze_reference_learned_s`: the same with `--policy_file` (a policy fitted by
-  `expertcache fit-policy` on the *general* trace, so it is scored on text it never saw).
-- `verified`: on a slice of the trace, every policy's hits equal `CacheState` driven step by step.
-
-Targets (#25): LRU, LFU, static >= 2 M accesses/s; learned >= 0.5 M/s; Belady <= 1.5 s per 1 M accesses;
-analyze <= 30 s, <= 90 s with the learned policy. Run it alone: other busy processes change the figures.
-"""
+"""Cache simulator speed: `expertcache bench cachesim`, on the real Qwen3-30B-A3B routing shipped in
+telemetry/reference."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import statistics
@@ -30,20 +11,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
-import numpy as np
+from expertcache.telemetry.errors import InputError
 
-from expertcache.telemetry.errors import count
+from expertcache.runtime.bench.replay import REFERENCE_DIR as REF
 
-ROOT = Path(__file__).resolve().parents[1]
-REF = ROOT / "telemetry" / "reference" / "qwen3-30b-a3b-routing"
 TARGETS = {"lru": 2e6, "lfu": 2e6, "static": 2e6, "learned": 5e5}
-
-
-def _git() -> dict:
-    from expertcache.telemetry.provenance import provenance
-
-    return provenance(ROOT)
 
 
 def _time(fn, rounds: int) -> tuple[float, float, object]:
@@ -93,13 +67,36 @@ def _verify(ids: np.ndarray, e: int, policy_file: Path) -> dict:
             "failed": [k for k, v in out.items() if not v]}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=count, default=3, help="timed rounds per figure (median reported)")
-    ap.add_argument("--out", default=str(ROOT / "results" / "bench_cachesim.json"), help="JSON to write ('' for none)")
-    ap.add_argument("--workdir", default=None, help="folder for the Parquet trace and the policy file (default: temp)")
-    a = ap.parse_args()
+def bench_cachesim(rounds: int = 3, workdir: Optional[str] = None, out: Optional[str] = None) -> dict:
+    """Cache simulator speed on the Qwen3-30B-A3B routing shipped in telemetry/reference, and `expertcache analyze`
+    of that trace end to end.
 
+    48 layers x 8,000 tokens x top-8 = 3.07 M accesses per pass. `accesses_per_s[policy]`: token semantics,
+    capacity 1/8 of E, the slower of one cache per layer and one global budget; the median of `--rounds` rounds
+    after a warm-up call (numba compiles once; the first call's time is reported apart). `learned` includes
+    computing the policy's keep scores for the whole trace (one capacity from scratch); `learned_amortized` is what
+    analyze pays per access when one pass of scores feeds its 5 capacities x 2 budgets. `analyze_reference_s`: the
+    wall time of `expertcache analyze` in a fresh process (imports included) on the trace imported to Parquet;
+    `analyze_reference_learned_s`: the same with a policy fitted on the general trace. `verified`: on a slice, every
+    policy's hits equal the cache state driven step by step. Targets: LRU, LFU, static >= 2 M accesses/s; learned
+    >= 0.5 M/s; Belady <= 1.5 s per 1 M accesses; analyze <= 30 s, <= 90 s with the learned policy. Run it alone.
+
+    Args:
+        rounds: timed rounds per figure (the median is reported)
+        workdir: folder for the Parquet trace and the policy file, kept for the next run (default: a temporary one)
+        out: also write the JSON here
+    """
+    config = dict(locals())
+    import numpy as np
+
+    from expertcache.telemetry.atomic import check_output
+
+    from expertcache.runtime.bench.results import command_line, started, write_result
+
+    if not isinstance(rounds, int) or rounds < 1:
+        raise InputError(f"--rounds {rounds}: expected an integer >= 1")
+    check_output(out)
+    prov = started()  # the code and the machine, before the work
     from expertcache.telemetry.cachesim import capacity_count, global_steps, simulate
     from expertcache.telemetry.learned_policy import LearnedPolicy, simulate_learned
 
@@ -110,15 +107,15 @@ def main() -> int:
     acc = int(ids.size)
     g = global_steps(ids, e)
     fit = ids[:, : n_t // 5]
-    work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="bench_cachesim_"))
+    work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="bench_cachesim_"))
     work.mkdir(parents=True, exist_ok=True)
     cli = [sys.executable, "-m", "expertcache.recipes.cli"]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
 
     trace, policy = work / "code.parquet", work / "general.policy"
     if not trace.is_file():
-        subprocess.run(cli + ["trace", "import", "--src", str(REF / "code.npz"), "--out", str(trace), "--domain", "code",
-                              "--model_name", "Qwen3-30B-A3B"], check=True, capture_output=True, env=env)
+        subprocess.run(cli + ["trace", "import", "--src", str(REF / "code.npz"), "--out", str(trace), "--domain",
+                              "code", "--model_name", "Qwen3-30B-A3B"], check=True, capture_output=True, env=env)
     fit_s = None
     if not policy.is_file():
         t = time.perf_counter()
@@ -126,10 +123,10 @@ def main() -> int:
                        capture_output=True, env=env)
         fit_s = round(time.perf_counter() - t, 1)
 
-    out = {"benchmark": "cachesim", "command": "python scripts/bench_cachesim.py", **_git(),
-           "input": f"{REF.relative_to(ROOT)}/code.npz: {n_l} layers x {n_t} tokens x top-{k}, E={e}",
+    res = {"benchmark": "cachesim", "commit": prov["commit"], "dirty": prov["dirty"],
+           "input": f"telemetry/reference/{REF.name}/code.npz: {n_l} layers x {n_t} tokens x top-{k}, E={e}",
            "accesses_per_pass": acc, "capacity": {"per_layer": cap, "global": cap * n_l, "fraction_of_e": 0.125},
-           "semantics": "token", "rounds": a.rounds,
+           "semantics": "token", "rounds": rounds,
            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                        "simulator_threads": 1, "blas_env": {k: v for k, v in os.environ.items()
                                                              if k.startswith(("OPENBLAS", "OMP", "MKL"))}},
@@ -144,30 +141,30 @@ def main() -> int:
             else:
                 def run(pol=pol, steps=steps, c=c, f=f):
                     return simulate(steps, c, pol, "token", fit=f if pol == "static" else None).hits
-            first, med, hits = _time(run, a.rounds)
-            out["details"][f"{pol}/{budget}"] = {"first_call_s": round(first, 3), "seconds": round(med, 4),
+            first, med, hits = _time(run, rounds)
+            res["details"][f"{pol}/{budget}"] = {"first_call_s": round(first, 3), "seconds": round(med, 4),
                                                  "accesses_per_s": round(acc / med), "hit_rate": round(hits / acc, 4)}
-        rates[pol] = min(out["details"][f"{pol}/{b}"]["accesses_per_s"] for b in ("per_layer", "global"))
+        rates[pol] = min(res["details"][f"{pol}/{b}"]["accesses_per_s"] for b in ("per_layer", "global"))
     for pol in ("lru", "lfu"):
-        first, med, hits = _time(lambda pol=pol: simulate(g, cap * n_l, pol, "reference").hits, a.rounds)
-        out["details"][f"{pol}/global/reference"] = {"first_call_s": round(first, 3), "seconds": round(med, 4),
+        first, med, hits = _time(lambda pol=pol: simulate(g, cap * n_l, pol, "reference").hits, rounds)
+        res["details"][f"{pol}/global/reference"] = {"first_call_s": round(first, 3), "seconds": round(med, 4),
                                                      "accesses_per_s": round(acc / med),
                                                      "hit_rate": round(hits / acc, 4)}
 
     pol = LearnedPolicy.load(policy, num_experts=e, top_k=k, num_layers=n_l)
-    first, med, r = _time(lambda: simulate_learned(pol, ids, [cap], None, "layer")[cap]["hits"], a.rounds)
-    out["details"]["learned/per_layer"] = {"first_call_s": round(first, 3), "seconds": round(med, 3),
+    first, med, r = _time(lambda: simulate_learned(pol, ids, [cap], None, "layer")[cap]["hits"], rounds)
+    res["details"]["learned/per_layer"] = {"first_call_s": round(first, 3), "seconds": round(med, 3),
                                            "accesses_per_s": round(acc / med), "hit_rate": round(r / acc, 4),
                                            "includes": "keep scores for the whole trace + one capacity's simulation"}
     caps = sorted({capacity_count(f, e) for f in (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)})
-    _, med_all, _ = _time(lambda: simulate_learned(pol, ids, caps, None, ("layer", "global")), max(1, a.rounds - 2))
-    out["details"]["learned/analyze_set"] = {"seconds": round(med_all, 3), "capacities": caps,
+    _, med_all, _ = _time(lambda: simulate_learned(pol, ids, caps, None, ("layer", "global")), max(1, rounds - 2))
+    res["details"]["learned/analyze_set"] = {"seconds": round(med_all, 3), "capacities": caps,
                                              "budgets": ["per_layer", "global"],
                                              "accesses_per_s": round(acc * len(caps) * 2 / med_all)}
-    rates["learned"] = out["details"]["learned/per_layer"]["accesses_per_s"]
-    out["accesses_per_s"] = rates
-    out["learned_amortized_accesses_per_s"] = out["details"]["learned/analyze_set"]["accesses_per_s"]
-    out["belady_s_per_million"] = round(max(out["details"][f"belady/{b}"]["seconds"]
+    rates["learned"] = res["details"]["learned/per_layer"]["accesses_per_s"]
+    res["accesses_per_s"] = rates
+    res["learned_amortized_accesses_per_s"] = res["details"]["learned/analyze_set"]["accesses_per_s"]
+    res["belady_s_per_million"] = round(max(res["details"][f"belady/{b}"]["seconds"]
                                             for b in ("per_layer", "global")) * 1e6 / acc, 3)
 
     times = {}
@@ -177,26 +174,17 @@ def main() -> int:
                            capture_output=True, text=True, env=env)
         times[key] = round(time.perf_counter() - t, 1)
         if r.returncode != 0:
-            print(r.stderr, file=sys.stderr)
-            return 1
-    out |= times
-    out["policy_fit_s"] = fit_s
-    out["verified"] = _verify(ids, e, policy)
-    out["targets"] = {"accesses_per_s": TARGETS, "belady_s_per_million": 1.5, "analyze_reference_s": 30,
+            raise RuntimeError(f"expertcache analyze failed on the reference trace:\n{r.stderr}")
+    res |= times
+    res["policy_fit_s"] = fit_s
+    res["verified"] = _verify(ids, e, policy)
+    res["targets"] = {"accesses_per_s": TARGETS, "belady_s_per_million": 1.5, "analyze_reference_s": 30,
                       "analyze_reference_learned_s": 90}
-    out["pass"] = (all(rates[p] >= v for p, v in TARGETS.items()) and out["belady_s_per_million"] <= 1.5
+    res["pass"] = (all(rates[p] >= v for p, v in TARGETS.items()) and res["belady_s_per_million"] <= 1.5
                    and times["analyze_reference_s"] <= 30 and times["analyze_reference_learned_s"] <= 90
-                   and out["verified"]["all_equal"])
-    text = json.dumps(out, indent=2)
-    print(text)
-    if a.out:
-        from expertcache.runtime.bench.results import write_result
-
-        write_result(a.out, out, config=vars(a), command=out.get("command"))
-    return 0
+                   and res["verified"]["all_equal"])
+    if out:
+        res = write_result(out, res, config, command_line("bench cachesim", bench_cachesim, config), provenance=prov)
+    return res
 
 
-if __name__ == "__main__":
-    from expertcache.telemetry.errors import run_script
-
-    sys.exit(run_script(main))
