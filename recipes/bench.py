@@ -5,7 +5,11 @@ trainer and the runtime's harness both)."""
 from __future__ import annotations
 
 import copy
+import json as _json
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -13,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from expertcache.telemetry.atomic import write_json
 from expertcache.telemetry.errors import InputError
 
 from expertcache.runtime.bench.harness import alternate, compare
@@ -259,3 +264,150 @@ def bench_telemetry(model: str = "runs/base-tiny/model", batch: int = 8, seq: in
         res = write_result(out, res, config, command_line("bench telemetry", bench_telemetry, config),
                            provenance=prov)
     return res
+
+
+FIELDS = ("checkpoint", "experts_bytes", "quant_bits", "trainable", "steps", "tokens_per_step", "tokens_per_s",
+          "bytes_read_per_step", "disk_read_gbps", "roofline_tokens_per_s", "read_wait_s", "peak_rss_bytes",
+          "loss_first", "loss_last", "completed", "floor_bytes", "memory_budget_bytes", "step_s", "step_read_bytes",
+          "fit_tokens_per_s")
+
+
+def _train_big_run(ckpt: Path, out: Path, a, cg) -> dict:
+    """One run of bench train-big in a process of its own inside the cgroup `cg` (None: outside any), resumable:
+    a run whose row was written is that row."""
+    done = out / "run.json"
+    if done.is_file():  # finished by an earlier invocation (its row as measured then): resumable, run by run
+        return _json.loads(done.read_text())
+    args = ["train-cache-aware", "--recipe", "locality", f"base={ckpt}", f"out_dir={out}", f"data.corpus={a.corpus}",
+            f"data.tokenizer={ckpt}", f"data.batch_size={a.batch_size}", f"data.seq_len={a.seq_len}",
+            "data.val_batches=1", f"train.max_steps={a.steps}", "train.warmup_steps=1", "train.log_every=1",
+            f"train.val_every={a.steps + 1}", f"train.ckpt_every={a.steps}", "train.wandb=false",
+            f"train.memory_gb={a.memory_gb}", f"train.expert_tier={a.tier}", f"train.frozen_dtype={a.frozen_dtype}",
+            "quality.trainable=routers",
+            f"quality.distill={a.distill}", "locality.weight=1.0", "--resume", "false"]
+    cmd = [sys.executable, "-c", "import sys; from expertcache.recipes.cli import main; sys.exit(main())", *args]
+    if cg is not None:
+        cg.reset_peak()
+    p = subprocess.run(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                       preexec_fn=cg.preexec if cg is not None else None)
+    row = {"memory_cgroup_bytes": cg.limit_bytes if cg is not None else None,
+           "cgroup_peak_bytes": cg.peak_bytes() if cg is not None else None, "exit": p.returncode}
+    res = out / "result.json"
+    if p.returncode != 0 or not res.is_file():
+        last = [ln for ln in p.stderr.splitlines() if ln.strip()][-1:] or [""]
+        return {"checkpoint": str(ckpt), "completed": False, **row,
+                "error": f"exit {p.returncode}" + (" (killed: out of memory in the cgroup?)" if p.returncode in
+                                                   (-9, 137) else "") + f": {last[0][:300]}"}
+    r = _json.loads(res.read_text())
+    out_row = {**{k: r.get(k) for k in FIELDS}, **row, "commit": a.commit}
+    out_row["checkpoint"] = Path(out_row["checkpoint"]).name  # a folder name, not this machine's path
+    write_json(done, out_row)
+    trained = out / "model"  # the trained copy of a bigger-than-memory checkpoint: as large as the base; the
+    if a.drop_model and trained.is_dir():  # figures are the run's, so it goes unless asked to keep it
+        shutil.rmtree(trained)
+    return out_row
+
+
+def bench_train_big(model: str, corpus: str = "data/corpus", make_layers: int = 0, work: str = "runs/train-big",
+                    memory_gb: float = 7.5, cgroup_gb: float = 8.0, tier: str = "disk", steps: int = 4,
+                    batch_size: int = 1, seq_len: int = 256, distill: float = 0.0, bits: int = 0, group: int = 64,
+                    frozen_dtype: str = "fp32", runs: Optional[list[str]] = None, drop_model: bool = True,
+                    out: Optional[str] = None) -> dict:
+    """Router post-training of a checkpoint bigger than memory, inside a memory cgroup: the runs of
+    results/train_big.json.
+
+    Each run is `expertcache train-cache-aware` with its experts streamed (`train.memory_gb`), in a process of its
+    own inside the cgroup (as root; outside it otherwise, said in `cgroup`): the bf16 checkpoint first, then
+    (`--bits 4`) the same checkpoint quantized by `expertcache quantize`'s writer. Resumable run by run: a run whose
+    row was written in `--work` is reused. The JSON: `commit`, `host_ram_bytes`, `runs` (each: checkpoint,
+    experts_bytes, memory_cgroup_bytes, trainable, steps, tokens_per_step, tokens_per_s, bytes_read_per_step,
+    disk_read_gbps measured at the run's end, roofline_tokens_per_s, peak_rss_bytes, cgroup_peak_bytes, loss_first,
+    loss_last, completed). Bench big's 27-layer Qwen3-30B-A3B-shaped checkpoint in 8 GiB:
+    `expertcache bench train-big --model runs/big/ckpt --cgroup_gb 8 --memory_gb 7.5 --steps 6 --seq_len 128 --bits
+    4 --out results/train_big.json`; `--make_layers 2` writes a 2-layer checkpoint of that shape at --model first.
+
+    Args:
+        model: checkpoint folder (bf16)
+        corpus: the training text (`expertcache data build` or `make quickstart` builds one)
+        make_layers: first write bench big's checkpoint with this many layers at --model (0: --model as it is)
+        work: the runs' folders (and the quantized checkpoint)
+        memory_gb: train.memory_gb (its floor is checked before any work)
+        cgroup_gb: the memory cgroup, GiB (0: none)
+        tier: train.expert_tier (disk, host)
+        steps: optimizer steps per run
+        batch_size: sequences per step
+        seq_len: tokens per sequence
+        distill: quality.distill (a third read pass per step)
+        bits: also the run on the checkpoint quantized to 4 or 8 bits (0: the bf16 run only)
+        group: the quantization group
+        frozen_dtype: train.frozen_dtype, the frozen non-expert weights in fp32 or bf16 (routers stay fp32)
+        runs: which runs: bf16 and/or int4/int8 (default: bf16, and int{--bits} with --bits)
+        drop_model: delete each run's trained checkpoint once measured (each is as large as the base)
+        out: also write the JSON here (only when a run completed)
+    """
+    config = dict(locals())
+    from types import SimpleNamespace
+
+    from expertcache.telemetry.atomic import check_output
+
+    if bits not in (0, 4, 8):
+        raise InputError(f"--bits {bits}: expected 4 or 8 (0: the bf16 run only)")
+    known = {"bf16", *([f"int{bits}"] if bits else [])}
+    which = set(runs if runs is not None else ["bf16", *([f"int{bits}"] if bits else [])])
+    if not which or which - known:
+        raise InputError(f"--runs {runs}: expected a subset of [{','.join(sorted(known))}] (int4/int8 need --bits)")
+    for name, v in (("steps", steps), ("batch_size", batch_size), ("seq_len", seq_len)):
+        if v < 1:
+            raise InputError(f"--{name} {v}: expected an integer >= 1")
+    if not memory_gb > 0 or not cgroup_gb >= 0 or make_layers < 0:
+        raise InputError(f"--memory_gb {memory_gb:g}, --cgroup_gb {cgroup_gb:g}, --make_layers {make_layers}: "
+                         f"expected memory_gb > 0 (streamed experts), cgroup_gb >= 0 (0: no cgroup), make_layers >= 0")
+    if frozen_dtype not in ("fp32", "bf16"):
+        raise InputError(f"--frozen_dtype {frozen_dtype}: expected fp32 or bf16")
+    if not make_layers and not (Path(model) / "config.json").is_file():
+        raise InputError(f"--model {model}: no checkpoint there (no config.json); --make_layers N writes bench "
+                         f"big's checkpoint of N layers there first")
+    if not Path(corpus).is_dir():
+        raise InputError(f"--corpus {corpus}: no such folder (`expertcache data build` or `make quickstart` builds "
+                         f"one)")
+    check_output(out)
+
+    from expertcache.runtime.bench.memcg import MemoryCgroup
+
+    prov = started()  # the code and the machine, before the work
+    a = SimpleNamespace(**config, commit=prov["commit"])  # each row records the code it ran (a later run may reuse it)
+    ckpt, folder = Path(model), Path(work)
+    if make_layers:
+        from expertcache.runtime.bench.bigckpt import write_checkpoint
+
+        write_checkpoint(ckpt, make_layers)
+    cg, why = MemoryCgroup.create(int(cgroup_gb * 2 ** 30)) if cgroup_gb else (None, "not asked")
+    rows = []
+    try:
+        if "bf16" in which:
+            rows.append(_train_big_run(ckpt, folder / "bf16", a, cg))
+        if bits and which - {"bf16"}:
+            from expertcache.runtime.kernels import quant_write
+
+            q = folder / f"int{bits}-ckpt"
+            if not (q / "config.json").is_file():  # written outside the cgroup, once
+                quant_write.write_quantized(ckpt, q, bits, group)  # (the tokenizer files come along)
+            rows.append(_train_big_run(q, folder / f"int{bits}", a, cg))
+    finally:
+        if cg is not None:
+            cg.close()
+    from expertcache.runtime.bench.bigckpt import physical_ram
+
+    doc = {"commit": prov["commit"], "host_ram_bytes": physical_ram(), "cgroup": why or "memory cgroup",
+           "runs": rows}
+    failed = [r for r in rows if not r.get("completed")]
+    for r in failed:
+        print(f"bench train-big: the run on {r.get('checkpoint')} did not complete: "
+              f"{r.get('error', 'stopped early')}", file=sys.stderr)
+    if failed and len(failed) == len(rows):  # nothing measured: the last result stays as it was
+        print(f"bench train-big: no run completed; {out or 'nothing'} written", file=sys.stderr)
+        return {**doc, "ok": False}
+    if out:
+        doc = write_result(out, doc, config, command_line("bench train-big", bench_train_big, config),
+                           provenance=prov)
+    return {**doc, "ok": not failed}

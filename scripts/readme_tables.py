@@ -401,7 +401,7 @@ def tables() -> dict[str, str]:
         out["gate_calibration"] = _block("gate_calibration.json", f"{provenance(d['command'], 'gate_calibration.json')}"
                                          f"; git {_git(d)}", calibration_table(d))
     if (d := _load("train_big.json")):
-        how = provenance(d.get("command") or "python scripts/train_big.py", "train_big.json")
+        how = provenance(d.get("command") or "expertcache bench train-big", "train_big.json")
         out["train_big"] = _block("train_big.json", f"{how}; git {_git(d, 'commit')}", train_big_table(d))
     for name in ("serve_load", "serve_batching"):
         if (d := _load(f"{name}.json")):

@@ -442,9 +442,6 @@ def test_serve_prompt_cache_names_a_missing_or_empty_checkpoint_in_one_line_with
 
 
 @pytest.mark.parametrize("script, argv, needle", [
-    ("train_big", ["--model", "{nx}", "--corpus", "{nx}"], "--model {nx}: no checkpoint there"),
-    ("train_big", ["--model", "{nx}", "--corpus", "{nx}", "--bits", "4", "--steps", "0"], "--steps 0: expected"),
-    ("train_big", ["--model", "{nx}", "--corpus", "{nx}", "--bits", "5"], "--bits 5: expected 4 or 8"),
     ("check_results", ["--results", "{nx}"], "--results {nx}: no such folder"),
     ("load_test", ["--clients", "0"], "argument --clients: invalid integer >= 1 value: '0'"),
     ("load_test", ["--seconds", "-1"], "argument --seconds: invalid number > 0 value: '-1'"),
@@ -464,8 +461,8 @@ def test_scripts_refuse_bad_input_in_one_line_with_exit_2_before_any_work(script
                                                                            monkeypatch, capsys):
     """A hostile user's bad input to scripts/ (found by trying each): each is one line (argparse's usage line
     before it at most) and exit 2, through `run_script` as every script's entry, before anything is written. Before,
-    train_big.py on a missing checkpoint exited 0 and overwrote results/train_big.json with a run that did not
-    complete; load_test.py --clients 0 wrote a result that said pass with no request; make_checkpoint.py wrote a
+    train_big.py (now `bench train-big`) on a missing checkpoint exited 0 and overwrote results/train_big.json with a
+    run that did not complete; load_test.py --clients 0 wrote a result that said pass with no request; make_checkpoint.py wrote a
     checkpoint whose tokens choose more experts than it has; predictor_recall.py said "Repo id must be in the form"
     from inside transformers; bench_telemetry.py timed a random model for a --model that is not there."""
     import importlib.util
@@ -606,6 +603,11 @@ def test_bench_big_refuses_a_q4_0_checkpoint_it_cannot_serve_before_writing_anyt
     (["bench", "telemetry", "--model", "{nx}"], "--model {nx}: no checkpoint there"),
     (["bench", "train", "--steps", "2", "--warmup", "2"], "--warmup 2: leaves none of --steps 2 to time"),
     (["bench", "train", "--recipe", "{nx}"], "neither a file nor a shipped recipe"),
+    (["bench", "train-big", "--model", "{nx}", "--corpus", "{nx}"], "--model {nx}: no checkpoint there"),
+    (["bench", "train-big", "--model", "{nx}", "--corpus", "{nx}", "--bits", "4", "--steps", "0"],
+     "--steps 0: expected"),
+    (["bench", "train-big", "--model", "{nx}", "--bits", "5"], "--bits 5: expected 4 or 8"),
+    (["bench", "train-big", "--model", "{nx}", "--runs", "[int4]"], "--runs ['int4']: expected a subset of [bf16]"),
 ])
 def test_bench_subcommands_refuse_bad_input_in_one_line_with_exit_2(argv, needle, tmp_path, capsys):
     """The benchmarks that were scripts, now `expertcache bench checksum|integrity|cachesim|telemetry|train`: bad
@@ -647,17 +649,19 @@ def test_bench_train_and_bench_telemetry_time_both_arms_of_each_round(tmp_path):
     from expertcache.recipes.cli import main
 
     out = tmp_path / "train.json"
-    assert main(["bench", "train", "--recipe", "smoke", "--steps", "3", "--warmup", "1", "--rounds", "2",
-                 "--threads", "1", "--out", str(out)]) == 0
+    rc = main(["bench", "train", "--recipe", "smoke", "--steps", "3", "--warmup", "1", "--rounds", "2",
+               "--threads", "1", "--out", str(out)])
     r = json.loads(out.read_text())
+    assert rc == (0 if r["pass"] else 1)  # a missed target is a result (exit 1), not bad input
     assert r["lightning"]["steps"] == r["bare"]["steps"] == 2 * 2
     assert r["lightning_over_bare_tokens_per_s"] == pytest.approx(
         r["bare"]["median_step_s"] / r["lightning"]["median_step_s"], rel=1e-2)
     assert r["command"].startswith("expertcache bench train --recipe smoke --steps 3 --warmup 1 --rounds 2 --threads 1")
     out = tmp_path / "telemetry.json"
     assert main(["bench", "telemetry", "--model", str(tmp_path / "absent-default"), "--out", str(out)]) == 2
-    assert main(["bench", "telemetry", "--batch", "1", "--seq", "16", "--reps", "2", "--warmup", "0",
-                 "--out", str(out)]) == 0
+    rc = main(["bench", "telemetry", "--batch", "1", "--seq", "16", "--reps", "2", "--warmup", "0",
+               "--out", str(out)])
     t = json.loads(out.read_text())
+    assert rc == (0 if t["pass"] else 1)
     assert set(t["forward_s_median"]) == {"plain", "ids_weights", "plain_control", "with_hidden"}
     assert t["batch"] == [1, 16] and all(v > 0 for v in t["forward_s_median"].values())

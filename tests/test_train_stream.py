@@ -534,3 +534,29 @@ def test_adapters_on_bf16_frozen_weights_are_added_to_the_checkpoints_own_tensor
         w, s = base[k], saved[k]
         assert s.dtype == w.dtype == torch.float32 and not torch.equal(s, w), k  # trained
         assert not torch.equal(s, s.bfloat16().float()), k  # not a bf16 copy written back
+
+
+def test_bench_train_big_runs_bf16_then_packed_in_processes_of_their_own_and_resumes(tiny_data, fp32_base, tmp_path):
+    """`expertcache bench train-big` (the runs of results/train_big.json) on the tiny base, no cgroup: the bf16 run,
+    then the same checkpoint quantized (int8 here), each `train-cache-aware` with streamed experts in a process of its
+    own; the issue's fields on each row, the trained copies dropped; asked again, it reuses both rows."""
+    import json
+
+    from expertcache.recipes.cli import main
+
+    out, work = tmp_path / "train_big.json", tmp_path / "work"
+    argv = ["bench", "train-big", "--model", str(fp32_base), "--corpus", tiny_data["corpus"], "--work", str(work),
+            "--cgroup_gb", "0", "--memory_gb", "8", "--steps", "2", "--batch_size", "2", "--seq_len", "32",
+            "--bits", "8", "--group", "32", "--out", str(out)]  # (int4 packs 64 inputs: the tiny base has 32)
+    assert main(argv) == 0
+    d = json.loads(out.read_text())
+    assert [r["quant_bits"] for r in d["runs"]] == [None, 8] and all(r["completed"] for r in d["runs"])
+    for r in d["runs"]:
+        assert r["trainable"] == "routers" and r["steps"] == 2 and r["tokens_per_step"] == 64
+        assert r["tokens_per_s"] > 0 and r["bytes_read_per_step"] > 0 and r["loss_first"] > 0
+        assert r["memory_cgroup_bytes"] is None and r["exit"] == 0
+    assert d["cgroup"] == "not asked" and d["command"].startswith("expertcache bench train-big --model")
+    assert not (work / "bf16" / "model").exists() and not (work / "int8" / "model").exists()  # --drop_model
+    first = d["runs"]
+    assert main(argv) == 0  # both rows reused, as measured then
+    assert json.loads(out.read_text())["runs"] == first
