@@ -4,7 +4,7 @@
   the cache state) are always measured this way, never in one wide batch (METRICS.md);
 - **batched** (`batched_nll`): several whole blocks in one causal forward each, for the plain model and lossless
   policies, whose outputs do not depend on the order the cache saw the tokens in. The two paths differ only in the
-  floating-point order of the attention sums (`scripts/gate_calibration.py` measures how little).
+  floating-point order of the attention sums (`experiments/gate_calibration.py` measures how little).
 The same tokens for every model and policy."""
 
 from __future__ import annotations

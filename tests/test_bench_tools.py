@@ -472,7 +472,8 @@ def test_scripts_refuse_bad_input_in_one_line_with_exit_2_before_any_work(script
     from expertcache.telemetry.errors import run_script
 
     nx = str(tmp_path / "nope")
-    spec = importlib.util.spec_from_file_location(script, REPO / "scripts" / f"{script}.py")
+    path = next(p for p in (REPO / "scripts" / f"{script}.py", REPO / "experiments" / f"{script}.py") if p.is_file())
+    spec = importlib.util.spec_from_file_location(script, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     before = sorted(p.name for p in tmp_path.iterdir())

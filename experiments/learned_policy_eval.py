@@ -114,7 +114,7 @@ def main() -> int:
     prov = provenance(REPO)
     res = {"what": "learned eviction policy vs LRU and Belady; fitted on one trace, scored on another; token "
                    "semantics, one cache per layer, all layers",
-           "command": "python scripts/learned_policy_eval.py", **prov,
+           "command": "python experiments/learned_policy_eval.py", **prov,
            "machine": {"threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()},
            "reference": []}
     res["reference"].append(pair(ref / "code.npz", ref / "general.npz", a.seed))

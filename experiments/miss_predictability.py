@@ -12,7 +12,7 @@ have hidden):
   tokens since last use at L) and a decayed use count at L, fitted on the fitting window (plain gradient descent, torch), scored on the evaluation window.
 Precision: used / named; recall: used / misses. Prints one JSON object (and writes it with --out).
 
-    python scripts/miss_predictability.py --out results/miss_predictability.json
+    python experiments/miss_predictability.py --out results/miss_predictability.json
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def main() -> None:
                                  "recall": round(used / misses, 4)}
     prov = provenance(Path(__file__).parent)
     res = {"what": "how well the trace's own routing ids predict an LRU cache's misses one layer ahead",
-           "command": "python scripts/miss_predictability.py --out results/miss_predictability.json",
+           "command": "python experiments/miss_predictability.py --out results/miss_predictability.json",
            "trace": Path(a.trace).name, "layers": int(ids.shape[0]), "slots_per_layer": a.slots,
            "fit_tokens": a.fit, "eval_tokens": a.eval, "steps": n, "misses_per_step": round(misses / n, 3),
            "cooccurrence": score(ev_bb, lambda f: f[:, 0]),

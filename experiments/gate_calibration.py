@@ -19,7 +19,7 @@ Each condition is also gated on the whole pool (per seed), where the intervals a
 documents) is not part of this calibration: Δppl only; the synthetic checks in tests/test_gate_stats.py cover Δacc.
 The run also times the two step-wise paths on the same blocks (the batched one is what makes large samples cheap).
 
-    python scripts/gate_calibration.py --base runs/base-tiny/model --out results/gate_calibration.json
+    python experiments/gate_calibration.py --base runs/base-tiny/model --out results/gate_calibration.json
 """
 
 from __future__ import annotations
