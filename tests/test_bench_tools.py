@@ -417,27 +417,22 @@ def test_kernel_ab_refuses_an_unknown_format_and_revision_in_one_line_with_exit_
         assert len(err.splitlines()) == 1 and err.startswith(want), err
 
 
-def test_serve_prompt_cache_names_a_missing_or_empty_checkpoint_in_one_line_with_exit_2(capsys, tmp_path,
-                                                                                         monkeypatch):
-    """scripts/serve_prompt_cache.py on a fresh clone (no quickstart yet, so no default model) was a traceback from
-    inside transformers ("Repo id must be in the form ..."); a missing folder and one without config.json are one
-    line each, exit 2, before any server starts; the default's line says what makes it."""
-    import importlib.util
+def test_bench_prompt_cache_names_a_missing_or_empty_checkpoint_in_one_line_with_exit_2(capsys, tmp_path):
+    """`bench prompt-cache` (once scripts/serve_prompt_cache.py) on a fresh clone (no quickstart yet, so no default
+    model) was a traceback from inside transformers ("Repo id must be in the form ..."); a missing folder and one
+    without config.json are one line each, exit 2, before any server starts; the default's line says what makes
+    it."""
+    from expertcache.recipes.cli import main
 
-    from helpers import REPO
-
-    from expertcache.telemetry.errors import run_script
-
-    spec = importlib.util.spec_from_file_location("serve_prompt_cache", REPO / "scripts" / "serve_prompt_cache.py")
-    spc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(spc)
     (tmp_path / "empty").mkdir()
-    monkeypatch.setattr(sys, "argv", ["scripts/serve_prompt_cache.py"])  # (the name run_script prints)
     for model, needle in ((tmp_path / "nope", "no such folder"), (tmp_path / "empty", "config.json")):
-        code = run_script(spc.main, ["--model", str(model), "--out", str(tmp_path / "out.json")])
+        code = main(["bench", "prompt-cache", "--model", str(model), "--out", str(tmp_path / "out.json")])
         err = capsys.readouterr().err.strip()
         assert code == 2 and len(err.splitlines()) == 1 and needle in err, err
-        assert err.startswith("serve_prompt_cache: --model:") and "make quickstart" not in err, err
+        assert "--model:" in err and "make quickstart" not in err, err
+    assert main(["bench", "prompt-cache", "--rounds", "0"]) == 2
+    assert "--rounds 0: expected integers >= 1" in capsys.readouterr().err
+    assert main(["bench", "prompt-cache", "--capacities", "[0]"]) == 2
     assert not (tmp_path / "out.json").exists()
 
 
@@ -448,7 +443,6 @@ def test_serve_prompt_cache_names_a_missing_or_empty_checkpoint_in_one_line_with
     ("make_checkpoint", ["--out", "{tmp}/c", "--top-k", "8", "--experts", "4"], "cannot choose more experts"),
     ("make_checkpoint", ["--out", "{tmp}/c", "--dtype", "float33"], "argument --dtype: invalid choice"),
     ("predictor_recall", ["--model", "{nx}", "--trace", "{nx}"], "no HF checkpoint at {nx}: no such folder"),
-    ("serve_prompt_cache", ["--rounds", "0"], "argument --rounds: invalid integer >= 1 value: '0'"),
     ("timed", None, "No such file or directory"),
     ("miss_predictability", ["--trace", "{nx}", "--fit", "abc"], "expected START:END token windows"),
     ("bench_kernels", ["--threads", "abc", "--model", "{nx}"], "--threads abc: expected thread counts >= 1"),

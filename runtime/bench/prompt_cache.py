@@ -1,27 +1,8 @@
-"""Prompt reuse and chunked prefill in `expertcache serve`, measured over HTTP (issue 47, items 3 and 4).
-
-    python scripts/serve_prompt_cache.py --out results/serve_prompt_cache.json
-
-The servers are `expertcache serve` started by their own command lines (child processes, `--engine.threads 1`) on
-the quickstart's checkpoint (copied to a temporary folder: the loader may write a checksum index beside it), at
-each `--capacities` value, one with the prompt cache and one with `--prompt_cache false`.
-
-TTFT of a follow-up turn: per round a new history (`--history` tokens of the repository's own docs, tokenized),
-sent as turn 1 (`--answer` greedy tokens), then the follow-up turn (history + turn 1's answer + `--question` new
-tokens); TTFT = the wall time of its one-token completion; its `--new` greedy tokens from a second request. Both
-servers get both turns, in alternating order, every round; medians over `--rounds`; `equal_tokens`: the
-follow-up's greedy tokens are the same on both in every round.
-
-Chunked prefill: on the prompt-cache server at the first capacity, `--streams` streams decode; in each round a long
-prompt (2,048 tokens, or the most the model's positions allow: recorded) is sent while they run. ITL = the gap
-between two chunks of a stream; `itl_p50_s` over the gaps outside every long prefill (before and after it, the
-same streams), `itl_p99_during_prefill_s` over the gaps that end between the long request being sent and its
-first token.
-"""
+"""`expertcache bench prompt-cache`: prompt reuse and chunked prefill in `expertcache serve`, measured over HTTP
+against servers started by their own command lines."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -32,11 +13,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Optional
+
+from expertcache.telemetry.errors import InputError
 
 from expertcache.runtime.bench.harness import order
-from expertcache.telemetry.errors import count
 
-REPO = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = "runs/starter/model"
 NAME = "m"
 
 
@@ -52,7 +36,7 @@ def _start(model: Path, capacity: float, prompt_cache: bool, chunk: int, log) ->
            "--served_model_name", NAME, "--log_level", "warning", "--engine.capacity", str(capacity),
            "--engine.threads", "1", "--prompt_cache", str(prompt_cache).lower(), "--prefill_chunk", str(chunk)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, cwd=REPO)
+    p = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
     return p, f"http://127.0.0.1:{port}", cmd
 
 
@@ -111,13 +95,17 @@ async def _first_token(client, url: str, prompt: list[int]) -> float:
 
 
 def _texts_ids(tok, need: int) -> list[int]:
-    """`need` token ids of the repository's own prose (README and docs), in order."""
+    """`need` token ids of the repository's own prose (README and docs), in order; from an installed package
+    without them, of its own source files."""
     ids: list[int] = []
-    for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+    root = Path(__file__).resolve().parents[2]  # the repository (an editable install), or the package
+    files = [root / "README.md", *sorted((root / "docs").glob("*.md"))] if (root / "README.md").is_file() \
+        else sorted(root.rglob("*.py"))
+    for p in files:
         ids += tok(p.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
         if len(ids) >= need:
             return ids[:need]
-    raise SystemExit(f"the docs hold {len(ids)} tokens; {need} needed")
+    raise InputError(f"the prompts' text holds {len(ids)} tokens; {need} needed (lower --rounds, --history, --long)")
 
 
 async def _ttft_rounds(servers: dict, tok, text: list[int], a) -> dict:
@@ -178,55 +166,79 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, int(round(q / 100 * (len(s) - 1)))))]
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=str(REPO / "runs" / "starter" / "model"),
-                    help="checkpoint (default: the quickstart's); read only, served from a copy")
-    ap.add_argument("--capacities", type=float, nargs="+", default=[1.0, 0.25])
-    ap.add_argument("--rounds", type=count, default=3)
-    ap.add_argument("--history", type=count, default=1000, help="tokens of history before the follow-up turn "
-                    "(turn 1's prompt and answer)")
-    ap.add_argument("--answer", type=count, default=8, help="turn 1's answer (greedy tokens)")
-    ap.add_argument("--question", type=count, default=8, help="the follow-up turn's new tokens")
-    ap.add_argument("--new", type=count, default=8, help="greedy tokens decoded for the follow-up turn")
-    ap.add_argument("--long", type=count, default=2048, help="the long prompt of the chunked-prefill rounds")
-    ap.add_argument("--streams", type=count, default=2)
-    ap.add_argument("--stream_tokens", type=count, default=240)
-    ap.add_argument("--prefill_chunk", type=count, default=256)
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args(argv)
+def bench_prompt_cache(model: str = DEFAULT_MODEL, capacities: list[float] = [1.0, 0.25], rounds: int = 3,
+                       history: int = 1000, answer: int = 8, question: int = 8, new: int = 8, long: int = 2048,
+                       streams: int = 2, stream_tokens: int = 240, prefill_chunk: int = 256,
+                       out: Optional[str] = None) -> dict:
+    """Prompt reuse and chunked prefill in `expertcache serve`, measured over HTTP.
 
+    The servers are `expertcache serve` started by their own command lines (child processes, `--engine.threads 1`)
+    on a copy of the checkpoint (the loader may write a checksum index beside it), at each `--capacities` value,
+    one with the prompt cache and one with `--prompt_cache false`. TTFT of a follow-up turn: per round a new
+    history (`--history` tokens of the repository's own docs), sent as turn 1 (`--answer` greedy tokens), then the
+    follow-up (history + turn 1's answer + `--question` new tokens); TTFT = the wall time of its one-token
+    completion; its `--new` greedy tokens from a second request. Both servers get both turns, in alternating order,
+    every round; medians over `--rounds`; `equal_tokens`: the follow-up's tokens are the same on both. Chunked
+    prefill: on the prompt-cache server at the first capacity, `--streams` streams decode while a long prompt is
+    sent each round; ITL = the gap between two chunks of a stream, `itl_p50_s` outside every long prefill,
+    `itl_p99_during_prefill_s` over the gaps that end between the long request being sent and its first token.
+    Targets: reuse at most 0.2x the TTFT without it; ITL p99 during a prefill at most 3x the p50. Run it alone.
+
+    Args:
+        model: checkpoint (default: the quickstart's); read only, served from a copy
+        capacities: the servers' --engine.capacity values
+        rounds: rounds of each measurement (servers alternated)
+        history: tokens of history before the follow-up turn (turn 1's prompt and answer)
+        answer: turn 1's answer (greedy tokens)
+        question: the follow-up turn's new tokens
+        new: greedy tokens decoded for the follow-up turn
+        long: the long prompt of the chunked-prefill rounds (at most the model's positions)
+        streams: streams decoding while the long prompt is prefilled
+        stream_tokens: tokens each of those streams asks for
+        prefill_chunk: the servers' --prefill_chunk
+        out: also write the JSON here
+    """
+    config = dict(locals())
+    a = SimpleNamespace(**config)
+    bad = [f"--{k} {v}" for k, v in config.items() if k not in ("model", "capacities", "out")
+           and (not isinstance(v, int) or v < 1)]
+    if bad:
+        raise InputError(f"{', '.join(bad)}: expected integers >= 1")
+    if not capacities or any(not 0 < c <= 1 for c in capacities):
+        raise InputError(f"--capacities {capacities}: expected fractions of the experts in (0, 1]")
+    if answer >= history:
+        raise InputError(f"--answer {answer}: must be below --history {history} (turn 1's answer is part of it)")
     from expertcache.telemetry.atomic import check_output, copy_tree
     from expertcache.telemetry.hf import context_length, load_config, load_tokenizer
-    from expertcache.telemetry.provenance import provenance
 
-    if a.out:
-        check_output(a.out)
-    from expertcache.telemetry.errors import InputError
+    from expertcache.runtime.bench.results import command_line, started, write_result
 
-    src = Path(a.model)
+    check_output(out)
+    prov = started()  # the code and the machine, before the work
+
+    src = Path(model)
     try:
         ctx = context_length(load_config(src))
         tok = load_tokenizer(src)
     except InputError as e:  # (no model yet on a fresh clone: the default's line says what makes it)
         raise InputError(f"--model: {e}" + ("; `make quickstart` makes the default one"
-                                            if a.model == ap.get_default("model") else "")) from None
+                                            if model == DEFAULT_MODEL else "")) from None
     hist_turn1 = a.history - a.answer  # turn 1's prompt; its answer completes the history
-    a_hist = argparse.Namespace(**{**vars(a), "history": hist_turn1})
+    a_hist = SimpleNamespace(**{**vars(a), "history": hist_turn1})
     long_len = min(a.long, ctx - 1) if ctx else a.long
     text = _texts_ids(tok, a.rounds * hist_turn1 + a.rounds * a.question + long_len + a.rounds + 200)
     rows, itl, load_start = [], None, os.getloadavg()
     cmds = {}
     with tempfile.TemporaryDirectory() as d:
-        model = copy_tree(src, Path(d) / "model")
+        copy = copy_tree(src, Path(d) / "model")
         log = sys.stderr if os.environ.get("SERVE_LOG") else subprocess.DEVNULL
         for cap in a.capacities:
             procs = {}
             try:
                 for name, on in (("reuse", True), ("no_reuse", False)):
-                    p, url, cmd = _start(model, cap, on, a.prefill_chunk, log)
+                    p, url, cmd = _start(copy, cap, on, a.prefill_chunk, log)
                     procs[name] = (p, url)
-                    cmds[f"{cap}/{name}"] = "python " + " ".join(cmd[1:]).replace(str(model), "MODEL").replace(
+                    cmds[f"{cap}/{name}"] = "python " + " ".join(cmd[1:]).replace(str(copy), "MODEL").replace(
                         f"--port {url.rsplit(':', 1)[1]}", "--port PORT")
                 for p, url in procs.values():
                     _wait(p, url)
@@ -251,8 +263,7 @@ def main(argv: list[str] | None = None) -> None:
                 for p, _ in procs.values():
                     p.terminate()
                     p.wait(timeout=60)
-    out = {"command": "python scripts/serve_prompt_cache.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "inputs": {"model": str(a.model), "context": ctx, "history_tokens": a.history, "answer_tokens": a.answer,
+    res = {"inputs": {"model": str(model), "context": ctx, "history_tokens": a.history, "answer_tokens": a.answer,
                       "question_tokens": a.question, "new_tokens": a.new, "rounds": a.rounds,
                       "long_prompt_asked": a.long, "long_prompt_tokens": long_len,
                       "server_commands": cmds, "engine_threads": 1, "cpu_count": os.cpu_count(),
@@ -262,12 +273,11 @@ def main(argv: list[str] | None = None) -> None:
            "targets": {"ratio_max": 0.2, "itl_ratio_max": 3.0},
            "targets_met": {"ratio": all(r["ratio"] <= 0.2 for r in rows),
                            "itl_ratio": itl["itl_p99_during_prefill_s"] / itl["itl_p50_s"] <= 3.0},
-           **provenance(REPO)}
-    print(json.dumps(out, indent=2))
-    if a.out:
-        from expertcache.runtime.bench.results import write_result
-
-        write_result(a.out, out, config=vars(a), command=out["command"])
+           "commit": prov["commit"], "dirty": prov["dirty"]}
+    if out:
+        res = write_result(out, res, config, command_line("bench prompt-cache", bench_prompt_cache, config),
+                           provenance=prov)
+    return res
 
 
 async def _stream_once(url: str, prompt: list[int]) -> None:
@@ -277,7 +287,3 @@ async def _stream_once(url: str, prompt: list[int]) -> None:
         await _stream(client, url, prompt, 4)
 
 
-if __name__ == "__main__":
-    from expertcache.telemetry.errors import run_script
-
-    sys.exit(run_script(main))
