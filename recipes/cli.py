@@ -40,6 +40,7 @@ COMMANDS = {
               "integrity": "expertcache.runtime.bench.checks:bench_integrity",
               "cachesim": "expertcache.runtime.bench.cachesim:bench_cachesim",
               "attention": "expertcache.runtime.bench.attention:bench_attention",
+              "kernels": "expertcache.runtime.bench.kernels:bench_kernels",
               "prompt-cache": "expertcache.runtime.bench.prompt_cache:bench_prompt_cache",
               "train": "expertcache.recipes.bench:bench_train",
               "telemetry": "expertcache.recipes.bench:bench_telemetry",

@@ -1,6 +1,6 @@
 """llama.cpp, the peer, on the same weights: build it from the PyPI sdist's vendored source (cached outside the repo),
 convert a Hugging Face checkpoint to GGUF (BF16, then Q8_0 and Q4_0 with its own `llama-quantize`) and time decode
-with `llama-bench`. `scripts/bench_kernels.py` calls `decode()`; run alone it prints one JSON line per format.
+with `llama-bench`. `expertcache bench kernels` calls its `decode()`; run alone it prints one JSON line per format.
 
     python scripts/llamacpp_peer.py --model /work/ckpt/q30-4l --threads 1 --tokens 32
 

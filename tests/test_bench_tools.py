@@ -370,16 +370,12 @@ def test_bench_big_skips_accelerate_with_its_reason_when_the_disk_cannot_hold_it
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the contended condition needs two cores")
 def test_the_memory_contended_condition_streams_on_the_other_core_and_restores_this_process(capsys):
-    """`bench_kernels --conditions memory-contended`: inside the condition a second process streams memory on the
+    """`bench kernels --conditions [memory-contended]`: inside the condition a second process streams memory on the
     second core and this process (with what it starts) is pinned to the first; afterwards the streamer is gone and
     the affinity is what it was. A name outside the two conditions is one line, exit 2."""
-    from helpers import REPO
+    from expertcache.recipes.cli import main
+    from expertcache.runtime.bench import kernels as bench_kernels
 
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import bench_kernels
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
     before = os.sched_getaffinity(0)
     cpus = sorted(before)
     with bench_kernels.Condition("memory-contended", elements=1 << 20) as c:
@@ -392,10 +388,9 @@ def test_the_memory_contended_condition_streams_on_the_other_core_and_restores_t
     with bench_kernels.Condition("alone") as c:
         assert c.proc is None and os.sched_getaffinity(0) == before
     capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        bench_kernels.main(["--conditions", "busy"])
+    assert main(["bench", "kernels", "--conditions", "[busy]"]) == 2
     err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("bench_kernels: --conditions busy"), err
+    assert len(err.splitlines()) == 1 and "--conditions ['busy']: expected a subset of alone,memory-contended" in err
 
 
 def test_kernel_ab_refuses_an_unknown_format_and_revision_in_one_line_with_exit_2(capsys):
@@ -445,7 +440,6 @@ def test_bench_prompt_cache_names_a_missing_or_empty_checkpoint_in_one_line_with
     ("predictor_recall", ["--model", "{nx}", "--trace", "{nx}"], "no HF checkpoint at {nx}: no such folder"),
     ("timed", None, "No such file or directory"),
     ("miss_predictability", ["--trace", "{nx}", "--fit", "abc"], "expected START:END token windows"),
-    ("bench_kernels", ["--threads", "abc", "--model", "{nx}"], "--threads abc: expected thread counts >= 1"),
     ("learned_policy_eval", ["--base-fit", "{nx}", "--base-test", "{nx}"], "--base-fit {nx}: no such trace"),
     ("quantized_table", ["--base", "{nx}", "--work", "{tmp}/work"], "no HF checkpoint at {nx}: no such folder"),
     ("gate_table", ["--base", "{nx}", "--candidates", "{nx}", "--out", "{tmp}/gates"], "no HF checkpoint at {nx}"),
@@ -595,6 +589,9 @@ def test_bench_big_refuses_a_q4_0_checkpoint_it_cannot_serve_before_writing_anyt
     (["bench", "integrity", "--layers", "4000"], "--layers 4000: the trace has"),
     (["bench", "checksum", "--model", "{nx}"], "{nx}"),
     (["bench", "cachesim", "--rounds", "0"], "--rounds 0: expected an integer >= 1"),
+    (["bench", "kernels", "--threads", "[0]", "--model", "{nx}"], "--threads [0]: expected thread counts >= 1"),
+    (["bench", "kernels", "--formats", "[int3]"], "--formats ['int3']: expected a subset of bf16,int8"),
+    (["bench", "kernels", "--model", "{nx}"], "{nx}"),
     (["bench", "telemetry", "--model", "{nx}"], "--model {nx}: no checkpoint there"),
     (["bench", "train", "--steps", "2", "--warmup", "2"], "--warmup 2: leaves none of --steps 2 to time"),
     (["bench", "train", "--recipe", "{nx}"], "neither a file nor a shipped recipe"),

@@ -265,7 +265,7 @@ def bench(bins: Path, model: Path, threads: int, tokens: int, warmup: int = 0, d
 
 def decode(model: str | Path, fmt: str, threads: int, tokens: int = 32, reps: int = 3, depth: int = 0) -> dict:
     """llama-bench's decode figure on `model` in `fmt` (`-p 0 -n tokens`, `reps` repetitions, `-d depth` tokens
-    already in the context): seconds per token, mean and stddev (what `scripts/bench_kernels.py` pairs against)."""
+    already in the context): seconds per token, mean and stddev (what `expertcache bench kernels` pairs against)."""
     src = source_dir()
     bins = build(src)
     path = gguf(Path(model), fmt, src, bins)

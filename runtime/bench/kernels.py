@@ -1,33 +1,7 @@
-#!/usr/bin/env python
-"""Expert compute at memory speed, against llama.cpp on the same weights. Prints JSON and writes
-`results/kernels.json` (`--out`).
-
-    python scripts/bench_kernels.py --model /work/ckpt/q30-4l --threads 1,2 --rounds 3
-
-- `kernels`: one token through 8 experts of 2048x768 (Qwen3-30B-A3B's expert shape), drawn at random from 32 per
-  call so the weights come from memory, not cache: bytes of the 8 experts / median time, per format (bf16, int8,
-  int4; group 32) and thread count, beside this machine's memory read bandwidth at that thread count (the
-  extension's streaming read of 1 GiB, median of 5). Target: >= 0.7 of it at one thread.
-- `pairs` (with `--model`, a bf16 Hugging Face checkpoint with its tokenizer): the model decoded with every expert
-  resident (`load(..., engine=EngineConfig(capacity=1.0, tier="host", kernel="cpu"))`, greedy decode through the decode loop of generate and
-  serve (`generate.timed_greedy`), time per output token = the N decode steps after the prefill / N), against
-  `llama-bench -p 0 -n N` on the GGUF conversion of the same weights (`scripts/llamacpp_peer.py`): bf16 vs BF16,
-  int8 vs Q8_0, int4 vs Q4_0. Our int8/int4 checkpoints come from `expertcache quantize --linears true` (routed
-  experts and the attention and output matrices packed, as llama-quantize packs every matrix; the routers stay
-  exact; `--linears false`: experts only, as before). Each round runs every (format, threads) pair, ours then
-  theirs, in fresh processes; the figure is the median over rounds (`round_ratios`: each round's ours / theirs, and
-  `expertcache_read_bandwidth_gbps`: each of our processes' memory read bandwidth, measured in it after its timed
-  runs). Target: ours <= 1.25x theirs in each pair.
-- `--conditions alone,memory-contended`: each figure also taken while a second process streams memory on the other
-  core (numpy copies of 512 MiB arrays, a fair stand-in for a host with less memory bandwidth); this process and its
-  children are pinned to the first core meanwhile, so the contended condition is measured at one thread. Every
-  kernel row and pair says its `condition`, and each kernel row carries the read bandwidth measured under it.
-Run it alone: a second busy process moves these figures by 2-5x.
-"""
+"""`expertcache bench kernels`: expert compute at memory speed, and decode against llama.cpp on the same weights."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -35,11 +9,9 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
-from expertcache.telemetry.errors import count
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+from expertcache.telemetry.errors import InputError
 
 # (bits, group[, symmetric]). int4 group 32 stores a minimum beside each scale: 5 bits per weight against Q4_0's
 # 4.5; int4-sym is Q4_0's own layout (one scale, no minimum: 4.5 bits); int4-g128 4.25 bits
@@ -69,7 +41,7 @@ def kernel_figures(threads: int, pool: int = 32, k: int = 8, rounds: int = 30) -
     from expertcache.runtime.kernels import quant
 
     if not ck.available():
-        raise SystemExit(f"bench_kernels: the CPU kernels are unavailable here ({ck.why_unavailable()})")
+        raise InputError(f"the CPU kernels are unavailable here ({ck.why_unavailable()})")
     torch.set_num_threads(threads)
     H, I = 2048, 768
     g = torch.Generator().manual_seed(0)
@@ -163,9 +135,9 @@ def ours(model: str, threads: int, tokens: int, reps: int = 3, depth: int = 0) -
     d = Path(tempfile.mkdtemp(prefix="bench-kernels-"))
     cfg = write_config(d / "worker.yaml", {"model": model, "threads": threads, "tokens": tokens, "reps": reps,
                                            "depth": depth})
-    r = run_child([sys.executable, __file__, "--worker"], cfg, d / "worker.log", drop_caches=False)
+    r = run_child("expertcache.runtime.bench.kernels", cfg, d / "worker.log", drop_caches=False)
     if "error" in r:
-        raise SystemExit(f"bench_kernels: the decode worker failed: {r['error']}")
+        raise InputError(f"the decode worker failed on {model}: {r['error']}")
     return r
 
 
@@ -196,12 +168,6 @@ STREAMER = ("import os, numpy as np\nos.sched_setaffinity(0, {%d})\na = np.ones(
             "np.copyto(b, a)\nprint('streaming', flush=True)\nwhile True:\n    np.copyto(b, a)\n")
 
 
-def _bad(msg: str) -> None:
-    """Bad input: one line, exit 2."""
-    print(msg, file=sys.stderr)
-    raise SystemExit(2)
-
-
 class Condition:
     """`with Condition(name):` the measurements inside run under it: `alone` changes nothing; `memory-contended`
     starts a process streaming memory on the second core (`STREAMER`) and pins this process (and the processes it
@@ -218,15 +184,14 @@ class Condition:
 
         cpus = sorted(os.sched_getaffinity(0))
         if len(cpus) < 2:
-            raise SystemExit("bench_kernels: --conditions memory-contended needs two cores (one for the streaming "
-                             "process)")
+            raise InputError("--conditions memory-contended needs two cores (one for the streaming process)")
         self.saved = set(cpus)
         os.sched_setaffinity(0, {cpus[0]})
         self.proc = subprocess.Popen([sys.executable, "-c", STREAMER % (cpus[1], self.elements)],
                                      stdout=subprocess.PIPE, text=True)
         if self.proc.stdout.readline().strip() != "streaming":  # '' when it died before streaming
             self.proc.wait()
-            raise SystemExit(f"bench_kernels: the memory-streaming process exited ({self.proc.returncode})")
+            raise RuntimeError(f"bench kernels: the memory-streaming process exited ({self.proc.returncode})")
         return self
 
     def __exit__(self, *exc):
@@ -238,67 +203,77 @@ class Condition:
         return False
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="bf16 checkpoint (with tokenizer) for the decode pairs; none: kernels only")
-    ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--rounds", type=count, default=3)
-    ap.add_argument("--tokens", type=count, default=32)
-    ap.add_argument("--reps", type=count, default=3)
-    ap.add_argument("--depth", type=int, default=0,
-                    help="tokens already in the context when decode starts (ours: the prompt's length, at least 8; "
-                         "llama-bench -d): long contexts time the attention over the KV cache")
-    ap.add_argument("--linears", default="true", choices=["true", "false"],
-                    help="int8/int4: pack the non-expert linears too (as llama.cpp's Q8_0/Q4_0 do)")
-    ap.add_argument("--formats", default=",".join(FORMATS),
-                    help="comma-separated subset of " + ",".join([*FORMATS, *FILE_FORMATS]) + " (q8_0-file / "
-                         "q4_0-file: llama.cpp's own GGUF imported with `expertcache import-gguf`)")
-    ap.add_argument("--kernels", default="true", choices=["true", "false"],
-                    help="measure the kernels alone (false: only the decode pairs)")
-    ap.add_argument("--conditions", default="alone",
-                    help="comma-separated: alone, memory-contended (a second process streaming memory on the other "
-                         "core; one thread only)")
-    ap.add_argument("--prefetch_sweep", choices=["true", "false"], default="false",
-                    help="also time the int8 and int4 kernels under every prefetch distance the first-use tuning "
-                         "chooses from (`cpu_kernels.measure_prefetch`, one thread, 7 alternated rounds), in each "
-                         "condition: what this machine's tuning.json chose, and what a slower memory would")
-    ap.add_argument("--work", default="runs/bench-kernels", help="where quantized copies of --model are kept")
-    ap.add_argument("--out", default=str(ROOT / "results" / "kernels.json"))
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
-    try:
-        threads = [int(t) for t in a.threads.split(",")]
-    except ValueError:
-        threads = []
-    if not threads or min(threads) < 1:
-        _bad(f"bench_kernels: --threads {a.threads}: expected thread counts >= 1, comma-separated (e.g. 1,2)")
-    formats = [f for f in a.formats.split(",") if f]
+def bench_kernels(model: Optional[str] = None, threads: list[int] = [1, 2], rounds: int = 3, tokens: int = 32,
+                  reps: int = 3, depth: int = 0, linears: bool = True, formats: list[str] = list(FORMATS),
+                  kernels: bool = True, conditions: list[str] = ["alone"], prefetch_sweep: bool = False,
+                  work: str = "runs/bench-kernels", out: Optional[str] = None) -> dict:
+    """Expert compute at memory speed, and decode against llama.cpp on the same weights.
+
+    `kernels`: one token through 8 experts of 2048x768 (Qwen3-30B-A3B's expert shape), drawn at random from 32 per
+    call so the weights come from memory: bytes of the 8 experts / median time, per format (bf16, int8, int4 group
+    32) and thread count, beside this machine's memory read bandwidth at that thread count (1 GiB streamed, median
+    of 5). Target: >= 0.7 of it at one thread. `pairs` (with `--model`, a bf16 Hugging Face checkpoint with its
+    tokenizer): the model decoded with every expert resident (capacity 1.0, host tier, kernel cpu) through the
+    decode loop of generate and serve, time per output token = the N decode steps after the prefill / N, against
+    `llama-bench -p 0 -n N` on the GGUF conversion of the same weights: bf16 vs BF16, int8 vs Q8_0, int4 vs Q4_0
+    (our packed copies from `expertcache quantize --linears true`, as llama-quantize packs every matrix; the routers
+    stay exact). Each round runs every (format, threads) pair, ours then theirs in the harness's order, in fresh
+    processes; the figure is the median over rounds (`round_ratios`: each round's ours / theirs). Target: ours <=
+    1.25x theirs in each pair. `--conditions [alone,memory-contended]`: each figure also taken while a second
+    process streams memory on the other core (a stand-in for a host with less memory bandwidth), this process
+    pinned to the first core meanwhile (one thread). Run it alone: a second busy process moves these figures 2-5x.
+
+    Args:
+        model: bf16 checkpoint (with tokenizer) for the decode pairs; none: the kernels only
+        threads: thread counts
+        rounds: rounds of the decode pairs
+        tokens: tokens decoded per timed run
+        reps: timed runs per process (their median is the round's figure)
+        depth: tokens already in the context when decode starts (ours: the prompt's length, at least 8;
+            llama-bench -d): long contexts time the attention over the KV cache
+        linears: int8/int4: pack the non-expert linears too (as llama.cpp's Q8_0/Q4_0 do)
+        formats: a subset of bf16, int8, int4, int4-sym, int4-g128, q8_0-file, q4_0-file (the last two:
+            llama.cpp's own GGUF imported with `expertcache import-gguf`)
+        kernels: measure the kernels alone (false: only the decode pairs)
+        conditions: alone, memory-contended (a second process streaming memory on the other core; one thread only)
+        prefetch_sweep: also time the int8 and int4 kernels under every prefetch distance the first-use tuning
+            chooses from (one thread, 7 alternated rounds), in each condition
+        work: where quantized copies of --model are kept
+        out: also write the JSON here
+    """
+    config = dict(locals())
+    from expertcache.telemetry.atomic import check_output
+
+    from expertcache.runtime.bench.results import command_line, started, write_result
+
+    if not threads or any(not isinstance(t, int) or t < 1 for t in threads):
+        raise InputError(f"--threads {threads}: expected thread counts >= 1 (e.g. [1,2])")
     if not formats or any(f not in FORMATS and f not in FILE_FORMATS for f in formats):
-        _bad(f"bench_kernels: --formats {a.formats}: expected a subset of {','.join([*FORMATS, *FILE_FORMATS])}")
-    conditions = [c for c in a.conditions.split(",") if c]
+        raise InputError(f"--formats {formats}: expected a subset of {','.join([*FORMATS, *FILE_FORMATS])}")
     if not conditions or any(c not in CONDITIONS for c in conditions):
-        _bad(f"bench_kernels: --conditions {a.conditions}: expected a subset of {','.join(CONDITIONS)}")
+        raise InputError(f"--conditions {conditions}: expected a subset of {','.join(CONDITIONS)}")
+    bad = [f"--{k} {v}" for k, v in (("rounds", rounds), ("tokens", tokens), ("reps", reps)) if v < 1]
+    if bad or depth < 0:
+        raise InputError(f"{', '.join(bad) or f'--depth {depth}'}: counts must be >= 1, --depth >= 0")
+    if model is not None:
+        from expertcache.telemetry.hf import load_config
+
+        load_config(model)  # a checkpoint, before any build, conversion or timed run
+    check_output(out, model)
 
     def threads_in(cond: str) -> list[int]:  # the contended condition pins this process to one core
         return threads if cond == "alone" else [t for t in threads if t == 1]
 
-    if a.worker:
-        from expertcache.runtime.bench.runner import read_config
-
-        print(json.dumps(worker(**read_config(a.worker))))
-        return
     t_start = time.time()
-    from expertcache.runtime.bench.results import started, write_result
-
     prov = started()  # the code and the machine, before the work
-    kernels = []
-    for cond in conditions if a.kernels == "true" else []:
+    krows = []
+    for cond in conditions if kernels else []:
         with Condition(cond):
-            kernels += [{**row, "condition": cond} for t in threads_in(cond) for row in kernel_figures(t)]
-    for row in kernels:
+            krows += [{**row, "condition": cond} for t in threads_in(cond) for row in kernel_figures(t)]
+    for row in krows:
         print(json.dumps(row), file=sys.stderr, flush=True)
     sweep = {}
-    if a.prefetch_sweep == "true":
+    if prefetch_sweep:
         from expertcache.runtime.kernels import cpu_kernels as ck
 
         for cond in conditions:
@@ -307,12 +282,11 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({cond: {f: m["best"] for f, m in sweep[cond].items()}}), file=sys.stderr, flush=True)
     pairs = []
     model_info = None
-    if a.model:
-        import llamacpp_peer
+    if model:
+        from expertcache.runtime.bench import llamacpp
 
-        model = Path(a.model).resolve()
-        work = Path(a.work)
-        paths = {f: quantized(model, f, work, a.linears == "true") for f in formats}
+        model_dir = Path(model).resolve()
+        paths = {f: quantized(model_dir, f, Path(work), linears) for f in formats}
         runs: dict[tuple[str, int], dict] = {}
         peer_runs: dict[tuple[int, int, str], dict] = {}
         from expertcache.runtime.bench.harness import order
@@ -323,9 +297,9 @@ def main(argv: list[str] | None = None) -> None:
             key = (cond, r, t, PEER[f])
             for arm in order(["ours", "peer"], r):
                 if arm == "ours":
-                    mine = ours(str(paths[f]), t, a.tokens, a.reps, a.depth)
+                    mine = ours(str(paths[f]), t, tokens, reps, depth)
                 elif key not in peer_runs:
-                    peer_runs[key] = llamacpp_peer.decode(model, PEER[f], t, a.tokens, a.reps, depth=a.depth)
+                    peer_runs[key] = llamacpp.decode(model_dir, PEER[f], t, tokens, reps, depth=depth)
             peer = peer_runs[key]
             d = runs.setdefault((f, t, cond), {"ours": [], "peer": [], "peer_stddev_tok_s": [], "bw": []})
             d["ours"].append(mine["tpot_s"])
@@ -340,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
 
         for cond in conditions:
             with Condition(cond):
-                for r in range(a.rounds):
+                for r in range(rounds):
                     for t in threads_in(cond):
                         for f in formats:
                             pair_round(runs, peer_runs, cond, r, t, f)
@@ -356,34 +330,40 @@ def main(argv: list[str] | None = None) -> None:
                           "expertcache_read_bandwidth_gbps": d["bw"], "llamacpp_build": d["peer_build"],
                           "llamacpp_gguf_bytes": d["peer_gguf_bytes"],
                           "expertcache_checkpoint": str(paths[f].name),
-                          "expertcache_linears_packed": f in FILE_FORMATS or (f != "bf16" and a.linears == "true"),
-                          "depth": a.depth})
-        cfg = json.loads((model / "config.json").read_text())
+                          "expertcache_linears_packed": f in FILE_FORMATS or (f != "bf16" and linears),
+                          "depth": depth})
+        cfg = json.loads((model_dir / "config.json").read_text())
         model_info = {k: cfg.get(k) for k in ("model_type", "num_hidden_layers", "hidden_size", "num_experts",
                                               "moe_intermediate_size", "num_experts_per_tok", "vocab_size",
                                               "num_attention_heads", "num_key_value_heads", "head_dim")}
-    one = [k for k in kernels if k["threads"] == 1 and "kind" not in k]  # the target is on the experts
+    one = [k for k in krows if k["threads"] == 1 and "kind" not in k]  # the target is on the experts
 
     def tag(cond: str) -> str:
         return "" if cond == "alone" else f"/{cond}"
     res = {
-        "command": "python scripts/bench_kernels.py " + " ".join(sys.argv[1:]),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
         # the kernels' prefetch settings in force (this machine's tuning.json, chosen at first use; every child
         # process reads the same file), and where they came from
         "tuning": _tuning(),
-        "model": model_info, "tokens": a.tokens, "depth": a.depth, "rounds": a.rounds,
+        "model": model_info, "tokens": tokens, "depth": depth, "rounds": rounds,
         "seconds": round(time.time() - t_start, 1),
-        "kernels": kernels, "pairs": pairs, **({"prefetch_sweep": sweep} if sweep else {}),
+        "kernels": krows, "pairs": pairs, **({"prefetch_sweep": sweep} if sweep else {}),
         "targets": {"kernel_fraction_one_thread": 0.7, "tpot_ratio": 1.25},
         "pass": {"kernels": {k["format"] + tag(k["condition"]): k["fraction_of_read_bandwidth"] >= 0.7 for k in one},
                  "pairs": {f"{p['format']}@{p['threads']}{tag(p['condition'])}": p["ratio"] <= 1.25 for p in pairs}},
     }
-    res = write_result(a.out, res, config=vars(a), command=res["command"], provenance=prov)
-    print(json.dumps(res, indent=1))
+    if out:
+        res = write_result(out, res, config, command_line("bench kernels", bench_kernels, config), provenance=prov)
+    return res
+
+
+def main() -> int:
+    """A decode worker (`ours`): `python -m expertcache.runtime.bench.kernels CONFIG.yaml` prints its JSON."""
+    from expertcache.runtime.bench.runner import read_config
+
+    print(json.dumps(worker(**read_config(sys.argv[1]))))
+    return 0
 
 
 if __name__ == "__main__":
-    from expertcache.telemetry.errors import run_script
-
-    sys.exit(run_script(main))
+    sys.exit(main())
