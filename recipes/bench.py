@@ -25,10 +25,12 @@ from expertcache.runtime.bench.results import command_line, started, write_resul
 
 
 def _counts(**counts: int) -> None:
-    bad = [f"--{k} {v}" for k, v in counts.items()
-           if not isinstance(v, int) or v < (0 if k in ("warmup", "threads") else 1)]
+    """Each count >= 1 (--warmup and --threads: >= 0), refused in one line naming the ones given wrong."""
+    zero_ok = [k for k in counts if k in ("warmup", "threads")]
+    bad = [f"--{k} {v}" for k, v in counts.items() if not isinstance(v, int) or v < (0 if k in zero_ok else 1)]
     if bad:
-        raise InputError(f"{', '.join(bad)}: counts must be >= 1 (--warmup, --threads >= 0)")
+        raise InputError(f"{', '.join(bad)}: counts must be >= 1"
+                         + (f" ({', '.join('--' + k for k in zero_ok)} >= 0)" if zero_ok else ""))
 
 
 class StepTimer:
@@ -120,6 +122,9 @@ def bench_train(recipe: str = "base-tiny", steps: int = 8, warmup: int = 2, roun
         raise InputError(f"--warmup {warmup}: leaves none of --steps {steps} to time")
     check_output(out)
     recipe_name = recipe
+    from expertcache.recipes.cli import resolve_recipe
+
+    recipe_path = resolve_recipe(recipe_name)  # a name or file that is neither: one line before the imports below
     from transformers import AutoModelForCausalLM
 
     from expertcache.trainer.config import load_recipe
@@ -129,7 +134,7 @@ def bench_train(recipe: str = "base-tiny", steps: int = 8, warmup: int = 2, roun
 
     if threads:
         torch.set_num_threads(threads)
-    recipe = load_recipe(PretrainRecipe, resolve_recipe(recipe_name))
+    recipe = load_recipe(PretrainRecipe, recipe_path)
     vocab = 8192
     cfg = recipe.model.to_hf_config(vocab, 0, 1)
     torch.manual_seed(0)
@@ -196,12 +201,12 @@ def bench_telemetry(model: str = "runs/base-tiny/model", batch: int = 8, seq: in
     from expertcache.telemetry.recorder import Recorder, rows_from_calls
 
     _counts(batch=batch, seq=seq, reps=reps, warmup=warmup)
-    check_output(out)
+    check_output(out, model)
     from expertcache.telemetry.hf import load_causal_lm
 
     from expertcache.recipes.cli import resolve_recipe
 
-    if model != "runs/base-tiny/model" and not Path(model, "config.json").is_file():
+    if Path(model).resolve() != Path("runs/base-tiny/model").resolve() and not Path(model, "config.json").is_file():
         raise InputError(f"--model {model}: no checkpoint there (no config.json); leave --model out to time the "
                          f"base-tiny recipe's shape with random weights")
     if Path(model, "config.json").is_file():
@@ -331,9 +336,9 @@ def bench_train_big(model: str, corpus: str = "data/corpus", make_layers: int = 
         corpus: the training text (`expertcache data build` or `make quickstart` builds one)
         make_layers: first write bench big's checkpoint with this many layers at --model (0: --model as it is)
         work: the runs' folders (and the quantized checkpoint)
-        memory_gb: train.memory_gb (its floor is checked before any work)
+        memory_gb: train.memory_gb (each run checks its floor before its first step)
         cgroup_gb: the memory cgroup, GiB (0: none)
-        tier: train.expert_tier (disk, host)
+        tier: train.expert_tier (disk, host, throttled:<GB/s>)
         steps: optimizer steps per run
         batch_size: sequences per step
         seq_len: tokens per sequence
@@ -359,9 +364,26 @@ def bench_train_big(model: str, corpus: str = "data/corpus", make_layers: int = 
     for name, v in (("steps", steps), ("batch_size", batch_size), ("seq_len", seq_len)):
         if v < 1:
             raise InputError(f"--{name} {v}: expected an integer >= 1")
-    if not memory_gb > 0 or not cgroup_gb >= 0 or make_layers < 0:
-        raise InputError(f"--memory_gb {memory_gb:g}, --cgroup_gb {cgroup_gb:g}, --make_layers {make_layers}: "
-                         f"expected memory_gb > 0 (streamed experts), cgroup_gb >= 0 (0: no cgroup), make_layers >= 0")
+    for name, v, ok, want in (("memory_gb", memory_gb, memory_gb > 0, "> 0 (the streamed run's budget)"),
+                              ("cgroup_gb", cgroup_gb, cgroup_gb >= 0, ">= 0 (0: no cgroup)"),
+                              ("make_layers", make_layers, make_layers >= 0, ">= 0 (0: --model as it is)"),
+                              ("distill", distill, distill >= 0, ">= 0 (0: no distillation)")):
+        if not ok:
+            raise InputError(f"--{name} {v:g}: expected {want}")
+    from expertcache.runtime.storage.tiers import TierSpec
+
+    TierSpec.parse(tier)  # a tier name the engine knows, before any run
+    if bits:
+        from expertcache.runtime.kernels.quant import check_group
+
+        check_group(bits, group, 64 * group)  # the format itself (the checkpoint's dimensions: when it is written)
+    if make_layers and any(Path(model).iterdir() if Path(model).is_dir() else []):
+        have = Path(model) / "config.json"
+        layers = _json.loads(have.read_text()).get("num_hidden_layers") if have.is_file() else None
+        if layers != make_layers or not (Path(model) / "model.safetensors.index.json").is_file():
+            raise InputError(f"--model {model} already holds other files; --make_layers {make_layers} writes bench "
+                             f"big's checkpoint there: give a new or empty folder (or that checkpoint of "
+                             f"{make_layers} layers, reused)")
     if frozen_dtype not in ("fp32", "bf16"):
         raise InputError(f"--frozen_dtype {frozen_dtype}: expected fp32 or bf16")
     if not make_layers and not (Path(model) / "config.json").is_file():
@@ -370,7 +392,7 @@ def bench_train_big(model: str, corpus: str = "data/corpus", make_layers: int = 
     if not Path(corpus).is_dir():
         raise InputError(f"--corpus {corpus}: no such folder (`expertcache data build` or `make quickstart` builds "
                          f"one)")
-    check_output(out)
+    check_output(out, model, corpus)
 
     from expertcache.runtime.bench.memcg import MemoryCgroup
 
@@ -405,7 +427,8 @@ def bench_train_big(model: str, corpus: str = "data/corpus", make_layers: int = 
         print(f"bench train-big: the run on {r.get('checkpoint')} did not complete: "
               f"{r.get('error', 'stopped early')}", file=sys.stderr)
     if failed and len(failed) == len(rows):  # nothing measured: the last result stays as it was
-        print(f"bench train-big: no run completed; {out or 'nothing'} written", file=sys.stderr)
+        print("bench train-big: no run completed; nothing written" + (f" ({out} kept as it was)" if out else ""),
+              file=sys.stderr)
         return {**doc, "ok": False}
     if out:
         doc = write_result(out, doc, config, command_line("bench train-big", bench_train_big, config),

@@ -286,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     from expertcache.telemetry.errors import BAD_INPUT
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    name = next((a for a in argv if not a.startswith("-")), "expertcache")
+    words = [a for a in argv if not a.startswith("-")][:2]  # the command (and its action: `bench checksum`)
+    name = " ".join(words) if len(words) == 2 and isinstance(COMMANDS.get(words[0]), dict) and \
+        words[1] in COMMANDS[words[0]] else (words[0] if words else "expertcache")
     try:
         argv = _rewrite(argv)
         parsers: dict = {}
@@ -303,10 +305,21 @@ def main(argv: list[str] | None = None) -> int:
     except ArgumentError as e:
         msg = " ".join(str(e).split())
         key = re.search(r'Parser key "([^"]+)"', msg)
-        if key and "Expected a <class 'list'>" in msg:  # `--tasks ec_cloze_code`: jsonargparse's Union wording
-            given = re.search(r"Given value: (.*)$", msg)
+        given = re.search(r"(?:Given|Got) value: (.*)$", msg)
+        kinds = re.findall(r"Expected a <class '(\w+)'>", msg)
+        missing = re.search(r"arguments are required: (\S+)", msg)
+        if key and "list" in kinds:  # `--tasks ec_cloze_code`: jsonargparse's Union wording
             msg = (f"--{key.group(1)} takes a list, written [a,b] (one item: [a])"
                    + (f"; got {given.group(1)}" if given else ""))
+        elif key and kinds:  # `--threads abc`: one line in the CLI's own spelling of the option
+            want = " or ".join({"int": "an integer", "float": "a number", "bool": "true or false", "str": "text",
+                                "NoneType": "nothing"}.get(k, k) for k in dict.fromkeys(kinds))
+            msg = f"--{key.group(1)}: expected {want}" + (f"; got {given.group(1)}" if given else "")
+        elif key and (lit := re.search(r"Expected a typing\.Literal\[(.*?)\]", msg)):  # `--phase middle`
+            msg = (f"--{key.group(1)}: expected one of {lit.group(1).replace(chr(39), '')}"
+                   + (f"; got {given.group(1)}" if given else ""))
+        elif missing:  # `bench.checksum.model` -> --model
+            msg = f"--{missing.group(1).rsplit('.', 1)[-1].rstrip(',')} is required"
         print(f"expertcache {name}: error: {msg}", file=sys.stderr)
         return 2
     except BAD_INPUT as e:

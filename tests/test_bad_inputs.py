@@ -130,3 +130,22 @@ def test_a_list_option_given_one_bare_value_says_how_a_list_is_written(tmp_path)
     r = cli("eval", "--model", tmp_path / "m", "--tasks", "ec_cloze_code")
     _one_line(r, "--tasks takes a list, written [a,b]", "got ec_cloze_code")
     assert "Union" not in r.stderr
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["analyze", "--trace", "t.parquet", "--out", "a", "--phase", "middle"],
+     "expertcache analyze: error: --phase: expected one of decode, prefill, all; got middle"),
+    (["eval", "--model", "m", "--limit", "abc"],
+     "expertcache eval: error: --limit: expected an integer or nothing; got abc"),
+    (["serve", "--model", "m", "--port", "http"], "expertcache serve: error: --port: expected an integer; got http"),
+    (["trace", "record", "--corpus", "c"], "expertcache trace record: error: --model is required"),
+])
+def test_a_value_of_the_wrong_type_is_one_line_in_the_options_own_spelling(argv, needle, capsys):
+    """jsonargparse's own wording (`Parser key "port": Expected a <class 'int'>. Got value: http`, `the following
+    arguments are required: bench.checksum.model`, a `typing.Literal[...]`) under the command's name with its action
+    (`bench checksum`, not `bench`) becomes one line naming the option as it is typed."""
+    from expertcache.recipes.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [needle], err

@@ -592,6 +592,19 @@ def test_bench_big_refuses_a_q4_0_checkpoint_it_cannot_serve_before_writing_anyt
     (["bench", "kernels", "--threads", "[0]", "--model", "{nx}"], "--threads [0]: expected thread counts >= 1"),
     (["bench", "kernels", "--formats", "[int3]"], "--formats ['int3']: expected a subset of bf16,int8"),
     (["bench", "kernels", "--model", "{nx}"], "{nx}"),
+    (["bench", "kernels", "--kernels", "false"], "nothing to measure: --kernels false and no --model"),
+    (["bench", "kernels", "--conditions", "[memory-contended]", "--threads", "[2]"], "has no 1"),
+    (["bench", "integrity", "--expert_shape=-5x768"], "--expert_shape '-5x768': expected sizes >= 1"),
+    (["bench", "integrity", "--tokens", "7000"], "the trace has 8000 tokens and the replay times from token 1600"),
+    (["bench", "train-big", "--model", "{nx}", "--make_layers", "2", "--tier", "gpu"], "unknown tier 'gpu'"),
+    (["bench", "train-big", "--model", "{nx}", "--make_layers", "2", "--bits", "4", "--group", "0"],
+     "group_size=0: expected 32 or a multiple of 64"),
+    (["bench", "train-big", "--model", "{nx}", "--make_layers", "2", "--distill", "-1"], "--distill -1: expected >= 0"),
+    (["bench", "train-big", "--model", "{docs}", "--make_layers", "2"], "already holds other files"),
+    (["bench", "cachesim", "--workdir", "{docs}"], "not an output of `bench cachesim`"),
+    (["bench", "checksum", "--model", "{nx}", "--threads", "abc"], "--threads: expected an integer; got abc"),
+    (["bench", "checksum"], "--model is required"),
+    (["bench", "kernels", "--linears", "maybe"], "--linears: expected true or false; got maybe"),
     (["bench", "telemetry", "--model", "{nx}"], "--model {nx}: no checkpoint there"),
     (["bench", "train", "--steps", "2", "--warmup", "2"], "--warmup 2: leaves none of --steps 2 to time"),
     (["bench", "train", "--recipe", "{nx}"], "neither a file nor a shipped recipe"),
@@ -608,11 +621,15 @@ def test_bench_subcommands_refuse_bad_input_in_one_line_with_exit_2(argv, needle
     from expertcache.recipes.cli import main
 
     nx = str(tmp_path / "nope")
+    docs = tmp_path / "docs"  # a folder of someone else's files
+    docs.mkdir()
+    (docs / "notes.md").write_text("mine")
     out = tmp_path / "r.json"
-    assert main([*[a.format(nx=nx) for a in argv], "--out", str(out)]) == 2
+    assert main([*[a.format(nx=nx, docs=docs) for a in argv], "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle.format(nx=nx) in err[0], err
-    assert not out.exists()
+    assert err[0].startswith(f"expertcache bench {argv[1]}: error: "), err  # the subcommand named, not just "bench"
+    assert not out.exists() and [p.name for p in docs.iterdir()] == ["notes.md"]
 
 
 def test_bench_integrity_alternates_its_three_modes_and_writes_a_result_with_its_command(tmp_path, capsys):

@@ -83,19 +83,22 @@ def bench_cachesim(rounds: int = 3, workdir: Optional[str] = None, out: Optional
 
     Args:
         rounds: timed rounds per figure (the median is reported)
-        workdir: folder for the Parquet trace and the policy file, kept for the next run (default: a temporary one)
+        workdir: a folder of this command's own for the Parquet trace and the policy file, reused by the next run
+            (default: a temporary one, removed at the end)
         out: also write the JSON here
     """
     config = dict(locals())
     import numpy as np
 
-    from expertcache.telemetry.atomic import check_output
+    from expertcache.telemetry.atomic import check_output, claim_dir, own_dir
 
     from expertcache.runtime.bench.results import command_line, started, write_result
 
     if not isinstance(rounds, int) or rounds < 1:
         raise InputError(f"--rounds {rounds}: expected an integer >= 1")
     check_output(out)
+    if workdir:
+        claim_dir(Path(workdir), "bench cachesim", resume=True)  # its own earlier folder, or new or empty
     prov = started()  # the code and the machine, before the work
     from expertcache.telemetry.cachesim import capacity_count, global_steps, simulate
     from expertcache.telemetry.learned_policy import LearnedPolicy, simulate_learned
@@ -107,8 +110,7 @@ def bench_cachesim(rounds: int = 3, workdir: Optional[str] = None, out: Optional
     acc = int(ids.size)
     g = global_steps(ids, e)
     fit = ids[:, : n_t // 5]
-    work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="bench_cachesim_"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = own_dir(workdir, "bench cachesim") if workdir else Path(tempfile.mkdtemp(prefix="bench_cachesim_"))
     cli = [sys.executable, "-m", "expertcache.recipes.cli"]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
 
@@ -178,6 +180,10 @@ def bench_cachesim(rounds: int = 3, workdir: Optional[str] = None, out: Optional
     res |= times
     res["policy_fit_s"] = fit_s
     res["verified"] = _verify(ids, e, policy)
+    if not workdir:  # a temporary folder of this run only
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
     res["targets"] = {"accesses_per_s": TARGETS, "belady_s_per_million": 1.5, "analyze_reference_s": 30,
                       "analyze_reference_learned_s": 90}
     res["pass"] = (all(rates[p] >= v for p, v in TARGETS.items()) and res["belady_s_per_million"] <= 1.5

@@ -109,7 +109,7 @@ def bench_checksum(model: str, capacity: float = 0.125, tokens: int = 32, warmup
         checksum(buf)
     t_hash = (time.perf_counter() - t0) / reps
     # the same over bytes in no cache (as an O_DIRECT read leaves them): 256 MiB walked once
-    cold = np.frombuffer(os.urandom(256 << 20), dtype=np.uint8)
+    cold = np.frombuffer(os.urandom(max(256 << 20, 2 * nbytes)), dtype=np.uint8)
     n_cold = len(cold) // nbytes
     t0 = time.perf_counter()
     for i in range(n_cold):
@@ -154,7 +154,7 @@ def bench_integrity(trace: Optional[str] = None, expert_shape: str = "2048x768",
         expert_shape: HIDDENxINTERMEDIATE of one expert (Qwen3-30B-A3B: 2048x768)
         layers: MoE layers replayed (the store: layers x E experts)
         capacity: resident experts per layer, a fraction of E
-        tier: where the store's experts are read from (disk, host)
+        tier: where the store's experts are read from (disk, host, auto, throttled:<GB/s>)
         tokens: decode steps timed per pass
         warmup: untimed steps per pass
         rounds: off / on_cold / on_warm triples (the order reversed every other round)
@@ -171,7 +171,8 @@ def bench_integrity(trace: Optional[str] = None, expert_shape: str = "2048x768",
     from expertcache.telemetry.routing import load_routing
 
     from expertcache.runtime.bench.harness import alternate, compare, tpot_figures
-    from expertcache.runtime.bench.replay import REFERENCE_TRACE, ReplayConfig, Replayer, ensure_store, parse_shape
+    from expertcache.runtime.bench.replay import (REFERENCE_TRACE, ReplayConfig, Replayer, check_replay_fits,
+                                                  ensure_store, parse_shape)
     from expertcache.runtime.bench.results import command_line, started, write_result
     from expertcache.runtime.engine.config import EngineConfig
     from expertcache.runtime.storage.weight_checks import expert_checks, magnitudes
@@ -185,12 +186,16 @@ def bench_integrity(trace: Optional[str] = None, expert_shape: str = "2048x768",
         raise InputError(f"--layers {layers}: the trace has {r.ids.shape[0]} MoE layers")
     engine = EngineConfig(capacity=capacity, tier=tier)
     engine.check()
-    prov = started()  # the code and the machine, before the work
     e = r.num_experts
     start = r.ids.shape[0] // 2 - layers // 2
     ids = r.ids[start:start + layers]
     cut = ids.shape[1] // 5  # the tokens after the first fifth, as the replay benchmark times them
+    if cut + warmup + tokens > ids.shape[1]:
+        raise InputError(f"--tokens {tokens} --warmup {warmup}: the trace has {ids.shape[1]} tokens and the replay "
+                         f"times from token {cut}: at most {ids.shape[1] - cut} in all")
     span = range(cut, cut + warmup + tokens)
+    check_replay_fits(store_dir, layers, e, hidden, inter, "bfloat16", 3 * hidden * inter * 2, tier, capacity)
+    prov = started()  # the code and the machine, before the work
     own_dir(store_dir, "bench decode")  # the replay's cache of stores (bench decode --replay writes the same)
     store = ensure_store(store_dir, layers, e, hidden, inter, "bfloat16")
     rp = Replayer(store, ids, engine)

@@ -34,7 +34,7 @@ def _tuning() -> dict | None:
     return ck.tuning() or None
 
 
-def kernel_figures(threads: int, pool: int = 32, k: int = 8, rounds: int = 30) -> list[dict]:
+def kernel_figures(threads: int, pool: int = 32, k: int = 8, rounds: int = 30, formats=tuple(FORMATS)) -> list[dict]:
     import torch
 
     from expertcache.runtime.kernels import cpu_kernels as ck
@@ -69,7 +69,7 @@ def kernel_figures(threads: int, pool: int = 32, k: int = 8, rounds: int = 30) -
     def draw(r):  # k experts of the pool, drawn anew each call
         return (torch.randperm(pool, generator=g)[:k][None],)
 
-    for fmt, spec in FORMATS.items():
+    for fmt, spec in ((f, x) for f, x in FORMATS.items() if f in formats):
         if spec is None:
             nbytes = k * 3 * H * I * 2
             call = lambda s: ck.swiglu_bf16(x, gu, dn, s, w)  # noqa: E731
@@ -82,7 +82,7 @@ def kernel_figures(threads: int, pool: int = 32, k: int = 8, rounds: int = 30) -
     # a non-expert matrix: one token through the attention's query projection (4096 x 2048), 8 copies in turn so
     # the weights come from memory
     ws = [(torch.randn(4096, H, generator=g) * 0.02).bfloat16() for _ in range(8)]
-    for fmt, spec in FORMATS.items():
+    for fmt, spec in ((f, x) for f, x in FORMATS.items() if f in formats):
         if spec is None:
             calls = [lambda w=w: ck.linear_bf16(x, w) for w in ws]
             nbytes = ws[0].numel() * 2
@@ -137,7 +137,10 @@ def ours(model: str, threads: int, tokens: int, reps: int = 3, depth: int = 0) -
                                            "depth": depth})
     r = run_child("expertcache.runtime.bench.kernels", cfg, d / "worker.log", drop_caches=False)
     if "error" in r:
-        raise InputError(f"the decode worker failed on {model}: {r['error']}")
+        raise InputError(f"the decode worker failed on {model}: {r['error']}")  # (its log kept)
+    import shutil
+
+    shutil.rmtree(d, ignore_errors=True)
     return r
 
 
@@ -210,8 +213,8 @@ def bench_kernels(model: Optional[str] = None, threads: list[int] = [1, 2], roun
     """Expert compute at memory speed, and decode against llama.cpp on the same weights.
 
     `kernels`: one token through 8 experts of 2048x768 (Qwen3-30B-A3B's expert shape), drawn at random from 32 per
-    call so the weights come from memory: bytes of the 8 experts / median time, per format (bf16, int8, int4 group
-    32) and thread count, beside this machine's memory read bandwidth at that thread count (1 GiB streamed, median
+    call so the weights come from memory: bytes of the 8 experts / median time, per format of `--formats` (bf16,
+    int8, int4 group 32, ...) and thread count, beside this machine's memory read bandwidth at that thread count (1 GiB streamed, median
     of 5). Target: >= 0.7 of it at one thread. `pairs` (with `--model`, a bf16 Hugging Face checkpoint with its
     tokenizer): the model decoded with every expert resident (capacity 1.0, host tier, kernel cpu) through the
     decode loop of generate and serve, time per output token = the N decode steps after the prefill / N, against
@@ -255,6 +258,13 @@ def bench_kernels(model: Optional[str] = None, threads: list[int] = [1, 2], roun
     bad = [f"--{k} {v}" for k, v in (("rounds", rounds), ("tokens", tokens), ("reps", reps)) if v < 1]
     if bad or depth < 0:
         raise InputError(f"{', '.join(bad) or f'--depth {depth}'}: counts must be >= 1, --depth >= 0")
+    if not kernels and model is None:
+        raise InputError("nothing to measure: --kernels false and no --model (the decode pairs need one)")
+    if "memory-contended" in conditions:
+        if 1 not in threads:
+            raise InputError(f"--conditions [memory-contended] runs at one thread; --threads {threads} has no 1")
+        if len(os.sched_getaffinity(0)) < 2:
+            raise InputError("--conditions memory-contended needs two cores (one for the streaming process)")
     if model is not None:
         from expertcache.telemetry.hf import load_config
 
@@ -269,7 +279,8 @@ def bench_kernels(model: Optional[str] = None, threads: list[int] = [1, 2], roun
     krows = []
     for cond in conditions if kernels else []:
         with Condition(cond):
-            krows += [{**row, "condition": cond} for t in threads_in(cond) for row in kernel_figures(t)]
+            krows += [{**row, "condition": cond} for t in threads_in(cond)
+                      for row in kernel_figures(t, formats=formats)]
     for row in krows:
         print(json.dumps(row), file=sys.stderr, flush=True)
     sweep = {}

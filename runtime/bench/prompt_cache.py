@@ -213,7 +213,7 @@ def bench_prompt_cache(model: str = DEFAULT_MODEL, capacities: list[float] = [1.
 
     from expertcache.runtime.bench.results import command_line, started, write_result
 
-    check_output(out)
+    check_output(out, model)
     prov = started()  # the code and the machine, before the work
 
     src = Path(model)

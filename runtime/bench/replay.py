@@ -42,9 +42,11 @@ REFERENCE_TRACE = str(REFERENCE_DIR / "code.npz")
 def parse_shape(s: str) -> tuple[int, int]:
     try:
         h, i = (int(x) for x in s.lower().split("x"))
-        return h, i
     except ValueError:
         raise InputError(f"--expert_shape {s!r}: expected HIDDENxINTERMEDIATE, e.g. 2048x768") from None
+    if h < 1 or i < 1:
+        raise InputError(f"--expert_shape {s!r}: expected sizes >= 1, e.g. 2048x768")
+    return h, i
 
 
 def check_replay_fits(store_dir, layers: int, num_experts: int, hidden: int, inter: int, dtype: str,
