@@ -111,6 +111,9 @@ SHORT = {"generate": ["--max_tokens", "2"],
          "eval": ["--ppl_blocks", "1", "--seq_len", "16", "--tasks", "[]"],
          "gate": ["--ppl_blocks", "1", "--seq_len", "16", "--tasks", "[]"],
          "fit-policy": ["--epochs", "1"],
+         # one server round and a two-turn chat (vLLM, not installed here, is skipped with its reason)
+         "bench serve": ["--requests", "2", "--max_tokens", "2", "--levels", "[1]", "--passes", "1",
+                         "--chat_conversations", "1", "--chat_turns", "2", "--chat_words", "8"],
          # a small corpus, but not the test-sized one: its held-out split must hold a 4-way cloze per domain
          "data build": ["--tiny", "false", "--max_mb", "2"]}
 

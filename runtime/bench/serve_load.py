@@ -80,7 +80,15 @@ async def _timed_stream(client, prompt: str, max_tokens: int) -> dict:
             "stream_options": {"include_usage": True}}
     async with client.stream("POST", "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
-            raise RuntimeError(f"a throughput request failed: HTTP {resp.status_code} {await resp.aread()!r}")
+            body = (await resp.aread()).decode(errors="replace")
+            try:
+                why = json.loads(body)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                why = body[:300]
+            if resp.status_code == 400 and "context" in why:  # the chat load outgrew the model: the user's to size
+                raise InputError(f"a request outgrew the model's context ({why}); lower --chat_turns, --chat_words "
+                                 f"or --max_tokens")
+            raise RuntimeError(f"a throughput request failed: HTTP {resp.status_code}: {why}")
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
