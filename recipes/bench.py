@@ -174,7 +174,7 @@ def bench_train(recipe: str = "base-tiny", steps: int = 8, warmup: int = 2, roun
     return res
 
 
-def bench_telemetry(model: str = "runs/base-tiny/model", batch: int = 8, seq: int = 256, reps: int = 12,
+def bench_telemetry(model: str = "runs/base-tiny/model", batch_size: int = 8, seq_len: int = 256, reps: int = 12,
                     warmup: int = 2, out: Optional[str] = None) -> dict:
     """Recording overhead: a forward alone against the same forward under the routing recorder, alternated in one
     run.
@@ -187,8 +187,8 @@ def bench_telemetry(model: str = "runs/base-tiny/model", batch: int = 8, seq: in
     Args:
         model: HF checkpoint; where the default is absent, the base-tiny recipe's shape with random weights
             (routing costs the same)
-        batch: sequences per forward
-        seq: tokens per sequence
+        batch_size: sequences per forward
+        seq_len: tokens per sequence
         reps: alternations (each runs every variant once)
         warmup: alternations left untimed first
         out: also write the JSON here
@@ -200,7 +200,7 @@ def bench_telemetry(model: str = "runs/base-tiny/model", batch: int = 8, seq: in
     from expertcache.telemetry.parquet_trace import TraceWriter
     from expertcache.telemetry.recorder import Recorder, rows_from_calls
 
-    _counts(batch=batch, seq=seq, reps=reps, warmup=warmup)
+    _counts(batch_size=batch_size, seq_len=seq_len, reps=reps, warmup=warmup)
     check_output(out, model)
     from expertcache.telemetry.hf import load_causal_lm
 
@@ -221,9 +221,9 @@ def bench_telemetry(model: str = "runs/base-tiny/model", batch: int = 8, seq: in
 
         lm, source = AutoModelForCausalLM.from_config(r.model.to_hf_config(8192, 0, 1)), "base-tiny shape, random"
     lm.eval()
-    x = torch.randint(2, lm.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
-    seq_ids = np.repeat(np.arange(batch, dtype=np.int32), seq)
-    pos = np.tile(np.arange(seq, dtype=np.int32), batch)
+    x = torch.randint(2, lm.config.vocab_size, (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
+    seq_ids = np.repeat(np.arange(batch_size, dtype=np.int32), seq_len)
+    pos = np.tile(np.arange(seq_len, dtype=np.int32), batch_size)
 
     def plain():
         t = time.perf_counter()
@@ -255,7 +255,7 @@ def bench_telemetry(model: str = "runs/base-tiny/model", batch: int = 8, seq: in
     writes = {k: [wt for _, wt in v[warmup:]] for k, v in runs.items()}
     med = {k: statistics.median(v) for k, v in times.items()}
     over = {k: med[k] / med["plain"] - 1 for k in ("ids_weights", "with_hidden", "plain_control")}
-    res = {"benchmark": "telemetry_overhead", "model": source, "batch": [batch, seq], "reps": reps,
+    res = {"benchmark": "telemetry_overhead", "model": source, "batch": [batch_size, seq_len], "reps": reps,
            "threads": torch.get_num_threads(),
            "forward_s_median": {k: round(v, 4) for k, v in med.items()},
            "overhead": {k: round(v, 4) for k, v in over.items()},

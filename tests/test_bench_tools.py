@@ -601,7 +601,7 @@ def test_bench_big_refuses_a_q4_0_checkpoint_it_cannot_serve_before_writing_anyt
      "group_size=0: expected 32 or a multiple of 64"),
     (["bench", "train-big", "--model", "{nx}", "--make_layers", "2", "--distill", "-1"], "--distill -1: expected >= 0"),
     (["bench", "train-big", "--model", "{docs}", "--make_layers", "2"], "already holds other files"),
-    (["bench", "cachesim", "--workdir", "{docs}"], "not an output of `bench cachesim`"),
+    (["bench", "cachesim", "--work", "{docs}"], "not an output of `bench cachesim`"),
     (["bench", "checksum", "--model", "{nx}", "--threads", "abc"], "--threads: expected an integer; got abc"),
     (["bench", "checksum"], "--model is required"),
     (["bench", "kernels", "--linears", "maybe"], "--linears: expected true or false; got maybe"),
@@ -668,7 +668,7 @@ def test_bench_train_and_bench_telemetry_time_both_arms_of_each_round(tmp_path):
     assert r["command"].startswith("expertcache bench train --recipe smoke --steps 3 --warmup 1 --rounds 2 --threads 1")
     out = tmp_path / "telemetry.json"
     assert main(["bench", "telemetry", "--model", str(tmp_path / "absent-default"), "--out", str(out)]) == 2
-    rc = main(["bench", "telemetry", "--batch", "1", "--seq", "16", "--reps", "2", "--warmup", "0",
+    rc = main(["bench", "telemetry", "--batch_size", "1", "--seq_len", "16", "--reps", "2", "--warmup", "0",
                "--out", str(out)])
     t = json.loads(out.read_text())
     assert rc == (0 if t["pass"] else 1)

@@ -67,7 +67,7 @@ def _verify(ids, e: int, policy_file: Path) -> dict:
             "failed": [k for k, v in out.items() if not v]}
 
 
-def bench_cachesim(rounds: int = 3, workdir: Optional[str] = None, out: Optional[str] = None) -> dict:
+def bench_cachesim(rounds: int = 3, work: Optional[str] = None, out: Optional[str] = None) -> dict:
     """Cache simulator speed on the Qwen3-30B-A3B routing shipped in telemetry/reference, and `expertcache analyze`
     of that trace end to end.
 
@@ -83,7 +83,7 @@ def bench_cachesim(rounds: int = 3, workdir: Optional[str] = None, out: Optional
 
     Args:
         rounds: timed rounds per figure (the median is reported)
-        workdir: a folder of this command's own for the Parquet trace and the policy file, reused by the next run
+        work: a folder of this command's own for the Parquet trace and the policy file, reused by the next run
             (default: a temporary one, removed at the end)
         out: also write the JSON here
     """
@@ -97,8 +97,8 @@ def bench_cachesim(rounds: int = 3, workdir: Optional[str] = None, out: Optional
     if not isinstance(rounds, int) or rounds < 1:
         raise InputError(f"--rounds {rounds}: expected an integer >= 1")
     check_output(out)
-    if workdir:
-        claim_dir(Path(workdir), "bench cachesim", resume=True)  # its own earlier folder, or new or empty
+    if work:
+        claim_dir(Path(work), "bench cachesim", resume=True)  # its own earlier folder, or new or empty
     prov = started()  # the code and the machine, before the work
     from expertcache.telemetry.cachesim import capacity_count, global_steps, simulate
     from expertcache.telemetry.learned_policy import LearnedPolicy, simulate_learned
@@ -110,11 +110,11 @@ def bench_cachesim(rounds: int = 3, workdir: Optional[str] = None, out: Optional
     acc = int(ids.size)
     g = global_steps(ids, e)
     fit = ids[:, : n_t // 5]
-    work = own_dir(workdir, "bench cachesim") if workdir else Path(tempfile.mkdtemp(prefix="bench_cachesim_"))
+    folder = own_dir(work, "bench cachesim") if work else Path(tempfile.mkdtemp(prefix="bench_cachesim_"))
     cli = [sys.executable, "-m", "expertcache.recipes.cli"]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
 
-    trace, policy = work / "code.parquet", work / "general.policy"
+    trace, policy = folder / "code.parquet", folder / "general.policy"
     if not trace.is_file():
         subprocess.run(cli + ["trace", "import", "--src", str(REF / "code.npz"), "--out", str(trace), "--domain",
                               "code", "--model_name", "Qwen3-30B-A3B"], check=True, capture_output=True, env=env)
@@ -172,7 +172,7 @@ def bench_cachesim(rounds: int = 3, workdir: Optional[str] = None, out: Optional
     times = {}
     for key, extra in (("analyze_reference_s", []), ("analyze_reference_learned_s", ["--policy_file", str(policy)])):
         t = time.perf_counter()
-        r = subprocess.run(cli + ["analyze", "--trace", str(trace), "--out", str(work / key)] + extra,
+        r = subprocess.run(cli + ["analyze", "--trace", str(trace), "--out", str(folder / key)] + extra,
                            capture_output=True, text=True, env=env)
         times[key] = round(time.perf_counter() - t, 1)
         if r.returncode != 0:
@@ -180,10 +180,10 @@ def bench_cachesim(rounds: int = 3, workdir: Optional[str] = None, out: Optional
     res |= times
     res["policy_fit_s"] = fit_s
     res["verified"] = _verify(ids, e, policy)
-    if not workdir:  # a temporary folder of this run only
+    if not work:  # a temporary folder of this run only
         import shutil
 
-        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
     res["targets"] = {"accesses_per_s": TARGETS, "belady_s_per_million": 1.5, "analyze_reference_s": 30,
                       "analyze_reference_learned_s": 90}
     res["pass"] = (all(rates[p] >= v for p, v in TARGETS.items()) and res["belady_s_per_million"] <= 1.5
