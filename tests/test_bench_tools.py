@@ -651,6 +651,7 @@ def test_bench_integrity_alternates_its_three_modes_and_writes_a_result_with_its
     assert r["config"]["rounds"] == 2 and "commit" in r
 
 
+@pytest.mark.slow
 def test_bench_train_and_bench_telemetry_time_both_arms_of_each_round(tmp_path):
     """`expertcache bench train` (Lightning against a bare loop) and `bench telemetry` (a forward with and without
     the recorder) on the smoke recipe's shape: each arm timed in every round, the ratio computed from the medians,

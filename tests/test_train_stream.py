@@ -536,6 +536,7 @@ def test_adapters_on_bf16_frozen_weights_are_added_to_the_checkpoints_own_tensor
         assert not torch.equal(s, s.bfloat16().float()), k  # not a bf16 copy written back
 
 
+@pytest.mark.slow
 def test_bench_train_big_runs_bf16_then_packed_in_processes_of_their_own_and_resumes(tiny_data, fp32_base, tmp_path):
     """`expertcache bench train-big` (the runs of results/train_big.json) on the tiny base, no cgroup: the bf16 run,
     then the same checkpoint quantized (int8 here), each `train-cache-aware` with streamed experts in a process of its
