@@ -90,15 +90,15 @@ def bench_cachesim(rounds: int = 3, work: Optional[str] = None, out: Optional[st
     config = dict(locals())
     import numpy as np
 
-    from expertcache.telemetry.atomic import check_output, claim_dir, own_dir
+    from expertcache.telemetry.atomic import check_output, own_dir
 
     from expertcache.runtime.bench.results import command_line, started, write_result
 
     if not isinstance(rounds, int) or rounds < 1:
         raise InputError(f"--rounds {rounds}: expected an integer >= 1")
     check_output(out)
-    if work:
-        claim_dir(Path(work), "bench cachesim", resume=True)  # its own earlier folder, or new or empty
+    # the command's own folder (new, empty or its earlier one), claimed before any work; else a temporary one
+    folder = own_dir(work, "bench cachesim") if work else Path(tempfile.mkdtemp(prefix="bench_cachesim_"))
     prov = started()  # the code and the machine, before the work
     from expertcache.telemetry.cachesim import capacity_count, global_steps, simulate
     from expertcache.telemetry.learned_policy import LearnedPolicy, simulate_learned
@@ -110,7 +110,6 @@ def bench_cachesim(rounds: int = 3, work: Optional[str] = None, out: Optional[st
     acc = int(ids.size)
     g = global_steps(ids, e)
     fit = ids[:, : n_t // 5]
-    folder = own_dir(work, "bench cachesim") if work else Path(tempfile.mkdtemp(prefix="bench_cachesim_"))
     cli = [sys.executable, "-m", "expertcache.recipes.cli"]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
 
