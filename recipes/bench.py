@@ -18,19 +18,10 @@ from typing import Optional
 import torch
 
 from expertcache.telemetry.atomic import write_json
-from expertcache.telemetry.errors import InputError
+from expertcache.telemetry.errors import InputError, check_counts
 
 from expertcache.runtime.bench.harness import alternate, compare
 from expertcache.runtime.bench.results import command_line, started, write_result
-
-
-def _counts(**counts: int) -> None:
-    """Each count >= 1 (--warmup and --threads: >= 0), refused in one line naming the ones given wrong."""
-    zero_ok = [k for k in counts if k in ("warmup", "threads")]
-    bad = [f"--{k} {v}" for k, v in counts.items() if not isinstance(v, int) or v < (0 if k in zero_ok else 1)]
-    if bad:
-        raise InputError(f"{', '.join(bad)}: counts must be >= 1"
-                         + (f" ({', '.join('--' + k for k in zero_ok)} >= 0)" if zero_ok else ""))
 
 
 class StepTimer:
@@ -117,7 +108,7 @@ def bench_train(recipe: str = "base-tiny", steps: int = 8, warmup: int = 2, roun
     config = dict(locals())
     from expertcache.telemetry.atomic import check_output
 
-    _counts(steps=steps, warmup=warmup, rounds=rounds, threads=threads)
+    check_counts(("warmup", "threads"), steps=steps, warmup=warmup, rounds=rounds, threads=threads)
     if warmup >= steps:
         raise InputError(f"--warmup {warmup}: leaves none of --steps {steps} to time")
     check_output(out)
@@ -200,7 +191,7 @@ def bench_telemetry(model: str = "runs/base-tiny/model", batch_size: int = 8, se
     from expertcache.telemetry.parquet_trace import TraceWriter
     from expertcache.telemetry.recorder import Recorder, rows_from_calls
 
-    _counts(batch_size=batch_size, seq_len=seq_len, reps=reps, warmup=warmup)
+    check_counts(("warmup",), batch_size=batch_size, seq_len=seq_len, reps=reps, warmup=warmup)
     check_output(out, model)
     from expertcache.telemetry.hf import load_causal_lm
 
@@ -361,9 +352,7 @@ def bench_train_big(model: str, corpus: str = "data/corpus", make_layers: int = 
     which = set(runs if runs is not None else ["bf16", *([f"int{bits}"] if bits else [])])
     if not which or which - known:
         raise InputError(f"--runs {runs}: expected a subset of [{','.join(sorted(known))}] (int4/int8 need --bits)")
-    for name, v in (("steps", steps), ("batch_size", batch_size), ("seq_len", seq_len)):
-        if v < 1:
-            raise InputError(f"--{name} {v}: expected an integer >= 1")
+    check_counts(steps=steps, batch_size=batch_size, seq_len=seq_len)
     for name, v, ok, want in (("memory_gb", memory_gb, memory_gb > 0, "> 0 (the streamed run's budget)"),
                               ("cgroup_gb", cgroup_gb, cgroup_gb >= 0, ">= 0 (0: no cgroup)"),
                               ("make_layers", make_layers, make_layers >= 0, ">= 0 (0: --model as it is)"),

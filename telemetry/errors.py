@@ -50,3 +50,15 @@ count = _typed("integer >= 1", int, lambda v: v >= 1)  # rounds, tokens, steps, 
 nonnegative = _typed("integer >= 0", int, lambda v: v >= 0)  # warm-up steps, a seed
 positive = _typed("number > 0", float, lambda v: v > 0 and v != float("inf"))  # seconds, GB
 fraction = _typed("fraction in (0, 1]", float, lambda v: 0 < v <= 1)  # a cache capacity as a fraction of E
+
+
+def check_counts(zero_ok: tuple[str, ...] = (), **counts) -> None:
+    """The bench subcommands' counts (rounds, tokens, steps, ...): each an integer >= 1, those named in `zero_ok`
+    (a warm-up, a seed, a depth) >= 0; the ones given wrong refused in one line before any work, e.g.
+    `--rounds 0, --tokens -1: counts must be >= 1 (--warmup >= 0)`."""
+    bad = [f"--{k} {v}" for k, v in counts.items()
+           if isinstance(v, bool) or not isinstance(v, int) or v < (0 if k in zero_ok else 1)]
+    if bad:
+        also = [k for k in zero_ok if k in counts]
+        raise InputError(f"{', '.join(bad)}: counts must be >= 1"
+                         + (f" ({', '.join('--' + k for k in also)} >= 0)" if also else ""))

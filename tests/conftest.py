@@ -66,3 +66,17 @@ def family_checkpoints(tmp_path_factory):
     for fam in FAMILIES:
         build_model(tiny_config(fam), seed=3, dtype=torch.bfloat16).save_pretrained(root / fam)
     return root
+
+
+# Modules that hold the suite's longest runs (two-process training, the docs' examples, lm-eval's own command line,
+# the frontier, a compiler run, bench train-big), measured one process at a time: first in the order, whole, so
+# that pytest-xdist (--dist worksteal: each worker takes a contiguous share and steals from another's end) starts
+# them while the other worker runs short tests, and the suite ends on short tests on both cores rather than on one
+# long run with a core idle. A module stays whole: its module-scoped fixtures are built once.
+FIRST = ("test_distributed.py", "test_readme_examples.py", "test_evals.py", "test_cache_aware.py",
+         "test_train_stream.py", "test_cpu_kernels.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order

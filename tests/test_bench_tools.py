@@ -426,7 +426,7 @@ def test_bench_prompt_cache_names_a_missing_or_empty_checkpoint_in_one_line_with
         assert code == 2 and len(err.splitlines()) == 1 and needle in err, err
         assert "--model:" in err and "make quickstart" not in err, err
     assert main(["bench", "prompt-cache", "--rounds", "0"]) == 2
-    assert "--rounds 0: expected integers >= 1" in capsys.readouterr().err
+    assert "--rounds 0: counts must be >= 1" in capsys.readouterr().err
     assert main(["bench", "prompt-cache", "--capacities", "[0]"]) == 2
     assert not (tmp_path / "out.json").exists()
 
@@ -588,9 +588,12 @@ def test_bench_big_refuses_a_q4_0_checkpoint_it_cannot_serve_before_writing_anyt
     (["bench", "integrity", "--rounds", "0"], "--rounds 0: counts must be >= 1"),
     (["bench", "integrity", "--layers", "4000"], "--layers 4000: the trace has"),
     (["bench", "checksum", "--model", "{nx}"], "{nx}"),
-    (["bench", "cachesim", "--rounds", "0"], "--rounds 0: expected an integer >= 1"),
+    (["bench", "cachesim", "--rounds", "0"], "--rounds 0: counts must be >= 1"),
     (["bench", "kernels", "--threads", "[0]", "--model", "{nx}"], "--threads [0]: expected thread counts >= 1"),
     (["bench", "kernels", "--formats", "[int3]"], "--formats ['int3']: expected a subset of bf16,int8"),
+    (["bench", "kernels", "--depth", "-1", "--model", "{nx}"], "--depth -1: counts must be >= 1 (--depth >= 0)"),
+    (["bench", "serve", "--levels", "[0,8]"], "--levels [0, 8]: expected client counts >= 1"),
+    (["bench", "serve", "--passes", "0", "--seed", "-1"], "--passes 0, --seed -1: counts must be >= 1 (--seed >= 0)"),
     (["bench", "kernels", "--model", "{nx}"], "{nx}"),
     (["bench", "kernels", "--kernels", "false"], "nothing to measure: --kernels false and no --model"),
     (["bench", "kernels", "--conditions", "[memory-contended]", "--threads", "[2]"], "has no 1"),
@@ -610,7 +613,7 @@ def test_bench_big_refuses_a_q4_0_checkpoint_it_cannot_serve_before_writing_anyt
     (["bench", "train", "--recipe", "{nx}"], "neither a file nor a shipped recipe"),
     (["bench", "train-big", "--model", "{nx}", "--corpus", "{nx}"], "--model {nx}: no checkpoint there"),
     (["bench", "train-big", "--model", "{nx}", "--corpus", "{nx}", "--bits", "4", "--steps", "0"],
-     "--steps 0: expected"),
+     "--steps 0: counts must be >= 1"),
     (["bench", "train-big", "--model", "{nx}", "--bits", "5"], "--bits 5: expected 4 or 8"),
     (["bench", "train-big", "--model", "{nx}", "--runs", "[int4]"], "--runs ['int4']: expected a subset of [bf16]"),
 ])

@@ -90,25 +90,29 @@ def _trainable(trainable: str) -> dict:
 
 @pytest.fixture(scope="module", params=["all", "routers"])
 def three_steps(request, tiny_data, tiny_base, tmp_path_factory):
-    """(trainable, {strategy: (run folder, result)}): 3 steps of DDP and of FSDP from the tiny base, full or
-    router-only training, and for full training the same 3 steps on one process ("one"). Read them; a test that
-    resumes one copies its folder first."""
+    """(trainable, {strategy: (run folder, result)}): from the tiny base, full or router-only training, 3 steps of
+    FSDP, 5 steps of DDP (its first 3 are the 3 steps FSDP must match, and all 5 are the run FSDP's resume must
+    match: one two-process run serves both tests), and for full training 3 steps on one process ("one"). Read
+    them; a test that resumes one copies its folder first."""
     root = tmp_path_factory.mktemp(f"three-steps-{request.param}")
-    extra = {**_trainable(request.param), "train.max_steps": 3}
-    over = {"ddp": {"train.strategy": "ddp"}, "fsdp": {"train.strategy": "fsdp"}}
+    extra = _trainable(request.param)
+    over = {"ddp": {"train.strategy": "ddp", "train.max_steps": 5},
+            "fsdp": {"train.strategy": "fsdp", "train.max_steps": 3}}
     if request.param == "all":
-        over["one"] = {"train.devices": 1}
+        over["one"] = {"train.devices": 1, "train.max_steps": 3}
     return request.param, {s: (root / s, _run(tiny_data, tiny_base, root / s, **o, **extra)) for s, o in over.items()}
 
 
 @pytest.mark.slow
 def test_ddp_and_fsdp_on_two_cpu_processes_train_the_same_checkpoint(three_steps, tiny_base):
     """Full training and router-only training: DDP and FSDP (sharded: each process holds half of every weight
-    between steps) from the same base on the same global batches end at the same weights, logged the same losses,
-    and saved whole checkpoints (not a rank's shard)."""
+    between steps) from the same base on the same global batches log the same losses step by step, train the same
+    weights and leave the rest bit for bit, and save whole checkpoints (not a rank's shard). That they end at the
+    same weights is checked after 5 steps, where FSDP's resumed run meets DDP's (the test below: a saved shard or
+    an untrained model would be as far from DDP's as the base is)."""
     trainable, runs = three_steps
     for s, (_, r) in runs.items():
-        assert r["global_step"] == 3, (s, r["global_step"])
+        assert r["global_step"] == (5 if s == "ddp" else 3), (s, r["global_step"])
         assert all(math.isfinite(v) and v > 1 for v in r["candidate"]["ppl"].values()), (s, r["candidate"]["ppl"])
     base = _weights(tiny_base)
     ddp, fsdp = _weights(runs["ddp"][0] / "model"), _weights(runs["fsdp"][0] / "model")
@@ -122,11 +126,7 @@ def test_ddp_and_fsdp_on_two_cpu_processes_train_the_same_checkpoint(three_steps
     else:
         assert gates < moved and any("self_attn" in k for k in moved) and any("experts" in k for k in moved)
         assert any("embed_tokens" in k for k in moved)
-    # FSDP trained what DDP trained: apart by far less than either moved from the base (measured: 0, bit for bit,
-    # for both; a saved shard or an untrained model would be as far as the base is)
-    step, apart = _apart(ddp, base), _apart(ddp, fsdp)
-    assert step > 0 and apart < 1e-4 * step, (apart, step)
-    one, two = _losses(runs["ddp"][0]), _losses(runs["fsdp"][0])
+    one, two = _losses(runs["ddp"][0])[:3], _losses(runs["fsdp"][0])
     assert len(one) == len(two) == 3 and two == pytest.approx(one, rel=1e-6), (one, two)
     if trainable == "all":  # two processes at the global batch of one: each rank takes its half of every batch and
         # the gradients are averaged, so the logged (rank-averaged) losses follow the one-process run. Step 0 has
@@ -135,11 +135,11 @@ def test_ddp_and_fsdp_on_two_cpu_processes_train_the_same_checkpoint(three_steps
         alone = _losses(runs["one"][0])
         assert len(alone) == 3 and one[0] == pytest.approx(alone[0], rel=1e-5), (one, alone)
         assert one == pytest.approx(alone, rel=2e-3), (one, alone)
-    assert runs["fsdp"][1]["losses"] == pytest.approx(runs["ddp"][1]["losses"], rel=1e-6)  # what each minimised
+    assert runs["fsdp"][1]["losses"] == pytest.approx(runs["ddp"][1]["losses"][:3], rel=1e-6)  # what each minimised
     if trainable == "routers":  # the distillation to the base: 0 at the first step (the model is the base), then
         # the same under both (it was 0 at every step under FSDP, whose forward read the trained routers for the
         # base's: issue #44)
-        one, two = _logged(runs["ddp"][0], "train/distill"), _logged(runs["fsdp"][0], "train/distill")
+        one, two = _logged(runs["ddp"][0], "train/distill")[:3], _logged(runs["fsdp"][0], "train/distill")
         assert one[0] == 0 and all(v > 0 for v in one[1:]) and two == pytest.approx(one, rel=1e-4), (one, two)
     for s in ("ddp", "fsdp"):
         _loads_and_evaluates(runs[s][0] / "model")
@@ -147,18 +147,16 @@ def test_ddp_and_fsdp_on_two_cpu_processes_train_the_same_checkpoint(three_steps
 
 @pytest.mark.slow
 def test_a_resume_under_fsdp_goes_on_as_the_run_that_was_not_stopped(three_steps, tiny_data, tiny_base, tmp_path):
-    """Issue #44: FSDP's 3-step run, resumed from its checkpoint to step 5, logs the losses of one 5-step run that
-    was never stopped and ends at its weights (measured: bit for bit, full and router-only training). FSDP on CPU
-    once saved every AdamW moment as the last one it gathered (exp_avg as exp_avg_sq), and its resume parted from
-    the second step on. DDP's resume was checked the same way and held bit for bit too; it saves and loads plain
-    state dicts, the path every one-process resume test takes (tests/test_pretrain.py, test_train_stream.py), so
-    the suite spends its two-process runs on FSDP's sharded path."""
+    """Issue #44: FSDP's 3-step run, resumed from its checkpoint to step 5, logs the losses of DDP's 5-step run,
+    which was never stopped, and ends at its weights (measured: bit for bit, full and router-only training). FSDP
+    on CPU once saved every AdamW moment as the last one it gathered (exp_avg as exp_avg_sq), and its resume parted
+    from the second step on. DDP's resume was checked the same way and held bit for bit too; it saves and loads
+    plain state dicts, the path every one-process resume test takes (tests/test_pretrain.py, test_train_stream.py),
+    so the suite spends its two-process runs on FSDP's sharded path."""
     import shutil
 
     trainable, runs = three_steps
-    whole_dir = tmp_path / "whole"
-    whole = _run(tiny_data, tiny_base, whole_dir, **{"train.strategy": "ddp", "train.max_steps": 5},
-                 **_trainable(trainable))
+    whole_dir, whole = runs["ddp"]
     want, want_w = _losses(whole_dir), _weights(whole_dir / "model")
     step = _apart(want_w, _weights(tiny_base))
     out = tmp_path / "fsdp"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
-from expertcache.telemetry.errors import InputError
+from expertcache.telemetry.errors import InputError, check_counts
 
 
 def bench_attention(model: str, threads: int = 1, context: int = 512, tokens: int = 16, rounds: int = 3,
@@ -27,10 +27,7 @@ def bench_attention(model: str, threads: int = 1, context: int = 512, tokens: in
         out: also write the JSON here
     """
     config = dict(locals())
-    bad = [f"--{k} {v}" for k, v in (("threads", threads), ("context", context), ("tokens", tokens),
-                                      ("rounds", rounds)) if not isinstance(v, int) or v < 1]
-    if bad:
-        raise InputError(f"{', '.join(bad)}: expected integers >= 1")
+    check_counts(threads=threads, context=context, tokens=tokens, rounds=rounds)
     import torch
 
     from expertcache.telemetry.atomic import check_output

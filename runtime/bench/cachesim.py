@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from expertcache.telemetry.errors import InputError
+from expertcache.telemetry.errors import check_counts
 
 from expertcache.runtime.bench.replay import REFERENCE_DIR as REF
 
@@ -94,8 +94,7 @@ def bench_cachesim(rounds: int = 3, work: Optional[str] = None, out: Optional[st
 
     from expertcache.runtime.bench.results import command_line, started, write_result
 
-    if not isinstance(rounds, int) or rounds < 1:
-        raise InputError(f"--rounds {rounds}: expected an integer >= 1")
+    check_counts(rounds=rounds)
     check_output(out)
     # the command's own folder (new, empty or its earlier one), claimed before any work; else a temporary one
     folder = own_dir(work, "bench cachesim") if work else Path(tempfile.mkdtemp(prefix="bench_cachesim_"))

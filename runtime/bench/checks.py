@@ -13,16 +13,9 @@ import os
 import time
 from typing import Optional
 
-from expertcache.telemetry.errors import InputError
+from expertcache.telemetry.errors import InputError, check_counts
 
 from expertcache.runtime.storage.store import STORE_DIR
-
-
-def _check_counts(**counts: int) -> None:
-    """Each count >= 1 (warm-up: >= 0), refused in one line before any work."""
-    bad = [f"--{k} {v}" for k, v in counts.items() if not isinstance(v, int) or v < (0 if k == "warmup" else 1)]
-    if bad:
-        raise InputError(f"{', '.join(bad)}: counts must be >= 1 (--warmup >= 0)")
 
 
 def _check_fraction(capacity: float) -> None:
@@ -61,7 +54,7 @@ def bench_checksum(model: str, capacity: float = 0.125, tokens: int = 32, warmup
     from expertcache.runtime.bench.harness import alternate, compare, tpot_figures
     from expertcache.runtime.bench.results import command_line, started, write_result
 
-    _check_counts(tokens=tokens, warmup=warmup, rounds=rounds, prompt_len=prompt_len, threads=threads)
+    check_counts(("warmup",), tokens=tokens, warmup=warmup, rounds=rounds, prompt_len=prompt_len, threads=threads)
     _check_fraction(capacity)
     check_output(out, model)
     torch.set_num_threads(threads)
@@ -177,7 +170,7 @@ def bench_integrity(trace: Optional[str] = None, expert_shape: str = "2048x768",
     from expertcache.runtime.engine.config import EngineConfig
     from expertcache.runtime.storage.weight_checks import expert_checks, magnitudes
 
-    _check_counts(layers=layers, tokens=tokens, warmup=warmup, rounds=rounds)
+    check_counts(("warmup",), layers=layers, tokens=tokens, warmup=warmup, rounds=rounds)
     _check_fraction(capacity)
     check_output(out, trace)
     hidden, inter = parse_shape(expert_shape)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from expertcache.telemetry.errors import InputError
+from expertcache.telemetry.errors import InputError, check_counts
 
 # (bits, group[, symmetric]). int4 group 32 stores a minimum beside each scale: 5 bits per weight against Q4_0's
 # 4.5; int4-sym is Q4_0's own layout (one scale, no minimum: 4.5 bits); int4-g128 4.25 bits
@@ -255,9 +255,7 @@ def bench_kernels(model: Optional[str] = None, threads: list[int] = [1, 2], roun
         raise InputError(f"--formats {formats}: expected a subset of {','.join([*FORMATS, *FILE_FORMATS])}")
     if not conditions or any(c not in CONDITIONS for c in conditions):
         raise InputError(f"--conditions {conditions}: expected a subset of {','.join(CONDITIONS)}")
-    bad = [f"--{k} {v}" for k, v in (("rounds", rounds), ("tokens", tokens), ("reps", reps)) if v < 1]
-    if bad or depth < 0:
-        raise InputError(f"{', '.join(bad) or f'--depth {depth}'}: counts must be >= 1, --depth >= 0")
+    check_counts(("depth",), rounds=rounds, tokens=tokens, reps=reps, depth=depth)
     if not kernels and model is None:
         raise InputError("nothing to measure: --kernels false and no --model (the decode pairs need one)")
     if "memory-contended" in conditions:

@@ -16,7 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
-from expertcache.telemetry.errors import InputError
+from expertcache.telemetry.errors import InputError, check_counts
 
 from expertcache.runtime.bench.harness import order
 
@@ -200,10 +200,7 @@ def bench_prompt_cache(model: str = DEFAULT_MODEL, capacities: list[float] = [1.
     """
     config = dict(locals())
     a = SimpleNamespace(**config)
-    bad = [f"--{k} {v}" for k, v in config.items() if k not in ("model", "capacities", "out")
-           and (not isinstance(v, int) or v < 1)]
-    if bad:
-        raise InputError(f"{', '.join(bad)}: expected integers >= 1")
+    check_counts(**{k: v for k, v in config.items() if k not in ("model", "capacities", "out")})
     if not capacities or any(not 0 < c <= 1 for c in capacities):
         raise InputError(f"--capacities {capacities}: expected fractions of the experts in (0, 1]")
     if answer >= history:
