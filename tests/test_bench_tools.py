@@ -635,6 +635,7 @@ def test_bench_subcommands_refuse_bad_input_in_one_line_with_exit_2(argv, needle
     assert not out.exists() and [p.name for p in docs.iterdir()] == ["notes.md"]
 
 
+@pytest.mark.slow  # a benchmark run end to end (3 s alone: the edit loop's longest test)
 def test_bench_integrity_alternates_its_three_modes_and_writes_a_result_with_its_command(tmp_path, capsys):
     """`expertcache bench integrity` on a small replay: every mode timed each round, the shares of TPOT computed from
     them, and the JSON written with its commit, configuration and the command that reruns it."""
