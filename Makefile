@@ -24,12 +24,16 @@ $(BIN)/python:
 # pip writes: without them every process compiles what it imports (`import lightning.pytorch` 7.3 s against 5.6,
 # where PYTHONDONTWRITEBYTECODE is set), and the suite took 359 s against 296.
 # uv reads no pip configuration: an index pip is pointed at through the environment is handed on.
+# Last, the CPU expert kernels are built once (runtime/kernels/cpu_kernels.py: about 15 s; where they cannot be, one
+# warning line and the torch path, never a failed install), so that no first command or test waits for the compiler;
+# their per-machine tuning stays with the first real use.
 UV_INDEX = $(if $(PIP_INDEX_URL),UV_DEFAULT_INDEX="$(PIP_INDEX_URL)",)
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	( $(BIN)/python -m pip install -q uv && $(UV_INDEX) $(BIN)/python -m uv pip install -q --compile-bytecode --python $(BIN)/python -e ".[test,triton]" ) \
 	  || $(BIN)/python -m pip install -q -e ".[test,triton]" "$(TORCH_SPEC)"
+	EXPERTCACHE_TUNE=off $(BIN)/python -c "from expertcache.runtime.kernels import cpu_kernels; cpu_kernels.load()"
 	touch $(STAMP)
 
 install: $(STAMP)
