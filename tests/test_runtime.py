@@ -395,8 +395,13 @@ def test_a_prefetch_that_fails_after_its_layer_ran_is_raised_once_by_reset(famil
     read = eng.tier.read
     first = {}
 
+    import threading
+
+    began = threading.Event()
+
     def slow_fail(pos, expert, pool, slot):
         if pos == 0 and first.pop("armed", False):
+            began.set()
             _time.sleep(0.3)
             raise OSError("injected late failure")
         return read(pos, expert, pool, slot)
@@ -407,7 +412,12 @@ def test_a_prefetch_that_fails_after_its_layer_ran_is_raised_once_by_reset(famil
         free = [e for e in range(m.config.num_experts) if eng.states[0].lookup(e) is None]
         first["armed"] = True  # the next read of layer 0, this prefetch's, fails late
         eng.loads.prefetch(0, [free[0]])
-        _time.sleep(0.5)  # it has failed in the background
+        # it has failed in the background: the read began and its future is done (a fixed 0.5 s sleep here assumed
+        # the load thread had picked it up by then; a load not yet started is cancelled by reset, not waited for)
+        assert began.wait(30)
+        deadline = _time.monotonic() + 30
+        while not all(f.done() for fs in eng.loads.pending for f in fs.values()) and _time.monotonic() < deadline:
+            _time.sleep(0.01)
         with pytest.raises(OSError, match="late failure"):
             eng.reset()
         assert not any(eng.loads.pending) and eng.loads.inflight == 0
