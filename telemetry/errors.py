@@ -56,9 +56,19 @@ def check_counts(zero_ok: tuple[str, ...] = (), **counts) -> None:
     """The bench subcommands' counts (rounds, tokens, steps, ...): each an integer >= 1, those named in `zero_ok`
     (a warm-up, a seed, a depth) >= 0; the ones given wrong refused in one line before any work, e.g.
     `--rounds 0, --tokens -1: counts must be >= 1 (--warmup >= 0)`."""
-    bad = [f"--{k} {v}" for k, v in counts.items()
-           if isinstance(v, bool) or not isinstance(v, int) or v < (0 if k in zero_ok else 1)]
+    bad = [f"--{k} {v}" for k, v in counts.items() if not _is_count(v, 0 if k in zero_ok else 1)]
     if bad:
         also = [k for k in zero_ok if k in counts]
         raise InputError(f"{', '.join(bad)}: counts must be >= 1"
                          + (f" ({', '.join('--' + k for k in also)} >= 0)" if also else ""))
+
+
+def check_count_list(name: str, values, what: str, example: str) -> None:
+    """A bench option that is a non-empty list of counts >= 1 (thread counts, client counts), refused in one line,
+    e.g. `--levels [0, 8]: expected client counts >= 1 (e.g. [1,8,16])`."""
+    if not values or not all(_is_count(v, 1) for v in values):
+        raise InputError(f"--{name} {values}: expected {what} counts >= 1 (e.g. {example})")
+
+
+def _is_count(v, least: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least

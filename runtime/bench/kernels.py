@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from expertcache.telemetry.errors import InputError, check_counts
+from expertcache.telemetry.errors import InputError, check_count_list, check_counts
 
 # (bits, group[, symmetric]). int4 group 32 stores a minimum beside each scale: 5 bits per weight against Q4_0's
 # 4.5; int4-sym is Q4_0's own layout (one scale, no minimum: 4.5 bits); int4-g128 4.25 bits
@@ -249,8 +249,7 @@ def bench_kernels(model: Optional[str] = None, threads: list[int] = [1, 2], roun
 
     from expertcache.runtime.bench.results import command_line, started, write_result
 
-    if not threads or any(not isinstance(t, int) or t < 1 for t in threads):
-        raise InputError(f"--threads {threads}: expected thread counts >= 1 (e.g. [1,2])")
+    check_count_list("threads", threads, "thread", "[1,2]")
     if not formats or any(f not in FORMATS and f not in FILE_FORMATS for f in formats):
         raise InputError(f"--formats {formats}: expected a subset of {','.join([*FORMATS, *FILE_FORMATS])}")
     if not conditions or any(c not in CONDITIONS for c in conditions):

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from typing import Optional
 
 from expertcache.telemetry.atomic import open_log
-from expertcache.telemetry.errors import InputError, check_counts
+from expertcache.telemetry.errors import InputError, check_count_list, check_counts
 from expertcache.telemetry.registry import Registry
 
 from expertcache.runtime.bench.harness import alternate
@@ -442,8 +442,7 @@ def bench_serve(model: str = "runs/ca-starter/model", requests: int = 48, max_to
     check_counts(("seed",), requests=requests, max_tokens=max_tokens, max_batch=max_batch,
                  chat_conversations=chat_conversations, chat_turns=chat_turns, chat_words=chat_words, passes=passes,
                  max_model_len=max_model_len, seed=seed)
-    if not levels or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in levels):
-        raise InputError(f"--levels {levels}: expected client counts >= 1 (e.g. [1,8,16])")
+    check_count_list("levels", levels, "client", "[1,8,16]")
     if not systems or set(systems) - set(SERVED.names()):
         raise InputError(f"--systems {systems}: expected a subset of {SERVED.listing()}")
     if not kv_cache_gb >= 1:
