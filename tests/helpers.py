@@ -96,6 +96,19 @@ class LiveServer:
         assert not self.th.is_alive(), "server did not shut down"
 
 
+def wait_until(cond, timeout: float = 30.0, poll: float = 0.01) -> bool:
+    """Poll `cond()` until it is true or `timeout` seconds pass; its last value. For what another thread or process
+    does in its own time (a fixed sleep before an assertion is a race on a busy machine)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() >= deadline:
+            return bool(cond())
+        time.sleep(poll)
+    return True
+
+
 def cli(*args, cwd=None) -> subprocess.CompletedProcess:
     """`expertcache ARGS` in a fresh process (one torch thread), as a user runs it: its exit code and output."""
     return subprocess.run([sys.executable, "-m", "expertcache.recipes.cli", *map(str, args)], capture_output=True,

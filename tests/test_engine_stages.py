@@ -38,11 +38,14 @@ def _engine_configs() -> list[Path]:
     return [p for p in sorted(ROOT.glob("results/*.config.yaml")) if "engine" in (yaml.safe_load(p.read_text()) or {})]
 
 
+ENGINE_CONFIGS = _engine_configs()
+
+
 def test_the_committed_engine_configs_are_there_to_check():
-    assert len(_engine_configs()) >= 8, _engine_configs()
+    assert len(ENGINE_CONFIGS) >= 8, ENGINE_CONFIGS
 
 
-@pytest.mark.parametrize("path", _engine_configs(), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", ENGINE_CONFIGS, ids=lambda p: p.name)
 def test_a_committed_flat_config_reads_through_the_cli_into_the_same_parts(path):
     """Each results/*.config.yaml that has an `engine:` section still parses through the generated CLI (the flat
     `--engine.*` keys), and its config round-trips through the parts unchanged."""

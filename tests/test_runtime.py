@@ -15,7 +15,7 @@ from expertcache.runtime.storage.store import HEADER, read_store_meta, write_sto
 from expertcache.telemetry.cache import CacheState
 from expertcache.telemetry.cachesim import simulate, simulate_scored
 from expertcache.telemetry.errors import InputError
-from helpers import greedy
+from helpers import greedy, wait_until
 from tiny_models import FAMILIES, build_model, tiny_config
 
 
@@ -415,9 +415,7 @@ def test_a_prefetch_that_fails_after_its_layer_ran_is_raised_once_by_reset(famil
         # it has failed in the background: the read began and its future is done (a fixed 0.5 s sleep here assumed
         # the load thread had picked it up by then; a load not yet started is cancelled by reset, not waited for)
         assert began.wait(30)
-        deadline = _time.monotonic() + 30
-        while not all(f.done() for fs in eng.loads.pending for f in fs.values()) and _time.monotonic() < deadline:
-            _time.sleep(0.01)
+        assert wait_until(lambda: all(f.done() for fs in eng.loads.pending for f in fs.values()))
         with pytest.raises(OSError, match="late failure"):
             eng.reset()
         assert not any(eng.loads.pending) and eng.loads.inflight == 0

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -147,12 +148,9 @@ def test_a_vllm_bench_run_is_read_from_its_result_line_and_a_failure_is_one_line
         except FileNotFoundError:
             return True
 
-    # the kill is sent; its delivery is the scheduler's (a fixed 0.2 s wait failed on a busy 2-core machine): a
-    # process that outlives 10 s was not killed
-    deadline = time.monotonic() + 10
-    while not gone() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert gone(), state.read_text()
+    # the kill is sent; when it lands is the scheduler's (a fixed 0.2 s wait assumed it), and a process that
+    # outlives 10 s was not killed
+    assert wait_until(gone, timeout=10), state.read_text()
 
 
 def test_the_full_vocabulary_copy_links_the_weights_and_covers_every_id(tmp_path):
